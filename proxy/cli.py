@@ -1,0 +1,183 @@
+"""`tokenmeter`: serve, demo, mock-upstream, check-config."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from proxy.app import create_app
+from proxy.config import Config, ConfigError, load_config, single_upstream_config
+
+log = logging.getLogger("tokenmeter")
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        if record.name == "tokenmeter.access":
+            return record.getMessage()  # already one JSON object
+        out: dict[str, object] = {
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, separators=(",", ":"))
+
+
+def setup_logging(level: str = "INFO") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def _mock_settings(args: argparse.Namespace) -> object:
+    from proxy.mock_upstream import MockSettings
+
+    return MockSettings(
+        tokens_per_second=args.tokens_per_second,
+        ttft_ms=args.ttft_ms,
+        output_tokens=args.output_tokens,
+        usage=not args.no_usage,
+        status=args.status,
+        delay_ms=args.delay_ms,
+        stall_after=args.stall_after,
+        reset_after=args.reset_after,
+    )
+
+
+async def _start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    # handler_cancellation: a client that disconnects cancels its handler, so the upstream
+    # request is closed at once instead of at the next chunk.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    server = site._server
+    sockets = getattr(server, "sockets", None) or []
+    actual = sockets[0].getsockname()[1] if sockets else port
+    return runner, int(actual)
+
+
+async def _embedded_upstream(host: str) -> tuple[web.AppRunner, str]:
+    from proxy.mock_upstream import MockSettings, create_mock_app
+
+    runner, port = await _start_site(create_mock_app(MockSettings()), host, 0)
+    return runner, f"http://{host}:{port}/v1"
+
+
+async def _serve(config: Config | None, host: str, port: int, demo: bool, once: bool) -> None:
+    runners: list[web.AppRunner] = []
+    try:
+        if config is None:
+            mock_runner, url = await _embedded_upstream("127.0.0.1")
+            runners.append(mock_runner)
+            log.warning("no --config or --upstream: serving the embedded simulated upstream %s",
+                        url)
+            config = single_upstream_config(url, None)
+        runner, actual = await _start_site(create_app(config), host, port)
+        runners.append(runner)
+        base = f"http://{host}:{actual}/v1"
+        log.info("tokenmeter listening on %s (metrics at http://%s:%d/metrics)", base, host, actual)
+        if demo:
+            from proxy.demo import run_demo
+
+            await run_demo(base, f"http://{host}:{actual}/metrics")
+            if once:
+                return
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        for r in reversed(runners):
+            await r.cleanup()
+
+
+def _resolve_config(args: argparse.Namespace) -> Config | None:
+    if args.config and args.upstream:
+        raise ConfigError("give either --config or --upstream, not both")
+    if args.config:
+        return load_config(args.config)
+    if args.upstream:
+        return single_upstream_config(args.upstream, os.environ.get("OPENAI_API_KEY"))
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokenmeter", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    for name, help_text in (
+        ("serve", "run the proxy"),
+        ("demo", "run the proxy with the simulated upstream and make one streaming request"),
+    ):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--config", help="YAML configuration file")
+        p.add_argument("--upstream", help="one upstream base URL, e.g. https://api.openai.com/v1")
+        p.add_argument("--host", default="127.0.0.1")
+        p.add_argument("--port", type=int, default=8080)
+        p.add_argument("--log-level", default="INFO")
+        if name == "demo":
+            p.add_argument("--once", action="store_true", help="exit after the demo request")
+
+    m = sub.add_parser("mock-upstream", help="run the simulated OpenAI-compatible upstream")
+    m.add_argument("--host", default="127.0.0.1")
+    m.add_argument("--port", type=int, default=9000)
+    m.add_argument("--tokens-per-second", type=float, default=750.0)
+    m.add_argument("--ttft-ms", type=float, default=20.0)
+    m.add_argument("--output-tokens", type=int, default=64)
+    m.add_argument("--no-usage", action="store_true", help="never report usage")
+    m.add_argument("--status", type=int, default=200, help="answer every request with this status")
+    m.add_argument("--delay-ms", type=float, default=0.0, help="delay before response headers")
+    m.add_argument("--stall-after", type=int, default=None, help="hang after N tokens")
+    m.add_argument("--reset-after", type=int, default=None, help="reset connection after N tokens")
+
+    c = sub.add_parser("check-config", help="validate a configuration file")
+    c.add_argument("file")
+
+    args = parser.parse_args(argv)
+    setup_logging(getattr(args, "log_level", "INFO"))
+
+    if args.command == "check-config":
+        try:
+            cfg = load_config(args.file)
+        except ConfigError as exc:
+            print(exc, file=sys.stderr)
+            return 1
+        print(f"{args.file}: OK ({len(cfg.upstreams)} upstreams, {len(cfg.models)} model routes)")
+        return 0
+    if args.command == "mock-upstream":
+        from proxy.mock_upstream import MockSettings, run_mock
+
+        settings = _mock_settings(args)
+        assert isinstance(settings, MockSettings)
+        run_mock(settings, args.host, args.port)
+        return 0
+    try:
+        config = _resolve_config(args)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    with contextlib.suppress(KeyboardInterrupt):
+        demo = args.command == "demo"
+        asyncio.run(_serve(config, args.host, args.port, demo, getattr(args, "once", False)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

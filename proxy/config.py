@@ -1,0 +1,175 @@
+"""The YAML configuration: pydantic models, `${ENV}` interpolation, errors with file and line."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(Exception):
+    """A configuration file that cannot be used; the message names file, line and field."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class UpstreamConfig(_Model):
+    base_url: str
+    # Usually "${OPENAI_API_KEY}"; None sends no Authorization (local vLLM / Ollama).
+    api_key: str | None = None
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+    # Longest silence tolerated between two reads of the response; a stalled stream ends here.
+    read_timeout_s: float = Field(default=300.0, gt=0)
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not re.match(r"^https?://[^/\s]+", v):
+            raise ValueError("must be an http:// or https:// URL, e.g. https://api.openai.com/v1")
+        return v.rstrip("/")
+
+    @field_validator("api_key")
+    @classmethod
+    def _empty_is_none(cls, v: str | None) -> str | None:
+        return v or None
+
+
+class ModelRoute(_Model):
+    match: str = Field(min_length=1)  # glob on the requested model name: "gpt-4o*", "*"
+    upstream: str
+
+
+class ServerConfig(_Model):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    max_body_mb: float = Field(default=32.0, gt=0)
+
+
+class MetricsConfig(_Model):
+    # Extra model names allowed as the `model` label; names in `models[].match` without glob
+    # characters and names the upstreams list at /v1/models are allowed anyway.
+    model_labels: list[str] = Field(default_factory=list)
+    discover_models: bool = True
+
+
+class Config(_Model):
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    upstreams: dict[str, UpstreamConfig] = Field(min_length=1)
+    models: list[ModelRoute] = Field(default_factory=list)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    @model_validator(mode="after")
+    def _routes(self) -> Config:
+        if not self.models:
+            if len(self.upstreams) != 1:
+                raise ValueError("with several upstreams, `models` must say which model goes where")
+            only = next(iter(self.upstreams))
+            object.__setattr__(self, "models", [ModelRoute(match="*", upstream=only)])
+        for i, route in enumerate(self.models):
+            if route.upstream not in self.upstreams:
+                known = ", ".join(sorted(self.upstreams))
+                raise ValueError(
+                    f"models[{i}].upstream: unknown upstream {route.upstream!r} (known: {known})"
+                )
+        return self
+
+
+_ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+Path_ = tuple[str | int, ...]
+
+
+def _interpolate(value: Any, path: Path_, errors: list[tuple[Path_, str]]) -> Any:
+    if isinstance(value, str):
+        def sub(m: re.Match[str]) -> str:
+            name, default = m.group(1), m.group(2)
+            env = os.environ.get(name)
+            if env is not None:
+                return env
+            if default is not None:
+                return default
+            errors.append((path, f"environment variable {name} is not set"))
+            return ""
+
+        return _ENV.sub(sub, value)
+    if isinstance(value, dict):
+        return {k: _interpolate(v, (*path, k), errors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_interpolate(v, (*path, i), errors) for i, v in enumerate(value)]
+    return value
+
+
+def _line_of(root: yaml.Node | None, path: tuple[str | int, ...]) -> int | None:
+    """Best line (1-based) for a field path: the deepest node of the path that exists."""
+    node = root
+    line = node.start_mark.line + 1 if node is not None else None
+    for part in path:
+        if isinstance(node, yaml.MappingNode):
+            for key, val in node.value:
+                if key.value == str(part):
+                    node, line = val, key.start_mark.line + 1
+                    break
+            else:
+                return line
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(
+            node.value
+        ):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line
+
+
+def _format(source: str, root: yaml.Node | None, path: tuple[str | int, ...], msg: str) -> str:
+    field = ".".join(str(p) for p in path) or "(top level)"
+    line = _line_of(root, path)
+    where = f"{source}:{line}" if line is not None else source
+    return f"{where}: {field}: {msg}"
+
+
+def parse_config(text: str, source: str = "<config>") -> Config:
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: invalid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the configuration must be a YAML mapping")
+    errors: list[tuple[tuple[str | int, ...], str]] = []
+    data = _interpolate(data, (), errors)
+    if errors:
+        raise ConfigError("\n".join(_format(source, root, p, m) for p, m in errors))
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = tuple(p for p in err["loc"] if isinstance(p, str | int))
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(_format(source, root, loc, msg))
+        raise ConfigError("\n".join(lines)) from None
+
+
+def load_config(path: str | Path) -> Config:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read: {exc.strerror}") from None
+    return parse_config(text, str(p))
+
+
+def single_upstream_config(base_url: str, api_key: str | None) -> Config:
+    """`tokenmeter serve --upstream URL`: one upstream, every model routed to it."""
+    try:
+        return Config(upstreams={"default": UpstreamConfig(base_url=base_url, api_key=api_key)})
+    except ValidationError as exc:
+        raise ConfigError(f"--upstream: {exc.errors()[0]['msg']}") from None

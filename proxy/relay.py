@@ -1,0 +1,284 @@
+"""The path of one metered request: parse -> auth -> upstream -> relay + meter -> settle.
+
+Streaming responses are relayed chunk by chunk: each chunk is written to the client before the
+proxy looks at it, and the SSE decoder and translator read it on the side. Settling (usage,
+metrics, the log line) runs in `finally`, shielded from the cancellation a client disconnect
+causes, so a request that dies half-way is still accounted for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from proxy import state as st
+from proxy.accesslog import log_request
+from proxy.auth import Principal, authenticate
+from proxy.errors import (
+    InvalidRequest,
+    NotFound,
+    ProxyError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+from proxy.meter import RequestMeter
+from proxy.metrics import RequestRecord
+from proxy.sse import SSEDecoder, split_events
+from proxy.state import Runtime
+from proxy.translators import CONTENT, FINISH, USAGE_ONLY, Translator, parse_body
+from proxy.upstream import Route, client_response_headers, upstream_request_headers
+from proxy.usage import ZERO, Usage
+
+log = logging.getLogger("tokenmeter.relay")
+
+
+@dataclass(slots=True)
+class Exchange:
+    """Mutable facts about one request, filled in as it goes and read once when settling."""
+
+    request_id: str
+    operation: str
+    meter: RequestMeter
+    model: str = ""
+    stream: bool = False
+    runtime: Runtime | None = None
+    principal: Principal | None = None
+    route: Route | None = None
+    translator: Translator | None = None
+    status: int = 500
+    error_class: str = "none"
+    upstream_answered: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+def classify_upstream_error(status: int, body: bytes) -> str:
+    if status in (401, 403):
+        return "auth"
+    if status == 429:
+        return "rate_limit"
+    if status >= 500:
+        return "upstream_5xx"
+    code = message = ""
+    try:
+        err = json.loads(body).get("error") or {}
+        code = str(err.get("code") or "")
+        message = str(err.get("message") or "").lower()
+    except (ValueError, AttributeError):
+        pass
+    if code == "context_length_exceeded" or "context length" in message:
+        return "context_length"
+    return "bad_request"
+
+
+def make_handler(
+    translator_cls: type[Translator],
+) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await handle(request, translator_cls)
+
+    return handler
+
+
+async def handle(request: web.Request, translator_cls: type[Translator]) -> web.StreamResponse:
+    ex = Exchange(uuid.uuid4().hex, translator_cls.operation, RequestMeter())
+    try:
+        return await _serve(request, translator_cls, ex)
+    except ProxyError as exc:
+        ex.status, ex.error_class = exc.status, exc.error_class
+        return exc.to_response()
+    except asyncio.CancelledError:
+        # aiohttp cancels the handler when the client disconnects.
+        ex.error_class = "client_disconnect"
+        if not ex.upstream_answered:
+            ex.status = 499
+        raise
+    except Exception:
+        ex.error_class = "internal"
+        raise
+    finally:
+        ex.meter.finish()
+        task = asyncio.ensure_future(_settle(request.app, ex))
+        tasks = request.app[st.SETTLING].tasks
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        # If we are cancelled while waiting, the settle task runs on; shutdown waits for SETTLING.
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(task)
+
+
+async def _serve(
+    request: web.Request, translator_cls: type[Translator], ex: Exchange
+) -> web.StreamResponse:
+    runtime = ex.runtime = request.app[st.RUNTIME_HOLDER].current
+    raw = await request.read()
+    parsed = parse_body(raw)
+    ex.model, ex.stream = parsed.model, parsed.stream
+    if parsed.stream and not translator_cls.streams:
+        raise InvalidRequest(f"{translator_cls.path} does not support streaming", param="stream")
+    ex.principal = authenticate(request, runtime)
+    route = runtime.router.resolve(parsed.model)
+    if route is None:
+        raise NotFound(
+            f"The model `{parsed.model}` is not routed to any upstream by this proxy.",
+            param="model", code="model_not_found",
+        )
+    ex.route = route
+    translator = ex.translator = translator_cls(parsed)
+    upstream = route.upstream
+    timeout = aiohttp.ClientTimeout(
+        total=None, sock_connect=upstream.connect_timeout_s, sock_read=upstream.read_timeout_s
+    )
+    headers = upstream_request_headers(request.headers, upstream)
+    session = request.app[st.SESSION]
+    ex.meter.mark_upstream_start()
+    try:
+        up = await session.post(
+            upstream.base_url + translator.path,
+            data=translator.upstream_body(),
+            headers=headers,
+            timeout=timeout,
+        )
+    except TimeoutError:
+        raise UpstreamTimeout(f"Upstream `{upstream.name}` did not answer in time.") from None
+    except aiohttp.ClientError as exc:
+        raise UpstreamUnavailable(
+            f"Upstream `{upstream.name}` is unreachable ({type(exc).__name__})."
+        ) from None
+    ex.upstream_answered = True
+    try:
+        ex.status = up.status
+        if up.status == 200 and up.content_type == "text/event-stream":
+            return await _relay_stream(request, up, translator, ex)
+        return await _relay_body(up, translator, ex)
+    finally:
+        up.close()
+
+
+async def _relay_body(
+    up: aiohttp.ClientResponse, translator: Translator, ex: Exchange
+) -> web.StreamResponse:
+    # A JSON answer is useless to a client until complete, so reading it whole costs nothing.
+    try:
+        body = await up.read()
+    except TimeoutError:
+        raise UpstreamTimeout("The upstream stopped sending its response.") from None
+    except aiohttp.ClientError as exc:
+        raise UpstreamUnavailable(f"The upstream response broke ({type(exc).__name__}).") from None
+    if up.status < 300:
+        translator.on_body(body)
+    else:
+        ex.error_class = classify_upstream_error(up.status, body)
+    return web.Response(status=up.status, body=body, headers=client_response_headers(up.headers))
+
+
+async def _relay_stream(
+    request: web.Request, up: aiohttp.ClientResponse, translator: Translator, ex: Exchange
+) -> web.StreamResponse:
+    resp = web.StreamResponse(status=up.status, headers=client_response_headers(up.headers))
+    await resp.prepare(request)
+    decoder = SSEDecoder()
+    meter = ex.meter
+    on_event = translator.on_event
+    strip = translator.strips_usage
+    # After a finish_reason, a stream whose usage we asked for is relayed event by event, so the
+    # usage-only chunk can be left out whole. Only the tail is held, and only for as long as it
+    # takes one event to complete.
+    holding = False
+    tainted = False  # the event being held began in bytes already forwarded: never drop it
+    held = b""
+    perf = time.perf_counter
+    try:
+        async for chunk in up.content.iter_any():
+            now = perf()
+            if not holding:
+                await resp.write(chunk)
+                for event in decoder.feed(chunk):
+                    flags = on_event(event)
+                    if flags & CONTENT:
+                        meter.content(now)
+                    if flags & FINISH and strip:
+                        holding = True
+                if holding:
+                    tainted = decoder.has_pending
+                continue
+            raws, held = split_events(held + chunk)
+            out: list[bytes] = []
+            for raw in raws:
+                keep = True
+                for event in decoder.feed(raw):
+                    flags = on_event(event)
+                    if flags & CONTENT:
+                        meter.content(now)
+                    if flags & USAGE_ONLY and not tainted:
+                        keep = False
+                tainted = False
+                if keep:
+                    out.append(raw)
+            if out:
+                await resp.write(b"".join(out))
+        if held:
+            await resp.write(held)
+            decoder.feed(held)
+        for event in decoder.flush():
+            on_event(event)
+        await resp.write_eof()
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        # aiohttp raises these from write() when the client went away.
+        ex.error_class = "client_disconnect"
+    except TimeoutError:
+        ex.error_class = "timeout"
+        _abort(request)
+    except aiohttp.ClientError:
+        ex.error_class = "upstream_reset"
+        _abort(request)
+    if decoder.has_pending:
+        for event in decoder.flush():
+            on_event(event)
+    return resp
+
+
+def _abort(request: web.Request) -> None:
+    """Mirror an upstream failure: end the client's connection without the final chunk, so the
+    client sees a broken stream rather than a clean end that never happened."""
+    if request.transport is not None:
+        request.transport.abort()
+
+
+async def _settle(app: web.Application, ex: Exchange) -> None:
+    metrics = app[st.METRICS]
+    runtime = ex.runtime or app[st.RUNTIME_HOLDER].current
+    try:
+        usage: Usage = ZERO
+        if ex.translator is not None and ex.upstream_answered and ex.status < 300:
+            usage = ex.translator.usage()
+        figures = ex.meter.figures(usage.output_tokens)
+        route = ex.route
+        record = RequestRecord(
+            request_id=ex.request_id,
+            operation=ex.operation,
+            model=ex.model,
+            model_label=runtime.router.model_label(ex.model, route) if ex.model else "none",
+            upstream=route.upstream.name if route is not None else "none",
+            user=ex.principal.user if ex.principal is not None else "anonymous",
+            status=ex.status,
+            error_class=ex.error_class,
+            stream=ex.stream,
+            usage=usage,
+            figures=figures,
+        )
+        metrics.observe(record)
+        metrics.observe_gaps(record, ex.meter.gap_buckets())
+        log_request(record)
+    except Exception:
+        # Loud, never silent: a request whose usage we could not record is a billing hole.
+        metrics.metering_errors.labels("settle").inc()
+        log.exception("failed to settle request %s", ex.request_id)

@@ -1,0 +1,96 @@
+"""Which upstream serves a model, and which headers cross the proxy in each direction."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from multidict import CIMultiDict
+
+from proxy.config import Config
+
+# RFC 9110 7.6.1 hop-by-hop fields, plus what the proxy itself must own: the client's credentials
+# (never forwarded), framing (recomputed), Host, and Accept-Encoding (we ask for identity so the
+# SSE bytes we meter are the bytes we forward).
+_HOP_BY_HOP = frozenset(
+    {
+        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+        "trailer", "trailers", "transfer-encoding", "upgrade", "proxy-connection",
+    }
+)
+_REQUEST_DROP = _HOP_BY_HOP | {"host", "authorization", "api-key", "x-api-key",
+                               "content-length", "accept-encoding"}
+_RESPONSE_DROP = _HOP_BY_HOP | {"content-length"}
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    name: str
+    base_url: str
+    api_key: str | None
+    connect_timeout_s: float
+    read_timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    upstream: Upstream
+    pattern: str
+
+
+class Router:
+    def __init__(self, config: Config) -> None:
+        self.upstreams = {
+            name: Upstream(name, u.base_url, u.api_key, u.connect_timeout_s, u.read_timeout_s)
+            for name, u in config.upstreams.items()
+        }
+        self._routes = [
+            (re.compile(fnmatch.translate(r.match)), Route(self.upstreams[r.upstream], r.match))
+            for r in config.models
+        ]
+        exact = {r.match for r in config.models if not any(c in r.match for c in "*?[")}
+        self._labels: set[str] = exact | set(config.metrics.model_labels)
+
+    def resolve(self, model: str) -> Route | None:
+        for regex, route in self._routes:
+            if regex.match(model):
+                return route
+        return None
+
+    def add_model_labels(self, names: Iterable[str], limit: int = 1000) -> None:
+        """Names the upstreams list at /v1/models: a bounded set not chosen by clients."""
+        for name in names:
+            if len(self._labels) >= limit:
+                break
+            self._labels.add(name)
+
+    def model_label(self, model: str, route: Route | None) -> str:
+        if model in self._labels:
+            return model
+        return route.pattern if route is not None else "unrouted"
+
+
+def upstream_request_headers(client: Mapping[str, str], upstream: Upstream) -> CIMultiDict[str]:
+    drop = _REQUEST_DROP | _connection_tokens(client)
+    out: CIMultiDict[str] = CIMultiDict(
+        (k, v) for k, v in client.items() if k.lower() not in drop
+    )
+    out["Accept-Encoding"] = "identity"
+    if upstream.api_key:
+        out["Authorization"] = f"Bearer {upstream.api_key}"
+    return out
+
+
+def client_response_headers(upstream: Mapping[str, str]) -> CIMultiDict[str]:
+    drop = _RESPONSE_DROP | _connection_tokens(upstream)
+    return CIMultiDict((k, v) for k, v in upstream.items() if k.lower() not in drop)
+
+
+def _connection_tokens(headers: Mapping[str, str]) -> frozenset[str]:
+    """Fields named in `Connection` are hop-by-hop too."""
+    value = headers.get("Connection")
+    if not value:
+        return frozenset()
+    return frozenset(t.strip().lower() for t in value.split(",") if t.strip())

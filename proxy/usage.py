@@ -1,0 +1,62 @@
+"""Token usage of one request, and reading it out of the OpenAI response shapes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Source = Literal["reported", "estimated"]
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_input_tokens: int = 0
+    reasoning_tokens: int = 0
+    # "reported": the upstream's own `usage`; "estimated": counted here with tiktoken because the
+    # upstream sent none or the stream was cut before it could.
+    source: Source = "reported"
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+ZERO = Usage()
+
+
+def _int(value: Any) -> int:
+    # bool is an int subclass; a usage field of `true` is garbage, not 1 token.
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, float) and value >= 0 and value.is_integer():
+        return int(value)
+    return 0
+
+
+def _detail(obj: dict[str, Any], key: str, field: str) -> int:
+    details = obj.get(key)
+    return _int(details.get(field)) if isinstance(details, dict) else 0
+
+
+def parse_usage(obj: Any) -> Usage | None:
+    """Read a `usage` object in either naming: Chat/Completions/Embeddings (`prompt_tokens`,
+    `completion_tokens`) or Responses (`input_tokens`, `output_tokens`)."""
+    if not isinstance(obj, dict):
+        return None
+    if "input_tokens" in obj or "output_tokens" in obj:
+        return Usage(
+            input_tokens=_int(obj.get("input_tokens")),
+            output_tokens=_int(obj.get("output_tokens")),
+            cached_input_tokens=_detail(obj, "input_tokens_details", "cached_tokens"),
+            reasoning_tokens=_detail(obj, "output_tokens_details", "reasoning_tokens"),
+        )
+    if "prompt_tokens" in obj or "completion_tokens" in obj:
+        return Usage(
+            input_tokens=_int(obj.get("prompt_tokens")),
+            output_tokens=_int(obj.get("completion_tokens")),
+            cached_input_tokens=_detail(obj, "prompt_tokens_details", "cached_tokens"),
+            reasoning_tokens=_detail(obj, "completion_tokens_details", "reasoning_tokens"),
+        )
+    return None
