@@ -32,9 +32,9 @@ from proxy.errors import (
 )
 from proxy.meter import RequestMeter
 from proxy.metrics import RequestRecord
-from proxy.sse import SSEDecoder, split_events
 from proxy.state import Runtime
-from proxy.translators import CONTENT, FINISH, USAGE_ONLY, Translator, parse_body
+from proxy.tap import StreamTap
+from proxy.translators import Translator, parse_body
 from proxy.upstream import Route, client_response_headers, upstream_request_headers
 from proxy.usage import ZERO, Usage
 
@@ -107,9 +107,8 @@ async def handle(request: web.Request, translator_cls: type[Translator]) -> web.
     finally:
         ex.meter.finish()
         task = asyncio.ensure_future(_settle(request.app, ex))
-        tasks = request.app[st.SETTLING].tasks
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+        request.app[st.SETTLING].tasks.add(task)
+        task.add_done_callback(request.app[st.SETTLING].finished)
         # If we are cancelled while waiting, the settle task runs on; shutdown waits for SETTLING.
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.shield(task)
@@ -185,64 +184,36 @@ async def _relay_stream(
 ) -> web.StreamResponse:
     resp = web.StreamResponse(status=up.status, headers=client_response_headers(up.headers))
     await resp.prepare(request)
-    decoder = SSEDecoder()
-    meter = ex.meter
-    on_event = translator.on_event
-    strip = translator.strips_usage
-    # After a finish_reason, a stream whose usage we asked for is relayed event by event, so the
-    # usage-only chunk can be left out whole. Only the tail is held, and only for as long as it
-    # takes one event to complete.
-    holding = False
-    tainted = False  # the event being held began in bytes already forwarded: never drop it
-    held = b""
+    tap = StreamTap(translator, ex.meter)
+    passthrough, observe = tap.passthrough, tap.observe
     perf = time.perf_counter
     try:
         async for chunk in up.content.iter_any():
             now = perf()
-            if not holding:
-                await resp.write(chunk)
-                for event in decoder.feed(chunk):
-                    flags = on_event(event)
-                    if flags & CONTENT:
-                        meter.content(now)
-                    if flags & FINISH and strip:
-                        holding = True
-                if holding:
-                    tainted = decoder.has_pending
-                continue
-            raws, held = split_events(held + chunk)
-            out: list[bytes] = []
-            for raw in raws:
-                keep = True
-                for event in decoder.feed(raw):
-                    flags = on_event(event)
-                    if flags & CONTENT:
-                        meter.content(now)
-                    if flags & USAGE_ONLY and not tainted:
-                        keep = False
-                tainted = False
-                if keep:
-                    out.append(raw)
-            if out:
-                await resp.write(b"".join(out))
-        if held:
-            await resp.write(held)
-            decoder.feed(held)
-        for event in decoder.flush():
-            on_event(event)
-        await resp.write_eof()
+            if passthrough(chunk):
+                await resp.write(chunk)  # forward first, look second
+                observe(chunk, now)
+            else:
+                out = tap.filter(chunk, now)
+                if out:
+                    await resp.write(out)
+        rest = tap.close()
+        if rest:
+            await resp.write(rest)
+        # No write_eof here: aiohttp writes the final chunk after the handler returns, which is
+        # after settling, so a client that has seen the end of its stream is already accounted.
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
         # aiohttp raises these from write() when the client went away.
         ex.error_class = "client_disconnect"
+        tap.close()
     except TimeoutError:
         ex.error_class = "timeout"
+        tap.close()
         _abort(request)
     except aiohttp.ClientError:
         ex.error_class = "upstream_reset"
+        tap.close()
         _abort(request)
-    if decoder.has_pending:
-        for event in decoder.flush():
-            on_event(event)
     return resp
 
 

@@ -38,10 +38,30 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 class Settling:
     """Settle tasks still running: kept referenced, and awaited at shutdown."""
 
-    __slots__ = ("tasks",)
+    __slots__ = ("_changed", "completed", "tasks")
 
     def __init__(self) -> None:
         self.tasks: set[asyncio.Task[None]] = set()
+        self.completed = 0
+        self._changed: asyncio.Condition | None = None
+
+    def finished(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        self.completed += 1
+        if self._changed is not None:
+            asyncio.ensure_future(self._notify(self._changed))
+
+    @staticmethod
+    async def _notify(cond: asyncio.Condition) -> None:
+        async with cond:
+            cond.notify_all()
+
+    async def wait_for(self, count: int) -> None:
+        """Until `count` requests have settled since start (tests and shutdown use this)."""
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.completed >= count)
 
 
 SETTLING = web.AppKey("settling", Settling)
