@@ -43,25 +43,21 @@ class Settling:
     def __init__(self) -> None:
         self.tasks: set[asyncio.Task[None]] = set()
         self.completed = 0
-        self._changed: asyncio.Condition | None = None
+        self._changed: asyncio.Event | None = None
 
     def finished(self, task: asyncio.Task[None]) -> None:
         self.tasks.discard(task)
         self.completed += 1
         if self._changed is not None:
-            asyncio.ensure_future(self._notify(self._changed))
-
-    @staticmethod
-    async def _notify(cond: asyncio.Condition) -> None:
-        async with cond:
-            cond.notify_all()
+            self._changed.set()
+            self._changed = None
 
     async def wait_for(self, count: int) -> None:
         """Until `count` requests have settled since start (tests and shutdown use this)."""
-        if self._changed is None:
-            self._changed = asyncio.Condition()
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.completed >= count)
+        while self.completed < count:
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            await self._changed.wait()
 
 
 SETTLING = web.AppKey("settling", Settling)

@@ -21,8 +21,8 @@ def _normalise(raw: bytes) -> bytes:
     return raw
 
 
-async def _raw_post(url: str, body: dict[str, object], headers: dict[str, str] | None = None) -> bytes:
-    async with aiohttp.ClientSession() as s, s.post(url, json=body, headers=headers) as r:
+async def _raw_post(url: str, body: dict[str, object]) -> bytes:
+    async with aiohttp.ClientSession() as s, s.post(url, json=body) as r:
         assert r.status == 200
         return await r.read()
 
