@@ -12,12 +12,12 @@ bytes were already forwarded is never dropped, so the client's stream is never c
 from __future__ import annotations
 
 from proxy.meter import RequestMeter
-from proxy.sse import SSEDecoder, split_events
+from proxy.sse import Event, SSEDecoder
 from proxy.translators import CONTENT, FINISH, USAGE_ONLY, Translator
 
 
 class StreamTap:
-    __slots__ = ("_decoder", "_held", "_holding", "_meter", "_on_event", "_strip")
+    __slots__ = ("_decoder", "_held", "_holding", "_meter", "_on_event", "_strip", "_tainted")
 
     def __init__(self, translator: Translator, meter: RequestMeter) -> None:
         self._decoder = SSEDecoder()
@@ -25,7 +25,8 @@ class StreamTap:
         self._meter = meter
         self._strip = translator.strips_usage
         self._holding = False  # a choice finished: relay event by event from here on
-        self._held = b""  # the incomplete event being held back
+        self._held = b""  # bytes of the current event, fed to the decoder but not forwarded
+        self._tainted = False  # the current event's first bytes were already forwarded
 
     def passthrough(self, chunk: bytes) -> bool:
         return not self._strip or not (
@@ -35,43 +36,44 @@ class StreamTap:
     def observe(self, chunk: bytes, now: float) -> None:
         """A chunk that has been forwarded as is."""
         for event in self._decoder.feed(chunk):
-            flags = self._on_event(event)
-            if flags & CONTENT:
-                self._meter.content(now)
-            if flags & FINISH:
-                self._holding = True
+            self._flags(event, now)
+        self._tainted = self._decoder.has_pending
+
+    def _flags(self, event: Event, now: float) -> int:
+        flags = self._on_event(event)
+        if flags & CONTENT:
+            self._meter.content(now)
+        if flags & FINISH:
+            self._holding = True
+        return flags
 
     def filter(self, chunk: bytes, now: float) -> bytes:
         """A chunk that may contain the usage-only event: returns what to forward."""
-        tainted = not self._held and self._decoder.has_pending
-        raws, self._held = split_events(self._held + chunk)
+        buf = self._held + chunk
+        shift = len(self._held)
+        events, ends = self._decoder.feed_with_ends(chunk)
         out: list[bytes] = []
-        for raw in raws:
-            keep = True
-            for event in self._decoder.feed(raw):
-                flags = self._on_event(event)
-                if flags & CONTENT:
-                    self._meter.content(now)
-                if flags & FINISH:
-                    self._holding = True
-                if flags & USAGE_ONLY and not tainted:
-                    keep = False
-            tainted = False
-            if keep:
-                out.append(raw)
-        if self._held and not self._holding:
+        pos = 0
+        for event, end in zip(events, ends, strict=True):
+            flags = self._flags(event, now)
+            if not (flags & USAGE_ONLY and not self._tainted):
+                out.append(buf[pos : shift + end])
+            pos = shift + end
+            self._tainted = False
+        rest = buf[pos:]
+        if self._holding:
+            self._held = rest
+        else:
             # Before any choice finished, an incomplete event is content: never hold it back.
-            rest, self._held = self._held, b""
             out.append(rest)
-            self.observe(rest, now)
+            self._held = b""
+            self._tainted = bool(rest) or self._decoder.has_pending
         return b"".join(out)
 
     def close(self) -> bytes:
         """End of the upstream stream: the held rest (if any) is forwarded, and a final event not
         terminated by a blank line (a cut stream) is still metered."""
         rest, self._held = self._held, b""
-        events = self._decoder.feed(rest) if rest else []
-        events += self._decoder.flush()
-        for event in events:
+        for event in self._decoder.flush():
             self._on_event(event)
         return rest

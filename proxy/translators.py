@@ -32,7 +32,7 @@ USAGE_ONLY = 4  # a chunk with usage and no choices: ours to drop if we asked fo
 
 
 class _BaseBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str = Field(min_length=1, max_length=256)
     stream: bool = False
 

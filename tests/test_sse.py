@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from proxy.sse import Event, SSEDecoder, split_events
+from proxy.sse import Event, SSEDecoder
 
 STREAM = (
     b": keep-alive comment\n\n"
@@ -69,9 +69,24 @@ def test_cut_stream_flushes_last_event() -> None:
     assert d.flush() == [Event(b'{"n":2}')]
 
 
-def test_split_events_keeps_raw_bytes() -> None:
-    raw = b'data: {"a":1}\n\ndata: x\r\n\r\ndata: partial'
-    events, rest = split_events(raw)
-    assert events == [b'data: {"a":1}\n\n', b"data: x\r\n\r\n"]
-    assert rest == b"data: partial"
-    assert b"".join(events) + rest == raw
+def test_event_ends_point_past_blank_line_at_every_split() -> None:
+    # Where each event ends in the stream must not depend on how the stream was cut.
+    whole_ends = _ends([STREAM])
+    assert len(whole_ends) == len(EXPECTED)
+    assert STREAM[: whole_ends[0]].endswith(b'{"a":1}\n\n')
+    for i in range(len(STREAM) + 1):
+        for got, want in zip(_ends([STREAM[:i], STREAM[i:]]), whole_ends, strict=True):
+            # A CRLF cut between its CR and LF ends the event at the CR: the LF is then the
+            # first byte of what follows, which is harmless to whoever slices by these ends.
+            assert got == want or (got == want - 1 == i and STREAM[got - 1 : want] == b"\r\n")
+
+
+def _ends(parts: list[bytes]) -> list[int]:
+    d = SSEDecoder()
+    out: list[int] = []
+    base = 0
+    for p in parts:
+        _, ends = d.feed_with_ends(p)
+        out.extend(base + e for e in ends)
+        base += len(p)
+    return out[: len(EXPECTED)]
