@@ -78,7 +78,9 @@ async def _embedded_upstream(host: str) -> tuple[web.AppRunner, str]:
     return runner, f"http://{host}:{port}/v1"
 
 
-async def _serve(config: Config | None, host: str, port: int, demo: bool, once: bool) -> None:
+async def _serve(
+    config: Config | None, host: str | None, port: int | None, demo: bool, once: bool
+) -> None:
     runners: list[web.AppRunner] = []
     try:
         if config is None:
@@ -87,6 +89,8 @@ async def _serve(config: Config | None, host: str, port: int, demo: bool, once: 
             log.warning("no --config or --upstream: serving the embedded simulated upstream %s",
                         url)
             config = single_upstream_config(url, None)
+        host = host or config.server.host
+        port = config.server.port if port is None else port
         runner, actual = await _start_site(create_app(config), host, port)
         runners.append(runner)
         base = f"http://{host}:{actual}/v1"
@@ -129,8 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--config", help="YAML configuration file")
         p.add_argument("--upstream", help="one upstream base URL, e.g. https://api.openai.com/v1")
-        p.add_argument("--host", default="127.0.0.1")
-        p.add_argument("--port", type=int, default=8080)
+        p.add_argument("--host", help="listen address (default: server.host, else 127.0.0.1)")
+        p.add_argument("--port", type=int, help="listen port (default: server.port, else 8080)")
         p.add_argument("--log-level", default="INFO")
         if name == "demo":
             p.add_argument("--once", action="store_true", help="exit after the demo request")
