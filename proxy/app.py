@@ -3,19 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy import state as st
+from proxy.auth import UserIndex
+from proxy.budget import Budget
 from proxy.config import Config
 from proxy.errors import MethodNotAllowed, NotFound, ProxyError, RequestTooLarge
 from proxy.metrics import Metrics
+from proxy.notify import Notifier
 from proxy.relay import make_handler
+from proxy.reload import ConfigWatcher
+from proxy.store import MemoryStore, Store, StoreError
+from proxy.store_redis import RedisStore
 from proxy.translators import TRANSLATORS
 from proxy.upstream import Router, client_response_headers, upstream_request_headers
 
@@ -28,7 +37,13 @@ _OPEN_WARNING = (
 
 
 def build_runtime(config: Config) -> st.Runtime:
-    return st.Runtime(config=config, router=Router(config), open_mode=True)
+    return st.Runtime(config=config, router=Router(config), users=UserIndex(config))
+
+
+def make_store(config: Config, clock: Callable[[], float]) -> Store:
+    if config.store.url == "memory":
+        return MemoryStore(clock)
+    return RedisStore(config.store.url, config.store.timeout_ms)
 
 
 @web.middleware
@@ -131,7 +146,64 @@ async def _drain_settling(app: web.Application) -> AsyncIterator[None]:
         await asyncio.wait(pending, timeout=10)
 
 
-def create_app(config: Config) -> web.Application:
+async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
+    budget = app[st.BUDGET]
+    holder = app[st.RUNTIME_HOLDER]
+
+    async def maintain() -> None:
+        # Renew the leases of streams still running, and replay settlements the store missed.
+        tick = 0
+        while True:
+            lease = holder.current.config.store.lease_seconds
+            await asyncio.sleep(min(1.0, lease / 3))
+            tick += 1
+            await budget.retry_pending()
+            if tick % max(1, int(lease / 3)) == 0:
+                await budget.renew_leases(lease)
+
+    try:
+        await budget.store.ping()
+        app[st.METRICS].store_up.set(1)
+    except StoreError as exc:
+        app[st.METRICS].store_up.set(0)
+        log.error("budget store unreachable at start (policy %s): %s",
+                  holder.current.config.store.on_error, exc)
+    task = asyncio.create_task(maintain())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await budget.retry_pending()
+    await budget.store.close()
+
+
+def _watch_ctx(path: Path) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        holder = app[st.RUNTIME_HOLDER]
+
+        def apply(config: Config) -> None:
+            if config.store != holder.current.config.store:
+                log.warning("store settings changed; they take effect on restart")
+            holder.current = build_runtime(config)
+            app[st.METRICS].info.set(1 if holder.current.open_mode else 0)
+
+        watcher = ConfigWatcher(path, apply, app[st.METRICS])
+        app[st.WATCHER] = watcher
+        task = asyncio.create_task(watcher.run())
+        yield
+        task.cancel()
+
+    return ctx
+
+
+def create_app(
+    config: Config,
+    *,
+    config_path: Path | None = None,
+    clock: Callable[[], float] = time.time,
+    store: Store | None = None,
+) -> web.Application:
+    """`clock` (epoch seconds) decides budget days and minutes; tests inject one."""
     app = web.Application(
         middlewares=[_errors], client_max_size=int(config.server.max_body_mb * 1024 * 1024)
     )
@@ -141,7 +213,17 @@ def create_app(config: Config) -> web.Application:
     metrics.info.set(1 if runtime.open_mode else 0)
     app[st.METRICS] = metrics
     app[st.SETTLING] = st.Settling()
-    app.cleanup_ctx.extend([_session_ctx, _discover_models, _drain_settling])
+    holder = app[st.RUNTIME_HOLDER]
+    notifier = Notifier(
+        metrics,
+        thresholds=lambda: holder.current.config.alerts.thresholds,
+        webhook_url=lambda: holder.current.config.alerts.webhook_url,
+        session=lambda: app.get(st.SESSION),
+    )
+    app[st.BUDGET] = Budget(store or make_store(config, clock), metrics, notifier, clock)
+    app.cleanup_ctx.extend([_session_ctx, _store_ctx, _discover_models, _drain_settling])
+    if config_path is not None:
+        app.cleanup_ctx.append(_watch_ctx(config_path))
     for translator in TRANSLATORS:
         app.router.add_post("/v1" + translator.path, make_handler(translator))
     app.router.add_get("/v1/models", _models)

@@ -1,22 +1,93 @@
-"""Who is making a request."""
+"""Who is making a request: the key a client sends, looked up by its sha256 hash."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from aiohttp import web
 
-from proxy.state import Runtime
+from proxy.errors import AuthenticationFailed
+from proxy.limits import EffectiveLimits, effective_limits, unlimited
+from proxy.userconfig import Policy
 
 DEFAULT_USER = "default"
+PASSTHROUGH_LABEL_LIMIT = 1000
 
 
 @dataclass(frozen=True, slots=True)
 class Principal:
     user: str
+    limits: EffectiveLimits
+    key_id: str | None = None  # first 12 hex digits of the key's hash: safe to log
+    key_name: str | None = None
+    team: str | None = None
+    enforce: bool = True  # False: metered only (open and pass-through modes)
+    forward_client_key: bool = False  # pass-through: the client's key is the upstream key
 
 
-def authenticate(request: web.Request, runtime: Runtime) -> Principal:
-    # No users configured: the proxy is open and meters everything as one user (it says so
-    # loudly at start and in the tokenmeter_open_mode gauge).
-    return Principal(DEFAULT_USER)
+class UserIndex:
+    """Key hash -> principal, built once per configuration version."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.mode = policy.effective_mode
+        self._defaults = policy.defaults
+        self._open = Principal(DEFAULT_USER, unlimited(policy.defaults), enforce=False)
+        self._by_hash: dict[str, Principal] = {}
+        for user, cfg in policy.users.items():
+            for key in cfg.key_configs():
+                key_id = key.key.removeprefix("sha256:")[:12]
+                overrides = any(getattr(key, f) is not None for f in type(key).model_fields
+                                if f not in ("key", "name"))
+                scope = (key.name or key_id) if overrides else None
+                self._by_hash[key.key] = Principal(
+                    user=user,
+                    limits=effective_limits(cfg, key, policy.defaults, scope),
+                    key_id=key_id,
+                    key_name=key.name,
+                    team=cfg.team,
+                )
+        self._passthrough_labels: set[str] = set()
+
+    def __contains__(self, key_hash: str) -> bool:
+        return key_hash in self._by_hash
+
+    def authenticate(self, request: web.Request) -> Principal:
+        if self.mode == "open":
+            return self._open
+        raw = client_key(request)
+        if raw is None:
+            raise AuthenticationFailed(
+                "You didn't provide an API key. Send the key this proxy issued you as "
+                "'Authorization: Bearer <key>'."
+            )
+        key_hash = "sha256:" + hashlib.sha256(raw.encode()).hexdigest()
+        if self.mode == "passthrough":
+            return self._passthrough(key_hash)
+        principal = self._by_hash.get(key_hash)
+        if principal is None:
+            raise AuthenticationFailed("Incorrect API key provided.")
+        return principal
+
+    def _passthrough(self, key_hash: str) -> Principal:
+        label = "key-" + key_hash.removeprefix("sha256:")[:12]
+        # The user label comes from client keys here; cap how many distinct ones get a series.
+        if label not in self._passthrough_labels:
+            if len(self._passthrough_labels) >= PASSTHROUGH_LABEL_LIMIT:
+                label = "key-other"
+            else:
+                self._passthrough_labels.add(label)
+        return Principal(
+            user=label, limits=unlimited(self._defaults), key_id=label[4:], enforce=False,
+            forward_client_key=True,
+        )
+
+
+def client_key(request: web.Request) -> str | None:
+    auth = request.headers.get("Authorization", "")
+    scheme, _, value = auth.partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip()
+    # Azure-style SDKs send the key in `api-key`.
+    value = request.headers.get("api-key", "").strip()
+    return value or None

@@ -10,6 +10,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from proxy.userconfig import Policy
+
 
 class ConfigError(Exception):
     """A configuration file that cannot be used; the message names file, line and field."""
@@ -49,6 +51,8 @@ class ServerConfig(_Model):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
     max_body_mb: float = Field(default=32.0, gt=0)
+    # On SIGTERM: stop accepting, let running streams finish for up to this long, settle them.
+    drain_seconds: float = Field(default=30.0, ge=0)
 
 
 class MetricsConfig(_Model):
@@ -58,7 +62,7 @@ class MetricsConfig(_Model):
     discover_models: bool = True
 
 
-class Config(_Model):
+class Config(Policy):
     server: ServerConfig = Field(default_factory=ServerConfig)
     upstreams: dict[str, UpstreamConfig] = Field(min_length=1)
     models: list[ModelRoute] = Field(default_factory=list)

@@ -106,3 +106,19 @@ class ServiceUnavailable(ProxyError):
     status = 503
     type = "server_error"
     code = "service_unavailable"
+
+
+class BudgetExceeded(ProxyError):
+    """A quota or rate limit refused the request; `type`/`code` say which kind."""
+
+    status = 429
+
+    def __init__(self, message: str, *, type_: str, code: str, limit: str,
+                 headers: Mapping[str, str]) -> None:
+        super().__init__(message, code=code, headers=headers)
+        self.type = type_
+        self.limit = limit
+
+    @property
+    def error_class(self) -> str:
+        return "budget_exceeded"

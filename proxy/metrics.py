@@ -131,6 +131,60 @@ class Metrics:
             "Failures while metering or settling a request (usage may be missing).",
             ("stage",), registry=r,
         )
+        budget = ("user", "window")
+        self.budget_limit = Gauge(
+            "tokenmeter_budget_limit_tokens", "Configured limit of a budget window.", budget,
+            registry=r,
+        )
+        self.budget_used = Gauge(
+            "tokenmeter_budget_used_tokens",
+            "Used (settled plus in-flight reservations) in the current window.", budget,
+            registry=r,
+        )
+        self.budget_remaining = Gauge(
+            "tokenmeter_budget_remaining_tokens", "Limit minus used in the current window.",
+            budget, registry=r,
+        )
+        self.budget_refusals = Counter(
+            "tokenmeter_budget_refusals", "Requests refused by a budget limit.",
+            ("user", "limit"), registry=r,
+        )
+        self.budget_reserved = Counter(
+            "tokenmeter_budget_reserved_tokens", "Tokens reserved before requests went upstream.",
+            ("user",), registry=r,
+        )
+        self.budget_overreserved = Counter(
+            "tokenmeter_budget_overreserved_tokens",
+            "Reserved minus actual tokens, released at settlement.", ("user",), registry=r,
+        )
+        self.threshold_crossings = Counter(
+            "tokenmeter_budget_threshold_crossings",
+            "Users crossing a notice threshold of their daily quota.", ("user", "threshold"),
+            registry=r,
+        )
+        self.store_errors = Counter(
+            "tokenmeter_store_errors", "Budget store operations that failed.", ("op",),
+            registry=r,
+        )
+        self.store_latency = Histogram(
+            "tokenmeter_store_latency_seconds", "Budget store round trip.", ("op",),
+            buckets=meter.OVERHEAD_BUCKETS, registry=r,
+        )
+        self.store_up = Gauge(
+            "tokenmeter_store_up", "1 if the last budget store operation succeeded.", registry=r,
+        )
+        self.settle_backlog = Gauge(
+            "tokenmeter_settle_backlog",
+            "Settlements waiting for the store to come back.", registry=r,
+        )
+        self.config_reloads = Counter(
+            "tokenmeter_config_reloads", "Configuration reloads by result.", ("result",),
+            registry=r,
+        )
+        self.cost = Counter(
+            "tokenmeter_cost_usd", "Estimated cost from the configured price table.",
+            ("model", "user", "type"), registry=r,
+        )
         self.info = Gauge(
             "tokenmeter_open_mode", "1 when no users are configured and every request is accepted.",
             registry=r,
@@ -160,6 +214,22 @@ class Metrics:
             if value:
                 self.tokens.labels(kind, rec.model_label, rec.user, u.source).inc(value)
         self.requests.labels(rec.model_label, rec.user, str(rec.status), rec.error_class).inc()
+
+    def observe_cost(
+        self, rec: RequestRecord, input_price: float, cached_price: float | None,
+        output_price: float,
+    ) -> None:
+        """Prices are USD per million tokens; cached input costs the input price if unset."""
+        u = rec.usage
+        cached = min(u.cached_input_tokens, u.input_tokens)
+        labels = (rec.model_label, rec.user)
+        for kind, tokens, price in (
+            ("input", u.input_tokens - cached, input_price),
+            ("cached_input", cached, input_price if cached_price is None else cached_price),
+            ("output", u.output_tokens, output_price),
+        ):
+            if tokens and price:
+                self.cost.labels(*labels, kind).inc(tokens * price / 1_000_000)
 
     def observe_gaps(self, rec: RequestRecord, counts: list[int]) -> None:
         f = rec.figures

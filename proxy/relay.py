@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 
 from proxy import state as st
 from proxy.accesslog import log_request
-from proxy.auth import Principal, authenticate
+from proxy.auth import Principal, client_key
+from proxy.budget import Reservation, rate_limit_headers
 from proxy.errors import (
     InvalidRequest,
     NotFound,
@@ -54,6 +56,8 @@ class Exchange:
     principal: Principal | None = None
     route: Route | None = None
     translator: Translator | None = None
+    reservation: Reservation | None = None
+    response_headers: dict[str, str] = field(default_factory=dict)
     status: int = 500
     error_class: str = "none"
     upstream_answered: bool = False
@@ -123,7 +127,7 @@ async def _serve(
     ex.model, ex.stream = parsed.model, parsed.stream
     if parsed.stream and not translator_cls.streams:
         raise InvalidRequest(f"{translator_cls.path} does not support streaming", param="stream")
-    ex.principal = authenticate(request, runtime)
+    principal = ex.principal = runtime.users.authenticate(request)
     route = runtime.router.resolve(parsed.model)
     if route is None:
         raise NotFound(
@@ -132,11 +136,19 @@ async def _serve(
         )
     ex.route = route
     translator = ex.translator = translator_cls(parsed)
+    budget = request.app[st.BUDGET]
+    reservation = ex.reservation = await budget.reserve(principal, translator, runtime.config)
+    ex.response_headers = rate_limit_headers(
+        reservation.plan.windows, reservation.used, budget.clock()
+    )
     upstream = route.upstream
     timeout = aiohttp.ClientTimeout(
         total=None, sock_connect=upstream.connect_timeout_s, sock_read=upstream.read_timeout_s
     )
-    headers = upstream_request_headers(request.headers, upstream)
+    headers = upstream_request_headers(
+        request.headers, upstream,
+        client_key=client_key(request) if principal.forward_client_key else None,
+    )
     session = request.app[st.SESSION]
     ex.meter.mark_upstream_start()
     try:
@@ -176,13 +188,13 @@ async def _relay_body(
         translator.on_body(body)
     else:
         ex.error_class = classify_upstream_error(up.status, body)
-    return web.Response(status=up.status, body=body, headers=client_response_headers(up.headers))
+    return web.Response(status=up.status, body=body, headers=_client_headers(up, ex))
 
 
 async def _relay_stream(
     request: web.Request, up: aiohttp.ClientResponse, translator: Translator, ex: Exchange
 ) -> web.StreamResponse:
-    resp = web.StreamResponse(status=up.status, headers=client_response_headers(up.headers))
+    resp = web.StreamResponse(status=up.status, headers=_client_headers(up, ex))
     await resp.prepare(request)
     tap = StreamTap(translator, ex.meter)
     passthrough, observe = tap.passthrough, tap.observe
@@ -217,6 +229,13 @@ async def _relay_stream(
     return resp
 
 
+def _client_headers(up: aiohttp.ClientResponse, ex: Exchange) -> CIMultiDict[str]:
+    headers = client_response_headers(up.headers)
+    for name, value in ex.response_headers.items():
+        headers[name] = value  # our limits replace the upstream's same-named x-ratelimit-*
+    return headers
+
+
 def _abort(request: web.Request) -> None:
     """Mirror an upstream failure: end the client's connection without the final chunk, so the
     client sees a broken stream rather than a clean end that never happened."""
@@ -231,6 +250,8 @@ async def _settle(app: web.Application, ex: Exchange) -> None:
         usage: Usage = ZERO
         if ex.translator is not None and ex.upstream_answered and ex.status < 300:
             usage = ex.translator.usage()
+        if ex.reservation is not None:
+            await app[st.BUDGET].settle(ex.reservation, usage)
         figures = ex.meter.figures(usage.output_tokens)
         route = ex.route
         record = RequestRecord(
@@ -247,6 +268,9 @@ async def _settle(app: web.Application, ex: Exchange) -> None:
             figures=figures,
         )
         metrics.observe(record)
+        price = runtime.price_for(ex.model)
+        if price is not None:
+            metrics.observe_cost(record, price.input, price.cached_input, price.output)
         metrics.observe_gaps(record, ex.meter.gap_buckets())
         log_request(record)
     except Exception:

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
 
+from proxy.auth import UserIndex
+from proxy.budget import Budget
 from proxy.config import Config
 from proxy.metrics import Metrics
+from proxy.reload import ConfigWatcher
 from proxy.upstream import Router
+from proxy.userconfig import Price
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,7 +25,20 @@ class Runtime:
 
     config: Config
     router: Router
-    open_mode: bool
+    users: UserIndex
+
+    @property
+    def open_mode(self) -> bool:
+        return self.users.mode == "open"
+
+    def price_for(self, model: str) -> Price | None:
+        prices = self.config.prices
+        if model in prices:
+            return prices[model]
+        for pattern, price in prices.items():
+            if fnmatch.fnmatchcase(model, pattern):
+                return price
+        return None
 
 
 class RuntimeHolder:
@@ -32,6 +50,7 @@ class RuntimeHolder:
 
 RUNTIME_HOLDER = web.AppKey("runtime_holder", RuntimeHolder)
 METRICS = web.AppKey("metrics", Metrics)
+BUDGET = web.AppKey("budget", Budget)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 
 
@@ -61,3 +80,4 @@ class Settling:
 
 
 SETTLING = web.AppKey("settling", Settling)
+WATCHER = web.AppKey("watcher", ConfigWatcher)

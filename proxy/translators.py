@@ -92,14 +92,37 @@ class Translator:
         # True when the proxy, not the client, asked for stream usage: the usage-only chunk is
         # then removed so the client parses exactly what it would without the proxy.
         self.strips_usage = False
-        self._upstream_body = request.raw
+        self._changes: dict[str, Any] = {}
 
     # --- request side -------------------------------------------------------------------
-    def upstream_body(self) -> bytes:
-        return self._upstream_body
+    # Output-cap fields in the order a client may use them; the first is set when none is.
+    cap_fields: ClassVar[tuple[str, ...]] = ()
+    # What the upstream does without a cap field: None = no bound (so we set one).
+    implicit_cap: ClassVar[int | None] = None
 
-    def _rewrite(self, body: dict[str, Any]) -> None:
-        self._upstream_body = json.dumps(body, separators=(",", ":")).encode()
+    def upstream_body(self) -> bytes:
+        """The client's bytes when nothing changed; else its JSON with our changes, once."""
+        if not self._changes:
+            return self.request.raw
+        return json.dumps({**self.request.body, **self._changes}, separators=(",", ":")).encode()
+
+    def cap_output(self, cap: int) -> int:
+        """Enforce `cap` on the request's output: set it if the client sent no limit, clamp it
+        if the client asked for more. Returns the most output tokens the request can produce."""
+        if not self.cap_fields:
+            return 0
+        body = self.request.body
+        for field in self.cap_fields:
+            value = body.get(field)
+            if isinstance(value, int) and not isinstance(value, bool):
+                if value > cap:
+                    self._changes[field] = cap
+                    return cap
+                return max(value, 0)
+        if self.implicit_cap is not None:
+            return min(self.implicit_cap, cap)
+        self._changes[self.cap_fields[0]] = cap
+        return cap
 
     def estimate_prompt_tokens(self) -> int:
         raise NotImplementedError
@@ -138,7 +161,7 @@ class _ChoicesTranslator(Translator):
             if not (isinstance(options, dict) and options.get("include_usage") is True):
                 new_options = dict(options) if isinstance(options, dict) else {}
                 new_options["include_usage"] = True
-                self._rewrite({**body, "stream_options": new_options})
+                self._changes["stream_options"] = new_options
                 self.strips_usage = True
 
     def _choice_texts(self, choice: dict[str, Any]) -> Iterable[str]:
@@ -199,6 +222,8 @@ class _ChoicesTranslator(Translator):
 class ChatTranslator(_ChoicesTranslator):
     operation = "chat"
     path = "/chat/completions"
+    # max_tokens is deprecated (and refused by reasoning models); vLLM and others take both.
+    cap_fields = ("max_completion_tokens", "max_tokens")
 
     def _choice_texts(self, choice: dict[str, Any]) -> Iterable[str]:
         msg = choice.get("delta")
@@ -235,6 +260,8 @@ def _count_prompt_input(model: str, value: Any) -> int:
 class CompletionsTranslator(_ChoicesTranslator):
     operation = "text_completion"
     path = "/completions"
+    cap_fields = ("max_tokens",)
+    implicit_cap = 16  # the legacy API's documented default
 
     def _choice_texts(self, choice: dict[str, Any]) -> Iterable[str]:
         return _strings(choice.get("text"))
@@ -260,6 +287,7 @@ _RESPONSES_TERMINAL = frozenset({"response.completed", "response.incomplete", "r
 class ResponsesTranslator(Translator):
     operation = "responses"
     path = "/responses"
+    cap_fields = ("max_output_tokens",)
 
     def on_event(self, event: Event) -> int:
         kind = event.event

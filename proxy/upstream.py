@@ -72,14 +72,18 @@ class Router:
         return route.pattern if route is not None else "unrouted"
 
 
-def upstream_request_headers(client: Mapping[str, str], upstream: Upstream) -> CIMultiDict[str]:
+def upstream_request_headers(
+    client: Mapping[str, str], upstream: Upstream, *, client_key: str | None = None
+) -> CIMultiDict[str]:
+    """`client_key`: pass-through mode, where the client's own key is the upstream key."""
     drop = _REQUEST_DROP | _connection_tokens(client)
     out: CIMultiDict[str] = CIMultiDict(
         (k, v) for k, v in client.items() if k.lower() not in drop
     )
     out["Accept-Encoding"] = "identity"
-    if upstream.api_key:
-        out["Authorization"] = f"Bearer {upstream.api_key}"
+    key = client_key or upstream.api_key
+    if key:
+        out["Authorization"] = f"Bearer {key}"
     return out
 
 

@@ -1,0 +1,169 @@
+"""Configuration of who may call the proxy and how much: users, keys, limits, the store.
+
+Keys are hashed the moment they are read: a raw key (from `${ENV}` or written inline) becomes
+`sha256:<hex>` in the validated config, so nothing downstream ever holds a client secret.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_HASHED = re.compile(r"^sha256:[0-9a-f]{64}$")
+# User and key names end up in Redis keys and metric labels: keep them plain.
+NAME = r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$"
+
+
+def hash_key(raw: str) -> str:
+    return "sha256:" + hashlib.sha256(raw.encode()).hexdigest()
+
+
+def normalise_key(value: str) -> str:
+    value = value.strip()
+    if value.lower().startswith("sha256:"):
+        value = value.lower()
+        if not _HASHED.match(value):
+            raise ValueError("a hashed key must be 'sha256:' followed by 64 hex digits")
+        return value
+    if len(value) < 8:
+        raise ValueError("a raw key must be at least 8 characters (or give 'sha256:<hex>')")
+    return hash_key(value)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Limits(_Model):
+    """Every limit is optional; unset means "no limit" (usage is still counted)."""
+
+    daily_tokens: int | None = Field(default=None, ge=0)
+    daily_input_tokens: int | None = Field(default=None, ge=0)
+    daily_output_tokens: int | None = Field(default=None, ge=0)
+    tokens_per_minute: int | None = Field(default=None, ge=0)
+    requests_per_minute: int | None = Field(default=None, ge=0)
+    max_concurrent_requests: int | None = Field(default=None, ge=0)
+    max_output_tokens: int | None = Field(default=None, ge=1)
+
+
+LIMIT_FIELDS: tuple[str, ...] = tuple(Limits.model_fields)
+
+
+class KeyConfig(Limits):
+    """A key with a name (shown in logs and usable in Redis keys) and its own limits."""
+
+    key: str
+    name: str | None = Field(default=None, pattern=NAME)
+
+    @field_validator("key")
+    @classmethod
+    def _hash(cls, v: str) -> str:
+        return normalise_key(v)
+
+
+class UserConfig(Limits):
+    keys: list[KeyConfig | str] = Field(default_factory=list)
+    team: str | None = None
+    # Limits for models matching a glob, counted separately from the user's overall limits:
+    # e.g. {"o1*": {daily_tokens: 20000}} next to daily_tokens: 500000.
+    model_limits: dict[str, Limits] = Field(default_factory=dict)
+
+    @field_validator("keys", mode="before")
+    @classmethod
+    def _keys(cls, v: object) -> object:
+        if isinstance(v, list):
+            return [normalise_key(k) if isinstance(k, str) else k for k in v]
+        return v
+
+    def key_configs(self) -> list[KeyConfig]:
+        return [k if isinstance(k, KeyConfig) else KeyConfig(key=k) for k in self.keys]
+
+
+class StoreConfig(_Model):
+    url: str = "memory"  # or redis://host:6379/0 (rediss:// for TLS)
+    on_error: Literal["fail_open", "fail_closed"] = "fail_open"
+    prefix: str = Field(default="tokenmeter", pattern=r"^[A-Za-z0-9_.:-]+$")
+    # A reservation not settled or renewed within this time (its proxy died) is released.
+    lease_seconds: float = Field(default=60.0, gt=0)
+    timeout_ms: float = Field(default=250.0, gt=0)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if v != "memory" and not re.match(r"^(redis|rediss|unix)://", v):
+            raise ValueError("must be 'memory' or a redis://, rediss:// or unix:// URL")
+        return v
+
+
+class AlertsConfig(_Model):
+    # Fractions of the daily quota at which a user is reported, once per threshold per day.
+    thresholds: list[float] = Field(default_factory=lambda: [0.8, 1.0])
+    webhook_url: str | None = None
+
+    @field_validator("thresholds")
+    @classmethod
+    def _fractions(cls, v: list[float]) -> list[float]:
+        if any(not 0 < t <= 10 for t in v):
+            raise ValueError("thresholds are fractions of the quota, e.g. 0.8 for 80%")
+        return sorted(set(v))
+
+
+class Price(_Model):
+    """US dollars per million tokens."""
+
+    input: float = Field(ge=0)
+    output: float = Field(ge=0)
+    cached_input: float | None = Field(default=None, ge=0)
+
+
+class Policy(_Model):
+    """The budget-related part of the top-level config."""
+
+    mode: Literal["open", "keys", "passthrough"] | None = None
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    timezone: str = "UTC"
+    defaults: Limits = Field(default_factory=lambda: Limits(max_output_tokens=4096))
+    users: dict[str, UserConfig] = Field(default_factory=dict)
+    alerts: AlertsConfig = Field(default_factory=AlertsConfig)
+    prices: dict[str, Price] = Field(default_factory=dict)
+
+    @field_validator("timezone")
+    @classmethod
+    def _tz(cls, v: str) -> str:
+        try:
+            ZoneInfo(v)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(
+                f"unknown time zone {v!r} (use an IANA name like Europe/Berlin)"
+            ) from None
+        return v
+
+    @field_validator("users")
+    @classmethod
+    def _names(cls, v: dict[str, UserConfig]) -> dict[str, UserConfig]:
+        for name in v:
+            if not re.match(NAME, name):
+                raise ValueError(f"user name {name!r} must match {NAME}")
+        return v
+
+    @model_validator(mode="after")
+    def _unique_keys(self) -> Policy:
+        owner: dict[str, str] = {}
+        for user, cfg in self.users.items():
+            for key in cfg.key_configs():
+                if key.key in owner:
+                    raise ValueError(
+                        f"users.{user}.keys: a key is also given to user {owner[key.key]!r}"
+                    )
+                owner[key.key] = user
+        return self
+
+    @property
+    def effective_mode(self) -> Literal["open", "keys", "passthrough"]:
+        if self.mode is not None:
+            return self.mode
+        return "keys" if self.users else "open"
