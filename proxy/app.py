@@ -95,7 +95,25 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 async def _healthz(request: web.Request) -> web.Response:
+    """Liveness: the process is up and its loop answers."""
     return web.json_response({"status": "ok"})
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    """Readiness: a configuration is loaded and the store answers, or the policy is fail_open
+    (requests are then served without budgets, which beats refusing them all)."""
+    runtime = request.app[st.RUNTIME_HOLDER].current
+    policy = runtime.config.store.on_error
+    try:
+        await request.app[st.BUDGET].store.ping()
+    except StoreError as exc:
+        ready = policy == "fail_open"
+        return web.json_response(
+            {"status": "degraded" if ready else "unavailable", "store": "unreachable",
+             "on_error": policy, "detail": str(exc)},
+            status=200 if ready else 503,
+        )
+    return web.json_response({"status": "ok", "store": "ok", "mode": runtime.users.mode})
 
 
 async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -229,6 +247,7 @@ def create_app(
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
     if runtime.open_mode:
         app.on_startup.append(_warn_open)
     return app

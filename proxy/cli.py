@@ -11,9 +11,11 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from aiohttp import web
 
+from proxy import state as st
 from proxy.app import create_app
 from proxy.config import Config, ConfigError, load_config, single_upstream_config
 
@@ -58,10 +60,16 @@ def _mock_settings(args: argparse.Namespace) -> object:
     )
 
 
-async def _start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+async def _start_site(
+    app: web.Application, host: str, port: int, drain_seconds: float = 5.0
+) -> tuple[web.AppRunner, int]:
     # handler_cancellation: a client that disconnects cancels its handler, so the upstream
-    # request is closed at once instead of at the next chunk.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # request is closed at once instead of at the next chunk. shutdown_timeout: on SIGTERM the
+    # listener closes first, running streams get this long to finish, then they are cancelled
+    # (and still settled: settling is shielded).
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=drain_seconds
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -79,7 +87,8 @@ async def _embedded_upstream(host: str) -> tuple[web.AppRunner, str]:
 
 
 async def _serve(
-    config: Config | None, host: str | None, port: int | None, demo: bool, once: bool
+    config: Config | None, host: str | None, port: int | None, demo: bool, once: bool,
+    config_path: Path | None = None,
 ) -> None:
     runners: list[web.AppRunner] = []
     try:
@@ -91,7 +100,8 @@ async def _serve(
             config = single_upstream_config(url, None)
         host = host or config.server.host
         port = config.server.port if port is None else port
-        runner, actual = await _start_site(create_app(config), host, port)
+        app = create_app(config, config_path=config_path)
+        runner, actual = await _start_site(app, host, port, config.server.drain_seconds)
         runners.append(runner)
         base = f"http://{host}:{actual}/v1"
         log.info("tokenmeter listening on %s (metrics at http://%s:%d/metrics)", base, host, actual)
@@ -106,7 +116,11 @@ async def _serve(
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, stop.set)
+        watcher = app.get(st.WATCHER)
+        if watcher is not None:
+            loop.add_signal_handler(signal.SIGHUP, watcher.request_reload)
         await stop.wait()
+        log.info("shutting down: draining for up to %.0f s", config.server.drain_seconds)
     finally:
         for r in reversed(runners):
             await r.cleanup()
@@ -179,7 +193,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     with contextlib.suppress(KeyboardInterrupt):
         demo = args.command == "demo"
-        asyncio.run(_serve(config, args.host, args.port, demo, getattr(args, "once", False)))
+        path = Path(args.config) if args.config else None
+        asyncio.run(
+            _serve(config, args.host, args.port, demo, getattr(args, "once", False), path)
+        )
     return 0
 
 

@@ -165,6 +165,8 @@ async def _serve(
             f"Upstream `{upstream.name}` is unreachable ({type(exc).__name__})."
         ) from None
     ex.upstream_answered = True
+    active = request.app[st.METRICS].active.labels(upstream.name)
+    active.inc()
     try:
         ex.status = up.status
         if up.status == 200 and up.content_type == "text/event-stream":
@@ -172,6 +174,7 @@ async def _serve(
         return await _relay_body(up, translator, ex)
     finally:
         up.close()
+        active.dec()
 
 
 async def _relay_body(

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from proxy.store import Entry, ReserveResult, StoreError
@@ -113,10 +115,14 @@ class RedisStore:
         timeout = timeout_ms / 1000
         # No retries inside redis-py: a budget check that is slow is worse than one that fails
         # fast into the configured policy; reconnection happens on the next call by itself.
-        self._redis: aioredis.Redis = aioredis.Redis.from_url(
-            url, socket_timeout=timeout, socket_connect_timeout=timeout, retry_on_timeout=False,
-            health_check_interval=10,
+        # A bounded pool that makes callers wait for a connection (up to the timeout) instead
+        # of failing when a burst of requests outnumbers it.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=64, timeout=timeout, socket_timeout=timeout,
+            socket_connect_timeout=timeout, health_check_interval=10,
+            retry=Retry(NoBackoff(), 0),
         )
+        self._redis: aioredis.Redis = aioredis.Redis(connection_pool=pool)
         self._reserve = self._redis.register_script(RESERVE)
         self._settle = self._redis.register_script(SETTLE)
         self._renew = self._redis.register_script(RENEW)

@@ -89,7 +89,8 @@ class StoreConfig(_Model):
     prefix: str = Field(default="tokenmeter", pattern=r"^[A-Za-z0-9_.:-]+$")
     # A reservation not settled or renewed within this time (its proxy died) is released.
     lease_seconds: float = Field(default=60.0, gt=0)
-    timeout_ms: float = Field(default=250.0, gt=0)
+    # A budget check that takes longer fails into `on_error`; a slow store must not stall traffic.
+    timeout_ms: float = Field(default=500.0, gt=0)
 
     @field_validator("url")
     @classmethod

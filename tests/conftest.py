@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
+import redis
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 from prometheus_client.parser import text_string_to_metric_families
@@ -19,6 +20,7 @@ from proxy import state as st
 from proxy.app import create_app
 from proxy.config import Config, parse_config
 from proxy.mock_upstream import MOCK_STATE, MockSettings, MockState, create_mock_app
+from tests.servers import RedisServer
 
 ServerFactory = Callable[..., Coroutine[Any, Any, TestServer]]
 
@@ -108,6 +110,23 @@ metrics:
 {extra}
 """
     return parse_config(text, "test-config.yaml")
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    if redis_server.proc is None:  # a test stopped it
+        redis_server.start()
+    with redis.Redis.from_url(redis_server.url) as r:
+        r.flushall()
+    return redis_server.url
 
 
 @pytest.fixture

@@ -1,0 +1,325 @@
+"""Budgets enforced by real proxies over loopback, on the in-process store and on real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from typing import Any
+from zoneinfo import ZoneInfo
+
+import aiohttp
+import openai
+import pytest
+from aiohttp.test_utils import TestServer
+
+from proxy import limits as lim
+from proxy import state as st
+from proxy.app import create_app
+from proxy.config import parse_config
+from proxy.mock_upstream import MockSettings
+from tests.conftest import ServerFactory, sample
+
+ALICE_KEY = "sk-alice-0123456789"
+BOB_KEY = "sk-bob-0123456789"
+CI_KEY = "sk-alice-ci-0123456789"
+MESSAGES = [{"role": "user", "content": "count to three"}]
+
+
+class FakeClock:
+    def __init__(self, when: datetime) -> None:
+        self.now = when.timestamp()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def budget_yaml(upstream_url: str, store: str, users: str, extra: str = "") -> str:
+    return f"""
+store:
+  url: {store}
+  lease_seconds: 30
+  # The whole test (client, proxies, mock) shares one event loop on a 2-core box: give the
+  # store room, so these tests measure atomicity, not timeouts (test_store_failures does those).
+  timeout_ms: 5000
+upstreams:
+  mock:
+    base_url: {upstream_url}
+models:
+  - match: "*"
+    upstream: mock
+metrics:
+  model_labels: [mock-gpt]
+  discover_models: false
+{extra}
+users:
+{users}
+"""
+
+
+@pytest.fixture(params=["memory", "redis"])
+def store_url(request: pytest.FixtureRequest) -> str:
+    if request.param == "memory":
+        return "memory"
+    url: str = request.getfixturevalue("redis_url")
+    return url
+
+
+@pytest.fixture
+def mock_settings() -> MockSettings:
+    return MockSettings(tokens_per_second=0, ttft_ms=5, output_tokens=16)
+
+
+Factory = Callable[..., Awaitable[TestServer]]
+
+
+@pytest.fixture
+def make_proxy(
+    aiohttp_server: ServerFactory, upstream: TestServer, store_url: str
+) -> Factory:
+    async def make(users: str, extra: str = "", clock: Any = None) -> TestServer:
+        text = budget_yaml(str(upstream.make_url("/v1")), store_url, users, extra)
+        kwargs: dict[str, Any] = {} if clock is None else {"clock": clock}
+        return await aiohttp_server(create_app(parse_config(text), **kwargs))
+
+    return make
+
+
+def sdk(server: TestServer, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key=key, max_retries=0)
+
+
+async def _stream_usage(client: openai.AsyncOpenAI, **kw: Any) -> int:
+    stream = await client.chat.completions.create(
+        model="mock-gpt", messages=MESSAGES, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True}, **kw,
+    )
+    usage = None
+    async for chunk in stream:
+        usage = chunk.usage or usage
+    assert usage is not None
+    return usage.total_tokens
+
+
+async def test_concurrent_streams_never_exceed_quota(
+    make_proxy: Factory, store_url: str, upstream: TestServer
+) -> None:
+    users = f"""
+  alice:
+    keys: ["{ALICE_KEY}"]
+    daily_tokens: 1500
+    max_output_tokens: 20
+"""
+    # Two replicas share one budget through Redis; the in-process store is one replica's own.
+    proxies = [await make_proxy(users)]
+    if store_url != "memory":
+        proxies.append(await make_proxy(users))
+    clients = [sdk(p, ALICE_KEY) for p in proxies]
+    n = 240
+    results = await asyncio.gather(
+        *(_stream_usage(clients[i % len(clients)]) for i in range(n)), return_exceptions=True
+    )
+    used = [r for r in results if isinstance(r, int)]
+    refused = [r for r in results if not isinstance(r, int)]
+    assert used and refused, (len(used), len(refused))
+    assert sum(used) <= 1500
+    for p in proxies:
+        assert sample(await _metrics(p), "tokenmeter_store_errors_total") == 0
+    for exc in refused:
+        assert isinstance(exc, openai.RateLimitError), repr(exc)
+        assert exc.status_code == 429
+        assert exc.code == "daily_quota_exceeded"
+        assert exc.response.headers["x-should-retry"] == "false"
+        assert int(exc.response.headers["retry-after"]) >= 1
+        body = exc.body
+        assert isinstance(body, dict) and body["type"] == "insufficient_quota"
+    # Every response has ended, and settling precedes the end of a response, so the store now
+    # holds exactly what the upstream reported.
+    budget = proxies[0].app[st.BUDGET]
+    runtime = proxies[0].app[st.RUNTIME_HOLDER].current
+    key = lim.daily_key(
+        runtime.config.store.prefix, "alice", "daily_tokens",
+        datetime.fromtimestamp(budget.clock(), ZoneInfo("UTC")).strftime("%Y%m%d"),
+    )
+    (counted,) = await budget.store.read([key])
+    assert counted == sum(used)
+    for c in clients:
+        await c.close()
+
+
+async def test_rate_limits_and_minute_reset(make_proxy: Factory) -> None:
+    clock = FakeClock(datetime(2026, 12, 2, 10, 0, 5, tzinfo=ZoneInfo("UTC")))
+    proxy = await make_proxy(
+        f'  alice:\n    keys: ["{ALICE_KEY}"]\n    requests_per_minute: 2\n', clock=clock
+    )
+    client = sdk(proxy, ALICE_KEY)
+    for _ in range(2):
+        resp = await client.chat.completions.with_raw_response.create(
+            model="mock-gpt", messages=MESSAGES  # type: ignore[arg-type]
+        )
+    assert resp.headers["x-ratelimit-limit-requests"] == "2"
+    assert resp.headers["x-ratelimit-remaining-requests"] == "0"
+    assert resp.headers["x-ratelimit-reset-requests"] == "55s"
+    with pytest.raises(openai.RateLimitError) as err:
+        await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    assert err.value.code == "rate_limit_exceeded"
+    assert err.value.response.headers["retry-after"] == "55"
+    assert "x-should-retry" not in err.value.response.headers  # a short wait, SDKs may retry
+    assert isinstance(err.value.body, dict) and err.value.body["type"] == "requests"
+    clock.now += 60
+    await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    m = await _metrics(proxy)
+    assert sample(m, "tokenmeter_budget_refusals_total", user="alice",
+                  limit="requests_per_minute") == 1
+    assert sample(m, "tokenmeter_requests_total", status="429",
+                  error_class="budget_exceeded") == 1
+    await client.close()
+
+
+async def test_daily_reset_at_midnight_in_configured_zone(make_proxy: Factory) -> None:
+    berlin = ZoneInfo("Europe/Berlin")
+    clock = FakeClock(datetime(2026, 12, 2, 23, 59, 30, tzinfo=berlin))
+    proxy = await make_proxy(
+        f'  alice:\n    keys: ["{ALICE_KEY}"]\n    daily_tokens: 40\n    max_output_tokens: 16\n',
+        extra="timezone: Europe/Berlin", clock=clock,
+    )
+    client = sdk(proxy, ALICE_KEY)
+    await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    with pytest.raises(openai.RateLimitError) as err:
+        await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    headers = err.value.response.headers
+    assert headers["retry-after"] == "30"  # local midnight, not UTC midnight
+    assert "2026-12-03T00:00:00+01:00" in err.value.message
+    assert headers["x-ratelimit-reset-tokens-day"] == "30s"
+    clock.now += 31  # 00:00:01 in Berlin: a new day
+    await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    await client.close()
+
+
+async def test_concurrency_limit(make_proxy: Factory, upstream: TestServer) -> None:
+    proxy = await make_proxy(
+        f"  alice:\n    keys: [\"{ALICE_KEY}\"]\n    max_concurrent_requests: 1\n"
+    )
+    async with aiohttp.ClientSession() as s:
+        url = proxy.make_url("/v1/chat/completions")
+        auth = {"Authorization": f"Bearer {ALICE_KEY}"}
+        body = {"model": "mock-gpt", "messages": MESSAGES, "stream": True}
+        first = await s.post(url, json=body, headers={**auth, "x-mock-stall-after": "2"})
+        await first.content.readany()  # the first stream is running
+        async with s.post(url, json=body, headers=auth) as second:
+            assert second.status == 429
+            err = (await second.json())["error"]
+            assert err["code"] == "concurrency_limit_exceeded"
+        first.close()
+        await proxy.app[st.SETTLING].wait_for(2)
+        async with s.post(url, json=body, headers=auth) as third:
+            assert third.status == 200
+            await third.read()
+
+
+async def test_output_cap_is_set_or_clamped(make_proxy: Factory, upstream: TestServer) -> None:
+    from proxy.mock_upstream import MOCK_STATE
+
+    proxy = await make_proxy(f'  alice:\n    keys: ["{ALICE_KEY}"]\n    max_output_tokens: 10\n')
+    client = sdk(proxy, ALICE_KEY)
+    seen = upstream.app[MOCK_STATE].requests
+    r = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    assert seen[-1].body is not None and seen[-1].body["max_completion_tokens"] == 10
+    assert r.usage is not None and r.usage.completion_tokens == 10
+    await client.chat.completions.create(
+        model="mock-gpt", messages=MESSAGES, max_tokens=500  # type: ignore[arg-type]
+    )
+    assert seen[-1].body is not None and seen[-1].body["max_tokens"] == 10
+    await client.chat.completions.create(
+        model="mock-gpt", messages=MESSAGES, max_tokens=3  # type: ignore[arg-type]
+    )
+    assert seen[-1].body is not None and seen[-1].body["max_tokens"] == 3
+    resp = await client.responses.create(model="mock-gpt", input="hi")
+    assert seen[-1].body is not None and seen[-1].body["max_output_tokens"] == 10
+    assert resp.usage is not None and resp.usage.output_tokens == 10
+    await client.close()
+
+
+async def test_keys_hashes_env_and_per_key_limits(
+    make_proxy: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TM_BOB_KEY", BOB_KEY)
+    alice_hash = "sha256:" + hashlib.sha256(ALICE_KEY.encode()).hexdigest()
+    users = f"""
+  alice:
+    keys:
+      - "{alice_hash}"
+      - {{key: "{CI_KEY}", name: ci, daily_tokens: 20}}
+    daily_tokens: 100000
+  bob:
+    keys: ["${{TM_BOB_KEY}}"]
+"""
+    proxy = await make_proxy(users)
+    await sdk(proxy, ALICE_KEY).chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    await sdk(proxy, BOB_KEY).chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    with pytest.raises(openai.AuthenticationError) as err:
+        await sdk(proxy, "sk-wrong-0123456789").chat.completions.create(
+            model="mock-gpt", messages=MESSAGES  # type: ignore[arg-type]
+        )
+    assert err.value.code == "invalid_api_key"
+    async with aiohttp.ClientSession() as s, s.post(
+        proxy.make_url("/v1/chat/completions"), json={"model": "mock-gpt", "messages": MESSAGES}
+    ) as r:
+        assert r.status == 401
+        assert (await r.json())["error"]["code"] == "invalid_api_key"
+    ci = sdk(proxy, CI_KEY)
+    await ci.chat.completions.create(model="mock-gpt", messages=MESSAGES, max_tokens=5)  # type: ignore[arg-type]
+    with pytest.raises(openai.RateLimitError) as err:
+        await ci.chat.completions.create(model="mock-gpt", messages=MESSAGES, max_tokens=5)  # type: ignore[arg-type]
+    assert "(key 'ci')" in err.value.message
+    m = await _metrics(proxy)
+    assert sample(m, "tokenmeter_requests_total", user="alice", status="200") == 2
+    assert sample(m, "tokenmeter_requests_total", user="bob", status="200") == 1
+    assert sample(m, "tokenmeter_requests_total", status="401") == 2
+
+
+async def test_per_model_limits(make_proxy: Factory) -> None:
+    users = f"""
+  alice:
+    keys: ["{ALICE_KEY}"]
+    model_limits:
+      "mock-expensive*": {{daily_tokens: 30, max_output_tokens: 8}}
+"""
+    proxy = await make_proxy(users)
+    client = sdk(proxy, ALICE_KEY)
+    r = await client.chat.completions.create(model="mock-expensive-1", messages=MESSAGES)  # type: ignore[arg-type]
+    assert r.usage is not None and r.usage.completion_tokens == 8
+    with pytest.raises(openai.RateLimitError) as err:
+        await client.chat.completions.create(model="mock-expensive-1", messages=MESSAGES)  # type: ignore[arg-type]
+    assert "models 'mock-expensive*'" in err.value.message
+    await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+
+
+async def test_passthrough_meters_by_key_hash(
+    aiohttp_server: ServerFactory, upstream: TestServer
+) -> None:
+    from proxy.mock_upstream import MOCK_STATE
+
+    text = budget_yaml(str(upstream.make_url("/v1")), "memory", "  {}", "mode: passthrough")
+    proxy = await aiohttp_server(create_app(parse_config(text.replace("users:\n  {}", ""))))
+    client = sdk(proxy, "sk-team-own-upstream-key")
+    await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    seen = upstream.app[MOCK_STATE].requests[-1]
+    assert seen.headers["authorization"] == "Bearer sk-team-own-upstream-key"
+    label = "key-" + hashlib.sha256(b"sk-team-own-upstream-key").hexdigest()[:12]
+    m = await _metrics(proxy)
+    assert sample(m, "tokenmeter_requests_total", user=label, status="200") == 1
+    assert "sk-team-own" not in repr(m)
+
+
+async def _metrics(server: TestServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with aiohttp.ClientSession() as s, s.get(server.make_url("/metrics")) as r:
+        text = await r.text()
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for smp in family.samples:
+            out[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+    return out

@@ -1,0 +1,783 @@
+"""Deployment artefacts under deploy/ and grafana/.
+
+- Prometheus: `promtool check config` / `check rules`, and the rules' unit tests
+  (`promtool test rules`), which show every alert firing and staying quiet.
+- A real Prometheus scraping a real proxy in front of the simulated upstream: every PromQL
+  expression of the Grafana dashboards runs through its HTTP API, and the rule file loads there.
+- Static invariants of the Dockerfile, docker-compose.yml, the compose and Kubernetes proxy
+  configs, the Kubernetes manifests and the Grafana provisioning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import time
+import tomllib
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+import yaml
+from aiohttp.test_utils import TestServer
+
+from proxy.app import create_app
+from proxy.config import parse_config
+from proxy.mock_upstream import MockSettings, create_mock_app
+from proxy.userconfig import hash_key
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+DOCKERFILE = DEPLOY / "Dockerfile"
+COMPOSE = DEPLOY / "docker-compose.yml"
+COMPOSE_PROXY_CONFIG = DEPLOY / "compose" / "tokenmeter.yaml"
+PROM_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
+RULES = DEPLOY / "prometheus" / "rules" / "tokenmeter.rules.yml"
+RULES_TEST = DEPLOY / "prometheus" / "rules" / "tokenmeter.rules.test.yml"
+K8S = DEPLOY / "kubernetes"
+GRAFANA = ROOT / "grafana"
+DASHBOARD_FILES = ("tokenmeter-overview.json", "tokenmeter-budgets.json", "tokenmeter-latency.json")
+
+ENTRYPOINT = [
+    "tokenmeter", "serve", "--config", "/etc/tokenmeter/tokenmeter.yaml",
+    "--host", "0.0.0.0", "--port", "8080",
+]
+# The demo keys deploy/docker-compose.yml and deploy/compose/tokenmeter.yaml document.
+ALICE_DEMO_KEY = "sk-alice-demo-key-change-me"
+BOB_DEMO_KEY = "sk-bob-demo-key-change-me"
+
+# Metric families the proxy exports (base names: a histogram's _bucket/_count/_sum map here).
+EXISTING_METRICS = frozenset({
+    "up",
+    "gen_ai_server_time_to_first_token_seconds",
+    "gen_ai_server_time_per_output_token_seconds",
+    "gen_ai_server_request_duration_seconds",
+    "tokenmeter_upstream_time_to_first_token_seconds",
+    "tokenmeter_proxy_overhead_seconds",
+    "tokenmeter_output_tokens_per_second",
+    "tokenmeter_inter_chunk_latency_seconds",
+    "tokenmeter_tokens_total",
+    "tokenmeter_requests_total",
+    "tokenmeter_active_requests",
+    "tokenmeter_metering_errors_total",
+    "tokenmeter_open_mode",
+})
+# Budget, store, reload and cost metrics: their queries need only be valid PromQL here (the
+# proxy runs in open mode with no store, so most of them have no series).
+ADDED_METRICS = frozenset({
+    "tokenmeter_budget_limit_tokens",
+    "tokenmeter_budget_used_tokens",
+    "tokenmeter_budget_remaining_tokens",
+    "tokenmeter_budget_refusals_total",
+    "tokenmeter_budget_reserved_tokens_total",
+    "tokenmeter_budget_overreserved_tokens_total",
+    "tokenmeter_store_errors_total",
+    "tokenmeter_store_latency_seconds",
+    "tokenmeter_store_up",
+    "tokenmeter_config_reloads_total",
+    "tokenmeter_cost_usd_total",
+})
+# Exported, but with no series until something goes wrong.
+MAY_BE_EMPTY = frozenset({"tokenmeter_metering_errors_total"})
+# Panels that must show data after a few streaming requests, whatever else changes.
+CORE_PANELS = frozenset({
+    ("tokenmeter-overview", "Requests / s"),
+    ("tokenmeter-overview", "TTFT p95"),
+    ("tokenmeter-overview", "Time to first token p50 / p95 / p99"),
+    ("tokenmeter-overview", "Input / output tokens per minute by model"),
+    ("tokenmeter-overview", "Output tokens / s per stream p50 / p95"),
+    ("tokenmeter-overview", "Errors / s by class"),
+    ("tokenmeter-budgets", "Top users by tokens (time range)"),
+    ("tokenmeter-latency", "TTFT distribution: $model"),
+    ("tokenmeter-latency", "Inter-token latency distribution: $model"),
+    ("tokenmeter-latency", "Request duration p50 / p95 / p99 by model"),
+    ("tokenmeter-latency", "Proxy overhead p50 / p95 / p99"),
+    ("tokenmeter-latency", "Upstream TTFT p50 / p95 by upstream"),
+})
+GRAFANA_INTERVALS = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "1h"}
+# A metric name: not part of a recording rule's name (colons), `up` only as a selector.
+_METRIC = re.compile(r"(?<![:\w])((?:gen_ai|tokenmeter)_\w+|up(?=\s*\{))(?![:\w])")
+_HIST_SUFFIX = re.compile(r"_(bucket|count|sum)$")
+_LABEL_VALUES = re.compile(r"^label_values\((?P<selector>.+),\s*(?P<label>\w+)\)$")
+
+ServerFactory = Callable[..., Coroutine[Any, Any, TestServer]]
+
+
+def load_yaml(path: Path) -> Any:
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
+
+
+def load_yaml_docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d]
+
+
+def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("promtool")
+    assert exe, "promtool is not installed (Debian package `prometheus`; .ci/run installs it)"
+    return subprocess.run(
+        [exe, *args], capture_output=True, text=True, timeout=60, cwd=cwd, check=False
+    )
+
+
+def metrics_in(expr: str) -> set[str]:
+    """Metric (family) names an expression reads, histogram suffixes removed."""
+    return {_HIST_SUFFIX.sub("", m.group(1)) for m in _METRIC.finditer(expr)}
+
+
+# ------------------------------------------------------------------------ dashboards helpers
+
+
+@dataclass(frozen=True)
+class Query:
+    dashboard: str
+    panel: str
+    expr: str  # variables substituted
+    heatmap: bool
+
+
+def dashboards() -> dict[str, dict[str, Any]]:
+    return {
+        name: json.loads((GRAFANA / "dashboards" / name).read_text(encoding="utf-8"))
+        for name in DASHBOARD_FILES
+    }
+
+
+def all_panels(dash: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    for panel in dash["panels"]:
+        yield panel
+        yield from panel.get("panels", [])  # collapsed rows keep theirs inside
+
+
+def variable_query(var: dict[str, Any]) -> str:
+    q = var.get("query")
+    return str(q["query"] if isinstance(q, dict) else q)
+
+
+def substitute(expr: str, variables: list[str]) -> str:
+    for macro, value in GRAFANA_INTERVALS.items():
+        expr = expr.replace(macro, value)
+    for name in variables:
+        # Multi-value variables with "All" = ".*" are only correct inside a regex matcher.
+        bare = re.sub(rf'=~"\$(?:{name}|\{{{name}\}})"', "", expr)
+        assert f"${name}" not in bare and f"${{{name}" not in bare, (
+            f"${name} used outside a =~\"...\" matcher: {expr}"
+        )
+        expr = re.sub(rf"\$(?:{name}\b|\{{{name}\}})", ".*", expr)
+    assert "$" not in expr, f"unknown variable in {expr}"
+    return expr
+
+
+def dashboard_queries() -> list[Query]:
+    out = []
+    for dash in dashboards().values():
+        variables = [v["name"] for v in dash["templating"]["list"]]
+        for panel in all_panels(dash):
+            for target in panel.get("targets", []):
+                out.append(Query(
+                    dashboard=dash["uid"], panel=panel["title"],
+                    expr=substitute(target["expr"], variables),
+                    heatmap=target.get("format") == "heatmap",
+                ))
+        for var in dash["templating"]["list"]:
+            m = _LABEL_VALUES.match(variable_query(var))
+            assert m, f"{dash['uid']}: variable {var['name']} is not label_values(...)"
+            out.append(Query(
+                dashboard=dash["uid"], panel=f"variable {var['name']}",
+                expr=substitute(m["selector"], variables), heatmap=False,
+            ))
+    return out
+
+
+# ------------------------------------------------------------------------------ promtool
+
+
+def test_promtool_check_config() -> None:
+    r = promtool("check", "config", str(PROM_CONFIG))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SUCCESS" in r.stdout + r.stderr
+
+
+def test_promtool_check_rules() -> None:
+    r = promtool("check", "rules", str(RULES))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_promtool_rule_unit_tests() -> None:
+    r = promtool("test", "rules", RULES_TEST.name, cwd=RULES_TEST.parent)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SUCCESS" in r.stdout + r.stderr
+
+
+def test_every_alert_is_unit_tested_and_annotated() -> None:
+    rules = load_yaml(RULES)
+    alerts = {r["alert"]: r for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    expected = {
+        "TokenmeterUserBudgetWarning", "TokenmeterUserBudgetExhausted",
+        "TokenmeterHighTimeToFirstToken", "TokenmeterHighErrorRatio", "TokenmeterStoreErrors",
+        "TokenmeterStoreDown", "TokenmeterDown", "TokenmeterAbsent",
+    }
+    assert expected <= set(alerts)
+    for name, rule in alerts.items():
+        assert rule["labels"]["severity"] in {"warning", "critical"}, name
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"], name
+    assert alerts["TokenmeterUserBudgetWarning"]["labels"]["severity"] == "warning"
+    assert alerts["TokenmeterUserBudgetExhausted"]["labels"]["severity"] == "critical"
+    assert 'up{job="tokenmeter"} == 0' in alerts["TokenmeterDown"]["expr"]
+    assert 'absent(up{job="tokenmeter"})' in alerts["TokenmeterAbsent"]["expr"]
+
+    tests = load_yaml(RULES_TEST)["tests"]
+    fired: set[str] = set()
+    quiet: set[str] = set()
+    for case in tests:
+        for t in case.get("alert_rule_test", []):
+            (fired if t.get("exp_alerts") else quiet).add(t["alertname"])
+    assert fired == set(alerts), "every alert must be shown firing"
+    assert quiet == set(alerts), "and every alert must be shown not firing"
+    healthy = next(c for c in tests if c["name"] == "healthy")
+    assert {t["alertname"] for t in healthy["alert_rule_test"]} == set(alerts)
+    assert all(t["exp_alerts"] == [] for t in healthy["alert_rule_test"])
+
+    # Every metric the rules read is one the proxy exports (or a recording rule).
+    recorded = {r["record"] for g in rules["groups"] for r in g["rules"] if "record" in r}
+    for g in rules["groups"]:
+        for r in g["rules"]:
+            unknown = metrics_in(r["expr"]) - EXISTING_METRICS - ADDED_METRICS - recorded
+            assert not unknown, f"{r.get('alert') or r.get('record')}: {unknown}"
+
+
+# ---------------------------------------------------- a real Prometheus, a real proxy
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Prometheus:
+    url: str
+    log: Path
+    session: aiohttp.ClientSession
+
+    def log_tail(self) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
+
+    async def api(self, path: str, **form: str) -> dict[str, Any]:
+        if form:
+            request = self.session.post(self.url + path, data=form)
+        else:
+            request = self.session.get(self.url + path)
+        async with request as r:
+            body: dict[str, Any] = await r.json()
+        return body
+
+    async def query(self, expr: str) -> list[dict[str, Any]]:
+        body = await self.api("/api/v1/query", query=expr)
+        assert body["status"] == "success", f"{expr}: {body}"
+        result: list[dict[str, Any]] = body["data"]["result"]
+        return result
+
+    async def wait_for(self, expr: str, within: float = 30.0) -> list[dict[str, Any]]:
+        """Poll until `expr` has a result with a finite value (the sync point with scrapes)."""
+        deadline = time.monotonic() + within
+        while True:
+            result = await self.query(expr)
+            if any(math.isfinite(float(s["value"][1])) for s in result):
+                return result
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no data for {expr} within {within}s\n{self.log_tail()}")
+            await asyncio.sleep(0.25)
+
+
+@pytest.fixture
+async def metered_proxy(aiohttp_server: ServerFactory) -> TestServer:
+    upstream = await aiohttp_server(create_mock_app(
+        MockSettings(tokens_per_second=2000, ttft_ms=5, output_tokens=16)
+    ))
+    config = parse_config(f"""
+upstreams:
+  mock:
+    base_url: {upstream.make_url("/v1")}
+models:
+  - match: "mock-*"
+    upstream: mock
+metrics:
+  model_labels: [mock-gpt]
+  discover_models: false
+""", "test-deploy.yaml")
+    return await aiohttp_server(create_app(config))
+
+
+def scrape_config_for(target: str) -> dict[str, Any]:
+    """deploy/prometheus/prometheus.yml with its tokenmeter job pointed at `target`."""
+    config: dict[str, Any] = load_yaml(PROM_CONFIG)
+    config["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
+    config["rule_files"] = [str(RULES)]
+    job = next(j for j in config["scrape_configs"] if j["job_name"] == "tokenmeter")
+    job.pop("dns_sd_configs")
+    job["static_configs"] = [{"targets": [target]}]
+    config["scrape_configs"] = [job]
+    return config
+
+
+@pytest.fixture
+async def prometheus(
+    metered_proxy: TestServer, tmp_path: Path
+) -> AsyncIterator[Prometheus]:
+    exe = shutil.which("prometheus")
+    assert exe, "prometheus is not installed (Debian package `prometheus`; .ci/run installs it)"
+    config = tmp_path / "prometheus.yml"
+    config.write_text(yaml.safe_dump(
+        scrape_config_for(f"127.0.0.1:{metered_proxy.port}")
+    ))
+    port = free_port()
+    log = tmp_path / "prometheus.log"
+    with log.open("wb") as out:
+        proc = await asyncio.create_subprocess_exec(
+            exe, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            stdout=out, stderr=asyncio.subprocess.STDOUT,
+        )
+    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+    prom = Prometheus(url=f"http://127.0.0.1:{port}", log=log, session=session)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.returncode is None, f"prometheus exited\n{prom.log_tail()}"
+            try:
+                async with session.get(prom.url + "/-/ready") as r:
+                    if r.status == 200:
+                        break
+            except aiohttp.ClientError:
+                pass
+            assert time.monotonic() < deadline, f"prometheus not ready\n{prom.log_tail()}"
+            await asyncio.sleep(0.1)
+        yield prom
+    finally:
+        await session.close()
+        if proc.returncode is None:
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 15)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+async def _stream(client: openai.AsyncOpenAI, text: str) -> str:
+    stream = await client.chat.completions.create(
+        model="mock-gpt", messages=[{"role": "user", "content": text}], stream=True,
+        stream_options={"include_usage": True},
+    )
+    parts = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+    return "".join(parts)
+
+
+async def _fail(client: openai.AsyncOpenAI) -> None:
+    """A request the simulated upstream answers with 500 (error_class upstream_5xx)."""
+    with pytest.raises(openai.InternalServerError):
+        await client.chat.completions.create(
+            model="mock-gpt", messages=[{"role": "user", "content": "fail"}],
+            extra_headers={"x-mock-status": "500"},
+        )
+
+
+async def test_dashboards_and_rules_against_real_prometheus(
+    metered_proxy: TestServer, prometheus: Prometheus
+) -> None:
+    await prometheus.wait_for('up{job="tokenmeter"} == 1')
+    client = openai.AsyncOpenAI(
+        base_url=str(metered_proxy.make_url("/v1")), api_key="x", max_retries=0
+    )
+    try:
+        # First requests create the series; Prometheus must see them once before the next
+        # requests, or every rate() would be 0 (a counter's first sample is not an increase).
+        assert await _stream(client, "hello")
+        await _fail(client)
+        await prometheus.wait_for('sum(tokenmeter_requests_total{job="tokenmeter"}) >= 2')
+        for i in range(4):
+            assert await _stream(client, f"question {i}")
+        await _fail(client)
+    finally:
+        await client.close()
+    await prometheus.wait_for('sum(tokenmeter_requests_total{job="tokenmeter"}) >= 7')
+    await prometheus.wait_for(
+        'sum(rate(tokenmeter_requests_total{error_class!="none"}[1m])) > 0'
+    )
+    await prometheus.wait_for(
+        "sum(rate(gen_ai_server_time_to_first_token_seconds_count[1m])) > 0"
+    )
+
+    scraped = {
+        s["metric"]["__name__"]
+        for s in await prometheus.query('count by (__name__) ({job="tokenmeter"})')
+    }
+    present = {_HIST_SUFFIX.sub("", n) if not n.endswith("_total") else n for n in scraped}
+    present.add("up")
+    # The names this file expects are the ones the proxy exports. tokenmeter_active_requests is
+    # declared by proxy/metrics.py but has no series until the proxy sets it.
+    unseen = EXISTING_METRICS - MAY_BE_EMPTY - {"tokenmeter_active_requests"} - present
+    assert not unseen, f"the proxy no longer exports {unseen}"
+
+    queries = dashboard_queries()
+    assert len(queries) > 60
+    empty: list[str] = []
+    for q in queries:
+        used = metrics_in(q.expr)
+        assert used, f"{q.dashboard} / {q.panel}: no metric in {q.expr}"
+        unknown = used - EXISTING_METRICS - ADDED_METRICS
+        assert not unknown, f"{q.dashboard} / {q.panel}: unknown metrics {unknown}"
+        result = await prometheus.query(q.expr)  # asserts status == success
+        must_have_data = (q.dashboard, q.panel) in CORE_PANELS or (
+            used <= EXISTING_METRICS and used <= present and not used & MAY_BE_EMPTY
+        )
+        if must_have_data and not result:
+            empty.append(f"{q.dashboard} / {q.panel}: {q.expr}")
+        if q.heatmap:
+            assert all("le" in s["metric"] for s in result), q.expr
+    assert not empty, "queries without data:\n" + "\n".join(empty)
+
+    # The Model variable lists the model the requests used.
+    model_var = next(
+        q for q in queries if q.dashboard == "tokenmeter-overview" and q.panel == "variable model"
+    )
+    models = {s["metric"].get("model") for s in await prometheus.query(model_var.expr)}
+    assert "mock-gpt" in models
+
+    # The rule file loads and evaluates in this Prometheus.
+    expected_groups = {g["name"] for g in load_yaml(RULES)["groups"]}
+    deadline = time.monotonic() + 20
+    while True:
+        body = await prometheus.api("/api/v1/rules")
+        assert body["status"] == "success"
+        groups = body["data"]["groups"]
+        health = {r["name"]: r["health"] for g in groups for r in g["rules"]}
+        if "unknown" not in health.values() or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.25)
+    assert {g["name"] for g in groups} == expected_groups
+    assert set(health.values()) == {"ok"}, health
+    await prometheus.wait_for("model:gen_ai_server_time_to_first_token_seconds:p95_rate5m")
+    ratio = await prometheus.wait_for("tokenmeter:request_errors:ratio_rate5m > 0")
+    assert float(ratio[0]["value"][1]) < 1  # 2 of 7 requests failed
+
+
+# ------------------------------------------------------------------ static invariants
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    text = DOCKERFILE.read_text(encoding="utf-8").replace("\\\n", " ")
+    out = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def test_dockerfile() -> None:
+    instr = dockerfile_instructions()
+    args = {v.split("=", 1)[0]: v.split("=", 1)[1] for k, v in instr if k == "ARG" and "=" in v}
+    stages = [v.replace("${PYTHON_IMAGE}", args.get("PYTHON_IMAGE", "")) for k, v in instr
+              if k == "FROM"]
+    assert len(stages) >= 2, "multi-stage"
+    assert all(s.startswith("python:3.11-slim") for s in stages), stages
+    runtime = max(i for i, (k, _) in enumerate(instr) if k == "FROM")
+    final = instr[runtime:]
+    user = [v for k, v in final if k == "USER"]
+    assert user and user[-1].split(":")[0] not in {"", "0", "root"}
+    assert any(k == "COPY" and "--from=" in v for k, v in final), "runtime copies the venv"
+    assert ("EXPOSE", "8080") in final
+    health = next(v for k, v in final if k == "HEALTHCHECK")
+    assert "/healthz" in health and "python" in health and "curl" not in health
+    entry = next(v for k, v in reversed(final) if k == "ENTRYPOINT")
+    assert json.loads(entry) == ENTRYPOINT
+    # The context is the repository root: every COPY source exists there and is let through by
+    # deploy/Dockerfile.dockerignore (an allow-list).
+    ignore = (DEPLOY / "Dockerfile.dockerignore").read_text(encoding="utf-8").splitlines()
+    allowed = {p[1:].rstrip("/") for p in ignore if p.startswith("!")}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    readme = project["readme"]  # setuptools needs it to build the wheel
+    copied: set[str] = set()
+    for k, v in instr:
+        if k == "COPY" and "--from=" not in v:
+            *sources, _dest = shlex.split(v)
+            for src in sources:
+                copied.add(src.rstrip("/"))
+                assert src.rstrip("/") in allowed, f"COPY {src}: excluded by the dockerignore"
+                # The readme is the top-level README's business; everything else is here now.
+                if src != readme:
+                    assert (ROOT / src).exists(), f"COPY {src}: not in the repository root"
+    assert {"pyproject.toml", readme, "proxy"} <= copied
+
+
+def test_compose() -> None:
+    compose = load_yaml(COMPOSE)
+    services = compose["services"]
+    assert {"tokenmeter", "mock-upstream", "redis", "prometheus", "grafana"} <= set(services)
+
+    tm = services["tokenmeter"]
+    assert (DEPLOY / tm["build"]["context"]).resolve() == ROOT
+    assert (ROOT / tm["build"]["dockerfile"]).resolve() == DOCKERFILE
+    # No fixed host port, so `--scale tokenmeter=2` works; something else publishes the API.
+    assert "ports" not in tm
+    assert any("8080:8080" in str(p) for s in services.values() for p in s.get("ports", []))
+    assert "OPENAI_API_KEY" in tm["environment"]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in tm["volumes"]}
+    assert (DEPLOY / mounts["/etc/tokenmeter/tokenmeter.yaml"]).resolve() == COMPOSE_PROXY_CONFIG
+    assert int(tm["stop_grace_period"].rstrip("s")) > 30
+
+    mock = services["mock-upstream"]
+    assert mock["image"] == tm["image"]
+    assert mock["entrypoint"] == [
+        "tokenmeter", "mock-upstream", "--host", "0.0.0.0", "--port", "9000"
+    ]
+    assert services["redis"]["image"].startswith("redis:7")
+
+    prom = services["prometheus"]
+    prom_mounts = {v.split(":")[1]: (DEPLOY / v.split(":")[0]).resolve() for v in prom["volumes"]
+                   if v.startswith(".")}
+    assert prom_mounts["/etc/prometheus/prometheus.yml"] == PROM_CONFIG
+    assert prom_mounts["/etc/prometheus/rules"] == RULES.parent
+    job = next(j for j in load_yaml(PROM_CONFIG)["scrape_configs"]
+               if j["job_name"] == "tokenmeter")
+    dns = job["dns_sd_configs"][0]
+    assert dns["names"] == ["tokenmeter"] and dns["type"] == "A" and dns["port"] == 8080
+
+    graf = services["grafana"]
+    graf_mounts = {v.split(":")[1]: (DEPLOY / v.split(":")[0]).resolve() for v in graf["volumes"]
+                   if v.startswith(".")}
+    assert graf_mounts["/etc/grafana/provisioning"] == GRAFANA / "provisioning"
+    provider = load_yaml(GRAFANA / "provisioning" / "dashboards" / "tokenmeter.yml")
+    path = provider["providers"][0]["options"]["path"]
+    assert graf_mounts[path] == GRAFANA / "dashboards"
+    assert graf["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "true"
+
+    # Every file the compose stack mounts exists.
+    for svc in services.values():
+        for v in svc.get("volumes", []):
+            if v.startswith("."):
+                assert (DEPLOY / v.split(":")[0]).exists(), v
+
+
+def test_compose_proxy_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = load_yaml(COMPOSE)["services"]["tokenmeter"]["environment"]
+    for name, value in env.items():
+        # "${ALICE_API_KEY:-sk-...}" -> the default, as compose would fill it in.
+        m = re.fullmatch(r"\$\{\w+:-(.*)\}", str(value))
+        monkeypatch.setenv(name, m.group(1) if m else str(value))
+    config = parse_config(COMPOSE_PROXY_CONFIG.read_text(encoding="utf-8"), "compose")
+    assert config.store.url == "redis://redis:6379/0"
+    assert config.store.on_error == "fail_open"
+    assert config.server.port == 8080 and config.server.drain_seconds == 30
+    assert config.upstreams["mock"].base_url == "http://mock-upstream:9000/v1"
+    assert config.upstreams["openai"].base_url == "https://api.openai.com/v1"
+    assert {r.upstream for r in config.models} == {"mock"}  # the default needs no key
+    assert set(config.users) == {"alice", "bob"}
+    assert hash_key(ALICE_DEMO_KEY) in config.users["alice"].keys
+    assert hash_key(BOB_DEMO_KEY) in config.users["bob"].keys
+    raw = load_yaml(COMPOSE_PROXY_CONFIG)
+    assert any(k.startswith("sha256:") for k in raw["users"]["bob"]["keys"])
+    assert any(k.startswith("${") for k in raw["users"]["alice"]["keys"])
+    assert {"input", "cached_input", "output"} <= set(raw["prices"]["mock-gpt"])
+
+    monkeypatch.setenv("TOKENMETER_UPSTREAM", "openai")
+    switched = parse_config(COMPOSE_PROXY_CONFIG.read_text(encoding="utf-8"), "compose")
+    assert switched.models[-1].upstream == "openai"
+
+
+def k8s_objects() -> dict[str, dict[str, Any]]:
+    kustomization = load_yaml(K8S / "kustomization.yaml")
+    objects: dict[str, dict[str, Any]] = {}
+    for resource in kustomization["resources"]:
+        for doc in load_yaml_docs(K8S / resource):
+            assert "namespace" not in doc["metadata"], f"{resource}: namespace-agnostic"
+            objects[doc["kind"]] = doc
+    component = K8S / "components" / "prometheus-operator"
+    for resource in load_yaml(component / "kustomization.yaml")["resources"]:
+        for doc in load_yaml_docs(component / resource):
+            assert "namespace" not in doc["metadata"]
+            objects[doc["kind"]] = doc
+    return objects
+
+
+def test_kubernetes_manifests(monkeypatch: pytest.MonkeyPatch) -> None:
+    listed = set(load_yaml(K8S / "kustomization.yaml")["resources"])
+    on_disk = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == on_disk, "every manifest is in kustomization.yaml"
+    objs = k8s_objects()
+    assert {"Deployment", "Service", "ConfigMap", "Secret", "HorizontalPodAutoscaler",
+            "ServiceMonitor"} <= set(objs)
+
+    dep = objs["Deployment"]
+    pod = dep["spec"]["template"]
+    spec = pod["spec"]
+    (container,) = spec["containers"]
+    assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"http": 8080}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["securityContext"]["runAsUser"] != 0
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["resources"]["requests"]["cpu"], "the HPA needs a CPU request"
+    assert "limits" in container["resources"]
+
+    # Scrape annotations (the plain-Prometheus way).
+    ann = pod["metadata"]["annotations"]
+    assert ann["prometheus.io/scrape"] == "true"
+    assert int(ann["prometheus.io/port"]) == ports["http"]
+    assert ann["prometheus.io/path"] == "/metrics"
+
+    # Graceful shutdown: preStop sleep, then SIGTERM and drain_seconds, all within the grace.
+    cm = objs["ConfigMap"]
+    secret = objs["Secret"]
+    assert {"REDIS_URL", "OPENAI_API_KEY"} <= set(secret["stringData"])
+    for name, value in secret["stringData"].items():
+        monkeypatch.setenv(name, value)
+    config = parse_config(cm["data"]["tokenmeter.yaml"], "configmap.yaml")
+    assert "${REDIS_URL}" in cm["data"]["tokenmeter.yaml"]
+    assert config.store.url == secret["stringData"]["REDIS_URL"]
+    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    grace = spec["terminationGracePeriodSeconds"]
+    assert grace > config.server.drain_seconds + float(pre_stop[1])
+
+    # Wiring: config volume, secret env, service, HPA, ServiceMonitor.
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == "/etc/tokenmeter")
+    assert "subPath" not in mount, "a subPath mount never sees ConfigMap updates"
+    assert volumes[mount["name"]]["configMap"]["name"] == cm["metadata"]["name"]
+    assert "tokenmeter.yaml" in cm["data"]
+    assert {"secretRef": {"name": secret["metadata"]["name"]}} in container["envFrom"]
+    svc = objs["Service"]
+    assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    (svc_port,) = svc["spec"]["ports"]
+    assert svc_port["targetPort"] in ports
+    hpa = objs["HorizontalPodAutoscaler"]
+    assert hpa["spec"]["scaleTargetRef"]["name"] == dep["metadata"]["name"]
+    assert hpa["spec"]["minReplicas"] >= 2
+    assert hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
+    sm = objs["ServiceMonitor"]
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["spec"]["endpoints"][0]["port"] == svc_port["name"]
+    assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
+    # The job label the alert rules expect.
+    assert svc["metadata"]["labels"][sm["spec"]["jobLabel"]] == "tokenmeter"
+
+
+def test_kustomize_build(tmp_path: Path) -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed (the YAML invariants are checked without it)")
+    base = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert base.returncode == 0, base.stderr
+    kinds = {d["kind"] for d in yaml.safe_load_all(base.stdout) if d}
+    assert "ServiceMonitor" not in kinds and {"Deployment", "Service"} <= kinds
+    # The operator component, used from an overlay (kustomize wants relative paths).
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    rel = Path(*([".."] * len(overlay.parts[1:]))) / K8S.relative_to("/")
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [str(rel)], "components": [str(rel / "components/prometheus-operator")],
+    }))
+    op = subprocess.run([kubectl, "kustomize", str(overlay)], capture_output=True, text=True,
+                        timeout=60, check=False)
+    assert op.returncode == 0, op.stderr
+    docs = {d["kind"]: d for d in yaml.safe_load_all(op.stdout) if d}
+    assert "ServiceMonitor" in docs
+    annotations = docs["Deployment"]["spec"]["template"]["metadata"].get("annotations") or {}
+    assert not any(k.startswith("prometheus.io/") for k in annotations)
+
+
+def test_grafana_provisioning_and_dashboards() -> None:
+    ds = load_yaml(GRAFANA / "provisioning" / "datasources" / "prometheus.yml")
+    uids = {d["uid"] for d in ds["datasources"]}
+    assert "prometheus" in uids
+    prom_ds = next(d for d in ds["datasources"] if d["uid"] == "prometheus")
+    assert prom_ds["type"] == "prometheus" and prom_ds["url"] == "http://prometheus:9090"
+    assert prom_ds["jsonData"]["timeInterval"] == load_yaml(PROM_CONFIG)["global"][
+        "scrape_interval"
+    ]
+    provider = load_yaml(GRAFANA / "provisioning" / "dashboards" / "tokenmeter.yml")
+    assert provider["providers"][0]["type"] == "file"
+
+    seen_uids = set()
+    for name, dash in dashboards().items():
+        assert dash["uid"] not in seen_uids
+        seen_uids.add(dash["uid"])
+        assert name == dash["uid"] + ".json"
+        assert dash["schemaVersion"] == 39
+        variables = {v["name"]: v for v in dash["templating"]["list"]}
+        wanted = {"instance", "model"} | ({"user"} if "latency" not in name else set())
+        assert wanted <= set(variables), name
+        for var in variables.values():
+            assert var["type"] == "query" and var["includeAll"] is True
+            assert var["datasource"]["uid"] in uids
+            assert variable_query(var).startswith("label_values(")
+        assert variable_query(variables["instance"]) == (
+            'label_values(up{job="tokenmeter"}, instance)'
+        )
+        ids = set()
+        for panel in all_panels(dash):
+            assert panel["id"] not in ids, f"{name}: duplicate panel id"
+            ids.add(panel["id"])
+            assert {"x", "y", "w", "h"} <= set(panel["gridPos"])
+            if panel["type"] == "row":
+                continue
+            assert panel["datasource"]["uid"] in uids, f"{name} / {panel['title']}"
+            assert panel["targets"], f"{name} / {panel['title']}"
+            for t in panel["targets"]:
+                assert t["datasource"]["uid"] in uids
+            if panel["type"] == "heatmap":
+                assert all(t.get("format") == "heatmap" and "_bucket" in t["expr"]
+                           for t in panel["targets"])
+                assert panel["options"]["calculate"] is False
+            if panel.get("repeat"):
+                assert variables[panel["repeat"]]["multi"] is True
+
+    latency = dashboards()["tokenmeter-latency.json"]
+    heatmaps = [p for p in all_panels(latency) if p["type"] == "heatmap"]
+    exprs = " ".join(t["expr"] for p in heatmaps for t in p["targets"])
+    assert "gen_ai_server_time_to_first_token_seconds_bucket" in exprs
+    assert "tokenmeter_inter_chunk_latency_seconds_bucket" in exprs
+
+
+def test_dashboard_queries_parse_offline() -> None:
+    """Cheap checks of every query, before the live test runs them through Prometheus."""
+    queries = dashboard_queries()
+    panels = {(q.dashboard, q.panel) for q in queries}
+    assert panels >= CORE_PANELS
+    overview = " ".join(q.expr for q in queries if q.dashboard == "tokenmeter-overview")
+    for needle in ("tokenmeter_requests_total", "gen_ai_server_time_to_first_token_seconds",
+                   "tokenmeter_output_tokens_per_second_bucket", "tokenmeter_tokens_total",
+                   "tokenmeter_cost_usd_total"):
+        assert needle in overview
+    budgets = " ".join(q.expr for q in queries if q.dashboard == "tokenmeter-budgets")
+    for needle in ("tokenmeter_budget_used_tokens", "tokenmeter_budget_limit_tokens",
+                   "tokenmeter_budget_remaining_tokens", "tokenmeter_budget_refusals_total",
+                   "topk("):
+        assert needle in budgets
+
+
+def test_readme_mentions_the_commands() -> None:
+    text = (DEPLOY / "README.md").read_text(encoding="utf-8")
+    for needle in ("docker compose -f deploy/docker-compose.yml up", "--scale tokenmeter=2",
+                   "kubectl apply", "promtool test rules"):
+        assert needle in text, needle
