@@ -10,7 +10,9 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
+from datetime import date
 from pathlib import Path
 
 from aiohttp import web
@@ -18,6 +20,9 @@ from aiohttp import web
 from proxy import state as st
 from proxy.app import create_app
 from proxy.config import Config, ConfigError, load_config, single_upstream_config
+from proxy.store import StoreError
+from proxy.store_redis import RedisStore
+from proxy.usage_report import UserUsage, read_usage, render, today
 
 log = logging.getLogger("tokenmeter")
 
@@ -126,6 +131,34 @@ async def _serve(
             await r.cleanup()
 
 
+def _usage(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config)
+        day = date.fromisoformat(args.date) if args.date else today(config, time.time())
+    except (ConfigError, ValueError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if config.store.url == "memory":
+        print("the in-process store lives inside the running proxy; usage needs a Redis store "
+              "(see tokenmeter_budget_used_tokens on /metrics instead)", file=sys.stderr)
+        return 2
+
+    async def run() -> list[UserUsage]:
+        store = RedisStore(config.store.url, max(config.store.timeout_ms, 2000))
+        try:
+            return await read_usage(config, store, day)
+        finally:
+            await store.close()
+
+    try:
+        rows = asyncio.run(run())
+    except StoreError as exc:
+        print(f"cannot read the store: {exc}", file=sys.stderr)
+        return 1
+    print(render(rows, args.json))
+    return 0
+
+
 def _resolve_config(args: argparse.Namespace) -> Config | None:
     if args.config and args.upstream:
         raise ConfigError("give either --config or --upstream, not both")
@@ -168,6 +201,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     c = sub.add_parser("check-config", help="validate a configuration file")
     c.add_argument("file")
 
+    u = sub.add_parser("usage", help="per-user consumption for a day, from the store")
+    u.add_argument("--config", required=True)
+    u.add_argument("--date", help="YYYY-MM-DD in the configured time zone (default: today)")
+    u.add_argument("--json", action="store_true")
+
     args = parser.parse_args(argv)
     setup_logging(getattr(args, "log_level", "INFO"))
 
@@ -179,6 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         print(f"{args.file}: OK ({len(cfg.upstreams)} upstreams, {len(cfg.models)} model routes)")
         return 0
+    if args.command == "usage":
+        return _usage(args)
     if args.command == "mock-upstream":
         from proxy.mock_upstream import MockSettings, run_mock
 

@@ -31,7 +31,10 @@ def wait_for_port(port: int, timeout: float = 10.0) -> None:
 class RedisServer:
     """A throwaway redis-server (never the machine's own on 6379)."""
 
-    def __init__(self) -> None:
+    def __init__(self, persistent: bool = False) -> None:
+        # persistent: an append-only file synced on every write, so a kill -9 loses nothing and
+        # a restart comes back with the counters (as a production Redis with AOF would).
+        self.persistent = persistent
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="tm-redis-")
         self.proc: subprocess.Popen[bytes] | None = None
@@ -45,7 +48,8 @@ class RedisServer:
         assert exe, "redis-server is not installed (.ci/run installs it)"
         self.proc = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self.dir, "--loglevel", "warning"],
+             "--appendonly", "yes" if self.persistent else "no", "--appendfsync", "always",
+             "--dir", self.dir, "--loglevel", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         wait_for_port(self.port)

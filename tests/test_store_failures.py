@@ -1,0 +1,162 @@
+"""Redis going away and coming back, in both policies, and a proxy dying mid-request."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+import redis.asyncio as aioredis
+from aiohttp.test_utils import TestServer
+
+from proxy import state as st
+from proxy.app import create_app
+from proxy.config import parse_config
+from proxy.limits import daily_key
+from proxy.usage_report import read_usage, today
+from tests.conftest import ServerFactory, sample
+from tests.servers import RedisServer, free_port, wait_for_port
+from tests.test_budget import ALICE_KEY, MESSAGES, _metrics, budget_yaml, sdk
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    server = RedisServer(persistent=True)
+    server.start()
+    yield server
+    server.stop()
+
+
+def _config_text(upstream: TestServer, redis_url: str, policy: str, users: str = "") -> str:
+    users = users or f'  alice:\n    keys: ["{ALICE_KEY}"]\n    daily_tokens: 100000\n'
+    text = budget_yaml(str(upstream.make_url("/v1")), redis_url, users)
+    return text.replace("  lease_seconds: 30\n", f"  lease_seconds: 30\n  on_error: {policy}\n")
+
+
+async def _daily(app_server: TestServer) -> int:
+    app = app_server.app
+    config = app[st.RUNTIME_HOLDER].current.config
+    budget = app[st.BUDGET]
+    (row,) = await read_usage(config, budget.store, today(config, budget.clock()))
+    return row.tokens
+
+
+async def test_fail_open_serves_through_an_outage_and_catches_up(
+    aiohttp_server: ServerFactory, upstream: TestServer, own_redis: RedisServer
+) -> None:
+    proxy = await aiohttp_server(
+        create_app(parse_config(_config_text(upstream, own_redis.url, "fail_open")))
+    )
+    client = sdk(proxy, ALICE_KEY)
+    first = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    own_redis.stop()
+    during = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    assert during.choices[0].message.content  # served although the store is down
+    m = await _metrics(proxy)
+    assert sample(m, "tokenmeter_store_errors_total", op="reserve") >= 1
+    assert sample(m, "tokenmeter_store_errors_total", op="settle") >= 1
+    assert sample(m, "tokenmeter_store_up") == 0
+    async with aiohttp.ClientSession() as s, s.get(proxy.make_url("/readyz")) as r:
+        assert r.status == 200 and (await r.json())["status"] == "degraded"
+
+    own_redis.start()
+    budget = proxy.app[st.BUDGET]
+    assert await budget.retry_pending() == 0  # what the background loop does every second
+    assert first.usage is not None and during.usage is not None
+    assert await _daily(proxy) == first.usage.total_tokens + during.usage.total_tokens
+    after = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    assert after.usage is not None
+    assert await _daily(proxy) == (
+        first.usage.total_tokens + during.usage.total_tokens + after.usage.total_tokens
+    )
+    assert sample(await _metrics(proxy), "tokenmeter_store_up") == 1
+    await client.close()
+
+
+async def test_fail_closed_refuses_then_recovers(
+    aiohttp_server: ServerFactory, upstream: TestServer, own_redis: RedisServer
+) -> None:
+    proxy = await aiohttp_server(
+        create_app(parse_config(_config_text(upstream, own_redis.url, "fail_closed")))
+    )
+    client = sdk(proxy, ALICE_KEY)
+    await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    own_redis.stop()
+    with pytest.raises(openai.InternalServerError) as err:
+        await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    assert err.value.status_code == 503
+    assert err.value.code == "service_unavailable"
+    async with aiohttp.ClientSession() as s, s.get(proxy.make_url("/readyz")) as r:
+        assert r.status == 503
+    own_redis.start()
+    resp = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    assert resp.choices[0].message.content
+    m = await _metrics(proxy)
+    assert sample(m, "tokenmeter_requests_total", status="503") == 1
+    assert sample(m, "tokenmeter_store_up") == 1
+    await client.close()
+
+
+async def test_killed_proxy_reservation_is_released(
+    aiohttp_server: ServerFactory, upstream: TestServer, own_redis: RedisServer, tmp_path: Path
+) -> None:
+    users = (f'  alice:\n    keys: ["{ALICE_KEY}"]\n    daily_tokens: 100000\n'
+             "    max_concurrent_requests: 1\n    max_output_tokens: 50\n")
+    text = _config_text(upstream, own_redis.url, "fail_open", users).replace(
+        "lease_seconds: 30", "lease_seconds: 1.5"
+    )
+    cfg = tmp_path / "tm.yaml"
+    cfg.write_text(text)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg), "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    r = aioredis.Redis.from_url(own_redis.url)
+    try:
+        await asyncio.to_thread(wait_for_port, port, 20.0)
+        async with aiohttp.ClientSession() as s:
+            resp = await s.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                json={"model": "mock-gpt", "messages": MESSAGES, "stream": True},
+                headers={"Authorization": f"Bearer {ALICE_KEY}", "x-mock-stall-after": "3"},
+            )
+            assert resp.status == 200
+            await resp.content.readany()  # streaming: its reservation is held
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+            resp.close()
+
+        inflight = "tokenmeter:{alice}:inflight"
+        ((_res_id, deadline_ms),) = await r.zrange(inflight, 0, -1, withscores=True)
+        config = parse_config(text)
+        key = daily_key("tokenmeter", "alice", "daily_tokens",
+                        today(config, time.time()).strftime("%Y%m%d"))
+        assert int(await r.get(key)) > 50  # the dead request's worst case is still reserved
+
+        proxy = await aiohttp_server(create_app(config))
+        client = sdk(proxy, ALICE_KEY)
+        with pytest.raises(openai.RateLimitError) as err:  # the lease has not run out yet
+            await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+        assert err.value.code == "concurrency_limit_exceeded"
+        sec, usec = await r.time()
+        wait = (deadline_ms - (sec * 1000 + usec / 1000)) / 1000 + 0.05
+        await asyncio.sleep(max(0.0, wait))  # until the lease deadline Redis holds, no guessing
+        ok = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+        assert ok.usage is not None
+        # The dead reservation was released: only the new request's usage is counted.
+        assert int(await r.get(key)) == ok.usage.total_tokens
+        assert await r.zcard(inflight) == 0
+        await client.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        await r.aclose()
