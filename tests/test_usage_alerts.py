@@ -71,3 +71,19 @@ async def test_thresholds_notify_once_each(
     assert sample(m, "tokenmeter_budget_threshold_crossings_total", threshold="1") == 0
     assert sample(m, "tokenmeter_budget_remaining_tokens", user="alice",
                   window="daily_tokens") == 100 - 78
+
+
+async def test_cost_from_price_table(aiohttp_server: ServerFactory, upstream: TestServer) -> None:
+    extra = 'prices:\n  "mock-*": {input: 2.5, cached_input: 1.25, output: 10}\n'
+    users = f'  alice:\n    keys: ["{ALICE_KEY}"]\n'
+    text = budget_yaml(str(upstream.make_url("/v1")), "memory", users, extra)
+    proxy = await aiohttp_server(create_app(parse_config(text)))
+    r = await sdk(proxy, ALICE_KEY).chat.completions.create(
+        model="mock-gpt", messages=MESSAGES, extra_headers={"x-mock-cached-tokens": "4"},  # type: ignore[arg-type]
+    )
+    assert r.usage is not None
+    m = await _metrics(proxy)
+    cost = lambda kind: sample(m, "tokenmeter_cost_usd_total", user="alice", type=kind)  # noqa: E731
+    assert cost("input") == pytest.approx((r.usage.prompt_tokens - 4) * 2.5 / 1e6)
+    assert cost("cached_input") == pytest.approx(4 * 1.25 / 1e6)
+    assert cost("output") == pytest.approx(r.usage.completion_tokens * 10 / 1e6)
