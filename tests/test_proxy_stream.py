@@ -108,9 +108,11 @@ async def test_ttft_matches_upstream_delay(stack: Stack) -> None:
     assert line["ttft_ms"] - 120 < 25  # "within a few ms", with room for a loaded CI box
     assert line["upstream_ttft_ms"] <= line["ttft_ms"]
     assert 0 <= line["overhead_ms"] < 20
-    # 16 tokens at 500/s: 15 gaps of 2 ms in the decode phase.
-    assert line["tpot_ms"] >= 1.9
-    assert line["tokens_per_second"] <= 520
+    # 16 tokens at 500/s: 15 gaps of 2 ms in the decode phase (a late first token shortens the
+    # measured phase a little on a loaded box, so the bounds are loose but would catch a wrong
+    # formula: chunk counts instead of tokens, or the TTFT folded into the decode phase).
+    assert 1.5 <= line["tpot_ms"] <= 3.0
+    assert 330 <= line["tokens_per_second"] <= 670
 
 
 async def test_non_streaming_chat(stack: Stack) -> None:
