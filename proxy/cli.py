@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import date
 from pathlib import Path
 
@@ -231,13 +231,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
-    with contextlib.suppress(KeyboardInterrupt):
+    with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=_loop_factory()) as r:
         demo = args.command == "demo"
         path = Path(args.config) if args.config else None
-        asyncio.run(
-            _serve(config, args.host, args.port, demo, getattr(args, "once", False), path)
-        )
+        r.run(_serve(config, args.host, args.port, demo, getattr(args, "once", False), path))
     return 0
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from proxy.tap import StreamTap
 from proxy.translators import Translator, parse_body
 from proxy.upstream import Route, client_response_headers, upstream_request_headers
 from proxy.usage import ZERO, Usage
+from proxy.watchdog import WATCHDOG, Watch
 
 log = logging.getLogger("tokenmeter.relay")
 
@@ -142,9 +143,9 @@ async def _serve(
         reservation.plan.windows, reservation.used, budget.clock()
     )
     upstream = route.upstream
-    timeout = aiohttp.ClientTimeout(
-        total=None, sock_connect=upstream.connect_timeout_s, sock_read=upstream.read_timeout_s
-    )
+    # No sock_read: a per-read timer is costly at stream speed; the watchdog covers streams and
+    # asyncio.timeout the wait for headers and for a JSON body.
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=upstream.connect_timeout_s)
     headers = upstream_request_headers(
         request.headers, upstream,
         client_key=client_key(request) if principal.forward_client_key else None,
@@ -152,12 +153,13 @@ async def _serve(
     session = request.app[st.SESSION]
     ex.meter.mark_upstream_start()
     try:
-        up = await session.post(
-            upstream.base_url + translator.path,
-            data=translator.upstream_body(),
-            headers=headers,
-            timeout=timeout,
-        )
+        async with asyncio.timeout(upstream.read_timeout_s):
+            up = await session.post(
+                upstream.base_url + translator.path,
+                data=translator.upstream_body(),
+                headers=headers,
+                timeout=timeout,
+            )
     except TimeoutError:
         raise UpstreamTimeout(f"Upstream `{upstream.name}` did not answer in time.") from None
     except aiohttp.ClientError as exc:
@@ -170,19 +172,21 @@ async def _serve(
     try:
         ex.status = up.status
         if up.status == 200 and up.content_type == "text/event-stream":
-            return await _relay_stream(request, up, translator, ex)
-        return await _relay_body(up, translator, ex)
+            with request.app[WATCHDOG].watch(up, upstream.read_timeout_s) as watch:
+                return await _relay_stream(request, up, translator, ex, watch)
+        return await _relay_body(up, translator, ex, upstream.read_timeout_s)
     finally:
         up.close()
         active.dec()
 
 
 async def _relay_body(
-    up: aiohttp.ClientResponse, translator: Translator, ex: Exchange
+    up: aiohttp.ClientResponse, translator: Translator, ex: Exchange, read_timeout: float
 ) -> web.StreamResponse:
     # A JSON answer is useless to a client until complete, so reading it whole costs nothing.
     try:
-        body = await up.read()
+        async with asyncio.timeout(read_timeout):
+            body = await up.read()
     except TimeoutError:
         raise UpstreamTimeout("The upstream stopped sending its response.") from None
     except aiohttp.ClientError as exc:
@@ -195,7 +199,8 @@ async def _relay_body(
 
 
 async def _relay_stream(
-    request: web.Request, up: aiohttp.ClientResponse, translator: Translator, ex: Exchange
+    request: web.Request, up: aiohttp.ClientResponse, translator: Translator, ex: Exchange,
+    watch: Watch,
 ) -> web.StreamResponse:
     resp = web.StreamResponse(status=up.status, headers=_client_headers(up, ex))
     await resp.prepare(request)
@@ -204,7 +209,7 @@ async def _relay_stream(
     perf = time.perf_counter
     try:
         async for chunk in up.content.iter_any():
-            now = perf()
+            now = watch.last = perf()
             if passthrough(chunk):
                 await resp.write(chunk)  # forward first, look second
                 observe(chunk, now)
@@ -213,6 +218,8 @@ async def _relay_stream(
                 if out:
                     await resp.write(out)
         rest = tap.close()
+        if watch.expired:  # the watchdog closed a silent upstream: that is not a clean end
+            raise TimeoutError
         if rest:
             await resp.write(rest)
         # No write_eof here: aiohttp writes the final chunk after the handler returns, which is
@@ -226,7 +233,7 @@ async def _relay_stream(
         tap.close()
         _abort(request)
     except aiohttp.ClientError:
-        ex.error_class = "upstream_reset"
+        ex.error_class = "timeout" if watch.expired else "upstream_reset"
         tap.close()
         _abort(request)
     return resp

@@ -127,6 +127,11 @@ def get_encoding(name: str) -> tiktoken.Encoding:
     )
 
 
+def preload() -> None:
+    for name in _SPECS:
+        get_encoding(name)
+
+
 def count_text(model: str, text: str) -> int:
     if not text:
         return 0

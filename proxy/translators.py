@@ -23,7 +23,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from proxy import tokenizer
 from proxy.errors import InvalidRequest
-from proxy.sse import Event
 from proxy.usage import Usage, parse_usage
 
 CONTENT = 1  # the event carries output tokens (text, reasoning, tool-call arguments)
@@ -128,7 +127,8 @@ class Translator:
         raise NotImplementedError
 
     # --- response side ------------------------------------------------------------------
-    def on_event(self, event: Event) -> int:
+    def on_event(self, data: bytes, name: str | None) -> int:
+        """One SSE event: its data and its `event:` name. Returns CONTENT/FINISH/USAGE_ONLY."""
         return 0
 
     def on_body(self, body: bytes) -> None:
@@ -184,8 +184,7 @@ class _ChoicesTranslator(Translator):
             self._content.append(data)
         return flags
 
-    def on_event(self, event: Event) -> int:
-        data = event.data
+    def on_event(self, data: bytes, name: str | None) -> int:
         if data[:1] != b"{":
             return 0  # "[DONE]"
         if b'"usage":{' in data or b'"usage": {' in data:
@@ -289,18 +288,18 @@ class ResponsesTranslator(Translator):
     path = "/responses"
     cap_fields = ("max_output_tokens",)
 
-    def on_event(self, event: Event) -> int:
-        kind = event.event
+    def on_event(self, data: bytes, name: str | None) -> int:
+        kind = name
         obj: dict[str, Any] | None = None
         if kind is None:  # servers that omit `event:` lines still put the type in the data
-            obj = _loads(event.data)
+            obj = _loads(data)
             kind = obj.get("type") if isinstance(obj.get("type"), str) else None
         if kind in _RESPONSES_DELTAS:
             self.seen_content = True
-            self._content.append(event.data)
+            self._content.append(data)
             return CONTENT
         if kind in _RESPONSES_TERMINAL:
-            obj = obj if obj is not None else _loads(event.data)
+            obj = obj if obj is not None else _loads(data)
             response = obj.get("response")
             if isinstance(response, dict):
                 usage = parse_usage(response.get("usage"))

@@ -1,0 +1,64 @@
+"""Per-chunk cost of the metering tap (decoder + translator + meter), sans I/O.
+
+    .venv/bin/python benchmarks/bench_tap.py
+
+Feeds a realistic chat stream (one SSE event per chunk, as upstreams send them at speed) through
+`StreamTap.observe` and prints microseconds per chunk, best of several repeats. This is the part
+of the hot path that is tokenmeter's own code; the rest is aiohttp's read and write.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from proxy.meter import RequestMeter
+from proxy.tap import StreamTap
+from proxy.translators import ChatTranslator, parse_body
+
+BASE = {"id": "chatcmpl-AbCdEf1234567890", "object": "chat.completion.chunk",
+        "created": 1733000000, "model": "gpt-4o-mini-2024-07-18",
+        "system_fingerprint": "fp_0ba0d124f1"}
+
+
+def _event(delta: dict[str, object], finish: str | None = None) -> bytes:
+    obj = {**BASE, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                "finish_reason": finish}], "usage": None}
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def chunks(n: int) -> list[bytes]:
+    out = [_event({"role": "assistant", "content": ""})]
+    out += [_event({"content": f" tok{i}"}) for i in range(n)]
+    out.append(_event({}, "stop"))
+    usage = {"prompt_tokens": 10, "completion_tokens": n, "total_tokens": n + 10}
+    out.append(b"data: " + json.dumps({**BASE, "choices": [], "usage": usage}).encode() + b"\n\n")
+    out.append(b"data: [DONE]\n\n")
+    return out
+
+
+def run(stream: list[bytes]) -> float:
+    body = json.dumps({"model": "gpt-4o-mini", "messages": [], "stream": True}).encode()
+    tap = StreamTap(ChatTranslator(parse_body(body)), RequestMeter())
+    perf = time.perf_counter
+    start = perf()
+    for chunk in stream:
+        now = perf()
+        if tap.passthrough(chunk):
+            tap.observe(chunk, now)
+        else:
+            tap.filter(chunk, now)
+    tap.close()
+    return perf() - start
+
+
+def main() -> None:
+    stream = chunks(256)
+    run(stream)
+    best = min(run(stream) for _ in range(200))
+    print(f"tap: {best / len(stream) * 1e6:.2f} us per chunk, "
+          f"{best * 1e3:.3f} ms per 256-token stream (best of 200)")
+
+
+if __name__ == "__main__":
+    main()
