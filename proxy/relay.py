@@ -176,7 +176,9 @@ async def _serve(
                 return await _relay_stream(request, up, translator, ex, watch)
         return await _relay_body(up, translator, ex, upstream.read_timeout_s)
     finally:
-        up.close()
+        # release(): a response read to its end returns its connection to the pool; one cut
+        # short (client gone, error) has its connection closed, which ends the upstream request.
+        up.release()
         active.dec()
 
 

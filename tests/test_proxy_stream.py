@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from proxy import tokenizer
-from proxy.mock_upstream import MockSettings, generated_text
-from tests.conftest import Stack, sample
+from proxy.app import create_app
+from proxy.mock_upstream import MockSettings, create_mock_app, generated_text
+from tests.conftest import ServerFactory, Stack, config_for, sample
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 MESSAGES = [{"role": "user", "content": "Tell me a secret prompt text 8472."}]
 
@@ -216,3 +221,26 @@ async def test_model_label_is_bounded(stack: Stack) -> None:
     assert not any("client-made-up" in str(k) for k in m)
     (line,) = stack.access_lines()
     assert line["model"] == "client-made-up-model-123"  # the log keeps what was asked
+
+
+async def test_upstream_connections_are_reused(aiohttp_server: ServerFactory) -> None:
+    peers: set[object] = set()
+
+    @web.middleware
+    async def record_peer(request: web.Request, handler: Handler) -> web.StreamResponse:
+        transport = request.transport
+        peers.add(transport.get_extra_info("peername") if transport else None)
+        return await handler(request)
+
+    mock = create_mock_app(MockSettings(tokens_per_second=0, ttft_ms=0, output_tokens=8))
+    mock.middlewares.append(record_peer)
+    upstream = await aiohttp_server(mock)
+    proxy = await aiohttp_server(create_app(config_for(str(upstream.make_url("/v1")))))
+    async with aiohttp.ClientSession() as s:
+        for stream in (True, False, True, False):
+            async with s.post(proxy.make_url("/v1/chat/completions"),
+                              json={"model": "mock-gpt", "messages": MESSAGES, "stream": stream}) as r:
+                assert r.status == 200
+                await r.read()
+    # One pooled connection for sequential requests: no TCP handshake per request.
+    assert len(peers) == 1
