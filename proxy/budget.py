@@ -104,7 +104,8 @@ class Budget:
                       policy: Policy) -> Reservation:
         now = self.clock()
         plan = lim.plan(policy, principal.user, principal.limits, translator.model, now)
-        cap = plan.output_cap or DEFAULT_OUTPUT_CAP
+        # Open and pass-through modes meter without limiting: the client's body stays as sent.
+        cap = (plan.output_cap or DEFAULT_OUTPUT_CAP) if principal.enforce else None
         output = translator.cap_output(cap)
         prompt = 0
         if plan.needs_prompt_estimate and principal.enforce:

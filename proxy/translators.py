@@ -105,21 +105,24 @@ class Translator:
             return self.request.raw
         return json.dumps({**self.request.body, **self._changes}, separators=(",", ":")).encode()
 
-    def cap_output(self, cap: int) -> int:
+    def cap_output(self, cap: int | None) -> int:
         """Enforce `cap` on the request's output: set it if the client sent no limit, clamp it
-        if the client asked for more. Returns the most output tokens the request can produce."""
+        if the client asked for more. Returns the most output tokens the request can produce
+        (with no cap: what the client asked for, 0 if unbounded). None leaves the body alone."""
         if not self.cap_fields:
             return 0
         body = self.request.body
         for field in self.cap_fields:
             value = body.get(field)
             if isinstance(value, int) and not isinstance(value, bool):
-                if value > cap:
+                if cap is not None and value > cap:
                     self._changes[field] = cap
                     return cap
                 return max(value, 0)
         if self.implicit_cap is not None:
-            return min(self.implicit_cap, cap)
+            return self.implicit_cap if cap is None else min(self.implicit_cap, cap)
+        if cap is None:
+            return 0
         self._changes[self.cap_fields[0]] = cap
         return cap
 

@@ -40,7 +40,10 @@ async def test_stream_bytes_equal_upstream_and_usage_chunk_removed(stack: Stack)
     # (allowed to stay) and a usage-only chunk (removed). Everything else is byte-identical.
     assert _normalise(proxied).replace(b',"usage":null', b"") == _normalise(direct)
     assert b'"usage":{' not in proxied
-    assert stack.mock.requests[-1].body["stream_options"] == {"include_usage": True}
+    sent = stack.mock.requests[-1].body
+    assert sent is not None and sent["stream_options"] == {"include_usage": True}
+    # Open mode meters without limiting: no output cap is added to the client's request.
+    assert "max_completion_tokens" not in sent and "max_tokens" not in sent
 
 
 async def test_stream_with_client_usage_is_passed_through_unchanged(stack: Stack) -> None:
