@@ -146,7 +146,8 @@ def count_texts(model: str, texts: Iterable[str]) -> int:
     if not texts:
         return 0
     enc = get_encoding(encoding_name_for_model(model))
-    return sum(len(t) for t in enc.encode_batch(texts, disallowed_special=(), num_threads=1))
+    # Not encode_batch: it builds a thread pool per call (~0.4 ms), 200x a short encode.
+    return sum(len(enc.encode(t, disallowed_special=())) for t in texts)
 
 
 # OpenAI's documented chat framing: every message costs 3 tokens, a name 1 more, and the reply is
