@@ -21,6 +21,7 @@ def request_fields(rec: RequestRecord) -> dict[str, object]:
         "request_id": rec.request_id,
         "operation": rec.operation,
         "user": rec.user,
+        "key": rec.key,
         "model": rec.model[:200],
         "upstream": rec.upstream,
         "status": rec.status,

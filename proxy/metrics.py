@@ -30,6 +30,7 @@ class RequestRecord:
     model_label: str
     upstream: str
     user: str
+    key: str | None  # a key's configured name, else the first 12 hex digits of its hash
     status: int
     error_class: str  # "none" when the request succeeded
     stream: bool

@@ -273,6 +273,7 @@ async def _settle(app: web.Application, ex: Exchange) -> None:
             model_label=runtime.router.model_label(ex.model, route) if ex.model else "none",
             upstream=route.upstream.name if route is not None else "none",
             user=ex.principal.user if ex.principal is not None else "anonymous",
+            key=(ex.principal.key_name or ex.principal.key_id) if ex.principal else None,
             status=ex.status,
             error_class=ex.error_class,
             stream=ex.stream,

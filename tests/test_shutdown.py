@@ -64,3 +64,29 @@ async def test_sigterm_drains_running_streams(upstream: TestServer, tmp_path: Pa
     access = [json.loads(x) for x in err.splitlines() if x.startswith('{"event":"request"')]
     assert len(access) == 1
     assert access[0]["output_tokens"] == 60 and access[0]["error_class"] == "none"
+
+
+async def test_sighup_reloads_the_config(upstream: TestServer, tmp_path: Path) -> None:
+    cfg = tmp_path / "tm.yaml"
+    cfg.write_text(
+        f"upstreams:\n  mock:\n    base_url: {upstream.make_url('/v1')}\n"
+        "metrics:\n  discover_models: false\n"
+    )
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg), "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+
+    def read_until(text: str) -> bool:
+        assert proc.stderr is not None
+        return any(text in line for line in iter(proc.stderr.readline, ""))
+
+    try:
+        await asyncio.to_thread(wait_for_port, port, 20.0)
+        # The file is unchanged, so only the signal can cause this reload.
+        proc.send_signal(signal.SIGHUP)
+        assert await asyncio.wait_for(asyncio.to_thread(read_until, "configuration reloaded"), 10)
+    finally:
+        proc.terminate()
+        await asyncio.to_thread(proc.wait, 30)
