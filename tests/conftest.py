@@ -63,15 +63,8 @@ class Stack:
     async def settled(self, count: int) -> None:
         await self.app[st.SETTLING].wait_for(count)
 
-    async def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        """Every sample of /metrics, keyed by (name, sorted labels)."""
-        async with aiohttp.ClientSession() as s, s.get(self.proxy.make_url("/metrics")) as r:
-            text = await r.text()
-        out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-        return out
+    async def metrics(self) -> Samples:
+        return await scrape(self.proxy)
 
     def access_lines(self) -> list[dict[str, Any]]:
         return [
@@ -81,9 +74,21 @@ class Stack:
         ]
 
 
-def sample(
-    metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str
-) -> float:
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+async def scrape(server: TestServer) -> Samples:
+    """Every sample of a proxy's /metrics over real HTTP, keyed by (name, sorted labels)."""
+    async with aiohttp.ClientSession() as s, s.get(server.make_url("/metrics")) as r:
+        text = await r.text()
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for smp in family.samples:
+            out[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+    return out
+
+
+def sample(metrics: Samples, name: str, **labels: str) -> float:
     """Sum of the samples of `name` whose labels include `labels`."""
     total = 0.0
     for (n, lab), value in metrics.items():

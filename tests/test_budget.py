@@ -20,6 +20,7 @@ from proxy.app import create_app
 from proxy.config import parse_config
 from proxy.mock_upstream import MockSettings
 from tests.conftest import ServerFactory, sample
+from tests.conftest import scrape as _metrics
 
 ALICE_KEY = "sk-alice-0123456789"
 BOB_KEY = "sk-bob-0123456789"
@@ -311,15 +312,3 @@ async def test_passthrough_meters_by_key_hash(
     m = await _metrics(proxy)
     assert sample(m, "tokenmeter_requests_total", user=label, status="200") == 1
     assert "sk-team-own" not in repr(m)
-
-
-async def _metrics(server: TestServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    async with aiohttp.ClientSession() as s, s.get(server.make_url("/metrics")) as r:
-        text = await r.text()
-    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-    for family in text_string_to_metric_families(text):
-        for smp in family.samples:
-            out[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
-    return out

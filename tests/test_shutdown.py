@@ -18,6 +18,13 @@ from tests.servers import free_port, wait_for_port
 from tests.test_budget import MESSAGES
 
 
+def _serve(cfg: Path, port: int) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg), "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+
+
 def _refuses(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.2):
@@ -33,10 +40,7 @@ async def test_sigterm_drains_running_streams(upstream: TestServer, tmp_path: Pa
         "metrics:\n  discover_models: false\n"
     )
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg), "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
+    proc = _serve(cfg, port)
     try:
         await asyncio.to_thread(wait_for_port, port, 20.0)
         async with aiohttp.ClientSession() as s:
@@ -73,10 +77,7 @@ async def test_sighup_reloads_the_config(upstream: TestServer, tmp_path: Path) -
         "metrics:\n  discover_models: false\n"
     )
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg), "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
+    proc = _serve(cfg, port)
 
     def read_until(text: str) -> bool:
         assert proc.stderr is not None
