@@ -17,10 +17,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy import state as st
 from proxy import tokenizer
-from proxy.auth import UserIndex
+from proxy.auth import UserIndex, client_key
 from proxy.budget import Budget
 from proxy.config import Config
-from proxy.errors import MethodNotAllowed, NotFound, ProxyError, RequestTooLarge
+from proxy.errors import (
+    MethodNotAllowed,
+    NotFound,
+    ProxyError,
+    RequestTooLarge,
+    UpstreamUnavailable,
+)
 from proxy.metrics import Metrics
 from proxy.notify import Notifier
 from proxy.relay import make_handler
@@ -73,13 +79,23 @@ async def _errors(
 async def _models(request: web.Request) -> web.StreamResponse:
     """GET /v1/models: the upstreams' own lists; with one upstream, its bytes unchanged."""
     runtime = request.app[st.RUNTIME_HOLDER].current
+    principal = runtime.users.authenticate(request)  # same keys as every other endpoint
     session = request.app[st.SESSION]
     upstreams = list(runtime.router.upstreams.values())
     merged: list[object] = []
+    failures = 0
     for upstream in upstreams:
-        headers = upstream_request_headers(request.headers, upstream)
+        headers = upstream_request_headers(
+            request.headers, upstream,
+            client_key=client_key(request) if principal.forward_client_key else None,
+        )
+        timeout = aiohttp.ClientTimeout(
+            total=upstream.read_timeout_s, sock_connect=upstream.connect_timeout_s
+        )
         try:
-            async with session.get(upstream.base_url + "/models", headers=headers) as up:
+            async with session.get(
+                upstream.base_url + "/models", headers=headers, timeout=timeout
+            ) as up:
                 body = await up.read()
                 if len(upstreams) == 1:
                     return web.Response(
@@ -87,8 +103,13 @@ async def _models(request: web.Request) -> web.StreamResponse:
                     )
                 if up.status == 200:
                     merged.extend(json.loads(body).get("data") or [])
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                else:
+                    failures += 1
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
+            failures += 1
             log.warning("listing models of upstream %s failed: %s", upstream.name, exc)
+    if failures == len(upstreams):
+        raise UpstreamUnavailable("No upstream could list its models.")
     return web.json_response({"object": "list", "data": merged})
 
 

@@ -29,6 +29,7 @@ from proxy.errors import (
     InvalidRequest,
     NotFound,
     ProxyError,
+    RequestTooLarge,
     UpstreamTimeout,
     UpstreamUnavailable,
 )
@@ -123,7 +124,13 @@ async def _serve(
     request: web.Request, translator_cls: type[Translator], ex: Exchange
 ) -> web.StreamResponse:
     runtime = ex.runtime = request.app[st.RUNTIME_HOLDER].current
-    raw = await request.read()
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise RequestTooLarge(
+            f"The request body is larger than the proxy accepts "
+            f"({runtime.config.server.max_body_mb:g} MB, server.max_body_mb)."
+        ) from None
     parsed = parse_body(raw)
     ex.model, ex.stream = parsed.model, parsed.stream
     if parsed.stream and not translator_cls.streams:

@@ -312,3 +312,11 @@ async def test_passthrough_meters_by_key_hash(
     m = await _metrics(proxy)
     assert sample(m, "tokenmeter_requests_total", user=label, status="200") == 1
     assert "sk-team-own" not in repr(m)
+
+
+async def test_models_listing_needs_a_key(make_proxy: Factory) -> None:
+    proxy = await make_proxy(f'  alice:\n    keys: ["{ALICE_KEY}"]\n')
+    models = await sdk(proxy, ALICE_KEY).models.list()
+    assert [m.id for m in models.data] == ["mock-gpt"]
+    with pytest.raises(openai.AuthenticationError):
+        await sdk(proxy, "sk-not-a-key-0000").models.list()

@@ -15,7 +15,7 @@ from aiohttp.test_utils import TestServer
 from proxy.app import create_app
 from proxy.config import Config
 from proxy.mock_upstream import generated_text
-from tests.conftest import ServerFactory, Stack, config_for, sample
+from tests.conftest import ServerFactory, Stack, config_for, sample, scrape
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -173,3 +173,33 @@ async def test_client_disconnect_closes_upstream_and_records_tokens(stack: Stack
     m = await stack.metrics()
     assert sample(m, "tokenmeter_tokens_total", type="output", source="estimated") == 4
     assert json.dumps(line)  # one JSON object per request
+
+
+async def test_too_large_body_is_413_and_counted(
+    aiohttp_server: ServerFactory, upstream: TestServer
+) -> None:
+    cfg = config_for(str(upstream.make_url("/v1")), extra="server:\n  max_body_mb: 0.01")
+    proxy = await aiohttp_server(create_app(cfg))
+    big = {"model": "mock-gpt", "messages": [{"role": "user", "content": "x" * 20_000}]}
+    async with aiohttp.ClientSession() as s, s.post(
+        proxy.make_url("/v1/chat/completions"), json=big
+    ) as r:
+        assert r.status == 413
+        _assert_openai_error(await r.json(), "request_too_large")
+    m = await scrape(proxy)
+    assert sample(m, "tokenmeter_requests_total", status="413", error_class="request_too_large") == 1
+
+
+async def test_models_listing(stack: Stack) -> None:
+    models = await stack.client().models.list()
+    assert [m.id for m in models.data] == ["mock-gpt"]
+
+
+async def test_models_listing_upstream_down_is_502(aiohttp_server: ServerFactory) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proxy = await aiohttp_server(create_app(config_for(f"http://127.0.0.1:{port}/v1")))
+    async with aiohttp.ClientSession() as s, s.get(proxy.make_url("/v1/models")) as r:
+        assert r.status == 502
+        _assert_openai_error(await r.json(), "upstream_unreachable")
