@@ -28,6 +28,10 @@ class UpstreamConfig(_Model):
     connect_timeout_s: float = Field(default=10.0, gt=0)
     # Longest silence tolerated between two reads of the response; a stalled stream ends here.
     read_timeout_s: float = Field(default=300.0, gt=0)
+    # Ask for `stream_options.include_usage` on streamed chat/completions (stripped again if the
+    # client did not ask). Turn off for a server that rejects the field; streams are then
+    # counted with tiktoken and marked estimated.
+    stream_usage: bool = True
 
     @field_validator("base_url")
     @classmethod

@@ -143,7 +143,7 @@ async def _serve(
             param="model", code="model_not_found",
         )
     ex.route = route
-    translator = ex.translator = translator_cls(parsed)
+    translator = ex.translator = translator_cls(parsed, route.upstream.stream_usage)
     budget = request.app[st.BUDGET]
     reservation = ex.reservation = await budget.reserve(principal, translator, runtime.config)
     ex.response_headers = rate_limit_headers(

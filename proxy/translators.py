@@ -81,7 +81,7 @@ class Translator:
     path: ClassVar[str]
     streams: ClassVar[bool] = True
 
-    def __init__(self, request: ParsedRequest) -> None:
+    def __init__(self, request: ParsedRequest, ask_usage: bool = True) -> None:
         self.request = request
         self.model = request.model
         self._reported: Usage | None = None
@@ -156,10 +156,10 @@ class Translator:
 class _ChoicesTranslator(Translator):
     """Chat Completions and legacy Completions: `choices[]` chunks and `stream_options`."""
 
-    def __init__(self, request: ParsedRequest) -> None:
-        super().__init__(request)
+    def __init__(self, request: ParsedRequest, ask_usage: bool = True) -> None:
+        super().__init__(request, ask_usage)
         body = request.body
-        if request.stream:
+        if request.stream and ask_usage:
             options = body.get("stream_options")
             if not (isinstance(options, dict) and options.get("include_usage") is True):
                 new_options = dict(options) if isinstance(options, dict) else {}

@@ -32,6 +32,7 @@ class Upstream:
     api_key: str | None
     connect_timeout_s: float
     read_timeout_s: float
+    stream_usage: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +44,8 @@ class Route:
 class Router:
     def __init__(self, config: Config) -> None:
         self.upstreams = {
-            name: Upstream(name, u.base_url, u.api_key, u.connect_timeout_s, u.read_timeout_s)
+            name: Upstream(name, u.base_url, u.api_key, u.connect_timeout_s, u.read_timeout_s,
+                           u.stream_usage)
             for name, u in config.upstreams.items()
         }
         self._routes = [

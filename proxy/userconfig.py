@@ -72,6 +72,14 @@ class UserConfig(Limits):
     # e.g. {"o1*": {daily_tokens: 20000}} next to daily_tokens: 500000.
     model_limits: dict[str, Limits] = Field(default_factory=dict)
 
+    @field_validator("model_limits")
+    @classmethod
+    def _globs(cls, v: dict[str, Limits]) -> dict[str, Limits]:
+        for glob in v:
+            if any(c in glob for c in "{}\n") or not glob:
+                raise ValueError(f"model glob {glob!r} may not be empty or contain braces")
+        return v
+
     @field_validator("keys", mode="before")
     @classmethod
     def _keys(cls, v: object) -> object:

@@ -8,11 +8,12 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from proxy import tokenizer
 from proxy.app import create_app
-from proxy.mock_upstream import MockSettings, create_mock_app, generated_text
-from tests.conftest import ServerFactory, Stack, config_for, sample
+from proxy.mock_upstream import MOCK_STATE, MockSettings, create_mock_app, generated_text
+from tests.conftest import ServerFactory, Stack, config_for, sample, scrape
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -247,3 +248,17 @@ async def test_upstream_connections_are_reused(aiohttp_server: ServerFactory) ->
                 await r.read()
     # One pooled connection for sequential requests: no TCP handshake per request.
     assert len(peers) == 1
+
+
+async def test_stream_usage_can_be_turned_off_per_upstream(
+    aiohttp_server: ServerFactory, upstream: TestServer
+) -> None:
+    cfg = config_for(str(upstream.make_url("/v1")), stream_usage="false")
+    proxy = await aiohttp_server(create_app(cfg))
+    body = {"model": "mock-gpt", "messages": MESSAGES, "stream": True}
+    proxied = await _raw_post(str(proxy.make_url("/v1/chat/completions")), body)
+    sent = upstream.app[MOCK_STATE].requests[-1].body
+    assert sent is not None and "stream_options" not in sent  # the body went as the client sent it
+    assert b'"usage":null' not in proxied
+    m = await scrape(proxy)
+    assert sample(m, "tokenmeter_tokens_total", type="output", source="estimated") == 16
