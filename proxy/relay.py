@@ -146,9 +146,10 @@ async def _serve(
     translator = ex.translator = translator_cls(parsed, route.upstream.stream_usage)
     budget = request.app[st.BUDGET]
     reservation = ex.reservation = await budget.reserve(principal, translator, runtime.config)
-    ex.response_headers = rate_limit_headers(
-        reservation.plan.windows, reservation.used, budget.clock()
-    )
+    if reservation.stored:  # admitted during a store outage: the counts are unknown
+        ex.response_headers = rate_limit_headers(
+            reservation.plan.windows, reservation.used, budget.clock()
+        )
     upstream = route.upstream
     # No sock_read: a per-read timer is costly at stream speed; the watchdog covers streams and
     # asyncio.timeout the wait for headers and for a JSON body.
