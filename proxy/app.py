@@ -226,7 +226,10 @@ def _watch_ctx(path: Path) -> Callable[[web.Application], AsyncIterator[None]]:
         def apply(config: Config) -> None:
             if config.store != holder.current.config.store:
                 log.warning("store settings changed; they take effect on restart")
+            previous = holder.current
             holder.current = build_runtime(config)
+            # Names learned from the upstreams at start stay allowed as labels.
+            holder.current.router.add_model_labels(previous.router.discovered)
             app[st.METRICS].info.set(1 if holder.current.open_mode else 0)
 
         watcher = ConfigWatcher(path, apply, app[st.METRICS])

@@ -54,6 +54,7 @@ class Router:
         ]
         exact = {r.match for r in config.models if not any(c in r.match for c in "*?[")}
         self._labels: set[str] = exact | set(config.metrics.model_labels)
+        self.discovered: set[str] = set()
 
     def resolve(self, model: str) -> Route | None:
         for regex, route in self._routes:
@@ -67,6 +68,7 @@ class Router:
             if len(self._labels) >= limit:
                 break
             self._labels.add(name)
+            self.discovered.add(name)
 
     def model_label(self, model: str, route: Route | None) -> str:
         if model in self._labels:
