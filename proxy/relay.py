@@ -214,7 +214,8 @@ async def _relay_stream(
 ) -> web.StreamResponse:
     resp = web.StreamResponse(status=up.status, headers=_client_headers(up, ex))
     await resp.prepare(request)
-    tap = StreamTap(translator, ex.meter)
+    errors = request.app[st.METRICS].metering_errors.labels("stream")
+    tap = StreamTap(translator, ex.meter, on_error=errors.inc)
     passthrough, observe = tap.passthrough, tap.observe
     perf = time.perf_counter
     try:
@@ -244,6 +245,12 @@ async def _relay_stream(
         _abort(request)
     except aiohttp.ClientError:
         ex.error_class = "timeout" if watch.expired else "upstream_reset"
+        tap.close()
+        _abort(request)
+    except Exception:
+        # Headers are out: no error response is possible any more. Break the stream visibly.
+        log.exception("relaying stream %s failed", ex.request_id)
+        ex.error_class = "internal"
         tap.close()
         _abort(request)
     return resp

@@ -11,15 +11,24 @@ bytes were already forwarded is never dropped, so the client's stream is never c
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 from proxy.meter import RequestMeter
 from proxy.sse import SSEDecoder
 from proxy.translators import CONTENT, FINISH, USAGE_ONLY, Translator
 
+log = logging.getLogger("tokenmeter.tap")
+
 
 class StreamTap:
-    __slots__ = ("_decoder", "_held", "_holding", "_meter", "_on_event", "_strip", "_tainted")
+    __slots__ = ("_broken", "_decoder", "_held", "_holding", "_meter", "_on_error", "_on_event",
+                 "_strip", "_tainted")
 
-    def __init__(self, translator: Translator, meter: RequestMeter) -> None:
+    def __init__(self, translator: Translator, meter: RequestMeter,
+                 on_error: Callable[[], None] = lambda: None) -> None:
+        self._broken = False
+        self._on_error = on_error
         self._decoder = SSEDecoder()
         self._on_event = translator.on_event
         self._meter = meter
@@ -33,8 +42,24 @@ class StreamTap:
             self._holding or b'"usage":{' in chunk or b'"usage": {' in chunk
         )
 
+    def _break(self) -> None:
+        """A bug in metering must not cost the client its stream: say so loudly, stop looking,
+        and forward everything from here on as it comes."""
+        log.exception("metering failed mid-stream; the rest is forwarded unmetered")
+        self._on_error()
+        self._broken = True
+        self._strip = False
+
     def observe(self, chunk: bytes, now: float) -> None:
         """A chunk that has been forwarded as is."""
+        if self._broken:
+            return
+        try:
+            self._observe(chunk, now)
+        except Exception:
+            self._break()
+
+    def _observe(self, chunk: bytes, now: float) -> None:
         # Fast path for what fast upstreams send: one whole `data:` event per chunk, LF-framed,
         # with nothing pending in the decoder. It yields exactly what the decoder would.
         if (
@@ -61,6 +86,14 @@ class StreamTap:
 
     def filter(self, chunk: bytes, now: float) -> bytes:
         """A chunk that may contain the usage-only event: returns what to forward."""
+        try:
+            return self._filter(chunk, now)
+        except Exception:
+            self._break()
+            rest, self._held = self._held, b""
+            return rest + chunk
+
+    def _filter(self, chunk: bytes, now: float) -> bytes:
         buf = self._held + chunk
         shift = len(self._held)
         events, ends = self._decoder.feed_with_ends(chunk)
@@ -86,6 +119,10 @@ class StreamTap:
         """End of the upstream stream: the held rest (if any) is forwarded, and a final event not
         terminated by a blank line (a cut stream) is still metered."""
         rest, self._held = self._held, b""
-        for event in self._decoder.flush():
-            self._on_event(event.data, event.event)
+        if not self._broken:
+            try:
+                for event in self._decoder.flush():
+                    self._on_event(event.data, event.event)
+            except Exception:
+                self._break()
         return rest

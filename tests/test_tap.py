@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from proxy.meter import RequestMeter
 from proxy.tap import StreamTap
 from proxy.translators import ChatTranslator, parse_body
@@ -79,3 +81,32 @@ def test_every_split_offset_never_corrupts_and_always_meters() -> None:
 def test_byte_by_byte() -> None:
     out, tr, chunks = _run([STREAM[i : i + 1] for i in range(len(STREAM))])
     assert out == STRIPPED and chunks == 3 and tr.usage().output_tokens == 3
+
+
+def test_a_metering_bug_never_costs_the_client_its_stream(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class Broken(ChatTranslator):
+        calls = 0
+
+        def on_event(self, data: bytes, name: str | None) -> int:
+            Broken.calls += 1
+            if Broken.calls == 3:
+                raise RuntimeError("bug")
+            return super().on_event(data, name)
+
+    body = json.dumps({"model": "m", "messages": [], "stream": True}).encode()
+    errors: list[int] = []
+    tap = StreamTap(Broken(parse_body(body)), RequestMeter(), on_error=lambda: errors.append(1))
+    out = b""
+    for part in [e + b"\n\n" for e in STREAM.split(b"\n\n") if e]:
+        if tap.passthrough(part):
+            out += part
+            tap.observe(part, 0.0)
+        else:
+            out += tap.filter(part, 0.0)
+    out += tap.close()
+    # Every byte still reaches the client (the usage chunk too: stripping stops with metering).
+    assert out == STREAM
+    assert errors == [1]
+    assert "metering failed mid-stream" in caplog.text
