@@ -320,3 +320,27 @@ async def test_models_listing_needs_a_key(make_proxy: Factory) -> None:
     assert [m.id for m in models.data] == ["mock-gpt"]
     with pytest.raises(openai.AuthenticationError):
         await sdk(proxy, "sk-not-a-key-0000").models.list()
+
+
+async def test_redis_keys_share_a_cluster_slot_and_expire(
+    aiohttp_server: ServerFactory, upstream: TestServer, redis_url: str
+) -> None:
+    import redis.asyncio as aioredis
+    from redis.crc import key_slot
+
+    users = (f'  alice:\n    keys: ["{ALICE_KEY}"]\n    daily_tokens: 100000\n'
+             "    tokens_per_minute: 100000\n    max_concurrent_requests: 5\n")
+    text = budget_yaml(str(upstream.make_url("/v1")), redis_url, users)
+    proxy = await aiohttp_server(create_app(parse_config(text)))
+    await _stream_usage(sdk(proxy, ALICE_KEY))
+    r = aioredis.Redis.from_url(redis_url)
+    try:
+        keys = await r.keys("tokenmeter:*")
+        assert keys
+        # One slot per user: Redis Cluster can run every script of a request on one node.
+        assert len({key_slot(k) for k in keys}) == 1
+        for k in keys:
+            assert k.startswith(b"tokenmeter:{alice}:")
+            assert await r.ttl(k) > 0  # nothing lives forever
+    finally:
+        await r.aclose()
