@@ -36,11 +36,9 @@ import os
 import platform
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +56,7 @@ from bench_proxy import (
     Service,
     Services,
     cpu_times,
+    execute,
     find_pyspy,
     free_ports,
     is_file,
@@ -875,37 +874,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("--profile needs py-spy (.venv/bin/pip install py-spy)", file=sys.stderr)
         return 2
 
-    def on_term(_signum: int, _frame: object) -> None:
-        signal.raise_signal(signal.SIGINT)  # handled like Ctrl-C: the finally stops services
-
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, on_term)
-
-    t_start = time.monotonic()
-    workdir = Path(tempfile.mkdtemp(prefix="tokenmeter-bench-budget-"))
-    services = Services(workdir)
-    code = 0
-    try:
-        results = asyncio.run(run(args, plan, services, workdir, t_start))
-        results["meta"]["elapsed_s"] = round(time.monotonic() - t_start, 1)
-        results["meta"]["output"] = str(args.output)
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(results, indent=2) + "\n")
-        print(report(results))
-    except BenchError as exc:
-        print(f"benchmark failed: {exc}", file=sys.stderr)
-        code = 1
-    except KeyboardInterrupt:
-        print("interrupted; stopping services", file=sys.stderr)
-        code = 130
-    finally:
-        services.stop()
-        if args.keep_tmp:
-            print(f"temp dir kept: {workdir}", file=sys.stderr)
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
-    return code
+    return execute(args, plan, run, report, "tokenmeter-bench-budget-")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1011,6 +1011,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("--profile needs py-spy (.venv/bin/pip install py-spy)", file=sys.stderr)
         return 2
 
+    return execute(args, plan, run, report, "tokenmeter-bench-", finish=_add_targets)
+
+
+def _add_targets(results: dict[str, Any]) -> None:
+    results["targets"] = targets(results)
+
+
+def execute(
+    args: argparse.Namespace,
+    plan: Any,
+    run_fn: Callable[..., Awaitable[dict[str, Any]]],
+    report_fn: Callable[[dict[str, Any]], str],
+    prefix: str,
+    finish: Callable[[dict[str, Any]], None] | None = None,
+) -> int:
+    """Run a benchmark with its services in a temp dir, always stopping them (also on Ctrl-C,
+    SIGTERM and SIGHUP), then write the JSON and print the report. Shared by bench_budget."""
+
     def on_term(_signum: int, _frame: object) -> None:
         # Handled as Ctrl-C: inside asyncio.run that cancels the main task cleanly, outside it
         # raises KeyboardInterrupt; either way the `finally` below stops the services.
@@ -1021,17 +1039,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(sig, on_term)
 
     t_start = time.monotonic()
-    workdir = Path(tempfile.mkdtemp(prefix="tokenmeter-bench-"))
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
     services = Services(workdir)
     code = 0
     try:
-        results = asyncio.run(run(args, plan, services, workdir, t_start))
+        results = asyncio.run(run_fn(args, plan, services, workdir, t_start))
         results["meta"]["elapsed_s"] = round(time.monotonic() - t_start, 1)
         results["meta"]["output"] = str(args.output)
-        results["targets"] = targets(results)
+        if finish is not None:
+            finish(results)
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(results, indent=2) + "\n")
-        print(report(results))
+        print(report_fn(results))
     except BenchError as exc:
         print(f"benchmark failed: {exc}", file=sys.stderr)
         code = 1
