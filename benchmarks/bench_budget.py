@@ -58,6 +58,7 @@ from bench_proxy import (
     cpu_times,
     execute,
     find_pyspy,
+    fmt,
     free_ports,
     is_file,
     percentile,
@@ -632,12 +633,6 @@ def metrics_report(scrapes: dict[str, dict[str, str]]) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------------------
 # Report
-
-
-def fmt(value: Any, spec: str = ".2f") -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return format(value, spec)
 
 
 def report(results: dict[str, Any]) -> str:
