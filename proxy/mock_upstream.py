@@ -16,6 +16,7 @@ import functools
 import hashlib
 import json
 import math
+import random
 import struct
 import time
 import uuid
@@ -43,7 +44,11 @@ class MockSettings:
     reasoning_tokens is reported as a detail of, not added to, the completion tokens. A status
     other than 200 answers with an OpenAI error body (error_code, else a default for the status).
     stall_after / reset_after N: after N content tokens, hang until the client leaves / abort the
-    TCP connection.
+    TCP connection; garbage_after N: after N tokens, send bytes that are not SSE, then go on.
+    retry_after_ms adds `retry-after-ms` (and a rounded-up `retry-after`) to injected errors.
+    fail_first N: the faults above (status, stall, reset, garbage) hit only the first N requests
+    of a scenario (the `x-mock-scenario` header), later ones are served normally: a retry test.
+    chunk_seed: cut every write at random (seeded) byte offsets, to exercise chunk boundaries.
     """
 
     tokens_per_second: float = 750.0
@@ -58,6 +63,10 @@ class MockSettings:
     stall_after: int | None = None
     reset_after: int | None = None
     model: str = "mock-gpt"
+    garbage_after: int | None = None
+    retry_after_ms: float | None = None
+    fail_first: int | None = None
+    chunk_seed: int | None = None
 
     def __post_init__(self) -> None:
         # Checked here so that header overrides, applied with dataclasses.replace, obey the same
@@ -66,7 +75,9 @@ class MockSettings:
             raise ValueError("tokens_per_second, ttft_ms and delay_ms must be finite")
         times = (self.ttft_ms, self.delay_ms)
         counts = (self.output_tokens, self.cached_tokens, self.reasoning_tokens)
-        if min(*times, *counts, self.stall_after or 0, self.reset_after or 0) < 0:
+        faults = (self.stall_after, self.reset_after, self.garbage_after, self.fail_first,
+                  self.retry_after_ms)
+        if min(*times, *counts, *(f or 0 for f in faults)) < 0:
             raise ValueError("times, token counts and fault positions must not be negative")
         if self.status != 200 and not 400 <= self.status <= 599:
             raise ValueError("status must be 200 or an error status (400-599)")
@@ -86,6 +97,19 @@ class MockState:
     def __init__(self) -> None:
         self.requests: list[ReceivedRequest] = []
         self.active = 0
+        self.attempts: dict[str, int] = {}  # per x-mock-scenario, for fail_first
+        # Usage the mock reported in responses it finished sending (soak checks use it).
+        self.reported = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0}
+
+    def record_usage(self, usage: Mapping[str, Any] | None) -> None:
+        if usage is None:
+            return
+        self.reported["requests"] += 1
+        prompt = usage.get("prompt_tokens", usage.get("input_tokens", 0))
+        self.reported["prompt_tokens"] += int(prompt)
+        self.reported["completion_tokens"] += int(
+            usage.get("completion_tokens", usage.get("output_tokens", 0))
+        )
 
 
 MOCK_STATE = web.AppKey("tokenmeter_mock_state", MockState)
@@ -132,7 +156,17 @@ _OVERRIDES: tuple[tuple[str, str, Callable[[str], object]], ...] = (
     ("x-mock-delay-ms", "delay_ms", float),
     ("x-mock-stall-after", "stall_after", _optional_int),
     ("x-mock-reset-after", "reset_after", _optional_int),
+    ("x-mock-garbage-after", "garbage_after", _optional_int),
+    ("x-mock-retry-after-ms", "retry_after_ms", lambda value: float(value) if value else None),
+    ("x-mock-fail-first", "fail_first", _optional_int),
+    ("x-mock-chunk-seed", "chunk_seed", _optional_int),
 )
+
+_GARBAGE = b"\x00\xff\xfenot an event {{{\r\n: \xc3\x28 half-utf8\n\n"
+_HEALTHY: dict[str, Any] = {
+    "status": 200, "error_code": None, "stall_after": None, "reset_after": None,
+    "garbage_after": None,
+}
 
 
 @dataclass
@@ -209,6 +243,11 @@ def _endpoint(
         request_id = "req_" + uuid.uuid4().hex
         try:
             cfg = _effective(request.app[_SETTINGS], request.headers)
+            if cfg.fail_first is not None:
+                scenario = request.headers.get("x-mock-scenario", "")
+                seen = state.attempts[scenario] = state.attempts.get(scenario, 0) + 1
+                if seen > cfg.fail_first:
+                    cfg = dataclasses.replace(cfg, **_HEALTHY)
             if needs_body and body is None:
                 raise _ApiError(400, "We could not parse the JSON body of your request.")
             body = body or {}
@@ -240,10 +279,12 @@ def _injected_error(call: _Call) -> _ApiError:
         code = code or "rate_limit_exceeded"
         type_ = "insufficient_quota" if code == "insufficient_quota" else "requests"
         message = f"Rate limit reached for {call.model} (mock). Please try again in 1s."
-        return _ApiError(429, message, None, code, type_=type_, headers={"retry-after": "1"})
+        headers = _retry_headers(call.cfg) or {"retry-after": "1"}
+        return _ApiError(429, message, None, code, type_=type_, headers=headers)
     if status >= 500:
         message = "The server had an error while processing your request. Sorry about that!"
-        return _ApiError(status, message, None, code, type_="server_error")
+        return _ApiError(status, message, None, code, type_="server_error",
+                         headers=_retry_headers(call.cfg))
     if code == "context_length_exceeded":
         message = (
             "This model's maximum context length is 128000 tokens. However, your messages "
@@ -251,6 +292,13 @@ def _injected_error(call: _Call) -> _ApiError:
         )
         return _ApiError(status, message, "messages", code)
     return _ApiError(status, f"Mock upstream injected HTTP {status}.", None, code)
+
+
+def _retry_headers(cfg: MockSettings) -> dict[str, str]:
+    if cfg.retry_after_ms is None:
+        return {}
+    ms = cfg.retry_after_ms
+    return {"retry-after-ms": f"{ms:g}", "retry-after": str(math.ceil(ms / 1000))}
 
 
 async def _sleep_ms(ms: float) -> None:
@@ -313,9 +361,36 @@ def _completion_usage(call: _Call, n: int) -> dict[str, Any] | None:
     }
 
 
-async def _json_response(call: _Call, obj: dict[str, Any]) -> web.Response:
+async def _json_response(call: _Call, obj: dict[str, Any]) -> web.StreamResponse:
     await _sleep_ms(call.cfg.ttft_ms)
-    return web.Response(body=_dumps(obj), headers=call.headers("application/json"))
+    resp = web.StreamResponse(headers=call.headers("application/json"))
+    body = _dumps(obj)
+    resp.content_length = len(body)
+    try:
+        await resp.prepare(call.request)
+        await _writer(resp, call.cfg)(body)
+        await resp.write_eof()
+    except ConnectionError:
+        return resp
+    call.request.app[MOCK_STATE].record_usage(obj.get("usage"))
+    return resp
+
+
+def _writer(resp: web.StreamResponse, cfg: MockSettings) -> Callable[[bytes], Awaitable[None]]:
+    """resp.write, or with chunk_seed, writes of random pieces (each flushed on its own)."""
+    if cfg.chunk_seed is None:
+        return resp.write
+    rng = random.Random(cfg.chunk_seed)
+
+    async def write(data: bytes) -> None:
+        start = 0
+        while start < len(data):
+            end = min(len(data), start + rng.randint(1, 64))
+            await resp.write(data[start:end])
+            await asyncio.sleep(0)  # let the transport send this piece on its own
+            start = end
+
+    return write
 
 
 def _fault(cfg: MockSettings, n: int) -> tuple[int, str | None]:
@@ -347,6 +422,7 @@ async def _stream(
     head: bytes,
     tail: bytes,
     preamble: bytes = b"",
+    usage: Mapping[str, Any] | None = None,
 ) -> web.StreamResponse:
     """Send `preamble` at once, `head` with the first token, then the tokens, then `tail`.
 
@@ -360,10 +436,12 @@ async def _stream(
     loop = asyncio.get_running_loop()
     count, fault = _fault(cfg, n)
     interval = 1.0 / cfg.tokens_per_second if cfg.tokens_per_second > 0 else 0.0
+    garbage = min(cfg.garbage_after, count) if cfg.garbage_after is not None else -1
     try:
         await resp.prepare(call.request)
+        write = _writer(resp, cfg)
         if preamble:
-            await resp.write(preamble)
+            await write(preamble)
         t_first = loop.time() + cfg.ttft_ms / 1000
         pending, i = [head], 0
         while i < count:
@@ -376,7 +454,9 @@ async def _stream(
             else:
                 upto = min(count, i + _BURST)
             pending.extend(token(k) for k in range(i, upto))
-            await resp.write(b"".join(pending))
+            if i <= garbage < upto:
+                pending.insert(len(pending) - (upto - garbage), _GARBAGE)
+            await write(b"".join(pending))
             pending, i = [], upto
             if not interval:
                 await asyncio.sleep(0)
@@ -388,10 +468,13 @@ async def _stream(
             await _hang(call.request)
             return resp
         await asyncio.sleep(max(0.0, t_first - loop.time()))  # no tokens: still wait out ttft
-        await resp.write(b"".join([*pending, tail]))
+        if garbage == count:
+            pending.append(_GARBAGE)
+        await write(b"".join([*pending, tail]))
         await resp.write_eof()
     except ConnectionError:
-        pass  # The client went away: there is nobody left to tell.
+        return resp  # The client went away: there is nobody left to tell.
+    call.request.app[MOCK_STATE].record_usage(usage)
     return resp
 
 
@@ -438,7 +521,9 @@ async def _completion(call: _Call, *, chat: bool) -> web.StreamResponse:
     if include:
         tail += _data({**chunk_base, "choices": [], "usage": usage})
     token = _word_events(lambda word: chunk(choice({"content": word} if chat else word, None)))
-    return await _stream(call, n, token=token, head=head, tail=tail + b"data: [DONE]\n\n")
+    tail += b"data: [DONE]\n\n"
+    reported = usage if include else None
+    return await _stream(call, n, token=token, head=head, tail=tail, usage=reported)
 
 
 def _event(kind: str, seq: int, payload: dict[str, Any]) -> bytes:
@@ -505,7 +590,7 @@ async def _responses(call: _Call) -> web.StreamResponse:
     def token(i: int) -> bytes:
         return prefix + str(4 + i).encode() + suffixes[i % len(WORDS)]
 
-    return await _stream(call, n, token=token, head=head, tail=tail, preamble=preamble)
+    return await _stream(call, n, token=token, head=head, tail=tail, preamble=preamble, usage=usage)
 
 
 async def _embeddings(call: _Call) -> web.StreamResponse:
@@ -540,6 +625,10 @@ async def _models(call: _Call) -> web.StreamResponse:
     return web.Response(body=_dumps(listing), headers=call.headers("application/json"))
 
 
+async def _stats(call: _Call) -> web.StreamResponse:
+    return web.json_response(call.request.app[MOCK_STATE].reported)
+
+
 async def _not_found(call: _Call) -> web.StreamResponse:
     raise _ApiError(404, f"Invalid URL ({call.request.method} {call.request.path})")
 
@@ -555,6 +644,7 @@ def create_mock_app(settings: MockSettings | None = None) -> web.Application:
     add("POST", "/v1/completions", _endpoint(functools.partial(_completion, chat=False)))
     add("POST", "/v1/responses", _endpoint(_responses))
     add("POST", "/v1/embeddings", _endpoint(_embeddings))
+    add("GET", "/_mock/stats", _endpoint(_stats, needs_body=False, inject=False))
     add("*", "/{tail:.*}", _endpoint(_not_found, needs_body=False, inject=False))
     return app
 

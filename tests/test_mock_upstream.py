@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 from aiohttp import web
@@ -453,3 +454,52 @@ async def test_header_can_switch_off_a_configured_fault(aiohttp_client: MakeClie
     headers = {"x-mock-stall-after": "none"}
     resp = await mock.post("/v1/chat/completions", json=body, headers=headers)
     assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+
+
+async def test_fail_first_then_healthy_per_scenario(mock: Client) -> None:
+    body = {"model": "gpt-4o", "messages": MESSAGES}
+    headers = {"x-mock-status": "500", "x-mock-fail-first": "2", "x-mock-retry-after-ms": "250"}
+    statuses = []
+    for scenario in ("a", "a", "a", "b"):
+        resp = await mock.post(
+            "/v1/chat/completions", json=body, headers={**headers, "x-mock-scenario": scenario}
+        )
+        statuses.append(resp.status)
+        if resp.status == 500:
+            assert resp.headers["retry-after-ms"] == "250"
+            assert resp.headers["retry-after"] == "1"
+    assert statuses == [500, 500, 200, 500]
+
+
+async def test_garbage_is_inserted_and_chunks_are_cut(mock: Client) -> None:
+    body = {"model": "gpt-4o", "messages": MESSAGES, "stream": True}
+    headers = {"x-mock-output-tokens": "10", "x-mock-garbage-after": "3"}
+    plain = await (await mock.post("/v1/chat/completions", json=body, headers=headers)).read()
+    assert b"not an event" in plain
+    # The garbage comes after the third token event (plus the role chunk).
+    before = plain.split(b"\x00\xff")[0]
+    assert before.count(b'"content":" ') == 3
+    resp = await mock.post(
+        "/v1/chat/completions", json=body, headers={**headers, "x-mock-chunk-seed": "7"}
+    )
+    pieces = [piece async for piece in resp.content.iter_any()]
+    joined = b"".join(pieces)
+    assert len(pieces) > 5
+    # Same events, ids and timestamps aside.
+    assert joined.count(b"\n\n") == plain.count(b"\n\n")
+
+
+async def test_stats_count_usage_of_finished_responses(mock: Client) -> None:
+    body: dict[str, Any] = {"model": "gpt-4o", "messages": MESSAGES, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    await (await mock.post("/v1/chat/completions", json=body,
+                           headers={"x-mock-output-tokens": "7"})).read()
+    await (await mock.post("/v1/chat/completions", json={**body, "stream": False},
+                           headers={"x-mock-output-tokens": "5"})).read()
+    broken = await mock.post("/v1/chat/completions", json=body,
+                             headers={"x-mock-output-tokens": "9", "x-mock-reset-after": "2"})
+    with pytest.raises(aiohttp.ClientPayloadError):
+        await broken.read()
+    stats = await (await mock.get("/_mock/stats")).json()
+    assert stats["requests"] == 2
+    assert stats["completion_tokens"] == 12
