@@ -19,6 +19,8 @@ from aiohttp import web
 
 from proxy import state as st
 from proxy.app import create_app
+from proxy.bench.cli import add_parser as add_bench_parser
+from proxy.bench.cli import run as run_bench
 from proxy.config import Config, ConfigError, load_config, single_upstream_config
 from proxy.store import StoreError
 from proxy.store_redis import RedisStore
@@ -205,6 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     u.add_argument("--config", required=True)
     u.add_argument("--date", help="YYYY-MM-DD in the configured time zone (default: today)")
     u.add_argument("--json", action="store_true")
+    add_bench_parser(sub)
 
     args = parser.parse_args(argv)
     setup_logging(getattr(args, "log_level", "INFO"))
@@ -219,6 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "usage":
         return _usage(args)
+    if args.command == "bench":
+        return run_bench(args)
     if args.command == "mock-upstream":
         from proxy.mock_upstream import MockSettings, run_mock
 

@@ -1,0 +1,244 @@
+"""`tokenmeter bench`: the command line of the load generator."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from proxy.bench.client import ERROR_CLASSES, Endpoint, RequestSpec
+from proxy.bench.plot import PlotFormatError, write_plot
+from proxy.bench.report import ProgressBar, render, to_csv, to_json, write_text
+from proxy.bench.runner import BenchConfig, BenchResult, run_bench
+from proxy.bench.stats import parse_slo
+from proxy.bench.workload import PromptsFileError, load_prompts
+
+EPILOG = f"""\
+metrics (per request):
+  TTFT    time from sending the request to the first chunk with non-empty content
+          (without streaming: TTFT = end-to-end latency)
+  ITL     inter-token latency: every gap between consecutive content chunks
+  TPOT    time per output token: (latency - TTFT) / (output tokens - 1)
+          (streaming only, and only with at least 2 output tokens)
+  E2E     end-to-end latency: sending the request to the end of the response
+  output tokens
+          from the server's usage (stream_options.include_usage is requested); also counted
+          locally with tiktoken from the received text, and the difference (local - usage,
+          tokens and %) reported per level
+
+metrics (per level = endpoint x load x prompt size):
+  req/s        successful requests / time the endpoint was under load at this level
+  out tok/s    output tokens of all successful requests / that time (all streams together)
+  tok/s/stream per stream: 1 / TPOT (the decode speed one client sees)
+  p50/p90/p95/p99 of TTFT, TPOT, ITL, E2E (linear interpolation between closest ranks)
+  errors       counted by HTTP status and by class: {", ".join(ERROR_CLASSES)}
+  goodput      with --slo: requests/s that succeeded and met every SLO, and their fraction
+  lag          the load generator's own event-loop lag (p99, max); above --lag-warn-ms the
+               TTFT and ITL figures are flagged as unreliable
+
+--compare URL2 runs the same load against both endpoints, interleaved in blocks (A B B A ...)
+within each level, and reports base/compare ratios and base - compare latency differences.
+Exit status: 0 when the run completed (errors of the endpoints are counted, not fatal),
+2 for a usage error (bad arguments, unreadable prompts file).
+"""
+
+
+def _list(kind: Callable[[str], Any], name: str) -> Callable[[str], list[Any]]:
+    def parse(text: str) -> list[Any]:
+        try:
+            values = [kind(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}: expected a comma-separated list, "
+                                             f"got {text!r}") from None
+        if not values or any(v <= 0 for v in values):
+            raise argparse.ArgumentTypeError(f"{name}: values must be positive")
+        return values
+    return parse
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    b: argparse.ArgumentParser = sub.add_parser(
+        "bench", help="load-test an OpenAI-compatible endpoint (or two, side by side)",
+        description="Measure TTFT, ITL, TPOT, latency and tokens/s of an OpenAI-compatible "
+                    "chat-completions endpoint under a sweep of loads and prompt sizes.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8080/v1")
+    b.add_argument("--model", required=True)
+    b.add_argument("--compare", metavar="URL2", help="a second base URL, run interleaved")
+    b.add_argument("--label", help="name of --base-url in the report (default: host:port)")
+    b.add_argument("--compare-label", help="name of --compare in the report")
+    load = b.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=_list(int, "--concurrency"),
+                      help="closed loop: requests in flight, levels to sweep (default 1)")
+    load.add_argument("--rate", type=_list(float, "--rate"),
+                      help="open loop: Poisson arrivals at these requests/s, levels to sweep")
+    b.add_argument("--max-connections", type=int, help="open loop: cap on requests in flight")
+    size = b.add_mutually_exclusive_group()
+    size.add_argument("--requests", type=int, help="requests per endpoint per level (default 32)")
+    size.add_argument("--duration", type=float, help="seconds per endpoint per level")
+    prompts = b.add_mutually_exclusive_group()
+    prompts.add_argument("--prompt-tokens", type=_list(int, "--prompt-tokens"), default=[128],
+                         help="generated prompts of exactly these token lengths, sweep "
+                              "(default 128)")
+    prompts.add_argument("--prompts", metavar="FILE.jsonl",
+                         help='one request per line: {"messages": [...], "max_tokens": N} '
+                              "(max_tokens optional) or a bare messages list")
+    b.add_argument("--max-tokens", type=int, default=256,
+                   help="max output tokens per request (default 256; 0: do not send)")
+    b.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                   help="stream responses (default on)")
+    b.add_argument("--api-key-env", default="OPENAI_API_KEY", metavar="NAME",
+                   help="environment variable holding the API key (default OPENAI_API_KEY); "
+                        "the key is sent as a bearer token and never printed")
+    b.add_argument("--header", action="append", default=[], metavar="'NAME: VALUE'",
+                   help="extra request header, repeatable")
+    b.add_argument("--extra-body", metavar="JSON", help='merged into each body, e.g. '
+                   '\'{"ignore_eos": true}\'')
+    b.add_argument("--tokenizer-model", help="model whose encoding counts output locally "
+                   "(default: --model; unknown names use o200k_base)")
+    b.add_argument("--warmup", type=int, default=2, help="unmeasured requests per endpoint "
+                   "first (default 2)")
+    b.add_argument("--rounds", type=int, help="blocks per endpoint per level (default 4 with "
+                   "--compare, else 1)")
+    b.add_argument("--slo", help="e.g. ttft=200ms,tpot=5ms,e2e=2s: report goodput")
+    b.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    b.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
+    b.add_argument("--lag-warn-ms", type=float, default=5.0,
+                   help="warn when the event-loop lag p99 exceeds this (default 5)")
+    b.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    b.add_argument("--csv", metavar="FILE", help="write one CSV row per level")
+    b.add_argument("--plot", metavar="FILE", help="write charts: .svg, or .html embedding it")
+    b.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar on stderr (default: when stderr is a terminal)")
+    return b
+
+
+class UsageError(ValueError):
+    pass
+
+
+def _label(url: str) -> str:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    return parts.netloc or url
+
+
+def _headers(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        name, sep, value = item.partition(":")
+        if not sep or not name.strip():
+            raise UsageError(f"--header {item!r}: expected 'NAME: VALUE'")
+        out[name.strip()] = value.strip()
+    return out
+
+
+_SECRET = ("authorization", "key", "token", "secret", "cookie")
+
+
+def build_config(args: argparse.Namespace) -> tuple[BenchConfig, dict[str, Any]]:
+    """The run's configuration from parsed arguments, and its printable summary (no secrets)."""
+    if args.max_connections is not None and not args.rate:
+        raise UsageError("--max-connections applies to --rate only")
+    for name in ("requests", "duration", "max_connections", "rounds", "timeout"):
+        if (v := getattr(args, name)) is not None and v <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive")
+    if args.warmup < 0 or args.max_tokens < 0:
+        raise UsageError("--warmup and --max-tokens must not be negative")
+    if args.plot:
+        suffix = Path(args.plot).suffix.lower()
+        if suffix not in (".svg", ".html", ".htm"):
+            raise UsageError(f"--plot {args.plot}: only .svg or .html are supported (PNG would "
+                             "need a plotting library); use FILE.svg or FILE.html")
+    try:
+        slo = parse_slo(args.slo) if args.slo else {}
+    except ValueError as exc:
+        raise UsageError(f"--slo: {exc}") from None
+    extra: dict[str, Any] = {}
+    if args.extra_body:
+        try:
+            extra = json.loads(args.extra_body)
+        except ValueError as exc:
+            raise UsageError(f"--extra-body: not JSON: {exc}") from None
+        if not isinstance(extra, dict):
+            raise UsageError("--extra-body must be a JSON object")
+    headers = _headers(args.header)
+    key = os.environ.get(args.api_key_env) or None
+    tok_model = args.tokenizer_model or args.model
+    prompts = None
+    if args.prompts:
+        try:
+            prompts = load_prompts(args.prompts, tok_model)
+        except PromptsFileError as exc:
+            raise UsageError(str(exc)) from None
+    endpoints = [Endpoint(args.base_url, args.label or _label(args.base_url), key, headers)]
+    if args.compare:
+        other = args.compare_label or _label(args.compare)
+        if other == endpoints[0].label:
+            other += " (compare)"
+        endpoints.append(Endpoint(args.compare, other, key, headers))
+    spec = RequestSpec(model=args.model, stream=args.stream, max_tokens=args.max_tokens or None,
+                       extra_body=extra, timeout_s=args.timeout, tokenizer_model=tok_model)
+    requests = None if args.duration else (args.requests or 32)
+    config = BenchConfig(
+        endpoints=endpoints, spec=spec, concurrency=args.concurrency or [1],
+        rates=args.rate or [], prompt_tokens=args.prompt_tokens, prompts=prompts,
+        requests=requests, duration_s=args.duration, warmup=args.warmup, rounds=args.rounds,
+        slo=slo, seed=args.seed, lag_warn_ms=args.lag_warn_ms,
+        max_connections=args.max_connections)
+    summary = {
+        "endpoints": [{"label": e.label, "base_url": e.base_url} for e in endpoints],
+        "model": args.model, "mode": config.mode, "loads": config.loads,
+        "prompt_tokens": None if prompts else config.sizes,
+        "prompts_file": args.prompts, "requests_per_level": requests,
+        "duration_per_level_s": args.duration, "max_tokens": spec.max_tokens,
+        "stream": spec.stream, "warmup": args.warmup, "rounds": config.blocks, "slo_s": slo,
+        "seed": args.seed, "api_key_env": args.api_key_env, "api_key_set": key is not None,
+        "headers": {k: ("<redacted>" if any(s in k.lower() for s in _SECRET) else v)
+                    for k, v in headers.items()},
+        "extra_body": extra,
+    }
+    return config, summary
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config, summary = build_config(args)
+    except UsageError as exc:
+        print(f"tokenmeter bench: {exc}", file=sys.stderr)
+        return 2
+    show = sys.stderr.isatty() if args.progress is None else args.progress
+    bar = ProgressBar(sys.stderr) if show else None
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        try:
+            result: BenchResult = runner.run(run_bench(config, bar))
+        finally:
+            if bar is not None:
+                bar.close()
+    table = render(result)
+    print(table, flush=True)
+    if args.json:
+        write_text(args.json, to_json(result, summary))
+    if args.csv:
+        write_text(args.csv, to_csv(result))
+    if args.plot:
+        try:
+            write_plot(args.plot, result.levels, "tokenmeter bench: " + args.model, table)
+        except PlotFormatError as exc:  # checked above already; kept for API callers
+            print(f"tokenmeter bench: {exc}", file=sys.stderr)
+            return 2
+    return 0

@@ -1,0 +1,166 @@
+"""Charts as plain SVG (no plotting library), and an HTML page embedding the SVG.
+
+Rows: TTFT, per-stream output tokens/s (1/TPOT), total output tokens/s. Columns: against the
+load (concurrency or rate) and against the prompt size, whichever the run swept (the load
+column alone when it swept neither). Distributions are drawn as the p50 line with a shaded
+p10-p90 band; the total is one number per level, a line. The x axes are categorical: the swept
+values evenly spaced, labelled with their values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from html import escape
+from pathlib import Path
+
+from proxy.bench.stats import LevelStats
+
+COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+PANEL_W, PANEL_H = 420, 240
+MARGIN_L, MARGIN_R, MARGIN_T, MARGIN_B = 70, 20, 34, 46
+
+Band = tuple[float, float, float]  # low, mid, high
+Getter = Callable[[LevelStats], Band]
+
+METRICS: tuple[tuple[str, Getter], ...] = (
+    ("TTFT (ms), p50 and p10-p90", lambda s: (s.ttft.p10 * 1e3, s.ttft.p50 * 1e3,
+                                              s.ttft.p90 * 1e3)),
+    ("tokens/s per stream (1/TPOT), p50 and p10-p90",
+     lambda s: (s.stream_tokens_per_s.p10, s.stream_tokens_per_s.p50,
+                s.stream_tokens_per_s.p90)),
+    ("output tokens/s, all streams",
+     lambda s: (s.output_tokens_per_s, s.output_tokens_per_s, s.output_tokens_per_s)),
+)
+
+
+class PlotFormatError(ValueError):
+    pass
+
+
+def _nice_max(v: float) -> float:
+    if not math.isfinite(v) or v <= 0:
+        return 1.0
+    exp = 10.0 ** math.floor(math.log10(v))
+    return next(float(m * exp) for m in (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10) if m * exp >= v)
+
+
+def _fmt(v: float) -> str:
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+
+
+def _panel(
+    x0: float, y0: float, title: str, xlabel: str, xs: Sequence[float],
+    series: list[tuple[str, str, list[Band | None]]],
+) -> list[str]:
+    w, h = PANEL_W - MARGIN_L - MARGIN_R, PANEL_H - MARGIN_T - MARGIN_B
+    left, top = x0 + MARGIN_L, y0 + MARGIN_T
+    values = [v for _, _, pts in series for p in pts if p for v in p if math.isfinite(v)]
+    ymax = _nice_max(max(values, default=1.0))
+    n = len(xs)
+
+    def px(i: int) -> float:
+        return left + (w * (i + 0.5) / n)
+
+    def py(v: float) -> float:
+        return top + h - h * min(max(v, 0.0), ymax) / ymax
+
+    out = [f'<text x="{x0 + PANEL_W / 2}" y="{y0 + 20}" text-anchor="middle" '
+           f'font-weight="bold">{escape(title)}</text>',
+           f'<rect x="{left}" y="{top}" width="{w}" height="{h}" fill="none" stroke="#999"/>']
+    for k in range(5):
+        v = ymax * k / 4
+        y = py(v)
+        out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + w}" y2="{y:.1f}" stroke="#eee"/>')
+        out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{_fmt(v)}</text>')
+    for i, x in enumerate(xs):
+        out.append(f'<text x="{px(i):.1f}" y="{top + h + 16}" text-anchor="middle">{x:g}</text>')
+    out.append(f'<text x="{left + w / 2}" y="{top + h + 36}" text-anchor="middle">'
+               f'{escape(xlabel)}</text>')
+    for _name, color, pts in series:
+        idx = [i for i, p in enumerate(pts) if p and all(map(math.isfinite, p))]
+        if not idx:
+            continue
+        band = [pts[i] for i in idx]
+        if any(b[0] != b[2] for b in band if b):
+            upper = [f"{px(i):.1f},{py(b[2]):.1f}" for i, b in zip(idx, band, strict=True) if b]
+            lower = [f"{px(i):.1f},{py(b[0]):.1f}" for i, b in zip(idx, band, strict=True) if b]
+            if len(idx) == 1:  # one point: a vertical bar for its band
+                out.append(f'<line x1="{px(idx[0]):.1f}" y1="{py(band[0][0]):.1f}" '  # type: ignore[index]
+                           f'x2="{px(idx[0]):.1f}" y2="{py(band[0][2]):.1f}" '  # type: ignore[index]
+                           f'stroke="{color}" stroke-width="8" stroke-opacity="0.25"/>')
+            else:
+                poly = " ".join(upper + lower[::-1])
+                out.append(f'<polygon points="{poly}" fill="{color}" fill-opacity="0.18"/>')
+        mids = " ".join(f"{px(i):.1f},{py(b[1]):.1f}" for i, b in zip(idx, band, strict=True) if b)
+        out.append(f'<polyline points="{mids}" fill="none" stroke="{color}" stroke-width="2"/>')
+        for i, b in zip(idx, band, strict=True):
+            if b:
+                out.append(f'<circle cx="{px(i):.1f}" cy="{py(b[1]):.1f}" r="3" fill="{color}"/>')
+    return out
+
+
+def render_svg(levels: Sequence[LevelStats], title: str = "tokenmeter bench") -> str:
+    if not levels:
+        raise ValueError("nothing to plot: no levels")
+    endpoints = list(dict.fromkeys(s.endpoint for s in levels))
+    loads: list[float] = sorted({s.load for s in levels})
+    sizes: list[float] = sorted({float(s.prompt_tokens) for s in levels})
+    mode = levels[0].mode
+    load_label = "requests/s (open loop)" if mode == "rate" else "concurrency"
+    columns: list[tuple[str, str]] = []
+    if len(loads) > 1 or len(sizes) == 1:
+        columns.append(("load", load_label))
+    if len(sizes) > 1:
+        columns.append(("prompt", "prompt tokens"))
+    index: dict[tuple[str, float, float], LevelStats] = {
+        (s.endpoint, s.load, s.prompt_tokens): s for s in levels}
+    legend: list[tuple[str, str]] = []
+    body: list[str] = []
+    for row, (mtitle, get) in enumerate(METRICS):
+        for col, (kind, xlabel) in enumerate(columns):
+            xs, others = (loads, sizes) if kind == "load" else (sizes, loads)
+            series: list[tuple[str, str, list[Band | None]]] = []
+            for ep in endpoints:
+                for other in others:
+                    name = ep if len(others) == 1 else (
+                        f"{ep}, prompt {other}" if kind == "load" else f"{ep}, load {other:g}")
+                    color = COLORS[len(series) % len(COLORS)]
+                    pts: list[Band | None] = []
+                    for x in xs:
+                        key = (ep, x, other) if kind == "load" else (ep, other, x)
+                        st = index.get(key)
+                        pts.append(get(st) if st is not None and st.ok else None)
+                    series.append((name, color, pts))
+                    if row == 0 and (name, color) not in legend:
+                        legend.append((name, color))
+            body += _panel(col * PANEL_W, 40 + row * PANEL_H, mtitle, xlabel, xs, series)
+    width = PANEL_W * len(columns)
+    height = 40 + PANEL_H * len(METRICS) + 20 * (len(legend) + 1)
+    ly = 40 + PANEL_H * len(METRICS) + 10
+    for i, (name, color) in enumerate(legend):
+        y = ly + 20 * i
+        body.append(f'<rect x="{MARGIN_L}" y="{y}" width="14" height="10" fill="{color}"/>')
+        body.append(f'<text x="{MARGIN_L + 20}" y="{y + 10}">{escape(name)}</text>')
+    head = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">'
+            f'<rect width="100%" height="100%" fill="white"/>'
+            f'<text x="{width / 2}" y="22" text-anchor="middle" font-size="15" '
+            f'font-weight="bold">{escape(title)}</text>')
+    return head + "".join(body) + "</svg>\n"
+
+
+def render_html(svg: str, title: str, table: str) -> str:
+    return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{escape(title)}"
+            f"</title></head>\n<body>\n{svg}\n<pre>{escape(table)}</pre>\n</body></html>\n")
+
+
+def write_plot(path: str | Path, levels: Sequence[LevelStats], title: str, table: str) -> None:
+    p = Path(path)
+    suffix = p.suffix.lower()
+    if suffix not in (".svg", ".html", ".htm"):
+        raise PlotFormatError(f"--plot {p}: only .svg or .html are supported (no PNG: that "
+                              "would need a plotting library); open the .svg or .html in a "
+                              "browser, or convert the .svg")
+    svg = render_svg(levels, title)
+    p.write_text(svg if suffix == ".svg" else render_html(svg, title, table), encoding="utf-8")

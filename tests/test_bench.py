@@ -1,0 +1,249 @@
+"""`tokenmeter bench` against the simulated upstream (and the proxy), over real loopback HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import os
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from proxy.bench import BenchConfig, Endpoint, RequestSpec, run_bench
+from proxy.bench.plot import write_plot
+from proxy.bench.report import render, to_csv, to_json
+from proxy.bench.stats import parse_slo
+from proxy.bench.workload import PromptsFileError, load_prompts
+from proxy.cli import main
+from proxy.mock_upstream import MockSettings, create_mock_app
+from proxy.tokenizer import count_messages
+from tests.conftest import ServerFactory, Stack
+from tests.servers import free_port
+
+MODEL = "mock-gpt"
+
+
+@pytest.fixture
+def mock_settings() -> MockSettings:
+    # For the `stack` fixture (proxy in front of the mock): a paced stream with a known TTFT.
+    return MockSettings(tokens_per_second=750, ttft_ms=20, output_tokens=32)
+
+
+async def mock_url(aiohttp_server: ServerFactory, **settings: object) -> str:
+    server = await aiohttp_server(create_mock_app(MockSettings(**settings)))  # type: ignore[arg-type]
+    return str(server.make_url("/v1"))
+
+
+def config(url: str, **kw: object) -> BenchConfig:
+    headers = kw.pop("headers", {})
+    spec = kw.pop("spec", RequestSpec(model=MODEL, max_tokens=None))
+    base = dict(endpoints=[Endpoint(url, "mock", None, headers)], spec=spec, warmup=1)  # type: ignore[arg-type]
+    return BenchConfig(**{**base, **kw})  # type: ignore[arg-type]
+
+
+async def test_reports_the_known_ttft_speed_and_output_length(
+    aiohttp_server: ServerFactory,
+) -> None:
+    url = await mock_url(aiohttp_server, ttft_ms=50, tokens_per_second=750, output_tokens=64)
+    result = await run_bench(config(url, concurrency=[1], requests=6, prompt_tokens=[32]))
+    (st,) = result.levels
+    assert (st.ok, st.errors, st.requests) == (6, 0, 6)
+    assert st.ttft.p50 * 1000 == pytest.approx(50, abs=5)
+    assert st.stream_tokens_per_s.p50 == pytest.approx(750, rel=0.05)
+    assert st.tpot.p50 == pytest.approx(1 / 750, rel=0.05)
+    assert st.output_tokens.min == st.output_tokens.max == 64
+    assert st.usage_output_tokens == st.local_output_tokens == 6 * 64
+    assert st.usage_diff_tokens == 0 and st.usage_diff_pct == 0
+    assert st.itl.n == 6 * 63
+    # e2e = ttft + 63 gaps of 1/750 s
+    assert st.e2e.p50 == pytest.approx(0.050 + 63 / 750, abs=0.01)
+    assert all(r.usage_prompt_tokens == 32 + count_messages(MODEL, [{"role": "user",
+                                                                      "content": ""}])
+               for r in result.results)
+    assert not st.warnings and result.loop in ("asyncio", "uvloop")
+
+
+async def test_sweep_gives_one_level_per_load_and_prompt_size(
+    aiohttp_server: ServerFactory,
+) -> None:
+    url = await mock_url(aiohttp_server, ttft_ms=0, tokens_per_second=0, output_tokens=8)
+    result = await run_bench(config(url, concurrency=[1, 3], prompt_tokens=[16, 200],
+                                    requests=6))
+    keys = [(st.load, st.prompt_tokens) for st in result.levels]
+    assert keys == [(1, 16), (3, 16), (1, 200), (3, 200)]
+    assert all(st.ok == 6 and st.output_tokens.p50 == 8 for st in result.levels)
+    framing = count_messages(MODEL, [{"role": "user", "content": ""}])
+    for r in result.results:
+        assert r.usage_prompt_tokens == r.prompt_tokens + framing
+    table = render(result)
+    assert table.count("\n  mock") == 0 and len(table.splitlines()) >= 6
+
+
+async def test_open_loop_sends_at_poisson_times(aiohttp_server: ServerFactory) -> None:
+    url = await mock_url(aiohttp_server, ttft_ms=0, tokens_per_second=0, output_tokens=4)
+    result = await run_bench(config(url, rates=[40.0], requests=12, prompt_tokens=[8]))
+    (st,) = result.levels
+    assert st.mode == "rate" and st.load == 40 and st.ok == 12
+    starts = sorted(r.start for r in result.results)
+    # 12 arrivals at 40/s: the last one is due at the sum of 11 exponential gaps (mean 25 ms).
+    assert 0.05 < starts[-1] - starts[0] < 1.5
+
+
+async def test_compare_proxy_and_direct_interleaved(stack: Stack) -> None:
+    cfg = BenchConfig(
+        endpoints=[Endpoint(stack.base_url, "proxy", "sk-any"),
+                   Endpoint(stack.upstream_url, "direct")],
+        spec=RequestSpec(model=MODEL), concurrency=[1, 2], requests=8, prompt_tokens=[16],
+        warmup=1, rounds=2)
+    result = await run_bench(cfg)
+    assert [(s.endpoint, s.load) for s in result.levels] == [
+        ("proxy", 1), ("direct", 1), ("proxy", 2), ("direct", 2)]
+    assert all(s.ok == 8 and s.usage_diff_tokens == 0 for s in result.levels)
+    assert [(c.base, c.other, c.load) for c in result.comparisons] == [
+        ("proxy", "direct", 1), ("proxy", "direct", 2)]
+    for c in result.comparisons:
+        # Same mock behind both: the proxy relays at the mock's pace and adds little TTFT.
+        assert c.ratios["stream_tokens_per_s_p50"] == pytest.approx(1.0, abs=0.1)
+        assert 0.8 < c.ratios["ttft_p50"] < 1.6
+        assert -0.005 < c.deltas["ttft_p50"] < 0.015
+    # Interleaved in blocks A B B A: each endpoint's requests come in two separate runs.
+    proxy_starts = sorted(r.start for r in result.results if r.endpoint == "proxy"
+                          and r.load == 1)
+    direct_starts = sorted(r.start for r in result.results if r.endpoint == "direct"
+                           and r.load == 1)
+    assert proxy_starts[0] < direct_starts[0] < direct_starts[-1] < proxy_starts[-1]
+    assert "proxy vs direct" in render(result)
+
+
+async def test_slo_goodput_half_all_none(aiohttp_server: ServerFactory, tmp_path: Path) -> None:
+    url = await mock_url(aiohttp_server, ttft_ms=10, tokens_per_second=750, output_tokens=64)
+    prompts = tmp_path / "prompts.jsonl"
+    short = {"messages": [{"role": "user", "content": "short"}], "max_tokens": 4}
+    long = [{"role": "user", "content": "long"}]  # the mock's 64 tokens: ~95 ms
+    prompts.write_text(json.dumps(short) + "\n\n" + json.dumps(long) + "\n")
+    loaded = load_prompts(prompts, MODEL)
+    for slo, fraction in (("e2e=50ms", 0.5), ("ttft=1s", 1.0), ("ttft=1ms", 0.0)):
+        result = await run_bench(config(url, prompts=loaded, requests=4, slo=parse_slo(slo)))
+        (st,) = result.levels
+        assert st.prompt_tokens == 0 and st.ok == 4
+        assert st.goodput_fraction == fraction, slo
+        assert st.goodput == pytest.approx(4 * fraction / st.duration_s)
+    assert sorted(r.output_tokens for r in result.results) == [4, 4, 64, 64]
+
+
+def test_prompts_file_errors_name_the_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    for text, message in (
+        ('{"messages": [{"role": "user", "content": "x"}]}\nnot json\n', "bad.jsonl:2: not JSON"),
+        ('{"messages": []}\n', "bad.jsonl:1: expected"),
+        ('[{"content": "x"}]\n', "needs a 'role'"),
+        ('{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}\n', "max_tokens"),
+        ("\n\n", "no prompts"),
+    ):
+        bad.write_text(text)
+        with pytest.raises(PromptsFileError, match=message):
+            load_prompts(bad, MODEL)
+    with pytest.raises(PromptsFileError, match="cannot read"):
+        load_prompts(tmp_path / "missing.jsonl", MODEL)
+
+
+async def test_endpoint_errors_are_counted_by_status_and_class(
+    aiohttp_server: ServerFactory,
+) -> None:
+    url = await mock_url(aiohttp_server, ttft_ms=0, tokens_per_second=0, output_tokens=16)
+    cases = [
+        ({"x-mock-status": "500"}, "500", "server_error"),
+        ({"x-mock-status": "429"}, "429", "rate_limit"),
+        ({"x-mock-status": "401"}, "401", "auth"),
+        ({"x-mock-status": "400", "x-mock-error-code": "context_length_exceeded"}, "400",
+         "context_length"),
+        ({"x-mock-reset-after": "3"}, "200", "stream_reset"),
+    ]
+    for headers, status, cls in cases:
+        result = await run_bench(config(url, headers=headers, requests=3, warmup=0))
+        (st,) = result.levels
+        assert (st.ok, st.errors) == (0, 3), headers
+        assert st.errors_by_status == {status: 3} and st.errors_by_class == {cls: 3}
+        assert cls in render(result)
+    # A stalled stream hits the per-request timeout.
+    spec = RequestSpec(model=MODEL, timeout_s=0.3)
+    result = await run_bench(config(url, headers={"x-mock-stall-after": "2"}, spec=spec,
+                                    requests=2, warmup=0, concurrency=[2]))
+    assert result.levels[0].errors_by_class == {"timeout": 2}
+    # Nothing listens: connection errors, no status.
+    closed = f"http://127.0.0.1:{free_port()}/v1"
+    result = await run_bench(config(closed, requests=3))
+    (st,) = result.levels
+    assert st.errors_by_status == {"none": 3} and st.errors_by_class == {"connection": 3}
+    assert json.loads(to_json(result, {}))["levels"][0]["errors_by_class"] == {"connection": 3}
+
+
+async def test_outputs_json_csv_svg_html(aiohttp_server: ServerFactory, tmp_path: Path) -> None:
+    url = await mock_url(aiohttp_server, ttft_ms=5, tokens_per_second=0, output_tokens=8)
+    cfg = BenchConfig(endpoints=[Endpoint(url, "a"), Endpoint(url, "b")],
+                      spec=RequestSpec(model=MODEL), concurrency=[1, 2], prompt_tokens=[8, 64],
+                      requests=4, warmup=0, slo=parse_slo("ttft=1s"))
+    result = await run_bench(cfg)
+    data = json.loads(to_json(result, {"model": MODEL}))
+    assert len(data["levels"]) == 8 and len(data["comparisons"]) == 4
+    assert data["levels"][0]["ttft"]["p99"] > 0 and data["levels"][0]["goodput_fraction"] == 1
+    rows = list(csv.DictReader(to_csv(result).splitlines()))
+    assert len(rows) == 8 and float(rows[0]["ttft.p50"]) > 0 and rows[0]["endpoint"] == "a"
+    for name in ("plot.svg", "plot.html"):
+        write_plot(tmp_path / name, result.levels, "test", render(result))
+    svg = ET.parse(tmp_path / "plot.svg").getroot()
+    ns = "{http://www.w3.org/2000/svg}"
+    # 3 metrics x 2 columns (load, prompt size), one line per series (2 endpoints x 2 others).
+    assert len(svg.findall(f"{ns}polyline")) == 3 * 2 * 4
+    assert len(svg.findall(f"{ns}polygon")) > 0  # percentile bands
+    html = (tmp_path / "plot.html").read_text()
+    assert html.startswith("<!doctype html>") and "<svg" in html and "TTFT" in html
+
+
+async def test_cli_end_to_end(aiohttp_server: ServerFactory, tmp_path: Path) -> None:
+    url = await mock_url(aiohttp_server, ttft_ms=20, tokens_per_second=2000, output_tokens=16)
+    out = tmp_path / "r"
+    env = {**os.environ, "BENCH_TEST_KEY": "sk-secret-never-printed"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy.cli", "bench", "--base-url", url, "--model", MODEL,
+        "--compare", url, "--concurrency", "1,2", "--requests", "4", "--prompt-tokens", "8",
+        "--warmup", "1", "--slo", "ttft=500ms", "--api-key-env", "BENCH_TEST_KEY",
+        "--header", "x-mock-output-tokens: 12", "--json", f"{out}.json", "--csv", f"{out}.csv",
+        "--plot", f"{out}.svg",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
+    stdout, stderr = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, stderr.decode()
+    text = stdout.decode()
+    assert "TTFT ms p50/p90/p95/p99" in text and "vs" in text
+    assert "sk-secret" not in text + stderr.decode() + Path(f"{out}.json").read_text()
+    data = json.loads(Path(f"{out}.json").read_text())
+    assert data["config"]["api_key_set"] is True
+    assert [lv["output_tokens"]["p50"] for lv in data["levels"]] == [12] * 4
+    assert len(data["comparisons"]) == 2
+    assert len(list(csv.DictReader(Path(f"{out}.csv").read_text().splitlines()))) == 4
+    ET.parse(f"{out}.svg")
+
+
+def test_cli_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    base = ["bench", "--base-url", "http://127.0.0.1:9/v1", "--model", MODEL]
+    assert main([*base, "--plot", str(tmp_path / "x.png")]) == 2
+    assert ".svg or .html" in capsys.readouterr().err
+    assert main([*base, "--slo", "speed=1"]) == 2
+    assert main([*base, "--prompts", str(tmp_path / "none.jsonl")]) == 2
+    assert main([*base, "--header", "novalue"]) == 2
+    with pytest.raises(SystemExit) as exc:
+        main([*base, "--concurrency", "0"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    help_text = capsys.readouterr().out
+    for definition in (
+        "time from sending the request to the first chunk with non-empty content",
+        "every gap between consecutive content chunks",
+        "(latency - TTFT) / (output tokens - 1)",
+        "1 / TPOT",
+    ):
+        assert definition in help_text
