@@ -23,6 +23,8 @@ def request_fields(rec: RequestRecord) -> dict[str, object]:
         "user": rec.user,
         "key": rec.key,
         "model": rec.model[:200],
+        "fallback_from": None if rec.fallback_from is None else rec.fallback_from[:200],
+        "attempts": rec.attempts,
         "upstream": rec.upstream,
         "status": rec.status,
         "error_class": rec.error_class,

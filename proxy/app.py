@@ -7,6 +7,7 @@ import contextlib
 import gc
 import json
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy import state as st
 from proxy import tokenizer
+from proxy.attempts import LatencyTracker
 from proxy.auth import UserIndex, client_key
 from proxy.budget import Budget
 from proxy.config import Config
@@ -90,7 +92,7 @@ async def _models(request: web.Request) -> web.StreamResponse:
             client_key=client_key(request) if principal.forward_client_key else None,
         )
         timeout = aiohttp.ClientTimeout(
-            total=upstream.read_timeout_s, sock_connect=upstream.connect_timeout_s
+            total=upstream.first_byte_timeout_s, sock_connect=upstream.connect_timeout_s
         )
         try:
             async with session.get(
@@ -267,6 +269,8 @@ def create_app(
     )
     app[st.BUDGET] = Budget(store or make_store(config, clock), metrics, notifier, clock)
     app[WATCHDOG] = Watchdog()
+    app[st.LATENCY] = LatencyTracker()
+    app[st.RNG] = random.Random()
     app.cleanup_ctx.extend(
         [_session_ctx, _store_ctx, watchdog_ctx, _discover_models, _drain_settling]
     )

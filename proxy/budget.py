@@ -206,6 +206,16 @@ class Budget:
             self.metrics.budget_overreserved.labels(reservation.user).inc(over)
         await self._settle_entries(reservation, entries)
 
+    async def release(self, reservation: Reservation) -> None:
+        """Give a reservation back whole, the request itself included: an upstream attempt
+        that produced nothing before a fallback took over. Never raises, like settle."""
+        self._active.pop(reservation.res_id, None)
+        if reservation.stored:
+            reserved = reservation.prompt_tokens + reservation.output_cap
+            self.metrics.budget_overreserved.labels(reservation.user).inc(reserved)
+        entries = tuple(Entry(w.key, w.limit, 0, w.ttl_s) for w in reservation.plan.windows)
+        await self._settle_entries(reservation, entries)
+
     async def _settle_entries(self, reservation: Reservation, entries: tuple[Entry, ...]) -> bool:
         started = time.perf_counter()
         try:

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from proxy.userconfig import Policy
 
@@ -21,13 +30,44 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class RetryConfig(_Model):
+    """Retries of one upstream call, only ever before the client has been sent a byte."""
+
+    # Tries in all, the first included: 1 turns retries off.
+    max_attempts: int = Field(default=3, ge=1, le=10)
+    # Backoff before retry n (1-based) is initial * 2^(n-1), capped at max, times a random factor
+    # in [0.5, 1) ("equal jitter": spread out, never zero).
+    initial_backoff_ms: float = Field(default=200.0, ge=0)
+    max_backoff_ms: float = Field(default=5000.0, ge=0)
+    # No retry starts (nor a Retry-After is waited out) past this many seconds after the first
+    # try began; the last answer then goes to the client, or to the next fallback.
+    deadline_s: float = Field(default=30.0, gt=0)
+    on_status: list[int] = Field(default_factory=lambda: [429, 500, 502, 503, 504])
+
+    @field_validator("on_status")
+    @classmethod
+    def _statuses(cls, v: list[int]) -> list[int]:
+        bad = [s for s in v if not (s in {408, 409, 429} or 500 <= s <= 599)]
+        if bad:
+            raise ValueError(f"only 408, 409, 429 and 5xx can be retried, not {bad}")
+        return v
+
+
 class UpstreamConfig(_Model):
     base_url: str
     # Usually "${OPENAI_API_KEY}"; None sends no Authorization (local vLLM / Ollama).
     api_key: str | None = None
     connect_timeout_s: float = Field(default=10.0, gt=0)
-    # Longest silence tolerated between two reads of the response; a stalled stream ends here.
-    read_timeout_s: float = Field(default=300.0, gt=0)
+    # Request sent -> response headers received (the upstream's queueing plus prefill).
+    first_byte_timeout_s: float = Field(default=120.0, gt=0)
+    # Longest silence between two reads of a response; a stalled stream ends here. Streams have
+    # no total cap: a long healthy stream must never be cut.
+    idle_timeout_s: float = Field(
+        default=60.0, gt=0, validation_alias=AliasChoices("idle_timeout_s", "read_timeout_s")
+    )
+    # Whole non-streaming request, headers and body.
+    total_timeout_s: float = Field(default=600.0, gt=0)
+    retry: RetryConfig = Field(default_factory=RetryConfig)
     # Ask for `stream_options.include_usage` on streamed chat/completions (stripped again if the
     # client did not ask). Turn off for a server that rejects the field; streams are then
     # counted with tiktoken and marked estimated.
@@ -46,9 +86,21 @@ class UpstreamConfig(_Model):
         return v or None
 
 
+class LatencyFallback(_Model):
+    """Send a model's requests to its fallbacks while its recent upstream TTFT p95 is too high."""
+
+    ttft_p95_ms: float = Field(gt=0)
+    window_s: float = Field(default=60.0, gt=0)  # samples older than this are forgotten
+    min_samples: int = Field(default=20, ge=1)  # fewer samples: no verdict, the model is tried
+
+
 class ModelRoute(_Model):
     match: str = Field(min_length=1)  # glob on the requested model name: "gpt-4o*", "*"
     upstream: str
+    # Models (each routed by its own entry) tried in order when this one fails after its
+    # retries: unreachable, timed out before any byte, 429 or 5xx.
+    fallbacks: list[str] = Field(default_factory=list)
+    latency_fallback: LatencyFallback | None = None
 
 
 class ServerConfig(_Model):
@@ -64,6 +116,16 @@ class MetricsConfig(_Model):
     # characters and names the upstreams list at /v1/models are allowed anyway.
     model_labels: list[str] = Field(default_factory=list)
     discover_models: bool = True
+    # Serve /metrics on its own port (then not on the API port), e.g. one the firewall keeps
+    # private; and/or require `Authorization: Bearer <token>` to read it.
+    port: int | None = Field(default=None, ge=0, le=65535)
+    host: str | None = None  # default: server.host
+    token: str | None = None
+
+    @field_validator("token")
+    @classmethod
+    def _empty_token(cls, v: str | None) -> str | None:
+        return v or None
 
 
 class Config(Policy):
@@ -85,6 +147,12 @@ class Config(Policy):
                 raise ValueError(
                     f"models[{i}].upstream: unknown upstream {route.upstream!r} (known: {known})"
                 )
+        for i, route in enumerate(self.models):
+            for name in route.fallbacks:
+                if not any(fnmatch.fnmatchcase(name, r.match) for r in self.models):
+                    raise ValueError(f"models[{i}].fallbacks: {name!r} matches no models[] entry")
+            if route.latency_fallback is not None and not route.fallbacks:
+                raise ValueError(f"models[{i}].latency_fallback needs fallbacks to switch to")
         return self
 
 

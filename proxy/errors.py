@@ -58,6 +58,19 @@ class ProxyError(Exception):
         )
 
 
+def stream_error_event(exc: ProxyError, named: bool) -> bytes:
+    """The last event of a stream that broke: `data: {"error": {...}}`, which the openai SDKs
+    raise as an APIError. The Responses API names its events, so there it is also an `error`
+    event with that API's top-level `type`/`code`/`message`/`param`."""
+    body: dict[str, object] = dict(exc.to_body())
+    if named:
+        err = exc.to_body()["error"]
+        body = {"type": "error", "code": err["code"], "message": err["message"],
+                "param": err["param"], **body}
+        return b"event: error\ndata: " + json.dumps(body).encode() + b"\n\n"
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
 class InvalidRequest(ProxyError):
     status = 400
     type = "invalid_request_error"

@@ -53,6 +53,7 @@ class RequestMeter:
     __slots__ = (
         "_gaps",
         "_last",
+        "attempt_start",
         "chunks",
         "end",
         "first_token_received",
@@ -64,6 +65,7 @@ class RequestMeter:
     def __init__(self, received: float | None = None) -> None:
         self.received = time.perf_counter() if received is None else received
         self.upstream_start: float | None = None
+        self.attempt_start: float | None = None
         self.first_token_received: float | None = None
         self.first_token_sent: float | None = None
         self._last = 0.0
@@ -72,7 +74,11 @@ class RequestMeter:
         self._gaps = [0] * (len(TPOT_BUCKETS) + 1)
 
     def mark_upstream_start(self) -> None:
-        self.upstream_start = time.perf_counter()
+        """Each candidate upstream's first call: the proxy's overhead ends at the first one, the
+        upstream TTFT is the serving upstream's own (its retries included)."""
+        self.attempt_start = time.perf_counter()
+        if self.upstream_start is None:
+            self.upstream_start = self.attempt_start
 
     def content(self, now: float) -> None:
         """A content chunk arrived at `now` (and has already been written to the client)."""
@@ -97,8 +103,8 @@ class RequestMeter:
         ttft = upstream_ttft = tpot = tps = mean_gap = None
         if self.first_token_sent is not None:
             ttft = self.first_token_sent - self.received
-        if self.first_token_received is not None and self.upstream_start is not None:
-            upstream_ttft = self.first_token_received - self.upstream_start
+        if self.first_token_received is not None and self.attempt_start is not None:
+            upstream_ttft = self.first_token_received - self.attempt_start
         if self.first_token_received is not None and self.chunks > 1:
             decode = self._last - self.first_token_received
             mean_gap = decode / (self.chunks - 1)

@@ -26,7 +26,7 @@ class RequestRecord:
 
     request_id: str
     operation: str
-    model: str  # as the client asked (logged, never a label)
+    model: str  # the model that served it (logged, never a label)
     model_label: str
     upstream: str
     user: str
@@ -36,6 +36,8 @@ class RequestRecord:
     stream: bool
     usage: Usage
     figures: Figures
+    fallback_from: str | None = None  # the model asked for, when a fallback served instead
+    attempts: int = 1  # upstream calls made: retries and fallbacks included
 
 
 class _GapHistogram(Collector):
@@ -126,6 +128,17 @@ class Metrics:
         )
         self.active = Gauge(
             "tokenmeter_active_requests", "Requests in flight.", ("upstream",), registry=r,
+        )
+        self.retries = Counter(
+            "tokenmeter_upstream_retries",
+            "Upstream calls retried (before any byte reached the client), by the reason.",
+            ("upstream", "reason"), registry=r,
+        )
+        self.fallbacks = Counter(
+            "tokenmeter_fallbacks",
+            "Requests handed from a route to its next fallback model, by the reason "
+            "(an error class, or slow: recent TTFT p95 over the threshold).",
+            ("route", "to_model", "reason"), registry=r,
         )
         self.metering_errors = Counter(
             "tokenmeter_metering_errors",

@@ -21,6 +21,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from proxy import attempts
 from proxy import state as st
 from proxy.accesslog import log_request
 from proxy.auth import Principal, client_key
@@ -32,13 +33,14 @@ from proxy.errors import (
     RequestTooLarge,
     UpstreamTimeout,
     UpstreamUnavailable,
+    stream_error_event,
 )
 from proxy.meter import RequestMeter
 from proxy.metrics import RequestRecord
 from proxy.state import Runtime
 from proxy.tap import StreamTap
-from proxy.translators import Translator, parse_body
-from proxy.upstream import Route, client_response_headers, upstream_request_headers
+from proxy.translators import ParsedRequest, Translator, parse_body
+from proxy.upstream import Route, Upstream, client_response_headers, upstream_request_headers
 from proxy.usage import ZERO, Usage
 from proxy.watchdog import WATCHDOG, Watch
 
@@ -63,7 +65,9 @@ class Exchange:
     status: int = 500
     error_class: str = "none"
     upstream_answered: bool = False
-    notes: list[str] = field(default_factory=list)
+    fallback_from: str | None = None
+    attempts: int = 1
+    deadline: float | None = None  # loop time: the total cap of a non-streaming request
 
 
 def classify_upstream_error(status: int, body: bytes) -> str:
@@ -142,47 +146,102 @@ async def _serve(
             f"The model `{parsed.model}` is not routed to any upstream by this proxy.",
             param="model", code="model_not_found",
         )
-    ex.route = route
-    translator = ex.translator = translator_cls(parsed, route.upstream.stream_usage)
-    budget = request.app[st.BUDGET]
+    plan = attempts.candidates(runtime.router, route, parsed.model, request.app[st.LATENCY])
+    fallbacks = request.app[st.METRICS].fallbacks
+    reason = ""
+    for index, cand in enumerate(plan):
+        if index:
+            ex.fallback_from = parsed.model
+            fallbacks.labels(plan[index - 1].route.pattern, cand.model, reason).inc()
+        elif cand.model != parsed.model:  # the primary is slow: its first fallback goes first
+            ex.fallback_from = parsed.model
+            fallbacks.labels(route.pattern, cand.model, cand.reason).inc()
+        outcome = await _attempt(request, translator_cls, parsed, principal, cand, ex,
+                                 last=index == len(plan) - 1)
+        if isinstance(outcome, str):
+            reason = outcome
+            continue
+        return await _relay(request, outcome, ex)
+    raise AssertionError("the last candidate answers or raises")
+
+
+async def _attempt(
+    request: web.Request, translator_cls: type[Translator], parsed: ParsedRequest,
+    principal: Principal, cand: attempts.Candidate, ex: Exchange, *, last: bool,
+) -> aiohttp.ClientResponse | str:
+    """One candidate: reserve its budget and call its upstream (with retries). Returns the
+    response to relay, or, when it failed in a way the next candidate may do better with, the
+    failure's class (its reservation is then given back whole)."""
+    runtime = ex.runtime
+    assert runtime is not None
+    app = request.app
+    budget, metrics = app[st.BUDGET], app[st.METRICS]
+    ex.route, ex.model = cand.route, cand.model
+    upstream = cand.route.upstream
+    translator = ex.translator = translator_cls(parsed, upstream.stream_usage, cand.model)
     reservation = ex.reservation = await budget.reserve(principal, translator, runtime.config)
+    ex.response_headers = {"x-tokenmeter-model": cand.model}
+    if ex.fallback_from is not None:
+        ex.response_headers["x-tokenmeter-fallback-from"] = ex.fallback_from
     if reservation.stored:  # admitted during a store outage: the counts are unknown
-        ex.response_headers = rate_limit_headers(
-            reservation.plan.windows, reservation.used, budget.clock()
+        ex.response_headers.update(
+            rate_limit_headers(reservation.plan.windows, reservation.used, budget.clock())
         )
-    upstream = route.upstream
-    # No sock_read: a per-read timer is costly at stream speed; the watchdog covers streams and
-    # asyncio.timeout the wait for headers and for a JSON body.
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=upstream.connect_timeout_s)
     headers = upstream_request_headers(
         request.headers, upstream,
         client_key=client_key(request) if principal.forward_client_key else None,
     )
-    session = request.app[st.SESSION]
+
+    def on_retry(u: Upstream, reason: str) -> None:
+        ex.attempts += 1
+        metrics.retries.labels(u.name, reason).inc()
+
     ex.meter.mark_upstream_start()
+    loop = asyncio.get_running_loop()
+    # Streams have no total cap (idle time is watched instead); a JSON answer has one.
+    ex.deadline = None if ex.stream else loop.time() + upstream.total_timeout_s
     try:
-        async with asyncio.timeout(upstream.read_timeout_s):
-            up = await session.post(
-                upstream.base_url + translator.path,
-                data=translator.upstream_body(),
-                headers=headers,
-                timeout=timeout,
+        async with asyncio.timeout_at(ex.deadline):
+            up = await attempts.call_upstream(
+                app[st.SESSION], upstream, translator.path, translator.upstream_body(), headers,
+                on_retry=on_retry, rng=app[st.RNG],
             )
     except TimeoutError:
-        raise UpstreamTimeout(f"Upstream `{upstream.name}` did not answer in time.") from None
-    except aiohttp.ClientError as exc:
-        raise UpstreamUnavailable(
-            f"Upstream `{upstream.name}` is unreachable ({type(exc).__name__})."
-        ) from None
-    ex.upstream_answered = True
+        exc = _total_timeout(upstream)
+        if last:
+            raise exc from None
+        failure = exc.error_class
+    except (UpstreamTimeout, UpstreamUnavailable) as exc:
+        if last:
+            raise
+        failure = exc.error_class
+    else:
+        if last or up.status == 200 or not attempts.fallback_worthy(up.status):
+            ex.upstream_answered = True
+            return up
+        failure = attempts.status_class(up.status)
+        up.close()
+    log.warning("request %s: model %s failed (%s), trying its next fallback",
+                ex.request_id, cand.model, failure)
+    ex.attempts += 1
+    ex.reservation = None
+    await budget.release(reservation)
+    return failure
+
+
+async def _relay(
+    request: web.Request, up: aiohttp.ClientResponse, ex: Exchange
+) -> web.StreamResponse:
+    assert ex.route is not None and ex.translator is not None
+    upstream = ex.route.upstream
     active = request.app[st.METRICS].active.labels(upstream.name)
     active.inc()
     try:
         ex.status = up.status
         if up.status == 200 and up.content_type == "text/event-stream":
-            with request.app[WATCHDOG].watch(up, upstream.read_timeout_s) as watch:
-                return await _relay_stream(request, up, translator, ex, watch)
-        return await _relay_body(up, translator, ex, upstream.read_timeout_s)
+            with request.app[WATCHDOG].watch(up, upstream.idle_timeout_s) as watch:
+                return await _relay_stream(request, up, ex.translator, ex, watch)
+        return await _relay_body(up, ex.translator, ex, upstream)
     finally:
         # release(): a response read to its end returns its connection to the pool; one cut
         # short (client gone, error) has its connection closed, which ends the upstream request.
@@ -190,15 +249,32 @@ async def _serve(
         active.dec()
 
 
+def _total_timeout(upstream: Upstream) -> UpstreamTimeout:
+    return UpstreamTimeout(
+        f"Upstream `{upstream.name}` did not complete the response within "
+        f"{upstream.total_timeout_s:g} s (total_timeout_s).",
+        code="total_timeout",
+    )
+
+
 async def _relay_body(
-    up: aiohttp.ClientResponse, translator: Translator, ex: Exchange, read_timeout: float
+    up: aiohttp.ClientResponse, translator: Translator, ex: Exchange, upstream: Upstream
 ) -> web.StreamResponse:
     # A JSON answer is useless to a client until complete, so reading it whole costs nothing.
+    # Its time counts against the request's total cap; an error body of a stream request gets
+    # the idle timeout.
+    deadline = ex.deadline
+    if deadline is None:
+        deadline = asyncio.get_running_loop().time() + upstream.idle_timeout_s
     try:
-        async with asyncio.timeout(read_timeout):
+        async with asyncio.timeout_at(deadline):
             body = await up.read()
     except TimeoutError:
-        raise UpstreamTimeout("The upstream stopped sending its response.") from None
+        if ex.deadline is not None:
+            raise _total_timeout(upstream) from None
+        raise UpstreamTimeout(
+            f"Upstream `{upstream.name}` stopped sending its response.", code="idle_timeout"
+        ) from None
     except aiohttp.ClientError as exc:
         raise UpstreamUnavailable(f"The upstream response broke ({type(exc).__name__}).") from None
     if up.status < 300:
@@ -228,9 +304,9 @@ async def _relay_stream(
                 out = tap.filter(chunk, now)
                 if out:
                     await resp.write(out)
-        rest = tap.close()
         if watch.expired:  # the watchdog closed a silent upstream: that is not a clean end
             raise TimeoutError
+        rest = tap.close()
         if rest:
             await resp.write(rest)
         # No write_eof here: aiohttp writes the final chunk after the handler returns, which is
@@ -239,21 +315,44 @@ async def _relay_stream(
         # aiohttp raises these from write() when the client went away.
         ex.error_class = "client_disconnect"
         tap.close()
-    except TimeoutError:
-        ex.error_class = "timeout"
-        tap.close()
-        _abort(request)
-    except aiohttp.ClientError:
-        ex.error_class = "timeout" if watch.expired else "upstream_reset"
-        tap.close()
-        _abort(request)
+    except (TimeoutError, aiohttp.ClientError):
+        if watch.expired:
+            failure: ProxyError = UpstreamTimeout(
+                f"The upstream sent nothing for {watch.timeout:g} s (idle_timeout_s); this "
+                "response is incomplete.", code="idle_timeout",
+            )
+        else:
+            failure = UpstreamUnavailable(
+                "The upstream connection broke mid-stream; this response is incomplete.",
+                code="upstream_reset",
+            )
+        await _fail_stream(request, resp, tap, translator, ex, failure)
     except Exception:
-        # Headers are out: no error response is possible any more. Break the stream visibly.
+        # Headers are out: no error response is possible any more, only an error event.
         log.exception("relaying stream %s failed", ex.request_id)
-        ex.error_class = "internal"
-        tap.close()
-        _abort(request)
+        failure = ProxyError("The proxy failed while relaying this stream; it is incomplete.",
+                             code="internal")
+        await _fail_stream(request, resp, tap, translator, ex, failure)
     return resp
+
+
+async def _fail_stream(
+    request: web.Request, resp: web.StreamResponse, tap: StreamTap, translator: Translator,
+    ex: Exchange, failure: ProxyError,
+) -> None:
+    """A stream that broke after its headers went out. The client gets a last event in OpenAI's
+    error shape, so it can tell a truncated answer from a complete one (the SDKs raise on it),
+    then the stream ends. If the break came in the middle of an event whose start was already
+    forwarded, no event can follow it cleanly: the connection is cut instead, which clients see
+    as a broken stream, just as clear."""
+    ex.error_class = failure.error_class
+    at_boundary = tap.client_at_boundary
+    tap.close()  # meters a last, unterminated event; its held bytes are not forwarded
+    if at_boundary:
+        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
+            await resp.write(stream_error_event(failure, translator.named_events))
+            return
+    _abort(request)
 
 
 def _client_headers(up: aiohttp.ClientResponse, ex: Exchange) -> CIMultiDict[str]:
@@ -264,8 +363,7 @@ def _client_headers(up: aiohttp.ClientResponse, ex: Exchange) -> CIMultiDict[str
 
 
 def _abort(request: web.Request) -> None:
-    """Mirror an upstream failure: end the client's connection without the final chunk, so the
-    client sees a broken stream rather than a clean end that never happened."""
+    """End the client's connection without the final chunk: a broken stream, not a clean end."""
     if request.transport is not None:
         request.transport.abort()
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import random
 from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
 
+from proxy.attempts import LatencyTracker
 from proxy.auth import UserIndex
 from proxy.budget import Budget
 from proxy.config import Config
@@ -52,6 +54,8 @@ RUNTIME_HOLDER = web.AppKey("runtime_holder", RuntimeHolder)
 METRICS = web.AppKey("metrics", Metrics)
 BUDGET = web.AppKey("budget", Budget)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
+LATENCY = web.AppKey("latency", LatencyTracker)
+RNG = web.AppKey("rng", random.Random)  # retry jitter; tests may seed it
 
 
 class Settling:

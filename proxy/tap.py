@@ -37,6 +37,13 @@ class StreamTap:
         self._held = b""  # bytes of the current event, fed to the decoder but not forwarded
         self._tainted = False  # the current event's first bytes were already forwarded
 
+    @property
+    def client_at_boundary(self) -> bool:
+        """The bytes forwarded so far end between two events, so another event may follow."""
+        if self._held:  # held bytes start a new event, unless its start went out already
+            return not self._tainted
+        return not self._decoder.has_pending
+
     def passthrough(self, chunk: bytes) -> bool:
         return not self._strip or not (
             self._holding or b'"usage":{' in chunk or b'"usage": {' in chunk

@@ -80,10 +80,14 @@ class Translator:
     operation: ClassVar[str]
     path: ClassVar[str]
     streams: ClassVar[bool] = True
+    named_events: ClassVar[bool] = False  # SSE `event:` names (Responses API)
 
-    def __init__(self, request: ParsedRequest, ask_usage: bool = True) -> None:
+    def __init__(
+        self, request: ParsedRequest, ask_usage: bool = True, model: str | None = None
+    ) -> None:
+        """`model`: a fallback model that serves the request instead of the one asked for."""
         self.request = request
-        self.model = request.model
+        self.model = model or request.model
         self._reported: Usage | None = None
         self._content: list[bytes] = []
         self._body: dict[str, Any] | None = None
@@ -92,6 +96,8 @@ class Translator:
         # then removed so the client parses exactly what it would without the proxy.
         self.strips_usage = False
         self._changes: dict[str, Any] = {}
+        if self.model != request.model:
+            self._changes["model"] = self.model
 
     # --- request side -------------------------------------------------------------------
     # Output-cap fields in the order a client may use them; the first is set when none is.
@@ -156,8 +162,10 @@ class Translator:
 class _ChoicesTranslator(Translator):
     """Chat Completions and legacy Completions: `choices[]` chunks and `stream_options`."""
 
-    def __init__(self, request: ParsedRequest, ask_usage: bool = True) -> None:
-        super().__init__(request, ask_usage)
+    def __init__(
+        self, request: ParsedRequest, ask_usage: bool = True, model: str | None = None
+    ) -> None:
+        super().__init__(request, ask_usage, model)
         body = request.body
         if request.stream and ask_usage:
             options = body.get("stream_options")
@@ -289,6 +297,7 @@ _RESPONSES_TERMINAL = frozenset({"response.completed", "response.incomplete", "r
 class ResponsesTranslator(Translator):
     operation = "responses"
     path = "/responses"
+    named_events = True
     cap_fields = ("max_output_tokens",)
 
     def on_event(self, data: bytes, name: str | None) -> int:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from multidict import CIMultiDict
 
-from proxy.config import Config
+from proxy.config import Config, LatencyFallback, RetryConfig
 
 # RFC 9110 7.6.1 hop-by-hop fields, plus what the proxy itself must own: the client's credentials
 # (never forwarded), framing (recomputed), Host, and Accept-Encoding (we ask for identity so the
@@ -31,25 +31,35 @@ class Upstream:
     base_url: str
     api_key: str | None
     connect_timeout_s: float
-    read_timeout_s: float
+    first_byte_timeout_s: float
+    idle_timeout_s: float
+    total_timeout_s: float
     stream_usage: bool
+    retry: RetryConfig
 
 
 @dataclass(frozen=True, slots=True)
 class Route:
     upstream: Upstream
     pattern: str
+    fallbacks: tuple[str, ...] = ()
+    latency: LatencyFallback | None = None
 
 
 class Router:
     def __init__(self, config: Config) -> None:
         self.upstreams = {
-            name: Upstream(name, u.base_url, u.api_key, u.connect_timeout_s, u.read_timeout_s,
-                           u.stream_usage)
+            name: Upstream(
+                name, u.base_url, u.api_key, u.connect_timeout_s, u.first_byte_timeout_s,
+                u.idle_timeout_s, u.total_timeout_s, u.stream_usage, u.retry,
+            )
             for name, u in config.upstreams.items()
         }
         self._routes = [
-            (re.compile(fnmatch.translate(r.match)), Route(self.upstreams[r.upstream], r.match))
+            (
+                re.compile(fnmatch.translate(r.match)),
+                Route(self.upstreams[r.upstream], r.match, tuple(r.fallbacks), r.latency_fallback),
+            )
             for r in config.models
         ]
         exact = {r.match for r in config.models if not any(c in r.match for c in "*?[")}

@@ -3,7 +3,7 @@
 aiohttp's `sock_read` timeout cancels and re-arms a timer on every read: measurable at 14,000
 chunks a second. Here the relay only stores the time of each read in its `Watch`; a single task
 per app looks at all watches a few times a second and closes the upstream response of a stream
-that has been silent for longer than its upstream's `read_timeout_s`.
+that has been silent for longer than its upstream's `idle_timeout_s`.
 """
 
 from __future__ import annotations

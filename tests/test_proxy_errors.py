@@ -115,8 +115,8 @@ async def test_upstream_unreachable_is_502(
 
 @pytest.fixture
 def proxy_config(upstream: TestServer) -> Config:
-    # Short read timeout so a stalled stream ends quickly.
-    return config_for(str(upstream.make_url("/v1")), read_timeout_s=0.3)
+    # Short idle timeout so a stalled stream ends quickly.
+    return config_for(str(upstream.make_url("/v1")), idle_timeout_s=0.3)
 
 
 async def test_stalled_stream_times_out_and_keeps_tokens(stack: Stack) -> None:
@@ -126,13 +126,16 @@ async def test_stalled_stream_times_out_and_keeps_tokens(stack: Stack) -> None:
         extra_headers={"x-mock-stall-after": "5"},
     )
     got = ""
-    with pytest.raises(openai.APIError):
+    with pytest.raises(openai.APIError) as err:
         async for chunk in stream:
             got += chunk.choices[0].delta.content or "" if chunk.choices else ""
     assert got == generated_text(5)
+    # The last event is OpenAI's error shape: the SDK raised it, not a broken connection.
+    assert err.value.code == "idle_timeout" and "incomplete" in err.value.message
+    assert err.value.type == "upstream_error"
     await stack.settled(1)
     m = await stack.metrics()
-    assert sample(m, "tokenmeter_requests_total", status="200", error_class="timeout") == 1
+    assert sample(m, "tokenmeter_requests_total", status="200", error_class="idle_timeout") == 1
     assert sample(m, "tokenmeter_tokens_total", type="output", source="estimated") == 5
 
 
@@ -143,10 +146,11 @@ async def test_reset_mid_stream_is_mirrored_and_counted(stack: Stack) -> None:
         extra_headers={"x-mock-reset-after": "7"},
     )
     got = ""
-    with pytest.raises(openai.APIError):
+    with pytest.raises(openai.APIError) as err:
         async for chunk in stream:
             got += chunk.choices[0].delta.content or "" if chunk.choices else ""
     assert got == generated_text(7)
+    assert err.value.code == "upstream_reset"
     await stack.settled(1)
     m = await stack.metrics()
     assert sample(m, "tokenmeter_requests_total", error_class="upstream_reset") == 1
