@@ -115,7 +115,7 @@ def render_svg(levels: Sequence[LevelStats], title: str = "tokenmeter bench") ->
         columns.append(("prompt", "prompt tokens"))
     index: dict[tuple[str, float, float], LevelStats] = {
         (s.endpoint, s.load, s.prompt_tokens): s for s in levels}
-    legend: list[tuple[str, str]] = []
+    legends: list[list[tuple[str, str]]] = [[] for _ in columns]
     body: list[str] = []
     for row, (mtitle, get) in enumerate(METRICS):
         for col, (kind, xlabel) in enumerate(columns):
@@ -124,7 +124,7 @@ def render_svg(levels: Sequence[LevelStats], title: str = "tokenmeter bench") ->
             for ep in endpoints:
                 for other in others:
                     name = ep if len(others) == 1 else (
-                        f"{ep}, prompt {other}" if kind == "load" else f"{ep}, load {other:g}")
+                        f"{ep}, prompt {other:g}" if kind == "load" else f"{ep}, load {other:g}")
                     color = COLORS[len(series) % len(COLORS)]
                     pts: list[Band | None] = []
                     for x in xs:
@@ -132,16 +132,18 @@ def render_svg(levels: Sequence[LevelStats], title: str = "tokenmeter bench") ->
                         st = index.get(key)
                         pts.append(get(st) if st is not None and st.ok else None)
                     series.append((name, color, pts))
-                    if row == 0 and (name, color) not in legend:
-                        legend.append((name, color))
+                    if row == 0:
+                        legends[col].append((name, color))
             body += _panel(col * PANEL_W, 40 + row * PANEL_H, mtitle, xlabel, xs, series)
     width = PANEL_W * len(columns)
-    height = 40 + PANEL_H * len(METRICS) + 20 * (len(legend) + 1)
+    height = 40 + PANEL_H * len(METRICS) + 20 * (max(map(len, legends)) + 1)
     ly = 40 + PANEL_H * len(METRICS) + 10
-    for i, (name, color) in enumerate(legend):
-        y = ly + 20 * i
-        body.append(f'<rect x="{MARGIN_L}" y="{y}" width="14" height="10" fill="{color}"/>')
-        body.append(f'<text x="{MARGIN_L + 20}" y="{y + 10}">{escape(name)}</text>')
+    for col, legend in enumerate(legends):
+        lx = col * PANEL_W + MARGIN_L
+        for i, (name, color) in enumerate(legend):
+            y = ly + 20 * i
+            body.append(f'<rect x="{lx}" y="{y}" width="14" height="10" fill="{color}"/>')
+            body.append(f'<text x="{lx + 20}" y="{y + 10}">{escape(name)}</text>')
     head = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
             f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">'
             f'<rect width="100%" height="100%" fill="white"/>'
