@@ -247,3 +247,19 @@ def test_cli_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: P
         "1 / TPOT",
     ):
         assert definition in help_text
+
+
+def test_progress_bar_draws_one_line_and_clears_it() -> None:
+    import io
+
+    from proxy.bench.report import ProgressBar
+
+    out = io.StringIO()
+    bar = ProgressBar(out, width=10)
+    bar("mock c=1", 5, 10, 1)
+    bar("mock c=1", 6, 10, 1)  # within 0.1 s of the last redraw: skipped
+    bar("mock c=1", 10, 10, 1)  # the last one always drawn
+    bar.close()
+    text = out.getvalue()
+    assert "[#####.....] 5/10, 1 errors" in text and "6/10" not in text
+    assert "[##########] 10/10" in text and text.endswith("\r\033[K")
