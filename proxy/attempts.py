@@ -158,6 +158,12 @@ async def call_upstream(
         try:
             async with asyncio.timeout(upstream.first_byte_timeout_s):
                 response = await session.post(url, data=body, headers=headers, timeout=timeout)
+        except aiohttp.ConnectionTimeoutError:  # a TimeoutError too: first
+            failure = UpstreamTimeout(
+                f"Connecting to upstream `{upstream.name}` timed out "
+                f"({upstream.connect_timeout_s:g} s, connect_timeout_s).",
+                code="connect_timeout",
+            )
         except TimeoutError:
             # The request may be running upstream: a second copy would double its cost.
             raise UpstreamTimeout(
@@ -165,12 +171,6 @@ async def call_upstream(
                 f"{upstream.first_byte_timeout_s:g} s (first_byte_timeout_s).",
                 code="first_byte_timeout",
             ) from None
-        except aiohttp.ConnectionTimeoutError:
-            failure = UpstreamTimeout(
-                f"Connecting to upstream `{upstream.name}` timed out "
-                f"({upstream.connect_timeout_s:g} s, connect_timeout_s).",
-                code="connect_timeout",
-            )
         except aiohttp.ClientError as exc:
             failure = UpstreamUnavailable(
                 f"Upstream `{upstream.name}` is unreachable ({type(exc).__name__})."

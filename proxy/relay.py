@@ -392,8 +392,12 @@ async def _settle(app: web.Application, ex: Exchange) -> None:
             stream=ex.stream,
             usage=usage,
             figures=figures,
+            fallback_from=ex.fallback_from,
+            attempts=ex.attempts,
         )
         metrics.observe(record)
+        if route is not None and route.latency is not None and figures.upstream_ttft is not None:
+            app[st.LATENCY].observe(route, figures.upstream_ttft)
         price = runtime.price_for(ex.model)
         if price is not None:
             metrics.observe_cost(record, price.input, price.cached_input, price.output)
