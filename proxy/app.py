@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import hashlib
+import hmac
 import json
 import logging
 import random
@@ -23,6 +25,7 @@ from proxy.auth import UserIndex, client_key
 from proxy.budget import Budget
 from proxy.config import Config
 from proxy.errors import (
+    AuthenticationFailed,
     MethodNotAllowed,
     NotFound,
     ProxyError,
@@ -115,9 +118,34 @@ async def _models(request: web.Request) -> web.StreamResponse:
     return web.json_response({"object": "list", "data": merged})
 
 
-async def _metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[st.METRICS].registry)
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+_MAIN_APP = web.AppKey("main_app", web.Application)
+
+
+def _metrics_handler(main: web.Application) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def metrics(request: web.Request) -> web.Response:
+        token = main[st.RUNTIME_HOLDER].current.config.metrics.token
+        if token is not None:
+            given = request.headers.get("Authorization", "")
+            # Compared as digests: constant time, whatever the lengths.
+            if not hmac.compare_digest(
+                hashlib.sha256(given.encode()).digest(),
+                hashlib.sha256(f"Bearer {token}".encode()).digest(),
+            ):
+                raise AuthenticationFailed(
+                    "/metrics needs `Authorization: Bearer <metrics.token>`.", code="invalid_token"
+                )
+        body = generate_latest(main[st.METRICS].registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    return metrics
+
+
+def create_metrics_app(main: web.Application) -> web.Application:
+    """/metrics alone, for `metrics.port`: a listener that the firewall can keep private."""
+    app = web.Application(middlewares=[_errors])
+    app[_MAIN_APP] = main
+    app.router.add_get("/metrics", _metrics_handler(main))
+    return app
 
 
 async def _healthz(request: web.Request) -> web.Response:
@@ -279,7 +307,8 @@ def create_app(
     for translator in TRANSLATORS:
         app.router.add_post("/v1" + translator.path, make_handler(translator))
     app.router.add_get("/v1/models", _models)
-    app.router.add_get("/metrics", _metrics)
+    if config.metrics.port is None:
+        app.router.add_get("/metrics", _metrics_handler(app))
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     if runtime.open_mode:

@@ -16,9 +16,10 @@ from datetime import date
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from proxy import state as st
-from proxy.app import create_app
+from proxy.app import create_app, create_metrics_app
 from proxy.bench.cli import add_parser as add_bench_parser
 from proxy.bench.cli import run as run_bench
 from proxy.config import Config, ConfigError, load_config, single_upstream_config
@@ -43,6 +44,21 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, separators=(",", ":"))
 
 
+class ClientErrorFilter(logging.Filter):
+    """aiohttp logs a malformed request (bad header bytes, Content-Length with
+    Transfer-Encoding, ...) at error level with a traceback, though the client is at fault and
+    got its 400. Turn those into one warning line; errors of the server itself stay errors."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError) and 400 <= (exc.code or 0) < 500:
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg = f"refused a malformed request ({exc.code}): {exc.message.splitlines()[0]}"
+            record.args = ()
+            record.exc_info = record.exc_text = None
+        return True
+
+
 def setup_logging(level: str = "INFO") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
@@ -50,6 +66,7 @@ def setup_logging(level: str = "INFO") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    logging.getLogger("aiohttp.server").addFilter(ClientErrorFilter())
 
 
 def _mock_settings(args: argparse.Namespace) -> object:
@@ -111,11 +128,19 @@ async def _serve(
         runner, actual = await _start_site(app, host, port, config.server.drain_seconds)
         runners.append(runner)
         base = f"http://{host}:{actual}/v1"
-        log.info("tokenmeter listening on %s (metrics at http://%s:%d/metrics)", base, host, actual)
+        metrics_host, metrics_port = host, actual
+        if config.metrics.port is not None:
+            metrics_host = config.metrics.host or host
+            metrics_runner, metrics_port = await _start_site(
+                create_metrics_app(app), metrics_host, config.metrics.port
+            )
+            runners.insert(0, metrics_runner)  # cleaned up last: scrapes see the drain
+        log.info("tokenmeter listening on %s (metrics at http://%s:%d/metrics)", base,
+                 metrics_host, metrics_port)
         if demo:
             from proxy.demo import run_demo
 
-            await run_demo(base, f"http://{host}:{actual}/metrics")
+            await run_demo(base, f"http://{metrics_host}:{metrics_port}/metrics")
             if once:
                 return
         stop = asyncio.Event()

@@ -107,8 +107,12 @@ def client_response_headers(upstream: Mapping[str, str]) -> CIMultiDict[str]:
 
 
 def _connection_tokens(headers: Mapping[str, str]) -> frozenset[str]:
-    """Fields named in `Connection` are hop-by-hop too."""
-    value = headers.get("Connection")
-    if not value:
-        return frozenset()
-    return frozenset(t.strip().lower() for t in value.split(",") if t.strip())
+    """Fields named in `Connection` are hop-by-hop too, in every `Connection` line: a second
+    line must not smuggle a field past the proxy."""
+    getall = getattr(headers, "getall", None)
+    values: list[str] = getall("Connection", []) if getall is not None else (
+        [headers["Connection"]] if "Connection" in headers else []
+    )
+    return frozenset(
+        t.strip().lower() for value in values for t in value.split(",") if t.strip()
+    )

@@ -77,9 +77,10 @@ class Stack:
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-async def scrape(server: TestServer) -> Samples:
+async def scrape(server: TestServer, headers: dict[str, str] | None = None) -> Samples:
     """Every sample of a proxy's /metrics over real HTTP, keyed by (name, sorted labels)."""
-    async with aiohttp.ClientSession() as s, s.get(server.make_url("/metrics")) as r:
+    async with aiohttp.ClientSession() as s, s.get(server.make_url("/metrics"),
+                                                   headers=headers) as r:
         text = await r.text()
     out: Samples = {}
     for family in text_string_to_metric_families(text):
