@@ -136,6 +136,10 @@ KINDS = (
     Kind("budget-carol", "chat", 3, True, True, user="carol"),
 )
 WEIGHTS = [k.weight for k in KINDS]
+FAULTS = {"status500": {"x-mock-status": "500", "x-mock-retry-after-ms": "10"},
+          "status429": {"x-mock-status": "429", "x-mock-retry-after-ms": "10"},
+          "retry_ok": {"x-mock-status": "500", "x-mock-retry-after-ms": "10",
+                       "x-mock-fail-first": "1"}}
 
 
 def request_for(kind: Kind, rng: random.Random, seq: int, prompt: int | None = None
@@ -143,24 +147,18 @@ def request_for(kind: Kind, rng: random.Random, seq: int, prompt: int | None = N
     """(prompt index, JSON body, x-mock-* headers) of one request of this kind."""
     p = rng.randrange(len(PROMPTS)) if prompt is None else prompt
     tokens = 32 if kind.user == "carol" else rng.choice((8, 32, 64, 128, 256))
-    rate = 3000
-    h: dict[str, str] = {}
-    if kind.fault == "disconnect":
-        tokens, rate = 400, 800
-    elif kind.fault == "reset":
-        tokens = max(tokens, 32)
+    tokens = max(tokens, 32) if kind.fault == "reset" else tokens
+    tokens, rate = (400, 800) if kind.fault == "disconnect" else (tokens, 3000)
+    h = {"x-mock-output-tokens": str(tokens), "x-mock-tokens-per-second": str(rate),
+         "x-mock-ttft-ms": "10", **FAULTS.get(kind.fault, {})}
+    if kind.fault == "reset":
         h["x-mock-reset-after"] = str(rng.randint(1, tokens - 1))
-    elif kind.fault in ("status500", "status429"):
-        h.update({"x-mock-status": kind.fault[-3:], "x-mock-retry-after-ms": "10"})
     elif kind.fault == "retry_ok":
-        h.update({"x-mock-status": "500", "x-mock-fail-first": "1",
-                  "x-mock-scenario": f"soak-{seq}", "x-mock-retry-after-ms": "10"})
+        h["x-mock-scenario"] = f"soak-{seq}"  # fail_first counts per scenario: one per request
     elif kind.fault == "garbage":
         h["x-mock-garbage-after"] = str(rng.randint(0, tokens))
     elif kind.fault == "chunks":
         h["x-mock-chunk-seed"] = str(seq)
-    h.update({"x-mock-output-tokens": str(tokens), "x-mock-tokens-per-second": str(rate),
-              "x-mock-ttft-ms": "10"})
     text = PROMPTS[p]
     body: dict[str, Any] = {"model": MODEL}
     if kind.endpoint == "chat":
@@ -177,9 +175,6 @@ def request_for(kind: Kind, rng: random.Random, seq: int, prompt: int | None = N
             body["stream_options"] = {"include_usage": True}
     return p, body, h
 
-
-# --------------------------------------------------------------------------------------------
-# Client
 
 
 @dataclass
@@ -204,9 +199,8 @@ class Tally:
         self.results.setdefault(kind.name, Counter())[result] += 1
         if usage is not None:
             acc = self.usage.setdefault(user, [0, 0, 0])
-            acc[0] += usage[0]
-            acc[1] += usage[1]
-            acc[2] += 1
+            for i, v in enumerate((*usage, 1)):
+                acc[i] += v
 
     def anomaly(self, what: str, detail: str) -> None:
         self.anomalies[what] += 1
@@ -313,9 +307,6 @@ async def load(session: aiohttp.ClientSession, urls: list[str], tally: Tally, st
     await asyncio.gather(*(worker(i) for i in range(concurrency)))
 
 
-# --------------------------------------------------------------------------------------------
-# Observations: /metrics, /proc, the mock, Redis via `tokenmeter usage`
-
 
 def series(text: str, name: str) -> list[tuple[dict[str, str], float]]:
     return [(s.labels, s.value) for fam in text_string_to_metric_families(text)
@@ -397,14 +388,11 @@ async def tokenmeter_usage(conf: Path, days: list[str]) -> dict[str, dict[str, i
             raise BenchError(f"tokenmeter usage failed ({proc.returncode}): {stderr.decode()}")
         for row in json.loads(stdout):
             acc = out.setdefault(row["user"], {"tokens": 0, "input": 0, "output": 0})
-            acc["tokens"] += row["tokens"]
-            acc["input"] += row["input_tokens"]
-            acc["output"] += row["output_tokens"]
+            for name, col in (("tokens", "tokens"), ("input", "input_tokens"),
+                              ("output", "output_tokens")):
+                acc[name] += row[col]
     return out
 
-
-# --------------------------------------------------------------------------------------------
-# Checks and report
 
 
 def check(name: str, ok: bool, **figures: Any) -> dict[str, Any]:
@@ -415,9 +403,7 @@ def accounting(tally: Tally, texts: list[str], mock: dict[str, int],
                redis: dict[str, dict[str, int]], logs: dict[str, int], alive: bool
                ) -> list[dict[str, Any]]:
     tok = "tokenmeter_tokens_total"
-    c_in = sum(u[0] for u in tally.usage.values())
-    c_out = sum(u[1] for u in tally.usage.values())
-    c_n = sum(u[2] for u in tally.usage.values())
+    c_in, c_out, c_n = (sum(u[i] for u in tally.usage.values()) for i in range(3))
     r_in = msum(texts, tok, source="reported", type="input")
     r_out = msum(texts, tok, source="reported", type="output")
     per_user = {u: {"client": v[0] + v[1],
@@ -458,6 +444,9 @@ def accounting(tally: Tally, texts: list[str], mock: dict[str, int],
                      not any(pending.values()) and not logs["error"] and alive,
                      **pending, error_log_lines=logs["error"],
                      warning_log_lines=logs["warning"], services_alive=alive))
+    out.append(check("5. client saw consistent answers (usage = counted tokens, prompt = "
+                     "calibration, usage chunk iff asked for)", not tally.anomalies,
+                     anomalies=dict(tally.anomalies)))
     return out
 
 
@@ -467,7 +456,9 @@ def report(results: dict[str, Any]) -> str:
              f"concurrency {meta['concurrency']}, {meta['replicas']} replicas on one Redis, "
              f"{meta['cpus']} CPUs",
              f"{load_['sent']} requests, {load_['requests_per_second']:.1f}/s; "
-             f"estimated tokens (cut/failed requests): {load_['proxy_estimated_tokens']}", "",
+             f"estimated tokens (cut/failed requests): {load_['proxy_estimated_tokens']}; "
+             f"upstream retries: {load_['proxy_retries']}",
+             "proxy error classes: " + json.dumps(load_["proxy_error_classes"]), "",
              f"{'slice':<28} {'n':>6}  outcomes"]
     for kind, res in load_["by_kind"].items():
         lines.append(f"{kind:<28} {sum(res.values()):>6}  "
@@ -498,9 +489,6 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------------------------
-# Main
-
 
 def proxy_config(mock_port: int, redis_port: int) -> dict[str, Any]:
     big = {"daily_tokens": 10**12}
@@ -526,6 +514,7 @@ def utc_day() -> str:
 async def run(args: argparse.Namespace, plan: str, services: Services, workdir: Path,
               t_start: float) -> dict[str, Any]:
     progress = progress_printer(t_start)
+    started_at = datetime.now(UTC).isoformat(timespec="seconds")
     mock_port, redis_port, *ports = free_ports(2 + args.replicas)
     tm = tokenmeter_argv()
     mock = services.start("mock", [*tm, "mock-upstream", "--host", HOST, "--port",
@@ -569,33 +558,19 @@ async def run(args: argparse.Namespace, plan: str, services: Services, workdir: 
         try:
             await asyncio.wait_for(load(session, urls, tally, t_load + args.duration,
                                         args.concurrency, args.seed), args.duration + 90)
+        except TimeoutError:
+            raise BenchError("the load did not end 90 s after its duration") from None
         finally:
             ticker.cancel()
         elapsed = time.monotonic() - t_load
         progress(f"load done: {tally.sent} requests; waiting for the proxies to settle")
-        texts: list[str] = []
-        for _ in range(100):  # up to ~20 s until every request is counted and none active
-            texts = [await (await session.get(u + "/metrics")).text() for u in urls]
-            counted = msum(texts, "tokenmeter_requests_total")
-            if counted >= tally.sent - tally.no_response and not msum(
-                    texts, "tokenmeter_active_requests"):
-                break
-            await asyncio.sleep(0.2)
-        await asyncio.sleep(1.5)  # settle tasks of the last requests, lease/retry ticks
+        texts = await quiesce(session, urls, tally.sent - tally.no_response)
         sampler.cancel()
-        texts = [await (await session.get(u + "/metrics")).text() for u in urls]
-        mock_stats = await (await session.get(f"http://{HOST}:{mock_port}/_mock/stats")).json()
+        mock_stats = json.loads(await fetch(session, f"http://{HOST}:{mock_port}/_mock/stats"))
     days = sorted({*days, utc_day()})
     redis_usage = await tokenmeter_usage(conf, days)
     alive = all(s.proc.poll() is None for s in (mock, redis, *proxies))
-    logs: Counter[str] = Counter()
-    for svc in proxies:
-        for line in svc.log.read_text(errors="replace").splitlines():
-            for level in ("error", "critical", "warning"):
-                if f'"level":"{level}"' in line:
-                    logs["warning" if level == "warning" else "error"] += 1
-                    if level != "warning" and len(tally.samples) < 30:
-                        tally.samples.append(f"{svc.name} log: {line[:300]}")
+    logs = scan_logs(proxies, tally)
     checks = accounting(tally, texts, mock_stats, redis_usage, logs, alive)
     names = [*(s.name for s in proxies), "mock", "redis"]
     return {
@@ -605,10 +580,7 @@ async def run(args: argparse.Namespace, plan: str, services: Services, workdir: 
                  "aiohttp": aiohttp.__version__, "redis": redis_version(args.redis_server),
                  "platform": platform.platform(), "days": days,
                  "proxy_log_level": args.proxy_log_level,
-                 "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
-                 "kinds": {k.name: {"endpoint": k.endpoint, "weight": k.weight,
-                                    "stream": k.stream, "include_usage": k.include_usage,
-                                    "fault": k.fault, "user": k.user} for k in KINDS}},
+                 "started_at": started_at, "weights": {k.name: k.weight for k in KINDS}},
         "load": {"sent": tally.sent, "requests_per_second": round(tally.sent / elapsed, 1),
                  "by_kind": {k: dict(v) for k, v in sorted(tally.results.items())},
                  "proxy_estimated_tokens": msum(texts, "tokenmeter_tokens_total",
@@ -622,6 +594,40 @@ async def run(args: argparse.Namespace, plan: str, services: Services, workdir: 
         "checks": checks,
         "memory": {"summary": memory_summary(samples, names, warm_s), "samples": samples},
     }
+
+
+async def fetch(session: aiohttp.ClientSession, url: str) -> str:
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            return await resp.text()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise BenchError(f"GET {url}: {type(exc).__name__}: {exc}") from None
+
+
+async def quiesce(session: aiohttp.ClientSession, urls: list[str], expected: int) -> list[str]:
+    """/metrics of every replica once all `expected` requests are counted and none is active
+    (at most ~20 s), plus 1.5 s for the last settle tasks and a lease/retry tick."""
+    for _ in range(100):
+        texts = [await fetch(session, u + "/metrics") for u in urls]
+        if msum(texts, "tokenmeter_requests_total") >= expected and not msum(
+                texts, "tokenmeter_active_requests"):
+            break
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(1.5)
+    return [await fetch(session, u + "/metrics") for u in urls]
+
+
+def scan_logs(proxies: list[Service], tally: Tally) -> Counter[str]:
+    logs: Counter[str] = Counter()
+    for svc in proxies:
+        for line in svc.log.read_text(errors="replace").splitlines():
+            if '"level":"warning"' in line:
+                logs["warning"] += 1
+            elif '"level":"error"' in line or '"level":"critical"' in line:
+                logs["error"] += 1
+                if len(tally.samples) < 30:
+                    tally.samples.append(f"{svc.name} log: {line[:300]}")
+    return logs
 
 
 async def _ticker(tally: Tally, progress: Callable[[str], None]) -> None:
