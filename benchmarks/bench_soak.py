@@ -67,7 +67,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_budget import progress_printer, redis_version, wait_redis
+from bench_budget import progress_printer, redis_command, redis_version, wait_redis
 from bench_proxy import (
     BenchError,
     Service,
@@ -458,7 +458,8 @@ def report(results: dict[str, Any]) -> str:
              f"{load_['sent']} requests, {load_['requests_per_second']:.1f}/s; "
              f"estimated tokens (cut/failed requests): {load_['proxy_estimated_tokens']}; "
              f"upstream retries: {load_['proxy_retries']}",
-             "proxy error classes: " + json.dumps(load_["proxy_error_classes"]), "",
+             "proxy error classes: " + json.dumps(load_["proxy_error_classes"]),
+             "redis at the end: " + json.dumps(load_["redis_at_end"]), "",
              f"{'slice':<28} {'n':>6}  outcomes"]
     for kind, res in load_["by_kind"].items():
         lines.append(f"{kind:<28} {sum(res.values()):>6}  "
@@ -569,6 +570,11 @@ async def run(args: argparse.Namespace, plan: str, services: Services, workdir: 
         mock_stats = json.loads(await fetch(session, f"http://{HOST}:{mock_port}/_mock/stats"))
     days = sorted({*days, utc_day()})
     redis_usage = await tokenmeter_usage(conf, days)
+    # Settle markers (`done:<id>`, 600 s TTL, so a retried settle counts once) are most keys.
+    info = (await redis_command(redis_port, "INFO", "memory")).decode()
+    redis_keys = {"dbsize": int(await redis_command(redis_port, "DBSIZE")),
+                  "used_memory_mb": round(int(info.split("used_memory:")[1].split()[0]) / 2**20,
+                                          2)}
     alive = all(s.proc.poll() is None for s in (mock, redis, *proxies))
     logs = scan_logs(proxies, tally)
     checks = accounting(tally, texts, mock_stats, redis_usage, logs, alive)
@@ -588,7 +594,8 @@ async def run(args: argparse.Namespace, plan: str, services: Services, workdir: 
                  "proxy_error_classes": by_label(texts, "tokenmeter_requests_total",
                                                  "error_class"),
                  "proxy_retries": msum(texts, "tokenmeter_upstream_retries_total"),
-                 "mock_stats": mock_stats, "anomalies": dict(tally.anomalies),
+                 "mock_stats": mock_stats, "redis_at_end": redis_keys,
+                 "anomalies": dict(tally.anomalies),
                  "anomaly_samples": tally.samples, "prompt_tokens_by_template":
                      {f"{e}/{p}": n for (e, p), n in sorted(tally.calib.items())}},
         "checks": checks,
