@@ -180,8 +180,12 @@ async def _attempt(
     upstream = cand.route.upstream
     translator = ex.translator = translator_cls(parsed, upstream.stream_usage, cand.model)
     reservation = ex.reservation = await budget.reserve(principal, translator, runtime.config)
-    ex.response_headers = {"x-tokenmeter-model": cand.model}
-    if ex.fallback_from is not None:
+    # Model names are the client's text: they go into a header only if they are plain
+    # printable ASCII, never as a way to inject a header line.
+    ex.response_headers = {}
+    if _header_safe(cand.model):
+        ex.response_headers["x-tokenmeter-model"] = cand.model
+    if ex.fallback_from is not None and _header_safe(ex.fallback_from):
         ex.response_headers["x-tokenmeter-fallback-from"] = ex.fallback_from
     if reservation.stored:  # admitted during a store outage: the counts are unknown
         ex.response_headers.update(
@@ -247,6 +251,10 @@ async def _relay(
         # short (client gone, error) has its connection closed, which ends the upstream request.
         up.release()
         active.dec()
+
+
+def _header_safe(value: str) -> bool:
+    return value.isascii() and value.isprintable()
 
 
 def _total_timeout(upstream: Upstream) -> UpstreamTimeout:
