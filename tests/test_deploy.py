@@ -86,6 +86,8 @@ ADDED_METRICS = frozenset({
     "tokenmeter_store_up",
     "tokenmeter_config_reloads_total",
     "tokenmeter_cost_usd_total",
+    "tokenmeter_upstream_retries_total",
+    "tokenmeter_fallbacks_total",
 })
 # Exported, but with no series until something goes wrong.
 MAY_BE_EMPTY = frozenset({"tokenmeter_metering_errors_total"})
