@@ -26,7 +26,20 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy.mock_settings import (
+    GARBAGE,
+    HEALTHY,
+    MOCK_STATE,
+    SETTINGS,
+    MockSettings,
+    MockState,
+    ReceivedRequest,
+    effective,
+)
 from proxy.tokenizer import count_messages, count_text, count_texts
+
+__all__ = ["MOCK_STATE", "WORDS", "MockSettings", "MockState", "create_mock_app",
+           "generated_text", "run_mock"]
 
 WORDS = (" the", " of", " and", " to", " in", " is", " that", " it", " for", " on")
 
@@ -34,86 +47,6 @@ WORDS = (" the", " of", " and", " to", " in", " is", " that", " it", " for", " o
 def generated_text(n: int) -> str:
     return "".join(WORDS[i % len(WORDS)] for i in range(n))
 
-
-@dataclass(frozen=True)
-class MockSettings:
-    """What the mock does; each field can be overridden per request by an `x-mock-*` header.
-
-    tokens_per_second <= 0 streams as fast as possible. ttft_ms is the wait before the first token
-    (before the whole response when not streaming), delay_ms the wait before the headers.
-    reasoning_tokens is reported as a detail of, not added to, the completion tokens. A status
-    other than 200 answers with an OpenAI error body (error_code, else a default for the status).
-    stall_after / reset_after N: after N content tokens, hang until the client leaves / abort the
-    TCP connection; garbage_after N: after N tokens, send bytes that are not SSE, then go on.
-    retry_after_ms adds `retry-after-ms` (and a rounded-up `retry-after`) to injected errors.
-    fail_first N: the faults above (status, stall, reset, garbage) hit only the first N requests
-    of a scenario (the `x-mock-scenario` header), later ones are served normally: a retry test.
-    chunk_seed: cut every write at random (seeded) byte offsets, to exercise chunk boundaries.
-    """
-
-    tokens_per_second: float = 750.0
-    ttft_ms: float = 20.0
-    output_tokens: int = 64
-    usage: bool = True
-    cached_tokens: int = 0
-    reasoning_tokens: int = 0
-    status: int = 200
-    error_code: str | None = None
-    delay_ms: float = 0.0
-    stall_after: int | None = None
-    reset_after: int | None = None
-    model: str = "mock-gpt"
-    garbage_after: int | None = None
-    retry_after_ms: float | None = None
-    fail_first: int | None = None
-    chunk_seed: int | None = None
-
-    def __post_init__(self) -> None:
-        # Checked here so that header overrides, applied with dataclasses.replace, obey the same
-        # rules as settings built in code.
-        if not all(map(math.isfinite, (self.tokens_per_second, self.ttft_ms, self.delay_ms))):
-            raise ValueError("tokens_per_second, ttft_ms and delay_ms must be finite")
-        times = (self.ttft_ms, self.delay_ms)
-        counts = (self.output_tokens, self.cached_tokens, self.reasoning_tokens)
-        faults = (self.stall_after, self.reset_after, self.garbage_after, self.fail_first,
-                  self.retry_after_ms)
-        if min(*times, *counts, *(f or 0 for f in faults)) < 0:
-            raise ValueError("times, token counts and fault positions must not be negative")
-        if self.status != 200 and not 400 <= self.status <= 599:
-            raise ValueError("status must be 200 or an error status (400-599)")
-
-
-@dataclass(frozen=True)
-class ReceivedRequest:
-    """A request as the mock received it; `closed` is set once its handler is done, however."""
-
-    path: str
-    headers: dict[str, str]
-    body: dict[str, Any] | None
-    closed: asyncio.Event = field(default_factory=asyncio.Event, compare=False, repr=False)
-
-
-class MockState:
-    def __init__(self) -> None:
-        self.requests: list[ReceivedRequest] = []
-        self.active = 0
-        self.attempts: dict[str, int] = {}  # per x-mock-scenario, for fail_first
-        # Usage the mock reported in responses it finished sending (soak checks use it).
-        self.reported = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0}
-
-    def record_usage(self, usage: Mapping[str, Any] | None) -> None:
-        if usage is None:
-            return
-        self.reported["requests"] += 1
-        prompt = usage.get("prompt_tokens", usage.get("input_tokens", 0))
-        self.reported["prompt_tokens"] += int(prompt)
-        self.reported["completion_tokens"] += int(
-            usage.get("completion_tokens", usage.get("output_tokens", 0))
-        )
-
-
-MOCK_STATE = web.AppKey("tokenmeter_mock_state", MockState)
-_SETTINGS = web.AppKey("tokenmeter_mock_settings", MockSettings)
 
 _FINGERPRINT = "fp_tokenmeter_mock"
 # Tokens per write when pacing is off: big enough to be fast, small enough to still be a stream
@@ -133,42 +66,6 @@ def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def _optional_int(value: str) -> int | None:
-    # "none" lets one request switch off a fault that the server was started with.
-    return None if value.lower() in ("", "none", "off") else int(value)
-
-
-def _switch(value: str) -> bool:
-    if value.lower() not in ("on", "off", "true", "false", "1", "0"):
-        raise ValueError(value)
-    return value.lower() in ("on", "true", "1")
-
-
-_OVERRIDES: tuple[tuple[str, str, Callable[[str], object]], ...] = (
-    ("x-mock-tokens-per-second", "tokens_per_second", float),
-    ("x-mock-ttft-ms", "ttft_ms", float),
-    ("x-mock-output-tokens", "output_tokens", int),
-    ("x-mock-usage", "usage", _switch),
-    ("x-mock-cached-tokens", "cached_tokens", int),
-    ("x-mock-reasoning-tokens", "reasoning_tokens", int),
-    ("x-mock-status", "status", int),
-    ("x-mock-error-code", "error_code", lambda value: value or None),
-    ("x-mock-delay-ms", "delay_ms", float),
-    ("x-mock-stall-after", "stall_after", _optional_int),
-    ("x-mock-reset-after", "reset_after", _optional_int),
-    ("x-mock-garbage-after", "garbage_after", _optional_int),
-    ("x-mock-retry-after-ms", "retry_after_ms", lambda value: float(value) if value else None),
-    ("x-mock-fail-first", "fail_first", _optional_int),
-    ("x-mock-chunk-seed", "chunk_seed", _optional_int),
-)
-
-_GARBAGE = b"\x00\xff\xfenot an event {{{\r\n: \xc3\x28 half-utf8\n\n"
-_HEALTHY: dict[str, Any] = {
-    "status": 200, "error_code": None, "stall_after": None, "reset_after": None,
-    "garbage_after": None,
-}
-
-
 @dataclass
 class _ApiError(Exception):
     status: int
@@ -182,20 +79,6 @@ class _ApiError(Exception):
         error = dict(message=self.message, type=self.type_, param=self.param, code=self.code)
         headers = {"Content-Type": "application/json", "x-request-id": request_id, **self.headers}
         return web.Response(status=self.status, body=_dumps({"error": error}), headers=headers)
-
-
-def _effective(base: MockSettings, headers: Mapping[str, str]) -> MockSettings:
-    changes: dict[str, Any] = {}
-    for header, name, parse in _OVERRIDES:
-        if (raw := headers.get(header)) is not None:
-            try:
-                changes[name] = parse(raw.strip())
-            except ValueError:
-                raise _ApiError(400, f"Invalid value for header {header}: {raw!r}.") from None
-    try:
-        return dataclasses.replace(base, **changes) if changes else base
-    except ValueError as exc:
-        raise _ApiError(400, f"Invalid x-mock-* header: {exc}.") from None
 
 
 @dataclass(frozen=True)
@@ -242,12 +125,15 @@ def _endpoint(
         state.active += 1
         request_id = "req_" + uuid.uuid4().hex
         try:
-            cfg = _effective(request.app[_SETTINGS], request.headers)
+            try:
+                cfg = effective(request.app[SETTINGS], request.headers)
+            except ValueError as exc:
+                raise _ApiError(400, str(exc)) from None
             if cfg.fail_first is not None:
                 scenario = request.headers.get("x-mock-scenario", "")
                 seen = state.attempts[scenario] = state.attempts.get(scenario, 0) + 1
                 if seen > cfg.fail_first:
-                    cfg = dataclasses.replace(cfg, **_HEALTHY)
+                    cfg = dataclasses.replace(cfg, **HEALTHY)
             if needs_body and body is None:
                 raise _ApiError(400, "We could not parse the JSON body of your request.")
             body = body or {}
@@ -455,7 +341,7 @@ async def _stream(
                 upto = min(count, i + _BURST)
             pending.extend(token(k) for k in range(i, upto))
             if i <= garbage < upto:
-                pending.insert(len(pending) - (upto - garbage), _GARBAGE)
+                pending.insert(len(pending) - (upto - garbage), GARBAGE)
             await write(b"".join(pending))
             pending, i = [], upto
             if not interval:
@@ -469,7 +355,7 @@ async def _stream(
             return resp
         await asyncio.sleep(max(0.0, t_first - loop.time()))  # no tokens: still wait out ttft
         if garbage == count:
-            pending.append(_GARBAGE)
+            pending.append(GARBAGE)
         await write(b"".join([*pending, tail]))
         await resp.write_eof()
     except ConnectionError:
@@ -636,7 +522,7 @@ async def _not_found(call: _Call) -> web.StreamResponse:
 def create_mock_app(settings: MockSettings | None = None) -> web.Application:
     # Benchmarks send long prompts, beyond aiohttp's default 1 MiB body limit.
     app = web.Application(client_max_size=64 * 1024 * 1024)
-    app[_SETTINGS] = settings if settings is not None else MockSettings()
+    app[SETTINGS] = settings if settings is not None else MockSettings()
     app[MOCK_STATE] = MockState()
     add = app.router.add_route
     add("GET", "/v1/models", _endpoint(_models, needs_body=False))

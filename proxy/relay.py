@@ -1,4 +1,5 @@
-"""The path of one metered request: parse -> auth -> upstream -> relay + meter -> settle.
+"""The path of one metered request: parse -> auth -> budget reserve -> upstream (`attempts`:
+retries, fallbacks) -> relay + meter (`tap`) -> `settle`.
 
 Streaming responses are relayed chunk by chunk: each chunk is written to the client before the
 proxy looks at it, and the SSE decoder and translator read it on the side. Settling (usage,
@@ -15,7 +16,6 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
@@ -23,9 +23,8 @@ from multidict import CIMultiDict
 
 from proxy import attempts
 from proxy import state as st
-from proxy.accesslog import log_request
 from proxy.auth import Principal, client_key
-from proxy.budget import Reservation, rate_limit_headers
+from proxy.budget import rate_limit_headers
 from proxy.errors import (
     InvalidRequest,
     NotFound,
@@ -35,39 +34,15 @@ from proxy.errors import (
     UpstreamUnavailable,
     stream_error_event,
 )
+from proxy.exchange import Exchange
 from proxy.meter import RequestMeter
-from proxy.metrics import RequestRecord
-from proxy.state import Runtime
+from proxy.settle import settle
 from proxy.tap import StreamTap
 from proxy.translators import ParsedRequest, Translator, parse_body
-from proxy.upstream import Route, Upstream, client_response_headers, upstream_request_headers
-from proxy.usage import ZERO, Usage
+from proxy.upstream import Upstream, client_response_headers, upstream_request_headers
 from proxy.watchdog import WATCHDOG, Watch
 
 log = logging.getLogger("tokenmeter.relay")
-
-
-@dataclass(slots=True)
-class Exchange:
-    """Mutable facts about one request, filled in as it goes and read once when settling."""
-
-    request_id: str
-    operation: str
-    meter: RequestMeter
-    model: str = ""
-    stream: bool = False
-    runtime: Runtime | None = None
-    principal: Principal | None = None
-    route: Route | None = None
-    translator: Translator | None = None
-    reservation: Reservation | None = None
-    response_headers: dict[str, str] = field(default_factory=dict)
-    status: int = 500
-    error_class: str = "none"
-    upstream_answered: bool = False
-    fallback_from: str | None = None
-    attempts: int = 1
-    deadline: float | None = None  # loop time: the total cap of a non-streaming request
 
 
 def classify_upstream_error(status: int, body: bytes) -> str:
@@ -116,7 +91,7 @@ async def handle(request: web.Request, translator_cls: type[Translator]) -> web.
         raise
     finally:
         ex.meter.finish()
-        task = asyncio.ensure_future(_settle(request.app, ex))
+        task = asyncio.ensure_future(settle(request.app, ex))
         request.app[st.SETTLING].tasks.add(task)
         task.add_done_callback(request.app[st.SETTLING].finished)
         # If we are cancelled while waiting, the settle task runs on; shutdown waits for SETTLING.
@@ -374,44 +349,3 @@ def _abort(request: web.Request) -> None:
     """End the client's connection without the final chunk: a broken stream, not a clean end."""
     if request.transport is not None:
         request.transport.abort()
-
-
-async def _settle(app: web.Application, ex: Exchange) -> None:
-    metrics = app[st.METRICS]
-    runtime = ex.runtime or app[st.RUNTIME_HOLDER].current
-    try:
-        usage: Usage = ZERO
-        if ex.translator is not None and ex.upstream_answered and ex.status < 300:
-            usage = ex.translator.usage()
-        if ex.reservation is not None:
-            await app[st.BUDGET].settle(ex.reservation, usage)
-        figures = ex.meter.figures(usage.output_tokens)
-        route = ex.route
-        record = RequestRecord(
-            request_id=ex.request_id,
-            operation=ex.operation,
-            model=ex.model,
-            model_label=runtime.router.model_label(ex.model, route) if ex.model else "none",
-            upstream=route.upstream.name if route is not None else "none",
-            user=ex.principal.user if ex.principal is not None else "anonymous",
-            key=(ex.principal.key_name or ex.principal.key_id) if ex.principal else None,
-            status=ex.status,
-            error_class=ex.error_class,
-            stream=ex.stream,
-            usage=usage,
-            figures=figures,
-            fallback_from=ex.fallback_from,
-            attempts=ex.attempts,
-        )
-        metrics.observe(record)
-        if route is not None and route.latency is not None and figures.upstream_ttft is not None:
-            app[st.LATENCY].observe(route, figures.upstream_ttft)
-        price = runtime.price_for(ex.model)
-        if price is not None:
-            metrics.observe_cost(record, price.input, price.cached_input, price.output)
-        metrics.observe_gaps(record, ex.meter.gap_buckets())
-        log_request(record)
-    except Exception:
-        # Loud, never silent: a request whose usage we could not record is a billing hole.
-        metrics.metering_errors.labels("settle").inc()
-        log.exception("failed to settle request %s", ex.request_id)
