@@ -29,11 +29,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.util
 import json
 import math
-import os
-import platform
 import re
 import shutil
 import statistics
@@ -56,12 +53,14 @@ from bench_proxy import (
     Service,
     Services,
     cpu_times,
+    ensure_alive,
     execute,
     find_pyspy,
     fmt,
     free_ports,
     is_file,
     percentile,
+    run_meta,
     tokenmeter_argv,
     wait_ready,
 )
@@ -807,21 +806,11 @@ async def run(args: argparse.Namespace, plan: Plan, services: Services, workdir:
                     args.output.with_name(f"budget-profile-{name}.txt"), args.profile,
                     args.profile_concurrency,
                 )
-    for svc in (mock, redis, *proxies.values()):
-        if svc.proc.poll() is not None:
-            raise BenchError(f"{svc.name} died during the run:\n{svc.tail()}")
+    ensure_alive(mock, redis, *proxies.values())
     return {
         "meta": {
-            "plan": plan.name,
-            "started_at": time.strftime(
-                "%Y-%m-%dT%H:%M:%S%z", time.localtime(time.time() - (time.monotonic() - t_start))
-            ),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "aiohttp": aiohttp.__version__,
-            "uvloop_importable": importlib.util.find_spec("uvloop") is not None,
+            **run_meta(plan.name, t_start),
             "redis": redis_version(args.redis_server),
-            "platform": platform.platform(),
             "proxy_log_level": args.proxy_log_level,
             "profile_concurrency": args.profile_concurrency if args.profile else None,
             "stream": {"output_tokens": OUTPUT_TOKENS, "tokens_per_second": TOKENS_PER_SECOND,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -910,6 +911,27 @@ def report(results: dict[str, Any]) -> str:
 # Main
 
 
+def ensure_alive(*services: Service) -> None:
+    for svc in services:
+        if svc.proc.poll() is not None:
+            raise BenchError(f"{svc.name} died during the run:\n{svc.tail()}")
+
+
+def run_meta(plan: str, t_start: float) -> dict[str, Any]:
+    """What every benchmark's JSON records about the run and the machine."""
+    return {
+        "plan": plan,
+        "started_at": time.strftime(
+            "%Y-%m-%dT%H:%M:%S%z", time.localtime(time.time() - (time.monotonic() - t_start))
+        ),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "aiohttp": aiohttp.__version__,
+        "uvloop_importable": importlib.util.find_spec("uvloop") is not None,
+        "platform": platform.platform(),
+    }
+
+
 async def run(args: argparse.Namespace, plan: Plan, services: Services, workdir: Path,
               t_start: float) -> dict[str, Any]:
     mock_port, nginx_port, proxy_port = free_ports(3)
@@ -960,20 +982,11 @@ async def run(args: argparse.Namespace, plan: Plan, services: Services, workdir:
             profile = await bench.profile(
                 session, args.pyspy, args.output.with_name("proxy-profile.txt"), args.profile
             )
-    for svc in (mock, proxy, nginx):
-        if svc.proc.poll() is not None:
-            raise BenchError(f"{svc.name} died during the run:\n{svc.tail()}")
+    ensure_alive(mock, proxy, nginx)
     return {
         "meta": {
-            "plan": plan.name,
-            "started_at": time.strftime(
-                "%Y-%m-%dT%H:%M:%S%z", time.localtime(time.time() - (time.monotonic() - t_start))
-            ),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "aiohttp": aiohttp.__version__,
+            **run_meta(plan.name, t_start),
             "nginx": nginx_version(args.nginx),
-            "platform": platform.platform(),
             "proxy_log_level": args.proxy_log_level,
             "standard_stream": vars(STANDARD) | {"nominal_s": round(STANDARD.nominal_s, 4)},
             "fast_stream": vars(FAST),
