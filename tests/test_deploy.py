@@ -5,12 +5,14 @@
 - A real Prometheus scraping a real proxy in front of the simulated upstream: every PromQL
   expression of the Grafana dashboards runs through its HTTP API, and the rule file loads there.
 - Static invariants of the Dockerfile, docker-compose.yml, the compose and Kubernetes proxy
-  configs, the Kubernetes manifests and the Grafana provisioning.
+  configs, the Kubernetes manifests and the Grafana provisioning; constraints.txt pins every
+  dependency; the compose gateway's nginx template renders to a config `nginx -t` accepts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import math
 import re
@@ -30,6 +32,8 @@ import openai
 import pytest
 import yaml
 from aiohttp.test_utils import TestServer
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from proxy.app import create_app
 from proxy.config import parse_config
@@ -41,10 +45,13 @@ DEPLOY = ROOT / "deploy"
 DOCKERFILE = DEPLOY / "Dockerfile"
 COMPOSE = DEPLOY / "docker-compose.yml"
 COMPOSE_PROXY_CONFIG = DEPLOY / "compose" / "tokenmeter.yaml"
+NGINX_TEMPLATE = DEPLOY / "compose" / "nginx.conf.template"
+CONSTRAINTS = ROOT / "constraints.txt"
 PROM_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
 RULES = DEPLOY / "prometheus" / "rules" / "tokenmeter.rules.yml"
 RULES_TEST = DEPLOY / "prometheus" / "rules" / "tokenmeter.rules.test.yml"
 K8S = DEPLOY / "kubernetes"
+SECRET_EXAMPLE = K8S / "examples" / "secret.yaml"
 GRAFANA = ROOT / "grafana"
 DASHBOARD_FILES = ("tokenmeter-overview.json", "tokenmeter-budgets.json", "tokenmeter-latency.json")
 
@@ -489,6 +496,21 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
     return out
 
 
+def dockerfile_stages() -> list[list[tuple[str, str]]]:
+    """The instructions of each stage, FROM first."""
+    stages: list[list[tuple[str, str]]] = []
+    for k, v in dockerfile_instructions():
+        if k == "FROM":
+            stages.append([])
+        if stages:
+            stages[-1].append((k, v))
+    return stages
+
+
+def run_lines(stage: list[tuple[str, str]]) -> str:
+    return "\n".join(v for k, v in stage if k == "RUN")
+
+
 def test_dockerfile() -> None:
     instr = dockerfile_instructions()
     args = {v.split("=", 1)[0]: v.split("=", 1)[1] for k, v in instr if k == "ARG" and "=" in v}
@@ -496,6 +518,9 @@ def test_dockerfile() -> None:
               if k == "FROM"]
     assert len(stages) >= 2, "multi-stage"
     assert all(s.startswith("python:3.11-slim") for s in stages), stages
+    # Reproducible: every stage's base is pinned by digest (through the build ARG).
+    for s in stages:
+        assert re.fullmatch(r"python:3\.11-slim@sha256:[0-9a-f]{64}( AS \w+)?", s), s
     runtime = max(i for i, (k, _) in enumerate(instr) if k == "FROM")
     final = instr[runtime:]
     user = [v for k, v in final if k == "USER"]
@@ -522,7 +547,103 @@ def test_dockerfile() -> None:
                 # The readme is the top-level README's business; everything else is here now.
                 if src != readme:
                     assert (ROOT / src).exists(), f"COPY {src}: not in the repository root"
-    assert {"pyproject.toml", readme, "proxy"} <= copied
+    assert {"pyproject.toml", readme, "proxy", CONSTRAINTS.name} <= copied
+
+
+def test_dockerfile_build_is_pinned_and_runtime_has_no_installer() -> None:
+    *build_stages, final = dockerfile_stages()
+    build = "\n".join(run_lines(s) for s in build_stages)
+    # Every pip command of the build installs under the constraints; the wheel builds without
+    # isolation, on the pinned setuptools installed just before.
+    pip_cmds = [c.strip() for c in re.split(r"&&|;", build) if re.search(r"\bpip\b", c)]
+    installs = [c for c in pip_cmds if re.search(r"\bpip (?:--python \S+ )?(install|wheel)\b", c)]
+    assert installs, build
+    for cmd in installs:
+        assert f"-c {CONSTRAINTS.name}" in cmd, f"unconstrained: {cmd}"
+    assert any("setuptools" in c and " install " in c for c in installs)
+    assert any(" wheel " in c and "--no-build-isolation" in c for c in installs)
+    # The venv is made without pip and is checked to have none.
+    assert re.search(r"venv --without-pip /opt/venv", build)
+    assert "! /opt/venv/bin/python -c 'import pip'" in build
+    # bpe-openai: only data/ survives (with a stub package), and the encodings are loaded (with
+    # their sha256 check) from the trimmed venv before the runtime stage is built.
+    assert re.search(r'find "\$site/bpe_openai" -mindepth 1 -maxdepth 1 ! -name data '
+                     r"-exec rm -rf \{\} \+", build), build
+    assert '"$site/bpe_openai/__init__.py"' in build
+    assert "from proxy.tokenizer import preload; preload()" in build
+    assert build.index("preload()") > build.index("bpe_openai/__init__.py")
+
+    # The runtime stage installs nothing and removes the base image's installers.
+    runtime = run_lines(final)
+    assert not re.search(r"pip (install|wheel)|-m ensurepip|get-pip", runtime), runtime
+    assert re.search(r"pip uninstall -y (?:-q )?pip setuptools wheel", runtime), runtime
+    assert "rm -rf /usr/local/lib/python3.*/ensurepip" in runtime  # no way to get pip back
+    assert "! python -c 'import pip'" in runtime
+    copies = [v for k, v in final if k == "COPY"]
+    assert copies == ["--from=build /opt/venv /opt/venv"], copies
+
+
+def read_constraints() -> dict[str, str]:
+    pins: dict[str, str] = {}
+    for raw in CONSTRAINTS.read_text(encoding="utf-8").splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, sep, version = line.partition("==")
+        assert sep and version and not re.search(r"[<>=!~;,\s]", version), f"not a pin: {raw}"
+        key = canonicalize_name(name)
+        assert key not in pins, f"pinned twice: {name}"
+        pins[key] = version
+    return pins
+
+
+def test_constraints_pin_every_dependency() -> None:
+    pins = read_constraints()
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    direct = [
+        *pyproject["build-system"]["requires"],
+        *pyproject["project"]["dependencies"],
+        *pyproject["project"]["optional-dependencies"]["test"],
+    ]
+    for spec in direct:
+        req = Requirement(spec)
+        name = canonicalize_name(req.name)
+        assert name in pins, f"{req.name} (pyproject.toml) has no pin in constraints.txt"
+        assert req.specifier.contains(pins[name], prereleases=True), (
+            f"{req.name}=={pins[name]} does not satisfy pyproject.toml's {req.specifier}"
+        )
+        for extra in req.extras:  # redis[hiredis] -> hiredis
+            for sub in importlib.metadata.requires(req.name) or []:
+                sub_req = Requirement(sub)
+                if sub_req.marker and sub_req.marker.evaluate({"extra": extra}):
+                    assert canonicalize_name(sub_req.name) in pins, sub
+
+    # And everything those pull in, as installed here (the closure pip resolved).
+    missing: set[str] = set()
+    seen: set[tuple[str, str]] = set()
+
+    def walk(dist: str, extras: frozenset[str]) -> None:
+        for raw in importlib.metadata.requires(dist) or []:
+            req = Requirement(raw)
+            envs = [{"extra": e} for e in extras] or [{"extra": ""}]
+            if req.marker and not any(req.marker.evaluate(env) for env in envs):
+                continue
+            name = canonicalize_name(req.name)
+            key = (name, ",".join(sorted(req.extras)))
+            if key in seen:
+                continue
+            seen.add(key)
+            if name not in pins:
+                missing.add(req.name)
+            walk(req.name, frozenset(req.extras))
+
+    walk("tokenmeter", frozenset({"test"}))
+    assert len(seen) > 20, "the dependency walk found too little to mean anything"
+    assert not missing, f"installed but not pinned in constraints.txt: {sorted(missing)}"
+
+    # CI installs with the constraints (the Dockerfile is checked above).
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert re.search(r"pip install -q -c constraints\.txt -e '\.\[test\]'", ci), ci
 
 
 def test_compose() -> None:
@@ -540,6 +661,12 @@ def test_compose() -> None:
     mounts = {v.split(":")[1]: v.split(":")[0] for v in tm["volumes"]}
     assert (DEPLOY / mounts["/etc/tokenmeter/tokenmeter.yaml"]).resolve() == COMPOSE_PROXY_CONFIG
     assert int(tm["stop_grace_period"].rstrip("s")) > 30
+    # Declared here as well as in the Dockerfile: podman's default OCI image format drops the
+    # Dockerfile's HEALTHCHECK. The same probe, so the two cannot disagree.
+    dockerfile_health = next(v for k, v in dockerfile_stages()[-1] if k == "HEALTHCHECK")
+    probe = json.loads(dockerfile_health[dockerfile_health.index("CMD ") + 4:])
+    assert tm["healthcheck"]["test"] == ["CMD", *probe]
+    assert "/healthz" in " ".join(tm["healthcheck"]["test"])
 
     mock = services["mock-upstream"]
     assert mock["image"] == tm["image"]
@@ -574,6 +701,61 @@ def test_compose() -> None:
                 assert (DEPLOY / v.split(":")[0]).exists(), v
 
 
+def render_nginx_template(env: dict[str, str]) -> str:
+    """What the nginx image's 20-envsubst-on-templates.sh writes: ${VAR} and $VAR replaced for
+    defined variables whose names start with NGINX_ENVSUBST_FILTER, everything else kept."""
+    prefix = env.get("NGINX_ENVSUBST_FILTER", "")
+
+    def sub(m: re.Match[str]) -> str:
+        return env.get(m.group(2), m.group(0)) if m.group(2).startswith(prefix) else m.group(0)
+
+    return re.sub(r"\$(\{)?(\w+)(?(1)\})", sub, NGINX_TEMPLATE.read_text(encoding="utf-8"))
+
+
+def test_compose_gateway_resolver_is_not_docker_only() -> None:
+    gateway = load_yaml(COMPOSE)["services"]["gateway"]
+    env = {k: str(v) for k, v in gateway["environment"].items()}
+    mounts = {v.split(":")[1]: (DEPLOY / v.split(":")[0]).resolve() for v in gateway["volumes"]}
+    template_dir = "/etc/nginx/templates"
+    (target,) = [m for m in mounts if m.startswith(template_dir + "/")]
+    assert mounts[target] == NGINX_TEMPLATE
+    # The entrypoint renders templates/<name>.template to NGINX_ENVSUBST_OUTPUT_DIR/<name>:
+    # that must be the main config, since the template has the http {} block.
+    assert target.endswith(".template")
+    rendered_at = env["NGINX_ENVSUBST_OUTPUT_DIR"] + target[len(template_dir):-len(".template")]
+    assert rendered_at == "/etc/nginx/nginx.conf"
+    assert env["NGINX_ENTRYPOINT_LOCAL_RESOLVERS"]  # exports NGINX_LOCAL_RESOLVERS
+    assert env["NGINX_ENVSUBST_FILTER"] == "NGINX_"  # nginx's own $host etc. stay untouched
+
+    text = NGINX_TEMPLATE.read_text(encoding="utf-8")
+    directives = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
+    # Docker's embedded DNS address does not exist under podman.
+    assert "127.0.0.11" not in directives and "127.0.0.11" not in COMPOSE.read_text("utf-8")
+    assert re.search(r"^\s*resolver \$\{NGINX_LOCAL_RESOLVERS\} ", directives, re.M), directives
+    rendered = render_nginx_template({**env, "NGINX_LOCAL_RESOLVERS": "10.89.0.1 [fd00::1]"})
+    assert "resolver 10.89.0.1 [fd00::1] valid=10s" in rendered
+    rendered_directives = "\n".join(line.split("#", 1)[0] for line in rendered.splitlines())
+    assert "${" not in rendered_directives and "NGINX_" not in rendered_directives
+    for var in ("$tokenmeter", "$host", "$proxy_add_x_forwarded_for"):
+        assert var in rendered, f"{var} must survive rendering"
+
+
+def test_compose_gateway_nginx_config_is_valid(tmp_path: Path) -> None:
+    nginx = shutil.which("nginx")
+    if nginx is None:
+        pytest.skip("nginx is not installed (Debian package nginx-light)")
+    env = {k: str(v) for k, v in load_yaml(COMPOSE)["services"]["gateway"]["environment"].items()}
+    conf = tmp_path / "nginx.conf"
+    conf.write_text(render_nginx_template({**env, "NGINX_LOCAL_RESOLVERS": "127.0.0.1"}))
+    r = subprocess.run(
+        [nginx, "-t", "-e", "stderr", "-p", str(tmp_path), "-c", str(conf),
+         "-g", f"pid {tmp_path / 'nginx.pid'};"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "syntax is ok" in r.stderr
+
+
 def test_compose_proxy_config(monkeypatch: pytest.MonkeyPatch) -> None:
     env = load_yaml(COMPOSE)["services"]["tokenmeter"]["environment"]
     for name, value in env.items():
@@ -601,6 +783,7 @@ def test_compose_proxy_config(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def k8s_objects() -> dict[str, dict[str, Any]]:
+    """The default kustomization's objects, the operator component's, and the example Secret."""
     kustomization = load_yaml(K8S / "kustomization.yaml")
     objects: dict[str, dict[str, Any]] = {}
     for resource in kustomization["resources"]:
@@ -612,7 +795,31 @@ def k8s_objects() -> dict[str, dict[str, Any]]:
         for doc in load_yaml_docs(component / resource):
             assert "namespace" not in doc["metadata"]
             objects[doc["kind"]] = doc
+    (secret,) = load_yaml_docs(SECRET_EXAMPLE)
+    assert secret["kind"] == "Secret" and "namespace" not in secret["metadata"]
+    objects["Secret"] = secret
     return objects
+
+
+def test_kubernetes_default_set_leaves_the_real_secret_alone() -> None:
+    kustomization = load_yaml(K8S / "kustomization.yaml")
+    # `kubectl apply -k` after `kubectl create secret` must not replace the real Secret with
+    # placeholders: no Secret manifest, generator or placeholder in what the default set applies.
+    assert not kustomization.get("secretGenerator")
+    applied = [doc for r in kustomization["resources"] for doc in load_yaml_docs(K8S / r)]
+    assert applied and "Secret" not in {d["kind"] for d in applied}
+    for resource in kustomization["resources"]:
+        assert "REPLACE-ME" not in (K8S / resource).read_text(encoding="utf-8"), resource
+    assert "examples" not in " ".join(kustomization["resources"])
+    # The Deployment still expects that Secret, by the name the example and the docs use.
+    (secret,) = load_yaml_docs(SECRET_EXAMPLE)
+    deployment = next(d for d in applied if d["kind"] == "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    refs = [e["secretRef"]["name"] for e in container["envFrom"] if "secretRef" in e]
+    assert refs == [secret["metadata"]["name"]] == ["tokenmeter-secrets"]
+    readme = (DEPLOY / "README.md").read_text(encoding="utf-8")
+    assert "kubectl -n tokenmeter create secret generic tokenmeter-secrets" in readme
+    assert readme.index("create secret generic") < readme.index("kubectl apply -n tokenmeter -k")
 
 
 def test_kubernetes_manifests(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -692,6 +899,7 @@ def test_kustomize_build(tmp_path: Path) -> None:
     assert base.returncode == 0, base.stderr
     kinds = {d["kind"] for d in yaml.safe_load_all(base.stdout) if d}
     assert "ServiceMonitor" not in kinds and {"Deployment", "Service"} <= kinds
+    assert "Secret" not in kinds, "apply -k would overwrite the real Secret"
     # The operator component, used from an overlay (kustomize wants relative paths).
     overlay = tmp_path / "overlay"
     overlay.mkdir()
