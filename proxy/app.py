@@ -36,7 +36,8 @@ from proxy.metrics import Metrics
 from proxy.notify import Notifier
 from proxy.relay import make_handler
 from proxy.reload import ConfigWatcher
-from proxy.store import MemoryStore, Store, StoreError
+from proxy.spool import Spool, default_dir
+from proxy.store import MemoryStore, Store
 from proxy.store_redis import RedisStore
 from proxy.translators import TRANSLATORS
 from proxy.upstream import Router, client_response_headers, upstream_request_headers
@@ -158,13 +159,12 @@ async def _readyz(request: web.Request) -> web.Response:
     (requests are then served without budgets, which beats refusing them all)."""
     runtime = request.app[st.RUNTIME_HOLDER].current
     policy = runtime.config.store.on_error
-    try:
-        await request.app[st.BUDGET].store.ping()
-    except StoreError as exc:
+    budget = request.app[st.BUDGET]
+    if not await budget.probe():
         ready = policy == "fail_open"
         return web.json_response(
             {"status": "degraded" if ready else "unavailable", "store": "unreachable",
-             "on_error": policy, "detail": str(exc)},
+             "on_error": policy},
             status=200 if ready else 503,
         )
     return web.json_response({"status": "ok", "store": "ok", "mode": runtime.users.mode})
@@ -223,39 +223,60 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
     holder = app[st.RUNTIME_HOLDER]
 
     async def maintain() -> None:
-        # Renew the leases of streams still running, and replay settlements the store missed.
+        # Probe the store, replay what the spool holds once it answers, renew the leases of
+        # streams still running.
         tick = 0
         while True:
             lease = holder.current.config.store.lease_seconds
             await asyncio.sleep(min(1.0, lease / 3))
             tick += 1
-            await budget.retry_pending()
-            if tick % max(1, int(lease / 3)) == 0:
-                await budget.renew_leases(lease)
+            if await budget.probe():
+                await budget.replay()
+                if tick % max(1, int(lease / 3)) == 0:
+                    await budget.renew_leases(lease)
+            budget.health.tick()
 
-    try:
-        await budget.store.ping()
-        app[st.METRICS].store_up.set(1)
-    except StoreError as exc:
-        app[st.METRICS].store_up.set(0)
-        log.error("budget store unreachable at start (policy %s): %s",
-                  holder.current.config.store.on_error, exc)
+    if budget.spool is not None:
+        try:
+            budget.spool.open()
+        except OSError as exc:
+            log.error("the settlement spool cannot be opened in %s (%s): usage owed to the "
+                      "store during an outage will be lost", budget.spool.directory, exc)
+            budget.spool = None
+        else:
+            log.info("settlements the store cannot take are kept in %s", budget.spool.path)
+    if not await budget.probe():
+        log.error("budget store unreachable at start (policy %s)",
+                  holder.current.config.store.on_error)
+    else:
+        await budget.replay()
     task = asyncio.create_task(maintain())
     yield
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
-    await budget.retry_pending()
+    await budget.drain_background()
+    if budget.health.up:
+        await budget.replay()
     await budget.store.close()
+    if budget.spool is not None:
+        count, tokens = budget.spool.pending()
+        budget.spool.close()
+        if count:
+            log.warning("%d settlements (%d tokens) are owed to the budget store; they stay in "
+                        "%s and are replayed at the next start", count, tokens,
+                        budget.spool.directory)
 
 
 def _watch_ctx(path: Path) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         holder = app[st.RUNTIME_HOLDER]
 
+        from proxy.reload import keep_running_store
+
         def apply(config: Config) -> None:
-            if config.store != holder.current.config.store:
-                log.warning("store settings changed; they take effect on restart")
+            # The store is set up once at start: a changed prefix must not reset every budget.
+            config = keep_running_store(config, holder.current.config)
             previous = holder.current
             holder.current = build_runtime(config)
             # Names learned from the upstreams at start stay allowed as labels.
@@ -295,7 +316,9 @@ def create_app(
         webhook_url=lambda: holder.current.config.alerts.webhook_url,
         session=lambda: app.get(st.SESSION),
     )
-    app[st.BUDGET] = Budget(store or make_store(config, clock), metrics, notifier, clock)
+    spool_dir = Path(config.store.spool_dir) if config.store.spool_dir else default_dir()
+    app[st.BUDGET] = Budget(store or make_store(config, clock), metrics, notifier, clock,
+                            Spool(spool_dir))
     app[WATCHDOG] = Watchdog()
     app[st.LATENCY] = LatencyTracker()
     app[st.RNG] = random.Random()

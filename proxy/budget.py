@@ -1,10 +1,11 @@
 """Reserve a request's worst case before it goes upstream; settle it to the actual usage after.
 
 The reservation is prompt tokens (estimated with tiktoken, only when a token limit needs it) plus
-the output cap the proxy enforces on the request. Concurrent requests therefore cannot push a user
-over a limit: each one holds its worst case until it settles. Store failures follow the configured
-policy (`fail_open` admits and meters, `fail_closed` refuses with 503); settlements that fail are
-kept and retried until the store is back, so usage is not lost.
+the output cap the proxy enforces on the request (all its choices). Concurrent requests therefore
+cannot push a user over a limit: each one holds its worst case until it settles. Store failures
+follow the configured policy (`fail_open` admits and meters, `fail_closed` refuses with 503);
+settlements the store cannot take go to the local spool and are replayed exactly once when it is
+back (`proxy.spool`), so usage is not lost to an outage, a shutdown or a restart.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from proxy.auth import Principal
 from proxy.errors import BudgetExceeded, ServiceUnavailable
 from proxy.metrics import Metrics
 from proxy.notify import Notifier
-from proxy.store import Entry, Store, StoreError
+from proxy.spool import REPLAY_DONE_TTL_S, Spool
+from proxy.store import Entry, ReserveResult, Store, StoreError
+from proxy.store_health import StoreHealth
 from proxy.translators import Translator
 from proxy.usage import Usage
 from proxy.userconfig import Policy
@@ -33,7 +36,6 @@ from proxy.userconfig import Policy
 log = logging.getLogger("tokenmeter.budget")
 
 DEFAULT_OUTPUT_CAP = 4096
-_RETRY_QUEUE_MAX = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,15 +91,15 @@ def rate_limit_headers(windows: tuple[lim.Window, ...], used: tuple[int, ...],
 
 class Budget:
     def __init__(self, store: Store, metrics: Metrics, notifier: Notifier,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, spool: Spool | None = None) -> None:
         self.store = store
         self.metrics = metrics
         self.notifier = notifier
         self.clock = clock
+        self.health = StoreHealth(metrics)
+        self.spool = spool
         self._active: dict[str, Reservation] = {}
-        self._retry: collections.deque[tuple[Reservation, tuple[Entry, ...]]] = (
-            collections.deque(maxlen=_RETRY_QUEUE_MAX)
-        )
+        self._background: set[asyncio.Task[None]] = set()
 
     # --- reserve ------------------------------------------------------------------------
     async def reserve(self, principal: Principal, translator: Translator,
@@ -106,57 +108,92 @@ class Budget:
         plan = lim.plan(policy, principal.user, principal.limits, translator.model, now)
         # Open and pass-through modes meter without limiting: the client's body stays as sent.
         cap = (plan.output_cap or DEFAULT_OUTPUT_CAP) if principal.enforce else None
+        if not principal.enforce:
+            plan = plan.unenforced()
         output = translator.cap_output(cap)
         prompt = 0
-        if plan.needs_prompt_estimate and principal.enforce:
+        if plan.needs_prompt_estimate:
             prompt = await _estimate(translator)
-        windows = plan.windows if principal.enforce else tuple(
-            w for w in plan.windows if w.limit is None
-        )
-        plan = lim.Plan(plan.slot, windows, plan.max_concurrent if principal.enforce else None,
-                        cap)
         entries = tuple(
-            Entry(w.key, w.limit, lim.amount(w, prompt, output), w.ttl_s) for w in windows
+            Entry(w.key, w.limit, lim.amount(w, prompt, output), w.ttl_s) for w in plan.windows
         )
         res_id = uuid.uuid4().hex
+        # While the store is down, one request at a time tries it (and brings it back at once
+        # when it answers); the others go on without waiting for a timeout.
+        trial = not self.health.up
+        if trial and not self.health.begin_trial():
+            return self._unchecked(principal, plan, prompt, output, policy)
         started = time.perf_counter()
+        # Shielded: a client that hangs up must not leave a reservation behind whose reply
+        # nobody reads (it would block the user until its lease ran out); `_abandoned` gives
+        # back whatever the call turns out to have reserved.
+        call = asyncio.ensure_future(self.store.reserve(
+            plan.slot, res_id, entries, plan.in_flight, policy.store.lease_seconds
+        ))
         try:
-            result = await self.store.reserve(
-                plan.slot, res_id, entries, plan.max_concurrent, policy.store.lease_seconds
-            )
+            result = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            call.add_done_callback(lambda t: self._abandoned(t, plan, res_id))
+            raise
         except StoreError as exc:
-            self._store_failed("reserve", exc)
-            if policy.store.on_error == "fail_closed":
-                raise ServiceUnavailable(
-                    "The budget store is unavailable and this proxy fails closed; retry shortly.",
-                    headers={"Retry-After": "1"},
-                ) from None
-            return Reservation(res_id, principal.user, plan, prompt, output,
-                               (0,) * len(windows), stored=False)
-        self._store_ok("reserve", started)
+            self.health.failed("reserve", exc)
+            # The script may have run before the reply was lost: release its id when the
+            # store answers again; this request is settled under an id of its own.
+            self._settle_later(plan, res_id, _zero(plan), tokens=0, per_id=True)
+            return self._unchecked(principal, plan, prompt, output, policy)
+        finally:
+            if trial:
+                self.health.end_trial()
+        self.health.ok("reserve", started)
         if not result.ok:
-            raise self._refusal(principal, plan, entries, result.refused, result.used, now,
-                                policy.timezone)
+            raise self._refusal(principal, plan, entries, result, now, policy.timezone)
         reservation = Reservation(res_id, principal.user, plan, prompt, output, result.used,
                                   stored=True)
         self._active[res_id] = reservation
-        reserved_total = prompt + output
-        self.metrics.budget_reserved.labels(principal.user).inc(reserved_total)
-        self._update_gauges(principal.user, windows, result.used)
+        self.metrics.budget_reserved.labels(principal.user).inc(prompt + output)
+        self._update_gauges(principal.user, plan.windows, result.used)
         return reservation
 
+    def _unchecked(self, principal: Principal, plan: lim.Plan, prompt: int, output: int,
+                   policy: Policy) -> Reservation:
+        """The store is down: the policy decides at once."""
+        if policy.store.on_error == "fail_closed":
+            self.health.skipped("refused")
+            raise ServiceUnavailable(
+                "The budget store is unavailable and this proxy fails closed; retry shortly.",
+                headers={"Retry-After": "1"},
+            )
+        self.health.skipped("admitted")
+        return Reservation(uuid.uuid4().hex, principal.user, plan, prompt, output,
+                           (0,) * len(plan.windows), stored=False)
+
+    def _abandoned(self, call: asyncio.Future[ReserveResult], plan: lim.Plan,
+                   res_id: str) -> None:
+        if call.cancelled():
+            self._settle_later(plan, res_id, _zero(plan), tokens=0, per_id=True)
+            return
+        exc = call.exception()
+        if isinstance(exc, StoreError):
+            self.health.failed("reserve", exc)
+        if exc is not None or call.result().ok:
+            self._settle_later(plan, res_id, _zero(plan), tokens=0, per_id=True)
+
     def _refusal(self, principal: Principal, plan: lim.Plan, entries: tuple[Entry, ...],
-                 refused: int | None, used: tuple[int, ...], now: float,
-                 tz: str) -> BudgetExceeded:
+                 result: ReserveResult, now: float, tz: str) -> BudgetExceeded:
+        used = result.used
         headers = rate_limit_headers(plan.windows, used, now)
-        if refused is None or refused < 0:
+        if result.refused_in_flight is not None:
+            held = plan.in_flight[result.refused_in_flight]
             self.metrics.budget_refusals.labels(principal.user, "max_concurrent_requests").inc()
             return BudgetExceeded(
-                f"Too many concurrent requests for user '{principal.user}': the limit is "
-                f"{plan.max_concurrent} at a time. Retry when one of them has finished.",
+                f"Too many concurrent requests for user '{principal.user}'"
+                f"{_scope_words(held.scope)}: the limit is {held.limit} at a time. Retry when "
+                "one of them has finished.",
                 type_="requests", code="concurrency_limit_exceeded",
                 limit="max_concurrent_requests", headers={**headers, "Retry-After": "1"},
             )
+        refused = result.refused_entry
+        assert refused is not None
         window, entry = plan.windows[refused], entries[refused]
         assert window.limit is not None
         self.metrics.budget_refusals.labels(principal.user, window.name).inc()
@@ -192,7 +229,7 @@ class Budget:
 
     # --- settle -------------------------------------------------------------------------
     async def settle(self, reservation: Reservation, usage: Usage) -> None:
-        """Never raises: a failure is logged, counted and retried later."""
+        """Never raises: what the store cannot take now goes to the spool."""
         self._active.pop(reservation.res_id, None)
         plan = reservation.plan
         entries = tuple(
@@ -204,7 +241,7 @@ class Budget:
         if reservation.stored:
             over = max(0, reserved - usage.total_tokens)
             self.metrics.budget_overreserved.labels(reservation.user).inc(over)
-        await self._settle_entries(reservation, entries)
+        await self._settle(reservation, entries, usage.total_tokens)
 
     async def release(self, reservation: Reservation) -> None:
         """Give a reservation back whole, the request itself included: an upstream attempt
@@ -213,44 +250,112 @@ class Budget:
         if reservation.stored:
             reserved = reservation.prompt_tokens + reservation.output_cap
             self.metrics.budget_overreserved.labels(reservation.user).inc(reserved)
-        entries = tuple(Entry(w.key, w.limit, 0, w.ttl_s) for w in reservation.plan.windows)
-        await self._settle_entries(reservation, entries)
+            await self._settle(reservation, _zero(reservation.plan), 0)
 
-    async def _settle_entries(self, reservation: Reservation, entries: tuple[Entry, ...]) -> bool:
+    async def _settle(self, reservation: Reservation, entries: tuple[Entry, ...],
+                      tokens: int) -> None:
+        plan = reservation.plan
+        if not self.health.up:
+            self.health.skipped("spooled")
+            self._spool(plan.slot, reservation.res_id, entries, tokens, reservation.stored)
+            return
         started = time.perf_counter()
         try:
-            used = await self.store.settle(reservation.plan.slot, reservation.res_id, entries)
+            used = await self.store.settle(plan.slot, reservation.res_id, entries)
         except StoreError as exc:
-            self._store_failed("settle", exc)
-            self._retry.append((reservation, entries))
-            return False
-        self._store_ok("settle", started)
-        self._update_gauges(reservation.user, reservation.plan.windows, used)
+            self.health.failed("settle", exc)
+            self._spool(plan.slot, reservation.res_id, entries, tokens, reservation.stored)
+            return
+        self.health.ok("settle", started)
+        self._update_gauges(reservation.user, plan.windows, used)
         await self._thresholds(reservation, used)
-        return True
+
+    def _settle_later(self, plan: lim.Plan, res_id: str, entries: tuple[Entry, ...],
+                      tokens: int, per_id: bool) -> None:
+        """A settlement off the request's path (a release after an abandoned reserve)."""
+        if not self.health.up:
+            self._spool(plan.slot, res_id, entries, tokens, per_id)
+            return
+
+        async def run() -> None:
+            try:
+                await self.store.settle(plan.slot, res_id, entries)
+            except StoreError as exc:
+                self.health.failed("settle", exc)
+                self._spool(plan.slot, res_id, entries, tokens, per_id)
+
+        task = asyncio.ensure_future(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _spool(self, slot: str, res_id: str, entries: tuple[Entry, ...], tokens: int,
+               per_id: bool) -> None:
+        now = self.clock()
+        try:
+            if self.spool is None:
+                raise OSError("no spool is configured")
+            if per_id:
+                self.spool.owe(slot, res_id, entries, tokens, now)
+            else:
+                self.spool.add(slot, entries, tokens, now)
+        except OSError as exc:
+            # The one loss left: no store and no disk. Loud, with what was lost.
+            self.metrics.settlements_lost.inc()
+            self.metrics.settlement_tokens_lost.inc(tokens)
+            log.error("LOST a settlement of %d tokens for %s: the store is down and the spool "
+                      "cannot be written (%s)", tokens, slot, exc)
+            return
+        self._backlog()
+
+    def _backlog(self) -> None:
+        count, tokens = self.spool.pending() if self.spool is not None else (0, 0)
+        self.metrics.settle_backlog.set(count)
+        self.metrics.settle_backlog_tokens.set(tokens)
 
     async def _thresholds(self, reservation: Reservation, used: tuple[int, ...]) -> None:
         for w, u in zip(reservation.plan.windows, used, strict=True):
             if w.name == "daily_tokens" and w.scope == "u" and w.limit:
                 await self.notifier.check(self.store, reservation.user, w, u)
 
-    async def retry_pending(self) -> int:
-        """Replay settlements that failed; stops at the first failure. Returns how many left."""
-        while self._retry:
-            reservation, entries = self._retry[0]
-            started = time.perf_counter()
-            try:
-                used = await self.store.settle(reservation.plan.slot, reservation.res_id, entries)
-            except StoreError:
-                break
-            self._store_ok("settle", started)
-            self._retry.popleft()
-            self._update_gauges(reservation.user, reservation.plan.windows, used)
-            log.info("settled reservation %s after a store failure", reservation.res_id)
-        self.metrics.settle_backlog.set(len(self._retry))
-        return len(self._retry)
+    async def probe(self) -> bool:
+        """Ping the store and record the answer: every replica's gauge and health stay true
+        even when it serves no traffic."""
+        started = time.perf_counter()
+        try:
+            await self.store.ping()
+        except StoreError as exc:
+            self.health.failed("ping", exc)
+            return False
+        self.health.ok("ping", started)
+        return True
+
+    async def replay(self) -> int:
+        """Apply what the spool holds, while the store takes it. Returns how many are left."""
+        if self.spool is None:
+            return 0
+        if self.health.up and self.spool.pending()[0]:
+            for owed in self.spool.take():
+                started = time.perf_counter()
+                try:
+                    await self.store.settle(owed.slot, owed.res_id,
+                                            owed.entries(self.clock()), REPLAY_DONE_TTL_S)
+                except StoreError as exc:
+                    self.health.failed("settle", exc)
+                    break
+                self.health.ok("settle", started)
+                self.spool.done(owed)
+                log.info("replayed a settlement of %d tokens for %s owed since a store failure",
+                         owed.tokens, owed.slot)
+        self._backlog()
+        return self.spool.pending()[0]
+
+    async def drain_background(self) -> None:
+        while self._background:
+            await asyncio.gather(*list(self._background))
 
     async def renew_leases(self, lease_s: float) -> None:
+        if not self.health.up:
+            return
         by_slot: dict[str, list[str]] = collections.defaultdict(list)
         for r in self._active.values():
             if r.stored:
@@ -259,18 +364,10 @@ class Budget:
             try:
                 await self.store.renew(slot, ids, lease_s)
             except StoreError as exc:
-                self._store_failed("renew", exc)
+                self.health.failed("renew", exc)
+                return
 
     # --- bookkeeping --------------------------------------------------------------------
-    def _store_failed(self, op: str, exc: StoreError) -> None:
-        self.metrics.store_errors.labels(op).inc()
-        self.metrics.store_up.set(0)
-        log.error("budget store %s failed: %s", op, exc)
-
-    def _store_ok(self, op: str, started: float) -> None:
-        self.metrics.store_latency.labels(op).observe(time.perf_counter() - started)
-        self.metrics.store_up.set(1)
-
     def _update_gauges(self, user: str, windows: tuple[lim.Window, ...],
                        used: tuple[int, ...]) -> None:
         for w, u in zip(windows, used, strict=True):
@@ -283,6 +380,10 @@ class Budget:
 
     def active(self) -> Iterator[Reservation]:
         return iter(list(self._active.values()))
+
+
+def _zero(plan: lim.Plan) -> tuple[Entry, ...]:
+    return tuple(Entry(w.key, w.limit, 0, w.ttl_s) for w in plan.windows)
 
 
 def _scope_words(scope: str) -> str:

@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 from typing import Literal
 from zoneinfo import ZoneInfo
 
+from proxy.store import InFlightLimit
 from proxy.userconfig import KeyConfig, Limits, Policy, UserConfig
 
 Measure = Literal["total", "input", "output", "requests"]
@@ -33,11 +34,20 @@ _DAILY_RETENTION_S = 8 * 86400  # `tokenmeter usage --date` can look a week back
 
 @dataclass(frozen=True, slots=True)
 class EffectiveLimits:
-    """A user's limits as seen through one of their keys."""
+    """A user's limits as seen through one of their keys. The user's limits are the ceiling for
+    all of its keys together; a key with limits of its own is counted on its own counters too,
+    so its limits can only narrow the user's, never widen them."""
 
-    values: dict[str, int | None]
-    scopes: dict[str, str]  # field -> "u" (the user) or "k.<key>" (the key overrides it)
+    user: dict[str, int | None]  # the user's own limits (or the defaults)
+    key: dict[str, int | None]  # the key's own limits; empty when it has none
+    key_scope: str | None  # "k.<key name or hash prefix>" when the key has limits of its own
     model_limits: tuple[tuple[str, Limits], ...]
+
+    @property
+    def output_cap(self) -> int | None:
+        caps = [c for c in (self.user.get("max_output_tokens"), self.key.get("max_output_tokens"))
+                if c is not None]
+        return min(caps) if caps else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,36 +65,40 @@ class Window:
 class Plan:
     slot: str  # the user's hash-tagged key prefix
     windows: tuple[Window, ...]
-    max_concurrent: int | None
+    in_flight: tuple[InFlightLimit, ...]  # the user's first, always: it holds every reservation
     output_cap: int | None
 
     @property
     def needs_prompt_estimate(self) -> bool:
         return any(w.limit is not None and w.measure in ("total", "input") for w in self.windows)
 
+    def unenforced(self) -> Plan:
+        """Metered without limits (open and pass-through modes): only the unlimited windows."""
+        return Plan(self.slot, tuple(w for w in self.windows if w.limit is None),
+                    (InFlightLimit("u", None),), None)
+
 
 def effective_limits(
     user: UserConfig | None, key: KeyConfig | None, defaults: Limits, key_scope: str | None
 ) -> EffectiveLimits:
-    values: dict[str, int | None] = {}
-    scopes: dict[str, str] = {}
+    own: dict[str, int | None] = {}
     for field in Limits.model_fields:
-        k = getattr(key, field) if key is not None else None
         u = getattr(user, field) if user is not None else None
-        if k is not None and key_scope is not None:
-            values[field], scopes[field] = k, f"k.{key_scope}"
-        else:
-            values[field] = u if u is not None else getattr(defaults, field)
-            scopes[field] = "u"
+        own[field] = u if u is not None else getattr(defaults, field)
+    key_values: dict[str, int | None] = {}
+    if key is not None and key_scope is not None:
+        key_values = {f: getattr(key, f) for f in Limits.model_fields
+                      if getattr(key, f) is not None}
     models = tuple(user.model_limits.items()) if user is not None else ()
-    return EffectiveLimits(values, scopes, models)
+    scope = f"k.{key_scope}" if key_values else None
+    return EffectiveLimits(own, key_values, scope, models)
 
 
 def unlimited(defaults: Limits) -> EffectiveLimits:
     """Open and pass-through modes: metered, never limited (but the output cap still applies)."""
     values: dict[str, int | None] = dict.fromkeys(Limits.model_fields)
     values["max_output_tokens"] = defaults.max_output_tokens
-    return EffectiveLimits(values, dict.fromkeys(Limits.model_fields, "u"), ())
+    return EffectiveLimits(values, {}, None, ())
 
 
 def _day(now: float, tz: ZoneInfo) -> tuple[str, float]:
@@ -125,10 +139,13 @@ def plan(
         if daily:
             add(name, measure, daily, "u", None)
     for name, measure, daily in _WINDOWS:
-        limit = limits.values[name]
+        limit = limits.user[name]
         if limit is not None:
-            add(name, measure, daily, limits.scopes[name], limit)
-    caps = [c for c in (limits.values["max_output_tokens"],) if c is not None]
+            add(name, measure, daily, "u", limit)
+        key_limit = limits.key.get(name)
+        if key_limit is not None and limits.key_scope is not None:
+            add(name, measure, daily, limits.key_scope, key_limit)
+    caps = [c for c in (limits.output_cap,) if c is not None]
     for pattern, mlimits in limits.model_limits:
         if not fnmatch.fnmatchcase(model, pattern):
             continue
@@ -139,8 +156,11 @@ def plan(
         if mlimits.max_output_tokens is not None:
             caps.append(mlimits.max_output_tokens)
         break  # the first matching model group applies, like routes
-    max_conc = limits.values["max_concurrent_requests"]
-    return Plan(slot, tuple(windows.values()), max_conc, min(caps) if caps else None)
+    in_flight = [InFlightLimit("u", limits.user["max_concurrent_requests"])]
+    key_conc = limits.key.get("max_concurrent_requests")
+    if key_conc is not None and limits.key_scope is not None:
+        in_flight.append(InFlightLimit(limits.key_scope, key_conc))
+    return Plan(slot, tuple(windows.values()), tuple(in_flight), min(caps) if caps else None)
 
 
 def amount(window: Window, input_tokens: int, output_tokens: int) -> int:

@@ -185,11 +185,26 @@ class Metrics:
             buckets=meter.OVERHEAD_BUCKETS, registry=r,
         )
         self.store_up = Gauge(
-            "tokenmeter_store_up", "1 if the last budget store operation succeeded.", registry=r,
+            "tokenmeter_store_up",
+            "1 if the budget store answered its last operation or probe (probed every second).",
+            registry=r,
         )
         self.settle_backlog = Gauge(
             "tokenmeter_settle_backlog",
-            "Settlements waiting for the store to come back.", registry=r,
+            "Settlements in the local spool, waiting for the store to come back (each user's "
+            "usage while the store was down counts as one).", registry=r,
+        )
+        self.settle_backlog_tokens = Gauge(
+            "tokenmeter_settle_backlog_tokens",
+            "Tokens in the local spool, owed to the store.", registry=r,
+        )
+        self.settlements_lost = Counter(
+            "tokenmeter_settlements_lost",
+            "Settlements lost: the store was down and the spool could not be written.",
+            registry=r,
+        )
+        self.settlement_tokens_lost = Counter(
+            "tokenmeter_settlement_tokens_lost", "Tokens of the settlements lost.", registry=r,
         )
         self.config_reloads = Counter(
             "tokenmeter_config_reloads", "Configuration reloads by result.", ("result",),

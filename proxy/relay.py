@@ -153,7 +153,9 @@ async def _attempt(
     budget, metrics = app[st.BUDGET], app[st.METRICS]
     ex.route, ex.model = cand.route, cand.model
     upstream = cand.route.upstream
-    translator = ex.translator = translator_cls(parsed, upstream.stream_usage, cand.model)
+    translator = ex.translator = translator_cls(
+        parsed, upstream.stream_usage, cand.model, write_all_caps=upstream.write_all_caps
+    )
     reservation = ex.reservation = await budget.reserve(principal, translator, runtime.config)
     # Model names are the client's text: they go into a header only if they are plain
     # printable ASCII, never as a way to inject a header line.

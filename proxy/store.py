@@ -2,7 +2,7 @@
 
 A store does three things atomically per user slot:
 - `reserve`: drop reservations whose lease ran out (their proxy died), check the concurrency
-  limit and every window (`used + amount <= limit`), and only if all pass add the amounts and
+  limits (the user's in-flight set, and a key's own when it has a limit) and every window (`used + amount <= limit`), and only if all pass add the amounts and
   record the reservation under a lease;
 - `settle`: replace a reservation's amounts by the actual ones (or add them outright if the
   reservation is unknown: admitted while the store was down, or its lease expired), once per id;
@@ -12,6 +12,7 @@ The Redis store does the same in Lua, so replicas sharing one Redis share one bu
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,20 +34,38 @@ class Entry:
 
 
 @dataclass(frozen=True, slots=True)
+class InFlightLimit:
+    """A set of requests in flight and its limit: the user's (`scope` "u"), or a key's."""
+
+    scope: str
+    limit: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class ReserveResult:
     ok: bool
-    refused: int | None  # index into the entries, or -1 for the concurrency limit
     used: tuple[int, ...]  # per entry: counter value after the call (before on refusal)
-    in_flight: int
+    refused_entry: int | None = None  # index of the window that refused
+    refused_in_flight: int | None = None  # index of the concurrency limit that refused
+
+
+DONE_TTL_S = 600  # a settle is applied once per reservation id for this long (retries)
 
 
 class Store(Protocol):
     async def reserve(
-        self, slot: str, res_id: str, entries: Sequence[Entry], max_concurrent: int | None,
-        lease_s: float,
-    ) -> ReserveResult: ...
+        self, slot: str, res_id: str, entries: Sequence[Entry],
+        in_flight: Sequence[InFlightLimit], lease_s: float,
+    ) -> ReserveResult:
+        """Reap expired leases; refuse if any in-flight set is full or any window would go
+        over; else add the amounts and hold `res_id` in every in-flight set under a lease."""
+        ...
 
-    async def settle(self, slot: str, res_id: str, entries: Sequence[Entry]) -> tuple[int, ...]: ...
+    async def settle(self, slot: str, res_id: str, entries: Sequence[Entry],
+                     done_ttl_s: int = DONE_TTL_S) -> tuple[int, ...]:
+        """Replace `res_id`'s reserved amounts by `entries` (or add them if nothing is
+        reserved under that id), once per id within `done_ttl_s`; returns the counters."""
+        ...
 
     async def renew(self, slot: str, res_ids: Sequence[str], lease_s: float) -> None: ...
 
@@ -61,7 +80,52 @@ class Store(Protocol):
     async def close(self) -> None: ...
 
 
-_DONE_TTL_S = 600  # settle is idempotent per reservation for this long (retries after errors)
+class _Expiring:
+    """Values that expire, dropped in time order: each write pushes one heap entry, each entry
+    is popped once, so the cost per write is O(log n) amortised and memory is bounded by
+    what is alive (plus entries superseded by a later write, popped when their time comes)."""
+
+    __slots__ = ("_heap", "values")
+
+    def __init__(self) -> None:
+        self.values: dict[str, tuple[int, float]] = {}  # key -> (value, expires_at)
+        self._heap: list[tuple[float, str]] = []
+
+    def get(self, key: str, now: float) -> int:
+        item = self.values.get(key)
+        if item is None or item[1] <= now:
+            return 0
+        return item[0]
+
+    def alive(self, key: str, now: float) -> bool:
+        item = self.values.get(key)
+        return item is not None and item[1] > now
+
+    def set(self, key: str, value: int, expires_at: float) -> None:
+        old = self.values.get(key)
+        self.values[key] = (value, expires_at)
+        if old is None or old[1] != expires_at:
+            heapq.heappush(self._heap, (expires_at, key))
+
+    def add(self, key: str, delta: int, ttl_s: int, now: float) -> int:
+        item = self.values.get(key)
+        if item is None or item[1] <= now:
+            value, expires = delta, now + ttl_s
+        else:
+            value, expires = item[0] + delta, item[1]
+        self.set(key, value, expires)
+        return value
+
+    def expire(self, now: float) -> None:
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            expires_at, key = heapq.heappop(heap)
+            item = self.values.get(key)
+            if item is not None and item[1] == expires_at:
+                del self.values[key]
+
+    def __len__(self) -> int:
+        return len(self._heap)
 
 
 class MemoryStore:
@@ -69,72 +133,77 @@ class MemoryStore:
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
-        self._counters: dict[str, tuple[int, float]] = {}  # key -> (value, expires_at)
+        self._counters = _Expiring()
+        self._marks = _Expiring()
         self._leases: dict[str, dict[str, float]] = {}  # slot -> res_id -> deadline
-        self._reserved: dict[str, dict[str, tuple[tuple[str, int], ...]]] = {}
-        self._marks: dict[str, float] = {}
+        self._reserved: dict[str, tuple[tuple[str, int], ...]] = {}  # res_id -> amounts
+        self._sets: dict[str, set[str]] = {}  # "slot:scope" -> res_ids in flight
+        self._set_names: dict[str, tuple[str, ...]] = {}  # res_id -> its in-flight sets
 
-    def _get(self, key: str, now: float) -> int:
-        item = self._counters.get(key)
-        if item is None or item[1] <= now:
-            self._counters.pop(key, None)
-            return 0
-        return item[0]
+    def _now(self) -> float:
+        now = self._clock()
+        self._counters.expire(now)
+        self._marks.expire(now)
+        return now
 
-    def _add(self, key: str, delta: int, ttl_s: int, now: float) -> int:
-        item = self._counters.get(key)
-        if item is None or item[1] <= now:
-            value, expires = delta, now + ttl_s
-        else:
-            value, expires = item[0] + delta, item[1]
-        self._counters[key] = (value, expires)
-        return value
+    def _drop(self, slot: str, res_id: str, now: float, give_back: bool) -> dict[str, int]:
+        leases = self._leases.get(slot)
+        if leases is not None:
+            leases.pop(res_id, None)
+            if not leases:
+                del self._leases[slot]
+        for name in self._set_names.pop(res_id, ()):
+            members = self._sets.get(name)
+            if members is not None:
+                members.discard(res_id)
+                if not members:
+                    del self._sets[name]
+        reserved = dict(self._reserved.pop(res_id, ()))
+        if give_back:
+            for key, amt in reserved.items():
+                if self._counters.alive(key, now):
+                    self._counters.add(key, -amt, 0, now)
+        return reserved
 
     def _reap(self, slot: str, now: float) -> None:
         leases = self._leases.get(slot, {})
-        reserved = self._reserved.get(slot, {})
         for res_id in [r for r, deadline in leases.items() if deadline <= now]:
-            del leases[res_id]
-            for key, amt in reserved.pop(res_id, ()):
-                if key in self._counters:
-                    self._add(key, -amt, 0, now)
+            self._drop(slot, res_id, now, give_back=True)
 
     async def reserve(
-        self, slot: str, res_id: str, entries: Sequence[Entry], max_concurrent: int | None,
-        lease_s: float,
+        self, slot: str, res_id: str, entries: Sequence[Entry],
+        in_flight: Sequence[InFlightLimit], lease_s: float,
     ) -> ReserveResult:
-        now = self._clock()
+        now = self._now()
         self._reap(slot, now)
-        leases = self._leases.setdefault(slot, {})
-        used = tuple(self._get(e.key, now) for e in entries)
-        if max_concurrent is not None and len(leases) >= max_concurrent:
-            return ReserveResult(False, -1, used, len(leases))
+        used = tuple(self._counters.get(e.key, now) for e in entries)
+        names = tuple(f"{slot}:{f.scope}" for f in in_flight)
+        for i, (f, name) in enumerate(zip(in_flight, names, strict=True)):
+            if f.limit is not None and len(self._sets.get(name, ())) >= f.limit:
+                return ReserveResult(False, used, refused_in_flight=i)
         for i, (e, u) in enumerate(zip(entries, used, strict=True)):
             if e.limit is not None and u + e.amount > e.limit:
-                return ReserveResult(False, i, used, len(leases))
-        after = tuple(self._add(e.key, e.amount, e.ttl_s, now) for e in entries)
-        leases[res_id] = now + lease_s
-        self._reserved.setdefault(slot, {})[res_id] = tuple((e.key, e.amount) for e in entries)
-        return ReserveResult(True, None, after, len(leases))
+                return ReserveResult(False, used, refused_entry=i)
+        after = tuple(self._counters.add(e.key, e.amount, e.ttl_s, now) for e in entries)
+        self._leases.setdefault(slot, {})[res_id] = now + lease_s
+        self._reserved[res_id] = tuple((e.key, e.amount) for e in entries)
+        for name in names:
+            self._sets.setdefault(name, set()).add(res_id)
+        self._set_names[res_id] = names
+        return ReserveResult(True, after)
 
-    async def settle(self, slot: str, res_id: str, entries: Sequence[Entry]) -> tuple[int, ...]:
-        now = self._clock()
+    async def settle(self, slot: str, res_id: str, entries: Sequence[Entry],
+                     done_ttl_s: int = DONE_TTL_S) -> tuple[int, ...]:
+        now = self._now()
         done = f"{slot}:done:{res_id}"
-        if self._marks.get(done, 0.0) > now:
-            return tuple(self._get(e.key, now) for e in entries)
-        self._marks[done] = now + _DONE_TTL_S
-        if len(self._marks) > 10_000:
-            self._prune(now)
-        reserved = dict(self._reserved.get(slot, {}).pop(res_id, ()))
-        self._leases.get(slot, {}).pop(res_id, None)
+        if self._marks.alive(done, now):
+            return tuple(self._counters.get(e.key, now) for e in entries)
+        self._marks.set(done, 1, now + done_ttl_s)
+        reserved = self._drop(slot, res_id, now, give_back=False)
         return tuple(
-            self._add(e.key, e.amount - reserved.get(e.key, 0), e.ttl_s, now) for e in entries
+            self._counters.add(e.key, e.amount - reserved.get(e.key, 0), e.ttl_s, now)
+            for e in entries
         )
-
-    def _prune(self, now: float) -> None:
-        """Expiry is lazy on read; without Redis's own expiry, sweep now and then."""
-        self._marks = {k: t for k, t in self._marks.items() if t > now}
-        self._counters = {k: v for k, v in self._counters.items() if v[1] > now}
 
     async def renew(self, slot: str, res_ids: Sequence[str], lease_s: float) -> None:
         leases = self._leases.get(slot, {})
@@ -144,15 +213,24 @@ class MemoryStore:
                 leases[res_id] = deadline
 
     async def read(self, keys: Sequence[str]) -> tuple[int, ...]:
-        now = self._clock()
-        return tuple(self._get(k, now) for k in keys)
+        now = self._now()
+        return tuple(self._counters.get(k, now) for k in keys)
 
     async def mark_once(self, key: str, ttl_s: int) -> bool:
-        now = self._clock()
-        if self._marks.get(key, 0.0) > now:
+        now = self._now()
+        if self._marks.alive(key, now):
             return False
-        self._marks[key] = now + ttl_s
+        self._marks.set(key, 1, now + ttl_s)
         return True
+
+    def sizes(self) -> dict[str, int]:
+        """How much each internal structure holds (tests check these stay bounded)."""
+        return {
+            "counters": len(self._counters.values), "counter_heap": len(self._counters),
+            "marks": len(self._marks.values), "mark_heap": len(self._marks),
+            "leases": sum(len(v) for v in self._leases.values()),
+            "reserved": len(self._reserved), "sets": len(self._sets),
+        }
 
     async def ping(self) -> None:
         return None

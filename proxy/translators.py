@@ -72,6 +72,28 @@ def _loads(data: bytes) -> dict[str, Any]:
     return obj if isinstance(obj, dict) else {}
 
 
+def _positive_int(body: dict[str, Any], field: str) -> int | None:
+    """An optional integer parameter >= 1 (JSON null is the same as absent), or a 400 naming
+    it, in OpenAI's words: a string, float or boolean where a count belongs is a client bug
+    that would otherwise slip past the budget."""
+    value = body.get(field)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        kind = {bool: "a boolean", str: "a string", float: "a decimal", list: "an array",
+                dict: "an object"}.get(type(value), "another type")
+        raise InvalidRequest(
+            f"Invalid type for '{field}': expected an integer, but got {kind} instead.",
+            param=field, code="invalid_type",
+        )
+    if value < 1:
+        raise InvalidRequest(
+            f"Invalid '{field}': integer below minimum value. Expected a value >= 1, but got "
+            f"{value} instead.", param=field, code="integer_below_min_value",
+        )
+    return value
+
+
 def _strings(*values: Any) -> Iterable[str]:
     return (v for v in values if isinstance(v, str) and v)
 
@@ -83,10 +105,13 @@ class Translator:
     named_events: ClassVar[bool] = False  # SSE `event:` names (Responses API)
 
     def __init__(
-        self, request: ParsedRequest, ask_usage: bool = True, model: str | None = None
+        self, request: ParsedRequest, ask_usage: bool = True, model: str | None = None,
+        *, write_all_caps: bool = True,
     ) -> None:
-        """`model`: a fallback model that serves the request instead of the one asked for."""
+        """`model`: a fallback model that serves the request instead of the one asked for.
+        `write_all_caps`: the upstream's `cap_fields` policy (see `cap_output`)."""
         self.request = request
+        self.write_all_caps = write_all_caps
         self.model = model or request.model
         self._reported: Usage | None = None
         self._content: list[bytes] = []
@@ -100,10 +125,14 @@ class Translator:
             self._changes["model"] = self.model
 
     # --- request side -------------------------------------------------------------------
-    # Output-cap fields in the order a client may use them; the first is set when none is.
+    # Every field of this API shape that limits output tokens per choice. Servers differ in
+    # which one they honour (llama-cpp-python ignores max_completion_tokens; OpenAI's reasoning
+    # models refuse max_tokens), so the cap is enforced on all of them.
     cap_fields: ClassVar[tuple[str, ...]] = ()
-    # What the upstream does without a cap field: None = no bound (so we set one).
+    # What the upstream does without a cap field: None = no bound.
     implicit_cap: ClassVar[int | None] = None
+    # Fields that ask for several generations, each billed (`n`, `best_of`).
+    choice_fields: ClassVar[tuple[str, ...]] = ()
 
     def upstream_body(self) -> bytes:
         """The client's bytes when nothing changed; else its JSON with our changes, once."""
@@ -111,26 +140,58 @@ class Translator:
             return self.request.raw
         return json.dumps({**self.request.body, **self._changes}, separators=(",", ":")).encode()
 
+    def choices(self) -> int:
+        """How many generations the upstream runs (and bills) for this request."""
+        count = 1
+        for field in self.choice_fields:
+            value = _positive_int(self.request.body, field)
+            if value is not None:
+                count = max(count, value)
+        return count
+
     def cap_output(self, cap: int | None) -> int:
-        """Enforce `cap` on the request's output: set it if the client sent no limit, clamp it
-        if the client asked for more. Returns the most output tokens the request can produce
-        (with no cap: what the client asked for, 0 if unbounded). None leaves the body alone."""
+        """Enforce `cap`, the most output tokens the whole request may produce (all choices
+        together). Every cap field the client sent is clamped to its share per choice; then,
+        with `write_all_caps`, every cap field of the shape missing from the body is set (to the
+        client's own limit if it sent one, else the share), so the limit holds whichever field
+        the upstream honours; without (OpenAI, which honours
+        each field but refuses two at once), only the preferred field, and only if the client
+        sent none. Returns the most output tokens the request can produce: the largest
+        effective per-choice limit times the choices (0 if unbounded: no cap and no limit).
+        `cap=None` validates and leaves the body alone. Refuses non-integer or non-positive
+        limits, and more choices than the cap can serve, with a 400 naming the parameter."""
         if not self.cap_fields:
             return 0
         body = self.request.body
-        for field in self.cap_fields:
-            value = body.get(field)
-            if isinstance(value, int) and not isinstance(value, bool):
-                if cap is not None and value > cap:
-                    self._changes[field] = cap
-                    return cap
-                return max(value, 0)
-        if self.implicit_cap is not None:
-            return self.implicit_cap if cap is None else min(self.implicit_cap, cap)
+        sent = {f: v for f in self.cap_fields if (v := _positive_int(body, f)) is not None}
+        choices = self.choices()
         if cap is None:
-            return 0
-        self._changes[self.cap_fields[0]] = cap
-        return cap
+            if sent:
+                return max(sent.values()) * choices
+            return (self.implicit_cap or 0) * choices
+        share = cap // choices
+        if share < 1:
+            field = next(f for f in self.choice_fields if body.get(f) is not None)
+            raise InvalidRequest(
+                f"This proxy allows at most {cap} output tokens per request, so '{field}' "
+                f"({choices}) asks for more generations than can fit; lower it.",
+                param=field, code="invalid_value",
+            )
+        for field, value in sent.items():
+            if value > share:
+                self._changes[field] = share
+        limits = [min(v, share) for v in sent.values()]
+        # A field the client left out gets the client's own limit (or ours, if it sent none).
+        if limits:
+            default = max(limits)
+        else:
+            default = share if self.implicit_cap is None else min(self.implicit_cap, share)
+        missing = [f for f in self.cap_fields if f not in sent]
+        if not self.write_all_caps:
+            missing = [] if sent else missing[:1]
+        for field in missing:
+            self._changes[field] = default
+        return max([*limits, default]) * choices
 
     def estimate_prompt_tokens(self) -> int:
         raise NotImplementedError
@@ -163,9 +224,10 @@ class _ChoicesTranslator(Translator):
     """Chat Completions and legacy Completions: `choices[]` chunks and `stream_options`."""
 
     def __init__(
-        self, request: ParsedRequest, ask_usage: bool = True, model: str | None = None
+        self, request: ParsedRequest, ask_usage: bool = True, model: str | None = None,
+        *, write_all_caps: bool = True,
     ) -> None:
-        super().__init__(request, ask_usage, model)
+        super().__init__(request, ask_usage, model, write_all_caps=write_all_caps)
         body = request.body
         if request.stream and ask_usage:
             options = body.get("stream_options")
@@ -232,8 +294,10 @@ class _ChoicesTranslator(Translator):
 class ChatTranslator(_ChoicesTranslator):
     operation = "chat"
     path = "/chat/completions"
-    # max_tokens is deprecated (and refused by reasoning models); vLLM and others take both.
+    # max_tokens is deprecated (and refused by OpenAI's reasoning models); llama-cpp-python and
+    # others honour only max_tokens. Which ones are written is the upstream's setting.
     cap_fields = ("max_completion_tokens", "max_tokens")
+    choice_fields = ("n",)
 
     def _choice_texts(self, choice: dict[str, Any]) -> Iterable[str]:
         msg = choice.get("delta")
@@ -272,6 +336,8 @@ class CompletionsTranslator(_ChoicesTranslator):
     path = "/completions"
     cap_fields = ("max_tokens",)
     implicit_cap = 16  # the legacy API's documented default
+    # best_of candidates are generated (and billed) server-side, n of them returned.
+    choice_fields = ("n", "best_of")
 
     def _choice_texts(self, choice: dict[str, Any]) -> Iterable[str]:
         return _strings(choice.get("text"))

@@ -6,10 +6,11 @@ import fnmatch
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from multidict import CIMultiDict
 
-from proxy.config import Config, LatencyFallback, RetryConfig
+from proxy.config import Config, LatencyFallback, RetryConfig, UpstreamConfig
 
 # RFC 9110 7.6.1 hop-by-hop fields, plus what the proxy itself must own: the client's credentials
 # (never forwarded), framing (recomputed), Host, and Accept-Encoding (we ask for identity so the
@@ -36,6 +37,14 @@ class Upstream:
     total_timeout_s: float
     stream_usage: bool
     retry: RetryConfig
+    write_all_caps: bool = True  # see UpstreamConfig.cap_fields
+
+
+def _writes_all_caps(u: UpstreamConfig) -> bool:
+    if u.cap_fields == "auto":
+        host = urlsplit(u.base_url).hostname or ""
+        return host != "api.openai.com"
+    return u.cap_fields == "all"
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +61,7 @@ class Router:
             name: Upstream(
                 name, u.base_url, u.api_key, u.connect_timeout_s, u.first_byte_timeout_s,
                 u.idle_timeout_s, u.total_timeout_s, u.stream_usage, u.retry,
+                _writes_all_caps(u),
             )
             for name, u in config.upstreams.items()
         }

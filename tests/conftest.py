@@ -118,6 +118,13 @@ metrics:
     return parse_config(text, "test-config.yaml")
 
 
+@pytest.fixture(autouse=True)
+def _state_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test's proxies keep their settlement spool in a directory of their own, so one
+    test never adopts (and replays) what another test's proxy left owed."""
+    monkeypatch.setenv("TOKENMETER_STATE_DIR", str(tmp_path_factory.mktemp("state")))
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
     server = RedisServer()
