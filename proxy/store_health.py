@@ -1,11 +1,11 @@
 """Whether the budget store answers: one owner of that fact, its gauge and its log lines.
 
 A failed operation marks the store down; a probe (once a second, and every /readyz) or a later
-success marks it up. While it is down, requests do not wait on it: the policy decides admission at
-once (but one request at a time, which tries the store) and settlements go to the spool, so a
-stalled store costs one request at a time one timeout instead of every request two. The log says so once when the store goes down, then once every
-`SUMMARY_S` with what happened meanwhile, and once when it is back: an outage of an hour at
-1,000 requests a second is a handful of lines, not millions.
+success marks it up. While it is down, requests do not wait on it: the policy decides admission
+at once (but for one request at a time, which tries the store) and settlements go to the spool,
+so a stalled store costs one request at a time one timeout instead of every request two. The log
+says so once when the store goes down, then once every `SUMMARY_S` with what happened meanwhile,
+and once when it is back: an hour's outage at 1,000 requests a second is a handful of lines.
 """
 
 from __future__ import annotations
