@@ -21,6 +21,7 @@ from proxy.store import StoreError
 log = logging.getLogger("tokenmeter.budget")
 
 SUMMARY_S = 30.0
+TRIAL_EVERY_S = 1.0
 
 
 class StoreHealth:
@@ -31,12 +32,15 @@ class StoreHealth:
         self._down_since = 0.0
         self._last_summary = 0.0
         self._trial = False
+        self._failed_at = 0.0
+        self.trial_every_s = TRIAL_EVERY_S
         self._errors: Counter[str] = Counter()
         self._skipped: Counter[str] = Counter()
 
     def failed(self, op: str, exc: StoreError) -> None:
         self._metrics.store_errors.labels(op).inc()
         self._metrics.store_up.set(0)
+        self._failed_at = self._clock()
         if self.up:
             self.up = False
             self._down_since = self._last_summary = self._clock()
@@ -57,10 +61,11 @@ class StoreHealth:
             self._skipped.clear()
 
     def begin_trial(self) -> bool:
-        """While the store is down, may this request try it? One at a time (a half-open
-        circuit): recovery is seen by the next request, and the others do not each wait out
-        a timeout meanwhile. The caller that got True calls `end_trial`."""
-        if self._trial:
+        """While the store is down, may this request try it? One at a time and at most once
+        per `trial_every_s` after the last failure (a half-open circuit, beside the probe),
+        so the others, and a client sending one request after another, do not each wait out
+        a timeout. The caller that got True calls `end_trial`."""
+        if self._trial or self._clock() - self._failed_at < self.trial_every_s:
             return False
         self._trial = True
         return True

@@ -104,6 +104,7 @@ async def test_fail_closed_refuses_then_recovers(
     async with aiohttp.ClientSession() as s, s.get(proxy.make_url("/readyz")) as r:
         assert r.status == 503
     own_redis.start()
+    assert await proxy.app[st.BUDGET].probe()  # what the background loop does every second
     resp = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
     assert resp.choices[0].message.content
     m = await _metrics(proxy)
