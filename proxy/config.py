@@ -6,28 +6,26 @@ import fnmatch
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
     AliasChoices,
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
     model_validator,
 )
 
-from proxy.userconfig import Policy
+from proxy.userconfig import ConfigModel, Policy
 
 
 class ConfigError(Exception):
     """A configuration file that cannot be used; the message names file, line and field."""
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+# Unknown fields refused, frozen, and no boolean where a number is expected.
+_Model = ConfigModel
 
 
 class RetryConfig(_Model):
@@ -72,6 +70,11 @@ class UpstreamConfig(_Model):
     # client did not ask). Turn off for a server that rejects the field; streams are then
     # counted with tiktoken and marked estimated.
     stream_usage: bool = True
+    # Which output-cap fields the proxy writes: `all` of the API shape's (max_tokens and
+    # max_completion_tokens on chat), since servers differ in the one they honour; `preferred`:
+    # clamp the ones the client sent, else set only max_completion_tokens (OpenAI honours both
+    # but refuses the two together); `auto`: `preferred` for api.openai.com, else `all`.
+    cap_fields: Literal["auto", "all", "preferred"] = "auto"
 
     @field_validator("base_url")
     @classmethod
@@ -109,6 +112,18 @@ class ServerConfig(_Model):
     max_body_mb: float = Field(default=32.0, gt=0)
     # On SIGTERM: stop accepting, let running streams finish for up to this long, settle them.
     drain_seconds: float = Field(default=30.0, ge=0)
+    # A request's header block must arrive whole within this long: from the connection's start
+    # for its first request, from the first byte of the next one on a kept-alive connection.
+    # Late: 408 and closed, so slow-drip clients (slowloris) cannot pile up open sockets.
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    # The whole body within this long of its headers (a total, so a drip cannot stretch it).
+    body_timeout_s: float = Field(default=60.0, gt=0)
+    # A kept-alive connection idle this long between requests is closed.
+    keepalive_timeout_s: float = Field(default=75.0, gt=0)
+    # Client connections open at once (API and metrics ports together); one more gets a 503
+    # at once. Lowered at start to what the open-file limit carries (each may need an upstream
+    # socket too).
+    max_connections: int = Field(default=4096, ge=1)
 
 
 class MetricsConfig(_Model):
@@ -211,12 +226,92 @@ def _format(source: str, root: yaml.Node | None, path: tuple[str | int, ...], ms
     return f"{where}: {field}: {msg}"
 
 
-def parse_config(text: str, source: str = "<config>") -> Config:
+class _DuplicateKey(Exception):
+    def __init__(self, mapping: yaml.MappingNode, key: object, again: yaml.Node,
+                 first: yaml.Node) -> None:
+        super().__init__(key)
+        self.mapping, self.key, self.again, self.first = mapping, key, again, first
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping, at any depth: PyYAML would
+    keep the last silently, and a user written twice would lose its first definition."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base` then `key:` is the documented way to override
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:
+                continue  # unhashable: the base class reports it
+            if first is not None:
+                raise _DuplicateKey(node, key, key_node, first)
+            seen[key] = key_node
+        return super().construct_mapping(node, deep=deep)
+
+
+def _path_to(root: yaml.Node, target: yaml.Node) -> Path_:
+    """The field path of a node in the document (aliases may share nodes: the first path)."""
+    stack: list[tuple[yaml.Node, Path_]] = [(root, ())]
+    visited: set[int] = set()
+    while stack:
+        node, path = stack.pop()
+        if node is target:
+            return path
+        if id(node) in visited:
+            continue
+        visited.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            stack.extend((v, (*path, str(k.value))) for k, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((v, (*path, i)) for i, v in enumerate(node.value))
+    return ()
+
+
+def _load_yaml(text: str, source: str) -> tuple[yaml.Node | None, Any]:
+    """The node tree (for line numbers) and the data, from one parse."""
+    loader = _Loader(text)
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        root = loader.get_single_node()
+        try:
+            data = loader.construct_document(root) if root is not None else None
+        except _DuplicateKey as dup:
+            assert root is not None
+            field = ".".join(str(p) for p in (*_path_to(root, dup.mapping), dup.key))
+            raise ConfigError(
+                f"{source}:{dup.again.start_mark.line + 1}: {field}: duplicate key, also "
+                f"given at line {dup.first.start_mark.line + 1} (YAML would keep only the last)"
+            ) from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: invalid YAML: {exc}") from None
+    finally:
+        loader.dispose()
+    return root, data
+
+
+def _data_loc(data: Any, loc: Path_) -> Path_:
+    """A pydantic error location as a path in the YAML: without the labels of union members
+    (e.g. `keys.0.mapping.name` is `keys.0.name`), which name no key of the file."""
+    out: list[str | int] = []
+    for i, part in enumerate(loc):
+        found = (isinstance(data, dict) and part in data) or (
+            isinstance(data, list) and isinstance(part, int) and 0 <= part < len(data)
+        )
+        if found:
+            data = data[part]
+        elif isinstance(data, dict) and i == len(loc) - 1:
+            pass  # a field that is missing: still its name
+        else:
+            continue
+        out.append(part)
+    return tuple(out)
+
+
+def parse_config(text: str, source: str = "<config>") -> Config:
+    root, data = _load_yaml(text, source)
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the configuration must be a YAML mapping")
     errors: list[tuple[tuple[str | int, ...], str]] = []
@@ -228,7 +323,7 @@ def parse_config(text: str, source: str = "<config>") -> Config:
     except ValidationError as exc:
         lines = []
         for err in exc.errors():
-            loc = tuple(p for p in err["loc"] if isinstance(p, str | int))
+            loc = _data_loc(data, tuple(p for p in err["loc"] if isinstance(p, str | int)))
             msg = err["msg"].removeprefix("Value error, ")
             lines.append(_format(source, root, loc, msg))
         raise ConfigError("\n".join(lines)) from None
@@ -240,6 +335,8 @@ def load_config(path: str | Path) -> Config:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{p}: cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p}: not UTF-8: {exc.reason}") from None
     return parse_config(text, str(p))
 
 

@@ -8,10 +8,20 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Literal
+import types
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 _HASHED = re.compile(r"^sha256:[0-9a-f]{64}$")
 # User and key names end up in Redis keys and metric labels: keep them plain.
@@ -34,8 +44,51 @@ def normalise_key(value: str) -> str:
     return hash_key(value)
 
 
-class _Model(BaseModel):
+_BOOL_FOR_NUMBER = (
+    "must be a number, not a boolean (YAML reads yes/no/on/off/true/false as booleans)"
+)
+
+
+def _union_members(annotation: Any) -> tuple[Any, ...]:
+    if get_origin(annotation) in (Union, types.UnionType):
+        return get_args(annotation)
+    return (annotation,)
+
+
+def _misplaced_bool(value: object, annotation: Any) -> bool:
+    """A boolean where the field wants an int or a float, at any depth of lists and dicts.
+
+    Pydantic's lax mode takes `true` as 1, so `daily_tokens: yes` would mean a one-token quota
+    and `no` a zero one; strict mode would also refuse "8080" from `${PORT}`, hence this check.
+    """
+    members = _union_members(annotation)
+    if isinstance(value, bool):
+        return bool not in members and any(m in (int, float) for m in members)
+    for member in members:
+        origin, args = get_origin(member), get_args(member)
+        if origin is list and args and isinstance(value, list):
+            return any(_misplaced_bool(v, args[0]) for v in value)
+        if origin is dict and len(args) == 2 and isinstance(value, dict):
+            return any(_misplaced_bool(v, args[1]) for v in value.values())
+    return False
+
+
+class ConfigModel(BaseModel):
+    """Base of every configuration section: unknown fields refused, frozen, no bools as numbers."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: object, info: ValidationInfo) -> object:
+        if info.field_name is not None and _misplaced_bool(
+            value, cls.model_fields[info.field_name].annotation
+        ):
+            raise ValueError(_BOOL_FOR_NUMBER)
+        return value
+
+
+_Model = ConfigModel
 
 
 class Limits(_Model):
@@ -65,8 +118,20 @@ class KeyConfig(Limits):
         return normalise_key(v)
 
 
+def _key_kind(value: object) -> str:
+    return "string" if isinstance(value, str) else "mapping"
+
+
+# A key is its string, or a mapping with a name and limits. Told apart by the YAML's shape, so
+# a mistake in a mapping is reported once, not also as "Input should be a valid string".
+_KeyEntry = Annotated[
+    Annotated[KeyConfig, Tag("mapping")] | Annotated[str, Tag("string")],
+    Discriminator(_key_kind),
+]
+
+
 class UserConfig(Limits):
-    keys: list[KeyConfig | str] = Field(default_factory=list)
+    keys: list[_KeyEntry] = Field(default_factory=list)
     team: str | None = None
     # Limits for models matching a glob, counted separately from the user's overall limits:
     # e.g. {"o1*": {daily_tokens: 20000}} next to daily_tokens: 500000.
@@ -87,6 +152,22 @@ class UserConfig(Limits):
             return [normalise_key(k) if isinstance(k, str) else k for k in v]
         return v
 
+    @field_validator("keys")
+    @classmethod
+    def _key_names(cls, v: list[KeyConfig | str]) -> list[KeyConfig | str]:
+        # A key with limits of its own is counted under its name: two keys of one name would
+        # share one counter (and be one name in the logs).
+        seen: dict[str, int] = {}
+        for i, key in enumerate(v):
+            if isinstance(key, KeyConfig) and key.name is not None:
+                if key.name in seen:
+                    raise ValueError(
+                        f"keys[{seen[key.name]}] and keys[{i}] are both named {key.name!r}: "
+                        "each key of a user needs its own name"
+                    )
+                seen[key.name] = i
+        return v
+
     def key_configs(self) -> list[KeyConfig]:
         return [k if isinstance(k, KeyConfig) else KeyConfig(key=k) for k in self.keys]
 
@@ -99,6 +180,10 @@ class StoreConfig(_Model):
     lease_seconds: float = Field(default=60.0, gt=0)
     # A budget check that takes longer fails into `on_error`; a slow store must not stall traffic.
     timeout_ms: float = Field(default=500.0, gt=0)
+    # Where usage owed to the store during an outage is kept until it is back (and across a
+    # restart). Default: $TOKENMETER_STATE_DIR, else $XDG_STATE_HOME/tokenmeter, else
+    # ~/.local/state/tokenmeter. Replicas may share it: each keeps its own file in it.
+    spool_dir: str | None = None
 
     @field_validator("url")
     @classmethod

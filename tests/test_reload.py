@@ -2,18 +2,34 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from datetime import datetime
 from pathlib import Path
+from zoneinfo import ZoneInfo
 
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
 
+from proxy import reload as reload_mod
 from proxy import state as st
 from proxy.app import create_app
-from proxy.config import load_config
+from proxy.config import load_config, parse_config
+from proxy.reload import Poll
 from tests.conftest import ServerFactory, sample
-from tests.test_budget import ALICE_KEY, BOB_KEY, MESSAGES, _metrics, budget_yaml, sdk
+from tests.test_budget import (
+    ALICE_KEY,
+    BOB_KEY,
+    MESSAGES,
+    FakeClock,
+    _metrics,
+    budget_yaml,
+    sdk,
+)
+
+CAROL_KEY = "sk-carol-0123456789"
 
 
 async def _works(server: TestServer, key: str) -> bool:
@@ -77,3 +93,146 @@ async def test_invalid_file_is_refused_and_old_config_serves(
     assert proxy.app[st.RUNTIME_HOLDER].current is before
     assert await _works(proxy, ALICE_KEY)
     assert not watcher.reload()  # and it says so when asked directly
+
+
+# Deterministic polls: the background poller is parked (an hour between looks) and the test
+# calls `poll_once()` itself, exactly as the run loop does.
+@pytest.fixture
+def manual_polls(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(reload_mod, "POLL_SECONDS", 3600.0)
+
+
+async def _reloads(proxy: TestServer, result: str) -> float:
+    return sample(await _metrics(proxy), "tokenmeter_config_reloads_total", result=result)
+
+
+@pytest.mark.usefixtures("manual_polls")
+async def test_half_written_file_is_never_applied(
+    aiohttp_server: ServerFactory, upstream: TestServer, tmp_path: Path
+) -> None:
+    async with asyncio.timeout(30):
+        url = str(upstream.make_url("/v1"))
+        path = tmp_path / "tm.yaml"
+        path.write_text(budget_yaml(url, "memory", _users(("alice", ALICE_KEY), ("bob", BOB_KEY))))
+        proxy = await aiohttp_server(create_app(load_config(path), config_path=path))
+        watcher = proxy.app[st.WATCHER]
+        assert watcher.poll_once() is Poll.UNCHANGED
+
+        # A two-step write: truncate, then the users section cut after alice (valid YAML and a
+        # valid config, without bob), then the rest. Each step is seen by one poll only.
+        full = budget_yaml(
+            url, "memory", _users(("alice", ALICE_KEY), ("bob", BOB_KEY), ("carol", CAROL_KEY))
+        )
+        partial = full[: full.index("  bob:")]
+        assert parse_config(partial).users.keys() == {"alice"}
+        path.write_text("")
+        assert watcher.poll_once() is Poll.SETTLING
+        path.write_text(partial)
+        assert watcher.poll_once() is Poll.SETTLING
+        assert await _works(proxy, BOB_KEY)  # the partial version was not applied
+        path.write_text(full)
+        assert watcher.poll_once() is Poll.SETTLING  # new again: wait one more poll
+        assert watcher.poll_once() is Poll.APPLIED  # the same bytes twice: complete
+        assert watcher.poll_once() is Poll.UNCHANGED
+        assert await _works(proxy, CAROL_KEY) and await _works(proxy, BOB_KEY)
+        assert await _reloads(proxy, "ok") == 1  # only the complete version was loaded
+        assert await _reloads(proxy, "error") == 0  # and the empty file was never tried
+
+
+@pytest.mark.usefixtures("manual_polls")
+async def test_sighup_loads_at_once_and_refused_file_is_not_retried(
+    aiohttp_server: ServerFactory, upstream: TestServer, config_file: Path
+) -> None:
+    async with asyncio.timeout(30):
+        proxy = await aiohttp_server(create_app(load_config(config_file), config_path=config_file))
+        watcher = proxy.app[st.WATCHER]
+        url = str(upstream.make_url("/v1"))
+        config_file.write_text(
+            budget_yaml(url, "memory", _users(("alice", ALICE_KEY), ("bob", BOB_KEY)))
+        )
+        watcher.request_reload()  # SIGHUP: no waiting for a second poll
+        assert watcher.poll_once() is Poll.APPLIED
+        assert await _works(proxy, BOB_KEY)
+        watcher.request_reload()  # even unchanged bytes (an env var it names may have changed)
+        assert watcher.poll_once() is Poll.APPLIED
+        assert await _reloads(proxy, "ok") == 2
+
+        config_file.write_text(config_file.read_text() + "\nusers: {}\n")  # `users` twice
+        assert watcher.poll_once() is Poll.SETTLING
+        assert watcher.poll_once() is Poll.REFUSED
+        assert watcher.poll_once() is Poll.UNCHANGED  # logged and counted once, not per poll
+        assert await _reloads(proxy, "error") == 1
+        assert await _works(proxy, BOB_KEY)
+
+
+@pytest.fixture(params=["memory", "redis"])
+def store_url(request: pytest.FixtureRequest) -> str:
+    if request.param == "memory":
+        return "memory"
+    url: str = request.getfixturevalue("redis_url")
+    return url
+
+
+@pytest.mark.usefixtures("manual_polls")
+async def test_store_prefix_change_waits_for_restart(
+    aiohttp_server: ServerFactory, upstream: TestServer, tmp_path: Path, store_url: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with asyncio.timeout(30):
+        url = str(upstream.make_url("/v1"))
+        path = tmp_path / "tm.yaml"
+        alice = f'  alice:\n    keys: ["{ALICE_KEY}"]\n    daily_tokens: 60\n'
+        limits = "defaults:\n  max_output_tokens: 16\n"
+        path.write_text(budget_yaml(url, store_url, alice, limits))
+        clock = FakeClock(datetime(2026, 12, 2, 12, 0, tzinfo=ZoneInfo("UTC")))
+        proxy = await aiohttp_server(
+            create_app(load_config(path), config_path=path, clock=clock)
+        )
+        client = sdk(proxy, ALICE_KEY)
+        for _ in range(10):  # exhaust alice's day
+            try:
+                await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+            except openai.RateLimitError as exc:
+                assert exc.code == "daily_quota_exceeded"
+                break
+        else:
+            pytest.fail("alice was never refused")
+
+        # Same users plus bob, and another key prefix (which would be a fresh set of counters).
+        bob = f'  bob:\n    keys: ["{BOB_KEY}"]\n'
+        path.write_text(
+            budget_yaml(url, store_url, alice + bob, limits).replace(
+                "  lease_seconds: 30\n", "  lease_seconds: 30\n  prefix: other\n"
+            )
+        )
+        caplog.set_level(logging.WARNING, logger="tokenmeter")
+        watcher = proxy.app[st.WATCHER]
+        watcher.request_reload()
+        assert watcher.poll_once() is Poll.APPLIED
+        assert await _works(proxy, BOB_KEY)  # the rest of the new version is live
+        assert proxy.app[st.RUNTIME_HOLDER].current.config.store.prefix == "tokenmeter"
+        with pytest.raises(openai.RateLimitError) as err:  # and alice's day is not reset
+            await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+        assert err.value.code == "daily_quota_exceeded"
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any("store.prefix" in w and "restart" in w for w in warnings), warnings
+        assert not any(store_url in w for w in warnings if store_url != "memory")
+        await client.close()
+
+
+@pytest.mark.usefixtures("manual_polls")
+async def test_sighup_on_a_missing_file_is_refused_and_said(
+    aiohttp_server: ServerFactory, config_file: Path
+) -> None:
+    async with asyncio.timeout(30):
+        proxy = await aiohttp_server(create_app(load_config(config_file), config_path=config_file))
+        before = proxy.app[st.RUNTIME_HOLDER].current
+        watcher = proxy.app[st.WATCHER]
+        config_file.unlink()  # mid-replace, or a wrong path after a deploy
+        assert watcher.poll_once() is Poll.MISSING
+        assert await _reloads(proxy, "error") == 0  # a poll that finds no file waits quietly
+        watcher.request_reload()
+        assert watcher.poll_once() is Poll.MISSING
+        assert await _reloads(proxy, "error") == 1  # SIGHUP was asked for: it is counted
+        assert proxy.app[st.RUNTIME_HOLDER].current is before
+        assert await _works(proxy, ALICE_KEY)
