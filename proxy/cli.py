@@ -23,6 +23,7 @@ from proxy.app import create_app, create_metrics_app
 from proxy.bench.cli import add_parser as add_bench_parser
 from proxy.bench.cli import run as run_bench
 from proxy.config import Config, ConfigError, load_config, single_upstream_config
+from proxy.listener import ConnectionGuard, GuardedSite, ListenerLimits, raise_fd_limit
 from proxy.store import StoreError
 from proxy.store_redis import RedisStore
 from proxy.usage_report import UserUsage, read_usage, render, today
@@ -85,22 +86,23 @@ def _mock_settings(args: argparse.Namespace) -> object:
 
 
 async def _start_site(
-    app: web.Application, host: str, port: int, drain_seconds: float = 5.0
+    app: web.Application, host: str, port: int, drain_seconds: float = 5.0,
+    guard: ConnectionGuard | None = None,
 ) -> tuple[web.AppRunner, int]:
     # handler_cancellation: a client that disconnects cancels its handler, so the upstream
     # request is closed at once instead of at the next chunk. shutdown_timeout: on SIGTERM the
     # listener closes first, running streams get this long to finish, then they are cancelled
-    # (and still settled: settling is shielded).
+    # (and still settled: settling is shielded). The guard bounds how long a request may take
+    # to arrive and how many connections are open (proxy/listener.py).
+    guard = guard or ConnectionGuard()
     runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=drain_seconds
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=drain_seconds,
+        keepalive_timeout=guard.limits.keepalive_timeout_s,
     )
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = GuardedSite(runner, host, port, guard)
     await site.start()
-    server = site._server
-    sockets = getattr(server, "sockets", None) or []
-    actual = sockets[0].getsockname()[1] if sockets else port
-    return runner, int(actual)
+    return runner, site.port
 
 
 async def _embedded_upstream(host: str) -> tuple[web.AppRunner, str]:
@@ -115,6 +117,7 @@ async def _serve(
     config_path: Path | None = None,
 ) -> None:
     runners: list[web.AppRunner] = []
+    fd_limit = raise_fd_limit()
     try:
         if config is None:
             mock_runner, url = await _embedded_upstream("127.0.0.1")
@@ -125,14 +128,16 @@ async def _serve(
         host = host or config.server.host
         port = config.server.port if port is None else port
         app = create_app(config, config_path=config_path)
-        runner, actual = await _start_site(app, host, port, config.server.drain_seconds)
+        # One guard for the API and metrics ports: one connection count, one fd budget.
+        guard = ConnectionGuard(ListenerLimits.from_config(config.server, fd_limit))
+        runner, actual = await _start_site(app, host, port, config.server.drain_seconds, guard)
         runners.append(runner)
         base = f"http://{host}:{actual}/v1"
         metrics_host, metrics_port = host, actual
         if config.metrics.port is not None:
             metrics_host = config.metrics.host or host
             metrics_runner, metrics_port = await _start_site(
-                create_metrics_app(app), metrics_host, config.metrics.port
+                create_metrics_app(app), metrics_host, config.metrics.port, guard=guard
             )
             runners.insert(0, metrics_runner)  # cleaned up last: scrapes see the drain
         log.info("tokenmeter listening on %s (metrics at http://%s:%d/metrics)", base,
