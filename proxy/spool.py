@@ -98,9 +98,9 @@ class Spool:
         self._lock = (self.directory / f"spool-{self._id}.lock").open("w")
         fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._file = self.path.open("a", encoding="utf-8")
-        for lock_path in sorted(self.directory.glob("spool-*.lock")):
-            if lock_path.stem != f"spool-{self._id}":
-                self._adopt(lock_path)
+        for data in sorted(self.directory.glob("spool-*.jsonl")):
+            if data != self.path:
+                self._adopt(data.with_suffix(".lock"))
 
     def close(self) -> None:
         """Write the current state durably; an empty spool leaves no file behind."""
@@ -116,8 +116,9 @@ class Spool:
             self._file.close()
         self._file = None
         if self._lock is not None:
-            (self.directory / f"spool-{self._id}.lock").unlink(missing_ok=True)
-            self._lock.close()
+            if empty:
+                (self.directory / f"spool-{self._id}.lock").unlink(missing_ok=True)
+            self._lock.close()  # the next process to start adopts what is left
             self._lock = None
 
     # --- recording ------------------------------------------------------------------------

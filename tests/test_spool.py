@@ -1,0 +1,211 @@
+"""Usage owed to the store survives an outage of any length, a graceful stop and a restart, and
+is applied exactly once; the in-process store stays bounded however many requests it serves."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import redis.asyncio as aioredis
+from aiohttp.test_utils import TestServer
+
+from proxy.budget import Budget
+from proxy.config import parse_config
+from proxy.limits import daily_key
+from proxy.metrics import Metrics
+from proxy.notify import Notifier
+from proxy.spool import Spool
+from proxy.store import Entry, MemoryStore
+from proxy.translators import ChatTranslator, parse_body
+from proxy.usage import Usage
+from proxy.usage_report import today
+from tests.servers import RedisServer, free_port, wait_for_port
+from tests.test_budget import ALICE_KEY, BOB_KEY, MESSAGES, budget_yaml
+
+SLOT = "tokenmeter:{alice}"
+
+
+def _entries(amount: int, key: str = f"{SLOT}:u:daily_tokens:20261203") -> tuple[Entry, ...]:
+    return (Entry(key, None, amount, 3600), Entry(f"{SLOT}:u:requests:20261203", None, 1, 3600))
+
+
+def test_an_outage_longer_than_any_count_bound_is_summed_exactly(tmp_path: Path) -> None:
+    spool = Spool(tmp_path)
+    spool.open()
+    for i in range(150_000):  # the old in-memory queue dropped everything past 100,000
+        spool.add(SLOT, _entries(1 + i % 7), tokens=1 + i % 7, now=1000.0)
+    expected = sum(1 + i % 7 for i in range(150_000))
+    assert spool.pending() == (1, expected)
+    # Summed per counter and compacted: the file holds the state, not the history.
+    assert spool.path.stat().st_size < 20_000 * 200
+    (batch,) = spool.take()
+    amounts = {e.key: e.amount for e in batch.entries(now=1000.0)}
+    assert amounts[f"{SLOT}:u:daily_tokens:20261203"] == expected
+    assert amounts[f"{SLOT}:u:requests:20261203"] == 150_000
+    spool.done(batch)
+    assert spool.pending() == (0, 0)
+    spool.close()
+    assert list(tmp_path.glob("spool-*")) == []  # nothing owed, nothing left behind
+
+
+def test_a_dead_processes_spool_is_adopted_with_the_same_ids(tmp_path: Path) -> None:
+    dead = Spool(tmp_path)
+    dead.open()
+    dead.owe(SLOT, "res-1", _entries(40), tokens=40, now=1000.0)
+    dead.add(SLOT, _entries(5), tokens=5, now=1000.0)
+    dead.add(SLOT, _entries(6), tokens=6, now=1000.0)
+    # Killed: no close(), its lock goes with its file descriptors.
+    assert dead._lock is not None and dead._file is not None
+    dead._lock.close()
+    dead._file.close()
+
+    def adopt() -> dict[str, int]:
+        heir = Spool(tmp_path)
+        heir.open()
+        owed = {o.res_id: sum(e.amount for e in o.entries(1000.0) if "daily" in e.key)
+                for o in heir.take()}
+        heir._lock.close()  # type: ignore[union-attr]  # dies too, before replaying anything
+        heir._file.close()  # type: ignore[union-attr]
+        return owed
+
+    first = adopt()
+    assert first["res-1"] == 40 and sorted(first.values()) == [11, 40]
+    # Adopted again (a crash before replay): the same ids, which the store applies once.
+    assert adopt() == first
+
+
+def test_a_live_processes_spool_is_not_adopted(tmp_path: Path) -> None:
+    live = Spool(tmp_path)
+    live.open()
+    live.add(SLOT, _entries(5), tokens=5, now=1000.0)
+    other = Spool(tmp_path)
+    other.open()
+    assert other.pending() == (0, 0)
+    assert live.pending() == (1, 5)
+    other.close()
+    live.close()
+
+
+async def test_the_in_process_store_stays_bounded_over_30000_requests() -> None:
+    """Marks and counters expire in time order: after 30,000 requests (marks live 600 s, a
+    request every 0.05 s) the structures hold what is alive, and no more."""
+    now = [1_796_000_000.0]
+    store = MemoryStore(lambda: now[0])
+    budget = Budget(store, Metrics(), Notifier(Metrics(), lambda: [], lambda: None, lambda: None),
+                    clock=lambda: now[0])
+    text = budget_yaml("http://127.0.0.1:9/v1", "memory", f"""
+  alice:
+    keys: ["{ALICE_KEY}"]
+    tokens_per_minute: 100000000
+    requests_per_minute: 100000000
+  bob:
+    keys: ["{BOB_KEY}"]
+    daily_tokens: 100000000
+""")
+    config = parse_config(text)
+    from proxy.auth import UserIndex
+
+    users = UserIndex(config)
+    principals = [users._by_hash[k] for k in list(users._by_hash)]
+    translator = ChatTranslator(parse_body(
+        b'{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":5}'
+    ))
+    peak: dict[str, int] = {}
+    for i in range(30_000):
+        principal = principals[i % len(principals)]
+        reservation = await budget.reserve(principal, translator, config)
+        await budget.settle(reservation, Usage(3, 5))
+        now[0] += 0.05
+        if i >= 20_000:
+            for name, size in store.sizes().items():
+                peak[name] = max(peak.get(name, 0), size)
+    alive_marks = int(600 / 0.05) + 10
+    assert peak["marks"] <= alive_marks and peak["mark_heap"] <= alive_marks
+    # Per user: 3 daily counters and, for alice, 2 minute windows of which at most 3 minutes
+    # are alive at once (each lives to the end of its minute plus 60 s).
+    assert peak["counters"] <= 2 * 3 + 2 + 2 * 3 and peak["counter_heap"] <= 20
+    assert peak["leases"] == peak["reserved"] == peak["sets"] == 0
+
+
+async def _redis_daily(r: aioredis.Redis, text: str) -> int:
+    key = daily_key("tokenmeter", "alice", "daily_tokens",
+                    today(parse_config(text), time.time()).strftime("%Y%m%d"))
+    return int(await r.get(key) or 0)
+
+
+def _serve(cfg: Path, port: int, state: Path, log: Path) -> subprocess.Popen[str]:
+    # The log goes to a file: a pipe nobody reads until the end would fill up and stall it.
+    return subprocess.Popen(
+        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg), "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=log.open("w"), text=True,
+        env={**os.environ, "TOKENMETER_STATE_DIR": str(state)},
+    )
+
+
+async def test_usage_owed_during_an_outage_survives_sigterm_and_restart(
+    upstream: TestServer, tmp_path: Path
+) -> None:
+    redis_server = RedisServer(persistent=True)
+    redis_server.start()
+    users = f'  alice:\n    keys: ["{ALICE_KEY}"]\n    daily_tokens: 10000000\n'
+    text = budget_yaml(str(upstream.make_url("/v1")), redis_server.url, users).replace(
+        "  timeout_ms: 5000\n", "  timeout_ms: 300\n"
+    )
+    cfg = tmp_path / "tm.yaml"
+    cfg.write_text(text)
+    state = tmp_path / "state"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    auth = {"Authorization": f"Bearer {ALICE_KEY}"}
+    r = aioredis.Redis.from_url(redis_server.url)
+    proc = _serve(cfg, port, state, tmp_path / "first.log")
+    second: subprocess.Popen[str] | None = None
+    try:
+        await asyncio.to_thread(wait_for_port, port, 20.0)
+        total = 0
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url, json={"model": "mock-gpt", "messages": MESSAGES},
+                              headers=auth) as resp:
+                total += (await resp.json())["usage"]["total_tokens"]
+            assert await _redis_daily(r, text) == total
+            redis_server.stop()  # the outage
+            for _ in range(300):
+                async with s.post(url, json={"model": "mock-gpt", "messages": MESSAGES},
+                                  headers=auth) as resp:
+                    assert resp.status == 200
+                    total += (await resp.json())["usage"]["total_tokens"]
+        proc.send_signal(signal.SIGTERM)  # a rolling restart during the outage
+        await asyncio.to_thread(proc.wait, timeout=30)
+        err = (tmp_path / "first.log").read_text()
+        assert proc.returncode == 0, err
+        assert "owed to the budget store" in err  # and it says where they wait
+        assert list(state.glob("spool-*.jsonl"))  # on main: nothing kept, 7,500 tokens lost
+
+        redis_server.start()
+        await r.aclose()
+        r = aioredis.Redis.from_url(redis_server.url)  # the old connection died with the server
+        second = _serve(cfg, port, state, tmp_path / "second.log")
+        await asyncio.to_thread(wait_for_port, port, 20.0)
+
+        async def replayed() -> bool:
+            return await _redis_daily(r, text) >= total
+
+        async with asyncio.timeout(30):
+            while not await replayed():  # noqa: ASYNC110 (the counter lives in Redis)
+                await asyncio.sleep(0.05)
+        assert await _redis_daily(r, text) == total  # exactly once
+        second.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(second.wait, timeout=30)
+        assert list(state.glob("spool-*")) == []  # nothing owed any more
+    finally:
+        for p in (proc, second):
+            if p is not None and p.poll() is None:
+                p.kill()
+        await r.aclose()
+        redis_server.stop()
