@@ -129,7 +129,12 @@ async def _serve(
         port = config.server.port if port is None else port
         app = create_app(config, config_path=config_path)
         # One guard for the API and metrics ports: one connection count, one fd budget.
-        guard = ConnectionGuard(ListenerLimits.from_config(config.server, fd_limit))
+        metrics = app[st.METRICS]
+        guard = ConnectionGuard(
+            ListenerLimits.from_config(config.server, fd_limit),
+            on_event=lambda event: metrics.connections_closed.labels(event.value).inc(),
+        )
+        metrics.connections_open.set_function(lambda: guard.open)
         runner, actual = await _start_site(app, host, port, config.server.drain_seconds, guard)
         runners.append(runner)
         base = f"http://{host}:{actual}/v1"

@@ -206,6 +206,14 @@ class Metrics:
         self.settlement_tokens_lost = Counter(
             "tokenmeter_settlement_tokens_lost", "Tokens of the settlements lost.", registry=r,
         )
+        self.connections_closed = Counter(
+            "tokenmeter_client_connections_closed",
+            "Client connections the proxy refused (max_connections) or cut (header or body "
+            "deadline).", ("reason",), registry=r,
+        )
+        self.connections_open = Gauge(
+            "tokenmeter_client_connections_open", "Client connections open now.", registry=r,
+        )
         self.config_reloads = Counter(
             "tokenmeter_config_reloads", "Configuration reloads by result.", ("result",),
             registry=r,

@@ -15,6 +15,7 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
+import aiohttp
 import openai
 import pytest
 from aiohttp import web
@@ -310,6 +311,13 @@ async def test_the_cli_raises_its_fd_limit_and_guards_its_port(
                 for s in slow:
                     s.close()
             assert await _legit(port)
+            async with aiohttp.ClientSession() as http, http.get(
+                f"http://127.0.0.1:{port}/metrics"
+            ) as resp:
+                text = await resp.text()
+            assert 'tokenmeter_client_connections_closed_total{reason="refused"} 1.0' in text
+            assert 'tokenmeter_client_connections_closed_total{reason="header_timeout"} 2.0' in text
+            assert "tokenmeter_client_connections_open 1.0" in text  # this scrape's own
     finally:
         proc.terminate()
         await asyncio.to_thread(proc.communicate, timeout=WAIT_S)
