@@ -95,6 +95,10 @@ ADDED_METRICS = frozenset({
     "tokenmeter_cost_usd_total",
     "tokenmeter_upstream_retries_total",
     "tokenmeter_fallbacks_total",
+    "tokenmeter_settlements_lost_total",
+    "tokenmeter_settle_backlog_tokens",
+    "tokenmeter_settle_backlog",
+    "tokenmeter_settlement_tokens_lost_total",
 })
 # Exported, but with no series until something goes wrong.
 MAY_BE_EMPTY = frozenset({"tokenmeter_metering_errors_total"})
@@ -991,3 +995,21 @@ def test_readme_mentions_the_commands() -> None:
     for needle in ("docker compose -f deploy/docker-compose.yml up", "--scale tokenmeter=2",
                    "kubectl apply", "promtool test rules"):
         assert needle in text, needle
+
+
+def test_the_settlement_spool_has_a_writable_volume_everywhere() -> None:
+    """The image runs as a user without a home on a read-only root: without a state directory
+    set and mounted, the spool could not be written and an outage's usage would be lost."""
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    runtime = dockerfile[dockerfile.index("AS runtime"):]
+    assert "TOKENMETER_STATE_DIR=/var/lib/tokenmeter" in runtime
+    assert re.search(r"chown 10001:10001 /var/lib/tokenmeter", runtime)
+    compose = load_yaml(DEPLOY / "docker-compose.yml")
+    assert "tokenmeter-state:/var/lib/tokenmeter" in compose["services"]["tokenmeter"]["volumes"]
+    assert "tokenmeter-state" in compose["volumes"]
+    (deployment,) = [d for d in load_yaml_docs(DEPLOY / "kubernetes" / "deployment.yaml")
+                     if d.get("kind") == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert "emptyDir" in volumes[mounts["/var/lib/tokenmeter"]]
