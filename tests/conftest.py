@@ -142,6 +142,15 @@ def redis_url(redis_server: RedisServer) -> str:
     return redis_server.url
 
 
+@pytest.fixture(params=["memory", "redis"])
+def store_url(request: pytest.FixtureRequest) -> str:
+    """Each budget test runs on the in-process store and on a real redis-server."""
+    if request.param == "memory":
+        return "memory"
+    url: str = request.getfixturevalue("redis_url")
+    return url
+
+
 @pytest.fixture
 def mock_settings() -> MockSettings:
     # Fast by default; tests that measure timing ask for their own pace.

@@ -59,14 +59,6 @@ users:
 """
 
 
-@pytest.fixture(params=["memory", "redis"])
-def store_url(request: pytest.FixtureRequest) -> str:
-    if request.param == "memory":
-        return "memory"
-    url: str = request.getfixturevalue("redis_url")
-    return url
-
-
 @pytest.fixture
 def mock_settings() -> MockSettings:
     return MockSettings(tokens_per_second=0, ttft_ms=5, output_tokens=16)

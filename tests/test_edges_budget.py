@@ -85,17 +85,9 @@ class ChoicesUpstream:
         return app
 
 
-@pytest.fixture(params=["memory", "redis"])
-def store(request: pytest.FixtureRequest) -> str:
-    if request.param == "memory":
-        return "memory"
-    url: str = request.getfixturevalue("redis_url")
-    return url
-
-
-async def _proxy(aiohttp_server: ServerFactory, upstream_url: str, store: str, users: str,
+async def _proxy(aiohttp_server: ServerFactory, upstream_url: str, store_url: str, users: str,
                  extra: str = "", **kw: Any) -> TestServer:
-    text = budget_yaml(upstream_url, store, users, extra)
+    text = budget_yaml(upstream_url, store_url, users, extra)
     return await aiohttp_server(create_app(parse_config(text)), **kw)
 
 
@@ -108,12 +100,12 @@ async def _choices(aiohttp_server: ServerFactory, honours: tuple[str, ...]
 
 # --- 1. n > 1 --------------------------------------------------------------------------------
 async def test_every_choice_is_reserved_and_capped(
-    aiohttp_server: ServerFactory, store: str
+    aiohttp_server: ServerFactory, store_url: str
 ) -> None:
     double, url = await _choices(aiohttp_server, ("max_tokens", "max_completion_tokens"))
     users = f'  alice:\n    keys: ["{ALICE_KEY}"]\n    daily_tokens: 3000\n' \
             "    max_output_tokens: 200\n"
-    proxy = await _proxy(aiohttp_server, url, store, users)
+    proxy = await _proxy(aiohttp_server, url, store_url, users)
     client = sdk(proxy, ALICE_KEY)
 
     async def ask() -> int | None:
@@ -160,12 +152,12 @@ async def test_best_of_is_reserved_and_too_many_choices_refused(
 
 # --- 2. cap fields ---------------------------------------------------------------------------
 async def test_cap_holds_on_an_upstream_that_ignores_max_completion_tokens(
-    aiohttp_server: ServerFactory, store: str
+    aiohttp_server: ServerFactory, store_url: str
 ) -> None:
     double, url = await _choices(aiohttp_server, ("max_tokens",))  # llama-cpp-python's way
     users = f'  alice:\n    keys: ["{ALICE_KEY}"]\n    daily_tokens: 1000\n' \
             "    max_output_tokens: 32\n"
-    proxy = await _proxy(aiohttp_server, url, store, users)
+    proxy = await _proxy(aiohttp_server, url, store_url, users)
     client = sdk(proxy, ALICE_KEY)
     r = await client.chat.completions.create(model="gpt", messages=MESSAGES)  # type: ignore[arg-type]
     assert r.usage is not None and r.usage.completion_tokens == 32  # on main: 500
@@ -242,7 +234,7 @@ async def test_preferred_cap_field_never_sends_both(aiohttp_server: ServerFactor
 
 # --- 3. a key within its user ----------------------------------------------------------------
 async def test_a_keys_quota_cannot_widen_its_users(
-    aiohttp_server: ServerFactory, upstream: TestServer, store: str
+    aiohttp_server: ServerFactory, upstream: TestServer, store_url: str
 ) -> None:
     users = f"""
   alice:
@@ -251,7 +243,7 @@ async def test_a_keys_quota_cannot_widen_its_users(
     keys:
       - {{key: "{CI_KEY}", name: ci, daily_tokens: 5000}}
 """
-    proxy = await _proxy(aiohttp_server, str(upstream.make_url("/v1")), store, users)
+    proxy = await _proxy(aiohttp_server, str(upstream.make_url("/v1")), store_url, users)
     client = sdk(proxy, CI_KEY)
     total = 0
     for _ in range(40):
@@ -285,7 +277,7 @@ async def _hold(session: aiohttp.ClientSession, proxy: TestServer, key: str) -> 
 
 
 async def test_a_keys_concurrency_counts_its_own_requests_within_its_users(
-    aiohttp_server: ServerFactory, upstream: TestServer, store: str
+    aiohttp_server: ServerFactory, upstream: TestServer, store_url: str
 ) -> None:
     users = f"""
   alice:
@@ -294,7 +286,7 @@ async def test_a_keys_concurrency_counts_its_own_requests_within_its_users(
       - {{key: "{CI_KEY}", name: ci, max_concurrent_requests: 2}}
       - {{key: "{OTHER_KEY}", name: wide, max_concurrent_requests: 10}}
 """
-    proxy = await _proxy(aiohttp_server, str(upstream.make_url("/v1")), store, users)
+    proxy = await _proxy(aiohttp_server, str(upstream.make_url("/v1")), store_url, users)
     async with aiohttp.ClientSession() as s:
         # The other key holds two of the user's three: ci, with none of its own, gets in
         # (on main it was refused: its limit was checked against the user's whole set).

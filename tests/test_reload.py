@@ -165,14 +165,6 @@ async def test_sighup_loads_at_once_and_refused_file_is_not_retried(
         assert await _works(proxy, BOB_KEY)
 
 
-@pytest.fixture(params=["memory", "redis"])
-def store_url(request: pytest.FixtureRequest) -> str:
-    if request.param == "memory":
-        return "memory"
-    url: str = request.getfixturevalue("redis_url")
-    return url
-
-
 @pytest.mark.usefixtures("manual_polls")
 async def test_store_prefix_change_waits_for_restart(
     aiohttp_server: ServerFactory, upstream: TestServer, tmp_path: Path, store_url: str,

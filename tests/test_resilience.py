@@ -306,18 +306,10 @@ users:
 """
 
 
-@pytest.fixture(params=["memory", "redis"])
-def store(request: pytest.FixtureRequest) -> str:
-    if request.param == "memory":
-        return "memory"
-    url: str = request.getfixturevalue("redis_url")
-    return url
-
-
 async def test_fallback_serves_and_is_charged_on_the_model_used(
-    aiohttp_server: ServerFactory, failing: TestServer, backup: TestServer, store: str
+    aiohttp_server: ServerFactory, failing: TestServer, backup: TestServer, store_url: str
 ) -> None:
-    text = fallback_config(str(failing.make_url("/v1")), str(backup.make_url("/v1")), store)
+    text = fallback_config(str(failing.make_url("/v1")), str(backup.make_url("/v1")), store_url)
     proxy = await aiohttp_server(create_app(parse_config(text)))
     async with sdk(proxy, ALICE) as client:
         raw = await client.chat.completions.with_raw_response.create(
