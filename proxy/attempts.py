@@ -4,7 +4,8 @@ Everything here happens before the client has been sent a byte, which is what ma
 request is retried (same upstream) on connect errors and on the statuses its upstream's `retry`
 lists, and handed to the route's fallbacks (other models, routed by their own entries) when the
 retries are spent. Once a stream has started nothing is retried; the relay reports the failure
-in the stream instead.
+in the stream instead. A 5xx whose body blames the request (some servers answer a validation
+error with a 500) is neither retried nor handed on: it would fail the same way every time.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import email.utils
+import json
 import math
 import random
 import time
@@ -68,6 +70,54 @@ def fallback_worthy(status: int) -> bool:
     """An answer another model may do better with: overloaded, rate limited or broken. A 4xx
     about the request itself would fail the same way anywhere, so it goes to the client."""
     return status in (408, 429) or status >= 500
+
+
+# OpenAI's error type for a bad request, and vLLM's.
+_REQUEST_ERROR_TYPES = frozenset({"invalid_request_error", "BadRequestError"})
+# Codes OpenAI gives errors about the request's parameters.
+_REQUEST_ERROR_CODES = frozenset({
+    "context_length_exceeded", "invalid_value", "invalid_type", "missing_required_parameter",
+    "unsupported_parameter", "unsupported_value", "integer_below_min_value",
+    "integer_above_max_value", "string_above_max_length", "invalid_request_error",
+})
+
+
+def request_fault(body: bytes) -> str | None:
+    """`context_length` or `bad_request` when `body` is an error in OpenAI's shape (or vLLM's
+    flat one) that blames the request: its type is `invalid_request_error`, its code names a bad
+    parameter, or its message the context length. None for anything else."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    err = obj.get("error")
+    if not isinstance(err, dict):
+        if obj.get("object") != "error":
+            return None
+        err = obj
+    code = err.get("code") if isinstance(err.get("code"), str) else ""
+    message = err.get("message")
+    message = message.lower() if isinstance(message, str) else ""
+    if code == "context_length_exceeded" or "context length" in message:
+        return "context_length"
+    if err.get("type") in _REQUEST_ERROR_TYPES or code in _REQUEST_ERROR_CODES:
+        return "bad_request"
+    return None
+
+
+async def blames_request(response: aiohttp.ClientResponse) -> bool:
+    """A 5xx whose body blames the request. The body is read (aiohttp keeps it for the relay);
+    one that does not come within a second blames nothing."""
+    if response.status < 500:
+        return False
+    try:
+        async with asyncio.timeout(1.0):
+            body = await response.read()
+    except (TimeoutError, aiohttp.ClientError):
+        return False
+    return request_fault(body) is not None
 
 
 def status_class(status: int) -> str:
@@ -133,6 +183,10 @@ def candidates(
 RetryHook = Callable[[Upstream, str], None]
 
 
+def _nothing() -> None:
+    pass
+
+
 async def call_upstream(
     session: aiohttp.ClientSession,
     upstream: Upstream,
@@ -142,10 +196,12 @@ async def call_upstream(
     *,
     on_retry: RetryHook,
     rng: random.Random,
+    on_attempt: Callable[[], None] = _nothing,
 ) -> aiohttp.ClientResponse:
     """POST to `upstream` until it answers with something not worth retrying, the attempts are
     spent, or the next wait would end past the retry deadline. Returns the last response (any
-    status); raises UpstreamTimeout / UpstreamUnavailable when no response came at all."""
+    status); raises UpstreamTimeout / UpstreamUnavailable when no response came at all.
+    `on_attempt` runs as each request goes out, `on_retry` once its failure is given up on."""
     retry = upstream.retry
     loop = asyncio.get_running_loop()
     deadline = loop.time() + retry.deadline_s
@@ -155,6 +211,7 @@ async def call_upstream(
     while True:
         attempt += 1
         failure: ProxyError
+        on_attempt()
         try:
             async with asyncio.timeout(upstream.first_byte_timeout_s):
                 response = await session.post(url, data=body, headers=headers, timeout=timeout)
@@ -180,6 +237,7 @@ async def call_upstream(
                 response.status not in retry.on_status
                 or attempt >= retry.max_attempts
                 or response.headers.get("x-should-retry", "").lower() == "false"
+                or await blames_request(response)
             ):
                 return response
             wait = retry_after_s(response.headers)
@@ -187,8 +245,8 @@ async def call_upstream(
                 wait = backoff_s(retry, attempt, rng)
             if loop.time() + wait > deadline:
                 return response  # the client (or a fallback) gets the answer now, not later
-            await _discard(response)
             on_retry(upstream, status_class(response.status))
+            await _discard(response)
             await asyncio.sleep(wait)
             continue
         wait = backoff_s(retry, attempt, rng)

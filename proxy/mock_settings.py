@@ -21,9 +21,16 @@ class MockSettings:
     tokens_per_second <= 0 streams as fast as possible. ttft_ms is the wait before the first token
     (before the whole response when not streaming), delay_ms the wait before the headers.
     reasoning_tokens is reported as a detail of, not added to, the completion tokens. A status
-    other than 200 answers with an OpenAI error body (error_code, else a default for the status).
+    other than 200 answers with an OpenAI error body (error_code, else a default for the status;
+    error_type replaces the status's type: a 500 of type invalid_request_error is a validation
+    error as some servers send it). The code context_length_exceeded gets OpenAI's message, at
+    any status.
     stall_after / reset_after N: after N content tokens, hang until the client leaves / abort the
-    TCP connection; garbage_after N: after N tokens, send bytes that are not SSE, then go on.
+    TCP connection; end_after N: after N tokens, end the stream cleanly but without its final
+    events (no finish, usage or `[DONE]`; N=0: a 200 event-stream with no event at all, which is
+    llama-cpp-python's answer to a streamed prompt longer than its context); omit_done: a whole
+    chat/completions stream, bar its `data: [DONE]`. garbage_after N: after N tokens, send bytes
+    that are not SSE, then go on.
     retry_after_ms adds `retry-after-ms` (and a rounded-up `retry-after`) to injected errors.
     fail_first N: the faults above (status, stall, reset, garbage) hit only the first N requests
     of a scenario (the `x-mock-scenario` header), later ones are served normally: a retry test.
@@ -38,6 +45,7 @@ class MockSettings:
     reasoning_tokens: int = 0
     status: int = 200
     error_code: str | None = None
+    error_type: str | None = None
     delay_ms: float = 0.0
     stall_after: int | None = None
     reset_after: int | None = None
@@ -46,6 +54,8 @@ class MockSettings:
     retry_after_ms: float | None = None
     fail_first: int | None = None
     chunk_seed: int | None = None
+    end_after: int | None = None
+    omit_done: bool = False
 
     def __post_init__(self) -> None:
         # Checked here so that header overrides, applied with dataclasses.replace, obey the same
@@ -55,7 +65,7 @@ class MockSettings:
         times = (self.ttft_ms, self.delay_ms)
         counts = (self.output_tokens, self.cached_tokens, self.reasoning_tokens)
         faults = (self.stall_after, self.reset_after, self.garbage_after, self.fail_first,
-                  self.retry_after_ms)
+                  self.retry_after_ms, self.end_after)
         if min(*times, *counts, *(f or 0 for f in faults)) < 0:
             raise ValueError("times, token counts and fault positions must not be negative")
         if self.status != 200 and not 400 <= self.status <= 599:
@@ -122,12 +132,15 @@ _OVERRIDES: tuple[tuple[str, str, Callable[[str], object]], ...] = (
     ("x-mock-retry-after-ms", "retry_after_ms", lambda value: float(value) if value else None),
     ("x-mock-fail-first", "fail_first", _optional_int),
     ("x-mock-chunk-seed", "chunk_seed", _optional_int),
+    ("x-mock-error-type", "error_type", lambda value: value or None),
+    ("x-mock-end-after", "end_after", _optional_int),
+    ("x-mock-omit-done", "omit_done", _switch),
 )
 
 GARBAGE = b"\x00\xff\xfenot an event {{{\r\n: \xc3\x28 half-utf8\n\n"
 HEALTHY: dict[str, Any] = {
-    "status": 200, "error_code": None, "stall_after": None, "reset_after": None,
-    "garbage_after": None,
+    "status": 200, "error_code": None, "error_type": None, "stall_after": None,
+    "reset_after": None, "garbage_after": None, "end_after": None, "omit_done": False,
 }
 
 

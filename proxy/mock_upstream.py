@@ -157,7 +157,20 @@ def _endpoint(
 
 
 def _injected_error(call: _Call) -> _ApiError:
+    error = _default_error(call)
+    if call.cfg.error_type is not None:
+        error.type_ = call.cfg.error_type
+    return error
+
+
+def _default_error(call: _Call) -> _ApiError:
     status, code = call.cfg.status, call.cfg.error_code
+    if code == "context_length_exceeded":
+        message = (
+            "This model's maximum context length is 128000 tokens. However, your messages "
+            f"resulted in {call.prompt_tokens} tokens. Please reduce the length of the messages."
+        )
+        return _ApiError(status, message, "messages", code)
     if status == 401:
         message = "Incorrect API key provided: sk-mock. You can find your API key in your account."
         return _ApiError(401, message, None, code or "invalid_api_key")
@@ -171,12 +184,6 @@ def _injected_error(call: _Call) -> _ApiError:
         message = "The server had an error while processing your request. Sorry about that!"
         return _ApiError(status, message, None, code, type_="server_error",
                          headers=_retry_headers(call.cfg))
-    if code == "context_length_exceeded":
-        message = (
-            "This model's maximum context length is 128000 tokens. However, your messages "
-            f"resulted in {call.prompt_tokens} tokens. Please reduce the length of the messages."
-        )
-        return _ApiError(status, message, "messages", code)
     return _ApiError(status, f"Mock upstream injected HTTP {status}.", None, code)
 
 
@@ -283,14 +290,17 @@ def _fault(cfg: MockSettings, n: int) -> tuple[int, str | None]:
     """How many tokens to send, and what happens after them instead of a normal end.
 
     Positions are clamped to the tokens generated so that an asked-for fault always happens
-    (before the final events); with both set the earlier one wins, the reset on a tie.
+    (before the final events); with several set the earliest wins, on a tie the reset, then the
+    stall.
     """
     faults = [
         (min(after, n), name)
-        for after, name in ((cfg.reset_after, "reset"), (cfg.stall_after, "stall"))
+        for after, name in (
+            (cfg.reset_after, "reset"), (cfg.stall_after, "stall"), (cfg.end_after, "end"),
+        )
         if after is not None
     ]
-    return min(faults) if faults else (n, None)
+    return min(faults, key=lambda fault: fault[0]) if faults else (n, None)
 
 
 async def _hang(request: web.Request) -> None:
@@ -326,7 +336,7 @@ async def _stream(
     try:
         await resp.prepare(call.request)
         write = _writer(resp, cfg)
-        if preamble:
+        if preamble and not (fault == "end" and count == 0):
             await write(preamble)
         t_first = loop.time() + cfg.ttft_ms / 1000
         pending, i = [head], 0
@@ -352,6 +362,9 @@ async def _stream(
             return resp
         if fault == "stall":
             await _hang(call.request)
+            return resp
+        if fault == "end":
+            await resp.write_eof()
             return resp
         await asyncio.sleep(max(0.0, t_first - loop.time()))  # no tokens: still wait out ttft
         if garbage == count:
@@ -407,7 +420,8 @@ async def _completion(call: _Call, *, chat: bool) -> web.StreamResponse:
     if include:
         tail += _data({**chunk_base, "choices": [], "usage": usage})
     token = _word_events(lambda word: chunk(choice({"content": word} if chat else word, None)))
-    tail += b"data: [DONE]\n\n"
+    if not call.cfg.omit_done:
+        tail += b"data: [DONE]\n\n"
     reported = usage if include else None
     return await _stream(call, n, token=token, head=head, tail=tail, usage=reported)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -50,18 +49,10 @@ def classify_upstream_error(status: int, body: bytes) -> str:
         return "auth"
     if status == 429:
         return "rate_limit"
+    fault = attempts.request_fault(body)
     if status >= 500:
-        return "upstream_5xx"
-    code = message = ""
-    try:
-        err = json.loads(body).get("error") or {}
-        code = str(err.get("code") or "")
-        message = str(err.get("message") or "").lower()
-    except (ValueError, AttributeError):
-        pass
-    if code == "context_length_exceeded" or "context length" in message:
-        return "context_length"
-    return "bad_request"
+        return fault or "upstream_5xx"  # a validation error some servers answer with a 500
+    return "context_length" if fault == "context_length" else "bad_request"
 
 
 def make_handler(
@@ -82,10 +73,18 @@ async def handle(request: web.Request, translator_cls: type[Translator]) -> web.
         return exc.to_response()
     except asyncio.CancelledError:
         # aiohttp cancels the handler when the client disconnects.
-        ex.error_class = "client_disconnect"
+        if ex.error_class != "client_timeout":  # the proxy cut it: that is the finer cause
+            ex.error_class = "client_disconnect"
         if not ex.upstream_answered:
             ex.status = 499
         raise
+    except ConnectionError:
+        # A write to a client that has gone (without handler cancellation, or before it lands).
+        if not _client_gone(request):
+            ex.error_class = "internal"
+            raise
+        ex.status, ex.error_class = 499, "client_disconnect"
+        return web.Response(status=499)
     except Exception:
         ex.error_class = "internal"
         raise
@@ -173,7 +172,11 @@ async def _attempt(
         client_key=client_key(request) if principal.forward_client_key else None,
     )
 
+    def on_attempt() -> None:
+        ex.in_flight = True
+
     def on_retry(u: Upstream, reason: str) -> None:
+        ex.in_flight = False
         ex.attempts += 1
         metrics.retries.labels(u.name, reason).inc()
 
@@ -185,19 +188,27 @@ async def _attempt(
         async with asyncio.timeout_at(ex.deadline):
             up = await attempts.call_upstream(
                 app[st.SESSION], upstream, translator.path, translator.upstream_body(), headers,
-                on_retry=on_retry, rng=app[st.RNG],
+                on_retry=on_retry, rng=app[st.RNG], on_attempt=on_attempt,
             )
     except TimeoutError:
+        ex.in_flight = False
         exc = _total_timeout(upstream)
         if last:
             raise exc from None
         failure = exc.error_class
     except (UpstreamTimeout, UpstreamUnavailable) as exc:
+        ex.in_flight = False
         if last:
             raise
         failure = exc.error_class
     else:
-        if last or up.status == 200 or not attempts.fallback_worthy(up.status):
+        ex.in_flight = up.status < 300
+        if (
+            last
+            or up.status == 200
+            or not attempts.fallback_worthy(up.status)
+            or await attempts.blames_request(up)
+        ):
             ex.upstream_answered = True
             return up
         failure = attempts.status_class(up.status)
@@ -220,7 +231,10 @@ async def _relay(
     try:
         ex.status = up.status
         if up.status == 200 and up.content_type == "text/event-stream":
-            with request.app[WATCHDOG].watch(up, upstream.idle_timeout_s) as watch:
+            with request.app[WATCHDOG].watch(
+                up, upstream.idle_timeout_s, write_timeout=_client_write_timeout(ex),
+                abort_client=lambda: _client_timed_out(request, ex),
+            ) as watch:
                 return await _relay_stream(request, up, ex.translator, ex, watch)
         return await _relay_body(up, ex.translator, ex, upstream)
     finally:
@@ -232,6 +246,29 @@ async def _relay(
 
 def _header_safe(value: str) -> bool:
     return value.isascii() and value.isprintable()
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+def _client_write_timeout(ex: Exchange) -> float | None:
+    """`server.client_write_timeout_s`: how long one write may wait on a client that does not
+    read (None: as long as it takes). Read leniently: configurations without it run unbounded."""
+    if ex.runtime is None:
+        return None
+    value = getattr(ex.runtime.config.server, "client_write_timeout_s", None)
+    return float(value) if isinstance(value, int | float) and value > 0 else None
+
+
+def _client_timed_out(request: web.Request, ex: Exchange) -> None:
+    """The watchdog's verdict on a client that stopped reading: its connection is ended (the
+    relay's write then fails, and the upstream response is closed with it)."""
+    log.warning("request %s: the client read nothing for %g s (client_write_timeout_s); "
+                "its stream is ended", ex.request_id, _client_write_timeout(ex) or 0)
+    ex.error_class = "client_timeout"
+    _abort(request)
 
 
 def _total_timeout(upstream: Upstream) -> UpstreamTimeout:
@@ -274,7 +311,15 @@ async def _relay_stream(
     watch: Watch,
 ) -> web.StreamResponse:
     resp = web.StreamResponse(status=up.status, headers=_client_headers(up, ex))
-    await resp.prepare(request)
+    try:
+        await resp.prepare(request)
+    except (ConnectionError, RuntimeError):
+        # The client hung up as the upstream's answer came: its socket is closing, and the
+        # handler's cancellation is on its way. Nothing reached it.
+        if not _client_gone(request):
+            raise
+        ex.status, ex.error_class = 499, "client_disconnect"
+        return resp
     errors = request.app[st.METRICS].metering_errors.labels("stream")
     tap = StreamTap(translator, ex.meter, on_error=errors.inc)
     passthrough, observe = tap.passthrough, tap.observe
@@ -282,27 +327,46 @@ async def _relay_stream(
     try:
         async for chunk in up.content.iter_any():
             now = watch.last = perf()
+            # `writing`: a client that reads slowly makes write() wait, and the upstream is not
+            # read meanwhile; that wait is not the upstream's silence (see watchdog).
             if passthrough(chunk):
+                watch.writing = now
                 await resp.write(chunk)  # forward first, look second
+                watch.writing = 0.0
                 observe(chunk, now)
             else:
                 out = tap.filter(chunk, now)
                 if out:
+                    watch.writing = now
                     await resp.write(out)
+                    watch.writing = 0.0
         if watch.expired:  # the watchdog closed a silent upstream: that is not a clean end
             raise TimeoutError
+        at_boundary = tap.client_at_boundary
         rest = tap.close()
-        if rest:
+        if not (tap.broken or translator.end_of_stream()):
+            # Closed without its final event (`[DONE]`, `response.completed`, ...): the upstream
+            # gave up, as a reset would have, without saying so.
+            failure: ProxyError = UpstreamUnavailable(
+                "The upstream ended the stream without its final event; this response is "
+                "incomplete.", code="upstream_incomplete",
+            )
+            await _fail_stream(request, resp, tap, translator, ex, watch, failure, at_boundary)
+        elif rest:
+            watch.writing = perf()
             await resp.write(rest)
+            watch.writing = 0.0
         # No write_eof here: aiohttp writes the final chunk after the handler returns, which is
         # after settling, so a client that has seen the end of its stream is already accounted.
-    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-        # aiohttp raises these from write() when the client went away.
-        ex.error_class = "client_disconnect"
+    except (ConnectionResetError, BrokenPipeError):
+        # aiohttp raises these (ClientConnectionResetError among them) from write() when the
+        # client went away, or was cut off for not reading.
+        if ex.error_class != "client_timeout":
+            ex.error_class = "client_disconnect"
         tap.close()
     except (TimeoutError, aiohttp.ClientError):
         if watch.expired:
-            failure: ProxyError = UpstreamTimeout(
+            failure = UpstreamTimeout(
                 f"The upstream sent nothing for {watch.timeout:g} s (idle_timeout_s); this "
                 "response is incomplete.", code="idle_timeout",
             )
@@ -311,31 +375,34 @@ async def _relay_stream(
                 "The upstream connection broke mid-stream; this response is incomplete.",
                 code="upstream_reset",
             )
-        await _fail_stream(request, resp, tap, translator, ex, failure)
+        await _fail_stream(request, resp, tap, translator, ex, watch, failure)
     except Exception:
         # Headers are out: no error response is possible any more, only an error event.
         log.exception("relaying stream %s failed", ex.request_id)
         failure = ProxyError("The proxy failed while relaying this stream; it is incomplete.",
                              code="internal")
-        await _fail_stream(request, resp, tap, translator, ex, failure)
+        await _fail_stream(request, resp, tap, translator, ex, watch, failure)
     return resp
 
 
 async def _fail_stream(
     request: web.Request, resp: web.StreamResponse, tap: StreamTap, translator: Translator,
-    ex: Exchange, failure: ProxyError,
+    ex: Exchange, watch: Watch, failure: ProxyError, at_boundary: bool | None = None,
 ) -> None:
     """A stream that broke after its headers went out. The client gets a last event in OpenAI's
     error shape, so it can tell a truncated answer from a complete one (the SDKs raise on it),
     then the stream ends. If the break came in the middle of an event whose start was already
     forwarded, no event can follow it cleanly: the connection is cut instead, which clients see
-    as a broken stream, just as clear."""
+    as a broken stream, just as clear. `at_boundary`: as it was before the tap was closed."""
     ex.error_class = failure.error_class
-    at_boundary = tap.client_at_boundary
+    if at_boundary is None:
+        at_boundary = tap.client_at_boundary
     tap.close()  # meters a last, unterminated event; its held bytes are not forwarded
     if at_boundary:
-        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
+        with contextlib.suppress(ConnectionError):
+            watch.writing = time.perf_counter()
             await resp.write(stream_error_event(failure, translator.named_events))
+            watch.writing = 0.0
             return
     _abort(request)
 

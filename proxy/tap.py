@@ -38,6 +38,11 @@ class StreamTap:
         self._tainted = False  # the current event's first bytes were already forwarded
 
     @property
+    def broken(self) -> bool:
+        """Metering failed and stopped: what the translator knows of the stream is partial."""
+        return self._broken
+
+    @property
     def client_at_boundary(self) -> bool:
         """The bytes forwarded so far end between two events, so another event may follow."""
         if self._held:  # held bytes start a new event, unless its start went out already

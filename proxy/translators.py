@@ -8,13 +8,16 @@ look at them.
 The per-event path runs for every streamed chunk (14,000 a second on fast hardware), so after the
 first content token it classifies events with substring tests instead of parsing JSON. JSON is
 parsed only for the events that matter: until the first token, events that carry `usage` or a
-`finish_reason`, and (only if the upstream reported no usage) the content events at the end, to
-count them with tiktoken.
+`finish_reason`. Content events are kept raw for a tiktoken estimate, in case the upstream reports
+no usage; past `HOLD_BYTES` they are counted in one batch and dropped, so the memory of a stream
+stays bounded however long it runs.
 """
 
 from __future__ import annotations
 
 import json
+import random
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -96,6 +99,32 @@ def _positive_int(body: dict[str, Any], field: str) -> int | None:
 
 def _strings(*values: Any) -> Iterable[str]:
     return (v for v in values if isinstance(v, str) and v)
+
+
+# Raw content events held per stream before they are counted and dropped: about 1,000 chunks of
+# OpenAI's, so most answers are never parsed at all (their usage comes from the upstream), and no
+# stream ever holds more than this.
+HOLD_BYTES = 256 * 1024
+
+
+def _loads_all(events: list[bytes]) -> list[dict[str, Any]]:
+    """`_loads` of each event. One JSON array is parsed in one call, twice as fast as one call
+    per event; if that is not exactly one object per event, they are parsed one by one."""
+    try:
+        objs = json.loads(b"[" + b",".join(events) + b"]")
+    except ValueError:
+        objs = None
+    if not isinstance(objs, list) or len(objs) != len(events):
+        return [_loads(e) for e in events]
+    return [o if isinstance(o, dict) else {} for o in objs]
+
+
+_SAMPLER = random.Random()  # picks the events that rate the rest (see Translator._fold)
+
+
+def _choices_asked(body: dict[str, Any]) -> int:
+    n = body.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
 
 
 class Translator:
@@ -197,6 +226,20 @@ class Translator:
         raise NotImplementedError
 
     # --- response side ------------------------------------------------------------------
+    # Bytes of the content events held in `_content`; of the events dropped since (see `_fold`),
+    # the tokens of those counted whole, and the events rated by a sample, the sample's events
+    # and its tokens.
+    _held: int = 0
+    _folded: int = 0
+    _rated_events: int = 0
+    _sampled_events: int = 0
+    _sampled_tokens: int = 0
+    _SAMPLE: ClassVar[int] = 16  # one event in this many rates the rest (see `_fold`)
+    terminated = False  # the stream's final event came: `[DONE]`, `response.completed`, ...
+    _started = False  # an event of the API came (content or not)
+    _ended_empty = False  # the upstream ended a 200 stream without sending a single event
+    _finished: frozenset[int] = frozenset()  # indices of the choices that have finished
+
     def on_event(self, data: bytes, name: str | None) -> int:
         """One SSE event: its data and its `event:` name. Returns CONTENT/FINISH/USAGE_ONLY."""
         return 0
@@ -205,19 +248,87 @@ class Translator:
         self._body = _loads(body)
         self._reported = parse_usage(self._body.get("usage"))
 
-    def _output_texts(self) -> Iterable[str]:
+    def _event_texts(self, events: list[bytes]) -> Iterable[str]:
+        """The output texts in held content events."""
         return ()
+
+    def _output_texts(self) -> Iterable[str]:
+        return self._event_texts(self._content)
+
+    def _hold(self, data: bytes) -> None:
+        """Keep a content event for the estimate (the hot paths inline this)."""
+        self._content.append(data)
+        self._held += len(data)
+        if self._held > HOLD_BYTES:
+            self._fold()
+
+    def _expects_usage(self) -> bool:
+        """The upstream was asked to report this stream's usage."""
+        return False
+
+    def _fold(self) -> None:
+        """Drop the held events, keeping what an estimate needs: their tokens, counted text by
+        text as `usage` does. Counting costs about as much per event as the rest of the hot path
+        does, and when the upstream was asked for usage the count is wasted unless the stream
+        breaks; there a random sample of one event in `_SAMPLE` is counted instead, and the rest
+        rated at the sample's tokens per event (one token or so per event, steady over a
+        stream). Random, not every nth: a stream with a period of its own would skew that."""
+        events = self._content
+        if self._expects_usage():
+            sample = _SAMPLER.sample(events, -(-len(events) // self._SAMPLE))
+            self._sampled_events += len(sample)
+            self._sampled_tokens += tokenizer.count_texts(self.model, self._event_texts(sample))
+            self._rated_events += len(events)
+        else:
+            self._folded += tokenizer.count_texts(self.model, self._event_texts(events))
+        self._content = []
+        self._held = 0
+
+    def _folded_tokens(self) -> int:
+        rated = 0
+        if self._sampled_events:
+            rated = round(self._rated_events * self._sampled_tokens / self._sampled_events)
+        return self._folded + rated
+
+    def retained_bytes(self) -> int:
+        """Memory held for the estimate: the held events and their list."""
+        return sys.getsizeof(self._content) + sum(map(sys.getsizeof, self._content))
+
+    @property
+    def started(self) -> bool:
+        return self._started or self.seen_content or self.terminated
+
+    @property
+    def complete(self) -> bool:
+        """The stream got its final event: it ended as the upstream meant it to."""
+        return self.terminated
+
+    def end_of_stream(self) -> bool:
+        """The upstream closed its stream cleanly. Returns whether the stream was complete."""
+        if not self.started:
+            self._ended_empty = True
+        return self.complete
 
     def usage(self) -> Usage:
         """Latest cumulative usage the upstream reported, else a tiktoken estimate of what was
         sent so far (prompt plus the output actually streamed)."""
         if self._reported is not None:
             return self._reported
+        if self._ended_empty:
+            # llama-cpp-python answers a streamed prompt longer than its context this way:
+            # nothing was produced, and nothing says that the prompt was read.
+            return Usage(source="estimated")
         return Usage(
             input_tokens=self.estimate_prompt_tokens(),
-            output_tokens=tokenizer.count_texts(self.model, self._output_texts()),
+            output_tokens=self._folded_tokens()
+            + tokenizer.count_texts(self.model, self._output_texts()),
             source="estimated",
         )
+
+    def prompt_usage(self) -> Usage:
+        """The prompt alone, estimated: the charge of a request that its client abandoned
+        while the upstream had it (read, but its output unknown)."""
+        return Usage(input_tokens=self.estimate_prompt_tokens(), source="estimated")
 
 
 class _ChoicesTranslator(Translator):
@@ -241,6 +352,7 @@ class _ChoicesTranslator(Translator):
         raise NotImplementedError
 
     def _classify(self, data: bytes, obj: dict[str, Any]) -> int:
+        self._started = True
         flags = 0
         choices = obj.get("choices")
         if not isinstance(choices, list):
@@ -250,16 +362,33 @@ class _ChoicesTranslator(Translator):
                 continue
             if choice.get("finish_reason"):
                 flags |= FINISH
+                index = choice.get("index", 0)
+                if isinstance(index, int) and index not in self._finished:
+                    self._finished = self._finished | {index}
             if not flags & CONTENT and any(True for _ in self._choice_texts(choice)):
                 flags |= CONTENT
         if flags & CONTENT:
             self.seen_content = True
-            self._content.append(data)
+            self._hold(data)
         return flags
+
+    def _expects_usage(self) -> bool:
+        options = self.request.body.get("stream_options")
+        return self.strips_usage or (
+            isinstance(options, dict) and options.get("include_usage") is True
+        )
+
+    @property
+    def complete(self) -> bool:
+        """`[DONE]` came, or every choice asked for finished: a server that ends its stream
+        without `[DONE]` after the last finish_reason has still sent the whole answer."""
+        return self.terminated or len(self._finished) >= _choices_asked(self.request.body)
 
     def on_event(self, data: bytes, name: str | None) -> int:
         if data[:1] != b"{":
-            return 0  # "[DONE]"
+            if data == b"[DONE]":
+                self.terminated = True
+            return 0
         if b'"usage":{' in data or b'"usage": {' in data:
             obj = _loads(data)
             usage = parse_usage(obj.get("usage"))
@@ -276,7 +405,17 @@ class _ChoicesTranslator(Translator):
         ):
             return self._classify(data, _loads(data))
         self._content.append(data)
+        self._held += len(data)
+        if self._held > HOLD_BYTES:
+            self._fold()
         return CONTENT
+
+    def _event_texts(self, events: list[bytes]) -> Iterable[str]:
+        for obj in _loads_all(events):
+            choices = obj.get("choices")
+            for choice in choices if isinstance(choices, list) else ():
+                if isinstance(choice, dict):
+                    yield from self._choice_texts(choice)
 
     def _output_texts(self) -> Iterable[str]:
         if self._body is not None:
@@ -285,10 +424,7 @@ class _ChoicesTranslator(Translator):
                 if isinstance(choice, dict):
                     yield from self._choice_texts(choice)
             return
-        for data in self._content:
-            for choice in _loads(data).get("choices") or ():
-                if isinstance(choice, dict):
-                    yield from self._choice_texts(choice)
+        yield from self._event_texts(self._content)
 
 
 class ChatTranslator(_ChoicesTranslator):
@@ -375,8 +511,15 @@ class ResponsesTranslator(Translator):
         if kind in _RESPONSES_DELTAS:
             self.seen_content = True
             self._content.append(data)
+            self._held += len(data)
+            if self._held > HOLD_BYTES:
+                self._fold()
             return CONTENT
+        if kind is None:
+            return 0
+        self._started = True
         if kind in _RESPONSES_TERMINAL:
+            self.terminated = True
             obj = obj if obj is not None else _loads(data)
             response = obj.get("response")
             if isinstance(response, dict):
@@ -384,6 +527,8 @@ class ResponsesTranslator(Translator):
                 if usage is not None:
                     self._reported = usage
             return FINISH
+        if kind == "error":  # the upstream told the client itself that the stream failed
+            self.terminated = True
         return 0
 
     def _output_texts(self) -> Iterable[str]:
@@ -398,8 +543,14 @@ class ResponsesTranslator(Translator):
                     if isinstance(part, dict):
                         yield from _strings(part.get("text"), part.get("refusal"))
             return
-        for data in self._content:
-            yield from _strings(_loads(data).get("delta"))
+        yield from self._event_texts(self._content)
+
+    def _event_texts(self, events: list[bytes]) -> Iterable[str]:
+        for obj in _loads_all(events):
+            yield from _strings(obj.get("delta"))
+
+    def _expects_usage(self) -> bool:
+        return True  # `response.completed` carries it
 
     def estimate_prompt_tokens(self) -> int:
         body = self.request.body

@@ -503,3 +503,50 @@ async def test_stats_count_usage_of_finished_responses(mock: Client) -> None:
     stats = await (await mock.get("/_mock/stats")).json()
     assert stats["requests"] == 2
     assert stats["completion_tokens"] == 12
+
+
+async def test_error_type_and_context_length_at_any_status(sdk: openai.AsyncOpenAI) -> None:
+    """A validation error answered with a 500, as some servers send it."""
+    with pytest.raises(openai.InternalServerError) as typed:
+        await sdk.chat.completions.create(
+            model="gpt-4o", messages=MESSAGES,
+            extra_headers={"x-mock-status": "500", "x-mock-error-type": "invalid_request_error",
+                           "x-mock-error-code": "invalid_value"},
+        )
+    assert (typed.value.type, typed.value.code) == ("invalid_request_error", "invalid_value")
+    with pytest.raises(openai.InternalServerError) as context:
+        await sdk.chat.completions.create(
+            model="gpt-4o", messages=MESSAGES,
+            extra_headers={"x-mock-status": "500", "x-mock-error-code": "context_length_exceeded"},
+        )
+    assert context.value.type == "invalid_request_error"
+    assert "maximum context length" in context.value.message
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+async def test_end_after_zero_is_an_event_stream_without_events(mock: Client, path: str) -> None:
+    body = {"model": "gpt-4o", "messages": MESSAGES, "input": "hi", "stream": True}
+    resp = await mock.post(path, json=body, headers={"x-mock-end-after": "0"})
+    assert resp.status == 200 and resp.content_type == "text/event-stream"
+    assert await resp.read() == b""
+    assert state(mock).reported["requests"] == 0
+
+
+async def test_end_after_stops_cleanly_without_final_events(mock: Client) -> None:
+    body = {"model": "gpt-4o", "messages": MESSAGES, "stream": True,
+            "stream_options": {"include_usage": True}}
+    resp = await mock.post("/v1/chat/completions", json=body, headers={"x-mock-end-after": "3"})
+    events = sse_events(await resp.read())
+    deltas = [json.loads(e[6:])["choices"][0]["delta"] for e in events]
+    assert "".join(d.get("content") or "" for d in deltas) == generated_text(3)
+    assert len(events) == 4  # the role chunk, three tokens: no finish, usage or [DONE]
+
+
+async def test_omit_done_sends_everything_but_done(mock: Client) -> None:
+    body = {"model": "gpt-4o", "messages": MESSAGES, "stream": True,
+            "stream_options": {"include_usage": True}}
+    resp = await mock.post("/v1/chat/completions", json=body, headers={"x-mock-omit-done": "on"})
+    events = sse_events(await resp.read())
+    assert b"[DONE]" not in events[-1]
+    assert json.loads(events[-1][6:])["usage"]["completion_tokens"] == FAST.output_tokens
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "stop"
