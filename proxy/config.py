@@ -124,6 +124,10 @@ class ServerConfig(_Model):
     # at once. Lowered at start to what the open-file limit carries (each may need an upstream
     # socket too).
     max_connections: int = Field(default=4096, ge=1)
+    # A stream whose client reads nothing for this long while the proxy has bytes for it is
+    # ended (error class client_timeout), like nginx's send_timeout; the upstream's own silence
+    # is idle_timeout_s, which a slow client no longer trips. None: wait as long as it takes.
+    client_write_timeout_s: float | None = Field(default=300.0, gt=0)
 
 
 class MetricsConfig(_Model):

@@ -34,6 +34,7 @@ from proxy.errors import (
     stream_error_event,
 )
 from proxy.exchange import Exchange
+from proxy.listener import BODY_TIMED_OUT
 from proxy.meter import RequestMeter
 from proxy.settle import settle
 from proxy.tap import StreamTap
@@ -72,7 +73,11 @@ async def handle(request: web.Request, translator_cls: type[Translator]) -> web.
         ex.status, ex.error_class = exc.status, exc.error_class
         return exc.to_response()
     except asyncio.CancelledError:
-        # aiohttp cancels the handler when the client disconnects.
+        # aiohttp cancels the handler when the client disconnects, and the listener when the
+        # body missed its deadline (it answered 408 itself).
+        if request.get(BODY_TIMED_OUT):
+            ex.status, ex.error_class = 408, "body_timeout"
+            raise
         if ex.error_class != "client_timeout":  # the proxy cut it: that is the finer cause
             ex.error_class = "client_disconnect"
         if not ex.upstream_answered:
@@ -255,11 +260,10 @@ def _client_gone(request: web.Request) -> bool:
 
 def _client_write_timeout(ex: Exchange) -> float | None:
     """`server.client_write_timeout_s`: how long one write may wait on a client that does not
-    read (None: as long as it takes). Read leniently: configurations without it run unbounded."""
+    read (None: as long as it takes)."""
     if ex.runtime is None:
         return None
-    value = getattr(ex.runtime.config.server, "client_write_timeout_s", None)
-    return float(value) if isinstance(value, int | float) and value > 0 else None
+    return ex.runtime.config.server.client_write_timeout_s
 
 
 def _client_timed_out(request: web.Request, ex: Exchange) -> None:

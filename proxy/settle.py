@@ -14,7 +14,7 @@ from proxy import state as st
 from proxy.accesslog import log_request
 from proxy.exchange import Exchange
 from proxy.metrics import RequestRecord
-from proxy.usage import ZERO, Usage
+from proxy.usage import Usage
 
 log = logging.getLogger("tokenmeter.settle")
 
@@ -23,9 +23,7 @@ async def settle(app: web.Application, ex: Exchange) -> None:
     metrics = app[st.METRICS]
     runtime = ex.runtime or app[st.RUNTIME_HOLDER].current
     try:
-        usage: Usage = ZERO
-        if ex.translator is not None and ex.upstream_answered and ex.status < 300:
-            usage = ex.translator.usage()
+        usage: Usage = ex.usage()
         if ex.reservation is not None:
             await app[st.BUDGET].settle(ex.reservation, usage)
         figures = ex.meter.figures(usage.output_tokens)

@@ -183,6 +183,16 @@ async def test_a_stalled_body_is_answered_408_and_cut(start: Start, upstream: Te
     assert guard.events[ListenerEvent.HEADER_TIMEOUT] == 0
     assert upstream.app[MOCK_STATE].requests == []
     await _legit(port)  # and the proxy serves on
+    # And the request is on the books as what it was, not as a client that went away.
+    async with asyncio.timeout(WAIT_S), aiohttp.ClientSession() as http:
+        while True:
+            async with http.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                text = await resp.text()
+            lines = [x for x in text.splitlines() if x.startswith("tokenmeter_requests_total{")]
+            if len(lines) == 2:
+                break
+            await asyncio.sleep(0.02)
+    assert any('error_class="body_timeout"' in x and 'status="408"' in x for x in lines), lines
 
 
 async def test_a_handler_cancelled_by_the_body_deadline_can_tell() -> None:
