@@ -1,17 +1,33 @@
 #!/usr/bin/env python3
-"""Soak benchmark: minutes of mixed load on two replicas sharing one Redis, nothing may be lost.
+"""Soak benchmark: minutes of mixed load on two replicas sharing one Redis, nothing may be lost,
+not even through a store outage longer than any queue and a rolling restart in the middle of it.
 
-    .venv/bin/python benchmarks/bench_soak.py [--duration 300 | --quick]
+    .venv/bin/python benchmarks/bench_soak.py [--duration 300 | --quick] [--outage S]
 
 Starts on free 127.0.0.1 ports a private redis-server, the simulated upstream and two
 `tokenmeter serve --config` replicas sharing the Redis budget (users alice with two keys, bob,
-and carol whose small daily quota runs out early, so her later requests are 429 refusals). A
-cheap aiohttp client then runs closed-loop workers against both replicas in turn for the
+and carol whose small daily quota runs out early, so her later requests are 429 refusals), each
+replica with a settlement spool directory of its own (`store.spool_dir`, `on_error: fail_open`).
+A cheap aiohttp client then runs closed-loop workers against the replicas in turn for the
 duration: chat, completions and responses, streamed (with and without
 `stream_options.include_usage`) or not, embeddings, and slices with faults injected by the mock
 (`x-mock-*`): resets mid-stream, upstream 500 and 429, a 500 that goes away on retry, garbage
-bytes, random chunk cuts, and client disconnects after three content chunks of a 0.5 s stream.
-RSS of every process is sampled from /proc all along. At the end it checks, exactly:
+bytes, random chunk cuts, and client disconnects after three content chunks of a 2 s stream.
+RSS of every process is sampled from /proc all along.
+
+The outage drill (unless `--outage 0`): at `--outage-at` the redis-server is stalled with
+SIGSTOP (`--outage-mode stall`: its data stays in memory, the commands the proxies sent meanwhile
+run when it gets SIGCONT) or killed with SIGKILL and later restarted from its append-only file
+(`--outage-mode restart`, `appendfsync always`), for `--outage` seconds, while the load goes on.
+Halfway through, replica 0 gets a rolling restart: the client stops sending it new requests (as
+a load balancer would), waits until each request it sent has its response status, sends SIGTERM
+(streams still running are drained by the proxy), waits for the exit, and starts it again with
+the same config and spool directory; the client sends to it again once it is ready. What it owed
+the store must then be on disk, adopted by the new process and replayed once Redis is back. After
+the store returns the drill waits (with a deadline) until every replica reports the store up and
+`tokenmeter_settle_backlog` 0; the load goes on meanwhile.
+
+At the end it checks, exactly:
 
 1. Reported usage. Three views of the same set of requests must agree token for token:
    C, what the client saw complete, with the usage object it read (JSON `usage`, the usage chunk
@@ -19,26 +35,48 @@ RSS of every process is sampled from /proc all along. At the end it checks, exac
    (whose usage chunk the proxy strips), derived: the content chunks it counted (each is one
    token: the mock's words are one token each) plus the prompt tokens the mock reported for the
    same prompt in a calibration request; R, the proxy's `tokenmeter_tokens_total{source=
-   "reported"}` (input, output) over both replicas; M, the mock's `/_mock/stats`, which sums the
+   "reported"}` (input, output) over all replicas; M, the mock's `/_mock/stats`, which sums the
    usage of the responses whose last byte it handed to the socket. Why C = R = M: the proxy
    records `reported` exactly when it read the upstream's usage, and always asks streams for it;
    the mock sends usage only in a response's tail, so a reset, an error status or a disconnect
    leaves no trace in M, and those requests are `estimated` (or zero) in R and not complete in C.
-   A client disconnect comes >= 0.4 s before the mock's tail, so the mock cannot have finished
-   it; retried attempts that failed sent no usage. So a request in M but not R is usage the
+   A client disconnect comes ~1.9 s before the mock's tail, so the mock cannot have finished
+   it (if a stall let the whole stream reach the client first, the client counts it complete);
+   retried attempts that failed sent no usage. So a request in M but not R is usage the
    upstream reported and the proxy lost; in R but not C, usage recorded for an answer the client
    never got whole (or a phantom). Checked per direction, per user, and as request counts (C vs M).
+   The restarted replica's first process cannot be scraped after its drain, so its counters are
+   summed from its access log (one JSON line per request, written by the same code from the same
+   record as the metrics; check 7 shows the two agree).
 2. Budget counters. `tokenmeter usage --json` (the Redis daily counters) per user equals the
-   proxies' recorded tokens, reported + estimated, per user and direction; carol stays within
-   her quota. Refusals cost nothing (a refused request settles nothing, so any cost shows here).
-3. Requests. `tokenmeter_requests_total` over both replicas equals what the client sent, also
+   proxies' recorded tokens, reported + estimated, per user and direction; no reservation is
+   left in Redis; carol stays within her quota but for what the store could not check: the usage
+   of her requests started while it was down (admitted by `fail_open`). Refusals cost nothing
+   (a refused request settles nothing, so any cost shows here). The outage goes through this
+   check: usage spooled, adopted after the restart and replayed must be in Redis exactly once.
+3. Requests. `tokenmeter_requests_total` over all replicas equals what the client sent, also
    per HTTP status (a stream cut after its headers is counted with its 200, as the client saw
    it); `tokenmeter_budget_refusals_total` equals the 429 daily_quota_exceeded the client got.
-4. Nothing pending or failed: settle backlog, metering errors, store errors and active requests
-   are all 0, every service is alive, and no proxy logged at error level.
+4. Nothing pending or failed: settle backlog and active requests are 0; metering errors, lost
+   settlements (`tokenmeter_settlements_lost_total`) are 0; store errors happened only during
+   the outage (0 before it, none after the proxies saw the store back); every service is alive,
+   the restarted replica's first process exited 0; no proxy logged at error level but the
+   store-down lines (`tokenmeter.budget`: "budget store unreachable ..." once, "budget store
+   still unreachable ..." every 30 s; and in a process started during the outage, `tokenmeter`:
+   "budget store unreachable at start").
+5. Client consistency (usage = counted tokens, prompt = calibration, usage chunk iff asked for,
+   no request without a response: the rolling restart must not cost a request).
+6. The outage (with `--outage`): every process saw the store go down, the ones alive at the end
+   saw it come back; the first process of replica 0 exited 0 within its drain, left on disk the
+   usage it owed (its file in the spool directory, read by the benchmark), and the second process
+   adopted exactly that; the spools drained within the deadline and are empty on disk at the end.
+7. Access log = metrics, per series (user x type x source tokens, user x status x error class
+   requests) for every process alive at the end; for the first process of replica 0, its access
+   log holds at least what its last scrape before SIGTERM showed (plus the drained requests).
 
 Memory: RSS start (after the warm-up, the first 10% of the run), end, peak, growth, growth per
-10k requests, and a verdict from the second half of the run against the first.
+10k requests, and a verdict from the second half of the run against the first (replica 0 after
+a restart: from its second process only).
 Prints a table, writes benchmarks/results/soak-latest.json, exits 1 if a check fails.
 """
 
@@ -51,7 +89,9 @@ import json
 import os
 import platform
 import random
+import re
 import shutil
+import signal
 import statistics
 import sys
 import time
@@ -98,7 +138,11 @@ PROMPTS = ("Say hi.", "Write a short paragraph about soak tests and memory leaks
 KEYS = {"alice": ("sk-soak-alice-000", "sk-soak-alice-ci0"), "bob": ("sk-soak-bob-000",),
         "carol": ("sk-soak-carol-000",)}
 CAROL_DAILY = 4000
-DISCONNECT_AFTER = 3  # content chunks, of a 400-token stream at 800 tokens/s
+DISCONNECT_AFTER = 3  # content chunks, of a 400-token stream at 200 tokens/s
+# 2 s from its first token to its tail: a stall of the client, proxy or mock (the mock keeps every
+# request, so its garbage collections grow with the run: 0.7 s seen at 1 GB) cannot let the
+# stream finish before the client hangs up. 800 tokens/s (0.5 s) did, twice in 206k requests.
+DISCONNECT_RATE = 200
 
 
 @dataclass(frozen=True)
@@ -148,7 +192,7 @@ def request_for(kind: Kind, rng: random.Random, seq: int, prompt: int | None = N
     p = rng.randrange(len(PROMPTS)) if prompt is None else prompt
     tokens = 32 if kind.user == "carol" else rng.choice((8, 32, 64, 128, 256))
     tokens = max(tokens, 32) if kind.fault == "reset" else tokens
-    tokens, rate = (400, 800) if kind.fault == "disconnect" else (tokens, 3000)
+    tokens, rate = (400, DISCONNECT_RATE) if kind.fault == "disconnect" else (tokens, 3000)
     h = {"x-mock-output-tokens": str(tokens), "x-mock-tokens-per-second": str(rate),
          "x-mock-ttft-ms": "10", **FAULTS.get(kind.fault, {})}
     if kind.fault == "reset":
@@ -190,22 +234,50 @@ class Tally:
     anomalies: Counter[str] = field(default_factory=Counter)
     samples: list[str] = field(default_factory=list)
     calib: dict[tuple[str, int], int] = field(default_factory=dict)  # prompt tokens
+    # Requests started while the store may have been down (monotonic times; `down_to` None: not
+    # back yet): `fail_open` admits them unchecked, so their usage may go past a quota.
+    down_from: float | None = None
+    down_to: float | None = None
+    usage_down: dict[str, list[int]] = field(default_factory=dict)
 
     def add(self, kind: Kind, user: str, status: int | None, result: str,
-            usage: tuple[int, int] | None) -> None:
+            usage: tuple[int, int] | None, started: float = 0.0) -> None:
         self.sent += 1
         self.statuses[str(status)] += 1
         self.no_response += status is None
         self.results.setdefault(kind.name, Counter())[result] += 1
         if usage is not None:
-            acc = self.usage.setdefault(user, [0, 0, 0])
-            for i, v in enumerate((*usage, 1)):
-                acc[i] += v
+            accs = [self.usage.setdefault(user, [0, 0, 0])]
+            if self.down_from is not None and started >= self.down_from and (
+                    self.down_to is None or started <= self.down_to):
+                accs.append(self.usage_down.setdefault(user, [0, 0, 0]))
+            for acc in accs:
+                for i, v in enumerate((*usage, 1)):
+                    acc[i] += v
 
     def anomaly(self, what: str, detail: str) -> None:
         self.anomalies[what] += 1
         if len(self.samples) < 20:
             self.samples.append(f"{what}: {detail}"[:300])
+
+
+@dataclass
+class Router:
+    """Which replica the next request goes to, and the client's requests in flight to each:
+    `waiting` for their response status, or reading a `body`. A replica in `out` gets no new
+    requests (a load balancer that took it out before a rolling restart)."""
+
+    n: int
+    out: set[int] = field(default_factory=set)
+    waiting: list[int] = field(default_factory=list)
+    body: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.waiting, self.body = [0] * self.n, [0] * self.n
+
+    def pick(self, seq: int) -> int:
+        live = [i for i in range(self.n) if i not in self.out]
+        return live[seq % len(live)]
 
 
 def _usage_of(obj: Any) -> tuple[int, int]:
@@ -232,17 +304,24 @@ def stream_usage(kind: Kind, data: bytes) -> tuple[tuple[int, int] | None, int]:
 
 
 async def one(session: aiohttp.ClientSession, url: str, key: str, kind: Kind, user: str,
-              rng: random.Random, seq: int, tally: Tally, prompt: int | None = None) -> None:
+              rng: random.Random, seq: int, tally: Tally, prompt: int | None = None,
+              router: Router | None = None, replica: int = 0) -> None:
     p, body, headers = request_for(kind, rng, seq, prompt)
     headers.update({"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
     status: int | None = None
     usage: tuple[int, int] | None = None
     result = "broken"
     mark = MARKS.get(kind.endpoint, b"")
+    started = time.monotonic()
+    if router is not None:
+        router.waiting[replica] += 1
     try:
         async with session.post(url + PATHS[kind.endpoint], data=json.dumps(body).encode(),
                                 headers=headers, timeout=TIMEOUT) as resp:
             status = resp.status
+            if router is not None:
+                router.waiting[replica] -= 1
+                router.body[replica] += 1
             if status != 200 or not kind.stream:
                 raw = await resp.read()
                 if status == 429 and b"daily_quota_exceeded" in raw:
@@ -262,9 +341,14 @@ async def one(session: aiohttp.ClientSession, url: str, key: str, kind: Kind, us
                             resp.close()
                             result = "disconnected"
                             break
-                if result != "disconnected":
-                    usage, counted = stream_usage(kind, b"".join(parts))
+                usage, counted = stream_usage(kind, b"".join(parts))
+                if result == "disconnected" and usage is not None:
+                    # The whole answer was in hand before the client hung up (a stall let it
+                    # arrive in one read): the client saw it complete, as did proxy and mock.
+                    result = "complete_before_disconnect"
+                elif result != "disconnected":
                     result = "broken" if usage is None else "complete"
+                if result != "disconnected":
                     if usage is not None and kind.endpoint != "responses" and (
                             (usage[0] == -1) == kind.include_usage):
                         tally.anomaly("usage_chunk_" + ("missing" if kind.include_usage
@@ -278,6 +362,12 @@ async def one(session: aiohttp.ClientSession, url: str, key: str, kind: Kind, us
             tally.anomaly("no_response", f"{kind.name}: {type(exc).__name__}: {exc}")
     except (ValueError, KeyError, IndexError) as exc:
         tally.anomaly("unparsable", f"{kind.name}: {type(exc).__name__}: {exc}")
+    finally:
+        if router is not None:
+            if status is None:
+                router.waiting[replica] -= 1
+            else:
+                router.body[replica] -= 1
     if usage is not None and kind.endpoint != "embeddings":
         calib = tally.calib.get((kind.endpoint, p))
         if kind.name == "calibration":
@@ -288,11 +378,11 @@ async def one(session: aiohttp.ClientSession, url: str, key: str, kind: Kind, us
             usage = (calib or 0, usage[1])
         elif calib is not None and usage[0] != calib:
             tally.anomaly("prompt_tokens_differ", f"{kind.name}: {usage[0]} != {calib}")
-    tally.add(kind, user, status, result, usage)
+    tally.add(kind, user, status, result, usage, started)
 
 
-async def load(session: aiohttp.ClientSession, urls: list[str], tally: Tally, stop_at: float,
-               concurrency: int, seed: int) -> None:
+async def load(session: aiohttp.ClientSession, urls: list[str], router: Router, tally: Tally,
+               stop_at: float, concurrency: int, seed: int) -> None:
     seq = itertools.count()
 
     async def worker(w: int) -> None:
@@ -301,11 +391,11 @@ async def load(session: aiohttp.ClientSession, urls: list[str], tally: Tally, st
             n = next(seq)
             kind = rng.choices(KINDS, WEIGHTS)[0]
             user = kind.user or rng.choice(("alice", "alice", "bob"))
-            await one(session, urls[n % len(urls)], rng.choice(KEYS[user]), kind, user, rng, n,
-                      tally)
+            i = router.pick(n)
+            await one(session, urls[i], rng.choice(KEYS[user]), kind, user, rng, n, tally,
+                      router=router, replica=i)
 
     await asyncio.gather(*(worker(i) for i in range(concurrency)))
-
 
 
 def series(text: str, name: str) -> list[tuple[dict[str, str], float]]:
@@ -350,23 +440,29 @@ async def sample_memory(pids: dict[str, int], tally: Tally, out: list[dict[str, 
         await asyncio.sleep(interval)
 
 
-def memory_summary(samples: list[dict[str, Any]], names: list[str], warm_t: float
-                   ) -> dict[str, Any]:
-    run = [s for s in samples if s["t"] >= warm_t] or samples[-1:]
-    mid_i = min(range(len(run)), key=lambda i: abs(run[i]["t"] - (run[0]["t"] + run[-1]["t"]) / 2))
-
-    def at(i: int, n: str) -> float:  # median of the sample and its neighbours: less noise
-        return float(statistics.median(s[n] for s in run[max(0, i - 1): i + 2]))
-
-    reqs = max(1, run[-1]["requests"] - run[0]["requests"])
-    reqs2 = max(1, run[-1]["requests"] - run[mid_i]["requests"])
+def memory_summary(samples: list[dict[str, Any]], names: list[str], warm_t: float,
+                   starts: dict[str, float] | None = None) -> dict[str, Any]:
+    """Per process; `starts` overrides the warm-up end for a process that began later (the
+    second process of a restarted replica)."""
     out: dict[str, Any] = {}
     for n in names:
-        start, mid, end = at(0, n), at(mid_i, n), at(len(run) - 1, n)
+        begin = (starts or {}).get(n, warm_t)
+        run = [s for s in samples if s["t"] >= begin and n in s] or samples[-1:]
+        mid_i = min(range(len(run)),
+                    key=lambda i: abs(run[i]["t"] - (run[0]["t"] + run[-1]["t"]) / 2))
+
+        def at(i: int, name: str = n, run: list[dict[str, Any]] = run) -> float:
+            # median of the sample and its neighbours: less noise
+            return float(statistics.median(s[name] for s in run[max(0, i - 1): i + 2]))
+
+        reqs = max(1, run[-1]["requests"] - run[0]["requests"])
+        reqs2 = max(1, run[-1]["requests"] - run[mid_i]["requests"])
+        start, mid, end = at(0), at(mid_i), at(len(run) - 1)
         first, second = mid - start, end - mid
         out[n] = {
+            "from_t": begin,
             "start_mb": round(start, 2), "end_mb": round(end, 2),
-            "peak_mb": round(max(s[n] for s in samples), 2),
+            "peak_mb": round(max(s.get(n, 0.0) for s in samples), 2),
             "growth_mb": round(end - start, 2),
             "growth_mb_per_10k_requests": round((end - start) / reqs * 1e4, 3),
             "first_half_mb": round(first, 2), "second_half_mb": round(second, 2),
@@ -374,6 +470,174 @@ def memory_summary(samples: list[dict[str, Any]], names: list[str], warm_t: floa
             "verdict": "growing" if second > max(2.0, 0.5 * first) else "flat",
         }
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# What the proxies wrote: access lines, store and spool lines, errors
+
+# Error lines an outage is expected to cause: (logger, message prefix). The last one only from a
+# process that started while the store was down.
+STORE_DOWN_ERRORS = (("tokenmeter.budget", "budget store unreachable"),
+                     ("tokenmeter.budget", "budget store still unreachable"))
+DOWN_AT_START = ("tokenmeter", "budget store unreachable at start")
+_RE = {
+    "replayed": re.compile(r"^replayed a settlement of (\d+) tokens"),
+    "adopted": re.compile(r"^adopted (\d+) settlements \((\d+) tokens\)"),
+    "owed": re.compile(r"^(\d+) settlements \((\d+) tokens\) are owed"),
+    "back": re.compile(r"^budget store answers again after ([\d.]+) s"),
+    "spooled": re.compile(r"(\d+) requests spooled"),
+    "admitted": re.compile(r"(\d+) requests admitted"),
+}
+
+
+@dataclass
+class ProcLog:
+    """One proxy process's log, read after the fact."""
+
+    name: str
+    tokens: Counter[tuple[str, str, str]] = field(default_factory=Counter)  # user, type, source
+    requests: Counter[tuple[str, str, str]] = field(default_factory=Counter)  # user, status, class
+    retries: int = 0  # attempts beyond the first, from the access lines
+    errors_expected: Counter[str] = field(default_factory=Counter)
+    errors: list[str] = field(default_factory=list)  # any other error or critical line
+    warnings: Counter[str] = field(default_factory=Counter)
+    replayed: int = 0
+    replayed_tokens: int = 0
+    adopted: list[int] | None = None  # [settlements, tokens] taken over from a previous run
+    owed_at_exit: list[int] | None = None  # [settlements, tokens] left on disk at shutdown
+    saw_down: bool = False
+    back_after_s: float | None = None
+    spooled_in_summaries: int = 0  # "N requests spooled" over the summary and "answers again"
+    admitted_in_summaries: int = 0
+    served_while_down: int = 0  # access lines between the store-down line and the back line
+
+    def as_metrics(self) -> str:
+        """Its counters as Prometheus text, the way `tokenmeter_*_total` would have shown them
+        (refusals: requests of error class budget_exceeded; here only daily quotas refuse)."""
+        lines, refusals = [], Counter[str]()
+        for (user, typ, source), n in sorted(self.tokens.items()):
+            lines.append(f'tokenmeter_tokens_total{{type="{typ}",user="{user}",'
+                         f'source="{source}"}} {n}')
+        for (user, status, cls), n in sorted(self.requests.items()):
+            lines.append(f'tokenmeter_requests_total{{user="{user}",status="{status}",'
+                         f'error_class="{cls}"}} {n}')
+            if cls == "budget_exceeded":
+                refusals[user] += n
+        lines += [f'tokenmeter_budget_refusals_total{{user="{u}"}} {n}'
+                  for u, n in sorted(refusals.items())]
+        lines.append(f"tokenmeter_upstream_retries_total {self.retries}")
+        return "\n".join(lines) + "\n"
+
+    def summary(self) -> dict[str, Any]:
+        return {"requests": sum(self.requests.values()), "saw_store_down": self.saw_down,
+                "store_back_after_s": self.back_after_s,
+                "served_while_store_down": self.served_while_down,
+                "spooled_per_summary_lines": self.spooled_in_summaries,
+                "admitted_per_summary_lines": self.admitted_in_summaries,
+                "replayed_settlements": self.replayed, "replayed_tokens": self.replayed_tokens,
+                "adopted": self.adopted, "owed_at_exit": self.owed_at_exit,
+                "expected_error_lines": dict(self.errors_expected),
+                "other_error_lines": len(self.errors), "error_samples": self.errors[:10],
+                "warning_lines": dict(self.warnings)}
+
+
+def read_log(svc: Service, started_in_outage: bool = False) -> ProcLog:
+    out = ProcLog(svc.name)
+    down = False
+    allowed = STORE_DOWN_ERRORS + ((DOWN_AT_START,) if started_in_outage else ())
+    with svc.log.open(encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.startswith('{"event":"request"'):
+                r = json.loads(line)
+                user = r["user"]
+                for typ in ("input", "output", "cached_input", "reasoning"):
+                    if r[f"{typ}_tokens"]:
+                        out.tokens[(user, typ, r["token_source"])] += r[f"{typ}_tokens"]
+                out.requests[(user, str(r["status"]), r["error_class"])] += 1
+                out.retries += max(0, r["attempts"] - 1)
+                out.served_while_down += down
+                continue
+            if not line.startswith('{"level"'):
+                continue
+            rec = json.loads(line)
+            level, logger, msg = rec["level"], rec.get("logger", ""), rec.get("message", "")
+            if level in ("error", "critical"):
+                hit = next((p for lg, p in allowed if logger == lg and msg.startswith(p)), None)
+                if hit is None:
+                    out.errors.append(line.strip()[:300])
+                else:
+                    out.errors_expected[f"{logger}: {hit}"] += 1
+                if logger == "tokenmeter.budget" and msg.startswith("budget store unreachable"):
+                    out.saw_down = down = True
+            elif level == "warning":
+                out.warnings[" ".join(msg.split()[:5])] += 1
+            if m := _RE["replayed"].match(msg):
+                out.replayed += 1
+                out.replayed_tokens += int(m.group(1))
+            elif m := _RE["adopted"].match(msg):
+                out.adopted = [int(m.group(1)), int(m.group(2))]
+            elif m := _RE["owed"].match(msg):
+                out.owed_at_exit = [int(m.group(1)), int(m.group(2))]
+            elif m := _RE["back"].match(msg):
+                out.back_after_s, down = float(m.group(1)), False
+            if msg.startswith(("budget store still unreachable", "budget store answers again")):
+                out.spooled_in_summaries += sum(int(x) for x in _RE["spooled"].findall(msg))
+                out.admitted_in_summaries += sum(int(x) for x in _RE["admitted"].findall(msg))
+    return out
+
+
+def spool_on_disk(directory: Path) -> dict[str, Any]:
+    """What the spool files in `directory` still owe, read independently of proxy/spool.py:
+    JSON lines of owed settlements {"o","i","t","e"}, plain sums {"a","t","e"} and done ids
+    {"d"}; a torn last line is skipped, as the proxy does."""
+    owed: dict[str, int] = {}
+    summed, records, files = 0, 0, []
+    for path in sorted(directory.glob("spool-*.jsonl")):
+        files.append(path.name)
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            records += 1
+            if "o" in rec:
+                owed[rec["i"]] = int(rec.get("t", 0))
+            elif "a" in rec:
+                summed += int(rec.get("t", 0))
+            elif "d" in rec:
+                owed.pop(rec["d"], None)
+    return {"files": files, "records": records, "owed_settlements": len(owed),
+            "tokens": sum(owed.values()) + summed}
+
+
+_SCALARS = ("tokenmeter_settle_backlog", "tokenmeter_settle_backlog_tokens",
+            "tokenmeter_store_up", "tokenmeter_store_errors_total",
+            "tokenmeter_settlements_lost_total", "tokenmeter_settlement_tokens_lost_total",
+            "tokenmeter_metering_errors_total", "tokenmeter_active_requests")
+
+
+def scalars(text: str) -> dict[str, float]:
+    """A few series summed over their labels, by a line scan (cheaper than the parser, so the
+    drill can poll every second without loading the client)."""
+    out = dict.fromkeys(_SCALARS, 0.0)
+    for line in text.splitlines():
+        if line.startswith("tokenmeter_"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in out:
+                out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def counters_of(text: str) -> tuple[Counter[tuple[str, str, str]], Counter[tuple[str, str, str]]]:
+    """A scrape's tokens (user, type, source) and requests (user, status, class), as ProcLog."""
+    tokens, requests = Counter[tuple[str, str, str]](), Counter[tuple[str, str, str]]()
+    for labels, v in series(text, "tokenmeter_tokens_total"):
+        if v:
+            tokens[(labels["user"], labels["type"], labels["source"])] += round(v)
+    for labels, v in series(text, "tokenmeter_requests_total"):
+        if v:
+            requests[(labels["user"], labels["status"], labels["error_class"])] += round(v)
+    return tokens, requests
 
 
 async def tokenmeter_usage(conf: Path, days: list[str]) -> dict[str, dict[str, int]]:
@@ -399,9 +663,12 @@ def check(name: str, ok: bool, **figures: Any) -> dict[str, Any]:
     return {"check": name, "pass": bool(ok), **figures}
 
 
-def accounting(tally: Tally, texts: list[str], mock: dict[str, int],
-               redis: dict[str, dict[str, int]], logs: dict[str, int], alive: bool
-               ) -> list[dict[str, Any]]:
+def accounting(tally: Tally, texts: list[str], finals: dict[str, str], mock: dict[str, int],
+               redis: dict[str, dict[str, int]], leftovers: dict[str, int],
+               logs: dict[str, ProcLog], alive: bool, drill: Drill | None,
+               spools_end: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """`texts`: every process's counters (scrapes, and the first process of a restarted replica
+    from its access log); `finals`: the scrapes of the processes alive at the end."""
     tok = "tokenmeter_tokens_total"
     c_in, c_out, c_n = (sum(u[i] for u in tally.usage.values()) for i in range(3))
     r_in = msum(texts, tok, source="reported", type="input")
@@ -422,10 +689,14 @@ def accounting(tally: Tally, texts: list[str], mock: dict[str, int],
         got = {d: msum(texts, tok, type=d, user=user) for d in ("input", "output")}
         budget[user] = {"redis": row, "proxy_recorded": {**got, "tokens": sum(got.values())}}
     carol = redis.get("carol", {}).get("tokens", 0)
+    carol_down = sum(tally.usage_down.get("carol", [0, 0])[:2])
     out.append(check("2. Redis budget counters = proxy recorded (reported + estimated)",
                      all(v["redis"] == v["proxy_recorded"] for v in budget.values())
-                     and carol <= CAROL_DAILY, per_user=budget,
-                     carol={"used": carol, "daily_limit": CAROL_DAILY}))
+                     and carol - carol_down <= CAROL_DAILY and not any(leftovers.values()),
+                     per_user=budget, reservations_left_in_redis=leftovers,
+                     carol={"used": carol, "daily_limit": CAROL_DAILY,
+                            "admitted_while_store_down": carol_down,
+                            "checked_by_the_store": carol - carol_down}))
     proxy_status = by_label(texts, "tokenmeter_requests_total", "status")
     client_status = {s: n for s, n in sorted(tally.statuses.items()) if s != "None"}
     refusals = msum(texts, "tokenmeter_budget_refusals_total")
@@ -436,18 +707,91 @@ def accounting(tally: Tally, texts: list[str], mock: dict[str, int],
                      proxy_counted=sum(proxy_status.values()), client_status=client_status,
                      proxy_status=proxy_status, client_refused=tally.refused,
                      proxy_refusals=refusals))
-    pending = {n: msum(texts, n) for n in ("tokenmeter_settle_backlog",
-                                           "tokenmeter_metering_errors_total",
-                                           "tokenmeter_store_errors_total",
-                                           "tokenmeter_active_requests")}
-    out.append(check("4. nothing pending, no metering/store errors, no error logs",
-                     not any(pending.values()) and not logs["error"] and alive,
-                     **pending, error_log_lines=logs["error"],
-                     warning_log_lines=logs["warning"], services_alive=alive))
+    fin = {n: scalars(t) for n, t in finals.items()}
+    every = list(fin.values()) + ([scalars(drill.pre_term_scrape)]
+                                  if drill is not None and drill.pre_term_scrape else [])
+    pending = {k: round(sum(v["tokenmeter_" + k] for v in fin.values()))
+               for k in ("settle_backlog", "settle_backlog_tokens", "active_requests")}
+    failed = {k: round(sum(v["tokenmeter_" + k] for v in every))
+              for k in ("metering_errors_total", "settlements_lost_total",
+                        "settlement_tokens_lost_total")}
+    store_errors = {n: round(v["tokenmeter_store_errors_total"]) for n, v in fin.items()}
+    if drill is None:
+        errors_ok = not any(store_errors.values())
+    else:
+        errors_ok = drill.store_errors_before == 0 and store_errors == drill.store_errors_after
+    other_errors = {n: len(lg.errors) for n, lg in logs.items()}
+    expected_errors = {n: dict(lg.errors_expected) for n, lg in logs.items() if lg.errors_expected}
+    first_exit = drill.restart.get("exit_code", 0) if drill is not None else 0
+    out.append(check("4. nothing pending or lost; metering errors 0; store errors only during "
+                     "the outage; no error logs but the store-down lines",
+                     not any(pending.values()) and not any(failed.values()) and errors_ok
+                     and not any(other_errors.values()) and alive and first_exit == 0,
+                     **pending, **failed, store_errors_at_end=store_errors,
+                     store_errors_before_outage=None if drill is None
+                     else drill.store_errors_before,
+                     store_errors_when_spools_empty=None if drill is None
+                     else drill.store_errors_after,
+                     unexpected_error_log_lines=other_errors,
+                     expected_error_log_lines=expected_errors,
+                     warning_log_lines={n: sum(lg.warnings.values()) for n, lg in logs.items()},
+                     services_alive=alive, restarted_process_exit_code=first_exit))
     out.append(check("5. client saw consistent answers (usage = counted tokens, prompt = "
-                     "calibration, usage chunk iff asked for)", not tally.anomalies,
-                     anomalies=dict(tally.anomalies)))
+                     "calibration, usage chunk iff asked for, every request answered)",
+                     not tally.anomalies, anomalies=dict(tally.anomalies)))
+    if drill is not None:
+        out.append(outage_check(drill, finals, logs, spools_end))
+    out.append(access_check(drill, finals, logs))
     return out
+
+
+def outage_check(d: Drill, finals: dict[str, str], logs: dict[str, ProcLog],
+                 spools_end: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    rs = d.restart
+    first = logs.get(d.first_life.name) if d.first_life is not None else None
+    second = logs.get(d.first_life.name + "-restarted") if d.first_life is not None else None
+    disk = rs.get("spool_on_disk_after_exit", {}).get("tokens", 0)
+    handover = {"on_disk_tokens": disk,
+                "owed_at_exit_tokens": (first.owed_at_exit or [0, 0])[1] if first else None,
+                "adopted_tokens": (second.adopted or [0, 0])[1] if second else None}
+    handover_ok = first is None or (
+        disk > 0 and handover["on_disk_tokens"] == handover["owed_at_exit_tokens"]
+        == handover["adopted_tokens"])
+    ok = (all(lg.saw_down for lg in logs.values())
+          and all(logs[n].back_after_s is not None for n in finals)
+          and (first is None or (rs["exit_code"] == 0 and rs["exit_s"] <= 35)) and handover_ok
+          and d.noticed_at is not None and d.drained_at is not None
+          and not any(s["tokens"] or s["owed_settlements"] for s in spools_end.values()))
+    return check("6. outage: every process saw the store down and (if alive) back; the restarted "
+                 "process left its debt on disk and its successor adopted exactly that; spools "
+                 "drained and empty on disk",
+                 ok, saw_down={n: lg.saw_down for n, lg in logs.items()},
+                 back_after_s={n: logs[n].back_after_s for n in finals},
+                 restart=rs, handover=handover,
+                 spools_drained_s_after_outage=None if d.drained_at is None or d.up_at is None
+                 else round(d.drained_at - d.up_at, 2), spools_at_end=spools_end)
+
+
+def access_check(d: Drill | None, finals: dict[str, str],
+                 logs: dict[str, ProcLog]) -> dict[str, Any]:
+    same = {}
+    for name, text in finals.items():
+        tokens, requests = counters_of(text)
+        same[name] = tokens == +logs[name].tokens and requests == +logs[name].requests
+    figures: dict[str, Any] = {"equal_per_series": same}
+    ok = all(same.values())
+    if d is not None and d.first_life is not None and d.pre_term_scrape:
+        first = logs[d.first_life.name]
+        tokens, requests = counters_of(d.pre_term_scrape)
+        covers = (all(first.tokens[k] >= v for k, v in tokens.items())
+                  and all(first.requests[k] >= v for k, v in requests.items()))
+        ok = ok and covers
+        figures["first_process"] = {
+            "access_log_covers_last_scrape": covers,
+            "requests_in_last_scrape": sum(requests.values()),
+            "requests_in_access_log": sum(first.requests.values())}
+    return check("7. access log = metrics (the restarted replica's first process: access log "
+                 ">= its last scrape)", ok, **figures)
 
 
 def report(results: dict[str, Any]) -> str:
@@ -459,8 +803,30 @@ def report(results: dict[str, Any]) -> str:
              f"estimated tokens (cut/failed requests): {load_['proxy_estimated_tokens']}; "
              f"upstream retries: {load_['proxy_retries']}",
              "proxy error classes: " + json.dumps(load_["proxy_error_classes"]),
-             "redis at the end: " + json.dumps(load_["redis_at_end"]), "",
-             f"{'slice':<28} {'n':>6}  outcomes"]
+             "redis at the end: " + json.dumps(load_["redis_at_end"])]
+    o = results.get("outage")
+    if o:
+        lines += ["", f"Outage ({o['mode']}): redis down {o['length_s']:.1f} s from "
+                  f"t={o['down_at_s']:.1f} s; {o['requests_during']} requests meanwhile "
+                  f"({o['requests_per_second_during']:.0f}/s); store seen up "
+                  f"{o['seen_up_s_after']} s and spools empty {o['drained_s_after']} s after it",
+                  f"  old in-memory queue bound: {o['old_queue_bound']:,} entries per replica; "
+                  f"settlements spooled (requests settled while the store was down): "
+                  + json.dumps(o["spooled_per_process"]),
+                  "  peak settle backlog [entries, tokens] per process: "
+                  + json.dumps({n: [round(p["settle_backlog"]), round(p["settle_backlog_tokens"])]
+                                for n, p in o["peak_backlog"].items()}),
+                  "  replayed [settlements, tokens] per process: "
+                  + json.dumps(o["replayed"])]
+        rs = o.get("restart")
+        if rs:
+            lines.append(f"  rolling restart of replica {rs['replica']} at t={rs['sigterm_at_s']}"
+                         f" s: exit {rs['exit_code']} {rs['exit_s']} s after SIGTERM with "
+                         f"{rs['responses_in_flight']} responses in flight; spool on disk "
+                         f"{json.dumps(rs['spool_on_disk_after_exit'])}; ready again after "
+                         f"{rs['restart_ready_s']} s")
+        lines.append(f"  settlements lost: {o['settlements_lost']}")
+    lines += ["", f"{'slice':<28} {'n':>6}  outcomes"]
     for kind, res in load_["by_kind"].items():
         lines.append(f"{kind:<28} {sum(res.values()):>6}  "
                      + ", ".join(f"{r} {n}" for r, n in sorted(res.items())))
@@ -474,12 +840,13 @@ def report(results: dict[str, Any]) -> str:
         lines += [f"        {k}: {json.dumps(v)}" for k, v in figs.items()]
         if "per_user" in c:
             lines.append(f"        per_user: {json.dumps(c['per_user'])}")
-    lines += ["", f"Memory (RSS MB; start = after the {meta['warmup_s']:.0f} s warm-up; "
-              "halves split the rest of the run)",
-              f"{'process':<12} {'start':>7} {'end':>7} {'peak':>7} {'growth':>7} "
+    lines += ["", f"Memory (RSS MB; start = after the {meta['warmup_s']:.0f} s warm-up, or from "
+              "`from` s for a restarted process; halves split the rest of the run)",
+              f"{'process':<12} {'from':>6} {'start':>7} {'end':>7} {'peak':>7} {'growth':>7} "
               f"{'/10k req':>8} {'1st half':>8} {'2nd half':>8}  verdict"]
     for name, m in results["memory"]["summary"].items():
-        lines.append(f"{name:<12} {fmt(m['start_mb'], '7.1f')} {fmt(m['end_mb'], '7.1f')} "
+        lines.append(f"{name:<12} {fmt(m['from_t'], '6.0f')} {fmt(m['start_mb'], '7.1f')} "
+                     f"{fmt(m['end_mb'], '7.1f')} "
                      f"{fmt(m['peak_mb'], '7.1f')} {fmt(m['growth_mb'], '+7.2f')} "
                      f"{fmt(m['growth_mb_per_10k_requests'], '+8.3f')} "
                      f"{fmt(m['first_half_mb'], '+8.2f')} {fmt(m['second_half_mb'], '+8.2f')}"
@@ -490,13 +857,13 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-
-def proxy_config(mock_port: int, redis_port: int) -> dict[str, Any]:
+def proxy_config(mock_port: int, redis_port: int, spool_dir: Path) -> dict[str, Any]:
     big = {"daily_tokens": 10**12}
     return {
         "upstreams": {"mock": {"base_url": f"http://{HOST}:{mock_port}/v1"}},
         "metrics": {"discover_models": False},
-        "store": {"url": f"redis://{HOST}:{redis_port}/0", "on_error": "fail_open"},
+        "store": {"url": f"redis://{HOST}:{redis_port}/0", "on_error": "fail_open",
+                  "spool_dir": str(spool_dir)},
         "timezone": "UTC",
         "users": {
             "alice": {"keys": [KEYS["alice"][0], {"key": KEYS["alice"][1], "name": "ci",
@@ -512,6 +879,193 @@ def utc_day() -> str:
     return datetime.now(UTC).date().isoformat()
 
 
+@dataclass
+class Replica:
+    index: int
+    port: int
+    conf: Path
+    spool_dir: Path
+    argv: list[str]
+    svc: Service
+    lives: list[Service] = field(default_factory=list)  # every process that served it, in order
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+
+@dataclass
+class Drill:
+    """The outage and the rolling restart: plan, timestamps (monotonic, relative to the load's
+    start in the results) and what was seen."""
+
+    at: float
+    length: float
+    mode: str  # stall | restart
+    down_at: float | None = None
+    up_at: float | None = None
+    noticed_at: float | None = None  # every replica reports the store up
+    drained_at: float | None = None  # ... and a settle backlog of 0
+    sent_at_down: int = 0
+    sent_at_up: int = 0
+    store_errors_before: int = 0
+    store_errors_after: dict[str, int] = field(default_factory=dict)  # per process, once drained
+    peaks: dict[str, dict[str, float]] = field(default_factory=dict)  # per process
+    at_resume: dict[str, dict[str, float]] = field(default_factory=dict)  # last scrape before it
+    restart: dict[str, Any] = field(default_factory=dict)
+    pre_term_scrape: str = ""  # the first process's /metrics just before its SIGTERM
+    first_life: Service | None = None
+
+
+class Cluster:
+    """The services of one run and the drill's moves on them."""
+
+    def __init__(self, services: Services, redis: Service, redis_argv: list[str],
+                 redis_port: int, replicas: list[Replica], router: Router, tally: Tally,
+                 pids: dict[str, int], ctl: aiohttp.ClientSession,
+                 progress: Callable[[str], None]) -> None:
+        self.services, self.redis, self.redis_argv = services, redis, redis_argv
+        self.redis_port, self.replicas, self.router = redis_port, replicas, router
+        self.tally, self.pids, self.ctl, self.progress = tally, pids, ctl, progress
+        self.redis_stopped = False
+        self.t_load = 0.0
+
+    def rel(self, t: float | None) -> float | None:
+        return None if t is None else round(t - self.t_load, 2)
+
+    async def scrape_live(self) -> dict[str, str]:
+        """/metrics of every replica now serving, by process name."""
+        out = {}
+        for rep in self.replicas:
+            if rep.index in self.router.out or rep.svc.proc.poll() is not None:
+                continue
+            try:
+                out[rep.svc.name] = await fetch(self.ctl, rep.url + "/metrics")
+            except BenchError:
+                continue
+        return out
+
+    async def monitor(self, drill: Drill) -> None:
+        """Once a second: each process's peak settle backlog (count and tokens)."""
+        while True:
+            for name, text in (await self.scrape_live()).items():
+                v = scalars(text)
+                peak = drill.peaks.setdefault(name, {"settle_backlog": 0.0,
+                                                     "settle_backlog_tokens": 0.0})
+                for k in peak:
+                    peak[k] = max(peak[k], v["tokenmeter_" + k])
+            await asyncio.sleep(1.0)
+
+    def redis_down(self, mode: str) -> None:
+        if mode == "stall":
+            os.kill(self.redis.proc.pid, signal.SIGSTOP)
+            self.redis_stopped = True
+        else:
+            os.kill(self.redis.proc.pid, signal.SIGKILL)
+            self.redis.proc.wait(timeout=10)
+
+    async def redis_up(self, mode: str) -> None:
+        if mode == "stall":
+            os.kill(self.redis.proc.pid, signal.SIGCONT)
+            self.redis_stopped = False
+        else:
+            self.redis = self.services.start("redis-restarted", self.redis_argv)
+            self.pids["redis"] = self.redis.proc.pid
+            await wait_redis(self.redis, self.redis_port)
+
+    def resume_redis(self) -> None:
+        """Cleanup: never leave our redis-server stopped (Services.stop must be able to end it)."""
+        if self.redis_stopped:
+            os.kill(self.redis.proc.pid, signal.SIGCONT)
+            self.redis_stopped = False
+
+    async def rolling_restart(self, rep: Replica, drill: Drill) -> None:
+        r, i = self.router, rep.index
+        r.out.add(i)
+        for _ in range(4000):  # 20 s
+            if not r.waiting[i]:
+                break
+            await asyncio.sleep(0.005)
+        if r.waiting[i]:
+            raise BenchError(f"{r.waiting[i]} requests to {rep.svc.name} got no status in 20 s")
+        drill.pre_term_scrape = await fetch(self.ctl, rep.url + "/metrics")
+        old = drill.first_life = rep.svc
+        in_flight = r.body[i]
+        t_term = time.monotonic()
+        os.kill(old.proc.pid, signal.SIGTERM)
+        for _ in range(6000):  # 60 s
+            if old.proc.poll() is not None:
+                break
+            await asyncio.sleep(0.01)
+        exit_s = time.monotonic() - t_term
+        if old.proc.poll() is None:
+            raise BenchError(f"{old.name} did not exit within 60 s of SIGTERM:\n{old.tail()}")
+        on_disk = spool_on_disk(rep.spool_dir)
+        self.progress(f"{old.name} exited {old.proc.returncode} {exit_s:.2f} s after SIGTERM "
+                      f"({in_flight} responses in flight); its spool on disk: "
+                      f"{on_disk['owed_settlements']} settlements, {on_disk['tokens']} tokens")
+        t_start = time.monotonic()
+        new = self.services.start(f"{old.name}-restarted", rep.argv)
+        await wait_ready(new, rep.url + "/readyz", timeout_s=40)
+        ready_s = time.monotonic() - t_start
+        rep.svc = new
+        rep.lives.append(new)
+        self.pids[f"tokenmeter-{i}"] = new.proc.pid
+        r.out.discard(i)
+        drill.restart = {
+            "replica": i, "sigterm_at_s": self.rel(t_term), "responses_in_flight": in_flight,
+            "exit_s": round(exit_s, 3), "exit_code": old.proc.returncode,
+            "spool_on_disk_after_exit": on_disk, "restart_ready_s": round(ready_s, 2),
+            "out_of_rotation_s": round(time.monotonic() - t_term, 2),
+        }
+
+    async def wait_all(self, what: str, ok: Callable[[dict[str, float]], bool],
+                       timeout_s: float) -> float | None:
+        """Poll every live replica until `ok` holds for all; the time it did, or None."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            texts = await self.scrape_live()
+            if len(texts) == len(self.replicas) and all(ok(scalars(t)) for t in texts.values()):
+                return time.monotonic()
+            await asyncio.sleep(0.2)
+        self.progress(f"not every replica reported {what} within {timeout_s:.0f} s")
+        return None
+
+    async def drill(self, d: Drill) -> None:
+        await asyncio.sleep(max(0.0, self.t_load + d.at - time.monotonic()))
+        before = await self.scrape_live()
+        d.store_errors_before = round(sum(scalars(t)["tokenmeter_store_errors_total"]
+                                          for t in before.values()))
+        d.sent_at_down = self.tally.sent
+        self.redis_down(d.mode)
+        d.down_at = time.monotonic()
+        # A reserve sent just before the stop can still fail into an unchecked admission.
+        self.tally.down_from = d.down_at - 1.0
+        how = "stalled (SIGSTOP)" if d.mode == "stall" else "killed (SIGKILL)"
+        self.progress(f"outage: redis-server {how} for {d.length:g} s")
+        if len(self.replicas) >= 2:
+            await asyncio.sleep(max(0.0, d.down_at + d.length / 2 - time.monotonic()))
+            await self.rolling_restart(self.replicas[0], d)
+        await asyncio.sleep(max(0.0, d.down_at + d.length - time.monotonic()))
+        for name, text in (await self.scrape_live()).items():
+            d.at_resume[name] = {k: scalars(text)["tokenmeter_" + k]
+                                 for k in ("settle_backlog", "settle_backlog_tokens")}
+        await self.redis_up(d.mode)
+        d.up_at, d.sent_at_up = time.monotonic(), self.tally.sent
+        self.progress(f"outage over after {d.up_at - d.down_at:.1f} s "
+                      f"({d.sent_at_up - d.sent_at_down} requests meanwhile); waiting for the "
+                      "replicas to see the store and replay their spools")
+        d.noticed_at = await self.wait_all("the store up", lambda v: v["tokenmeter_store_up"] == 1,
+                                           60)
+        self.tally.down_to = d.noticed_at or time.monotonic()
+        d.drained_at = await self.wait_all(
+            "an empty spool", lambda v: v["tokenmeter_store_up"] == 1
+            and v["tokenmeter_settle_backlog"] == 0, 120)
+        d.store_errors_after = {n: round(scalars(t)["tokenmeter_store_errors_total"])
+                                for n, t in (await self.scrape_live()).items()}
+        if d.drained_at is not None and d.noticed_at is not None:
+            self.progress(f"store seen up {d.noticed_at - d.up_at:.1f} s and spools empty "
+                          f"{d.drained_at - d.up_at:.1f} s after the outage")
 async def run(args: argparse.Namespace, plan: str, services: Services, workdir: Path,
               t_start: float) -> dict[str, Any]:
     progress = progress_printer(t_start)
@@ -520,66 +1074,110 @@ async def run(args: argparse.Namespace, plan: str, services: Services, workdir: 
     tm = tokenmeter_argv()
     mock = services.start("mock", [*tm, "mock-upstream", "--host", HOST, "--port",
                                    str(mock_port)])
-    redis = services.start("redis", [args.redis_server, "--port", str(redis_port), "--bind", HOST,
-                                     "--save", "", "--appendonly", "no", "--dir", str(workdir)])
+    # A Redis killed mid-run must come back with its counters: append-only, fsync per write.
+    aof = (["--appendonly", "yes", "--appendfsync", "always"]
+           if args.outage and args.outage_mode == "restart" else ["--appendonly", "no"])
+    redis_argv = [args.redis_server, "--port", str(redis_port), "--bind", HOST, "--save", "",
+                  *aof, "--dir", str(workdir)]
+    redis = services.start("redis", redis_argv)
     await wait_redis(redis, redis_port)
     await wait_ready(mock, f"http://{HOST}:{mock_port}/v1/models")
-    conf = workdir / "soak.yaml"
-    conf.write_text(yaml.safe_dump(proxy_config(mock_port, redis_port)))
-    proxies: list[Service] = [
-        services.start(f"tokenmeter-{i}", [*tm, "serve", "--config", str(conf), "--host", HOST,
-                                           "--port", str(port), "--log-level",
-                                           args.proxy_log_level])
-        for i, port in enumerate(ports)]
-    for svc, port in zip(proxies, ports, strict=True):
-        await wait_ready(svc, f"http://{HOST}:{port}/readyz")
-    urls = [f"http://{HOST}:{p}" for p in ports]
+    replicas: list[Replica] = []
+    for i, port in enumerate(ports):
+        spool, conf = workdir / f"spool-{i}", workdir / f"soak-{i}.yaml"
+        conf.write_text(yaml.safe_dump(proxy_config(mock_port, redis_port, spool)))
+        argv = [*tm, "serve", "--config", str(conf), "--host", HOST, "--port", str(port),
+                "--log-level", args.proxy_log_level]
+        svc = services.start(f"tokenmeter-{i}", argv)
+        replicas.append(Replica(i, port, conf, spool, argv, svc, [svc]))
+    for rep in replicas:
+        await wait_ready(rep.svc, rep.url + "/readyz")
+    urls = [rep.url for rep in replicas]
     days = [utc_day()]
-    pids = {**{s.name: s.proc.pid for s in proxies}, "mock": mock.proc.pid,
+    pids = {**{rep.svc.name: rep.svc.proc.pid for rep in replicas}, "mock": mock.proc.pid,
             "redis": redis.proc.pid}
-    tally, samples = Tally(), list[dict[str, Any]]()
+    tally, samples, router = Tally(), list[dict[str, Any]](), Router(len(urls))
+    drill = Drill(args.outage_at, args.outage, args.outage_mode) if args.outage else None
     warm_s = max(5.0, args.duration * 0.1)
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
-    async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
-        progress(f"services up (mock :{mock_port}, redis :{redis_port}, proxies "
-                 f"{', '.join(map(str, ports))}); calibrating prompts")
-        for i, (ep, p) in enumerate(itertools.product(("chat", "completions", "responses"),
-                                                      range(len(PROMPTS)))):
-            kind = Kind("calibration", ep, 0)
-            await one(session, urls[i % len(urls)], KEYS["alice"][0], kind, "alice",
-                      random.Random(i), -1, tally, prompt=p)
-        if len(tally.calib) != 3 * len(PROMPTS):
-            raise BenchError(f"calibration failed: {tally.calib}; {tally.samples}")
-        t_load = time.monotonic()
-        sampler = asyncio.ensure_future(sample_memory(pids, tally, samples, args.sample_s,
-                                                      t_load))
-        progress(f"load for {args.duration:g} s at concurrency {args.concurrency} "
-                 f"(warm-up: first {warm_s:.0f} s)")
-        ticker = asyncio.ensure_future(_ticker(tally, progress))
+    async with (aiohttp.ClientSession(connector=connector, auto_decompress=False) as session,
+                aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as ctl):
+        cluster = Cluster(services, redis, redis_argv, redis_port, replicas, router, tally, pids,
+                          ctl, progress)
         try:
-            await asyncio.wait_for(load(session, urls, tally, t_load + args.duration,
-                                        args.concurrency, args.seed), args.duration + 90)
-        except TimeoutError:
-            raise BenchError("the load did not end 90 s after its duration") from None
+            progress(f"services up (mock :{mock_port}, redis :{redis_port}, proxies "
+                     f"{', '.join(map(str, ports))}); calibrating prompts")
+            for i, (ep, p) in enumerate(itertools.product(("chat", "completions", "responses"),
+                                                          range(len(PROMPTS)))):
+                kind = Kind("calibration", ep, 0)
+                await one(session, urls[i % len(urls)], KEYS["alice"][0], kind, "alice",
+                          random.Random(i), -1, tally, prompt=p)
+            if len(tally.calib) != 3 * len(PROMPTS):
+                raise BenchError(f"calibration failed: {tally.calib}; {tally.samples}")
+            t_load = cluster.t_load = time.monotonic()
+            sampler = asyncio.ensure_future(sample_memory(pids, tally, samples, args.sample_s,
+                                                          t_load))
+            progress(f"load for {args.duration:g} s at concurrency {args.concurrency} "
+                     f"(warm-up: first {warm_s:.0f} s)"
+                     + (f"; outage ({args.outage_mode}) from {drill.at:g} s for "
+                        f"{drill.length:g} s" if drill else ""))
+            background = [asyncio.ensure_future(_ticker(tally, progress))]
+            tasks = [asyncio.ensure_future(load(session, urls, router, tally,
+                                                t_load + args.duration, args.concurrency,
+                                                args.seed))]
+            if drill is not None:
+                background.append(asyncio.ensure_future(cluster.monitor(drill)))
+                tasks.append(asyncio.ensure_future(cluster.drill(drill)))
+            try:
+                await asyncio.wait_for(asyncio.gather(*tasks), args.duration + 240)
+            except TimeoutError:
+                raise BenchError("the load (or the outage drill) did not end 240 s after the "
+                                 "duration") from None
+            finally:
+                for task in (*tasks, *background):
+                    task.cancel()
+            elapsed = time.monotonic() - t_load
+            # The first process of a restarted replica is gone: its counters come from its log.
+            first = (read_log(drill.first_life) if drill is not None
+                     and drill.first_life is not None else None)
+            counted_before = sum(first.requests.values()) if first is not None else 0
+            progress(f"load done: {tally.sent} requests; waiting for the proxies to settle")
+            final_texts = await quiesce(ctl, urls, tally.sent - tally.no_response
+                                        - counted_before)
+            sampler.cancel()
+            mock_stats = json.loads(await fetch(ctl, f"http://{HOST}:{mock_port}/_mock/stats"))
         finally:
-            ticker.cancel()
-        elapsed = time.monotonic() - t_load
-        progress(f"load done: {tally.sent} requests; waiting for the proxies to settle")
-        texts = await quiesce(session, urls, tally.sent - tally.no_response)
-        sampler.cancel()
-        mock_stats = json.loads(await fetch(session, f"http://{HOST}:{mock_port}/_mock/stats"))
+            cluster.resume_redis()
     days = sorted({*days, utc_day()})
-    redis_usage = await tokenmeter_usage(conf, days)
+    redis_usage = await tokenmeter_usage(replicas[0].conf, days)
+    redis = cluster.redis
     # Settle markers (`done:<id>`, 600 s TTL, so a retried settle counts once) are most keys.
     info = (await redis_command(redis_port, "INFO", "memory")).decode()
     redis_keys = {"dbsize": int(await redis_command(redis_port, "DBSIZE")),
                   "used_memory_mb": round(int(info.split("used_memory:")[1].split()[0]) / 2**20,
                                           2)}
-    alive = all(s.proc.poll() is None for s in (mock, redis, *proxies))
-    logs = scan_logs(proxies, tally)
-    checks = accounting(tally, texts, mock_stats, redis_usage, logs, alive)
-    names = [*(s.name for s in proxies), "mock", "redis"]
-    return {
+    leftovers = {u: int(await redis_command(redis_port, "HLEN", f"tokenmeter:{{{u}}}:reserved"))
+                 for u in KEYS}
+    alive = all(s.proc.poll() is None for s in (mock, redis, *(r.svc for r in replicas)))
+    logs: dict[str, ProcLog] = {}
+    if first is not None:
+        logs[first.name] = first
+    for rep in replicas:
+        for n, life in enumerate(rep.lives):
+            if life.name not in logs:
+                logs[life.name] = read_log(life, started_in_outage=n > 0)
+    finals = {rep.svc.name: text for rep, text in zip(replicas, final_texts, strict=True)}
+    texts = [*([first.as_metrics()] if first is not None else []), *final_texts]
+    spools_end = {f"replica-{rep.index}": spool_on_disk(rep.spool_dir) for rep in replicas}
+    checks = accounting(tally, texts, finals, mock_stats, redis_usage, leftovers, logs, alive,
+                        drill, spools_end)
+    names = [*(f"tokenmeter-{rep.index}" for rep in replicas), "mock", "redis"]
+    starts = {}
+    if drill is not None and drill.restart:
+        rs = drill.restart
+        starts[f"tokenmeter-{rs['replica']}"] = round(
+            rs["sigterm_at_s"] + rs["out_of_rotation_s"] + 5.0, 1)
+    results: dict[str, Any] = {
         "meta": {"plan": plan, "duration_s": round(elapsed, 1), "warmup_s": warm_s,
                  "concurrency": args.concurrency, "replicas": args.replicas, "seed": args.seed,
                  "cpus": os.cpu_count(), "python": platform.python_version(),
@@ -598,8 +1196,42 @@ async def run(args: argparse.Namespace, plan: str, services: Services, workdir: 
                  "anomalies": dict(tally.anomalies),
                  "anomaly_samples": tally.samples, "prompt_tokens_by_template":
                      {f"{e}/{p}": n for (e, p), n in sorted(tally.calib.items())}},
+        "outage": outage_results(drill, cluster, logs, tally, finals) if drill else None,
+        "logs": {n: lg.summary() for n, lg in logs.items()},
         "checks": checks,
-        "memory": {"summary": memory_summary(samples, names, warm_s), "samples": samples},
+        "memory": {"summary": memory_summary(samples, names, warm_s, starts),
+                   "samples": samples},
+    }
+    return results
+
+
+OLD_QUEUE_BOUND = 100_000  # entries: the in-memory settle queue before the spool
+
+
+def outage_results(d: Drill, c: Cluster, logs: dict[str, ProcLog], tally: Tally,
+                   finals: dict[str, str]) -> dict[str, Any]:
+    assert d.down_at is not None and d.up_at is not None
+    length = d.up_at - d.down_at
+    lost = sum(scalars(t)["tokenmeter_settlements_lost_total"] for t in
+               [*finals.values(), *([d.pre_term_scrape] if d.pre_term_scrape else [])])
+
+    def after(t: float | None) -> float | None:
+        return None if t is None or d.up_at is None else round(t - d.up_at, 2)
+
+    return {
+        "mode": d.mode, "down_at_s": c.rel(d.down_at), "up_at_s": c.rel(d.up_at),
+        "length_s": round(length, 2), "requests_during": d.sent_at_up - d.sent_at_down,
+        "requests_per_second_during": round((d.sent_at_up - d.sent_at_down) / length, 1),
+        "seen_up_s_after": after(d.noticed_at), "drained_s_after": after(d.drained_at),
+        "old_queue_bound": OLD_QUEUE_BOUND,
+        "spooled_per_process": {n: lg.served_while_down for n, lg in logs.items()},
+        "spooled_total": sum(lg.served_while_down for lg in logs.values()),
+        "peak_backlog": d.peaks, "backlog_at_resume": d.at_resume,
+        "replayed": {n: [lg.replayed, lg.replayed_tokens] for n, lg in logs.items()},
+        "usage_admitted_while_down": {u: v[0] + v[1] for u, v in tally.usage_down.items()},
+        "restart": d.restart, "settlements_lost": round(lost),
+        "store_errors_before": d.store_errors_before,
+        "store_errors_when_drained": d.store_errors_after,
     }
 
 
@@ -612,29 +1244,19 @@ async def fetch(session: aiohttp.ClientSession, url: str) -> str:
 
 
 async def quiesce(session: aiohttp.ClientSession, urls: list[str], expected: int) -> list[str]:
-    """/metrics of every replica once all `expected` requests are counted and none is active
-    (at most ~20 s), plus 1.5 s for the last settle tasks and a lease/retry tick."""
-    for _ in range(100):
+    """/metrics of every replica once all `expected` requests are counted, none is active and
+    no settlement waits in a spool (at most ~60 s), plus 1.5 s for the last settle tasks and a
+    lease/retry tick."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
         texts = [await fetch(session, u + "/metrics") for u in urls]
         if msum(texts, "tokenmeter_requests_total") >= expected and not msum(
-                texts, "tokenmeter_active_requests"):
+                texts, "tokenmeter_active_requests") and not msum(
+                texts, "tokenmeter_settle_backlog"):
             break
         await asyncio.sleep(0.2)
     await asyncio.sleep(1.5)
     return [await fetch(session, u + "/metrics") for u in urls]
-
-
-def scan_logs(proxies: list[Service], tally: Tally) -> Counter[str]:
-    logs: Counter[str] = Counter()
-    for svc in proxies:
-        for line in svc.log.read_text(errors="replace").splitlines():
-            if '"level":"warning"' in line:
-                logs["warning"] += 1
-            elif '"level":"error"' in line or '"level":"critical"' in line:
-                logs["error"] += 1
-                if len(tally.samples) < 30:
-                    tally.samples.append(f"{svc.name} log: {line[:300]}")
-    return logs
 
 
 async def _ticker(tally: Tally, progress: Callable[[str], None]) -> None:
@@ -646,19 +1268,40 @@ async def _ticker(tally: Tally, progress: Callable[[str], None]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=300.0, help="seconds of load")
-    parser.add_argument("--quick", action="store_true", help="30 s of load (smoke run)")
+    parser.add_argument("--quick", action="store_true",
+                        help="30 s of load with a 12 s outage (smoke run)")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--replicas", type=int, default=2, choices=(1, 2, 3, 4))
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--sample-s", type=float, default=2.0, help="RSS sampling interval")
+    parser.add_argument("--outage", type=float, default=None,
+                        help="seconds without Redis mid-run (default: 60%% of the duration, "
+                             "12 with --quick; 0: no outage drill)")
+    parser.add_argument("--outage-at", type=float, default=None,
+                        help="start of the outage, seconds into the load (default: 15%% of "
+                             "the duration, at least the warm-up; 8 with --quick)")
+    parser.add_argument("--outage-mode", choices=("stall", "restart"), default="stall",
+                        help="stall: SIGSTOP/SIGCONT the redis-server; restart: SIGKILL it and "
+                             "start it again from its append-only file")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON results file")
     parser.add_argument("--redis-server", default=shutil.which("redis-server")
                         or "/usr/bin/redis-server", help="redis-server binary")
-    parser.add_argument("--proxy-log-level", default="INFO")
+    parser.add_argument("--proxy-log-level", default="INFO",
+                        help="INFO or DEBUG: the access lines are needed with --outage")
     parser.add_argument("--keep-tmp", action="store_true", help="keep configs and service logs")
     args = parser.parse_args()
     if args.quick:
         args.duration, args.sample_s = 30.0, 1.0
+        args.outage = 12.0 if args.outage is None else args.outage
+        args.outage_at = 8.0 if args.outage_at is None else args.outage_at
+    if args.outage is None:
+        args.outage = round(0.6 * args.duration, 1)
+    if args.outage_at is None:
+        args.outage_at = round(max(5.0, 0.1 * args.duration, 0.15 * args.duration), 1)
+    if args.outage and args.outage_at + args.outage > args.duration - 5:
+        parser.error("the outage must end at least 5 s before the load does")
+    if args.outage and args.proxy_log_level.upper() not in ("INFO", "DEBUG"):
+        parser.error("--outage needs the access lines: --proxy-log-level INFO or DEBUG")
     passed: list[bool] = []
     code = execute(args, "quick" if args.quick else "full", run, report, "tokenmeter-soak-",
                    finish=lambda r: passed.append(all(c["pass"] for c in r["checks"])))
