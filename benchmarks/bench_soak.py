@@ -62,8 +62,7 @@ At the end it checks, exactly:
    the outage (0 before it, none after the proxies saw the store back); every service is alive,
    the restarted replica's first process exited 0; no proxy logged at error level but the
    store-down lines (`tokenmeter.budget`: "budget store unreachable ..." once, "budget store
-   still unreachable ..." every 30 s; and in a process started during the outage, `tokenmeter`:
-   "budget store unreachable at start").
+   still unreachable ..." every 30 s and at shutdown).
 5. Client consistency (usage = counted tokens, prompt = calibration, usage chunk iff asked for,
    no request without a response: the rolling restart must not cost a request).
 6. The outage (with `--outage`): every process saw the store go down, the ones alive at the end
@@ -479,7 +478,6 @@ def memory_summary(samples: list[dict[str, Any]], names: list[str], warm_t: floa
 # process that started while the store was down.
 STORE_DOWN_ERRORS = (("tokenmeter.budget", "budget store unreachable"),
                      ("tokenmeter.budget", "budget store still unreachable"))
-DOWN_AT_START = ("tokenmeter", "budget store unreachable at start")
 _RE = {
     "replayed": re.compile(r"^replayed a settlement of (\d+) tokens"),
     "adopted": re.compile(r"^adopted (\d+) settlements \((\d+) tokens\)"),
@@ -544,7 +542,7 @@ class ProcLog:
 def read_log(svc: Service, started_in_outage: bool = False) -> ProcLog:
     out = ProcLog(svc.name)
     down = False
-    allowed = STORE_DOWN_ERRORS + ((DOWN_AT_START,) if started_in_outage else ())
+    allowed = STORE_DOWN_ERRORS
     with svc.log.open(encoding="utf-8", errors="replace") as f:
         for line in f:
             if line.startswith('{"event":"request"'):

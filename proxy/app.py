@@ -245,9 +245,9 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
             budget.spool = None
         else:
             log.info("settlements the store cannot take are kept in %s", budget.spool.path)
-    if not await budget.probe():
-        log.error("budget store unreachable at start (policy %s)",
-                  holder.current.config.store.on_error)
+    if not await budget.probe():  # StoreHealth has said so: add only what it cannot know
+        log.warning("starting with the budget store unreachable (policy %s)",
+                    holder.current.config.store.on_error)
     else:
         await budget.replay()
     task = asyncio.create_task(maintain())
@@ -258,6 +258,7 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
     await budget.drain_background()
     if budget.health.up:
         await budget.replay()
+    budget.health.tick(final=True)
     await budget.store.close()
     if budget.spool is not None:
         count, tokens = budget.spool.pending()

@@ -305,6 +305,7 @@ class Budget:
             log.error("LOST a settlement of %d tokens for %s: the store is down and the spool "
                       "cannot be written (%s)", tokens, slot, exc)
             return
+        self.metrics.settlements_spooled.inc()
         self._backlog()
 
     def _backlog(self) -> None:

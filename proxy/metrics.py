@@ -198,6 +198,11 @@ class Metrics:
             "tokenmeter_settle_backlog_tokens",
             "Tokens in the local spool, owed to the store.", registry=r,
         )
+        self.settlements_spooled = Counter(
+            "tokenmeter_settlements_spooled",
+            "Settlements written to the local spool because the store could not take them.",
+            registry=r,
+        )
         self.settlements_lost = Counter(
             "tokenmeter_settlements_lost",
             "Settlements lost: the store was down and the spool could not be written.",

@@ -77,12 +77,13 @@ class StoreHealth:
         """A request that went on without the store: 'admitted', 'refused' or 'spooled'."""
         self._skipped[what] += 1
 
-    def tick(self) -> None:
-        """Called once a second: while down, a summary line every SUMMARY_S."""
+    def tick(self, final: bool = False) -> None:
+        """Called once a second: while down, a summary line every SUMMARY_S (and a last one
+        at shutdown, `final`, so nothing said meanwhile is lost)."""
         if self.up:
             return
         now = self._clock()
-        if now - self._last_summary >= SUMMARY_S:
+        if final or now - self._last_summary >= SUMMARY_S:
             self._last_summary = now
             log.error("budget store still unreachable after %.0f s%s", now - self._down_since,
                       self._summary_words())

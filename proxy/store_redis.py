@@ -13,12 +13,14 @@ same hash tag, so they are in the slot the script runs on.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from proxy.store import DONE_TTL_S, Entry, InFlightLimit, ReserveResult, StoreError
@@ -167,6 +169,11 @@ class RedisStore:
         try:
             return await coro
         except (RedisError, OSError, TimeoutError) as exc:
+            if isinstance(exc, RedisConnectionError | OSError):
+                # The server went away: every pooled connection is stale, not just this one.
+                # Drop them all now, or each would fail once more after the server is back.
+                with contextlib.suppress(RedisError, OSError):
+                    await self._redis.connection_pool.disconnect()
             raise StoreError(f"{type(exc).__name__}: {exc}") from exc
 
     async def reserve(

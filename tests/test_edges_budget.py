@@ -419,6 +419,8 @@ async def test_a_stalled_store_costs_one_timeout_not_two_per_request(
     assert sample(m, "tokenmeter_store_errors_total", op="reserve") == 1
     assert sample(m, "tokenmeter_store_errors_total", op="settle") == 0
     assert sample(m, "tokenmeter_settle_backlog_tokens") == sum(usages)
+    # Twenty usages and one release of the reserve whose reply never came.
+    assert sample(m, "tokenmeter_settlements_spooled_total") == 21
     errors = [rec for rec in caplog.records
               if rec.name.startswith("tokenmeter") and rec.levelname == "ERROR"]
     assert len(errors) == 1, [e.getMessage() for e in errors]  # on main: 40 lines

@@ -168,3 +168,28 @@ async def test_killed_proxy_reservation_is_released(
         if proc.poll() is None:
             proc.kill()
         await r.aclose()
+
+
+async def test_after_a_redis_restart_no_stale_connection_fails_again(
+    aiohttp_server: ServerFactory, upstream: TestServer, own_redis: RedisServer
+) -> None:
+    proxy = await aiohttp_server(
+        create_app(parse_config(_config_text(upstream, own_redis.url, "fail_open")))
+    )
+    client = sdk(proxy, ALICE_KEY)
+    # Many requests at once: the store's pool opens many connections.
+    await asyncio.gather(*(client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+                           for _ in range(16)))
+    own_redis.stop()
+    await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    own_redis.start()
+    budget = proxy.app[st.BUDGET]
+    assert await budget.probe()
+    before = sample(await _metrics(proxy), "tokenmeter_store_errors_total")
+    await asyncio.gather(*(client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+                           for _ in range(16)))
+    # Each connection opened before the restart would have failed once more (and marked the
+    # store down again) had the first failure not dropped them all.
+    assert sample(await _metrics(proxy), "tokenmeter_store_errors_total") == before
+    assert budget.health.up
+    await client.close()
