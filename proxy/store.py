@@ -54,6 +54,10 @@ DONE_TTL_S = 600  # a settle is applied once per reservation id for this long (r
 
 
 class Store(Protocol):
+    # True: every call completes without yielding to the event loop (no I/O), so a caller
+    # needs no task to see it through a cancellation.
+    in_process: bool
+
     async def reserve(
         self, slot: str, res_id: str, entries: Sequence[Entry],
         in_flight: Sequence[InFlightLimit], lease_s: float,
@@ -131,6 +135,8 @@ class _Expiring:
 
 class MemoryStore:
     """Same semantics as the Redis store, in this process only (one replica, or tests)."""
+
+    in_process = True
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock

@@ -148,6 +148,8 @@ return 0
 
 
 class RedisStore:
+    in_process = False
+
     def __init__(self, url: str, timeout_ms: float) -> None:
         timeout = timeout_ms / 1000
         # No retries inside redis-py: a budget check that is slow is worse than one that fails
