@@ -105,12 +105,15 @@ async def test_every_choice_is_reserved_and_capped(
     double, url = await _choices(aiohttp_server, ("max_tokens", "max_completion_tokens"))
     users = f'  alice:\n    keys: ["{ALICE_KEY}"]\n    daily_tokens: 3000\n' \
             "    max_output_tokens: 200\n"
-    proxy = await _proxy(aiohttp_server, url, store_url, users)
-    client = sdk(proxy, ALICE_KEY)
+    # Two replicas share one budget through Redis; the in-process store is one replica's own.
+    proxies = [await _proxy(aiohttp_server, url, store_url, users)]
+    if store_url != "memory":
+        proxies.append(await _proxy(aiohttp_server, url, store_url, users))
+    clients = [sdk(p, ALICE_KEY) for p in proxies]
 
-    async def ask() -> int | None:
+    async def ask(i: int) -> int | None:
         try:
-            r = await client.chat.completions.create(
+            r = await clients[i % len(clients)].chat.completions.create(
                 model="gpt", messages=MESSAGES, n=8, max_tokens=100,  # type: ignore[arg-type]
             )
         except openai.RateLimitError:
@@ -119,13 +122,14 @@ async def test_every_choice_is_reserved_and_capped(
         assert r.usage.completion_tokens <= 200  # the cap covers all choices together
         return r.usage.total_tokens
 
-    served = [t for t in await asyncio.gather(*(ask() for _ in range(10))) if t is not None]
+    served = [t for t in await asyncio.gather(*(ask(i) for i in range(10))) if t is not None]
     assert served
     assert sum(served) <= 3000  # on main: 8,100 tokens served against a quota of 3,000
     assert double.billed <= 3000
     for body in double.bodies:  # each choice got its share of the cap
         assert body["max_tokens"] == 25 and body["max_completion_tokens"] == 25
-    await client.close()
+    for c in clients:
+        await c.close()
 
 
 async def test_best_of_is_reserved_and_too_many_choices_refused(
