@@ -34,7 +34,7 @@ from proxy.errors import (
 )
 from proxy.metrics import Metrics
 from proxy.notify import Notifier
-from proxy.relay import make_handler
+from proxy.pipeline import make_handler
 from proxy.reload import ConfigWatcher
 from proxy.spool import Spool, default_dir
 from proxy.store import MemoryStore, Store
@@ -178,7 +178,9 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
         connector=connector, auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None)
     ) as session:
         app[st.SESSION] = session
+        app[st.SERVICES].http.started(session)
         yield
+        app[st.SERVICES].http.started(None)
 
 
 async def _discover_models(app: web.Application) -> AsyncIterator[None]:
@@ -323,6 +325,11 @@ def create_app(
     app[WATCHDOG] = Watchdog()
     app[st.LATENCY] = LatencyTracker()
     app[st.RNG] = random.Random()
+    app[st.SERVICES] = st.Services(
+        runtime=holder, metrics=metrics, budget=app[st.BUDGET], http=st.HttpClient(),
+        latency=app[st.LATENCY], rng=app[st.RNG], settling=app[st.SETTLING],
+        watchdog=app[WATCHDOG],
+    )
     app.cleanup_ctx.extend(
         [_session_ctx, _store_ctx, watchdog_ctx, _discover_models, _drain_settling]
     )

@@ -1,10 +1,9 @@
-"""The path of one metered request: parse -> auth -> budget reserve -> upstream (`attempts`:
-retries, fallbacks) -> relay + meter (`tap`) -> `settle`.
+"""The relay step of a request: its upstream's answer goes to the client, metered on the way.
 
 Streaming responses are relayed chunk by chunk: each chunk is written to the client before the
-proxy looks at it, and the SSE decoder and translator read it on the side. Settling (usage,
-metrics, the log line) runs in `finally`, shielded from the cancellation a client disconnect
-causes, so a request that dies half-way is still accounted for.
+proxy looks at it, and the SSE decoder and translator read it on the side (`tap`). A JSON answer
+is read whole and returned. What the relay learns (a failure, a client that left) is recorded
+in the request's `Outcome`; settling is the pipeline's (`proxy.pipeline`).
 """
 
 from __future__ import annotations
@@ -13,34 +12,24 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
-from collections.abc import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy import attempts
-from proxy import state as st
-from proxy.auth import Principal, client_key
-from proxy.budget import rate_limit_headers
+from proxy.context import Attempt, Outcome
 from proxy.errors import (
-    InvalidRequest,
-    NotFound,
     ProxyError,
-    RequestTooLarge,
     UpstreamTimeout,
     UpstreamUnavailable,
     stream_error_event,
 )
-from proxy.exchange import Exchange
-from proxy.listener import BODY_TIMED_OUT
-from proxy.meter import RequestMeter
-from proxy.settle import settle
+from proxy.state import Services
 from proxy.tap import StreamTap
-from proxy.translators import ParsedRequest, Translator, parse_body
-from proxy.upstream import Upstream, client_response_headers, upstream_request_headers
-from proxy.watchdog import WATCHDOG, Watch
+from proxy.translators import Translator
+from proxy.upstream import Upstream, client_response_headers
+from proxy.watchdog import Watch
 
 log = logging.getLogger("tokenmeter.relay")
 
@@ -56,192 +45,21 @@ def classify_upstream_error(status: int, body: bytes) -> str:
     return "context_length" if fault == "context_length" else "bad_request"
 
 
-def make_handler(
-    translator_cls: type[Translator],
-) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-    async def handler(request: web.Request) -> web.StreamResponse:
-        return await handle(request, translator_cls)
-
-    return handler
-
-
-async def handle(request: web.Request, translator_cls: type[Translator]) -> web.StreamResponse:
-    ex = Exchange(uuid.uuid4().hex, translator_cls.operation, RequestMeter())
-    try:
-        return await _serve(request, translator_cls, ex)
-    except ProxyError as exc:
-        ex.status, ex.error_class = exc.status, exc.error_class
-        return exc.to_response()
-    except asyncio.CancelledError:
-        # aiohttp cancels the handler when the client disconnects, and the listener when the
-        # body missed its deadline (it answered 408 itself).
-        if request.get(BODY_TIMED_OUT):
-            ex.status, ex.error_class = 408, "body_timeout"
-            raise
-        if ex.error_class != "client_timeout":  # the proxy cut it: that is the finer cause
-            ex.error_class = "client_disconnect"
-        if not ex.upstream_answered:
-            ex.status = 499
-        raise
-    except ConnectionError:
-        # A write to a client that has gone (without handler cancellation, or before it lands).
-        if not _client_gone(request):
-            ex.error_class = "internal"
-            raise
-        ex.status, ex.error_class = 499, "client_disconnect"
-        return web.Response(status=499)
-    except Exception:
-        ex.error_class = "internal"
-        raise
-    finally:
-        ex.meter.finish()
-        task = asyncio.ensure_future(settle(request.app, ex))
-        request.app[st.SETTLING].tasks.add(task)
-        task.add_done_callback(request.app[st.SETTLING].finished)
-        # If we are cancelled while waiting, the settle task runs on; shutdown waits for SETTLING.
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.shield(task)
-
-
-async def _serve(
-    request: web.Request, translator_cls: type[Translator], ex: Exchange
-) -> web.StreamResponse:
-    runtime = ex.runtime = request.app[st.RUNTIME_HOLDER].current
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise RequestTooLarge(
-            f"The request body is larger than the proxy accepts "
-            f"({runtime.config.server.max_body_mb:g} MB, server.max_body_mb)."
-        ) from None
-    parsed = parse_body(raw)
-    ex.model, ex.stream = parsed.model, parsed.stream
-    if parsed.stream and not translator_cls.streams:
-        raise InvalidRequest(f"{translator_cls.path} does not support streaming", param="stream")
-    principal = ex.principal = runtime.users.authenticate(request)
-    route = runtime.router.resolve(parsed.model)
-    if route is None:
-        raise NotFound(
-            f"The model `{parsed.model}` is not routed to any upstream by this proxy.",
-            param="model", code="model_not_found",
-        )
-    plan = attempts.candidates(runtime.router, route, parsed.model, request.app[st.LATENCY])
-    fallbacks = request.app[st.METRICS].fallbacks
-    reason = ""
-    for index, cand in enumerate(plan):
-        if index:
-            ex.fallback_from = parsed.model
-            fallbacks.labels(plan[index - 1].route.pattern, cand.model, reason).inc()
-        elif cand.model != parsed.model:  # the primary is slow: its first fallback goes first
-            ex.fallback_from = parsed.model
-            fallbacks.labels(route.pattern, cand.model, cand.reason).inc()
-        outcome = await _attempt(request, translator_cls, parsed, principal, cand, ex,
-                                 last=index == len(plan) - 1)
-        if isinstance(outcome, str):
-            reason = outcome
-            continue
-        return await _relay(request, outcome, ex)
-    raise AssertionError("the last candidate answers or raises")
-
-
-async def _attempt(
-    request: web.Request, translator_cls: type[Translator], parsed: ParsedRequest,
-    principal: Principal, cand: attempts.Candidate, ex: Exchange, *, last: bool,
-) -> aiohttp.ClientResponse | str:
-    """One candidate: reserve its budget and call its upstream (with retries). Returns the
-    response to relay, or, when it failed in a way the next candidate may do better with, the
-    failure's class (its reservation is then given back whole)."""
-    runtime = ex.runtime
-    assert runtime is not None
-    app = request.app
-    budget, metrics = app[st.BUDGET], app[st.METRICS]
-    ex.route, ex.model = cand.route, cand.model
-    upstream = cand.route.upstream
-    translator = ex.translator = translator_cls(
-        parsed, upstream.stream_usage, cand.model, write_all_caps=upstream.write_all_caps
-    )
-    reservation = ex.reservation = await budget.reserve(principal, translator, runtime.config)
-    # Model names are the client's text: they go into a header only if they are plain
-    # printable ASCII, never as a way to inject a header line.
-    ex.response_headers = {}
-    if _header_safe(cand.model):
-        ex.response_headers["x-tokenmeter-model"] = cand.model
-    if ex.fallback_from is not None and _header_safe(ex.fallback_from):
-        ex.response_headers["x-tokenmeter-fallback-from"] = ex.fallback_from
-    if reservation.stored:  # admitted during a store outage: the counts are unknown
-        ex.response_headers.update(
-            rate_limit_headers(reservation.plan.windows, reservation.used, budget.clock())
-        )
-    headers = upstream_request_headers(
-        request.headers, upstream,
-        client_key=client_key(request) if principal.forward_client_key else None,
-    )
-
-    def on_attempt() -> None:
-        ex.in_flight = True
-
-    def on_retry(u: Upstream, reason: str) -> None:
-        ex.in_flight = False
-        ex.attempts += 1
-        metrics.retries.labels(u.name, reason).inc()
-
-    ex.meter.mark_upstream_start()
-    loop = asyncio.get_running_loop()
-    # Streams have no total cap (idle time is watched instead); a JSON answer has one.
-    ex.deadline = None if ex.stream else loop.time() + upstream.total_timeout_s
-    try:
-        async with asyncio.timeout_at(ex.deadline):
-            up = await attempts.call_upstream(
-                app[st.SESSION], upstream, translator.path, translator.upstream_body(), headers,
-                on_retry=on_retry, rng=app[st.RNG], on_attempt=on_attempt,
-            )
-    except TimeoutError:
-        ex.in_flight = False
-        exc = _total_timeout(upstream)
-        if last:
-            raise exc from None
-        failure = exc.error_class
-    except (UpstreamTimeout, UpstreamUnavailable) as exc:
-        ex.in_flight = False
-        if last:
-            raise
-        failure = exc.error_class
-    else:
-        ex.in_flight = up.status < 300
-        if (
-            last
-            or up.status == 200
-            or not attempts.fallback_worthy(up.status)
-            or await attempts.blames_request(up)
-        ):
-            ex.upstream_answered = True
-            return up
-        failure = attempts.status_class(up.status)
-        up.close()
-    log.warning("request %s: model %s failed (%s), trying its next fallback",
-                ex.request_id, cand.model, failure)
-    ex.attempts += 1
-    ex.reservation = None
-    await budget.release(reservation)
-    return failure
-
-
-async def _relay(
-    request: web.Request, up: aiohttp.ClientResponse, ex: Exchange
-) -> web.StreamResponse:
-    assert ex.route is not None and ex.translator is not None
-    upstream = ex.route.upstream
-    active = request.app[st.METRICS].active.labels(upstream.name)
+async def relay(request: web.Request, attempt: Attempt, svc: Services,
+                outcome: Outcome) -> web.StreamResponse:
+    up, upstream = attempt.response, attempt.route.upstream
+    active = svc.metrics.active.labels(upstream.name)
     active.inc()
     try:
-        ex.status = up.status
         if up.status == 200 and up.content_type == "text/event-stream":
-            with request.app[WATCHDOG].watch(
-                up, upstream.idle_timeout_s, write_timeout=_client_write_timeout(ex),
-                abort_client=lambda: _client_timed_out(request, ex),
+            runtime = outcome.runtime or svc.runtime.current
+            write_timeout = runtime.config.server.client_write_timeout_s
+            with svc.watchdog.watch(
+                up, upstream.idle_timeout_s, write_timeout=write_timeout,
+                abort_client=lambda: _client_timed_out(request, outcome, write_timeout),
             ) as watch:
-                return await _relay_stream(request, up, ex.translator, ex, watch)
-        return await _relay_body(up, ex.translator, ex, upstream)
+                return await _relay_stream(request, attempt, svc, outcome, watch)
+        return await _relay_body(attempt, outcome)
     finally:
         # release(): a response read to its end returns its connection to the pool; one cut
         # short (client gone, error) has its connection closed, which ends the upstream request.
@@ -249,33 +67,22 @@ async def _relay(
         active.dec()
 
 
-def _header_safe(value: str) -> bool:
-    return value.isascii() and value.isprintable()
-
-
-def _client_gone(request: web.Request) -> bool:
+def client_gone(request: web.Request) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()
 
 
-def _client_write_timeout(ex: Exchange) -> float | None:
-    """`server.client_write_timeout_s`: how long one write may wait on a client that does not
-    read (None: as long as it takes)."""
-    if ex.runtime is None:
-        return None
-    return ex.runtime.config.server.client_write_timeout_s
-
-
-def _client_timed_out(request: web.Request, ex: Exchange) -> None:
+def _client_timed_out(request: web.Request, outcome: Outcome,
+                      write_timeout: float | None) -> None:
     """The watchdog's verdict on a client that stopped reading: its connection is ended (the
     relay's write then fails, and the upstream response is closed with it)."""
     log.warning("request %s: the client read nothing for %g s (client_write_timeout_s); "
-                "its stream is ended", ex.request_id, _client_write_timeout(ex) or 0)
-    ex.error_class = "client_timeout"
+                "its stream is ended", outcome.request_id, write_timeout or 0)
+    outcome.fail("client_timeout")
     _abort(request)
 
 
-def _total_timeout(upstream: Upstream) -> UpstreamTimeout:
+def total_timeout(upstream: Upstream) -> UpstreamTimeout:
     return UpstreamTimeout(
         f"Upstream `{upstream.name}` did not complete the response within "
         f"{upstream.total_timeout_s:g} s (total_timeout_s).",
@@ -283,48 +90,47 @@ def _total_timeout(upstream: Upstream) -> UpstreamTimeout:
     )
 
 
-async def _relay_body(
-    up: aiohttp.ClientResponse, translator: Translator, ex: Exchange, upstream: Upstream
-) -> web.StreamResponse:
+async def _relay_body(attempt: Attempt, outcome: Outcome) -> web.StreamResponse:
     # A JSON answer is useless to a client until complete, so reading it whole costs nothing.
     # Its time counts against the request's total cap; an error body of a stream request gets
     # the idle timeout.
-    deadline = ex.deadline
+    up, upstream = attempt.response, attempt.route.upstream
+    deadline = attempt.deadline
     if deadline is None:
         deadline = asyncio.get_running_loop().time() + upstream.idle_timeout_s
     try:
         async with asyncio.timeout_at(deadline):
             body = await up.read()
     except TimeoutError:
-        if ex.deadline is not None:
-            raise _total_timeout(upstream) from None
+        if attempt.deadline is not None:
+            raise total_timeout(upstream) from None
         raise UpstreamTimeout(
             f"Upstream `{upstream.name}` stopped sending its response.", code="idle_timeout"
         ) from None
     except aiohttp.ClientError as exc:
         raise UpstreamUnavailable(f"The upstream response broke ({type(exc).__name__}).") from None
     if up.status < 300:
-        translator.on_body(body)
+        attempt.translator.on_body(body)
     else:
-        ex.error_class = classify_upstream_error(up.status, body)
-    return web.Response(status=up.status, body=body, headers=_client_headers(up, ex))
+        outcome.fail(classify_upstream_error(up.status, body))
+    return web.Response(status=up.status, body=body, headers=_client_headers(attempt))
 
 
 async def _relay_stream(
-    request: web.Request, up: aiohttp.ClientResponse, translator: Translator, ex: Exchange,
-    watch: Watch,
+    request: web.Request, attempt: Attempt, svc: Services, ex: Outcome, watch: Watch,
 ) -> web.StreamResponse:
-    resp = web.StreamResponse(status=up.status, headers=_client_headers(up, ex))
+    up, translator = attempt.response, attempt.translator
+    resp = web.StreamResponse(status=up.status, headers=_client_headers(attempt))
     try:
         await resp.prepare(request)
     except (ConnectionError, RuntimeError):
         # The client hung up as the upstream's answer came: its socket is closing, and the
         # handler's cancellation is on its way. Nothing reached it.
-        if not _client_gone(request):
+        if not client_gone(request):
             raise
-        ex.status, ex.error_class = 499, "client_disconnect"
+        ex.fail("client_disconnect", 499)
         return resp
-    errors = request.app[st.METRICS].metering_errors.labels("stream")
+    errors = svc.metrics.metering_errors.labels("stream")
     tap = StreamTap(translator, ex.meter, on_error=errors.inc)
     passthrough, observe = tap.passthrough, tap.observe
     perf = time.perf_counter
@@ -365,8 +171,7 @@ async def _relay_stream(
     except (ConnectionResetError, BrokenPipeError):
         # aiohttp raises these (ClientConnectionResetError among them) from write() when the
         # client went away, or was cut off for not reading.
-        if ex.error_class != "client_timeout":
-            ex.error_class = "client_disconnect"
+        ex.client_left()
         tap.close()
     except (TimeoutError, aiohttp.ClientError):
         if watch.expired:
@@ -391,14 +196,14 @@ async def _relay_stream(
 
 async def _fail_stream(
     request: web.Request, resp: web.StreamResponse, tap: StreamTap, translator: Translator,
-    ex: Exchange, watch: Watch, failure: ProxyError, at_boundary: bool | None = None,
+    ex: Outcome, watch: Watch, failure: ProxyError, at_boundary: bool | None = None,
 ) -> None:
     """A stream that broke after its headers went out. The client gets a last event in OpenAI's
     error shape, so it can tell a truncated answer from a complete one (the SDKs raise on it),
     then the stream ends. If the break came in the middle of an event whose start was already
     forwarded, no event can follow it cleanly: the connection is cut instead, which clients see
     as a broken stream, just as clear. `at_boundary`: as it was before the tap was closed."""
-    ex.error_class = failure.error_class
+    ex.fail(failure.error_class)
     if at_boundary is None:
         at_boundary = tap.client_at_boundary
     tap.close()  # meters a last, unterminated event; its held bytes are not forwarded
@@ -411,9 +216,9 @@ async def _fail_stream(
     _abort(request)
 
 
-def _client_headers(up: aiohttp.ClientResponse, ex: Exchange) -> CIMultiDict[str]:
-    headers = client_response_headers(up.headers)
-    for name, value in ex.response_headers.items():
+def _client_headers(attempt: Attempt) -> CIMultiDict[str]:
+    headers = client_response_headers(attempt.response.headers)
+    for name, value in attempt.response_headers.items():
         headers[name] = value  # our limits replace the upstream's same-named x-ratelimit-*
     return headers
 

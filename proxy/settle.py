@@ -8,51 +8,48 @@ from __future__ import annotations
 
 import logging
 
-from aiohttp import web
-
-from proxy import state as st
 from proxy.accesslog import log_request
-from proxy.exchange import Exchange
+from proxy.context import Settlement
 from proxy.metrics import RequestRecord
-from proxy.usage import Usage
+from proxy.state import Services
 
 log = logging.getLogger("tokenmeter.settle")
 
 
-async def settle(app: web.Application, ex: Exchange) -> None:
-    metrics = app[st.METRICS]
-    runtime = ex.runtime or app[st.RUNTIME_HOLDER].current
+async def settle(done: Settlement, svc: Services) -> None:
+    metrics = svc.metrics
+    runtime = done.runtime or svc.runtime.current
     try:
-        usage: Usage = ex.usage()
-        if ex.reservation is not None:
-            await app[st.BUDGET].settle(ex.reservation, usage)
-        figures = ex.meter.figures(usage.output_tokens)
-        route = ex.route
+        usage = done.usage
+        if done.candidacy is not None:
+            await svc.budget.settle(done.candidacy.reservation, usage)
+        figures = done.meter.figures(usage.output_tokens)
+        route, model, principal = done.route, done.model, done.principal
         record = RequestRecord(
-            request_id=ex.request_id,
-            operation=ex.operation,
-            model=ex.model,
-            model_label=runtime.router.model_label(ex.model, route) if ex.model else "none",
+            request_id=done.request_id,
+            operation=done.operation,
+            model=model,
+            model_label=runtime.router.model_label(model, route) if model else "none",
             upstream=route.upstream.name if route is not None else "none",
-            user=ex.principal.user if ex.principal is not None else "anonymous",
-            key=(ex.principal.key_name or ex.principal.key_id) if ex.principal else None,
-            status=ex.status,
-            error_class=ex.error_class,
-            stream=ex.stream,
+            user=principal.user if principal is not None else "anonymous",
+            key=(principal.key_name or principal.key_id) if principal else None,
+            status=done.status,
+            error_class=done.error_class,
+            stream=done.stream,
             usage=usage,
             figures=figures,
-            fallback_from=ex.fallback_from,
-            attempts=ex.attempts,
+            fallback_from=done.fallback_from,
+            attempts=done.attempts,
         )
         metrics.observe(record)
         if route is not None and route.latency is not None and figures.upstream_ttft is not None:
-            app[st.LATENCY].observe(route, figures.upstream_ttft)
-        price = runtime.price_for(ex.model)
+            svc.latency.observe(route, figures.upstream_ttft)
+        price = runtime.price_for(model)
         if price is not None:
             metrics.observe_cost(record, price.input, price.cached_input, price.output)
-        metrics.observe_gaps(record, ex.meter.gap_buckets())
+        metrics.observe_gaps(record, done.meter.gap_buckets())
         log_request(record)
     except Exception:
         # Loud, never silent: a request whose usage we could not record is a billing hole.
         metrics.metering_errors.labels("settle").inc()
-        log.exception("failed to settle request %s", ex.request_id)
+        log.exception("failed to settle request %s", done.request_id)

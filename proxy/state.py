@@ -18,6 +18,7 @@ from proxy.metrics import Metrics
 from proxy.reload import ConfigWatcher
 from proxy.upstream import Router
 from proxy.userconfig import Price
+from proxy.watchdog import Watchdog
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,3 +86,38 @@ class Settling:
 
 SETTLING = web.AppKey("settling", Settling)
 WATCHER = web.AppKey("watcher", ConfigWatcher)
+
+
+class HttpClient:
+    """The process's one pooled aiohttp session, opened when the app starts."""
+
+    __slots__ = ("_session",)
+
+    def __init__(self) -> None:
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the HTTP client is used before the app started")
+        return self._session
+
+    def started(self, session: aiohttp.ClientSession | None) -> None:
+        self._session = session
+
+
+@dataclass(frozen=True, slots=True)
+class Services:
+    """The long-lived parts a request uses, made once per app and passed explicitly."""
+
+    runtime: RuntimeHolder
+    metrics: Metrics
+    budget: Budget
+    http: HttpClient
+    latency: LatencyTracker
+    rng: random.Random  # retry jitter; tests may seed it
+    settling: Settling
+    watchdog: Watchdog
+
+
+SERVICES = web.AppKey("services", Services)
