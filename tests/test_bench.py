@@ -20,7 +20,7 @@ from proxy.bench.workload import PromptsFileError, load_prompts
 from proxy.cli import main
 from proxy.mock_upstream import MockSettings, create_mock_app
 from proxy.tokenizer import count_messages
-from tests.conftest import ServerFactory, Stack
+from tests.helpers import ServerFactory, Stack
 from tests.servers import free_port
 
 MODEL = "mock-gpt"
@@ -48,22 +48,39 @@ async def test_reports_the_known_ttft_speed_and_output_length(
     aiohttp_server: ServerFactory,
 ) -> None:
     url = await mock_url(aiohttp_server, ttft_ms=50, tokens_per_second=750, output_tokens=64)
-    result = await run_bench(config(url, concurrency=[1], requests=6, prompt_tokens=[32]))
+    # The lag warning is tested on its own below: here it would only say how busy the box is.
+    result = await run_bench(config(url, concurrency=[1], requests=6, prompt_tokens=[32],
+                                    lag_warn_ms=1e9))
     (st,) = result.levels
     assert (st.ok, st.errors, st.requests) == (6, 0, 6)
-    assert st.ttft.p50 * 1000 == pytest.approx(50, abs=5)
-    assert st.stream_tokens_per_s.p50 == pytest.approx(750, rel=0.05)
-    assert st.tpot.p50 == pytest.approx(1 / 750, rel=0.05)
+    # Times a loaded machine can only lengthen: bounded below by the mock's pace (a little slack
+    # for the event loop's clock resolution), above only loosely (a unit slip or a hang).
+    assert 0.049 <= st.ttft.p50 < 1.0
+    assert 1 / 750 * 0.9 <= st.tpot.p50 < 0.1
+    assert st.stream_tokens_per_s.p50 == pytest.approx(1 / st.tpot.p50, rel=0.2)
     assert st.output_tokens.min == st.output_tokens.max == 64
     assert st.usage_output_tokens == st.local_output_tokens == 6 * 64
     assert st.usage_diff_tokens == 0 and st.usage_diff_pct == 0
     assert st.itl.n == 6 * 63
-    # e2e = ttft + 63 gaps of 1/750 s
-    assert st.e2e.p50 == pytest.approx(0.050 + 63 / 750, abs=0.01)
+    # e2e = ttft + 63 gaps of at least about 1/750 s
+    assert st.ttft.p50 + 63 / 750 * 0.9 <= st.e2e.p50 < 2.0
     assert all(r.usage_prompt_tokens == 32 + count_messages(MODEL, [{"role": "user",
                                                                       "content": ""}])
                for r in result.results)
-    assert not st.warnings and result.loop in ("asyncio", "uvloop")
+    assert not any("event-loop lag" in w for w in st.warnings)
+    assert result.loop in ("asyncio", "uvloop")
+
+
+async def test_event_loop_lag_over_the_threshold_is_flagged(
+    aiohttp_server: ServerFactory,
+) -> None:
+    """The flag's logic, not this machine's lag: any lag at all is over a negative threshold."""
+    url = await mock_url(aiohttp_server, ttft_ms=30, tokens_per_second=0, output_tokens=4)
+    result = await run_bench(config(url, concurrency=[1], requests=2, prompt_tokens=[8],
+                                    lag_warn_ms=-1.0))
+    (st,) = result.levels
+    assert st.lag_p99_ms >= 0
+    assert any("event-loop lag" in w and "unreliable" in w for w in st.warnings), st.warnings
 
 
 async def test_sweep_gives_one_level_per_load_and_prompt_size(
@@ -105,10 +122,14 @@ async def test_compare_proxy_and_direct_interleaved(stack: Stack) -> None:
     assert [(c.base, c.other, c.load) for c in result.comparisons] == [
         ("proxy", "direct", 1), ("proxy", "direct", 2)]
     for c in result.comparisons:
-        # Same mock behind both: the proxy relays at the mock's pace and adds little TTFT.
-        assert c.ratios["stream_tokens_per_s_p50"] == pytest.approx(1.0, abs=0.1)
-        assert 0.8 < c.ratios["ttft_p50"] < 1.6
-        assert -0.005 < c.deltas["ttft_p50"] < 0.015
+        # The comparison is arithmetic on the two levels (how much TTFT the proxy adds is
+        # benchmarks/bench_proxy.py's business, not a correctness test's on a shared box).
+        base, other = (next(s for s in result.levels if s.endpoint == e and s.load == c.load)
+                       for e in ("proxy", "direct"))
+        assert c.ratios["ttft_p50"] == pytest.approx(base.ttft.p50 / other.ttft.p50)
+        assert c.deltas["ttft_p50"] == pytest.approx(base.ttft.p50 - other.ttft.p50)
+        assert c.ratios["stream_tokens_per_s_p50"] == pytest.approx(
+            base.stream_tokens_per_s.p50 / other.stream_tokens_per_s.p50)
     # Interleaved in blocks A B B A: each endpoint's requests come in two separate runs.
     proxy_starts = sorted(r.start for r in result.results if r.endpoint == "proxy"
                           and r.load == 1)

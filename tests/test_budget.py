@@ -17,46 +17,20 @@ from aiohttp.test_utils import TestServer
 from proxy import limits as lim
 from proxy import state as st
 from proxy.app import create_app
-from proxy.config import parse_config
 from proxy.mock_upstream import MockSettings
-from tests.conftest import ServerFactory, sample
-from tests.conftest import scrape as _metrics
-
-ALICE_KEY = "sk-alice-0123456789"
-BOB_KEY = "sk-bob-0123456789"
-CI_KEY = "sk-alice-ci-0123456789"
-MESSAGES = [{"role": "user", "content": "count to three"}]
-
-
-class FakeClock:
-    def __init__(self, when: datetime) -> None:
-        self.now = when.timestamp()
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def budget_yaml(upstream_url: str, store: str, users: str, extra: str = "") -> str:
-    return f"""
-store:
-  url: {store}
-  lease_seconds: 30
-  # The whole test (client, proxies, mock) shares one event loop on a 2-core box: give the
-  # store room, so these tests measure atomicity, not timeouts (test_store_failures does those).
-  timeout_ms: 5000
-upstreams:
-  mock:
-    base_url: {upstream_url}
-models:
-  - match: "*"
-    upstream: mock
-metrics:
-  model_labels: [mock-gpt]
-  discover_models: false
-{extra}
-users:
-{users}
-"""
+from tests.helpers import (
+    ALICE_KEY,
+    BOB_KEY,
+    CI_KEY,
+    MESSAGES,
+    FakeClock,
+    ServerFactory,
+    budget_config,
+    make_config,
+    sample,
+    scrape,
+    sdk,
+)
 
 
 @pytest.fixture
@@ -71,16 +45,17 @@ Factory = Callable[..., Awaitable[TestServer]]
 def make_proxy(
     aiohttp_server: ServerFactory, upstream: TestServer, store_url: str
 ) -> Factory:
-    async def make(users: str, extra: str = "", clock: Any = None) -> TestServer:
-        text = budget_yaml(str(upstream.make_url("/v1")), store_url, users, extra)
+    async def make(
+        users: dict[str, dict[str, Any]] | str, clock: FakeClock | None = None, **extra: Any
+    ) -> TestServer:
+        url = str(upstream.make_url("/v1"))
+        # YAML text where the test is about what YAML carries (`${ENV}` keys).
+        config = (budget_config(url, store_url, users) if isinstance(users, str)
+                  else make_config(url, store=store_url, users=users, extra=extra))
         kwargs: dict[str, Any] = {} if clock is None else {"clock": clock}
-        return await aiohttp_server(create_app(parse_config(text), **kwargs))
+        return await aiohttp_server(create_app(config, **kwargs))
 
     return make
-
-
-def sdk(server: TestServer, key: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key=key, max_retries=0)
 
 
 async def _stream_usage(client: openai.AsyncOpenAI, **kw: Any) -> int:
@@ -98,12 +73,7 @@ async def _stream_usage(client: openai.AsyncOpenAI, **kw: Any) -> int:
 async def test_concurrent_streams_never_exceed_quota(
     make_proxy: Factory, store_url: str, upstream: TestServer
 ) -> None:
-    users = f"""
-  alice:
-    keys: ["{ALICE_KEY}"]
-    daily_tokens: 1500
-    max_output_tokens: 20
-"""
+    users = {"alice": {"keys": [ALICE_KEY], "daily_tokens": 1500, "max_output_tokens": 20}}
     # Two replicas share one budget through Redis; the in-process store is one replica's own.
     proxies = [await make_proxy(users)]
     if store_url != "memory":
@@ -118,7 +88,7 @@ async def test_concurrent_streams_never_exceed_quota(
     assert used and refused, (len(used), len(refused))
     assert sum(used) <= 1500
     for p in proxies:
-        assert sample(await _metrics(p), "tokenmeter_store_errors_total") == 0
+        assert sample(await scrape(p), "tokenmeter_store_errors_total") == 0
     for exc in refused:
         assert isinstance(exc, openai.RateLimitError), repr(exc)
         assert exc.status_code == 429
@@ -143,9 +113,8 @@ async def test_concurrent_streams_never_exceed_quota(
 
 async def test_rate_limits_and_minute_reset(make_proxy: Factory) -> None:
     clock = FakeClock(datetime(2026, 12, 2, 10, 0, 5, tzinfo=ZoneInfo("UTC")))
-    proxy = await make_proxy(
-        f'  alice:\n    keys: ["{ALICE_KEY}"]\n    requests_per_minute: 2\n', clock=clock
-    )
+    proxy = await make_proxy({"alice": {"keys": [ALICE_KEY], "requests_per_minute": 2}},
+                             clock=clock)
     client = sdk(proxy, ALICE_KEY)
     for _ in range(2):
         resp = await client.chat.completions.with_raw_response.create(
@@ -162,7 +131,7 @@ async def test_rate_limits_and_minute_reset(make_proxy: Factory) -> None:
     assert isinstance(err.value.body, dict) and err.value.body["type"] == "requests"
     clock.now += 60
     await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
-    m = await _metrics(proxy)
+    m = await scrape(proxy)
     assert sample(m, "tokenmeter_budget_refusals_total", user="alice",
                   limit="requests_per_minute") == 1
     assert sample(m, "tokenmeter_requests_total", status="429",
@@ -174,8 +143,8 @@ async def test_daily_reset_at_midnight_in_configured_zone(make_proxy: Factory) -
     berlin = ZoneInfo("Europe/Berlin")
     clock = FakeClock(datetime(2026, 12, 2, 23, 59, 30, tzinfo=berlin))
     proxy = await make_proxy(
-        f'  alice:\n    keys: ["{ALICE_KEY}"]\n    daily_tokens: 40\n    max_output_tokens: 16\n',
-        extra="timezone: Europe/Berlin", clock=clock,
+        {"alice": {"keys": [ALICE_KEY], "daily_tokens": 40, "max_output_tokens": 16}},
+        timezone="Europe/Berlin", clock=clock,
     )
     client = sdk(proxy, ALICE_KEY)
     await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
@@ -191,9 +160,7 @@ async def test_daily_reset_at_midnight_in_configured_zone(make_proxy: Factory) -
 
 
 async def test_concurrency_limit(make_proxy: Factory, upstream: TestServer) -> None:
-    proxy = await make_proxy(
-        f"  alice:\n    keys: [\"{ALICE_KEY}\"]\n    max_concurrent_requests: 1\n"
-    )
+    proxy = await make_proxy({"alice": {"keys": [ALICE_KEY], "max_concurrent_requests": 1}})
     async with aiohttp.ClientSession() as s:
         url = proxy.make_url("/v1/chat/completions")
         auth = {"Authorization": f"Bearer {ALICE_KEY}"}
@@ -214,7 +181,7 @@ async def test_concurrency_limit(make_proxy: Factory, upstream: TestServer) -> N
 async def test_output_cap_is_set_or_clamped(make_proxy: Factory, upstream: TestServer) -> None:
     from proxy.mock_upstream import MOCK_STATE
 
-    proxy = await make_proxy(f'  alice:\n    keys: ["{ALICE_KEY}"]\n    max_output_tokens: 10\n')
+    proxy = await make_proxy({"alice": {"keys": [ALICE_KEY], "max_output_tokens": 10}})
     client = sdk(proxy, ALICE_KEY)
     seen = upstream.app[MOCK_STATE].requests
     r = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
@@ -266,19 +233,17 @@ async def test_keys_hashes_env_and_per_key_limits(
     with pytest.raises(openai.RateLimitError) as err:
         await ci.chat.completions.create(model="mock-gpt", messages=MESSAGES, max_tokens=5)  # type: ignore[arg-type]
     assert "(key 'ci')" in err.value.message
-    m = await _metrics(proxy)
+    m = await scrape(proxy)
     assert sample(m, "tokenmeter_requests_total", user="alice", status="200") == 2
     assert sample(m, "tokenmeter_requests_total", user="bob", status="200") == 1
     assert sample(m, "tokenmeter_requests_total", status="401") == 2
 
 
 async def test_per_model_limits(make_proxy: Factory) -> None:
-    users = f"""
-  alice:
-    keys: ["{ALICE_KEY}"]
-    model_limits:
-      "mock-expensive*": {{daily_tokens: 30, max_output_tokens: 8}}
-"""
+    users = {"alice": {
+        "keys": [ALICE_KEY],
+        "model_limits": {"mock-expensive*": {"daily_tokens": 30, "max_output_tokens": 8}},
+    }}
     proxy = await make_proxy(users)
     client = sdk(proxy, ALICE_KEY)
     r = await client.chat.completions.create(model="mock-expensive-1", messages=MESSAGES)  # type: ignore[arg-type]
@@ -294,20 +259,20 @@ async def test_passthrough_meters_by_key_hash(
 ) -> None:
     from proxy.mock_upstream import MOCK_STATE
 
-    text = budget_yaml(str(upstream.make_url("/v1")), "memory", "  {}", "mode: passthrough")
-    proxy = await aiohttp_server(create_app(parse_config(text.replace("users:\n  {}", ""))))
+    config = make_config(str(upstream.make_url("/v1")), store="memory", extra={"mode": "passthrough"})
+    proxy = await aiohttp_server(create_app(config))
     client = sdk(proxy, "sk-team-own-upstream-key")
     await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
     seen = upstream.app[MOCK_STATE].requests[-1]
     assert seen.headers["authorization"] == "Bearer sk-team-own-upstream-key"
     label = "key-" + hashlib.sha256(b"sk-team-own-upstream-key").hexdigest()[:12]
-    m = await _metrics(proxy)
+    m = await scrape(proxy)
     assert sample(m, "tokenmeter_requests_total", user=label, status="200") == 1
     assert "sk-team-own" not in repr(m)
 
 
 async def test_models_listing_needs_a_key(make_proxy: Factory) -> None:
-    proxy = await make_proxy(f'  alice:\n    keys: ["{ALICE_KEY}"]\n')
+    proxy = await make_proxy({"alice": {"keys": [ALICE_KEY]}})
     models = await sdk(proxy, ALICE_KEY).models.list()
     assert [m.id for m in models.data] == ["mock-gpt"]
     with pytest.raises(openai.AuthenticationError):
@@ -320,10 +285,10 @@ async def test_redis_keys_share_a_cluster_slot_and_expire(
     import redis.asyncio as aioredis
     from redis.crc import key_slot
 
-    users = (f'  alice:\n    keys: ["{ALICE_KEY}"]\n    daily_tokens: 100000\n'
-             "    tokens_per_minute: 100000\n    max_concurrent_requests: 5\n")
-    text = budget_yaml(str(upstream.make_url("/v1")), redis_url, users)
-    proxy = await aiohttp_server(create_app(parse_config(text)))
+    users = {"alice": {"keys": [ALICE_KEY], "daily_tokens": 100000,
+                       "tokens_per_minute": 100000, "max_concurrent_requests": 5}}
+    proxy = await aiohttp_server(create_app(
+        make_config(str(upstream.make_url("/v1")), store=redis_url, users=users)))
     await _stream_usage(sdk(proxy, ALICE_KEY))
     r = aioredis.Redis.from_url(redis_url)
     try:

@@ -25,8 +25,17 @@ from aiohttp.test_utils import TestServer
 from proxy import state as st
 from proxy.app import create_app
 from proxy.config import parse_config
-from tests.conftest import ServerFactory, sample
-from tests.test_budget import ALICE_KEY, CI_KEY, MESSAGES, _metrics, budget_yaml, sdk
+from tests.helpers import (
+    ALICE_KEY,
+    CI_KEY,
+    MESSAGES,
+    ServerFactory,
+    budget_yaml,
+    make_config,
+    sample,
+    scrape,
+    sdk,
+)
 
 OTHER_KEY = "sk-alice-other-0123456789"
 
@@ -143,7 +152,7 @@ async def test_best_of_is_reserved_and_too_many_choices_refused(
                                         max_tokens=100)
     assert r.usage is not None and r.usage.completion_tokens <= 200
     assert double.bodies[-1]["max_tokens"] == 50
-    m = await _metrics(proxy)
+    m = await scrape(proxy)
     reserved = sample(m, "tokenmeter_budget_reserved_tokens_total", user="alice")
     assert reserved == 4 * 50 == r.usage.completion_tokens  # all four generations, not n=2
     with pytest.raises(openai.BadRequestError) as err:
@@ -186,7 +195,7 @@ async def test_cap_holds_on_an_upstream_that_ignores_max_completion_tokens(
         return resp.usage.total_tokens
 
     await asyncio.gather(*(ask() for _ in range(40)))
-    m = await _metrics(proxy)
+    m = await scrape(proxy)
     # Everything the upstream billed was reserved first: zero overspend.
     assert double.billed + 4 * len(double.bodies) <= 1000
     assert sample(m, "tokenmeter_tokens_total", user="alice") <= 1000
@@ -222,11 +231,9 @@ async def test_preferred_cap_field_never_sends_both(aiohttp_server: ServerFactor
     """OpenAI refuses max_tokens and max_completion_tokens together: `cap_fields: preferred`
     (the default for api.openai.com) clamps what the client sent, else sets only one."""
     double, url = await _choices(aiohttp_server, ("max_tokens", "max_completion_tokens"))
-    users = f'  alice:\n    keys: ["{ALICE_KEY}"]\n    max_output_tokens: 40\n'
-    text = budget_yaml(url, "memory", users).replace(
-        f"    base_url: {url}\n", f"    base_url: {url}\n    cap_fields: preferred\n"
-    )
-    proxy = await aiohttp_server(create_app(parse_config(text)))
+    users = {"alice": {"keys": [ALICE_KEY], "max_output_tokens": 40}}
+    config = make_config(url, store="memory", users=users, cap_fields="preferred")
+    proxy = await aiohttp_server(create_app(config))
     client = sdk(proxy, ALICE_KEY)
     await client.chat.completions.create(model="gpt", messages=MESSAGES)  # type: ignore[arg-type]
     await client.chat.completions.create(model="gpt", messages=MESSAGES, max_tokens=500)  # type: ignore[arg-type]
@@ -362,11 +369,12 @@ async def test_a_client_that_hangs_up_mid_reserve_leaves_nothing_in_flight(
 async def test_a_timed_out_reserve_under_fail_closed_is_released(
     aiohttp_server: ServerFactory, upstream: TestServer, redis_url: str
 ) -> None:
-    users = f'  alice:\n    keys: ["{ALICE_KEY}"]\n    max_concurrent_requests: 1\n'
-    text = budget_yaml(str(upstream.make_url("/v1")), redis_url, users).replace(
-        "  timeout_ms: 5000\n", "  timeout_ms: 300\n  on_error: fail_closed\n"
+    config = make_config(
+        str(upstream.make_url("/v1")),
+        store={"url": redis_url, "timeout_ms": 300, "on_error": "fail_closed"},
+        users={"alice": {"keys": [ALICE_KEY], "max_concurrent_requests": 1}},
     )
-    proxy = await aiohttp_server(create_app(parse_config(text)))
+    proxy = await aiohttp_server(create_app(config))
     client = sdk(proxy, ALICE_KEY)
     r = aioredis.Redis.from_url(redis_url)
     try:
@@ -401,11 +409,9 @@ async def test_a_stalled_store_costs_one_timeout_not_two_per_request(
     aiohttp_server: ServerFactory, upstream: TestServer, redis_url: str,
     paused_redis: aioredis.Redis, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    users = f'  alice:\n    keys: ["{ALICE_KEY}"]\n    daily_tokens: 100000\n'
-    text = budget_yaml(str(upstream.make_url("/v1")), redis_url, users).replace(
-        "  timeout_ms: 5000\n", "  timeout_ms: 200\n"
-    )
-    proxy = await aiohttp_server(create_app(parse_config(text)))
+    config = make_config(str(upstream.make_url("/v1")), store={"url": redis_url, "timeout_ms": 200},
+                         users={"alice": {"keys": [ALICE_KEY], "daily_tokens": 100000}})
+    proxy = await aiohttp_server(create_app(config))
     budget = proxy.app[st.BUDGET]
     # However slow this machine, no second request may try the store within this test: the
     # background probe alone may find it back.
@@ -417,7 +423,7 @@ async def test_a_stalled_store_costs_one_timeout_not_two_per_request(
         r = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
         assert r.usage is not None
         usages.append(r.usage.total_tokens)
-    m = await _metrics(proxy)
+    m = await scrape(proxy)
     # One request found the store stalled; the others did not wait on it, and no settlement
     # waited on it either (on main: 20 reserve and 20 settle timeouts).
     assert sample(m, "tokenmeter_store_errors_total", op="reserve") == 1
@@ -430,7 +436,7 @@ async def test_a_stalled_store_costs_one_timeout_not_two_per_request(
     assert len(errors) == 1, [e.getMessage() for e in errors]  # on main: 40 lines
     await paused_redis.execute_command("CLIENT", "UNPAUSE")
     assert await budget.probe() and await budget.replay() == 0
-    m = await _metrics(proxy)
+    m = await scrape(proxy)
     assert sample(m, "tokenmeter_settle_backlog") == 0
     day = [k for k in await paused_redis.keys("tokenmeter:{alice}:u:daily_tokens:*")]
     assert len(day) == 1 and int(await paused_redis.get(day[0])) == sum(usages)
@@ -441,15 +447,13 @@ async def test_an_idle_replica_reports_the_store_down(
     aiohttp_server: ServerFactory, upstream: TestServer, redis_url: str,
     paused_redis: aioredis.Redis,
 ) -> None:
-    users = f'  alice:\n    keys: ["{ALICE_KEY}"]\n'
-    text = budget_yaml(str(upstream.make_url("/v1")), redis_url, users).replace(
-        "  timeout_ms: 5000\n", "  timeout_ms: 200\n"
-    )
-    proxy = await aiohttp_server(create_app(parse_config(text)))
-    assert sample(await _metrics(proxy), "tokenmeter_store_up") == 1
+    config = make_config(str(upstream.make_url("/v1")), store={"url": redis_url, "timeout_ms": 200},
+                         users={"alice": {"keys": [ALICE_KEY]}})
+    proxy = await aiohttp_server(create_app(config))
+    assert sample(await scrape(proxy), "tokenmeter_store_up") == 1
     await paused_redis.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
     async with aiohttp.ClientSession() as s, s.get(proxy.make_url("/readyz")) as resp:
         assert (await resp.json())["store"] == "unreachable"
     # The same probe that answered /readyz set the gauge (on main it stayed 1 on a replica
     # that served no request, so TokenmeterStoreDown never fired there).
-    assert sample(await _metrics(proxy), "tokenmeter_store_up") == 0
+    assert sample(await scrape(proxy), "tokenmeter_store_up") == 0

@@ -40,7 +40,7 @@ from proxy.translators import (
     parse_body,
 )
 from proxy.watchdog import WATCHDOG
-from tests.conftest import ServerFactory, config_for, sample, scrape
+from tests.helpers import ServerFactory, config_for, sample, scrape, until
 
 MESSAGES: Any = [{"role": "user", "content": "Count slowly for me."}]
 
@@ -115,7 +115,7 @@ async def test_long_stream_holds_bounded_memory_and_estimates_exactly(
     n = 50_000
     monkeypatch.setattr("proxy.app.TRANSLATORS", (_Recording,))
     _Recording.made.clear()
-    opts = {} if asked else {"stream_usage": "false"}
+    opts = {} if asked else {"stream_usage": False}
     proxy = await proxy_for(aiohttp_server, config_for(str(upstream.make_url("/v1")), **opts))
     async with sdk(proxy) as client:
         stream = await client.chat.completions.create(
@@ -294,7 +294,7 @@ async def test_client_that_never_reads_is_cut_after_the_client_write_timeout(
     aiohttp_server: ServerFactory, upstream: TestServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     proxy = await proxy_for(aiohttp_server, config_for(
-        str(upstream.make_url("/v1")), extra="server: {client_write_timeout_s: 0.5}",
+        str(upstream.make_url("/v1")), extra={"server": {"client_write_timeout_s": 0.5}},
         idle_timeout_s=30))
     body = {"model": "mock-gpt", "messages": MESSAGES, "stream": True}
     async with aiohttp.ClientSession(read_bufsize=4096) as s, s.post(
@@ -503,7 +503,7 @@ async def test_500_blaming_the_request_is_not_retried(
     error_class: str,
 ) -> None:
     proxy = await proxy_for(aiohttp_server, config_for(
-        str(upstream.make_url("/v1")), retry="{initial_backoff_ms: 1, max_attempts: 3}"))
+        str(upstream.make_url("/v1")), retry={"initial_backoff_ms": 1, "max_attempts": 3}))
     async with sdk(proxy) as client:
         with pytest.raises(openai.InternalServerError) as err:
             await client.chat.completions.create(
@@ -561,8 +561,7 @@ async def _abandon_when(
     async with aiohttp.ClientSession() as s:
         task = asyncio.create_task(s.post(proxy.make_url("/v1/chat/completions"), json=body,
                                           headers=headers))
-        while not await ready():  # noqa: ASYNC110
-            await asyncio.sleep(0.01)
+        await until(ready)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -32,7 +32,7 @@ from proxy.listener import (
     connection_budget,
 )
 from proxy.mock_upstream import MOCK_STATE
-from tests.conftest import config_for
+from tests.helpers import config_for
 from tests.servers import free_port
 
 pytestmark = pytest.mark.timeout(60)

@@ -13,9 +13,16 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from proxy.app import create_app
-from proxy.config import Config
 from proxy.mock_upstream import generated_text
-from tests.conftest import ServerFactory, Stack, config_for, sample, scrape
+from tests.helpers import (
+    ServerFactory,
+    Stack,
+    StackFactory,
+    config_for,
+    read_until,
+    sample,
+    scrape,
+)
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -114,12 +121,14 @@ async def test_upstream_unreachable_is_502(
 
 
 @pytest.fixture
-def proxy_config(upstream: TestServer) -> Config:
-    # Short idle timeout so a stalled stream ends quickly.
-    return config_for(str(upstream.make_url("/v1")), idle_timeout_s=0.3)
+async def short_idle_stack(make_stack: StackFactory, upstream: TestServer) -> Stack:
+    # Short idle timeout so a stalled stream ends quickly. A fixture of its own name: an
+    # override of `proxy_config` here would silently apply to every test in the module.
+    return await make_stack(config_for(str(upstream.make_url("/v1")), idle_timeout_s=0.3))
 
 
-async def test_stalled_stream_times_out_and_keeps_tokens(stack: Stack) -> None:
+async def test_stalled_stream_times_out_and_keeps_tokens(short_idle_stack: Stack) -> None:
+    stack = short_idle_stack
     client = stack.client()
     stream = await client.chat.completions.create(
         model="mock-gpt", messages=MESSAGES, stream=True,  # type: ignore[arg-type]
@@ -163,9 +172,8 @@ async def test_client_disconnect_closes_upstream_and_records_tokens(stack: Stack
     async with aiohttp.ClientSession() as s:
         resp = await s.post(stack.base_url + "/chat/completions", json=body,
                             headers={"x-mock-stall-after": "4"})
-        seen = b""
-        while seen.count(b'"content":" ') < 4:  # read until 4 tokens arrived, then vanish
-            seen += await resp.content.readany()
+        # Read until 4 tokens arrived, then vanish.
+        await read_until(resp.content, lambda seen: seen.count(b'"content":" ') >= 4)
         resp.close()
     # The upstream request ends promptly (the stall would otherwise last forever; the read
     # timeout is 0.3 s and this waits for the upstream's own close signal instead).
@@ -182,7 +190,7 @@ async def test_client_disconnect_closes_upstream_and_records_tokens(stack: Stack
 async def test_too_large_body_is_413_and_counted(
     aiohttp_server: ServerFactory, upstream: TestServer
 ) -> None:
-    cfg = config_for(str(upstream.make_url("/v1")), extra="server:\n  max_body_mb: 0.01")
+    cfg = config_for(str(upstream.make_url("/v1")), extra={"server": {"max_body_mb": 0.01}})
     proxy = await aiohttp_server(create_app(cfg))
     big = {"model": "mock-gpt", "messages": [{"role": "user", "content": "x" * 20_000}]}
     async with aiohttp.ClientSession() as s, s.post(

@@ -6,14 +6,13 @@ import re
 from collections.abc import Awaitable, Callable
 
 import aiohttp
-import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from proxy import tokenizer
 from proxy.app import create_app
 from proxy.mock_upstream import MOCK_STATE, MockSettings, create_mock_app, generated_text
-from tests.conftest import ServerFactory, Stack, config_for, sample, scrape
+from tests.helpers import ServerFactory, Stack, config_for, sample, scrape
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -97,11 +96,6 @@ async def test_sdk_usage_matches_upstream_report_with_details(stack: Stack) -> N
     assert sample(m, "tokenmeter_tokens_total", type="output") == usage.completion_tokens
     assert sample(m, "tokenmeter_tokens_total", type="cached_input") == 5
     assert sample(m, "tokenmeter_tokens_total", type="reasoning") == 3
-
-
-@pytest.fixture
-def mock_settings() -> MockSettings:
-    return MockSettings(tokens_per_second=0, ttft_ms=0, output_tokens=16)
 
 
 async def test_ttft_matches_upstream_delay(stack: Stack) -> None:
@@ -253,7 +247,7 @@ async def test_upstream_connections_are_reused(aiohttp_server: ServerFactory) ->
 async def test_stream_usage_can_be_turned_off_per_upstream(
     aiohttp_server: ServerFactory, upstream: TestServer
 ) -> None:
-    cfg = config_for(str(upstream.make_url("/v1")), stream_usage="false")
+    cfg = config_for(str(upstream.make_url("/v1")), stream_usage=False)
     proxy = await aiohttp_server(create_app(cfg))
     body = {"model": "mock-gpt", "messages": MESSAGES, "stream": True}
     proxied = await _raw_post(str(proxy.make_url("/v1/chat/completions")), body)

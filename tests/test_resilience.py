@@ -24,10 +24,10 @@ from proxy import state as st
 from proxy.app import create_app
 from proxy.config import parse_config
 from proxy.mock_upstream import MOCK_STATE, MockSettings, MockState, create_mock_app, generated_text
-from tests.conftest import ServerFactory, config_for, sample, scrape
+from tests.helpers import ServerFactory, config_for, sample, scrape, until
 
 MESSAGES: Any = [{"role": "user", "content": "hi"}]
-FAST_RETRY = "{initial_backoff_ms: 1, max_backoff_ms: 5}"
+FAST_RETRY = {"initial_backoff_ms": 1, "max_backoff_ms": 5}
 ALICE = "sk-alice-resilience-0001"
 
 
@@ -99,7 +99,7 @@ async def test_429_retry_after_is_honoured(
 async def test_retry_after_past_the_deadline_goes_to_the_client_at_once(
     aiohttp_server: ServerFactory, upstream: TestServer
 ) -> None:
-    retry = "{initial_backoff_ms: 1, deadline_s: 1}"
+    retry = {"initial_backoff_ms": 1, "deadline_s": 1}
     proxy = await aiohttp_server(create_app(config_for(str(upstream.make_url("/v1")),
                                                        retry=retry)))
     async with sdk(proxy) as client:
@@ -113,7 +113,7 @@ async def test_retry_after_past_the_deadline_goes_to_the_client_at_once(
 
 
 async def test_attempts_are_bounded(aiohttp_server: ServerFactory, upstream: TestServer) -> None:
-    retry = "{initial_backoff_ms: 1, max_attempts: 4}"
+    retry = {"initial_backoff_ms": 1, "max_attempts": 4}
     proxy = await aiohttp_server(create_app(config_for(str(upstream.make_url("/v1")),
                                                        retry=retry)))
     async with sdk(proxy) as client:
@@ -253,7 +253,7 @@ async def test_connect_timeout_has_its_own_class(
 ) -> None:
     proxy = await aiohttp_server(create_app(config_for(
         f"http://127.0.0.1:{hanging_port}/v1", connect_timeout_s=0.2,
-        retry="{max_attempts: 2, initial_backoff_ms: 1}")))
+        retry={"max_attempts": 2, "initial_backoff_ms": 1})))
     async with sdk(proxy) as client:
         with pytest.raises(openai.APIStatusError) as err:
             await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
@@ -451,8 +451,7 @@ async def test_client_disconnect_mid_retry_wait_settles(
             json={"model": "mock-gpt", "messages": MESSAGES},
             headers={"x-mock-status": "503", "x-mock-retry-after-ms": "5000"},
         ))
-        while not mock_of(upstream).requests:  # noqa: ASYNC110
-            await asyncio.sleep(0.01)
+        await until(lambda: bool(mock_of(upstream).requests))
         await mock_of(upstream).requests[0].closed.wait()  # the proxy is now waiting 5 s
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

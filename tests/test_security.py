@@ -16,7 +16,7 @@ from proxy.app import create_app, create_metrics_app
 from proxy.cli import ClientErrorFilter
 from proxy.config import parse_config
 from proxy.mock_upstream import MOCK_STATE, MockState
-from tests.conftest import ServerFactory, sample, scrape
+from tests.helpers import ServerFactory, sample, scrape
 
 CLIENT_KEY = "sk-client-secret-for-security-test"
 UPSTREAM_KEY = "sk-upstream-secret-for-security-test"

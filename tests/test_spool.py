@@ -25,8 +25,8 @@ from proxy.store import Entry, MemoryStore
 from proxy.translators import ChatTranslator, parse_body
 from proxy.usage import Usage
 from proxy.usage_report import today
+from tests.helpers import ALICE_KEY, BOB_KEY, MESSAGES, budget_yaml
 from tests.servers import RedisServer, free_port, wait_for_port
-from tests.test_budget import ALICE_KEY, BOB_KEY, MESSAGES, budget_yaml
 
 SLOT = "tokenmeter:{alice}"
 
@@ -154,9 +154,7 @@ async def test_usage_owed_during_an_outage_survives_sigterm_and_restart(
     redis_server = RedisServer(persistent=True)
     redis_server.start()
     users = f'  alice:\n    keys: ["{ALICE_KEY}"]\n    daily_tokens: 10000000\n'
-    text = budget_yaml(str(upstream.make_url("/v1")), redis_server.url, users).replace(
-        "  timeout_ms: 5000\n", "  timeout_ms: 300\n"
-    )
+    text = budget_yaml(str(upstream.make_url("/v1")), redis_server.url, users, timeout_ms=300)
     cfg = tmp_path / "tm.yaml"
     cfg.write_text(text)
     state = tmp_path / "state"

@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import openai
@@ -22,9 +23,8 @@ from proxy.app import create_app
 from proxy.config import parse_config
 from proxy.limits import daily_key
 from proxy.usage_report import read_usage, today
-from tests.conftest import ServerFactory, sample
+from tests.helpers import ALICE_KEY, MESSAGES, ServerFactory, budget_yaml, sample, scrape, sdk
 from tests.servers import RedisServer, free_port, wait_for_port
-from tests.test_budget import ALICE_KEY, MESSAGES, _metrics, budget_yaml, sdk
 
 
 @pytest.fixture
@@ -35,10 +35,12 @@ def own_redis() -> Iterator[RedisServer]:
     server.stop()
 
 
-def _config_text(upstream: TestServer, redis_url: str, policy: str, users: str = "") -> str:
+def _config_text(
+    upstream: TestServer, redis_url: str, policy: str, users: str = "", **store_opts: Any
+) -> str:
+    store_opts["on_error"] = policy
     users = users or f'  alice:\n    keys: ["{ALICE_KEY}"]\n    daily_tokens: 100000\n'
-    text = budget_yaml(str(upstream.make_url("/v1")), redis_url, users)
-    return text.replace("  lease_seconds: 30\n", f"  lease_seconds: 30\n  on_error: {policy}\n")
+    return budget_yaml(str(upstream.make_url("/v1")), redis_url, users, **store_opts)
 
 
 async def _daily(app_server: TestServer) -> int:
@@ -60,7 +62,7 @@ async def test_fail_open_serves_through_an_outage_and_catches_up(
     own_redis.stop()
     during = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
     assert during.choices[0].message.content  # served although the store is down
-    m = await _metrics(proxy)
+    m = await scrape(proxy)
     assert sample(m, "tokenmeter_store_errors_total", op="reserve") >= 1
     # Known down: the settlement went to the spool without trying (and waiting on) the store.
     assert sample(m, "tokenmeter_store_errors_total", op="settle") == 0
@@ -84,7 +86,7 @@ async def test_fail_open_serves_through_an_outage_and_catches_up(
     assert await _daily(proxy) == (
         first.usage.total_tokens + during.usage.total_tokens + after.usage.total_tokens
     )
-    assert sample(await _metrics(proxy), "tokenmeter_store_up") == 1
+    assert sample(await scrape(proxy), "tokenmeter_store_up") == 1
     await client.close()
 
 
@@ -107,7 +109,7 @@ async def test_fail_closed_refuses_then_recovers(
     assert await proxy.app[st.BUDGET].probe()  # what the background loop does every second
     resp = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
     assert resp.choices[0].message.content
-    m = await _metrics(proxy)
+    m = await scrape(proxy)
     assert sample(m, "tokenmeter_requests_total", status="503") == 1
     assert sample(m, "tokenmeter_store_up") == 1
     await client.close()
@@ -118,9 +120,7 @@ async def test_killed_proxy_reservation_is_released(
 ) -> None:
     users = (f'  alice:\n    keys: ["{ALICE_KEY}"]\n    daily_tokens: 100000\n'
              "    max_concurrent_requests: 1\n    max_output_tokens: 50\n")
-    text = _config_text(upstream, own_redis.url, "fail_open", users).replace(
-        "lease_seconds: 30", "lease_seconds: 1.5"
-    )
+    text = _config_text(upstream, own_redis.url, "fail_open", users, lease_seconds=1.5)
     cfg = tmp_path / "tm.yaml"
     cfg.write_text(text)
     port = free_port()
@@ -185,11 +185,11 @@ async def test_after_a_redis_restart_no_stale_connection_fails_again(
     own_redis.start()
     budget = proxy.app[st.BUDGET]
     assert await budget.probe()
-    before = sample(await _metrics(proxy), "tokenmeter_store_errors_total")
+    before = sample(await scrape(proxy), "tokenmeter_store_errors_total")
     await asyncio.gather(*(client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
                            for _ in range(16)))
     # Each connection opened before the restart would have failed once more (and marked the
     # store down again) had the first failure not dropped them all.
-    assert sample(await _metrics(proxy), "tokenmeter_store_errors_total") == before
+    assert sample(await scrape(proxy), "tokenmeter_store_errors_total") == before
     assert budget.health.up
     await client.close()

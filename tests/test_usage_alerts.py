@@ -14,8 +14,16 @@ from aiohttp.test_utils import TestServer
 from proxy.app import create_app
 from proxy.cli import main
 from proxy.config import load_config, parse_config
-from tests.conftest import ServerFactory, sample
-from tests.test_budget import ALICE_KEY, BOB_KEY, MESSAGES, _metrics, budget_yaml, sdk
+from tests.helpers import (
+    ALICE_KEY,
+    BOB_KEY,
+    MESSAGES,
+    ServerFactory,
+    budget_yaml,
+    sample,
+    scrape,
+    sdk,
+)
 
 
 async def test_usage_command_reads_todays_counters(
@@ -66,7 +74,7 @@ async def test_thresholds_notify_once_each(
     assert [(e["threshold"], e["user"], e["window"]) for e in received] == [
         (0.5, "alice", "daily_tokens")
     ]
-    m = await _metrics(proxy)
+    m = await scrape(proxy)
     assert sample(m, "tokenmeter_budget_threshold_crossings_total", threshold="0.5") == 1
     assert sample(m, "tokenmeter_budget_threshold_crossings_total", threshold="1") == 0
     assert sample(m, "tokenmeter_budget_remaining_tokens", user="alice",
@@ -82,7 +90,7 @@ async def test_cost_from_price_table(aiohttp_server: ServerFactory, upstream: Te
         model="mock-gpt", messages=MESSAGES, extra_headers={"x-mock-cached-tokens": "4"},  # type: ignore[arg-type]
     )
     assert r.usage is not None
-    m = await _metrics(proxy)
+    m = await scrape(proxy)
     cost = lambda kind: sample(m, "tokenmeter_cost_usd_total", user="alice", type=kind)  # noqa: E731
     assert cost("input") == pytest.approx((r.usage.prompt_tokens - 4) * 2.5 / 1e6)
     assert cost("cached_input") == pytest.approx(4 * 1.25 / 1e6)

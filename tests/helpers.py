@@ -1,0 +1,260 @@
+"""What the tests share that is not a fixture: keys, clients, config builders, metric scraping,
+and reads and polls that always end (a deadline, and EOF is a failure, not a spin)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Protocol
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy import state as st
+from proxy.config import Config, parse_config
+from proxy.mock_upstream import MOCK_STATE, MockState
+
+ServerFactory = Callable[..., Coroutine[Any, Any, TestServer]]
+
+ALICE_KEY = "sk-alice-0123456789"
+BOB_KEY = "sk-bob-0123456789"
+CI_KEY = "sk-alice-ci-0123456789"
+CLIENT_KEY = "sk-client-secret-1234"
+UPSTREAM_KEY = "sk-upstream-secret-5678"
+MESSAGES: Any = [{"role": "user", "content": "count to three"}]
+
+
+def sdk(server: TestServer, key: str = CLIENT_KEY) -> openai.AsyncOpenAI:
+    """The real OpenAI SDK pointed at `server`, without its own retries (tests count requests)."""
+    return openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key=key, max_retries=0)
+
+
+class FakeClock:
+    """A wall clock the test moves by hand (`clock.now += 60`)."""
+
+    def __init__(self, when: datetime | float) -> None:
+        self.now = when.timestamp() if isinstance(when, datetime) else float(when)
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# --- configuration ------------------------------------------------------------------------------
+
+# The whole test (client, proxies, mock) shares one event loop on a 2-core box: give the store
+# room, so budget tests measure atomicity, not timeouts (test_store_failures does those).
+STORE_DEFAULTS: Mapping[str, Any] = {"lease_seconds": 30, "timeout_ms": 5000}
+# Retries are the subject of their own tests; elsewhere a 5xx should not wait out real backoff.
+FAST_RETRY: Mapping[str, Any] = {"initial_backoff_ms": 1, "max_backoff_ms": 5}
+
+
+def make_config(
+    upstream_url: str,
+    *,
+    store: str | Mapping[str, Any] | None = None,
+    users: Mapping[str, Mapping[str, Any]] | None = None,
+    api_key: str | None = None,
+    extra: Mapping[str, Any] | None = None,
+    **upstream_opts: Any,
+) -> Config:
+    """One upstream `mock` at `upstream_url` serving every model, as a validated Config.
+
+    store: a URL ("memory", "redis://...") or a mapping of store options (its `url` included);
+    STORE_DEFAULTS fill what it leaves out. users: the `users:` section as Python data.
+    extra: further top-level sections (server, alerts, timezone, mode...). upstream_opts: the
+    upstream's own options (idle_timeout_s, retry, cap_fields...); retries default to FAST_RETRY.
+    """
+    upstream: dict[str, Any] = {"base_url": upstream_url, "retry": dict(FAST_RETRY)}
+    if api_key is not None:
+        upstream["api_key"] = api_key
+    upstream.update(upstream_opts)
+    data: dict[str, Any] = {
+        "upstreams": {"mock": upstream},
+        "models": [{"match": "*", "upstream": "mock"}],
+        "metrics": {"model_labels": ["mock-gpt"], "discover_models": False},
+    }
+    if store is not None:
+        opts = {"url": store} if isinstance(store, str) else dict(store)
+        data["store"] = {**STORE_DEFAULTS, **opts}
+    if users is not None:
+        data["users"] = {name: dict(u) for name, u in users.items()}
+    data.update(extra or {})
+    return Config.model_validate(data)
+
+
+def config_for(upstream_url: str, **upstream_opts: Any) -> Config:
+    """The plain stack's config: no users, an upstream key the proxy must add and never leak."""
+    extra = {
+        # Two routes, as a real config has: metrics label unknown models by route pattern.
+        "models": [{"match": "mock-*", "upstream": "mock"}, {"match": "*", "upstream": "mock"}],
+        **upstream_opts.pop("extra", {}),
+    }
+    return make_config(upstream_url, api_key=UPSTREAM_KEY, extra=extra, **upstream_opts)
+
+
+def budget_yaml(
+    upstream_url: str, store: str, users: str, extra: str = "", **store_opts: Any
+) -> str:
+    """The budget config as YAML text, for the tests about files (load, reload, `usage --config`,
+    a subprocess's `--config`) and `${ENV}` keys; `users` is the indented body of the `users:`
+    section, `store_opts` override STORE_DEFAULTS (on_error=..., timeout_ms=...)."""
+    store_lines = "".join(
+        f"\n  {k}: {v}" for k, v in {**STORE_DEFAULTS, **store_opts}.items()
+    )
+    return f"""
+store:
+  url: {store}{store_lines}
+upstreams:
+  mock:
+    base_url: {upstream_url}
+    retry: {{initial_backoff_ms: 1, max_backoff_ms: 5}}
+models:
+  - match: "*"
+    upstream: mock
+metrics:
+  model_labels: [mock-gpt]
+  discover_models: false
+{extra}
+users:
+{users}
+"""
+
+
+def budget_config(upstream_url: str, store: str, users: str, extra: str = "") -> Config:
+    return parse_config(budget_yaml(upstream_url, store, users, extra), "test-budget.yaml")
+
+
+# --- metrics ------------------------------------------------------------------------------------
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+async def scrape(server: TestServer, headers: dict[str, str] | None = None) -> Samples:
+    """Every sample of a proxy's /metrics over real HTTP, keyed by (name, sorted labels)."""
+    async with aiohttp.ClientSession() as s, s.get(server.make_url("/metrics"),
+                                                   headers=headers) as r:
+        text = await r.text()
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for smp in family.samples:
+            out[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+    return out
+
+
+def sample(metrics: Samples, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    total = 0.0
+    for (n, lab), value in metrics.items():
+        if n == name and all((k, v) in lab for k, v in labels.items()):
+            total += value
+    return total
+
+
+# --- reads and polls that end -------------------------------------------------------------------
+
+
+class ByteStream(Protocol):
+    """aiohttp's StreamReader (`resp.content`) has readany(); asyncio's has read(n)."""
+
+    async def read(self, n: int = ...) -> bytes: ...
+
+
+async def read_until(
+    stream: aiohttp.StreamReader | asyncio.StreamReader | ByteStream,
+    done: Callable[[bytes], bool],
+    deadline: float = 10.0,
+    initial: bytes = b"",
+) -> bytes:
+    """Read `stream` until `done(everything read so far)`; return what was read.
+
+    An early EOF fails at once with what arrived (a bare `while not done: data += readany()`
+    would spin forever on b""), and the whole read has a deadline of `deadline` seconds.
+    """
+    data = initial
+    async with asyncio.timeout(deadline):
+        while not done(data):
+            if isinstance(stream, aiohttp.StreamReader):
+                chunk = await stream.readany()
+            else:
+                chunk = await stream.read(65536)
+            if not chunk:
+                raise AssertionError(f"EOF before the expected data; got {data[-300:]!r}")
+            data += chunk
+    return data
+
+
+async def until(
+    check: Callable[[], Awaitable[bool] | bool], deadline: float = 10.0, every: float = 0.01
+) -> None:
+    """Poll `check` (sync or async) until it holds; fail past `deadline` seconds. For state
+    that lives in another process or server, where there is no event to wait on."""
+    async with asyncio.timeout(deadline):
+        while True:
+            result = check()
+            if not isinstance(result, bool):
+                result = await result
+            if result:
+                return
+            await asyncio.sleep(every)
+
+
+# --- the plain stack ----------------------------------------------------------------------------
+
+
+@dataclass
+class Stack:  # made by the `stack` and `make_stack` fixtures (conftest.py)
+    """A proxy in front of a mock upstream, with handles on both."""
+
+    proxy: TestServer
+    upstream: TestServer
+    caplog: pytest.LogCaptureFixture
+    clients: list[openai.AsyncOpenAI] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return str(self.proxy.make_url("/v1"))
+
+    @property
+    def upstream_url(self) -> str:
+        return str(self.upstream.make_url("/v1"))
+
+    @property
+    def app(self) -> web.Application:
+        return self.proxy.app
+
+    @property
+    def mock(self) -> MockState:
+        return self.upstream.app[MOCK_STATE]
+
+    def client(self, api_key: str = CLIENT_KEY, **kw: Any) -> openai.AsyncOpenAI:
+        c = openai.AsyncOpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, **kw)
+        self.clients.append(c)
+        return c
+
+    def direct(self, **kw: Any) -> openai.AsyncOpenAI:
+        c = openai.AsyncOpenAI(base_url=self.upstream_url, api_key="x", max_retries=0, **kw)
+        self.clients.append(c)
+        return c
+
+    async def settled(self, count: int) -> None:
+        await self.app[st.SETTLING].wait_for(count)
+
+    async def metrics(self) -> Samples:
+        return await scrape(self.proxy)
+
+    def access_lines(self) -> list[dict[str, Any]]:
+        return [
+            json.loads(r.getMessage())
+            for r in self.caplog.records
+            if r.name == "tokenmeter.access"
+        ]
+
+
+StackFactory = Callable[[Config], Awaitable[Stack]]
