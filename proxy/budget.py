@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import math
 import time
@@ -27,7 +28,7 @@ from proxy.errors import BudgetExceeded, ServiceUnavailable
 from proxy.metrics import Metrics
 from proxy.notify import Notifier
 from proxy.spool import REPLAY_DONE_TTL_S, Spool
-from proxy.store import Entry, ReserveResult, Store, StoreError
+from proxy.store import DONE_TTL_S, Entry, ReserveResult, Store, StoreError
 from proxy.store_health import StoreHealth
 from proxy.translators import Translator
 from proxy.usage import Usage
@@ -269,49 +270,65 @@ class Budget:
     async def _settle(self, reservation: Reservation, entries: tuple[Entry, ...],
                       tokens: int) -> None:
         plan = reservation.plan
+        charge = Charge(plan.slot, reservation.res_id, entries, tokens, reservation.stored,
+                        reservation.user, _notice_window(plan), plan.windows)
         if not self.health.up:
             self.health.skipped("spooled")
-            self._spool(plan.slot, reservation.res_id, entries, tokens, reservation.stored)
+            self._spool(charge)
             return
-        started = time.perf_counter()
-        try:
-            used = await self.store.settle(plan.slot, reservation.res_id, entries)
-        except StoreError as exc:
-            self.health.failed("settle", exc)
-            self._spool(plan.slot, reservation.res_id, entries, tokens, reservation.stored)
-            return
-        self.health.ok("settle", started)
-        self._update_gauges(reservation.user, plan.windows, used)
-        await self._thresholds(reservation, used)
+        with contextlib.suppress(StoreError):  # spooled by _apply
+            await self._apply(charge, DONE_TTL_S)
 
     def _settle_later(self, plan: lim.Plan, res_id: str, entries: tuple[Entry, ...],
                       tokens: int, per_id: bool) -> None:
         """A settlement off the request's path (a release after an abandoned reserve)."""
+        charge = Charge(plan.slot, res_id, entries, tokens, per_id, "", None, None)
         if not self.health.up:
-            self._spool(plan.slot, res_id, entries, tokens, per_id)
+            self._spool(charge)
             return
 
         async def run() -> None:
-            try:
-                await self.store.settle(plan.slot, res_id, entries)
-            except StoreError as exc:
-                self.health.failed("settle", exc)
-                self._spool(plan.slot, res_id, entries, tokens, per_id)
+            with contextlib.suppress(StoreError):
+                await self._apply(charge, DONE_TTL_S)
 
         task = asyncio.ensure_future(run())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _spool(self, slot: str, res_id: str, entries: tuple[Entry, ...], tokens: int,
-               per_id: bool) -> None:
+    async def _apply(self, charge: Charge, done_ttl_s: int) -> None:
+        """The one way a settlement reaches the store, live or replayed from the spool: apply
+        it, then the gauges and the quota notices. A failure marks the store down, spools the
+        charge (unless it came from the spool) and raises."""
+        started = time.perf_counter()
+        try:
+            used = await self.store.settle(charge.slot, charge.res_id, charge.entries,
+                                           done_ttl_s)
+        except StoreError as exc:
+            self.health.failed("settle", exc)
+            if done_ttl_s == DONE_TTL_S:
+                self._spool(charge)
+            raise
+        self.health.ok("settle", started)
+        if charge.windows is not None:
+            self._update_gauges(charge.user, charge.windows, used)
+        notice = charge.notice
+        if notice is not None:
+            keys = [e.key for e in charge.entries]
+            if notice.key in keys:
+                await self.notifier.check(self.store, charge.user, notice,
+                                          used[keys.index(notice.key)])
+
+    def _spool(self, charge: Charge) -> None:
         now = self.clock()
+        slot, entries, tokens = charge.slot, charge.entries, charge.tokens
         try:
             if self.spool is None:
                 raise OSError("no spool is configured")
-            if per_id:
-                self.spool.owe(slot, res_id, entries, tokens, now)
+            if charge.per_id:
+                self.spool.owe(slot, charge.res_id, entries, tokens, now, charge.notice,
+                               charge.user)
             else:
-                self.spool.add(slot, entries, tokens, now)
+                self.spool.add(slot, entries, tokens, now, charge.notice, charge.user)
         except OSError as exc:
             # The one loss left: no store and no disk. Loud, with what was lost.
             self.metrics.settlements_lost.inc()
@@ -326,11 +343,6 @@ class Budget:
         count, tokens = self.spool.pending() if self.spool is not None else (0, 0)
         self.metrics.settle_backlog.set(count)
         self.metrics.settle_backlog_tokens.set(tokens)
-
-    async def _thresholds(self, reservation: Reservation, used: tuple[int, ...]) -> None:
-        for w, u in zip(reservation.plan.windows, used, strict=True):
-            if w.name == "daily_tokens" and w.scope == "u" and w.limit:
-                await self.notifier.check(self.store, reservation.user, w, u)
 
     async def probe(self) -> bool:
         """Ping the store and record the answer: every replica's gauge and health stay true
@@ -350,14 +362,12 @@ class Budget:
             return 0
         if self.health.up and self.spool.pending()[0]:
             for owed in self.spool.take():
-                started = time.perf_counter()
+                charge = Charge(owed.slot, owed.res_id, owed.entries(self.clock()), owed.tokens,
+                                True, owed.user, owed.notice, None)
                 try:
-                    await self.store.settle(owed.slot, owed.res_id,
-                                            owed.entries(self.clock()), REPLAY_DONE_TTL_S)
-                except StoreError as exc:
-                    self.health.failed("settle", exc)
+                    await self._apply(charge, REPLAY_DONE_TTL_S)
+                except StoreError:
                     break
-                self.health.ok("settle", started)
                 self.spool.done(owed)
                 log.info("replayed a settlement of %d tokens for %s owed since a store failure",
                          owed.tokens, owed.slot)
@@ -395,6 +405,27 @@ class Budget:
 
     def active(self) -> Iterator[Reservation]:
         return iter(list(self._active.values()))
+
+
+@dataclass(frozen=True, slots=True)
+class Charge:
+    """One settlement on its way to the store (or the spool)."""
+
+    slot: str
+    res_id: str
+    entries: tuple[Entry, ...]
+    tokens: int
+    per_id: bool  # replaces a reservation the store may hold; else a plain addition
+    user: str
+    notice: lim.Window | None  # the user's limited daily quota, for threshold notices
+    windows: tuple[lim.Window, ...] | None  # parallel to entries, for the gauges
+
+
+def _notice_window(plan: lim.Plan) -> lim.Window | None:
+    for w in plan.windows:
+        if w.name == "daily_tokens" and w.scope == "u" and w.limit:
+            return w
+    return None
 
 
 def _zero(plan: lim.Plan) -> tuple[Entry, ...]:

@@ -22,6 +22,7 @@ the disk is the bound. Nothing here touches the network.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from proxy.limits import Window
 from proxy.store import Entry
 
 log = logging.getLogger("tokenmeter.spool")
@@ -57,6 +59,10 @@ class Owed:
     res_id: str
     debts: tuple[Debt, ...]
     tokens: int  # for the books and the logs: the request's total tokens
+    # The user's limited daily-quota window, so a replay sends the threshold notices a live
+    # settle would have (it is the same code path).
+    notice: Window | None = None
+    user: str = ""  # whose notice it is
 
     def entries(self, now: float) -> tuple[Entry, ...]:
         """Store entries for what has not expired yet (an expired counter is gone in the store
@@ -83,6 +89,7 @@ class Spool:
         # (slot, key) -> [amount, latest expires_at]; the tokens they carry, per slot
         self._sums: dict[tuple[str, str], list[float]] = {}
         self._sum_tokens: dict[str, int] = {}
+        self._sum_notice: dict[str, tuple[str, Window]] = {}  # per slot: user, latest window
         self._file: IO[str] | None = None
         self._lock: IO[str] | None = None
         self._appended = 0
@@ -123,16 +130,19 @@ class Spool:
 
     # --- recording ------------------------------------------------------------------------
     def owe(self, slot: str, res_id: str, entries: tuple[Entry, ...], tokens: int,
-            now: float) -> None:
-        owed = Owed(slot, res_id, _debts(entries, now), tokens)
+            now: float, notice: Window | None = None, user: str = "") -> None:
+        owed = Owed(slot, res_id, _debts(entries, now), tokens, notice, user)
         self._owed[res_id] = owed
         self._append(_owed_record(owed))
 
-    def add(self, slot: str, entries: tuple[Entry, ...], tokens: int, now: float) -> None:
+    def add(self, slot: str, entries: tuple[Entry, ...], tokens: int, now: float,
+            notice: Window | None = None, user: str = "") -> None:
         debts = _debts(entries, now)
         self._sum(slot, debts, tokens)
+        if notice is not None:
+            self._sum_notice[slot] = (user, notice)
         self._append({"a": slot, "e": [[d.key, d.amount, d.expires_at] for d in debts],
-                      "t": tokens})
+                      "t": tokens, "n": _notice_json(notice), "u": user})
 
     def _sum(self, slot: str, debts: tuple[Debt, ...], tokens: int) -> None:
         for d in debts:
@@ -155,10 +165,12 @@ class Spool:
         """Everything owed, each user's sums sealed into a batch under a new id (written to
         disk before it is handed out, so that id is what a crash replays)."""
         if self._sums:
-            for owed in _seal(self._sums, self._sum_tokens, uuid.uuid4().hex).values():
+            sealed = _seal(self._sums, self._sum_tokens, self._sum_notice, uuid.uuid4().hex)
+            for owed in sealed.values():
                 self._owed[owed.res_id] = owed
             self._sums.clear()
             self._sum_tokens.clear()
+            self._sum_notice.clear()
             self._compact()
         return list(self._owed.values())
 
@@ -191,7 +203,9 @@ class Spool:
             for (slot, key), (amount, expires) in self._sums.items():
                 by_slot.setdefault(slot, []).append([key, int(amount), expires])
             for slot, entries in by_slot.items():
-                out.write(json.dumps({"a": slot, "e": entries, "t": self._sum_tokens.get(slot, 0)},
+                user, notice = self._sum_notice.get(slot, ("", None))
+                out.write(json.dumps({"a": slot, "e": entries, "t": self._sum_tokens.get(slot, 0),
+                                      "n": _notice_json(notice), "u": user},
                                      separators=(",", ":")) + "\n")
             out.flush()
             os.fsync(out.fileno())
@@ -215,9 +229,9 @@ class Spool:
             except OSError:
                 return  # a live process holds it
             data = lock_path.with_suffix(".jsonl")
-            owed, sums, sum_tokens = _load(data)
+            owed, sums, sum_tokens, notices = _load(data)
             batch = hashlib.sha256(f"adopted:{data.name}".encode()).hexdigest()[:32]
-            for o in [*owed.values(), *_seal(sums, sum_tokens, batch).values()]:
+            for o in [*owed.values(), *_seal(sums, sum_tokens, notices, batch).values()]:
                 self._owed[o.res_id] = o
                 self._append(_owed_record(o))
             if self._file is not None:
@@ -238,26 +252,41 @@ def _debts(entries: tuple[Entry, ...], now: float) -> tuple[Debt, ...]:
 
 def _owed_record(owed: Owed) -> dict[str, Any]:
     return {"o": owed.slot, "i": owed.res_id, "t": owed.tokens,
-            "e": [[d.key, d.amount, d.expires_at] for d in owed.debts]}
+            "e": [[d.key, d.amount, d.expires_at] for d in owed.debts],
+            "n": _notice_json(owed.notice), "u": owed.user}
+
+
+def _notice_json(notice: Window | None) -> dict[str, Any] | None:
+    return dataclasses.asdict(notice) if notice is not None else None
+
+
+def _notice(obj: Any) -> Window | None:
+    return Window(**obj) if isinstance(obj, dict) else None
 
 
 def _seal(sums: dict[tuple[str, str], list[float]], tokens: dict[str, int],
-          batch: str) -> dict[str, Owed]:
+          notices: dict[str, tuple[str, Window]], batch: str) -> dict[str, Owed]:
     debts: dict[str, list[Debt]] = {}
     for (slot, key), (amount, expires) in sums.items():
         debts.setdefault(slot, []).append(Debt(key, int(amount), expires))
     return {
         slot: Owed(slot, f"batch-{batch}-{hashlib.sha256(slot.encode()).hexdigest()[:8]}",
-                   tuple(ds), tokens.get(slot, 0))
+                   tuple(ds), tokens.get(slot, 0), *_notice_of(notices, slot))
         for slot, ds in debts.items()
     }
 
 
+def _notice_of(notices: dict[str, tuple[str, Window]], slot: str) -> tuple[Window | None, str]:
+    user, notice = notices.get(slot, ("", None))
+    return notice, user
+
+
 def _load(path: Path) -> tuple[dict[str, Owed], dict[tuple[str, str], list[float]],
-                               dict[str, int]]:
+                               dict[str, int], dict[str, tuple[str, Window]]]:
     owed: dict[str, Owed] = {}
     sums: dict[tuple[str, str], list[float]] = {}
     tokens: dict[str, int] = {}
+    notices: dict[str, tuple[str, Window]] = {}
     with contextlib.suppress(FileNotFoundError), path.open(encoding="utf-8") as f:
         for line in f:
             try:
@@ -266,7 +295,8 @@ def _load(path: Path) -> tuple[dict[str, Owed], dict[tuple[str, str], list[float
                 continue  # a line cut by a crash mid-write: it was never flushed whole
             if "o" in rec:
                 debts = tuple(Debt(k, int(a), float(x)) for k, a, x in rec["e"])
-                owed[rec["i"]] = Owed(rec["o"], rec["i"], debts, int(rec.get("t", 0)))
+                owed[rec["i"]] = Owed(rec["o"], rec["i"], debts, int(rec.get("t", 0)),
+                                      _notice(rec.get("n")), str(rec.get("u", "")))
             elif "a" in rec:
                 slot = rec["a"]
                 for k, a, x in rec["e"]:
@@ -274,6 +304,9 @@ def _load(path: Path) -> tuple[dict[str, Owed], dict[tuple[str, str], list[float
                     acc[0] += int(a)
                     acc[1] = max(acc[1], float(x))
                 tokens[slot] = tokens.get(slot, 0) + int(rec.get("t", 0))
+                notice = _notice(rec.get("n"))
+                if notice is not None:
+                    notices[slot] = (str(rec.get("u", "")), notice)
             elif "d" in rec:
                 owed.pop(rec["d"], None)
-    return owed, sums, tokens
+    return owed, sums, tokens, notices

@@ -457,3 +457,36 @@ async def test_an_idle_replica_reports_the_store_down(
     # The same probe that answered /readyz set the gauge (on main it stayed 1 on a replica
     # that served no request, so TokenmeterStoreDown never fired there).
     assert sample(await scrape(proxy), "tokenmeter_store_up") == 0
+
+
+async def test_usage_replayed_after_an_outage_sends_the_quota_notice(
+    aiohttp_server: ServerFactory, upstream: TestServer, redis_url: str,
+    paused_redis: aioredis.Redis, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Live settles and replays share one path: crossing a notice threshold by usage the
+    store took only after an outage is noticed too (the replay once skipped it)."""
+    users = f'  alice:\n    keys: ["{ALICE_KEY}"]\n    daily_tokens: 100\n'
+    text = budget_yaml(str(upstream.make_url("/v1")), redis_url, users,
+                       "alerts: {thresholds: [0.5]}").replace(
+        "  timeout_ms: 5000\n", "  timeout_ms: 200\n"
+    )
+    proxy = await aiohttp_server(create_app(parse_config(text)))
+    budget = proxy.app[st.BUDGET]
+    budget.health.trial_every_s = 3600
+    client = sdk(proxy, ALICE_KEY)
+    await paused_redis.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
+    served = 0
+    while served < 60:  # past half of the quota, all of it while the store cannot count
+        r = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+        assert r.usage is not None
+        served += r.usage.total_tokens
+    m = await scrape(proxy)
+    assert sample(m, "tokenmeter_budget_threshold_crossings_total", user="alice") == 0
+    await paused_redis.execute_command("CLIENT", "UNPAUSE")
+    assert await budget.probe() and await budget.replay() == 0
+    m = await scrape(proxy)
+    assert sample(m, "tokenmeter_budget_threshold_crossings_total", user="alice",
+                  threshold="0.5") == 1
+    notices = [r.getMessage() for r in caplog.records if r.name == "tokenmeter.alerts"]
+    assert any('"threshold":0.5' in n and f'"used":{served}' in n for n in notices), notices
+    await client.close()
