@@ -5,17 +5,32 @@ Helpers that are not fixtures live in tests/helpers.py: no test module imports a
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import redis
 from aiohttp.test_utils import TestServer
+from hypothesis import HealthCheck, settings
 
 from proxy.app import create_app
 from proxy.config import Config
 from proxy.mock_upstream import MockSettings, create_mock_app
 from tests.helpers import ServerFactory, Stack, StackFactory, config_for
 from tests.servers import RedisServer
+
+# Hypothesis profiles, chosen by HYPOTHESIS_PROFILE (default "ci"). Both check every invariant
+# after every example; they differ in how many examples and whether the run is reproducible.
+# The property tests run real servers, so neither has a per-example deadline.
+_PROPERTY_HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large]
+# ci: few enough examples for a 2-core CI box, derandomized so a failure reproduces anywhere.
+settings.register_profile("ci", max_examples=300, deadline=None, derandomize=True,
+                          suppress_health_check=_PROPERTY_HEALTH, print_blob=True)
+# thorough: on demand (HYPOTHESIS_PROFILE=thorough), ten times the examples and a fresh random
+# seed each run, so repeated runs explore new inputs.
+settings.register_profile("thorough", max_examples=3000, deadline=None, derandomize=False,
+                          suppress_health_check=_PROPERTY_HEALTH, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(autouse=True)

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import pytest
 from aiohttp import web
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy import state as pst
@@ -46,7 +46,6 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/em
 PROXY_CODES = {"invalid_request", "unknown_url", "method_not_allowed", "invalid_api_key",
                "request_too_large", "model_not_found", "daily_quota_exceeded",
                "rate_limit_exceeded", "concurrency_limit_exceeded"}
-EXAMPLES = 3000
 
 
 class ErrorRecords(logging.Handler):
@@ -304,8 +303,8 @@ def send(port: int, req: Request) -> tuple[int, str, bytes, bool]:
 # --- the property ----------------------------------------------------------------------------
 
 
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+# How many examples, the seed and the deadline come from the profile conftest.py loads
+# (HYPOTHESIS_PROFILE: "ci" by default, "thorough" on demand).
 @given(req=requests)
 def test_no_input_breaks_the_proxy_or_its_books(
     servers: tuple[Servers, ErrorRecords], req: Request
