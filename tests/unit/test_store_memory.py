@@ -1,0 +1,74 @@
+"""proxy.store.MemoryStore: reserve, settle, renew and reap, on a clock the test moves."""
+
+from __future__ import annotations
+
+from proxy.store import Entry, InFlightLimit, MemoryStore
+from tests.helpers import FakeClock
+
+SLOT = "tm:{alice}"
+DAY = f"{SLOT}:u:daily_tokens:20260101"
+
+
+def _entry(amount: int, limit: int | None = 100) -> Entry:
+    return Entry(DAY, limit, amount, 3600)
+
+
+async def test_reserve_refuses_past_the_limit_and_settle_replaces_the_estimate() -> None:
+    store = MemoryStore(clock=FakeClock(1000.0))
+    ok = await store.reserve(SLOT, "r1", [_entry(60)], [InFlightLimit("u", None)], 30)
+    assert ok.ok and ok.used == (60,)
+    refused = await store.reserve(SLOT, "r2", [_entry(60)], [InFlightLimit("u", None)], 30)
+    assert not refused.ok and refused.refused_entry == 0 and refused.used == (60,)
+    # The request used 25, not the 60 it reserved: the counter holds what was used.
+    assert await store.settle(SLOT, "r1", [_entry(25)]) == (25,)
+    # Settling twice (a replay) counts once.
+    assert await store.settle(SLOT, "r1", [_entry(25)]) == (25,)
+    assert await store.read([DAY]) == (25,)
+
+
+async def test_concurrency_limit_frees_on_settle() -> None:
+    store = MemoryStore(clock=FakeClock(0.0))
+    one = [InFlightLimit("u", 1)]
+    assert (await store.reserve(SLOT, "a", [], one, 30)).ok
+    second = await store.reserve(SLOT, "b", [], one, 30)
+    assert not second.ok and second.refused_in_flight == 0
+    await store.settle(SLOT, "a", [])
+    assert (await store.reserve(SLOT, "b", [], one, 30)).ok
+
+
+async def test_an_expired_lease_is_reaped_and_its_reservation_given_back() -> None:
+    clock = FakeClock(0.0)
+    store = MemoryStore(clock=clock)
+    one = [InFlightLimit("u", 1)]
+    assert (await store.reserve(SLOT, "dead", [_entry(80)], one, 30)).ok
+    clock.now = 29.0
+    assert not (await store.reserve(SLOT, "x", [_entry(10)], one, 30)).ok
+    clock.now = 31.0  # the holder died: its lease ran out
+    again = await store.reserve(SLOT, "x", [_entry(10)], one, 30)
+    assert again.ok and again.used == (10,)  # the 80 was given back
+
+
+async def test_renew_keeps_a_live_reservation() -> None:
+    clock = FakeClock(0.0)
+    store = MemoryStore(clock=clock)
+    one = [InFlightLimit("u", 1)]
+    assert (await store.reserve(SLOT, "live", [_entry(50)], one, 30)).ok
+    clock.now = 20.0
+    await store.renew(SLOT, ["live", "unknown"], 30)
+    clock.now = 45.0  # past the first lease, within the renewed one
+    assert not (await store.reserve(SLOT, "y", [], one, 30)).ok
+    assert await store.read([DAY]) == (50,)
+
+
+async def test_counters_expire_with_their_ttl_and_marks_fire_once() -> None:
+    clock = FakeClock(0.0)
+    store = MemoryStore(clock=clock)
+    await store.settle(SLOT, "r", [Entry(DAY, None, 5, 10)])
+    assert await store.read([DAY]) == (5,)
+    clock.now = 11.0
+    assert await store.read([DAY]) == (0,)
+    assert await store.mark_once("notice", 60)
+    assert not await store.mark_once("notice", 60)
+    clock.now = 72.0
+    assert await store.mark_once("notice", 60)
+    assert store.sizes()["reserved"] == 0
