@@ -60,7 +60,7 @@ def make_proxy(
 
 async def _stream_usage(client: openai.AsyncOpenAI, **kw: Any) -> int:
     stream = await client.chat.completions.create(
-        model="mock-gpt", messages=MESSAGES, stream=True,  # type: ignore[arg-type]
+        model="mock-gpt", messages=MESSAGES, stream=True,
         stream_options={"include_usage": True}, **kw,
     )
     usage = None
@@ -118,19 +118,19 @@ async def test_rate_limits_and_minute_reset(make_proxy: Factory) -> None:
     client = sdk(proxy, ALICE_KEY)
     for _ in range(2):
         resp = await client.chat.completions.with_raw_response.create(
-            model="mock-gpt", messages=MESSAGES  # type: ignore[arg-type]
+            model="mock-gpt", messages=MESSAGES
         )
     assert resp.headers["x-ratelimit-limit-requests"] == "2"
     assert resp.headers["x-ratelimit-remaining-requests"] == "0"
     assert resp.headers["x-ratelimit-reset-requests"] == "55s"
     with pytest.raises(openai.RateLimitError) as err:
-        await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+        await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
     assert err.value.code == "rate_limit_exceeded"
     assert err.value.response.headers["retry-after"] == "55"
     assert "x-should-retry" not in err.value.response.headers  # a short wait, SDKs may retry
     assert isinstance(err.value.body, dict) and err.value.body["type"] == "requests"
     clock.now += 60
-    await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
     m = await scrape(proxy)
     assert sample(m, "tokenmeter_budget_refusals_total", user="alice",
                   limit="requests_per_minute") == 1
@@ -147,15 +147,15 @@ async def test_daily_reset_at_midnight_in_configured_zone(make_proxy: Factory) -
         timezone="Europe/Berlin", clock=clock,
     )
     client = sdk(proxy, ALICE_KEY)
-    await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
     with pytest.raises(openai.RateLimitError) as err:
-        await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+        await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
     headers = err.value.response.headers
     assert headers["retry-after"] == "30"  # local midnight, not UTC midnight
     assert "2026-12-03T00:00:00+01:00" in err.value.message
     assert headers["x-ratelimit-reset-tokens-day"] == "30s"
     clock.now += 31  # 00:00:01 in Berlin: a new day
-    await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
     await client.close()
 
 
@@ -184,15 +184,15 @@ async def test_output_cap_is_set_or_clamped(make_proxy: Factory, upstream: TestS
     proxy = await make_proxy({"alice": {"keys": [ALICE_KEY], "max_output_tokens": 10}})
     client = sdk(proxy, ALICE_KEY)
     seen = upstream.app[MOCK_STATE].requests
-    r = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    r = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
     assert seen[-1].body is not None and seen[-1].body["max_completion_tokens"] == 10
     assert r.usage is not None and r.usage.completion_tokens == 10
     await client.chat.completions.create(
-        model="mock-gpt", messages=MESSAGES, max_tokens=500  # type: ignore[arg-type]
+        model="mock-gpt", messages=MESSAGES, max_tokens=500
     )
     assert seen[-1].body is not None and seen[-1].body["max_tokens"] == 10
     await client.chat.completions.create(
-        model="mock-gpt", messages=MESSAGES, max_tokens=3  # type: ignore[arg-type]
+        model="mock-gpt", messages=MESSAGES, max_tokens=3
     )
     assert seen[-1].body is not None and seen[-1].body["max_tokens"] == 3
     resp = await client.responses.create(model="mock-gpt", input="hi")
@@ -216,11 +216,11 @@ async def test_keys_hashes_env_and_per_key_limits(
     keys: ["${{TM_BOB_KEY}}"]
 """
     proxy = await make_proxy(users)
-    await sdk(proxy, ALICE_KEY).chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
-    await sdk(proxy, BOB_KEY).chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    await sdk(proxy, ALICE_KEY).chat.completions.create(model="mock-gpt", messages=MESSAGES)
+    await sdk(proxy, BOB_KEY).chat.completions.create(model="mock-gpt", messages=MESSAGES)
     with pytest.raises(openai.AuthenticationError) as err:
         await sdk(proxy, "sk-wrong-0123456789").chat.completions.create(
-            model="mock-gpt", messages=MESSAGES  # type: ignore[arg-type]
+            model="mock-gpt", messages=MESSAGES
         )
     assert err.value.code == "invalid_api_key"
     async with aiohttp.ClientSession() as s, s.post(
@@ -229,9 +229,9 @@ async def test_keys_hashes_env_and_per_key_limits(
         assert r.status == 401
         assert (await r.json())["error"]["code"] == "invalid_api_key"
     ci = sdk(proxy, CI_KEY)
-    await ci.chat.completions.create(model="mock-gpt", messages=MESSAGES, max_tokens=5)  # type: ignore[arg-type]
+    await ci.chat.completions.create(model="mock-gpt", messages=MESSAGES, max_tokens=5)
     with pytest.raises(openai.RateLimitError) as err:
-        await ci.chat.completions.create(model="mock-gpt", messages=MESSAGES, max_tokens=5)  # type: ignore[arg-type]
+        await ci.chat.completions.create(model="mock-gpt", messages=MESSAGES, max_tokens=5)
     assert "(key 'ci')" in err.value.message
     m = await scrape(proxy)
     assert sample(m, "tokenmeter_requests_total", user="alice", status="200") == 2
@@ -246,12 +246,12 @@ async def test_per_model_limits(make_proxy: Factory) -> None:
     }}
     proxy = await make_proxy(users)
     client = sdk(proxy, ALICE_KEY)
-    r = await client.chat.completions.create(model="mock-expensive-1", messages=MESSAGES)  # type: ignore[arg-type]
+    r = await client.chat.completions.create(model="mock-expensive-1", messages=MESSAGES)
     assert r.usage is not None and r.usage.completion_tokens == 8
     with pytest.raises(openai.RateLimitError) as err:
-        await client.chat.completions.create(model="mock-expensive-1", messages=MESSAGES)  # type: ignore[arg-type]
+        await client.chat.completions.create(model="mock-expensive-1", messages=MESSAGES)
     assert "models 'mock-expensive*'" in err.value.message
-    await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
 
 
 async def test_passthrough_meters_by_key_hash(
@@ -262,7 +262,7 @@ async def test_passthrough_meters_by_key_hash(
     config = make_config(str(upstream.make_url("/v1")), store="memory", extra={"mode": "passthrough"})
     proxy = await aiohttp_server(create_app(config))
     client = sdk(proxy, "sk-team-own-upstream-key")
-    await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
     seen = upstream.app[MOCK_STATE].requests[-1]
     assert seen.headers["authorization"] == "Bearer sk-team-own-upstream-key"
     label = "key-" + hashlib.sha256(b"sk-team-own-upstream-key").hexdigest()[:12]

@@ -123,7 +123,7 @@ async def test_every_choice_is_reserved_and_capped(
     async def ask(i: int) -> int | None:
         try:
             r = await clients[i % len(clients)].chat.completions.create(
-                model="gpt", messages=MESSAGES, n=8, max_tokens=100,  # type: ignore[arg-type]
+                model="gpt", messages=MESSAGES, n=8, max_tokens=100,
             )
         except openai.RateLimitError:
             return None
@@ -156,7 +156,7 @@ async def test_best_of_is_reserved_and_too_many_choices_refused(
     reserved = sample(m, "tokenmeter_budget_reserved_tokens_total", user="alice")
     assert reserved == 4 * 50 == r.usage.completion_tokens  # all four generations, not n=2
     with pytest.raises(openai.BadRequestError) as err:
-        await client.chat.completions.create(model="gpt", messages=MESSAGES, n=201)  # type: ignore[arg-type]
+        await client.chat.completions.create(model="gpt", messages=MESSAGES, n=201)
     assert err.value.status_code == 400
     assert err.value.param == "n"
     assert len(double.bodies) == 1  # the refused request never went upstream
@@ -172,23 +172,23 @@ async def test_cap_holds_on_an_upstream_that_ignores_max_completion_tokens(
             "    max_output_tokens: 32\n"
     proxy = await _proxy(aiohttp_server, url, store_url, users)
     client = sdk(proxy, ALICE_KEY)
-    r = await client.chat.completions.create(model="gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    r = await client.chat.completions.create(model="gpt", messages=MESSAGES)
     assert r.usage is not None and r.usage.completion_tokens == 32  # on main: 500
 
     r = await client.chat.completions.create(
-        model="gpt", messages=MESSAGES, max_completion_tokens=1000,  # type: ignore[arg-type]
+        model="gpt", messages=MESSAGES, max_completion_tokens=1000,
     )
     assert r.usage is not None and r.usage.completion_tokens == 32
 
     # Both sent, the upstream honours the larger: the reservation is the larger one too.
     r = await client.chat.completions.create(
-        model="gpt", messages=MESSAGES, max_completion_tokens=1, max_tokens=30,  # type: ignore[arg-type]
+        model="gpt", messages=MESSAGES, max_completion_tokens=1, max_tokens=30,
     )
     assert r.usage is not None and r.usage.completion_tokens == 30
 
     async def ask() -> int:
         try:
-            resp = await client.chat.completions.create(model="gpt", messages=MESSAGES)  # type: ignore[arg-type]
+            resp = await client.chat.completions.create(model="gpt", messages=MESSAGES)
         except openai.RateLimitError:
             return 0
         assert resp.usage is not None
@@ -219,7 +219,7 @@ async def test_bad_cap_values_get_a_400_naming_the_parameter(
     proxy = await _proxy(aiohttp_server, url, "memory", users)
     client = sdk(proxy, ALICE_KEY)
     with pytest.raises(openai.BadRequestError) as err:
-        await client.chat.completions.create(model="gpt", messages=MESSAGES, extra_body=params)  # type: ignore[arg-type]
+        await client.chat.completions.create(model="gpt", messages=MESSAGES, extra_body=params)
     assert err.value.status_code == 400
     assert err.value.param == param
     assert isinstance(err.value.body, dict) and param in str(err.value.body.get("message"))
@@ -235,8 +235,8 @@ async def test_preferred_cap_field_never_sends_both(aiohttp_server: ServerFactor
     config = make_config(url, store="memory", users=users, cap_fields="preferred")
     proxy = await aiohttp_server(create_app(config))
     client = sdk(proxy, ALICE_KEY)
-    await client.chat.completions.create(model="gpt", messages=MESSAGES)  # type: ignore[arg-type]
-    await client.chat.completions.create(model="gpt", messages=MESSAGES, max_tokens=500)  # type: ignore[arg-type]
+    await client.chat.completions.create(model="gpt", messages=MESSAGES)
+    await client.chat.completions.create(model="gpt", messages=MESSAGES, max_tokens=500)
     first, second = double.bodies
     assert first["max_completion_tokens"] == 40 and "max_tokens" not in first
     assert second["max_tokens"] == 40 and "max_completion_tokens" not in second
@@ -259,7 +259,7 @@ async def test_a_keys_quota_cannot_widen_its_users(
     total = 0
     for _ in range(40):
         try:
-            r = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+            r = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
         except openai.RateLimitError as exc:
             assert exc.code == "daily_quota_exceeded"
             assert "(key" not in exc.message  # the user's quota refused it, not the key's
@@ -358,7 +358,7 @@ async def test_a_client_that_hangs_up_mid_reserve_leaves_nothing_in_flight(
 
         await _until(released, "the abandoned reservation is released")
         client = sdk(proxy, ALICE_KEY)
-        ok = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+        ok = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
         assert ok.usage is not None  # on main: refused for the lease's 60 s
         await client.close()
     finally:
@@ -380,7 +380,7 @@ async def test_a_timed_out_reserve_under_fail_closed_is_released(
     try:
         await r.execute_command("CLIENT", "PAUSE", "1500", "WRITE")
         with pytest.raises(openai.InternalServerError) as err:
-            await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+            await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
         assert err.value.status_code == 503
         await r.execute_command("CLIENT", "UNPAUSE")
         # The paused script ran after the proxy gave up on it: its reservation is in Redis.
@@ -388,7 +388,7 @@ async def test_a_timed_out_reserve_under_fail_closed_is_released(
         assert await budget.probe()
         assert await budget.replay() == 0  # the release the proxy owed
         assert await r.zcard("tokenmeter:{alice}:inflight") == 0
-        ok = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+        ok = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
         assert ok.usage is not None  # on main: refused for the lease's 60 s
     finally:
         await r.execute_command("CLIENT", "UNPAUSE")
@@ -420,7 +420,7 @@ async def test_a_stalled_store_costs_one_timeout_not_two_per_request(
     await paused_redis.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
     usages = []
     for _ in range(20):
-        r = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+        r = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
         assert r.usage is not None
         usages.append(r.usage.total_tokens)
     m = await scrape(proxy)
@@ -477,7 +477,7 @@ async def test_usage_replayed_after_an_outage_sends_the_quota_notice(
     await paused_redis.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
     served = 0
     while served < 60:  # past half of the quota, all of it while the store cannot count
-        r = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+        r = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
         assert r.usage is not None
         served += r.usage.total_tokens
     m = await scrape(proxy)

@@ -84,7 +84,7 @@ async def test_sdk_streaming_chat_is_metered(stack: Stack) -> None:
 async def test_sdk_usage_matches_upstream_report_with_details(stack: Stack) -> None:
     client = stack.client()
     stream = await client.chat.completions.create(
-        model="mock-gpt", messages=MESSAGES, stream=True,  # type: ignore[arg-type]
+        model="mock-gpt", messages=MESSAGES, stream=True,
         stream_options={"include_usage": True},
         extra_headers={"x-mock-cached-tokens": "5", "x-mock-reasoning-tokens": "3"},
     )

@@ -36,7 +36,7 @@ CAROL_KEY = "sk-carol-0123456789"
 async def _works(server: TestServer, key: str) -> bool:
     client = sdk(server, key)
     try:
-        await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+        await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
         return True
     except openai.AuthenticationError:
         return False
@@ -189,7 +189,7 @@ async def test_store_prefix_change_waits_for_restart(
         client = sdk(proxy, ALICE_KEY)
         for _ in range(10):  # exhaust alice's day
             try:
-                await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+                await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
             except openai.RateLimitError as exc:
                 assert exc.code == "daily_quota_exceeded"
                 break
@@ -210,7 +210,7 @@ async def test_store_prefix_change_waits_for_restart(
         assert await _works(proxy, BOB_KEY)  # the rest of the new version is live
         assert proxy.app[st.RUNTIME_HOLDER].current.config.store.prefix == "tokenmeter"
         with pytest.raises(openai.RateLimitError) as err:  # and alice's day is not reset
-            await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+            await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
         assert err.value.code == "daily_quota_exceeded"
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert any("store.prefix" in w and "restart" in w for w in warnings), warnings

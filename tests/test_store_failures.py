@@ -58,9 +58,9 @@ async def test_fail_open_serves_through_an_outage_and_catches_up(
         create_app(parse_config(_config_text(upstream, own_redis.url, "fail_open")))
     )
     client = sdk(proxy, ALICE_KEY)
-    first = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    first = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
     own_redis.stop()
-    during = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    during = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
     assert during.choices[0].message.content  # served although the store is down
     m = await scrape(proxy)
     assert sample(m, "tokenmeter_store_errors_total", op="reserve") >= 1
@@ -81,7 +81,7 @@ async def test_fail_open_serves_through_an_outage_and_catches_up(
     assert await budget.replay() == 0
     assert first.usage is not None and during.usage is not None
     assert await _daily(proxy) == first.usage.total_tokens + during.usage.total_tokens
-    after = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    after = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
     assert after.usage is not None
     assert await _daily(proxy) == (
         first.usage.total_tokens + during.usage.total_tokens + after.usage.total_tokens
@@ -97,17 +97,17 @@ async def test_fail_closed_refuses_then_recovers(
         create_app(parse_config(_config_text(upstream, own_redis.url, "fail_closed")))
     )
     client = sdk(proxy, ALICE_KEY)
-    await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
     own_redis.stop()
     with pytest.raises(openai.InternalServerError) as err:
-        await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+        await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
     assert err.value.status_code == 503
     assert err.value.code == "service_unavailable"
     async with aiohttp.ClientSession() as s, s.get(proxy.make_url("/readyz")) as r:
         assert r.status == 503
     own_redis.start()
     assert await proxy.app[st.BUDGET].probe()  # what the background loop does every second
-    resp = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    resp = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
     assert resp.choices[0].message.content
     m = await scrape(proxy)
     assert sample(m, "tokenmeter_requests_total", status="503") == 1
@@ -153,12 +153,12 @@ async def test_killed_proxy_reservation_is_released(
         proxy = await aiohttp_server(create_app(config))
         client = sdk(proxy, ALICE_KEY)
         with pytest.raises(openai.RateLimitError) as err:  # the lease has not run out yet
-            await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+            await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
         assert err.value.code == "concurrency_limit_exceeded"
         sec, usec = await r.time()
         wait = (deadline_ms - (sec * 1000 + usec / 1000)) / 1000 + 0.05
         await asyncio.sleep(max(0.0, wait))  # until the lease deadline Redis holds, no guessing
-        ok = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+        ok = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
         assert ok.usage is not None
         # The dead reservation was released: only the new request's usage is counted.
         assert int(await r.get(key)) == ok.usage.total_tokens
@@ -178,15 +178,15 @@ async def test_after_a_redis_restart_no_stale_connection_fails_again(
     )
     client = sdk(proxy, ALICE_KEY)
     # Many requests at once: the store's pool opens many connections.
-    await asyncio.gather(*(client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    await asyncio.gather(*(client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
                            for _ in range(16)))
     own_redis.stop()
-    await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
     own_redis.start()
     budget = proxy.app[st.BUDGET]
     assert await budget.probe()
     before = sample(await scrape(proxy), "tokenmeter_store_errors_total")
-    await asyncio.gather(*(client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+    await asyncio.gather(*(client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
                            for _ in range(16)))
     # Each connection opened before the restart would have failed once more (and marked the
     # store down again) had the first failure not dropped them all.

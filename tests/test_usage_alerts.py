@@ -36,7 +36,7 @@ async def test_usage_command_reads_todays_counters(
     proxy = await aiohttp_server(create_app(load_config(path)))
     total = 0
     for _ in range(3):
-        r = await sdk(proxy, ALICE_KEY).chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+        r = await sdk(proxy, ALICE_KEY).chat.completions.create(model="mock-gpt", messages=MESSAGES)
         assert r.usage is not None
         total += r.usage.total_tokens
     assert await asyncio.to_thread(main, ["usage", "--config", str(path), "--json"]) == 0
@@ -69,7 +69,7 @@ async def test_thresholds_notify_once_each(
     proxy = await aiohttp_server(create_app(parse_config(text)))
     client = sdk(proxy, ALICE_KEY)
     for _ in range(3):  # 26 tokens each: 26, 52 (crosses 50%), 78
-        await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+        await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
     await asyncio.wait_for(arrived.wait(), 5)
     assert [(e["threshold"], e["user"], e["window"]) for e in received] == [
         (0.5, "alice", "daily_tokens")
@@ -87,7 +87,7 @@ async def test_cost_from_price_table(aiohttp_server: ServerFactory, upstream: Te
     text = budget_yaml(str(upstream.make_url("/v1")), "memory", users, extra)
     proxy = await aiohttp_server(create_app(parse_config(text)))
     r = await sdk(proxy, ALICE_KEY).chat.completions.create(
-        model="mock-gpt", messages=MESSAGES, extra_headers={"x-mock-cached-tokens": "4"},  # type: ignore[arg-type]
+        model="mock-gpt", messages=MESSAGES, extra_headers={"x-mock-cached-tokens": "4"},
     )
     assert r.usage is not None
     m = await scrape(proxy)
