@@ -132,24 +132,19 @@ async def _relay_stream(
         return resp
     errors = svc.metrics.metering_errors.labels("stream")
     tap = StreamTap(translator, ex.meter, on_error=errors.inc)
-    passthrough, observe = tap.passthrough, tap.observe
+    feed, look = tap.feed, tap.look
     perf = time.perf_counter
     try:
         async for chunk in up.content.iter_any():
             now = watch.last = perf()
-            # `writing`: a client that reads slowly makes write() wait, and the upstream is not
-            # read meanwhile; that wait is not the upstream's silence (see watchdog).
-            if passthrough(chunk):
+            out = feed(chunk, now)  # nearly always `chunk` itself, not parsed yet
+            if out:
+                # `writing`: a client that reads slowly makes write() wait, and the upstream is
+                # not read meanwhile; that wait is not the upstream's silence (see watchdog).
                 watch.writing = now
-                await resp.write(chunk)  # forward first, look second
+                await resp.write(out)
                 watch.writing = 0.0
-                observe(chunk, now)
-            else:
-                out = tap.filter(chunk, now)
-                if out:
-                    watch.writing = now
-                    await resp.write(out)
-                    watch.writing = 0.0
+            look()  # forward first, look second
         if watch.expired:  # the watchdog closed a silent upstream: that is not a clean end
             raise TimeoutError
         at_boundary = tap.client_at_boundary

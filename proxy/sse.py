@@ -1,129 +1,184 @@
-"""A sans-I/O Server-Sent Events decoder.
+"""A sans-I/O Server-Sent Events decoder: a line splitter, an event assembler, and one fast path.
 
-`feed(bytes)` returns the events completed by those bytes and keeps the partial line for the next
-call, so the relay can forward each upstream chunk the moment it arrives and parse on the side.
-It follows the WHATWG event-stream rules that matter here: lines end in LF, CRLF or CR (a CR at the
-end of one chunk may be the first half of a CRLF), `data:` lines are joined with LF, comment lines
-are ignored, and an event is dispatched on a blank line. Data is kept as bytes: JSON parsers take
-bytes, and most events are never decoded at all.
+`SSEDecoder.feed(bytes)` returns the events completed by those bytes and keeps the partial line
+for the next call, so the relay can forward each upstream chunk the moment it arrives and parse it
+on the side. As in httpx-sse, the work is split in two: `LineSplitter` cuts bytes into lines, and
+`EventAssembler` turns lines into events. They follow the WHATWG event-stream rules that matter
+here: lines end in LF, CRLF or CR (a CR at the end of one chunk may be the first half of a CRLF),
+`data:` lines are joined with LF, comment lines are ignored, and an event is dispatched on a blank
+line. Data is kept as bytes: JSON parsers take bytes, and most events are never decoded at all.
+
+Each event carries `end`, where in the chunk that completed it the event ended (just past its
+blank line): the stream tap slices the raw bytes it forwards by these offsets.
+
+`SSEDecoder.whole_event(chunk)` is the one fast path: what fast upstreams send is one whole
+`data:` event per chunk, LF-framed, and for such a chunk (with nothing pending) it returns the
+event's data without running the splitter and the assembler. It returns exactly what `feed`
+would (tests/test_sse.py checks that on random streams); for any other chunk it returns None and
+the caller uses `feed`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
+class Event(NamedTuple):
+    """One dispatched event. A NamedTuple, not a frozen dataclass: as immutable, and built in
+    a third of the time (0.2 us against 0.36 us), once per event on the relay's path."""
+
     data: bytes
     event: str | None = None
+    # Offset in the chunk whose bytes completed this event, just past its blank line (0 for an
+    # event dispatched by `flush`).
+    end: int = 0
 
 
-class SSEDecoder:
-    __slots__ = ("_data", "_ends", "_event", "_has_data", "_partial", "_pending_cr", "_shift")
+class LineSplitter:
+    """Bytes in, complete lines out (without their terminators), each with the offset in the
+    chunk just past its terminator. A CR ending a chunk ends its line at once; an LF opening the
+    next chunk is then the second half of that CRLF, and skipped."""
+
+    __slots__ = ("_partial", "_pending_cr")
 
     def __init__(self) -> None:
         self._partial = b""
         self._pending_cr = False
-        self._data: list[bytes] = []
-        self._has_data = False
-        self._event: str | None = None
-        self._ends: list[int] | None = None
-        self._shift = 0
 
     @property
     def has_pending(self) -> bool:
-        """Bytes of an unfinished event have been fed (and, in the relay, already forwarded)."""
-        return bool(self._partial or self._has_data or self._pending_cr or self._event)
+        return bool(self._partial) or self._pending_cr
 
-    def feed_with_ends(self, chunk: bytes) -> tuple[list[Event], list[int]]:
-        """Like `feed`, plus where in `chunk` each event ended (just past its blank line)."""
-        ends: list[int] = []
-        self._ends = ends
-        try:
-            return self.feed(chunk), ends
-        finally:
-            self._ends = None
-
-    def feed(self, chunk: bytes) -> list[Event]:
-        events: list[Event] = []
+    def split(self, chunk: bytes) -> list[tuple[bytes, int]]:
+        lines: list[tuple[bytes, int]] = []
         if not chunk:
-            return events
+            return lines
         skip = 0
         if self._pending_cr:
             self._pending_cr = False
             if chunk[:1] == b"\n":
-                chunk = chunk[1:]
                 skip = 1
-        # An offset in buf, minus _shift, is the offset in the caller's chunk.
-        self._shift = len(self._partial) - skip
-        buf = self._partial + chunk if self._partial else chunk
+        partial = self._partial
+        # An offset in buf minus `shift` is the offset in the caller's chunk.
+        shift = len(partial) - skip
+        buf = partial + chunk[skip:] if partial or skip else chunk
         start = 0
         end = len(buf)
-        line = self._line
-        # Fast path: the upstreams we front emit LF only; fall back to a scan when a CR appears.
-        if b"\r" not in buf:
-            while True:
-                nl = buf.find(b"\n", start)
-                if nl < 0:
-                    break
-                line(buf[start:nl], nl + 1, events)
+        if b"\r" not in buf:  # what the upstreams we front send: split on LF alone
+            parts = buf.split(b"\n")
+            self._partial = parts.pop()
+            pos = -shift
+            for text in parts:
+                pos += len(text) + 1
+                lines.append((text, pos))
+            return lines
+        while start < end:
+            cr = buf.find(b"\r", start)
+            nl = buf.find(b"\n", start)
+            if cr < 0 and nl < 0:
+                break
+            if cr < 0 or (0 <= nl < cr):
+                lines.append((buf[start:nl], nl + 1 - shift))
                 start = nl + 1
-        else:
-            while start < end:
-                cr = buf.find(b"\r", start)
-                nl = buf.find(b"\n", start)
-                if cr < 0 and nl < 0:
-                    break
-                if cr < 0 or (0 <= nl < cr):
-                    line(buf[start:nl], nl + 1, events)
-                    start = nl + 1
-                    continue
-                # A CR: a CRLF pair, or a lone CR (which may be half of a CRLF split across feeds).
-                text = buf[start:cr]
-                if cr + 1 < end:
-                    start = cr + 2 if buf[cr + 1 : cr + 2] == b"\n" else cr + 1
-                    line(text, start, events)
-                else:
-                    self._pending_cr = True
-                    line(text, end, events)
-                    start = end
+                continue
+            # A CR: a CRLF pair, or a lone CR (which may be half of a CRLF split across feeds).
+            text = buf[start:cr]
+            if cr + 1 < end:
+                start = cr + 2 if buf[cr + 1 : cr + 2] == b"\n" else cr + 1
+            else:
+                self._pending_cr = True
+                start = end
+            lines.append((text, start - shift))
         self._partial = buf[start:]
-        return events
+        return lines
 
-    def _line(self, line: bytes, end: int, events: list[Event]) -> None:
+    def flush(self) -> bytes:
+        """End of stream: the unterminated last line (b"" if none)."""
+        rest, self._partial = self._partial, b""
+        self._pending_cr = False
+        return rest
+
+
+class EventAssembler:
+    """Lines in, events out: `data:` lines are gathered until a blank line dispatches them."""
+
+    __slots__ = ("_data", "_event", "_has_data")
+
+    def __init__(self) -> None:
+        self._data: list[bytes] = []
+        self._has_data = False
+        self._event: str | None = None
+
+    @property
+    def has_pending(self) -> bool:
+        return self._has_data or self._event is not None
+
+    def line(self, line: bytes, end: int) -> Event | None:
+        """One line; returns the event it completes, if any (`end`: where that line ended)."""
         if not line:
+            event = None
             if self._has_data:
-                events.append(Event(b"\n".join(self._data), self._event))
-                if self._ends is not None:
-                    self._ends.append(end - self._shift)
-            self._data = []
-            self._has_data = False
+                event = Event(b"\n".join(self._data), self._event, end)
+                self._data = []
+                self._has_data = False
             self._event = None
-            return
+            return event
         if line[:5] == b"data:":
-            value = line[6:] if line[5:6] == b" " else line[5:]
-            self._data.append(value)
+            self._data.append(line[6:] if line[5:6] == b" " else line[5:])
             self._has_data = True
-            return
+            return None
         if line[:1] == b":":
-            return
-        field, sep, value = line.partition(b":")
+            return None
+        name, sep, value = line.partition(b":")
         if sep and value[:1] == b" ":
             value = value[1:]
-        if field == b"event":
+        if name == b"event":
             self._event = value.decode("utf-8", "replace")
-        elif field == b"data":  # "data" with no colon: an empty data line
+        elif name == b"data":  # "data" with no colon: an empty data line
             self._data.append(b"")
             self._has_data = True
         # id and retry carry nothing a meter needs.
+        return None
+
+
+class SSEDecoder:
+    __slots__ = ("_assembler", "_splitter")
+
+    def __init__(self) -> None:
+        self._splitter = LineSplitter()
+        self._assembler = EventAssembler()
+
+    @property
+    def has_pending(self) -> bool:
+        """Bytes of an unfinished event have been fed (and, in the relay, already forwarded)."""
+        return self._splitter.has_pending or self._assembler.has_pending
+
+    def whole_event(self, chunk: bytes) -> bytes | None:
+        """The fast path: if `chunk` is exactly one whole `data:` event (one line, LF-framed)
+        and nothing is pending, its data, as `feed` would return it, and the chunk is consumed;
+        else None, and nothing changed."""
+        if (
+            chunk[:6] == b"data: "
+            and chunk.find(b"\n") == len(chunk) - 2
+            and chunk[-1:] == b"\n"
+            and b"\r" not in chunk
+            and not (self._splitter.has_pending or self._assembler.has_pending)
+        ):
+            return chunk[6:-2]
+        return None
+
+    def feed(self, chunk: bytes) -> list[Event]:
+        line = self._assembler.line
+        events: list[Event] = []
+        for text, end in self._splitter.split(chunk):
+            if (event := line(text, end)) is not None:
+                events.append(event)
+        return events
 
     def flush(self) -> list[Event]:
         """End of stream: a final event not followed by a blank line is dispatched, as browsers
         do not, but an upstream cut mid-event still produced tokens we must count."""
-        events: list[Event] = []
-        if self._partial:
-            self._line(self._partial, 0, events)
-            self._partial = b""
-        self._line(b"", 0, events)
+        line = self._assembler.line
+        rest = self._splitter.flush()
+        events = [e for e in (line(rest, 0) if rest else None, line(b"", 0)) if e is not None]
         return events

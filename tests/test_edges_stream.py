@@ -35,6 +35,7 @@ from proxy.translators import (
     HOLD_BYTES,
     ChatTranslator,
     CompletionsTranslator,
+    EventFlag,
     ResponsesTranslator,
     Translator,
     parse_body,
@@ -477,14 +478,16 @@ def test_a_broken_meter_never_turns_a_stream_into_an_error() -> None:
     translator's half-knowledge (it saw no `[DONE]`) and append an error to a whole stream."""
 
     class Broken(ChatTranslator):
-        def on_event(self, data: bytes, name: str | None) -> int:
+        def on_event(self, data: bytes, name: str | None,
+                     marked: bool | None = None) -> EventFlag:
             raise RuntimeError("bug")
 
     body = json.dumps({"model": "m", "messages": [], "stream": True}).encode()
     tr = Broken(parse_body(body))
     tap = StreamTap(tr, RequestMeter())
-    tap.observe(b"data: " + _chat_event({"content": "x"}) + b"\n\n", 0.0)
-    tap.observe(b"data: [DONE]\n\n", 0.0)
+    for part in (b"data: " + _chat_event({"content": "x"}) + b"\n\n", b"data: [DONE]\n\n"):
+        tap.feed(part, 0.0)
+        tap.look()
     tap.close()
     assert tap.broken and not tr.complete
 

@@ -1,4 +1,12 @@
+"""The SSE decoder: every chunking of a stream yields the same events, and the fast path
+(`whole_event`) yields exactly what the general decoder (`feed`) does."""
+
 from __future__ import annotations
+
+import itertools
+
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from proxy.sse import Event, SSEDecoder
 
@@ -25,12 +33,13 @@ EXPECTED = [
 
 
 def decode(parts: list[bytes]) -> list[Event]:
+    """The events, without where they ended (which depends on the cuts)."""
     d = SSEDecoder()
     out: list[Event] = []
     for p in parts:
         out.extend(d.feed(p))
     out.extend(d.flush())
-    return out
+    return [Event(e.data, e.event) for e in out]
 
 
 def test_whole_stream() -> None:
@@ -59,14 +68,14 @@ def test_partial_line_is_kept_until_completed() -> None:
     assert d.feed(b'data: {"par') == []
     assert d.has_pending
     assert d.feed(b'tial":true}\n') == []
-    assert d.feed(b"\n") == [Event(b'{"partial":true}')]
+    assert d.feed(b"\n") == [Event(b'{"partial":true}', None, 1)]
     assert not d.has_pending
 
 
 def test_cut_stream_flushes_last_event() -> None:
     d = SSEDecoder()
     d.feed(b'data: {"n":1}\n\ndata: {"n":2}')
-    assert d.flush() == [Event(b'{"n":2}')]
+    assert d.flush() == [Event(b'{"n":2}', None, 0)]
 
 
 def test_event_ends_point_past_blank_line_at_every_split() -> None:
@@ -86,7 +95,90 @@ def _ends(parts: list[bytes]) -> list[int]:
     out: list[int] = []
     base = 0
     for p in parts:
-        _, ends = d.feed_with_ends(p)
-        out.extend(base + e for e in ends)
+        out.extend(base + e.end for e in d.feed(p))
         base += len(p)
     return out[: len(EXPECTED)]
+
+
+def test_fast_path_takes_one_whole_data_event_and_nothing_else() -> None:
+    d = SSEDecoder()
+    assert d.whole_event(b'data: {"a":1}\n\n') == b'{"a":1}'
+    assert d.whole_event(b"data: \n\n") == b""
+    for chunk in (b'data: {"a":1}\r\n\r\n', b"data: a\ndata: b\n\n", b"data: a\n\ndata: b\n\n",
+                  b"event: x\ndata: a\n\n", b"data: a\n", b"data:a\n\n", b": c\n\n"):
+        assert d.whole_event(chunk) is None, chunk
+    d.feed(b"data: half")  # with bytes pending, a whole-looking chunk is not a whole event
+    assert d.whole_event(b"data: x\n\n") is None
+
+
+# --- the fast path against the general decoder, on random streams ---------------------------
+
+_TEXT = st.text(alphabet='ab :{}"\u00e9x1', max_size=12).map(lambda t: t.encode())
+_FIELD = st.one_of(
+    _TEXT.map(lambda v: b"data: " + v),
+    _TEXT.map(lambda v: b"data:" + v),
+    st.just(b"data"),
+    _TEXT.map(lambda v: b": " + v),  # a comment
+    st.sampled_from([b"event: response.output_text.delta", b"event:done", b"id: 7",
+                     b"retry: 100"]),
+)
+# Whole single-line data events, what the fast path is for, drawn often.
+_EVENT_LINES = st.one_of(
+    _TEXT.map(lambda v: [b"data: " + v]),
+    st.lists(_FIELD, min_size=1, max_size=4),
+    # Other lines, then a last one that, cut from them, looks like a whole event.
+    st.tuples(st.lists(_FIELD, min_size=1, max_size=3), _TEXT).map(
+        lambda t: [*t[0], b"data: " + t[1]]),
+)
+
+
+@st.composite
+def _streams(draw: st.DrawFn) -> tuple[bytes, list[int]]:
+    """A stream of events (LF or CRLF endings, or a mix with lone CRs; sometimes a last event cut
+    before its blank line) and cut offsets: between lines (between events the fast path applies;
+    inside one, a whole-looking rest follows a pending start) and anywhere."""
+    ending = draw(st.sampled_from([b"\n", b"\r\n", None]))
+    stream = b""
+    boundaries = [0]  # between lines: a cut there leaves a whole-looking rest after a pending start
+    for lines in draw(st.lists(_EVENT_LINES, max_size=8)):
+        for line in [*lines, b""]:
+            stream += line + (ending or draw(st.sampled_from([b"\n", b"\r\n", b"\r"])))
+            boundaries.append(len(stream))
+    if draw(st.booleans()):
+        stream += b"data: cut"
+    cuts = draw(st.lists(st.sampled_from(boundaries), max_size=12))
+    cuts += draw(st.lists(st.integers(0, len(stream)), max_size=4))
+    return stream, sorted(set(cuts))
+
+
+def _pieces(stream: bytes, cuts: list[int]) -> list[bytes]:
+    edges = [0, *cuts, len(stream)]
+    return [stream[a:b] for a, b in itertools.pairwise(edges) if b > a]
+
+
+@given(_streams())
+# Near misses of the fast path: a rest after a pending event name or data line, a CRLF line,
+# an event with the next line's first byte.
+@example((b"event: e\ndata: x\n\n", [9]))
+@example((b"data: a\ndata: x\n\n", [8]))
+@example((b"data: x\r\n\n", []))
+@example((b"data: x\nid: 7\n\n", [9]))
+def test_fast_path_yields_what_the_general_decoder_yields(case: tuple[bytes, list[int]]) -> None:
+    stream, cuts = case
+    general, fast = SSEDecoder(), SSEDecoder()
+    by_feed: list[tuple[bytes, str | None, int]] = []
+    by_fast: list[tuple[bytes, str | None, int]] = []
+    for piece in _pieces(stream, cuts):
+        by_feed.extend(general.feed(piece))
+        data = fast.whole_event(piece)
+        if data is not None:
+            by_fast.append((data, None, len(piece)))
+        else:
+            by_fast.extend(fast.feed(piece))
+        assert fast.has_pending == general.has_pending
+    by_feed.extend(general.flush())
+    by_fast.extend(fast.flush())
+    # The same events, data, names and where each ended in its chunk.
+    assert by_fast == by_feed
+    # And the same events as the stream fed whole: the cuts change nothing but the offsets.
+    assert [e[:2] for e in by_feed] == [e[:2] for e in decode([stream])]

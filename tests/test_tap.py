@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from proxy.meter import RequestMeter
 from proxy.tap import StreamTap
-from proxy.translators import ChatTranslator, parse_body
+from proxy.translators import ChatTranslator, EventFlag, parse_body
 
 
 def _chunk(delta: dict[str, object], finish: str | None = None) -> bytes:
@@ -37,15 +40,21 @@ def _run(parts: list[bytes], client_asked: bool = False) -> tuple[bytes, ChatTra
     tr = ChatTranslator(parse_body(json.dumps(body).encode()))
     meter = RequestMeter()
     tap = StreamTap(tr, meter)
+    return _drive(tap, parts), tr, meter.chunks
+
+
+def _drive(tap: StreamTap, parts: list[bytes]) -> bytes:
+    """The relay's loop: write what `feed` returns, then `look`; `close` at the end."""
     out = b""
     for i, part in enumerate(parts):
-        if tap.passthrough(part):
-            out += part
-            tap.observe(part, float(i))
-        else:
-            out += tap.filter(part, float(i))
-    out += tap.close()
-    return out, tr, meter.chunks
+        out += tap.feed(part, float(i))
+        tap.look()
+    return out + tap.close()
+
+
+def _cut(stream: bytes, cuts: list[int]) -> list[bytes]:
+    edges = [0, *sorted(set(cuts)), len(stream)]
+    return [stream[a:b] for a, b in itertools.pairwise(edges) if b > a]
 
 
 def test_event_per_chunk_strips_usage_and_meters() -> None:
@@ -61,6 +70,9 @@ def test_client_asked_for_usage_gets_it() -> None:
     out, _, _ = _run([STREAM])
     out_asked, _, _ = _run([STREAM], client_asked=True)
     assert out == STRIPPED and out_asked == STREAM
+    # Event per chunk: the fast path, with no sniff done in `feed` when nothing is stripped.
+    out_asked, tr, _ = _run([e + b"\n\n" for e in STREAM.split(b"\n\n") if e], True)
+    assert out_asked == STREAM and tr.usage().source == "reported"
 
 
 def test_every_split_offset_never_corrupts_and_always_meters() -> None:
@@ -89,24 +101,80 @@ def test_a_metering_bug_never_costs_the_client_its_stream(
     class Broken(ChatTranslator):
         calls = 0
 
-        def on_event(self, data: bytes, name: str | None) -> int:
+        def on_event(self, data: bytes, name: str | None,
+                     marked: bool | None = None) -> EventFlag:
             Broken.calls += 1
             if Broken.calls == 3:
                 raise RuntimeError("bug")
-            return super().on_event(data, name)
+            return super().on_event(data, name, marked)
 
     body = json.dumps({"model": "m", "messages": [], "stream": True}).encode()
     errors: list[int] = []
     tap = StreamTap(Broken(parse_body(body)), RequestMeter(), on_error=lambda: errors.append(1))
-    out = b""
-    for part in [e + b"\n\n" for e in STREAM.split(b"\n\n") if e]:
-        if tap.passthrough(part):
-            out += part
-            tap.observe(part, 0.0)
-        else:
-            out += tap.filter(part, 0.0)
-    out += tap.close()
+    out = _drive(tap, [e + b"\n\n" for e in STREAM.split(b"\n\n") if e])
     # Every byte still reaches the client (the usage chunk too: stripping stops with metering).
     assert out == STREAM
     assert errors == [1]
     assert "metering failed mid-stream" in caplog.text
+
+
+def test_forward_first_look_second() -> None:
+    """`feed` hands back the chunk itself, unparsed; the meter learns of it only in `look`,
+    which the relay calls after the write. A chunk whose write failed (no `look`) stays
+    unmetered."""
+    body = json.dumps({"model": "m", "messages": [], "stream": True}).encode()
+    tr = ChatTranslator(parse_body(body))
+    meter = RequestMeter()
+    tap = StreamTap(tr, meter)
+    head, first, second = _chunk({"role": "assistant", "content": ""}), _chunk({"content": "a"}), \
+        _chunk({"content": "b"})
+    for part in (head, first):
+        assert tap.feed(part, 1.0) is part
+        tap.look()
+    assert meter.chunks == 1 and tr.seen_content
+    assert tap.feed(second, 2.0) is second
+    assert meter.chunks == 1  # not parsed before the write
+    tap.close()  # the write failed: no look
+    assert meter.chunks == 1 and tr.usage().output_tokens == 1
+
+
+# Servers that report usage in every chunk (vLLM's continuous_usage_stats) put a usage object
+# in content events, before any choice finished: the tap then does not strip, and its sniff must
+# not hide from the translator a usage object cut between two chunks.
+CONTINUOUS = b"".join(
+    b"data: " + json.dumps({
+        "id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+        "choices": [{"index": 0, "delta": {"content": w}, "finish_reason": None}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": i + 1, "total_tokens": 6 + i},
+    }, separators=(",", ":")).encode() + b"\n\n"
+    for i, w in enumerate(["a", "b", "c"])
+) + _chunk({}, "stop") + USAGE_EVENT + b"data: [DONE]\n\n"
+
+
+@given(st.lists(st.integers(0, len(STREAM)), max_size=12), st.booleans())
+def test_any_cuts_strip_and_meter_as_event_per_chunk(cuts: list[int], asked: bool) -> None:
+    out, tr, chunks = _run(_cut(STREAM, cuts), client_asked=asked)
+    assert out == STREAM if asked else out in (STREAM, STRIPPED)
+    assert chunks == 3
+    u = tr.usage()
+    assert (u.input_tokens, u.output_tokens, u.source) == (11, 3, "reported")
+
+
+@given(st.lists(st.integers(0, len(CONTINUOUS)), max_size=12))
+def test_usage_in_content_events_is_seen_at_any_cuts(cuts: list[int]) -> None:
+    body = json.dumps({"model": "m", "messages": [], "stream": True}).encode()
+    tr = ChatTranslator(parse_body(body))
+    # Every usage seen, in order: the last content event's count is 3, the final event's 3.
+    reported: list[int] = []
+    original = tr.on_event
+
+    def spy(data: bytes, name: str | None, marked: bool | None = None) -> EventFlag:
+        flags = original(data, name, marked)
+        reported.append(tr.usage().output_tokens if tr.usage().source == "reported" else 0)
+        return flags
+
+    tr.on_event = spy  # type: ignore[method-assign]
+    tap = StreamTap(tr, RequestMeter())
+    out = _drive(tap, _cut(CONTINUOUS, cuts))
+    assert out.endswith(b"data: [DONE]\n\n")
+    assert reported[:3] == [1, 2, 3]
