@@ -96,8 +96,8 @@ class _Recording(ChatTranslator):
         self.peak = self.events = 0
         _Recording.made.append(self)
 
-    def on_event(self, data: bytes, name: str | None) -> int:
-        flags = super().on_event(data, name)
+    def on_event(self, data: bytes, name: str | None, marked: bool | None = None) -> EventFlag:
+        flags = super().on_event(data, name, marked)
         self.events += 1
         if self.events % 16 == 0:  # measuring is O(held): often enough to see any growth
             self.peak = max(self.peak, self.retained_bytes())
