@@ -6,6 +6,8 @@ lists, and handed to the route's fallbacks (other models, routed by their own en
 retries are spent. Once a stream has started nothing is retried; the relay reports the failure
 in the stream instead. A 5xx whose body blames the request (some servers answer a validation
 error with a 500) is neither retried nor handed on: it would fail the same way every time.
+What an answer means is `proxy.upstream_errors.classify`'s to say; what an aiohttp exception
+means, `proxy.exceptions_map`'s.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import email.utils
-import json
 import math
 import random
 import time
@@ -23,8 +24,10 @@ from dataclasses import dataclass
 import aiohttp
 from multidict import CIMultiDict
 
+from proxy import upstream_errors
 from proxy.config import LatencyFallback, RetryConfig
-from proxy.errors import ProxyError, UpstreamTimeout, UpstreamUnavailable
+from proxy.errors import ConnectTimeout, ErrorClass, ProxyError, UpstreamUnreachable
+from proxy.exceptions_map import Phase, map_upstream_exceptions
 from proxy.upstream import Route, Router, Upstream
 
 
@@ -66,66 +69,48 @@ def backoff_s(retry: RetryConfig, n: int, rng: random.Random) -> float:
     return base * (0.5 + rng.random() / 2)
 
 
+async def answer_class(response: aiohttp.ClientResponse) -> ErrorClass:
+    """The class of an upstream's answer, for retries and fallbacks. A 5xx's body is read (some
+    servers answer a bad request with a 500; aiohttp keeps the body for the relay), within a
+    second: a body that does not come by then blames nothing. Other bodies are not read here:
+    a 4xx is final whatever it says, so telling `context_length` from `bad_request` is left to
+    the relay, which reads it anyway."""
+    body: bytes | None = None
+    if response.status >= 500:
+        try:
+            async with asyncio.timeout(1.0):
+                body = await response.read()
+        except (TimeoutError, aiohttp.ClientError):
+            body = None
+    return upstream_errors.classify(response.status, body)
+
+
+# Compatibility for the relay until it calls `answer_class` and `proxy.upstream_errors` itself;
+# each keeps its old behaviour, but for `status_class` (see there).
+
+
 def fallback_worthy(status: int) -> bool:
-    """An answer another model may do better with: overloaded, rate limited or broken. A 4xx
-    about the request itself would fail the same way anywhere, so it goes to the client."""
+    """Old form of `upstream_errors.fallback_worthy(classify(status))` (the same for every
+    status; the body is judged by `blames_request`)."""
     return status in (408, 429) or status >= 500
 
 
-# OpenAI's error type for a bad request, and vLLM's.
-_REQUEST_ERROR_TYPES = frozenset({"invalid_request_error", "BadRequestError"})
-# Codes OpenAI gives errors about the request's parameters.
-_REQUEST_ERROR_CODES = frozenset({
-    "context_length_exceeded", "invalid_value", "invalid_type", "missing_required_parameter",
-    "unsupported_parameter", "unsupported_value", "integer_below_min_value",
-    "integer_above_max_value", "string_above_max_length", "invalid_request_error",
-})
-
-
 def request_fault(body: bytes) -> str | None:
-    """`context_length` or `bad_request` when `body` is an error in OpenAI's shape (or vLLM's
-    flat one) that blames the request: its type is `invalid_request_error`, its code names a bad
-    parameter, or its message the context length. None for anything else."""
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict):
-        return None
-    err = obj.get("error")
-    if not isinstance(err, dict):
-        if obj.get("object") != "error":
-            return None
-        err = obj
-    code = err.get("code") if isinstance(err.get("code"), str) else ""
-    message = err.get("message")
-    message = message.lower() if isinstance(message, str) else ""
-    if code == "context_length_exceeded" or "context length" in message:
-        return "context_length"
-    if err.get("type") in _REQUEST_ERROR_TYPES or code in _REQUEST_ERROR_CODES:
-        return "bad_request"
-    return None
+    """Old name of `upstream_errors.request_fault`."""
+    return upstream_errors.request_fault(body)
 
 
 async def blames_request(response: aiohttp.ClientResponse) -> bool:
-    """A 5xx whose body blames the request. The body is read (aiohttp keeps it for the relay);
-    one that does not come within a second blames nothing."""
+    """Old form of `upstream_errors.blames_request(status, await answer_class(response))`."""
     if response.status < 500:
         return False
-    try:
-        async with asyncio.timeout(1.0):
-            body = await response.read()
-    except (TimeoutError, aiohttp.ClientError):
-        return False
-    return request_fault(body) is not None
+    return upstream_errors.blames_request(response.status, await answer_class(response))
 
 
-def status_class(status: int) -> str:
-    if status == 429:
-        return "rate_limit"
-    if status >= 500:
-        return "upstream_5xx"
-    return f"status_{status}"
+def status_class(status: int) -> ErrorClass:
+    """The fallback reason of an HTTP answer whose body was judged already; `answer_class`
+    replaces it. It used to be `status_408` for a 408: that is `upstream_timeout` now."""
+    return upstream_errors.classify(status)
 
 
 class LatencyTracker:
@@ -180,7 +165,7 @@ def candidates(
     return out
 
 
-RetryHook = Callable[[Upstream, str], None]
+RetryHook = Callable[[Upstream, ErrorClass], None]  # the failure's class: the retry's reason
 
 
 def _nothing() -> None:
@@ -200,7 +185,8 @@ async def call_upstream(
 ) -> aiohttp.ClientResponse:
     """POST to `upstream` until it answers with something not worth retrying, the attempts are
     spent, or the next wait would end past the retry deadline. Returns the last response (any
-    status); raises UpstreamTimeout / UpstreamUnavailable when no response came at all.
+    status); raises UpstreamTimeout / UpstreamUnavailable kinds (ConnectTimeout,
+    FirstByteTimeout, UpstreamUnreachable) when no response came at all.
     `on_attempt` runs as each request goes out, `on_retry` once its failure is given up on."""
     retry = upstream.retry
     loop = asyncio.get_running_loop()
@@ -213,39 +199,30 @@ async def call_upstream(
         failure: ProxyError
         on_attempt()
         try:
-            async with asyncio.timeout(upstream.first_byte_timeout_s):
-                response = await session.post(url, data=body, headers=headers, timeout=timeout)
-        except aiohttp.ConnectionTimeoutError:  # a TimeoutError too: first
-            failure = UpstreamTimeout(
-                f"Connecting to upstream `{upstream.name}` timed out "
-                f"({upstream.connect_timeout_s:g} s, connect_timeout_s).",
-                code="connect_timeout",
-            )
-        except TimeoutError:
-            # The request may be running upstream: a second copy would double its cost.
-            raise UpstreamTimeout(
-                f"Upstream `{upstream.name}` sent no response within "
-                f"{upstream.first_byte_timeout_s:g} s (first_byte_timeout_s).",
-                code="first_byte_timeout",
-            ) from None
-        except aiohttp.ClientError as exc:
-            failure = UpstreamUnavailable(
-                f"Upstream `{upstream.name}` is unreachable ({type(exc).__name__})."
-            )
+            # A first-byte timeout is raised as it is, never retried: the request may be
+            # running upstream, and a second copy would double its cost.
+            with map_upstream_exceptions(upstream, Phase.CONNECT):
+                async with asyncio.timeout(upstream.first_byte_timeout_s):
+                    response = await session.post(url, data=body, headers=headers,
+                                                  timeout=timeout)
+        except (ConnectTimeout, UpstreamUnreachable) as exc:
+            failure = exc  # no response came: worth another try
         else:
             if (
                 response.status not in retry.on_status
                 or attempt >= retry.max_attempts
                 or response.headers.get("x-should-retry", "").lower() == "false"
-                or await blames_request(response)
             ):
+                return response
+            cls = await answer_class(response)
+            if upstream_errors.blames_request(response.status, cls):
                 return response
             wait = retry_after_s(response.headers)
             if wait is None:
                 wait = backoff_s(retry, attempt, rng)
             if loop.time() + wait > deadline:
                 return response  # the client (or a fallback) gets the answer now, not later
-            on_retry(upstream, status_class(response.status))
+            on_retry(upstream, cls)
             await _discard(response)
             await asyncio.sleep(wait)
             continue

@@ -1,17 +1,74 @@
-"""One exception hierarchy for everything the proxy itself refuses or fails at.
+"""One exception hierarchy for everything the proxy itself refuses or fails at, and the one
+closed set of error classes every request is counted under.
 
 Each error knows its HTTP status and OpenAI error `type`/`code`; `to_response` is the only place
 that turns one into bytes, so every error the proxy originates has OpenAI's shape:
 `{"error": {"message", "type", "param", "code"}}`. Upstream errors never pass through here: their
-bodies are forwarded unchanged.
+bodies are forwarded unchanged, and `proxy.upstream_errors.classify` names their class.
+
+A `code` is an OpenAI wire field and stays what clients have always seen; `error_class` is the
+metrics label. For the proxy's own errors the class is the code's value (or the type's, for an
+error without a code), so the wire code and the label can never drift apart.
+
+This module imports no aiohttp at import time, so the sans-I/O classifier can use `ErrorClass`.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-from aiohttp import web
+if TYPE_CHECKING:
+    from aiohttp import web
+
+
+class ErrorClass(enum.StrEnum):
+    """`tokenmeter_requests_total{error_class}`, the access log's `error_class`, and the
+    `reason` of retries and fallbacks (with "slow"). A StrEnum: a member is equal to, hashes
+    as, and formats as its value, so comparisons with the old strings and Prometheus labels
+    are unchanged. Dashboards and alert rules may only match these values
+    (tests/test_error_classes.py checks)."""
+
+    NONE = "none"
+    # The client's side.
+    CLIENT_DISCONNECT = "client_disconnect"  # it went away (499)
+    CLIENT_TIMEOUT = "client_timeout"  # it stopped reading; the proxy cut it
+    BODY_TIMEOUT = "body_timeout"  # its body did not arrive in server.body_timeout_s (408)
+    # The proxy's refusals of a request (wire codes).
+    INVALID_REQUEST = "invalid_request"
+    INVALID_TYPE = "invalid_type"
+    INVALID_VALUE = "invalid_value"
+    INTEGER_BELOW_MIN_VALUE = "integer_below_min_value"
+    UNKNOWN_URL = "unknown_url"
+    MODEL_NOT_FOUND = "model_not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    INVALID_API_KEY = "invalid_api_key"
+    INVALID_TOKEN = "invalid_token"  # /metrics without its bearer token
+    REQUEST_TOO_LARGE = "request_too_large"
+    REQUEST_TIMEOUT = "request_timeout"  # headers or body too slow (the listener's 408)
+    TOO_MANY_CONNECTIONS = "too_many_connections"
+    BUDGET_EXCEEDED = "budget_exceeded"  # any quota/rate/concurrency limit (429)
+    # The proxy's own failures.
+    SERVICE_UNAVAILABLE = "service_unavailable"  # e.g. budget store down, failing closed
+    INTERNAL = "internal"  # a bug
+    SERVER_ERROR = "server_error"  # a bare ProxyError: its type, for want of a code
+    # The upstream's answers (proxy.upstream_errors.classify).
+    AUTH = "auth"
+    RATE_LIMIT = "rate_limit"
+    BAD_REQUEST = "bad_request"
+    CONTEXT_LENGTH = "context_length"
+    UPSTREAM_5XX = "upstream_5xx"
+    # The upstream's failures to answer (UpstreamTimeout / UpstreamUnavailable kinds).
+    UPSTREAM_TIMEOUT = "upstream_timeout"  # it answered 408, or a timeout of no finer kind
+    CONNECT_TIMEOUT = "connect_timeout"
+    FIRST_BYTE_TIMEOUT = "first_byte_timeout"
+    IDLE_TIMEOUT = "idle_timeout"
+    TOTAL_TIMEOUT = "total_timeout"
+    UPSTREAM_UNREACHABLE = "upstream_unreachable"
+    UPSTREAM_RESET = "upstream_reset"
+    UPSTREAM_INCOMPLETE = "upstream_incomplete"
 
 
 class ProxyError(Exception):
@@ -35,9 +92,16 @@ class ProxyError(Exception):
         self.headers: dict[str, str] = dict(headers or {})
 
     @property
-    def error_class(self) -> str:
-        """Bounded label for `tokenmeter_requests_total{error_class}`."""
-        return self.code or self.type
+    def error_class(self) -> ErrorClass:
+        """Bounded label for `tokenmeter_requests_total{error_class}`: the wire code's member.
+        A code outside the set is a bug; it is counted as `internal` rather than raising in
+        the middle of answering an error (tests/test_error_classes.py covers every raiser's
+        code)."""
+        value = self.code or self.type
+        try:
+            return ErrorClass(value)
+        except ValueError:
+            return ErrorClass.INTERNAL
 
     def to_body(self) -> dict[str, dict[str, str | None]]:
         return {
@@ -50,6 +114,8 @@ class ProxyError(Exception):
         }
 
     def to_response(self) -> web.Response:
+        from aiohttp import web
+
         return web.Response(
             status=self.status,
             body=json.dumps(self.to_body()).encode(),
@@ -102,17 +168,65 @@ class RequestTooLarge(ProxyError):
 
 
 class UpstreamUnavailable(ProxyError):
-    """The upstream could not be reached or broke before sending a response."""
+    """The upstream could not be reached, or broke before completing its response. Raise one
+    of the kinds below; `UpstreamUnavailable(msg, code=...)` still works (same wire error and
+    class) while callers move over."""
 
     status = 502
     type = "upstream_error"
     code = "upstream_unreachable"
 
 
+class UpstreamUnreachable(UpstreamUnavailable):
+    """No response: connection refused or dropped before any header, or a JSON answer broke
+    while being read (that last one keeps this code for wire compatibility)."""
+
+    code = "upstream_unreachable"
+
+
+class UpstreamReset(UpstreamUnavailable):
+    """The connection broke mid-stream, after bytes reached the client."""
+
+    code = "upstream_reset"
+
+
+class UpstreamIncomplete(UpstreamUnavailable):
+    """The stream ended cleanly but without its final event."""
+
+    code = "upstream_incomplete"
+
+
 class UpstreamTimeout(ProxyError):
+    """The upstream was too slow. Raise one of the kinds below; `UpstreamTimeout(msg,
+    code="idle_timeout")` still works (same wire error and class) while callers move over."""
+
     status = 504
     type = "upstream_error"
     code = "upstream_timeout"
+
+
+class ConnectTimeout(UpstreamTimeout):
+    """No connection within connect_timeout_s (safe to retry: the request was never sent)."""
+
+    code = "connect_timeout"
+
+
+class FirstByteTimeout(UpstreamTimeout):
+    """No response headers within first_byte_timeout_s (never retried: it may be running)."""
+
+    code = "first_byte_timeout"
+
+
+class IdleTimeout(UpstreamTimeout):
+    """The upstream sent nothing for idle_timeout_s once its response had begun."""
+
+    code = "idle_timeout"
+
+
+class TotalTimeout(UpstreamTimeout):
+    """A JSON answer not complete within total_timeout_s."""
+
+    code = "total_timeout"
 
 
 class ServiceUnavailable(ProxyError):
@@ -133,5 +247,5 @@ class BudgetExceeded(ProxyError):
         self.limit = limit
 
     @property
-    def error_class(self) -> str:
-        return "budget_exceeded"
+    def error_class(self) -> ErrorClass:
+        return ErrorClass.BUDGET_EXCEEDED

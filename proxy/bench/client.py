@@ -9,6 +9,7 @@ stream) becomes a `RequestResult` with a class; nothing here raises on the endpo
 
 from __future__ import annotations
 
+import enum
 import itertools
 import json
 import time
@@ -20,21 +21,38 @@ import aiohttp
 
 from proxy.bench.stats import RequestResult
 from proxy.bench.workload import Prompt
+from proxy.errors import ErrorClass
 from proxy.sse import SSEDecoder
 from proxy.tokenizer import count_text
+from proxy.upstream_errors import classify, error_message
 
-ERROR_CLASSES = (
-    "rate_limit",  # 429
-    "auth",  # 401, 403
-    "context_length",  # 400 with code context_length_exceeded
-    "bad_request",  # any other 4xx
-    "server_error",  # 5xx
-    "timeout",  # no complete answer within --timeout
-    "connection",  # could not connect, or the server closed before answering
-    "stream_reset",  # the connection broke after the response started
-    "stream_error",  # an error event inside a 200 stream
-    "incomplete",  # the stream ended without a finish, or the body was not what was expected
-)
+
+class BenchError(enum.StrEnum):
+    """What went wrong with one request, as the client saw it. These names are the bench's
+    output (JSON, CSV, report) and predate the proxy's `ErrorClass`; an HTTP error's class
+    comes from the proxy's own classifier (`proxy.upstream_errors.classify`) through
+    `_FROM_ANSWER`, so both read an answer the same way."""
+
+    RATE_LIMIT = "rate_limit"  # 429
+    AUTH = "auth"  # 401, 403
+    CONTEXT_LENGTH = "context_length"  # the error names the context length (any status)
+    BAD_REQUEST = "bad_request"  # any other 4xx, or a 5xx whose body blames the request
+    SERVER_ERROR = "server_error"  # 5xx, 408, or a non-200 success
+    TIMEOUT = "timeout"  # no complete answer within --timeout
+    CONNECTION = "connection"  # could not connect, or the server closed before answering
+    STREAM_RESET = "stream_reset"  # the connection broke after the response started
+    STREAM_ERROR = "stream_error"  # an error event inside a 200 stream
+    INCOMPLETE = "incomplete"  # the stream ended without a finish, or the body was not JSON
+
+
+ERROR_CLASSES = tuple(BenchError)
+
+_FROM_ANSWER: Mapping[ErrorClass, BenchError] = {
+    ErrorClass.RATE_LIMIT: BenchError.RATE_LIMIT,
+    ErrorClass.AUTH: BenchError.AUTH,
+    ErrorClass.CONTEXT_LENGTH: BenchError.CONTEXT_LENGTH,
+    ErrorClass.BAD_REQUEST: BenchError.BAD_REQUEST,
+}
 
 
 @dataclass(frozen=True)
@@ -78,28 +96,10 @@ class RequestSpec:
         return json.dumps(body, separators=(",", ":")).encode()
 
 
-def classify_status(status: int, body: bytes) -> tuple[str, str]:
-    """The class of an HTTP error and a short message from its OpenAI-shaped body."""
-    message, code = body[:200].decode("utf-8", "replace"), None
-    try:
-        err = json.loads(body).get("error")
-        if isinstance(err, dict):
-            message, code = str(err.get("message") or message), err.get("code")
-        elif isinstance(err, str):
-            message = err
-    except (ValueError, AttributeError):
-        pass
-    if status == 429:
-        cls = "rate_limit"
-    elif status in (401, 403):
-        cls = "auth"
-    elif code == "context_length_exceeded":
-        cls = "context_length"
-    elif 400 <= status < 500:
-        cls = "bad_request"
-    else:
-        cls = "server_error"
-    return cls, message[:200]
+def classify_status(status: int, body: bytes) -> tuple[BenchError, str]:
+    """The class of an HTTP error (a non-200 answer) and a short message from its body."""
+    cls = _FROM_ANSWER.get(classify(status, body), BenchError.SERVER_ERROR)
+    return cls, error_message(body)
 
 
 def _content(obj: Any) -> tuple[str, Any]:
@@ -148,7 +148,8 @@ async def send(
     times: list[float] = []
     usage: Any = None
     timeout = aiohttp.ClientTimeout(total=spec.timeout_s)
-    error_class = error = None
+    error_class: BenchError | None = None
+    error: str | None = None
     finished = False
     t_end = t0
     try:
@@ -164,7 +165,7 @@ async def send(
                     text, usage = _content(json.loads(raw))
                 except ValueError:
                     text, usage = "", None
-                    error_class, error = "incomplete", "response body is not JSON"
+                    error_class, error = BenchError.INCOMPLETE, "response body is not JSON"
                 if text:
                     chunks.append(text)
                     times.append(t_end)
@@ -184,7 +185,7 @@ async def send(
                         except ValueError:
                             continue  # not JSON: keep-alive noise, not ours to judge
                         if isinstance(obj, dict) and obj.get("error"):
-                            error_class = "stream_error"
+                            error_class = BenchError.STREAM_ERROR
                             err = obj["error"]
                             error = str(err.get("message") if isinstance(err, dict) else err)
                             continue
@@ -196,17 +197,17 @@ async def send(
                             usage = u
                 t_end = time.perf_counter()
                 if not finished and error_class is None:
-                    error_class, error = "incomplete", "stream ended without data: [DONE]"
+                    error_class, error = BenchError.INCOMPLETE, "stream ended without data: [DONE]"
     except TimeoutError:
-        error_class, error = "timeout", f"no complete answer within {spec.timeout_s:g} s"
+        error_class, error = BenchError.TIMEOUT, f"no complete answer within {spec.timeout_s:g} s"
     except aiohttp.ClientConnectorError as exc:
-        error_class, error = "connection", str(exc)
+        error_class, error = BenchError.CONNECTION, str(exc)
     except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
             aiohttp.ClientOSError) as exc:
-        error_class = "stream_reset" if status == 200 else "connection"
+        error_class = BenchError.STREAM_RESET if status == 200 else BenchError.CONNECTION
         error = f"{type(exc).__name__}: {exc}"
     except aiohttp.ClientError as exc:
-        error_class, error = "connection", f"{type(exc).__name__}: {exc}"
+        error_class, error = BenchError.CONNECTION, f"{type(exc).__name__}: {exc}"
     text = "".join(chunks)
     local = count_text(spec.tokenizer_model or spec.model, text)
     out_usage, prompt_usage = _usage_counts(usage)
