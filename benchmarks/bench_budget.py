@@ -516,14 +516,14 @@ PROFILE_FUNCTIONS: tuple[tuple[str, str], ...] = (
     ("UserIndex.authenticate", "UserIndex.authenticate (proxy/auth.py"),
     ("Budget.reserve (sync part)", "Budget.reserve (proxy/budget.py"),
     ("  limits.plan", "plan (proxy/limits.py"),
-    ("  prompt estimate (tiktoken)", "_estimate (proxy/budget.py"),
+    ("  prompt estimate (tiktoken)", "_estimate (proxy/pipeline.py"),
     ("    tiktoken encode_batch", "Encoding.encode_batch (tiktoken"),
     ("  store.reserve (sync part)", "Store.reserve (proxy/store"),
     ("redis-py (reserve + settle)", "(redis/"),
     ("Budget.settle (sync part)", "Budget.settle (proxy/budget.py"),
-    ("rate_limit_headers", "rate_limit_headers (proxy/budget.py"),
+    ("rate_limit_headers", "rate_limit_headers (proxy/refusals.py"),
     ("relay: _relay_stream", "_relay_stream (proxy/relay.py"),
-    ("relay: _settle (metrics, log)", "_settle (proxy/relay.py"),
+    ("settle (metrics, log)", "settle (proxy/settle.py"),
 )
 
 

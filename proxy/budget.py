@@ -13,24 +13,22 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
-import math
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime
-from zoneinfo import ZoneInfo
 
 from proxy import limits as lim
 from proxy.auth import Principal
-from proxy.errors import BudgetExceeded, ServiceUnavailable
+from proxy.errors import ServiceUnavailable
 from proxy.metrics import Metrics
 from proxy.notify import Notifier
+from proxy.refusals import Refusal, Refused
 from proxy.spool import REPLAY_DONE_TTL_S, Spool
 from proxy.store import DONE_TTL_S, Entry, ReserveResult, Store, StoreError
 from proxy.store_health import StoreHealth
-from proxy.translators import Translator
 from proxy.usage import Usage
 from proxy.userconfig import Policy
 
@@ -50,46 +48,6 @@ class Reservation:
     stored: bool  # False: admitted while the store was unreachable (fail_open)
 
 
-def _duration(seconds: float) -> str:
-    """OpenAI's reset format: "1s", "6m0s", "1h2m3s"."""
-    s = max(0, math.ceil(seconds))
-    h, rem = divmod(s, 3600)
-    m, sec = divmod(rem, 60)
-    if h:
-        return f"{h}h{m}m{sec}s"
-    if m:
-        return f"{m}m{sec}s"
-    return f"{sec}s"
-
-
-_HEADER_NAMES = {
-    "requests_per_minute": "requests",
-    "tokens_per_minute": "tokens",
-    "daily_tokens": "tokens-day",
-    "daily_input_tokens": "input-tokens-day",
-    "daily_output_tokens": "output-tokens-day",
-}
-
-
-def rate_limit_headers(windows: tuple[lim.Window, ...], used: tuple[int, ...],
-                       now: float) -> dict[str, str]:
-    """`x-ratelimit-*` in OpenAI's style for every limited window (the tightest per name)."""
-    out: dict[str, str] = {}
-    best: dict[str, int] = {}
-    for w, u in zip(windows, used, strict=True):
-        if w.limit is None:
-            continue
-        name = _HEADER_NAMES[w.name]
-        remaining = max(0, w.limit - u)
-        if name in best and best[name] <= remaining:
-            continue
-        best[name] = remaining
-        out[f"x-ratelimit-limit-{name}"] = str(w.limit)
-        out[f"x-ratelimit-remaining-{name}"] = str(remaining)
-        out[f"x-ratelimit-reset-{name}"] = _duration(w.resets_at - now)
-    return out
-
-
 class Budget:
     def __init__(self, store: Store, metrics: Metrics, notifier: Notifier,
                  clock: Callable[[], float] = time.time, spool: Spool | None = None) -> None:
@@ -103,18 +61,18 @@ class Budget:
         self._background: set[asyncio.Task[None]] = set()
 
     # --- reserve ------------------------------------------------------------------------
-    async def reserve(self, principal: Principal, translator: Translator,
-                      policy: Policy) -> Reservation:
-        now = self.clock()
-        plan = lim.plan(policy, principal.user, principal.limits, translator.model, now)
-        # Open and pass-through modes meter without limiting: the client's body stays as sent.
-        cap = (plan.output_cap or DEFAULT_OUTPUT_CAP) if principal.enforce else None
+    def plan(self, principal: Principal, model: str, policy: Policy) -> lim.Plan:
+        """The windows, concurrency limits and output cap that apply to a request now. Open
+        and pass-through modes meter without limiting: no cap, only unlimited windows."""
+        plan = lim.plan(policy, principal.user, principal.limits, model, self.clock())
         if not principal.enforce:
-            plan = plan.unenforced()
-        output = translator.cap_output(cap)
-        prompt = 0
-        if plan.needs_prompt_estimate:
-            prompt = await _estimate(translator)
+            return plan.unenforced()
+        return dataclasses.replace(plan, output_cap=plan.output_cap or DEFAULT_OUTPUT_CAP)
+
+    async def reserve(self, user: str, plan: lim.Plan, prompt: int, output: int,
+                      policy: Policy) -> Reservation:
+        """Hold `prompt + output` tokens (and the request) in every window of `plan`, or raise
+        `Refused` with what refused it. The store's failures follow `policy.store.on_error`."""
         entries = tuple(
             Entry(w.key, w.limit, lim.amount(w, prompt, output), w.ttl_s) for w in plan.windows
         )
@@ -123,13 +81,12 @@ class Budget:
             result = await self.store.reserve(
                 plan.slot, res_id, entries, plan.in_flight, policy.store.lease_seconds
             )
-            return self._admitted(principal, plan, entries, result, res_id, prompt, output, now,
-                                  policy)
+            return self._admitted(user, plan, entries, result, res_id, prompt, output)
         # While the store is down, one request at a time tries it (and brings it back at once
         # when it answers); the others go on without waiting for a timeout.
         trial = not self.health.up
         if trial and not self.health.begin_trial():
-            return self._unchecked(principal, plan, prompt, output, policy)
+            return self._unchecked(user, plan, prompt, output, policy)
         started = time.perf_counter()
         reserving = self.store.reserve(
             plan.slot, res_id, entries, plan.in_flight, policy.store.lease_seconds
@@ -149,27 +106,24 @@ class Budget:
             # The script may have run before the reply was lost: release its id when the
             # store answers again; this request is settled under an id of its own.
             self._settle_later(plan, res_id, _zero(plan), tokens=0, per_id=True)
-            return self._unchecked(principal, plan, prompt, output, policy)
+            return self._unchecked(user, plan, prompt, output, policy)
         finally:
             if trial:
                 self.health.end_trial()
         self.health.ok("reserve", started)
-        return self._admitted(principal, plan, entries, result, res_id, prompt, output, now,
-                              policy)
+        return self._admitted(user, plan, entries, result, res_id, prompt, output)
 
-    def _admitted(self, principal: Principal, plan: lim.Plan, entries: tuple[Entry, ...],
-                  result: ReserveResult, res_id: str, prompt: int, output: int, now: float,
-                  policy: Policy) -> Reservation:
+    def _admitted(self, user: str, plan: lim.Plan, entries: tuple[Entry, ...],
+                  result: ReserveResult, res_id: str, prompt: int, output: int) -> Reservation:
         if not result.ok:
-            raise self._refusal(principal, plan, entries, result, now, policy.timezone)
-        reservation = Reservation(res_id, principal.user, plan, prompt, output, result.used,
-                                  stored=True)
+            raise self._refusal(user, plan, entries, result)
+        reservation = Reservation(res_id, user, plan, prompt, output, result.used, stored=True)
         self._active[res_id] = reservation
-        self.metrics.budget_reserved.labels(principal.user).inc(prompt + output)
-        self._update_gauges(principal.user, plan.windows, result.used)
+        self.metrics.budget_reserved.labels(user).inc(prompt + output)
+        self._update_gauges(user, plan.windows, result.used)
         return reservation
 
-    def _unchecked(self, principal: Principal, plan: lim.Plan, prompt: int, output: int,
+    def _unchecked(self, user: str, plan: lim.Plan, prompt: int, output: int,
                    policy: Policy) -> Reservation:
         """The store is down: the policy decides at once."""
         if policy.store.on_error == "fail_closed":
@@ -179,7 +133,7 @@ class Budget:
                 headers={"Retry-After": "1"},
             )
         self.health.skipped("admitted")
-        return Reservation(uuid.uuid4().hex, principal.user, plan, prompt, output,
+        return Reservation(uuid.uuid4().hex, user, plan, prompt, output,
                            (0,) * len(plan.windows), stored=False)
 
     def _abandoned(self, call: asyncio.Future[ReserveResult], plan: lim.Plan,
@@ -193,54 +147,18 @@ class Budget:
         if exc is not None or call.result().ok:
             self._settle_later(plan, res_id, _zero(plan), tokens=0, per_id=True)
 
-    def _refusal(self, principal: Principal, plan: lim.Plan, entries: tuple[Entry, ...],
-                 result: ReserveResult, now: float, tz: str) -> BudgetExceeded:
-        used = result.used
-        headers = rate_limit_headers(plan.windows, used, now)
+    def _refusal(self, user: str, plan: lim.Plan, entries: tuple[Entry, ...],
+                 result: ReserveResult) -> Refused:
         if result.refused_in_flight is not None:
-            held = plan.in_flight[result.refused_in_flight]
-            self.metrics.budget_refusals.labels(principal.user, "max_concurrent_requests").inc()
-            return BudgetExceeded(
-                f"Too many concurrent requests for user '{principal.user}'"
-                f"{_scope_words(held.scope)}: the limit is {held.limit} at a time. Retry when "
-                "one of them has finished.",
-                type_="requests", code="concurrency_limit_exceeded",
-                limit="max_concurrent_requests", headers={**headers, "Retry-After": "1"},
-            )
+            self.metrics.budget_refusals.labels(user, "max_concurrent_requests").inc()
+            return Refused(Refusal(user, plan.windows, result.used, None, 0,
+                                   plan.in_flight[result.refused_in_flight]))
         refused = result.refused_entry
         assert refused is not None
-        window, entry = plan.windows[refused], entries[refused]
-        assert window.limit is not None
-        self.metrics.budget_refusals.labels(principal.user, window.name).inc()
-        left = max(0, window.limit - used[refused])
-        retry_after = max(1, math.ceil(window.resets_at - now))
-        reset_at = datetime.fromtimestamp(window.resets_at, ZoneInfo(tz)).isoformat()
-        scope = _scope_words(window.scope)
-        what = window.name.replace("_", " ")
-        msg = (
-            f"{what.capitalize()} limit reached for user '{principal.user}'{scope}: "
-            f"{left:,} of {window.limit:,} left, and this request needs up to {entry.amount:,} "
-            f"(the prompt plus max output tokens). It resets at {reset_at} "
-            f"(in {_duration(window.resets_at - now)})."
-        )
-        daily = window.name.startswith("daily")
-        never = entry.amount > window.limit  # would not fit even in an empty window
-        if daily or never:
-            if never:
-                msg += " Lower max_tokens: this request can never fit this limit."
-            return BudgetExceeded(
-                msg, type_="insufficient_quota" if daily else "tokens",
-                code="daily_quota_exceeded" if daily else "rate_limit_exceeded",
-                limit=window.name,
-                # The openai SDKs retry every 429 unless told not to; a spent daily quota will
-                # not come back within any retry budget.
-                headers={**headers, "Retry-After": str(retry_after), "x-should-retry": "false"},
-            )
-        return BudgetExceeded(
-            msg, type_="requests" if window.measure == "requests" else "tokens",
-            code="rate_limit_exceeded", limit=window.name,
-            headers={**headers, "Retry-After": str(retry_after)},
-        )
+        window = plan.windows[refused]
+        self.metrics.budget_refusals.labels(user, window.name).inc()
+        return Refused(Refusal(user, plan.windows, result.used, window, entries[refused].amount,
+                               None))
 
     # --- settle -------------------------------------------------------------------------
     async def settle(self, reservation: Reservation, usage: Usage) -> None:
@@ -432,17 +350,3 @@ def _zero(plan: lim.Plan) -> tuple[Entry, ...]:
     return tuple(Entry(w.key, w.limit, 0, w.ttl_s) for w in plan.windows)
 
 
-def _scope_words(scope: str) -> str:
-    if scope.startswith("k."):
-        return f" (key '{scope[2:]}')"
-    if scope.startswith("m."):
-        return f" (models '{scope[2:]}')"
-    return ""
-
-
-async def _estimate(translator: Translator) -> int:
-    # tiktoken is native code that releases the GIL; a large prompt is counted off the loop so
-    # one long request does not stall every stream on this replica.
-    if len(translator.request.raw) > 32_768:
-        return await asyncio.to_thread(translator.estimate_prompt_tokens)
-    return translator.estimate_prompt_tokens()

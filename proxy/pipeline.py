@@ -18,12 +18,12 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from aiohttp import web
 
-from proxy import attempts
+from proxy import attempts, refusals
 from proxy.auth import client_key
-from proxy.budget import rate_limit_headers
 from proxy.context import Attempt, Candidacy, Outcome, RequestContext
 from proxy.errors import (
     InvalidRequest,
@@ -35,6 +35,7 @@ from proxy.errors import (
 )
 from proxy.listener import BODY_TIMED_OUT
 from proxy.meter import RequestMeter
+from proxy.refusals import Refused
 from proxy.relay import client_gone, relay, total_timeout
 from proxy.settle import settle
 from proxy.state import SERVICES, Services
@@ -44,6 +45,13 @@ from proxy.upstream import Upstream, upstream_request_headers
 log = logging.getLogger("tokenmeter.relay")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """A candidate that failed in a way its fallback may do better with."""
+
+    reason: str  # its error class, the fallback metric's label
 
 
 def make_handler(shape: type[Translator]) -> Handler:
@@ -136,21 +144,30 @@ async def forward(request: web.Request, ctx: RequestContext, svc: Services,
                             last=index == len(plan) - 1)
         if isinstance(result, Attempt):
             return result
-        reason = result
+        reason = result.reason
     raise AssertionError("the last candidate answers or raises")
 
 
 async def _try(
     request: web.Request, ctx: RequestContext, svc: Services, shape: type[Translator],
     cand: attempts.Candidate, fallback_from: str | None, outcome: Outcome, *, last: bool,
-) -> Attempt | str:
+) -> Attempt | Failed:
     """One candidate: reserve its budget and call its upstream (with retries). Returns the
     attempt to relay, or, when it failed in a way the next candidate may do better with, the
     failure's class (its reservation is then given back whole)."""
-    upstream = cand.route.upstream
+    upstream, policy = cand.route.upstream, ctx.runtime.config
     translator = shape(ctx.request, upstream.stream_usage, cand.model,
                        write_all_caps=upstream.write_all_caps)
-    reservation = await svc.budget.reserve(ctx.principal, translator, ctx.runtime.config)
+    plan = svc.budget.plan(ctx.principal, cand.model, policy)
+    # The API shape writes the output cap into the body it returns, and says how many output
+    # tokens that body can produce: that, and the prompt when a limit counts it, is reserved.
+    outgoing = translator.upstream_request(plan.output_cap)
+    prompt = await _estimate(translator) if plan.needs_prompt_estimate else 0
+    try:
+        reservation = await svc.budget.reserve(ctx.principal.user, plan, prompt,
+                                               outgoing.output_tokens, policy)
+    except Refused as exc:
+        raise refusals.render(exc.refusal, svc.budget.clock(), policy.timezone) from None
     candidacy = Candidacy(cand.route, cand.model, translator, reservation)
     outcome.candidate(candidacy, fallback_from)
     headers = upstream_request_headers(
@@ -168,20 +185,20 @@ async def _try(
     try:
         async with asyncio.timeout_at(deadline):
             up = await attempts.call_upstream(
-                svc.http.session, upstream, translator.path, translator.upstream_body(),
-                headers, on_retry=on_retry, rng=svc.rng, on_attempt=outcome.sent,
+                svc.http.session, upstream, translator.path, outgoing.body, headers,
+                on_retry=on_retry, rng=svc.rng, on_attempt=outcome.sent,
             )
     except TimeoutError:
         outcome.call_failed()
-        exc = total_timeout(upstream)
+        timeout = total_timeout(upstream)
         if last:
-            raise exc from None
-        failure = exc.error_class
+            raise timeout from None
+        failure = str(timeout.error_class)
     except (UpstreamTimeout, UpstreamUnavailable) as exc:
         outcome.call_failed()
         if last:
             raise
-        failure = exc.error_class
+        failure = str(exc.error_class)
     else:
         if (
             last
@@ -192,13 +209,13 @@ async def _try(
             outcome.answered(up.status)
             return Attempt(candidacy, up, deadline,
                            _response_headers(candidacy, fallback_from, svc))
-        failure = attempts.status_class(up.status)
+        failure = str(attempts.status_class(up.status))
         up.close()
     log.warning("request %s: model %s failed (%s), trying its next fallback",
                 ctx.request_id, cand.model, failure)
     outcome.released()
     await svc.budget.release(reservation)
-    return failure
+    return Failed(failure)
 
 
 def _response_headers(candidacy: Candidacy, fallback_from: str | None,
@@ -212,11 +229,18 @@ def _response_headers(candidacy: Candidacy, fallback_from: str | None,
         headers["x-tokenmeter-fallback-from"] = fallback_from
     reservation = candidacy.reservation
     if reservation.stored:  # admitted during a store outage: the counts are unknown
-        headers.update(
-            rate_limit_headers(reservation.plan.windows, reservation.used, svc.budget.clock())
-        )
+        headers.update(refusals.rate_limit_headers(reservation.plan.windows, reservation.used,
+                                                   svc.budget.clock()))
     return headers
 
 
 def _header_safe(value: str) -> bool:
     return value.isascii() and value.isprintable()
+
+
+async def _estimate(translator: Translator) -> int:
+    # tiktoken is native code that releases the GIL; a large prompt is counted off the loop so
+    # one long request does not stall every stream on this replica.
+    if len(translator.request.raw) > 32_768:
+        return await asyncio.to_thread(translator.estimate_prompt_tokens)
+    return translator.estimate_prompt_tokens()

@@ -119,7 +119,9 @@ async def test_the_in_process_store_stays_bounded_over_30000_requests() -> None:
     peak: dict[str, int] = {}
     for i in range(30_000):
         principal = principals[i % len(principals)]
-        reservation = await budget.reserve(principal, translator, config)
+        plan = budget.plan(principal, translator.model, config)
+        output = translator.upstream_request(plan.output_cap).output_tokens
+        reservation = await budget.reserve(principal.user, plan, 3, output, config)
         await budget.settle(reservation, Usage(3, 5))
         now[0] += 0.05
         if i >= 20_000:
