@@ -2,7 +2,9 @@
 
 It speaks the wire format of the real API closely enough for the `openai` SDK to parse it, and
 generates text whose token count is known exactly (every word of `WORDS` is one token in both
-o200k_base and cl100k_base), so a test can check the proxy's metering to the token. Behaviour comes
+o200k_base and cl100k_base), so a test can check the proxy's metering to the token. Prompt tokens
+it counts by a fixed rule of its own (`proxy.mock_tokens`), not with the proxy's tokenizer, so its
+reports and the proxy's estimates are independent, as with a real server. Behaviour comes
 from `MockSettings`, and each request may override any field through an `x-mock-*` header, so one
 server can play many scenarios: slow or stalled streams, resets, injected errors, missing usage.
 """
@@ -36,7 +38,7 @@ from proxy.mock_settings import (
     ReceivedRequest,
     effective,
 )
-from proxy.tokenizer import count_messages, count_text, count_texts
+from proxy.mock_tokens import count_messages, count_text, count_texts
 
 __all__ = ["MOCK_STATE", "WORDS", "MockSettings", "MockState", "create_mock_app",
            "generated_text", "run_mock"]
@@ -140,7 +142,7 @@ def _endpoint(
             model = body.get("model") if needs_body else cfg.model
             if not isinstance(model, str) or not model:
                 raise _ApiError(400, "you must provide a model parameter")
-            prompt_tokens = _prompt_tokens(request.path, model, body) if needs_body else 0
+            prompt_tokens = _prompt_tokens(request.path, body) if needs_body else 0
             call = _Call(request, cfg, body, model, prompt_tokens, request_id, started)
             if inject:
                 await _sleep_ms(cfg.delay_ms)
@@ -199,16 +201,16 @@ async def _sleep_ms(ms: float) -> None:
         await asyncio.sleep(ms / 1000)
 
 
-def _prompt_tokens(path: str, model: str, body: dict[str, Any]) -> int:
+def _prompt_tokens(path: str, body: dict[str, Any]) -> int:
     if path.endswith("/chat/completions"):
         if not isinstance(messages := body.get("messages"), list):
             message = "Missing required parameter: 'messages'."
             raise _ApiError(400, message, "messages", "missing_required_parameter")
-        return count_messages(model, messages)
+        return count_messages(messages)
     if path.endswith("/responses"):
         value, param = body.get("input", ""), "input"
         if isinstance(value, list):
-            return count_messages(model, value)
+            return count_messages(value)
     elif path.endswith("/embeddings"):
         value, param = body.get("input"), "input"
         if value in (None, "", []):
@@ -219,9 +221,9 @@ def _prompt_tokens(path: str, model: str, body: dict[str, Any]) -> int:
         return 0
     # What is left: a text, a list of texts, one token array or a list of token arrays.
     if isinstance(value, str):
-        return count_text(model, value)
+        return count_text(value)
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return count_texts(model, value)
+        return count_texts(value)
     if isinstance(value, list) and all(isinstance(v, int) for v in value):
         return len(value)
     if isinstance(value, list) and all(isinstance(v, list) for v in value):
@@ -551,10 +553,6 @@ def create_mock_app(settings: MockSettings | None = None) -> web.Application:
 
 def run_mock(settings: MockSettings, host: str, port: int) -> None:
     line = f"mock upstream listening on http://{host}:{port}/v1"
-    # Load the BPE files now, not inside the first request, which would otherwise stall a
-    # benchmark's first stream by a fraction of a second.
-    for model in ("gpt-4o", "gpt-4"):
-        count_text(model, "warm")
 
     def announce(*_: Any) -> None:
         print(line, flush=True)

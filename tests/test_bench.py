@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from proxy import mock_tokens
 from proxy.bench import BenchConfig, Endpoint, RequestSpec, run_bench
 from proxy.bench.plot import write_plot
 from proxy.bench.report import render, to_csv, to_json
@@ -19,7 +20,6 @@ from proxy.bench.stats import parse_slo
 from proxy.bench.workload import PromptsFileError, load_prompts
 from proxy.cli import main
 from proxy.mock_upstream import MockSettings, create_mock_app
-from proxy.tokenizer import count_messages
 from tests.helpers import ServerFactory, Stack
 from tests.servers import free_port
 
@@ -64,8 +64,9 @@ async def test_reports_the_known_ttft_speed_and_output_length(
     assert st.itl.n == 6 * 63
     # e2e = ttft + 63 gaps of at least about 1/750 s
     assert st.ttft.p50 + 63 / 750 * 0.9 <= st.e2e.p50 < 2.0
-    assert all(r.usage_prompt_tokens == 32 + count_messages(MODEL, [{"role": "user",
-                                                                      "content": ""}])
+    # The mock reports its own count: the prompt's words, one token each, and its framing.
+    assert all(r.usage_prompt_tokens == 32 + mock_tokens.count_messages([{"role": "user",
+                                                                         "content": ""}])
                for r in result.results)
     assert not any("event-loop lag" in w for w in st.warnings)
     assert result.loop in ("asyncio", "uvloop")
@@ -92,7 +93,7 @@ async def test_sweep_gives_one_level_per_load_and_prompt_size(
     keys = [(st.load, st.prompt_tokens) for st in result.levels]
     assert keys == [(1, 16), (3, 16), (1, 200), (3, 200)]
     assert all(st.ok == 6 and st.output_tokens.p50 == 8 for st in result.levels)
-    framing = count_messages(MODEL, [{"role": "user", "content": ""}])
+    framing = mock_tokens.count_messages([{"role": "user", "content": ""}])  # the mock's
     for r in result.results:
         assert r.usage_prompt_tokens == r.prompt_tokens + framing
     table = render(result)

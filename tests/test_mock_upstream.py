@@ -15,6 +15,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 from openai.types.chat import ChatCompletionMessageParam
 
+from proxy import mock_tokens
 from proxy.mock_upstream import (
     MOCK_STATE,
     WORDS,
@@ -23,7 +24,7 @@ from proxy.mock_upstream import (
     create_mock_app,
     generated_text,
 )
-from proxy.tokenizer import count_messages, count_text, count_texts
+from proxy.tokenizer import count_text
 
 Client = TestClient[web.Request, web.Application]
 MakeClient = Callable[..., Awaitable[Client]]
@@ -59,9 +60,24 @@ def sse_events(raw: bytes) -> list[bytes]:
 
 @pytest.mark.parametrize("model", ["gpt-4o", "gpt-4"])
 def test_every_word_is_one_token(model: str) -> None:
+    """By the proxy's tokenizer and by the mock's own rule: output counts agree exactly."""
     assert all(count_text(model, word) == 1 for word in WORDS)
     assert count_text(model, generated_text(137)) == 137
+    assert mock_tokens.count_text(generated_text(137)) == 137
     assert generated_text(0) == ""
+
+
+def test_the_mocks_own_prompt_count() -> None:
+    """The documented rule (proxy/mock_tokens.py), pinned: a word or a punctuation mark is a
+    token, whitespace is free; 4 per message (all its strings counted), 2 per message list."""
+    assert mock_tokens.count_text("Hello, world!") == 4
+    assert mock_tokens.count_text("  naïve café_au_lait 2024 ") == 3
+    assert mock_tokens.count_text("") == 0
+    assert mock_tokens.count_messages([]) == 2
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "name": "ann", "content": [{"type": "text", "text": "Hi!"}]}]
+    # (4 + system Be brief .) + (4 + user ann text Hi !) + 2
+    assert mock_tokens.count_messages(messages) == (4 + 4) + (4 + 5) + 2
 
 
 async def test_models(sdk: openai.AsyncOpenAI) -> None:
@@ -96,7 +112,7 @@ async def test_chat_stream_via_sdk(sdk: openai.AsyncOpenAI, include_usage: bool)
     assert chunks[-1].choices == []
     usage = chunks[-1].usage
     assert usage is not None
-    prompt = count_messages("gpt-4o", MESSAGES)
+    prompt = mock_tokens.count_messages(MESSAGES)  # the mock's count, not the proxy's
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
         prompt,
         23,
@@ -180,7 +196,7 @@ async def test_legacy_completions(sdk: openai.AsyncOpenAI) -> None:
     assert completion.choices[0].text == generated_text(7)
     assert completion.choices[0].finish_reason == "length"
     assert completion.usage is not None
-    assert completion.usage.prompt_tokens == count_texts("gpt-4o", prompts)
+    assert completion.usage.prompt_tokens == mock_tokens.count_texts(prompts) == 7
     stream = await sdk.completions.create(
         model="gpt-4o",
         prompt="hello",
@@ -193,7 +209,7 @@ async def test_legacy_completions(sdk: openai.AsyncOpenAI) -> None:
     assert "".join(c.choices[0].text for c in chunks if c.choices) == generated_text(9)
     assert chunks[-2].choices[0].finish_reason == "stop"
     assert chunks[-1].usage is not None
-    assert chunks[-1].usage.prompt_tokens == count_text("gpt-4o", "hello")
+    assert chunks[-1].usage.prompt_tokens == mock_tokens.count_text("hello") == 1
 
 
 async def test_responses_stream_via_sdk(sdk: openai.AsyncOpenAI, mock: Client) -> None:
@@ -209,7 +225,7 @@ async def test_responses_stream_via_sdk(sdk: openai.AsyncOpenAI, mock: Client) -
     assert final.status == "completed"
     assert final.output_text == generated_text(12)
     assert final.usage is not None
-    prompt = count_text("gpt-4o", "Tell me a story")
+    prompt = mock_tokens.count_text("Tell me a story")
     assert (final.usage.input_tokens, final.usage.output_tokens) == (prompt, 12)
     assert final.usage.total_tokens == prompt + 12
     assert final.usage.input_tokens_details.cached_tokens == 3
@@ -261,7 +277,7 @@ async def test_embeddings_via_sdk(sdk: openai.AsyncOpenAI) -> None:
     decoded = await sdk.embeddings.create(model="text-embedding-3-small", input=inputs)
     assert [len(e.embedding) for e in decoded.data] == [8, 8]
     assert all(0 <= x < 1 for e in decoded.data for x in e.embedding)
-    assert decoded.usage.prompt_tokens == count_texts("text-embedding-3-small", inputs)
+    assert decoded.usage.prompt_tokens == mock_tokens.count_texts(inputs) == 2 + 4
     assert decoded.usage.total_tokens == decoded.usage.prompt_tokens
     floats = await sdk.embeddings.create(
         model="text-embedding-3-small", input=inputs, encoding_format="float"

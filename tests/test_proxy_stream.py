@@ -9,7 +9,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from proxy import tokenizer
+from proxy import mock_tokens, tokenizer
 from proxy.app import create_app
 from proxy.mock_upstream import MOCK_STATE, MockSettings, create_mock_app, generated_text
 from tests.helpers import ServerFactory, Stack, config_for, sample, scrape
@@ -66,7 +66,7 @@ async def test_sdk_streaming_chat_is_metered(stack: Stack) -> None:
     assert text == generated_text(16)
     assert all(c.usage is None for c in chunks)  # the client did not ask for usage
 
-    expected_input = tokenizer.count_messages("mock-gpt", MESSAGES)
+    expected_input = mock_tokens.count_messages(MESSAGES)  # reported: the upstream's count
     m = await stack.metrics()
     assert sample(m, "tokenmeter_tokens_total", type="output", source="reported",
                   model="mock-gpt", user="default") == 16
@@ -163,7 +163,7 @@ async def test_completions_and_embeddings(stack: Stack) -> None:
     m = await stack.metrics()
     assert sample(m, "tokenmeter_tokens_total", type="output") == 16
     assert sample(m, "tokenmeter_tokens_total", type="input") == (
-        tokenizer.count_text("mock-gpt", "Once") + emb.usage.prompt_tokens
+        mock_tokens.count_text("Once") + emb.usage.prompt_tokens  # both reported by the mock
     )
     ops = sorted(ln["operation"] for ln in stack.access_lines())
     assert ops == ["embeddings", "text_completion"]
