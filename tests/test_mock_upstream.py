@@ -80,6 +80,18 @@ def test_the_mocks_own_prompt_count() -> None:
     assert mock_tokens.count_messages(messages) == (4 + 4) + (4 + 5) + 2
 
 
+async def test_reported_prompt_count_is_the_mocks_not_the_proxys(sdk: openai.AsyncOpenAI) -> None:
+    """A long word is one token to the mock and several to tiktoken: the usage the mock reports
+    is its own count, independent of the estimate it is compared with."""
+    word = "antidisestablishmentarianism"
+    assert count_text("gpt-4o", word) > 1
+    done = await sdk.completions.create(model="gpt-4o", prompt=word, max_tokens=1)
+    assert done.usage is not None and done.usage.prompt_tokens == 1
+    chat = await sdk.chat.completions.create(
+        model="gpt-4o", messages=[{"role": "user", "content": word}], max_tokens=1)
+    assert chat.usage is not None and chat.usage.prompt_tokens == 4 + 2 + 2  # user, word
+
+
 async def test_models(sdk: openai.AsyncOpenAI) -> None:
     models = [m async for m in sdk.models.list()]
     assert [(m.id, m.object, m.owned_by) for m in models] == [
