@@ -22,6 +22,7 @@ import aiohttp
 
 from proxy.auth import Principal
 from proxy.budget import Reservation
+from proxy.errors import ErrorClass
 from proxy.meter import RequestMeter
 from proxy.state import Runtime
 from proxy.translators import ParsedRequest, Translator
@@ -29,7 +30,7 @@ from proxy.upstream import Route
 from proxy.usage import ZERO, Usage
 
 # A request whose client left: it cannot have read an answer, whatever the upstream did.
-CLIENT_GONE = frozenset({"client_disconnect", "client_timeout"})
+CLIENT_GONE = frozenset({ErrorClass.CLIENT_DISCONNECT, ErrorClass.CLIENT_TIMEOUT})
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +91,7 @@ class Settlement:
     stream: bool
     candidacy: Candidacy | None
     status: int
-    error_class: str
+    error_class: ErrorClass
     usage: Usage
     meter: RequestMeter
     fallback_from: str | None
@@ -124,7 +125,7 @@ class Outcome:
         self._context: RequestContext | None = None
         self._candidacy: Candidacy | None = None
         self._status = 500
-        self._error_class: str = "none"
+        self._error_class = ErrorClass.NONE
         self._answered = False
         self._in_flight = False
         self._fallback_from: str | None = None
@@ -169,21 +170,21 @@ class Outcome:
         self._in_flight = status < 300
 
     # --- the end ------------------------------------------------------------------------
-    def fail(self, error_class: str, status: int | None = None) -> None:
+    def fail(self, error_class: ErrorClass, status: int | None = None) -> None:
         self._error_class = error_class
         if status is not None:
             self._status = status
 
-    def client_left(self, error_class: str = "client_disconnect") -> None:
+    def client_left(self) -> None:
         """The client went away (or was cut off for not reading): the status stays what the
         upstream answered, if it did; else 499."""
-        if self._error_class != "client_timeout":  # the proxy cut it: the finer cause
-            self._error_class = error_class
+        if self._error_class is not ErrorClass.CLIENT_TIMEOUT:  # the proxy cut it: finer
+            self._error_class = ErrorClass.CLIENT_DISCONNECT
         if not self._answered:
             self._status = 499
 
     @property
-    def error_class(self) -> str:
+    def error_class(self) -> ErrorClass:
         return self._error_class
 
     @property

@@ -22,10 +22,11 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from proxy import attempts, refusals
+from proxy import attempts, refusals, upstream_errors
 from proxy.auth import client_key
 from proxy.context import Attempt, Candidacy, Outcome, RequestContext
 from proxy.errors import (
+    ErrorClass,
     InvalidRequest,
     NotFound,
     ProxyError,
@@ -33,10 +34,11 @@ from proxy.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from proxy.exceptions_map import Phase, map_upstream_exceptions
 from proxy.listener import BODY_TIMED_OUT
 from proxy.meter import RequestMeter
 from proxy.refusals import Refused
-from proxy.relay import client_gone, relay, total_timeout
+from proxy.relay import client_gone, relay
 from proxy.settle import settle
 from proxy.state import SERVICES, Services
 from proxy.translators import Translator, parse_body
@@ -51,7 +53,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class Failed:
     """A candidate that failed in a way its fallback may do better with."""
 
-    reason: str  # its error class, the fallback metric's label
+    reason: ErrorClass  # the fallback metric's label
 
 
 def make_handler(shape: type[Translator]) -> Handler:
@@ -75,19 +77,19 @@ async def handle(request: web.Request, svc: Services, shape: type[Translator]
         # aiohttp cancels the handler when the client disconnects, and the listener when the
         # body missed its deadline (it answered 408 itself).
         if request.get(BODY_TIMED_OUT):
-            outcome.fail("body_timeout", 408)
+            outcome.fail(ErrorClass.BODY_TIMEOUT, 408)
         else:
             outcome.client_left()
         raise
     except ConnectionError:
         # A write to a client that has gone (without handler cancellation, or before it lands).
         if not client_gone(request):
-            outcome.fail("internal")
+            outcome.fail(ErrorClass.INTERNAL)
             raise
-        outcome.fail("client_disconnect", 499)
+        outcome.fail(ErrorClass.CLIENT_DISCONNECT, 499)
         return web.Response(status=499)
     except Exception:
-        outcome.fail("internal")
+        outcome.fail(ErrorClass.INTERNAL)
         raise
     finally:
         task = asyncio.ensure_future(settle(outcome.finish(), svc))
@@ -131,7 +133,7 @@ async def forward(request: web.Request, ctx: RequestContext, svc: Services,
     """Try the candidates in order; the first answer worth relaying is returned (the last
     candidate's answer, or its failure, always is)."""
     plan = attempts.candidates(ctx.runtime.router, ctx.route, ctx.request_model, svc.latency)
-    reason = ""
+    reason = ErrorClass.NONE
     for index, cand in enumerate(plan):
         fallback_from = None
         if index:
@@ -175,7 +177,7 @@ async def _try(
         client_key=client_key(request) if ctx.principal.forward_client_key else None,
     )
 
-    def on_retry(u: Upstream, reason: str) -> None:
+    def on_retry(u: Upstream, reason: ErrorClass) -> None:
         outcome.retried()
         svc.metrics.retries.labels(u.name, reason).inc()
 
@@ -183,33 +185,27 @@ async def _try(
     # Streams have no total cap (idle time is watched instead); a JSON answer has one.
     deadline = None if ctx.stream else asyncio.get_running_loop().time() + upstream.total_timeout_s
     try:
-        async with asyncio.timeout_at(deadline):
-            up = await attempts.call_upstream(
-                svc.http.session, upstream, translator.path, outgoing.body, headers,
-                on_retry=on_retry, rng=svc.rng, on_attempt=outcome.sent,
-            )
-    except TimeoutError:
-        outcome.call_failed()
-        timeout = total_timeout(upstream)
-        if last:
-            raise timeout from None
-        failure = str(timeout.error_class)
+        with map_upstream_exceptions(upstream, Phase.TOTAL):
+            async with asyncio.timeout_at(deadline):
+                up = await attempts.call_upstream(
+                    svc.http.session, upstream, translator.path, outgoing.body, headers,
+                    on_retry=on_retry, rng=svc.rng, on_attempt=outcome.sent,
+                )
     except (UpstreamTimeout, UpstreamUnavailable) as exc:
         outcome.call_failed()
         if last:
             raise
-        failure = str(exc.error_class)
+        failure = exc.error_class
     else:
-        if (
-            last
-            or up.status == 200
-            or not attempts.fallback_worthy(up.status)
-            or await attempts.blames_request(up)
-        ):
+        if last or up.status == 200:
             outcome.answered(up.status)
             return Attempt(candidacy, up, deadline,
                            _response_headers(candidacy, fallback_from, svc))
-        failure = str(attempts.status_class(up.status))
+        failure = await attempts.answer_class(up)
+        if not upstream_errors.fallback_worthy(failure):
+            outcome.answered(up.status)
+            return Attempt(candidacy, up, deadline,
+                           _response_headers(candidacy, fallback_from, svc))
         up.close()
     log.warning("request %s: model %s failed (%s), trying its next fallback",
                 ctx.request_id, cand.model, failure)

@@ -13,36 +13,27 @@ import contextlib
 import logging
 import time
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy import attempts
+from proxy import upstream_errors
 from proxy.context import Attempt, Outcome
 from proxy.errors import (
+    ErrorClass,
     ProxyError,
+    UpstreamIncomplete,
     UpstreamTimeout,
     UpstreamUnavailable,
     stream_error_event,
 )
+from proxy.exceptions_map import Phase, map_upstream_exceptions
 from proxy.state import Services
 from proxy.tap import StreamTap
 from proxy.translators import Translator
-from proxy.upstream import Upstream, client_response_headers
+from proxy.upstream import client_response_headers
 from proxy.watchdog import Watch
 
 log = logging.getLogger("tokenmeter.relay")
-
-
-def classify_upstream_error(status: int, body: bytes) -> str:
-    if status in (401, 403):
-        return "auth"
-    if status == 429:
-        return "rate_limit"
-    fault = attempts.request_fault(body)
-    if status >= 500:
-        return fault or "upstream_5xx"  # a validation error some servers answer with a 500
-    return "context_length" if fault == "context_length" else "bad_request"
 
 
 async def relay(request: web.Request, attempt: Attempt, svc: Services,
@@ -78,16 +69,8 @@ def _client_timed_out(request: web.Request, outcome: Outcome,
     relay's write then fails, and the upstream response is closed with it)."""
     log.warning("request %s: the client read nothing for %g s (client_write_timeout_s); "
                 "its stream is ended", outcome.request_id, write_timeout or 0)
-    outcome.fail("client_timeout")
+    outcome.fail(ErrorClass.CLIENT_TIMEOUT)
     _abort(request)
-
-
-def total_timeout(upstream: Upstream) -> UpstreamTimeout:
-    return UpstreamTimeout(
-        f"Upstream `{upstream.name}` did not complete the response within "
-        f"{upstream.total_timeout_s:g} s (total_timeout_s).",
-        code="total_timeout",
-    )
 
 
 async def _relay_body(attempt: Attempt, outcome: Outcome) -> web.StreamResponse:
@@ -98,21 +81,15 @@ async def _relay_body(attempt: Attempt, outcome: Outcome) -> web.StreamResponse:
     deadline = attempt.deadline
     if deadline is None:
         deadline = asyncio.get_running_loop().time() + upstream.idle_timeout_s
-    try:
+    with map_upstream_exceptions(
+        upstream, Phase.IDLE if attempt.deadline is None else Phase.TOTAL
+    ):
         async with asyncio.timeout_at(deadline):
             body = await up.read()
-    except TimeoutError:
-        if attempt.deadline is not None:
-            raise total_timeout(upstream) from None
-        raise UpstreamTimeout(
-            f"Upstream `{upstream.name}` stopped sending its response.", code="idle_timeout"
-        ) from None
-    except aiohttp.ClientError as exc:
-        raise UpstreamUnavailable(f"The upstream response broke ({type(exc).__name__}).") from None
     if up.status < 300:
         attempt.translator.on_body(body)
     else:
-        outcome.fail(classify_upstream_error(up.status, body))
+        outcome.fail(upstream_errors.classify(up.status, body))
     return web.Response(status=up.status, body=body, headers=_client_headers(attempt))
 
 
@@ -128,35 +105,40 @@ async def _relay_stream(
         # handler's cancellation is on its way. Nothing reached it.
         if not client_gone(request):
             raise
-        ex.fail("client_disconnect", 499)
+        ex.fail(ErrorClass.CLIENT_DISCONNECT, 499)
         return resp
     errors = svc.metrics.metering_errors.labels("stream")
     tap = StreamTap(translator, ex.meter, on_error=errors.inc)
     feed, look = tap.feed, tap.look
     perf = time.perf_counter
     try:
-        async for chunk in up.content.iter_any():
-            now = watch.last = perf()
-            out = feed(chunk, now)  # nearly always `chunk` itself, not parsed yet
-            if out:
-                # `writing`: a client that reads slowly makes write() wait, and the upstream is
-                # not read meanwhile; that wait is not the upstream's silence (see watchdog).
-                watch.writing = now
-                await resp.write(out)
-                watch.writing = 0.0
-            look()  # forward first, look second
-        if watch.expired:  # the watchdog closed a silent upstream: that is not a clean end
-            raise TimeoutError
+        # A read that fails (or is cut by the watchdog: `silent`) becomes the proxy's error;
+        # a write to a client that left passes through as it is.
+        with map_upstream_exceptions(attempt.route.upstream, Phase.STREAM,
+                                     silent=lambda: watch.expired):
+            async for chunk in up.content.iter_any():
+                now = watch.last = perf()
+                out = feed(chunk, now)  # nearly always `chunk` itself, not parsed yet
+                if out:
+                    # `writing`: a client that reads slowly makes write() wait, and the upstream
+                    # is not read meanwhile; that wait is not the upstream's silence (watchdog).
+                    watch.writing = now
+                    await resp.write(out)
+                    watch.writing = 0.0
+                look()  # forward first, look second
+            if watch.expired:  # the watchdog closed a silent upstream: not a clean end
+                raise TimeoutError
         at_boundary = tap.client_at_boundary
         rest = tap.close()
         if not (tap.broken or translator.end_of_stream()):
             # Closed without its final event (`[DONE]`, `response.completed`, ...): the upstream
             # gave up, as a reset would have, without saying so.
-            failure: ProxyError = UpstreamUnavailable(
+            incomplete = UpstreamIncomplete(
                 "The upstream ended the stream without its final event; this response is "
-                "incomplete.", code="upstream_incomplete",
+                "incomplete."
             )
-            await _fail_stream(request, resp, tap, translator, ex, watch, failure, at_boundary)
+            await _fail_stream(request, resp, tap, translator, ex, watch, incomplete,
+                               at_boundary)
         elif rest:
             watch.writing = perf()
             await resp.write(rest)
@@ -168,24 +150,14 @@ async def _relay_stream(
         # client went away, or was cut off for not reading.
         ex.client_left()
         tap.close()
-    except (TimeoutError, aiohttp.ClientError):
-        if watch.expired:
-            failure = UpstreamTimeout(
-                f"The upstream sent nothing for {watch.timeout:g} s (idle_timeout_s); this "
-                "response is incomplete.", code="idle_timeout",
-            )
-        else:
-            failure = UpstreamUnavailable(
-                "The upstream connection broke mid-stream; this response is incomplete.",
-                code="upstream_reset",
-            )
+    except (UpstreamTimeout, UpstreamUnavailable) as failure:
         await _fail_stream(request, resp, tap, translator, ex, watch, failure)
     except Exception:
         # Headers are out: no error response is possible any more, only an error event.
         log.exception("relaying stream %s failed", ex.request_id)
-        failure = ProxyError("The proxy failed while relaying this stream; it is incomplete.",
-                             code="internal")
-        await _fail_stream(request, resp, tap, translator, ex, watch, failure)
+        broken = ProxyError("The proxy failed while relaying this stream; it is incomplete.",
+                            code="internal")
+        await _fail_stream(request, resp, tap, translator, ex, watch, broken)
     return resp
 
 
