@@ -85,34 +85,6 @@ async def answer_class(response: aiohttp.ClientResponse) -> ErrorClass:
     return upstream_errors.classify(response.status, body)
 
 
-# Compatibility for the relay until it calls `answer_class` and `proxy.upstream_errors` itself;
-# each keeps its old behaviour, but for `status_class` (see there).
-
-
-def fallback_worthy(status: int) -> bool:
-    """Old form of `upstream_errors.fallback_worthy(classify(status))` (the same for every
-    status; the body is judged by `blames_request`)."""
-    return status in (408, 429) or status >= 500
-
-
-def request_fault(body: bytes) -> str | None:
-    """Old name of `upstream_errors.request_fault`."""
-    return upstream_errors.request_fault(body)
-
-
-async def blames_request(response: aiohttp.ClientResponse) -> bool:
-    """Old form of `upstream_errors.blames_request(status, await answer_class(response))`."""
-    if response.status < 500:
-        return False
-    return upstream_errors.blames_request(response.status, await answer_class(response))
-
-
-def status_class(status: int) -> ErrorClass:
-    """The fallback reason of an HTTP answer whose body was judged already; `answer_class`
-    replaces it. It used to be `status_408` for a 408: that is `upstream_timeout` now."""
-    return upstream_errors.classify(status)
-
-
 class LatencyTracker:
     """Recent upstream TTFTs per (upstream, route pattern): a bounded set of keys, since both
     come from the configuration, never from a client."""
