@@ -41,7 +41,7 @@ from proxy.store import MemoryStore, Store
 from proxy.store_redis import RedisStore
 from proxy.translators import TRANSLATORS
 from proxy.upstream import Router, client_response_headers, upstream_request_headers
-from proxy.watchdog import WATCHDOG, Watchdog, watchdog_ctx
+from proxy.watchdog import Watchdog
 
 log = logging.getLogger("tokenmeter")
 
@@ -84,9 +84,9 @@ async def _errors(
 
 async def _models(request: web.Request) -> web.StreamResponse:
     """GET /v1/models: the upstreams' own lists; with one upstream, its bytes unchanged."""
-    runtime = request.app[st.RUNTIME_HOLDER].current
+    runtime = request.app[st.SERVICES].runtime.current
     principal = runtime.users.authenticate(request)  # same keys as every other endpoint
-    session = request.app[st.SESSION]
+    session = request.app[st.SERVICES].http.session
     upstreams = list(runtime.router.upstreams.values())
     merged: list[object] = []
     failures = 0
@@ -124,7 +124,7 @@ _MAIN_APP = web.AppKey("main_app", web.Application)
 
 def _metrics_handler(main: web.Application) -> Callable[[web.Request], Awaitable[web.Response]]:
     async def metrics(request: web.Request) -> web.Response:
-        token = main[st.RUNTIME_HOLDER].current.config.metrics.token
+        token = main[st.SERVICES].runtime.current.config.metrics.token
         if token is not None:
             given = request.headers.get("Authorization", "")
             # Compared as digests: constant time, whatever the lengths.
@@ -135,7 +135,7 @@ def _metrics_handler(main: web.Application) -> Callable[[web.Request], Awaitable
                 raise AuthenticationFailed(
                     "/metrics needs `Authorization: Bearer <metrics.token>`.", code="invalid_token"
                 )
-        body = generate_latest(main[st.METRICS].registry)
+        body = generate_latest(main[st.SERVICES].metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     return metrics
@@ -157,9 +157,9 @@ async def _healthz(request: web.Request) -> web.Response:
 async def _readyz(request: web.Request) -> web.Response:
     """Readiness: a configuration is loaded and the store answers, or the policy is fail_open
     (requests are then served without budgets, which beats refusing them all)."""
-    runtime = request.app[st.RUNTIME_HOLDER].current
+    runtime = request.app[st.SERVICES].runtime.current
     policy = runtime.config.store.on_error
-    budget = request.app[st.BUDGET]
+    budget = request.app[st.SERVICES].budget
     if not await budget.probe():
         ready = policy == "fail_open"
         return web.json_response(
@@ -177,7 +177,6 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     async with aiohttp.ClientSession(
         connector=connector, auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None)
     ) as session:
-        app[st.SESSION] = session
         app[st.SERVICES].http.started(session)
         yield
         app[st.SERVICES].http.started(None)
@@ -186,13 +185,13 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _discover_models(app: web.Application) -> AsyncIterator[None]:
     """Learn model names the upstreams serve, so `model` labels can name them (a bounded set
     that clients cannot grow). Best effort and in the background: startup never waits on it."""
-    runtime = app[st.RUNTIME_HOLDER].current
+    runtime = app[st.SERVICES].runtime.current
     if not runtime.config.metrics.discover_models:
         yield
         return
 
     async def discover() -> None:
-        session = app[st.SESSION]
+        session = app[st.SERVICES].http.session
         for upstream in runtime.router.upstreams.values():
             try:
                 async with session.get(
@@ -213,16 +212,24 @@ async def _discover_models(app: web.Application) -> AsyncIterator[None]:
     task.cancel()
 
 
+async def _watchdog_ctx(app: web.Application) -> AsyncIterator[None]:
+    task = asyncio.create_task(app[st.SERVICES].watchdog.run())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 async def _drain_settling(app: web.Application) -> AsyncIterator[None]:
     yield
-    pending = set(app[st.SETTLING].tasks)
+    pending = set(app[st.SERVICES].settling.tasks)
     if pending:
         await asyncio.wait(pending, timeout=10)
 
 
 async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
-    budget = app[st.BUDGET]
-    holder = app[st.RUNTIME_HOLDER]
+    budget = app[st.SERVICES].budget
+    holder = app[st.SERVICES].runtime
 
     async def maintain() -> None:
         # Probe the store, replay what the spool holds once it answers, renew the leases of
@@ -273,7 +280,7 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
 
 def _watch_ctx(path: Path) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        holder = app[st.RUNTIME_HOLDER]
+        holder = app[st.SERVICES].runtime
 
         from proxy.reload import keep_running_store
 
@@ -284,9 +291,9 @@ def _watch_ctx(path: Path) -> Callable[[web.Application], AsyncIterator[None]]:
             holder.current = build_runtime(config)
             # Names learned from the upstreams at start stay allowed as labels.
             holder.current.router.add_model_labels(previous.router.discovered)
-            app[st.METRICS].info.set(1 if holder.current.open_mode else 0)
+            app[st.SERVICES].metrics.info.set(1 if holder.current.open_mode else 0)
 
-        watcher = ConfigWatcher(path, apply, app[st.METRICS])
+        watcher = ConfigWatcher(path, apply, app[st.SERVICES].metrics)
         app[st.WATCHER] = watcher
         task = asyncio.create_task(watcher.run())
         yield
@@ -307,31 +314,25 @@ def create_app(
         middlewares=[_errors], client_max_size=int(config.server.max_body_mb * 1024 * 1024)
     )
     runtime = build_runtime(config)
-    app[st.RUNTIME_HOLDER] = st.RuntimeHolder(runtime)
+    holder = st.RuntimeHolder(runtime)
     metrics = Metrics()
     metrics.info.set(1 if runtime.open_mode else 0)
-    app[st.METRICS] = metrics
-    app[st.SETTLING] = st.Settling()
-    holder = app[st.RUNTIME_HOLDER]
+    http = st.HttpClient()
     notifier = Notifier(
         metrics,
         thresholds=lambda: holder.current.config.alerts.thresholds,
         webhook_url=lambda: holder.current.config.alerts.webhook_url,
-        session=lambda: app.get(st.SESSION),
+        session=lambda: http.session if http.running else None,
     )
     spool_dir = Path(config.store.spool_dir) if config.store.spool_dir else default_dir()
-    app[st.BUDGET] = Budget(store or make_store(config, clock), metrics, notifier, clock,
-                            Spool(spool_dir))
-    app[WATCHDOG] = Watchdog()
-    app[st.LATENCY] = LatencyTracker()
-    app[st.RNG] = random.Random()
+    budget = Budget(store or make_store(config, clock), metrics, notifier, clock,
+                    Spool(spool_dir))
     app[st.SERVICES] = st.Services(
-        runtime=holder, metrics=metrics, budget=app[st.BUDGET], http=st.HttpClient(),
-        latency=app[st.LATENCY], rng=app[st.RNG], settling=app[st.SETTLING],
-        watchdog=app[WATCHDOG],
+        runtime=holder, metrics=metrics, budget=budget, http=http, latency=LatencyTracker(),
+        rng=random.Random(), settling=st.Settling(), watchdog=Watchdog(),
     )
     app.cleanup_ctx.extend(
-        [_session_ctx, _store_ctx, watchdog_ctx, _discover_models, _drain_settling]
+        [_session_ctx, _store_ctx, _watchdog_ctx, _discover_models, _drain_settling]
     )
     if config_path is not None:
         app.cleanup_ctx.append(_watch_ctx(config_path))

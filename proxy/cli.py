@@ -129,7 +129,7 @@ async def _serve(
         port = config.server.port if port is None else port
         app = create_app(config, config_path=config_path)
         # One guard for the API and metrics ports: one connection count, one fd budget.
-        metrics = app[st.METRICS]
+        metrics = app[st.SERVICES].metrics
         guard = ConnectionGuard(
             ListenerLimits.from_config(config.server, fd_limit),
             on_event=lambda event: metrics.connections_closed.labels(event.value).inc(),

@@ -51,12 +51,6 @@ class RuntimeHolder:
         self.current = runtime
 
 
-RUNTIME_HOLDER = web.AppKey("runtime_holder", RuntimeHolder)
-METRICS = web.AppKey("metrics", Metrics)
-BUDGET = web.AppKey("budget", Budget)
-SESSION = web.AppKey("session", aiohttp.ClientSession)
-LATENCY = web.AppKey("latency", LatencyTracker)
-RNG = web.AppKey("rng", random.Random)  # retry jitter; tests may seed it
 
 
 class Settling:
@@ -84,7 +78,6 @@ class Settling:
             await self._changed.wait()
 
 
-SETTLING = web.AppKey("settling", Settling)
 WATCHER = web.AppKey("watcher", ConfigWatcher)
 
 
@@ -104,6 +97,10 @@ class HttpClient:
 
     def started(self, session: aiohttp.ClientSession | None) -> None:
         self._session = session
+
+    @property
+    def running(self) -> bool:
+        return self._session is not None
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,10 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import aiohttp
-from aiohttp import web
 
 SWEEP_SECONDS = 0.1
 
@@ -88,14 +87,3 @@ class Watchdog:
         while True:
             await asyncio.sleep(SWEEP_SECONDS)
             self.sweep()
-
-
-WATCHDOG = web.AppKey("watchdog", Watchdog)
-
-
-async def watchdog_ctx(app: web.Application) -> AsyncIterator[None]:
-    task = asyncio.create_task(app[WATCHDOG].run())
-    yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task

@@ -244,7 +244,7 @@ class Stack:  # made by the `stack` and `make_stack` fixtures (conftest.py)
         return c
 
     async def settled(self, count: int) -> None:
-        await self.app[st.SETTLING].wait_for(count)
+        await self.app[st.SERVICES].settling.wait_for(count)
 
     async def metrics(self) -> Samples:
         return await scrape(self.proxy)

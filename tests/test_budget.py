@@ -99,8 +99,8 @@ async def test_concurrent_streams_never_exceed_quota(
         assert isinstance(body, dict) and body["type"] == "insufficient_quota"
     # Every response has ended, and settling precedes the end of a response, so the store now
     # holds exactly what the upstream reported.
-    budget = proxies[0].app[st.BUDGET]
-    runtime = proxies[0].app[st.RUNTIME_HOLDER].current
+    budget = proxies[0].app[st.SERVICES].budget
+    runtime = proxies[0].app[st.SERVICES].runtime.current
     key = lim.daily_key(
         runtime.config.store.prefix, "alice", "daily_tokens",
         datetime.fromtimestamp(budget.clock(), ZoneInfo("UTC")).strftime("%Y%m%d"),
@@ -172,7 +172,7 @@ async def test_concurrency_limit(make_proxy: Factory, upstream: TestServer) -> N
             err = (await second.json())["error"]
             assert err["code"] == "concurrency_limit_exceeded"
         first.close()
-        await proxy.app[st.SETTLING].wait_for(2)
+        await proxy.app[st.SERVICES].settling.wait_for(2)
         async with s.post(url, json=body, headers=auth) as third:
             assert third.status == 200
             await third.read()

@@ -308,7 +308,7 @@ async def test_a_keys_concurrency_counts_its_own_requests_within_its_users(
         assert await _hold(s, proxy, OTHER_KEY) == 429
     async with aiohttp.ClientSession() as s:
         # Closing the first session settled all three.
-        await proxy.app[st.SETTLING].wait_for(4)
+        await proxy.app[st.SERVICES].settling.wait_for(4)
         assert await _hold(s, proxy, CI_KEY) == 200
         assert await _hold(s, proxy, CI_KEY) == 200
         assert await _hold(s, proxy, CI_KEY) == 429  # the key's own two
@@ -349,8 +349,8 @@ async def test_a_client_that_hangs_up_mid_reserve_leaves_nothing_in_flight(
             with pytest.raises(asyncio.CancelledError):
                 await task
         await r.execute_command("CLIENT", "UNPAUSE")
-        await proxy.app[st.SETTLING].wait_for(1)
-        budget = proxy.app[st.BUDGET]
+        await proxy.app[st.SERVICES].settling.wait_for(1)
+        budget = proxy.app[st.SERVICES].budget
 
         async def released() -> bool:
             await budget.drain_background()
@@ -384,7 +384,7 @@ async def test_a_timed_out_reserve_under_fail_closed_is_released(
         assert err.value.status_code == 503
         await r.execute_command("CLIENT", "UNPAUSE")
         # The paused script ran after the proxy gave up on it: its reservation is in Redis.
-        budget = proxy.app[st.BUDGET]
+        budget = proxy.app[st.SERVICES].budget
         assert await budget.probe()
         assert await budget.replay() == 0  # the release the proxy owed
         assert await r.zcard("tokenmeter:{alice}:inflight") == 0
@@ -412,7 +412,7 @@ async def test_a_stalled_store_costs_one_timeout_not_two_per_request(
     config = make_config(str(upstream.make_url("/v1")), store={"url": redis_url, "timeout_ms": 200},
                          users={"alice": {"keys": [ALICE_KEY], "daily_tokens": 100000}})
     proxy = await aiohttp_server(create_app(config))
-    budget = proxy.app[st.BUDGET]
+    budget = proxy.app[st.SERVICES].budget
     # However slow this machine, no second request may try the store within this test: the
     # background probe alone may find it back.
     budget.health.trial_every_s = 3600
@@ -471,7 +471,7 @@ async def test_usage_replayed_after_an_outage_sends_the_quota_notice(
         "  timeout_ms: 5000\n", "  timeout_ms: 200\n"
     )
     proxy = await aiohttp_server(create_app(parse_config(text)))
-    budget = proxy.app[st.BUDGET]
+    budget = proxy.app[st.SERVICES].budget
     budget.health.trial_every_s = 3600
     client = sdk(proxy, ALICE_KEY)
     await paused_redis.execute_command("CLIENT", "PAUSE", "60000", "WRITE")

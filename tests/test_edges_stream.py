@@ -40,7 +40,6 @@ from proxy.translators import (
     Translator,
     parse_body,
 )
-from proxy.watchdog import WATCHDOG
 from tests.helpers import ServerFactory, config_for, sample, scrape, until
 
 MESSAGES: Any = [{"role": "user", "content": "Count slowly for me."}]
@@ -60,7 +59,7 @@ async def proxy_for(aiohttp_server: ServerFactory, config: Config) -> TestServer
 
 
 async def settled(server: TestServer, count: int) -> None:
-    await server.app[st.SETTLING].wait_for(count)
+    await server.app[st.SERVICES].settling.wait_for(count)
 
 
 def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
@@ -275,7 +274,7 @@ async def test_client_that_pauses_reading_gets_its_whole_stream(
         assert r.status == 200
         await asyncio.sleep(2.5)  # the scenario itself: a client that stops reading
         # The proxy is (and, with buffers this small, was all along) waiting on the client.
-        assert proxy.app[WATCHDOG].waiting_on_clients() == 1
+        assert proxy.app[st.SERVICES].watchdog.waiting_on_clients() == 1
         raw = await r.read()
     events = _sse_events(raw)
     assert events[-1] == b"data: [DONE]"

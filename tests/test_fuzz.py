@@ -109,7 +109,7 @@ users:
         self.thread.join(10)
 
     async def _snapshot(self) -> Snapshot:
-        metrics = self.app[pst.METRICS].registry
+        metrics = self.app[pst.SERVICES].metrics.registry
         reported = requests = total = 0.0
         for family in metrics.collect():
             for s in family.samples:
@@ -119,13 +119,13 @@ users:
                         reported += s.value
                 elif s.name == "tokenmeter_requests_total":
                     requests += s.value
-        store: Store = self.app[pst.BUDGET].store
+        store: Store = self.app[pst.SERVICES].budget.store
         (alice,) = await read_usage(
-            self.config, store, today(self.config, self.app[pst.BUDGET].clock())
+            self.config, store, today(self.config, self.app[pst.SERVICES].budget.clock())
         )
         mock = self.mock[MOCK_STATE]
         return Snapshot(
-            settled=self.app[pst.SETTLING].completed,
+            settled=self.app[pst.SERVICES].settling.completed,
             upstream_requests=len(mock.requests),
             upstream_usage=mock.reported["prompt_tokens"] + mock.reported["completion_tokens"],
             recorded_reported=int(reported),
@@ -138,7 +138,7 @@ users:
         return self.run(self._snapshot())
 
     def wait_settled(self, count: int) -> None:
-        self.run(asyncio.wait_for(self.app[pst.SETTLING].wait_for(count), 5))
+        self.run(asyncio.wait_for(self.app[pst.SERVICES].settling.wait_for(count), 5))
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ def sdk(server: TestServer, key: str = "sk-unused") -> openai.AsyncOpenAI:
 
 
 async def settled(server: TestServer, count: int) -> None:
-    await server.app[st.SETTLING].wait_for(count)
+    await server.app[st.SERVICES].settling.wait_for(count)
 
 
 @pytest.fixture

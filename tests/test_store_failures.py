@@ -45,8 +45,8 @@ def _config_text(
 
 async def _daily(app_server: TestServer) -> int:
     app = app_server.app
-    config = app[st.RUNTIME_HOLDER].current.config
-    budget = app[st.BUDGET]
+    config = app[st.SERVICES].runtime.current.config
+    budget = app[st.SERVICES].budget
     (row,) = await read_usage(config, budget.store, today(config, budget.clock()))
     return row.tokens
 
@@ -75,7 +75,7 @@ async def test_fail_open_serves_through_an_outage_and_catches_up(
         assert r.status == 200 and (await r.json())["status"] == "degraded"
 
     own_redis.start()
-    budget = proxy.app[st.BUDGET]
+    budget = proxy.app[st.SERVICES].budget
     # What the background loop does every second:
     assert await budget.probe()
     assert await budget.replay() == 0
@@ -106,7 +106,7 @@ async def test_fail_closed_refuses_then_recovers(
     async with aiohttp.ClientSession() as s, s.get(proxy.make_url("/readyz")) as r:
         assert r.status == 503
     own_redis.start()
-    assert await proxy.app[st.BUDGET].probe()  # what the background loop does every second
+    assert await proxy.app[st.SERVICES].budget.probe()  # what the background loop does every second
     resp = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
     assert resp.choices[0].message.content
     m = await scrape(proxy)
@@ -183,7 +183,7 @@ async def test_after_a_redis_restart_no_stale_connection_fails_again(
     own_redis.stop()
     await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
     own_redis.start()
-    budget = proxy.app[st.BUDGET]
+    budget = proxy.app[st.SERVICES].budget
     assert await budget.probe()
     before = sample(await scrape(proxy), "tokenmeter_store_errors_total")
     await asyncio.gather(*(client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
