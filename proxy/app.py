@@ -291,7 +291,7 @@ def _watch_ctx(path: Path) -> Callable[[web.Application], AsyncIterator[None]]:
             holder.current = build_runtime(config)
             # Names learned from the upstreams at start stay allowed as labels.
             holder.current.router.add_model_labels(previous.router.discovered)
-            app[st.SERVICES].metrics.info.set(1 if holder.current.open_mode else 0)
+            app[st.SERVICES].metrics.open_mode(holder.current.open_mode)
 
         watcher = ConfigWatcher(path, apply, app[st.SERVICES].metrics)
         app[st.WATCHER] = watcher
@@ -316,7 +316,7 @@ def create_app(
     runtime = build_runtime(config)
     holder = st.RuntimeHolder(runtime)
     metrics = Metrics()
-    metrics.info.set(1 if runtime.open_mode else 0)
+    metrics.open_mode(runtime.open_mode)
     http = st.HttpClient()
     notifier = Notifier(
         metrics,

@@ -119,7 +119,7 @@ class Budget:
             raise self._refusal(user, plan, entries, result)
         reservation = Reservation(res_id, user, plan, prompt, output, result.used, stored=True)
         self._active[res_id] = reservation
-        self.metrics.budget_reserved.labels(user).inc(prompt + output)
+        self.metrics.budget_reserved(user, prompt + output)
         self._update_gauges(user, plan.windows, result.used)
         return reservation
 
@@ -150,13 +150,13 @@ class Budget:
     def _refusal(self, user: str, plan: lim.Plan, entries: tuple[Entry, ...],
                  result: ReserveResult) -> Refused:
         if result.refused_in_flight is not None:
-            self.metrics.budget_refusals.labels(user, "max_concurrent_requests").inc()
+            self.metrics.budget_refused(user, "max_concurrent_requests")
             return Refused(Refusal(user, plan.windows, result.used, None, 0,
                                    plan.in_flight[result.refused_in_flight]))
         refused = result.refused_entry
         assert refused is not None
         window = plan.windows[refused]
-        self.metrics.budget_refusals.labels(user, window.name).inc()
+        self.metrics.budget_refused(user, window.name)
         return Refused(Refusal(user, plan.windows, result.used, window, entries[refused].amount,
                                None))
 
@@ -173,7 +173,7 @@ class Budget:
         reserved = reservation.prompt_tokens + reservation.output_cap
         if reservation.stored:
             over = max(0, reserved - usage.total_tokens)
-            self.metrics.budget_overreserved.labels(reservation.user).inc(over)
+            self.metrics.budget_overreserved(reservation.user, over)
         await self._settle(reservation, entries, usage.total_tokens)
 
     async def release(self, reservation: Reservation) -> None:
@@ -182,7 +182,7 @@ class Budget:
         self._active.pop(reservation.res_id, None)
         if reservation.stored:
             reserved = reservation.prompt_tokens + reservation.output_cap
-            self.metrics.budget_overreserved.labels(reservation.user).inc(reserved)
+            self.metrics.budget_overreserved(reservation.user, reserved)
             await self._settle(reservation, _zero(reservation.plan), 0)
 
     async def _settle(self, reservation: Reservation, entries: tuple[Entry, ...],
@@ -249,18 +249,16 @@ class Budget:
                 self.spool.add(slot, entries, tokens, now, charge.notice, charge.user)
         except OSError as exc:
             # The one loss left: no store and no disk. Loud, with what was lost.
-            self.metrics.settlements_lost.inc()
-            self.metrics.settlement_tokens_lost.inc(tokens)
+            self.metrics.settlement_lost(tokens)
             log.error("LOST a settlement of %d tokens for %s: the store is down and the spool "
                       "cannot be written (%s)", tokens, slot, exc)
             return
-        self.metrics.settlements_spooled.inc()
+        self.metrics.settlement_spooled()
         self._backlog()
 
     def _backlog(self) -> None:
         count, tokens = self.spool.pending() if self.spool is not None else (0, 0)
-        self.metrics.settle_backlog.set(count)
-        self.metrics.settle_backlog_tokens.set(tokens)
+        self.metrics.settle_backlog(count, tokens)
 
     async def probe(self) -> bool:
         """Ping the store and record the answer: every replica's gauge and health stay true
@@ -316,10 +314,7 @@ class Budget:
         for w, u in zip(windows, used, strict=True):
             if w.scope != "u":
                 continue
-            self.metrics.budget_used.labels(user, w.name).set(u)
-            if w.limit is not None:
-                self.metrics.budget_limit.labels(user, w.name).set(w.limit)
-                self.metrics.budget_remaining.labels(user, w.name).set(max(0, w.limit - u))
+            self.metrics.budget_state(user, w.name, u, w.limit)
 
     def active(self) -> Iterator[Reservation]:
         return iter(list(self._active.values()))

@@ -132,9 +132,9 @@ async def _serve(
         metrics = app[st.SERVICES].metrics
         guard = ConnectionGuard(
             ListenerLimits.from_config(config.server, fd_limit),
-            on_event=lambda event: metrics.connections_closed.labels(event.value).inc(),
+            on_event=lambda event: metrics.connection_closed(event.value),
         )
-        metrics.connections_open.set_function(lambda: guard.open)
+        metrics.connections_open(lambda: guard.open)
         runner, actual = await _start_site(app, host, port, config.server.drain_seconds, guard)
         runners.append(runner)
         base = f"http://{host}:{actual}/v1"

@@ -12,29 +12,8 @@ import time
 from bisect import bisect_left
 from dataclasses import dataclass
 
-# Upper bounds in seconds. Fine enough to tell 1 ms from 5 ms and 50 ms from 100 ms in TTFT.
-TTFT_BUCKETS: tuple[float, ...] = (
-    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
-    0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0,
-)
-# Time per output token from 50 us (14,000 tok/s: 71 us) to 100 ms (10 tok/s) and beyond;
-# 1.33 ms is 750 tok/s.
-TPOT_BUCKETS: tuple[float, ...] = (
-    0.00001, 0.000025, 0.00005, 0.000075, 0.0001, 0.00015, 0.0002, 0.0003, 0.0005, 0.00075,
-    0.001, 0.00133, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
-    0.25, 0.5, 1.0, 2.5,
-)
-DURATION_BUCKETS: tuple[float, ...] = (
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0,
-    300.0, 600.0,
-)
-OVERHEAD_BUCKETS: tuple[float, ...] = (
-    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
-)
-TOKENS_PER_SECOND_BUCKETS: tuple[float, ...] = (
-    5.0, 10.0, 25.0, 50.0, 75.0, 100.0, 150.0, 200.0, 300.0, 500.0, 750.0, 1000.0, 1500.0,
-    2000.0, 3000.0, 5000.0, 7500.0, 10000.0, 14000.0, 20000.0, 50000.0,
-)
+# The inter-chunk gaps are bucketed here, per request, on the metric's own bounds.
+from proxy.metrics import TPOT_BUCKETS
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,7 +56,7 @@ class Notifier:
             "limit": window.limit,
             "fraction": round(used / window.limit, 4),
         }
-        self._metrics.threshold_crossings.labels(user, f"{threshold:g}").inc()
+        self._metrics.threshold_crossed(user, threshold)
         log.warning(json.dumps(event, separators=(",", ":")))
         url, session = self._webhook_url(), self._session()
         if url and session is not None:

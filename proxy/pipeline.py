@@ -138,10 +138,10 @@ async def forward(request: web.Request, ctx: RequestContext, svc: Services,
         fallback_from = None
         if index:
             fallback_from = ctx.request_model
-            svc.metrics.fallbacks.labels(plan[index - 1].route.pattern, cand.model, reason).inc()
+            svc.metrics.fell_back(plan[index - 1].route.pattern, cand.model, reason)
         elif cand.model != ctx.request_model:  # the primary is slow: its fallback goes first
             fallback_from = ctx.request_model
-            svc.metrics.fallbacks.labels(ctx.route.pattern, cand.model, cand.reason).inc()
+            svc.metrics.fell_back(ctx.route.pattern, cand.model, cand.reason)
         result = await _try(request, ctx, svc, shape, cand, fallback_from, outcome,
                             last=index == len(plan) - 1)
         if isinstance(result, Attempt):
@@ -179,7 +179,7 @@ async def _try(
 
     def on_retry(u: Upstream, reason: ErrorClass) -> None:
         outcome.retried()
-        svc.metrics.retries.labels(u.name, reason).inc()
+        svc.metrics.retried(u.name, reason)
 
     outcome.meter.mark_upstream_start()
     # Streams have no total cap (idle time is watched instead); a JSON answer has one.

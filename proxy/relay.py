@@ -27,6 +27,7 @@ from proxy.errors import (
     stream_error_event,
 )
 from proxy.exceptions_map import Phase, map_upstream_exceptions
+from proxy.metrics import MeteringStage
 from proxy.state import Services
 from proxy.tap import StreamTap
 from proxy.translators import Translator
@@ -39,23 +40,21 @@ log = logging.getLogger("tokenmeter.relay")
 async def relay(request: web.Request, attempt: Attempt, svc: Services,
                 outcome: Outcome) -> web.StreamResponse:
     up, upstream = attempt.response, attempt.route.upstream
-    active = svc.metrics.active.labels(upstream.name)
-    active.inc()
     try:
-        if up.status == 200 and up.content_type == "text/event-stream":
-            runtime = outcome.runtime or svc.runtime.current
-            write_timeout = runtime.config.server.client_write_timeout_s
-            with svc.watchdog.watch(
-                up, upstream.idle_timeout_s, write_timeout=write_timeout,
-                abort_client=lambda: _client_timed_out(request, outcome, write_timeout),
-            ) as watch:
-                return await _relay_stream(request, attempt, svc, outcome, watch)
-        return await _relay_body(attempt, outcome)
+        with svc.metrics.relaying(upstream.name):
+            if up.status == 200 and up.content_type == "text/event-stream":
+                runtime = outcome.runtime or svc.runtime.current
+                write_timeout = runtime.config.server.client_write_timeout_s
+                with svc.watchdog.watch(
+                    up, upstream.idle_timeout_s, write_timeout=write_timeout,
+                    abort_client=lambda: _client_timed_out(request, outcome, write_timeout),
+                ) as watch:
+                    return await _relay_stream(request, attempt, svc, outcome, watch)
+            return await _relay_body(attempt, outcome)
     finally:
         # release(): a response read to its end returns its connection to the pool; one cut
         # short (client gone, error) has its connection closed, which ends the upstream request.
         up.release()
-        active.dec()
 
 
 def client_gone(request: web.Request) -> bool:
@@ -107,8 +106,8 @@ async def _relay_stream(
             raise
         ex.fail(ErrorClass.CLIENT_DISCONNECT, 499)
         return resp
-    errors = svc.metrics.metering_errors.labels("stream")
-    tap = StreamTap(translator, ex.meter, on_error=errors.inc)
+    tap = StreamTap(translator, ex.meter,
+                    on_error=svc.metrics.metering_failure_counter(MeteringStage.STREAM))
     feed, look = tap.feed, tap.look
     perf = time.perf_counter
     try:

@@ -101,7 +101,7 @@ class ConfigWatcher:
         if read is None:
             self._pending = None
             if forced:  # asked for by SIGHUP: say why nothing happened
-                self._metrics.config_reloads.labels("error").inc()
+                self._metrics.config_reloaded(ok=False)
                 log.error("configuration reload refused: cannot read %s", self.path)
             return Poll.MISSING
         data, snap = read
@@ -130,11 +130,11 @@ class ConfigWatcher:
                 raise ConfigError(f"{self.path}: not UTF-8: {exc.reason}") from None
             config = parse_config(text, str(self.path))
         except ConfigError as exc:
-            self._metrics.config_reloads.labels("error").inc()
+            self._metrics.config_reloaded(ok=False)
             log.error("configuration reload refused, the previous version keeps serving: %s", exc)
             return False
         self._apply(config)
-        self._metrics.config_reloads.labels("ok").inc()
+        self._metrics.config_reloaded(ok=True)
         log.info("configuration reloaded from %s", self.path)
         return True
 

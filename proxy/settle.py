@@ -10,7 +10,7 @@ import logging
 
 from proxy.accesslog import log_request
 from proxy.context import Settlement
-from proxy.metrics import RequestRecord
+from proxy.metrics import MeteringStage, RequestRecord
 from proxy.state import Services
 
 log = logging.getLogger("tokenmeter.settle")
@@ -41,15 +41,11 @@ async def settle(done: Settlement, svc: Services) -> None:
             fallback_from=done.fallback_from,
             attempts=done.attempts,
         )
-        metrics.observe(record)
+        metrics.record_request(record, runtime.price_for(model), done.meter.gap_buckets())
         if route is not None and route.latency is not None and figures.upstream_ttft is not None:
             svc.latency.observe(route, figures.upstream_ttft)
-        price = runtime.price_for(model)
-        if price is not None:
-            metrics.observe_cost(record, price.input, price.cached_input, price.output)
-        metrics.observe_gaps(record, done.meter.gap_buckets())
         log_request(record)
     except Exception:
         # Loud, never silent: a request whose usage we could not record is a billing hole.
-        metrics.metering_errors.labels("settle").inc()
+        metrics.metering_failed(MeteringStage.SETTLE)
         log.exception("failed to settle request %s", done.request_id)

@@ -38,8 +38,7 @@ class StoreHealth:
         self._skipped: Counter[str] = Counter()
 
     def failed(self, op: str, exc: StoreError) -> None:
-        self._metrics.store_errors.labels(op).inc()
-        self._metrics.store_up.set(0)
+        self._metrics.store_failed(op)
         self._failed_at = self._clock()
         if self.up:
             self.up = False
@@ -50,9 +49,9 @@ class StoreHealth:
             self._errors[op] += 1
 
     def ok(self, op: str, started: float | None = None) -> None:
-        if started is not None:
-            self._metrics.store_latency.labels(op).observe(time.perf_counter() - started)
-        self._metrics.store_up.set(1)
+        self._metrics.store_answered(
+            op, None if started is None else time.perf_counter() - started
+        )
         if not self.up:
             self.up = True
             log.warning("budget store answers again after %.1f s%s", self._clock()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.meter import TPOT_BUCKETS, RequestMeter
+from proxy.meter import RequestMeter
+from proxy.metrics import TPOT_BUCKETS
 
 
 def _meter() -> RequestMeter:
