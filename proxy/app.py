@@ -119,9 +119,6 @@ async def _models(request: web.Request) -> web.StreamResponse:
     return web.json_response({"object": "list", "data": merged})
 
 
-_MAIN_APP = web.AppKey("main_app", web.Application)
-
-
 def _metrics_handler(main: web.Application) -> Callable[[web.Request], Awaitable[web.Response]]:
     async def metrics(request: web.Request) -> web.Response:
         token = main[st.SERVICES].runtime.current.config.metrics.token
@@ -144,7 +141,6 @@ def _metrics_handler(main: web.Application) -> Callable[[web.Request], Awaitable
 def create_metrics_app(main: web.Application) -> web.Application:
     """/metrics alone, for `metrics.port`: a listener that the firewall can keep private."""
     app = web.Application(middlewares=[_errors])
-    app[_MAIN_APP] = main
     app.router.add_get("/metrics", _metrics_handler(main))
     return app
 

@@ -49,9 +49,6 @@ class UserIndex:
                 )
         self._passthrough_labels: set[str] = set()
 
-    def __contains__(self, key_hash: str) -> bool:
-        return key_hash in self._by_hash
-
     def authenticate(self, request: web.Request) -> Principal:
         if self.mode == "open":
             return self._open

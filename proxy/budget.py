@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from proxy import limits as lim
@@ -316,8 +316,6 @@ class Budget:
                 continue
             self.metrics.budget_state(user, w.name, u, w.limit)
 
-    def active(self) -> Iterator[Reservation]:
-        return iter(list(self._active.values()))
 
 
 @dataclass(frozen=True, slots=True)

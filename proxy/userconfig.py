@@ -103,9 +103,6 @@ class Limits(_Model):
     max_output_tokens: int | None = Field(default=None, ge=1)
 
 
-LIMIT_FIELDS: tuple[str, ...] = tuple(Limits.model_fields)
-
-
 class KeyConfig(Limits):
     """A key with a name (shown in logs and usable in Redis keys) and its own limits."""
 
