@@ -13,9 +13,12 @@ from typing import Any, Protocol
 import aiohttp
 import openai
 import pytest
+import redis.asyncio as aioredis
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
+from redis.typing import KeyT
 
 from proxy import state as st
 from proxy.config import Config, parse_config
@@ -28,7 +31,8 @@ BOB_KEY = "sk-bob-0123456789"
 CI_KEY = "sk-alice-ci-0123456789"
 CLIENT_KEY = "sk-client-secret-1234"
 UPSTREAM_KEY = "sk-upstream-secret-5678"
-MESSAGES: Any = [{"role": "user", "content": "count to three"}]
+# Typed as the SDK's message params, so `create(..., stream=True)` picks its streaming overload.
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "count to three"}]
 
 
 def sdk(server: TestServer, key: str = CLIENT_KEY) -> openai.AsyncOpenAI:
@@ -203,6 +207,16 @@ async def until(
             if result:
                 return
             await asyncio.sleep(every)
+
+
+# --- redis -------------------------------------------------------------------------------------
+
+
+async def redis_int(r: aioredis.Redis, key: KeyT) -> int:
+    """The integer a Redis string key holds; a missing key fails (it must exist by then)."""
+    value = await r.get(key)
+    assert value is not None, f"no value at {key!r}"
+    return int(value)
 
 
 # --- the plain stack ----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import os
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,16 +33,16 @@ def mock_settings() -> MockSettings:
     return MockSettings(tokens_per_second=750, ttft_ms=20, output_tokens=32)
 
 
-async def mock_url(aiohttp_server: ServerFactory, **settings: object) -> str:
-    server = await aiohttp_server(create_mock_app(MockSettings(**settings)))  # type: ignore[arg-type]
+async def mock_url(aiohttp_server: ServerFactory, **settings: Any) -> str:
+    server = await aiohttp_server(create_mock_app(MockSettings(**settings)))
     return str(server.make_url("/v1"))
 
 
-def config(url: str, **kw: object) -> BenchConfig:
+def config(url: str, **kw: Any) -> BenchConfig:
     headers = kw.pop("headers", {})
     spec = kw.pop("spec", RequestSpec(model=MODEL, max_tokens=None))
-    base = dict(endpoints=[Endpoint(url, "mock", None, headers)], spec=spec, warmup=1)  # type: ignore[arg-type]
-    return BenchConfig(**{**base, **kw})  # type: ignore[arg-type]
+    base = dict(endpoints=[Endpoint(url, "mock", None, headers)], spec=spec, warmup=1)
+    return BenchConfig(**{**base, **kw})
 
 
 async def test_reports_the_known_ttft_speed_and_output_length(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from typing import Any
 
 import pytest
 
@@ -22,10 +23,10 @@ from proxy.bench.workload import generate_prompt, poisson_arrivals
 from proxy.tokenizer import count_text
 
 
-def ok(ttft: float, e2e: float, tokens: int, **kw: object) -> RequestResult:
+def ok(ttft: float, e2e: float, tokens: int, **kw: Any) -> RequestResult:
     return RequestResult(endpoint="a", load=1, prompt_tokens=8, start=0.0, ok=True, ttft=ttft,
                          e2e=e2e, usage_output_tokens=tokens, local_output_tokens=tokens,
-                         **kw)  # type: ignore[arg-type]
+                         **kw)
 
 
 def test_percentile_interpolates_between_closest_ranks() -> None:

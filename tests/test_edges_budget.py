@@ -32,6 +32,7 @@ from tests.helpers import (
     ServerFactory,
     budget_yaml,
     make_config,
+    redis_int,
     sample,
     scrape,
     sdk,
@@ -337,7 +338,7 @@ async def test_a_client_that_hangs_up_mid_reserve_leaves_nothing_in_flight(
     proxy = await _proxy(aiohttp_server, str(upstream.make_url("/v1")), redis_url, users)
     r = aioredis.Redis.from_url(redis_url)
     try:
-        await r.execute_command("CLIENT", "PAUSE", "3000", "WRITE")  # scripts wait
+        await r.client_pause(3000, all=False)  # scripts wait
         async with aiohttp.ClientSession() as s:
             task = asyncio.ensure_future(s.post(
                 proxy.make_url("/v1/chat/completions"),
@@ -348,7 +349,7 @@ async def test_a_client_that_hangs_up_mid_reserve_leaves_nothing_in_flight(
             task.cancel()  # the client hangs up while its reserve is in flight
             with pytest.raises(asyncio.CancelledError):
                 await task
-        await r.execute_command("CLIENT", "UNPAUSE")
+        await r.client_unpause()
         await proxy.app[st.SERVICES].settling.wait_for(1)
         budget = proxy.app[st.SERVICES].budget
 
@@ -362,7 +363,7 @@ async def test_a_client_that_hangs_up_mid_reserve_leaves_nothing_in_flight(
         assert ok.usage is not None  # on main: refused for the lease's 60 s
         await client.close()
     finally:
-        await r.execute_command("CLIENT", "UNPAUSE")
+        await r.client_unpause()
         await r.aclose()
 
 
@@ -378,11 +379,11 @@ async def test_a_timed_out_reserve_under_fail_closed_is_released(
     client = sdk(proxy, ALICE_KEY)
     r = aioredis.Redis.from_url(redis_url)
     try:
-        await r.execute_command("CLIENT", "PAUSE", "1500", "WRITE")
+        await r.client_pause(1500, all=False)
         with pytest.raises(openai.InternalServerError) as err:
             await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
         assert err.value.status_code == 503
-        await r.execute_command("CLIENT", "UNPAUSE")
+        await r.client_unpause()
         # The paused script ran after the proxy gave up on it: its reservation is in Redis.
         budget = proxy.app[st.SERVICES].budget
         assert await budget.probe()
@@ -391,7 +392,7 @@ async def test_a_timed_out_reserve_under_fail_closed_is_released(
         ok = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
         assert ok.usage is not None  # on main: refused for the lease's 60 s
     finally:
-        await r.execute_command("CLIENT", "UNPAUSE")
+        await r.client_unpause()
         await r.aclose()
         await client.close()
 
@@ -401,7 +402,7 @@ async def test_a_timed_out_reserve_under_fail_closed_is_released(
 async def paused_redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
     r = aioredis.Redis.from_url(redis_url)
     yield r
-    await r.execute_command("CLIENT", "UNPAUSE")
+    await r.client_unpause()
     await r.aclose()
 
 
@@ -417,7 +418,7 @@ async def test_a_stalled_store_costs_one_timeout_not_two_per_request(
     # background probe alone may find it back.
     budget.health.trial_every_s = 3600
     client = sdk(proxy, ALICE_KEY)
-    await paused_redis.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
+    await paused_redis.client_pause(60000, all=False)
     usages = []
     for _ in range(20):
         r = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
@@ -434,12 +435,12 @@ async def test_a_stalled_store_costs_one_timeout_not_two_per_request(
     errors = [rec for rec in caplog.records
               if rec.name.startswith("tokenmeter") and rec.levelname == "ERROR"]
     assert len(errors) == 1, [e.getMessage() for e in errors]  # on main: 40 lines
-    await paused_redis.execute_command("CLIENT", "UNPAUSE")
+    await paused_redis.client_unpause()
     assert await budget.probe() and await budget.replay() == 0
     m = await scrape(proxy)
     assert sample(m, "tokenmeter_settle_backlog") == 0
     day = [k for k in await paused_redis.keys("tokenmeter:{alice}:u:daily_tokens:*")]
-    assert len(day) == 1 and int(await paused_redis.get(day[0])) == sum(usages)
+    assert len(day) == 1 and await redis_int(paused_redis, day[0]) == sum(usages)
     await client.close()
 
 
@@ -451,7 +452,7 @@ async def test_an_idle_replica_reports_the_store_down(
                          users={"alice": {"keys": [ALICE_KEY]}})
     proxy = await aiohttp_server(create_app(config))
     assert sample(await scrape(proxy), "tokenmeter_store_up") == 1
-    await paused_redis.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
+    await paused_redis.client_pause(60000, all=False)
     async with aiohttp.ClientSession() as s, s.get(proxy.make_url("/readyz")) as resp:
         assert (await resp.json())["store"] == "unreachable"
     # The same probe that answered /readyz set the gauge (on main it stayed 1 on a replica
@@ -474,7 +475,7 @@ async def test_usage_replayed_after_an_outage_sends_the_quota_notice(
     budget = proxy.app[st.SERVICES].budget
     budget.health.trial_every_s = 3600
     client = sdk(proxy, ALICE_KEY)
-    await paused_redis.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
+    await paused_redis.client_pause(60000, all=False)
     served = 0
     while served < 60:  # past half of the quota, all of it while the store cannot count
         r = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
@@ -482,7 +483,7 @@ async def test_usage_replayed_after_an_outage_sends_the_quota_notice(
         served += r.usage.total_tokens
     m = await scrape(proxy)
     assert sample(m, "tokenmeter_budget_threshold_crossings_total", user="alice") == 0
-    await paused_redis.execute_command("CLIENT", "UNPAUSE")
+    await paused_redis.client_unpause()
     assert await budget.probe() and await budget.replay() == 0
     m = await scrape(proxy)
     assert sample(m, "tokenmeter_budget_threshold_crossings_total", user="alice",

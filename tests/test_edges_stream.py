@@ -23,6 +23,7 @@ import openai
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from openai.types.chat import ChatCompletionMessageParam
 
 from proxy import state as st
 from proxy import tokenizer
@@ -42,7 +43,7 @@ from proxy.translators import (
 )
 from tests.helpers import ServerFactory, config_for, sample, scrape, until
 
-MESSAGES: Any = [{"role": "user", "content": "Count slowly for me."}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Count slowly for me."}]
 
 
 def mock_of(server: TestServer) -> MockState:

@@ -75,7 +75,7 @@ class Servers:
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         self.runners.append(runner)
-        return int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+        return int(runner.addresses[0][1])
 
     async def _start(self) -> None:
         self.mock = create_mock_app(MockSettings(tokens_per_second=0, ttft_ms=0, output_tokens=8))

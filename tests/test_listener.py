@@ -20,6 +20,7 @@ import openai
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from openai.types.chat import ChatCompletionMessageParam
 
 from proxy.app import create_app
 from proxy.cli import _start_site
@@ -37,7 +38,7 @@ from tests.servers import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
-MESSAGES = [{"role": "user", "content": "hi"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 # A request head that never ends (no blank line): what a slowloris client sends.
 PARTIAL_HEAD = (
     b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -121,7 +122,7 @@ def _assert_error(raw: bytes, status: int, code: str, type_: str) -> None:
 async def _legit(port: int) -> str:
     async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1",
                                   api_key="sk-client-secret-1234", max_retries=0) as client:
-        r = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)  # type: ignore[arg-type]
+        r = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
     content = r.choices[0].message.content
     assert content
     return content

@@ -25,6 +25,7 @@ from proxy.mock_upstream import (
     generated_text,
 )
 from proxy.tokenizer import count_text
+from tests.helpers import read_until
 
 Client = TestClient[web.Request, web.Application]
 MakeClient = Callable[..., Awaitable[Client]]
@@ -400,9 +401,8 @@ async def test_stall_without_handler_cancellation() -> None:
             b"x-mock-stall-after: 2\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
         )
         await writer.drain()
-        data = b""
-        while data.count(b"data: ") < 3:
-            data += await reader.read(65536)
+        # Up to the stall; an early EOF fails at once (a bare read loop would spin on b"").
+        await read_until(reader, lambda data: data.count(b"data: ") >= 3)
         writer.close()
         await writer.wait_closed()
         await asyncio.wait_for(app[MOCK_STATE].requests[-1].closed.wait(), 5)

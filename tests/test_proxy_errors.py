@@ -11,6 +11,7 @@ import aiohttp
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
+from openai.types.chat import ChatCompletionMessageParam
 
 from proxy.app import create_app
 from proxy.mock_upstream import generated_text
@@ -24,7 +25,7 @@ from tests.helpers import (
     scrape,
 )
 
-MESSAGES = [{"role": "user", "content": "hi"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 
 
 def _assert_openai_error(body: dict[str, object], code: str | None = None) -> dict[str, object]:
@@ -99,7 +100,7 @@ async def test_upstream_errors_pass_through_and_are_classified(
             assert await r.read() == direct  # the upstream's error body, unchanged
     with pytest.raises(exc):
         await stack.client().chat.completions.create(
-            model="mock-gpt", messages=MESSAGES, extra_headers=headers  # type: ignore[arg-type]
+            model="mock-gpt", messages=MESSAGES, extra_headers=headers
         )
     m = await stack.metrics()
     assert sample(m, "tokenmeter_requests_total", status=status, error_class=error_class) == 2
@@ -131,7 +132,7 @@ async def test_stalled_stream_times_out_and_keeps_tokens(short_idle_stack: Stack
     stack = short_idle_stack
     client = stack.client()
     stream = await client.chat.completions.create(
-        model="mock-gpt", messages=MESSAGES, stream=True,  # type: ignore[arg-type]
+        model="mock-gpt", messages=MESSAGES, stream=True,
         extra_headers={"x-mock-stall-after": "5"},
     )
     got = ""
@@ -151,7 +152,7 @@ async def test_stalled_stream_times_out_and_keeps_tokens(short_idle_stack: Stack
 async def test_reset_mid_stream_is_mirrored_and_counted(stack: Stack) -> None:
     client = stack.client()
     stream = await client.chat.completions.create(
-        model="mock-gpt", messages=MESSAGES, stream=True,  # type: ignore[arg-type]
+        model="mock-gpt", messages=MESSAGES, stream=True,
         extra_headers={"x-mock-reset-after": "7"},
     )
     got = ""

@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from openai.types.chat import ChatCompletionMessageParam
 
 from proxy import mock_tokens, tokenizer
 from proxy.app import create_app
@@ -16,7 +17,9 @@ from tests.helpers import ServerFactory, Stack, config_for, sample, scrape
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-MESSAGES = [{"role": "user", "content": "Tell me a secret prompt text 8472."}]
+MESSAGES: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "Tell me a secret prompt text 8472."}
+]
 
 
 def _normalise(raw: bytes) -> bytes:
@@ -59,7 +62,7 @@ async def test_stream_with_client_usage_is_passed_through_unchanged(stack: Stack
 async def test_sdk_streaming_chat_is_metered(stack: Stack) -> None:
     client = stack.client()
     stream = await client.chat.completions.create(
-        model="mock-gpt", messages=MESSAGES, stream=True  # type: ignore[arg-type]
+        model="mock-gpt", messages=MESSAGES, stream=True
     )
     chunks = [c async for c in stream]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -101,7 +104,7 @@ async def test_sdk_usage_matches_upstream_report_with_details(stack: Stack) -> N
 async def test_ttft_matches_upstream_delay(stack: Stack) -> None:
     client = stack.client()
     stream = await client.chat.completions.create(
-        model="mock-gpt", messages=MESSAGES, stream=True,  # type: ignore[arg-type]
+        model="mock-gpt", messages=MESSAGES, stream=True,
         extra_headers={"x-mock-ttft-ms": "120", "x-mock-tokens-per-second": "500"},
     )
     async for _ in stream:
@@ -121,7 +124,7 @@ async def test_ttft_matches_upstream_delay(stack: Stack) -> None:
 async def test_non_streaming_chat(stack: Stack) -> None:
     client = stack.client()
     resp = await client.chat.completions.create(
-        model="mock-gpt", messages=MESSAGES, max_tokens=7  # type: ignore[arg-type]
+        model="mock-gpt", messages=MESSAGES, max_tokens=7
     )
     assert resp.choices[0].message.content == generated_text(7)
     assert resp.usage is not None and resp.usage.completion_tokens == 7
@@ -172,7 +175,7 @@ async def test_completions_and_embeddings(stack: Stack) -> None:
 async def test_no_upstream_usage_is_estimated_with_tiktoken(stack: Stack) -> None:
     client = stack.client()
     stream = await client.chat.completions.create(
-        model="mock-gpt", messages=MESSAGES, stream=True,  # type: ignore[arg-type]
+        model="mock-gpt", messages=MESSAGES, stream=True,
         extra_headers={"x-mock-usage": "off"},
     )
     async for _ in stream:
@@ -194,7 +197,7 @@ async def test_no_upstream_usage_is_estimated_with_tiktoken(stack: Stack) -> Non
 async def test_headers_credentials_and_secrets(stack: Stack) -> None:
     client = stack.client(api_key="sk-client-secret-1234")
     await client.chat.completions.create(
-        model="mock-gpt", messages=MESSAGES,  # type: ignore[arg-type]
+        model="mock-gpt", messages=MESSAGES,
         extra_headers={"x-custom": "kept", "Connection": "keep-alive, x-hop", "x-hop": "dropped"},
     )
     seen = stack.mock.requests[-1].headers
@@ -212,7 +215,7 @@ async def test_headers_credentials_and_secrets(stack: Stack) -> None:
 async def test_model_label_is_bounded(stack: Stack) -> None:
     client = stack.client()
     await client.chat.completions.create(
-        model="client-made-up-model-123", messages=MESSAGES  # type: ignore[arg-type]
+        model="client-made-up-model-123", messages=MESSAGES
     )
     m = await stack.metrics()
     assert sample(m, "tokenmeter_requests_total", model="*") == 1

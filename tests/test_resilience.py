@@ -13,12 +13,12 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any
 
 import aiohttp
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
+from openai.types.chat import ChatCompletionMessageParam
 
 from proxy import state as st
 from proxy.app import create_app
@@ -26,7 +26,7 @@ from proxy.config import parse_config
 from proxy.mock_upstream import MOCK_STATE, MockSettings, MockState, create_mock_app, generated_text
 from tests.helpers import ServerFactory, config_for, sample, scrape, until
 
-MESSAGES: Any = [{"role": "user", "content": "hi"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 FAST_RETRY = {"initial_backoff_ms": 1, "max_backoff_ms": 5}
 ALICE = "sk-alice-resilience-0001"
 

@@ -11,6 +11,7 @@ import aiohttp
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
+from openai.types.chat import ChatCompletionMessageParam
 
 from proxy.app import create_app, create_metrics_app
 from proxy.cli import ClientErrorFilter
@@ -20,7 +21,9 @@ from tests.helpers import ServerFactory, sample, scrape
 
 CLIENT_KEY = "sk-client-secret-for-security-test"
 UPSTREAM_KEY = "sk-upstream-secret-for-security-test"
-MESSAGES: Any = [{"role": "user", "content": "a prompt that must not be logged"}]
+MESSAGES: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "a prompt that must not be logged"}
+]
 BODY = b'{"model":"mock-gpt","messages":[{"role":"user","content":"hi"}]}'
 
 

@@ -168,7 +168,7 @@ async def test_usage_owed_during_an_outage_survives_sigterm_and_restart(
     second: subprocess.Popen[str] | None = None
     try:
         await asyncio.to_thread(wait_for_port, port, 20.0)
-        total = 0
+        total: int = 0  # declared: the closure below would see the Any of resp.json()
         async with aiohttp.ClientSession() as s:
             async with s.post(url, json={"model": "mock-gpt", "messages": MESSAGES},
                               headers=auth) as resp:

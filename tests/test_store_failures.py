@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import openai
@@ -23,7 +23,16 @@ from proxy.app import create_app
 from proxy.config import parse_config
 from proxy.limits import daily_key
 from proxy.usage_report import read_usage, today
-from tests.helpers import ALICE_KEY, MESSAGES, ServerFactory, budget_yaml, sample, scrape, sdk
+from tests.helpers import (
+    ALICE_KEY,
+    MESSAGES,
+    ServerFactory,
+    budget_yaml,
+    redis_int,
+    sample,
+    scrape,
+    sdk,
+)
 from tests.servers import RedisServer, free_port, wait_for_port
 
 
@@ -144,11 +153,13 @@ async def test_killed_proxy_reservation_is_released(
             resp.close()
 
         inflight = "tokenmeter:{alice}:inflight"
-        ((_res_id, deadline_ms),) = await r.zrange(inflight, 0, -1, withscores=True)
+        scored = await r.zrange(inflight, 0, -1, withscores=True)
+        # withscores=True answers (member, score) pairs; the stub's return type is a union.
+        ((_res_id, deadline_ms),) = cast("list[tuple[bytes, float]]", scored)
         config = parse_config(text)
         key = daily_key("tokenmeter", "alice", "daily_tokens",
                         today(config, time.time()).strftime("%Y%m%d"))
-        assert int(await r.get(key)) > 50  # the dead request's worst case is still reserved
+        assert await redis_int(r, key) > 50  # the dead request's worst case is still reserved
 
         proxy = await aiohttp_server(create_app(config))
         client = sdk(proxy, ALICE_KEY)
@@ -161,7 +172,7 @@ async def test_killed_proxy_reservation_is_released(
         ok = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
         assert ok.usage is not None
         # The dead reservation was released: only the new request's usage is counted.
-        assert int(await r.get(key)) == ok.usage.total_tokens
+        assert await redis_int(r, key) == ok.usage.total_tokens
         assert await r.zcard(inflight) == 0
         await client.close()
     finally:

@@ -91,7 +91,10 @@ async def test_cost_from_price_table(aiohttp_server: ServerFactory, upstream: Te
     )
     assert r.usage is not None
     m = await scrape(proxy)
-    cost = lambda kind: sample(m, "tokenmeter_cost_usd_total", user="alice", type=kind)  # noqa: E731
+
+    def cost(kind: str) -> float:
+        return sample(m, "tokenmeter_cost_usd_total", user="alice", type=kind)
+
     assert cost("input") == pytest.approx((r.usage.prompt_tokens - 4) * 2.5 / 1e6)
     assert cost("cached_input") == pytest.approx(4 * 1.25 / 1e6)
     assert cost("output") == pytest.approx(r.usage.completion_tokens * 10 / 1e6)

@@ -6,12 +6,8 @@ from datetime import datetime
 from zoneinfo import ZoneInfo
 
 from proxy import limits as lim
+from proxy.refusals import rate_limit_headers
 from proxy.userconfig import Policy, UserConfig
-
-try:  # the lead is moving refusal rendering out of budget.py
-    from proxy.refusals import rate_limit_headers
-except ImportError:  # pragma: no cover
-    from proxy.budget import rate_limit_headers  # type: ignore[attr-defined,no-redef]
 
 
 def test_headers_for_limited_windows_only() -> None:
