@@ -514,16 +514,16 @@ LOOP_LEAVES = ("Runner.run (asyncio/runners.py", "select (selectors.py")
 PROFILE_FUNCTIONS: tuple[tuple[str, str], ...] = (
     ("loop, no Python frame (idle/native)", ""),
     ("UserIndex.authenticate", "UserIndex.authenticate (proxy/auth.py"),
-    ("Budget.reserve (sync part)", "Budget.reserve (proxy/budget.py"),
-    ("  limits.plan", "plan (proxy/limits.py"),
-    ("  prompt estimate (tiktoken)", "_estimate (proxy/pipeline.py"),
+    ("Budget.reserve (sync part)", "Budget.reserve (proxy/budget/accounting.py"),
+    ("  limits.plan", "plan (proxy/budget/limits.py"),
+    ("  prompt estimate (tiktoken)", "_estimate (proxy/pipeline/handler.py"),
     ("    tiktoken encode_batch", "Encoding.encode_batch (tiktoken"),
-    ("  store.reserve (sync part)", "Store.reserve (proxy/store"),
+    ("  store.reserve (sync part)", "Store.reserve (proxy/budget/store"),
     ("redis-py (reserve + settle)", "(redis/"),
-    ("Budget.settle (sync part)", "Budget.settle (proxy/budget.py"),
-    ("rate_limit_headers", "rate_limit_headers (proxy/refusals.py"),
-    ("relay: _relay_stream", "_relay_stream (proxy/relay.py"),
-    ("settle (metrics, log)", "settle (proxy/settle.py"),
+    ("Budget.settle (sync part)", "Budget.settle (proxy/budget/accounting.py"),
+    ("rate_limit_headers", "rate_limit_headers (proxy/budget/refusals.py"),
+    ("relay: _relay_stream", "_relay_stream (proxy/pipeline/relay.py"),
+    ("settle (metrics, log)", "settle (proxy/pipeline/settle.py"),
 )
 
 

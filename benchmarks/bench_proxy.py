@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -200,7 +200,8 @@ def process_tree(pid: int) -> list[int]:
         fields = _stat_fields(int(entry))
         if fields is not None:
             children.setdefault(int(fields[1]), []).append(int(entry))
-    out, todo = [], [pid]
+    out: list[int] = []
+    todo = [pid]
     while todo and len(out) < 1000:
         p = todo.pop()
         out.append(p)
@@ -1034,7 +1035,7 @@ def _add_targets(results: dict[str, Any]) -> None:
 def execute(
     args: argparse.Namespace,
     plan: Any,
-    run_fn: Callable[..., Awaitable[dict[str, Any]]],
+    run_fn: Callable[..., Coroutine[Any, Any, dict[str, Any]]],
     report_fn: Callable[[dict[str, Any]], str],
     prefix: str,
     finish: Callable[[dict[str, Any]], None] | None = None,

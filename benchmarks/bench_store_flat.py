@@ -18,7 +18,7 @@ import argparse
 import asyncio
 import time
 
-from proxy.store import Entry, InFlightLimit, MemoryStore
+from proxy.budget.store import Entry, InFlightLimit, MemoryStore
 
 
 async def run(requests: int) -> list[float]:

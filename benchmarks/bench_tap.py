@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 import time
 
-from proxy.meter import RequestMeter
-from proxy.tap import StreamTap
-from proxy.translators import ChatTranslator, parse_body
+from proxy.protocol.tap import StreamTap
+from proxy.protocol.translators import ChatTranslator, parse_body
+from proxy.telemetry.meter import RequestMeter
 
 BASE = {"id": "chatcmpl-AbCdEf1234567890", "object": "chat.completion.chunk",
         "created": 1733000000, "model": "gpt-4o-mini-2024-07-18",

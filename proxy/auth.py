@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from proxy.budget.limits import EffectiveLimits, effective_limits, unlimited
+from proxy.config.policy import Policy
 from proxy.errors import AuthenticationFailed
-from proxy.limits import EffectiveLimits, effective_limits, unlimited
-from proxy.userconfig import Policy
 
 DEFAULT_USER = "default"
 PASSTHROUGH_LABEL_LIMIT = 1000

@@ -18,15 +18,15 @@ from pathlib import Path
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from proxy import state as st
-from proxy.app import create_app, create_metrics_app
 from proxy.bench.cli import add_parser as add_bench_parser
 from proxy.bench.cli import run as run_bench
-from proxy.config import Config, ConfigError, load_config, single_upstream_config
-from proxy.listener import ConnectionGuard, GuardedSite, ListenerLimits, raise_fd_limit
-from proxy.store import StoreError
-from proxy.store_redis import RedisStore
-from proxy.usage_report import UserUsage, read_usage, render, today
+from proxy.budget.store import StoreError
+from proxy.budget.store_redis import RedisStore
+from proxy.config.load import Config, ConfigError, load_config, single_upstream_config
+from proxy.server import state as st
+from proxy.server.app import create_app, create_metrics_app
+from proxy.server.listener import ConnectionGuard, GuardedSite, ListenerLimits, raise_fd_limit
+from proxy.telemetry.usage_report import UserUsage, read_usage, render, today
 
 log = logging.getLogger("tokenmeter")
 
@@ -71,7 +71,7 @@ def setup_logging(level: str = "INFO") -> None:
 
 
 def _mock_settings(args: argparse.Namespace) -> object:
-    from proxy.mock_upstream import MockSettings
+    from proxy.testing.mock_upstream import MockSettings
 
     return MockSettings(
         tokens_per_second=args.tokens_per_second,
@@ -106,7 +106,7 @@ async def _start_site(
 
 
 async def _embedded_upstream(host: str) -> tuple[web.AppRunner, str]:
-    from proxy.mock_upstream import MockSettings, create_mock_app
+    from proxy.testing.mock_upstream import MockSettings, create_mock_app
 
     runner, port = await _start_site(create_mock_app(MockSettings()), host, 0)
     return runner, f"http://{host}:{port}/v1"
@@ -260,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         return run_bench(args)
     if args.command == "mock-upstream":
-        from proxy.mock_upstream import MockSettings, run_mock
+        from proxy.testing.mock_upstream import MockSettings, run_mock
 
         settings = _mock_settings(args)
         assert isinstance(settings, MockSettings)

@@ -13,9 +13,9 @@ import redis
 from aiohttp.test_utils import TestServer
 from hypothesis import HealthCheck, settings
 
-from proxy.app import create_app
-from proxy.config import Config
-from proxy.mock_upstream import MockSettings, create_mock_app
+from proxy.config.load import Config
+from proxy.server.app import create_app
+from proxy.testing.mock_upstream import MockSettings, create_mock_app
 from tests.helpers import ServerFactory, Stack, StackFactory, config_for
 from tests.servers import RedisServer
 

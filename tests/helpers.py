@@ -20,9 +20,9 @@ from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 from redis.typing import KeyT
 
-from proxy import state as st
-from proxy.config import Config, parse_config
-from proxy.mock_upstream import MOCK_STATE, MockState
+from proxy.config.load import Config, parse_config
+from proxy.server import state as st
+from proxy.testing.mock_upstream import MOCK_STATE, MockState
 
 ServerFactory = Callable[..., Coroutine[Any, Any, TestServer]]
 

@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 
-from proxy import mock_tokens
 from proxy.bench import BenchConfig, Endpoint, RequestSpec, run_bench
 from proxy.bench.plot import write_plot
 from proxy.bench.report import render, to_csv, to_json
 from proxy.bench.stats import parse_slo
 from proxy.bench.workload import PromptsFileError, load_prompts
 from proxy.cli import main
-from proxy.mock_upstream import MockSettings, create_mock_app
+from proxy.testing import mock_tokens
+from proxy.testing.mock_upstream import MockSettings, create_mock_app
 from tests.helpers import ServerFactory, Stack
 from tests.servers import free_port
 

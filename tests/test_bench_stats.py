@@ -20,7 +20,7 @@ from proxy.bench.stats import (
     tpot,
 )
 from proxy.bench.workload import generate_prompt, poisson_arrivals
-from proxy.tokenizer import count_text
+from proxy.protocol.tokenizer import count_text
 
 
 def ok(ttft: float, e2e: float, tokens: int, **kw: Any) -> RequestResult:

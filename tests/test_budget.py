@@ -14,10 +14,10 @@ import openai
 import pytest
 from aiohttp.test_utils import TestServer
 
-from proxy import limits as lim
-from proxy import state as st
-from proxy.app import create_app
-from proxy.mock_upstream import MockSettings
+from proxy.budget import limits as lim
+from proxy.server import state as st
+from proxy.server.app import create_app
+from proxy.testing.mock_upstream import MockSettings
 from tests.helpers import (
     ALICE_KEY,
     BOB_KEY,
@@ -179,7 +179,7 @@ async def test_concurrency_limit(make_proxy: Factory, upstream: TestServer) -> N
 
 
 async def test_output_cap_is_set_or_clamped(make_proxy: Factory, upstream: TestServer) -> None:
-    from proxy.mock_upstream import MOCK_STATE
+    from proxy.testing.mock_upstream import MOCK_STATE
 
     proxy = await make_proxy({"alice": {"keys": [ALICE_KEY], "max_output_tokens": 10}})
     client = sdk(proxy, ALICE_KEY)
@@ -257,7 +257,7 @@ async def test_per_model_limits(make_proxy: Factory) -> None:
 async def test_passthrough_meters_by_key_hash(
     aiohttp_server: ServerFactory, upstream: TestServer
 ) -> None:
-    from proxy.mock_upstream import MOCK_STATE
+    from proxy.testing.mock_upstream import MOCK_STATE
 
     config = make_config(str(upstream.make_url("/v1")), store="memory", extra={"mode": "passthrough"})
     proxy = await aiohttp_server(create_app(config))

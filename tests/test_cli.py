@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from proxy.mock_upstream import generated_text
+from proxy.testing.mock_upstream import generated_text
 
 
 def test_demo_quickstart_makes_a_metered_streaming_request() -> None:

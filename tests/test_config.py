@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from proxy.cli import main
-from proxy.config import ConfigError, load_config, parse_config
-from proxy.upstream import Router
+from proxy.config.load import ConfigError, load_config, parse_config
+from proxy.routing.upstream import Router
 
 GOOD = """
 upstreams:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config import ConfigError, load_config, parse_config
+from proxy.config.load import ConfigError, load_config, parse_config
 
 UPSTREAM = "upstreams:\n  a:\n    base_url: http://127.0.0.1:1/v1\n"
 BOOL_MSG = "must be a number, not a boolean"

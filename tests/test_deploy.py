@@ -35,10 +35,10 @@ from aiohttp.test_utils import TestServer
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from proxy.app import create_app
-from proxy.config import parse_config
-from proxy.mock_upstream import MockSettings, create_mock_app
-from proxy.userconfig import hash_key
+from proxy.config.load import parse_config
+from proxy.config.policy import hash_key
+from proxy.server.app import create_app
+from proxy.testing.mock_upstream import MockSettings, create_mock_app
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -574,7 +574,7 @@ def test_dockerfile_build_is_pinned_and_runtime_has_no_installer() -> None:
     assert re.search(r'find "\$site/bpe_openai" -mindepth 1 -maxdepth 1 ! -name data '
                      r"-exec rm -rf \{\} \+", build), build
     assert '"$site/bpe_openai/__init__.py"' in build
-    assert "from proxy.tokenizer import preload; preload()" in build
+    assert "from proxy.protocol.tokenizer import preload; preload()" in build
     assert build.index("preload()") > build.index("bpe_openai/__init__.py")
 
     # The runtime stage installs nothing and removes the base image's installers.

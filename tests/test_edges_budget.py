@@ -22,9 +22,9 @@ import redis.asyncio as aioredis
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from proxy import state as st
-from proxy.app import create_app
-from proxy.config import parse_config
+from proxy.config.load import parse_config
+from proxy.server import state as st
+from proxy.server.app import create_app
 from tests.helpers import (
     ALICE_KEY,
     CI_KEY,

@@ -25,14 +25,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from openai.types.chat import ChatCompletionMessageParam
 
-from proxy import state as st
-from proxy import tokenizer
-from proxy.app import create_app
-from proxy.config import Config, parse_config
-from proxy.meter import RequestMeter
-from proxy.mock_upstream import MOCK_STATE, MockSettings, MockState, create_mock_app, generated_text
-from proxy.tap import StreamTap
-from proxy.translators import (
+from proxy.config.load import Config, parse_config
+from proxy.protocol import tokenizer
+from proxy.protocol.tap import StreamTap
+from proxy.protocol.translators import (
     HOLD_BYTES,
     ChatTranslator,
     CompletionsTranslator,
@@ -40,6 +36,16 @@ from proxy.translators import (
     ResponsesTranslator,
     Translator,
     parse_body,
+)
+from proxy.server import state as st
+from proxy.server.app import create_app
+from proxy.telemetry.meter import RequestMeter
+from proxy.testing.mock_upstream import (
+    MOCK_STATE,
+    MockSettings,
+    MockState,
+    create_mock_app,
+    generated_text,
 )
 from tests.helpers import ServerFactory, config_for, sample, scrape, until
 
@@ -114,7 +120,7 @@ async def test_long_stream_holds_bounded_memory_and_estimates_exactly(
     counted exactly. usage-asked-never-sent: the proxy asked, the upstream sent none, so past a
     first exactly counted batch events are rated (the mock's tokens are one per event)."""
     n = 50_000
-    monkeypatch.setattr("proxy.app.TRANSLATORS", (_Recording,))
+    monkeypatch.setattr("proxy.server.app.TRANSLATORS", (_Recording,))
     _Recording.made.clear()
     opts = {} if asked else {"stream_usage": False}
     proxy = await proxy_for(aiohttp_server, config_for(str(upstream.make_url("/v1")), **opts))
@@ -208,7 +214,7 @@ def test_folding_counts_exactly_what_holding_would(
     assert folding.usage().source == "estimated"
     assert 0 < peak < 2 * HOLD_BYTES < sum(len(d) for d, _ in events)
 
-    monkeypatch.setattr("proxy.translators.HOLD_BYTES", 1 << 40)  # never fold: as it was
+    monkeypatch.setattr("proxy.protocol.translators.HOLD_BYTES", 1 << 40)  # never fold: as it was
     holding = _translator(shape, False)
     for data, name in events:
         holding.on_event(data, name)

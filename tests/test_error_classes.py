@@ -20,9 +20,8 @@ import yaml
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy import attempts
 from proxy.bench.client import BenchError, classify_status
-from proxy.config import RetryConfig
+from proxy.config.load import RetryConfig
 from proxy.errors import (
     BudgetExceeded,
     ConnectTimeout,
@@ -37,15 +36,16 @@ from proxy.errors import (
     UpstreamUnavailable,
     UpstreamUnreachable,
 )
-from proxy.exceptions_map import Phase, map_upstream_exceptions, upstream_failure
-from proxy.upstream import Upstream
-from proxy.upstream_errors import (
+from proxy.protocol.upstream_errors import (
     blames_request,
     classify,
     error_message,
     fallback_worthy,
     request_fault,
 )
+from proxy.routing import attempts
+from proxy.routing.exceptions_map import Phase, map_upstream_exceptions, upstream_failure
+from proxy.routing.upstream import Upstream
 
 ROOT = Path(__file__).resolve().parent.parent
 MEMBERS = frozenset(ErrorClass)
@@ -244,10 +244,15 @@ def test_budget_and_unknown_codes_stay_inside_the_set() -> None:
     assert ProxyError("m", code="no_such_code").error_class is ErrorClass.INTERNAL
 
 
-def test_the_classifier_imports_no_aiohttp() -> None:
+def test_the_protocol_layer_imports_no_aiohttp() -> None:
+    """proxy/protocol is sans-I/O: the classifier, the SSE decoder, the tap and the API shapes
+    import no aiohttp (so they can be reused, and unit-tested, without a network stack)."""
     out = subprocess.run(
         [sys.executable, "-c",
-         "import sys, proxy.upstream_errors; print('aiohttp' in sys.modules)"],
+         "import sys, pkgutil, importlib, proxy.protocol\n"
+         "for m in pkgutil.iter_modules(proxy.protocol.__path__, 'proxy.protocol.'):\n"
+         "    importlib.import_module(m.name)\n"
+         "print('aiohttp' in sys.modules)"],
         capture_output=True, text=True, check=True, cwd=ROOT, timeout=60,
     )
     assert out.stdout.strip() == "False"

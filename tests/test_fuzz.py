@@ -31,13 +31,13 @@ from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy import state as pst
-from proxy.app import create_app
+from proxy.budget.store import Store
 from proxy.cli import ClientErrorFilter
-from proxy.config import Config, parse_config
-from proxy.mock_upstream import MOCK_STATE, MockSettings, create_mock_app
-from proxy.store import Store
-from proxy.usage_report import read_usage, today
+from proxy.config.load import Config, parse_config
+from proxy.server import state as pst
+from proxy.server.app import create_app
+from proxy.telemetry.usage_report import read_usage, today
+from proxy.testing.mock_upstream import MOCK_STATE, MockSettings, create_mock_app
 
 T = TypeVar("T")
 KEY = "sk-fuzz-alice-0001"

@@ -22,17 +22,17 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from openai.types.chat import ChatCompletionMessageParam
 
-from proxy.app import create_app
 from proxy.cli import _start_site
-from proxy.config import parse_config
-from proxy.listener import (
+from proxy.config.load import parse_config
+from proxy.server.app import create_app
+from proxy.server.listener import (
     BODY_TIMED_OUT,
     ConnectionGuard,
     ListenerEvent,
     ListenerLimits,
     connection_budget,
 )
-from proxy.mock_upstream import MOCK_STATE
+from proxy.testing.mock_upstream import MOCK_STATE
 from tests.helpers import config_for
 from tests.servers import free_port
 

@@ -15,8 +15,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 from openai.types.chat import ChatCompletionMessageParam
 
-from proxy import mock_tokens
-from proxy.mock_upstream import (
+from proxy.protocol.tokenizer import count_text
+from proxy.testing import mock_tokens
+from proxy.testing.mock_upstream import (
     MOCK_STATE,
     WORDS,
     MockSettings,
@@ -24,7 +25,6 @@ from proxy.mock_upstream import (
     create_mock_app,
     generated_text,
 )
-from proxy.tokenizer import count_text
 from tests.helpers import read_until
 
 Client = TestClient[web.Request, web.Application]

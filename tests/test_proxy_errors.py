@@ -13,8 +13,8 @@ import pytest
 from aiohttp.test_utils import TestServer
 from openai.types.chat import ChatCompletionMessageParam
 
-from proxy.app import create_app
-from proxy.mock_upstream import generated_text
+from proxy.server.app import create_app
+from proxy.testing.mock_upstream import generated_text
 from tests.helpers import (
     ServerFactory,
     Stack,

@@ -10,9 +10,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from openai.types.chat import ChatCompletionMessageParam
 
-from proxy import mock_tokens, tokenizer
-from proxy.app import create_app
-from proxy.mock_upstream import MOCK_STATE, MockSettings, create_mock_app, generated_text
+from proxy.protocol import tokenizer
+from proxy.server.app import create_app
+from proxy.testing import mock_tokens
+from proxy.testing.mock_upstream import MOCK_STATE, MockSettings, create_mock_app, generated_text
 from tests.helpers import ServerFactory, Stack, config_for, sample, scrape
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

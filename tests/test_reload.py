@@ -12,11 +12,11 @@ import openai
 import pytest
 from aiohttp.test_utils import TestServer
 
-from proxy import reload as reload_mod
-from proxy import state as st
-from proxy.app import create_app
-from proxy.config import load_config, parse_config
-from proxy.reload import Poll
+from proxy.config.load import load_config, parse_config
+from proxy.server import reload as reload_mod
+from proxy.server import state as st
+from proxy.server.app import create_app
+from proxy.server.reload import Poll
 from tests.helpers import (
     ALICE_KEY,
     BOB_KEY,

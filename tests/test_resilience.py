@@ -20,10 +20,16 @@ import pytest
 from aiohttp.test_utils import TestServer
 from openai.types.chat import ChatCompletionMessageParam
 
-from proxy import state as st
-from proxy.app import create_app
-from proxy.config import parse_config
-from proxy.mock_upstream import MOCK_STATE, MockSettings, MockState, create_mock_app, generated_text
+from proxy.config.load import parse_config
+from proxy.server import state as st
+from proxy.server.app import create_app
+from proxy.testing.mock_upstream import (
+    MOCK_STATE,
+    MockSettings,
+    MockState,
+    create_mock_app,
+    generated_text,
+)
 from tests.helpers import ServerFactory, config_for, sample, scrape, until
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
@@ -388,7 +394,7 @@ async def test_slow_primary_is_skipped_while_its_ttft_p95_is_high(
 
 
 def test_fallbacks_must_be_routable() -> None:
-    from proxy.config import ConfigError
+    from proxy.config.load import ConfigError
 
     with pytest.raises(ConfigError, match="fallbacks: 'nowhere' matches no models"):
         parse_config("""

@@ -13,10 +13,10 @@ import pytest
 from aiohttp.test_utils import TestServer
 from openai.types.chat import ChatCompletionMessageParam
 
-from proxy.app import create_app, create_metrics_app
 from proxy.cli import ClientErrorFilter
-from proxy.config import parse_config
-from proxy.mock_upstream import MOCK_STATE, MockState
+from proxy.config.load import parse_config
+from proxy.server.app import create_app, create_metrics_app
+from proxy.testing.mock_upstream import MOCK_STATE, MockState
 from tests.helpers import ServerFactory, sample, scrape
 
 CLIENT_KEY = "sk-client-secret-for-security-test"

@@ -15,16 +15,16 @@ import aiohttp
 import redis.asyncio as aioredis
 from aiohttp.test_utils import TestServer
 
-from proxy.budget import Budget
-from proxy.config import parse_config
-from proxy.limits import daily_key
-from proxy.metrics import Metrics
-from proxy.notify import Notifier
-from proxy.spool import Spool
-from proxy.store import Entry, MemoryStore
-from proxy.translators import ChatTranslator, parse_body
-from proxy.usage import Usage
-from proxy.usage_report import today
+from proxy.budget.accounting import Budget
+from proxy.budget.limits import daily_key
+from proxy.budget.notify import Notifier
+from proxy.budget.spool import Spool
+from proxy.budget.store import Entry, MemoryStore
+from proxy.config.load import parse_config
+from proxy.protocol.translators import ChatTranslator, parse_body
+from proxy.protocol.usage import Usage
+from proxy.telemetry.metrics import Metrics
+from proxy.telemetry.usage_report import today
 from tests.helpers import ALICE_KEY, BOB_KEY, MESSAGES, budget_yaml
 from tests.servers import RedisServer, free_port, wait_for_port
 

@@ -8,7 +8,7 @@ import itertools
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from proxy.sse import Event, SSEDecoder
+from proxy.protocol.sse import Event, SSEDecoder
 
 STREAM = (
     b": keep-alive comment\n\n"

@@ -18,11 +18,11 @@ import pytest
 import redis.asyncio as aioredis
 from aiohttp.test_utils import TestServer
 
-from proxy import state as st
-from proxy.app import create_app
-from proxy.config import parse_config
-from proxy.limits import daily_key
-from proxy.usage_report import read_usage, today
+from proxy.budget.limits import daily_key
+from proxy.config.load import parse_config
+from proxy.server import state as st
+from proxy.server.app import create_app
+from proxy.telemetry.usage_report import read_usage, today
 from tests.helpers import (
     ALICE_KEY,
     MESSAGES,

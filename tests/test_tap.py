@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.meter import RequestMeter
-from proxy.tap import StreamTap
-from proxy.translators import ChatTranslator, EventFlag, parse_body
+from proxy.protocol.tap import StreamTap
+from proxy.protocol.translators import ChatTranslator, EventFlag, parse_body
+from proxy.telemetry.meter import RequestMeter
 
 
 def _chunk(delta: dict[str, object], finish: str | None = None) -> bytes:

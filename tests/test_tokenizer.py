@@ -4,7 +4,7 @@ import gzip
 
 import pytest
 
-from proxy import tokenizer
+from proxy.protocol import tokenizer
 
 
 def test_offline_encodings_match_known_ids() -> None:

@@ -11,9 +11,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from proxy.app import create_app
 from proxy.cli import main
-from proxy.config import load_config, parse_config
+from proxy.config.load import load_config, parse_config
+from proxy.server.app import create_app
 from tests.helpers import (
     ALICE_KEY,
     BOB_KEY,

@@ -22,9 +22,9 @@ import aiohttp
 from proxy.bench.stats import RequestResult
 from proxy.bench.workload import Prompt
 from proxy.errors import ErrorClass
-from proxy.sse import SSEDecoder
-from proxy.tokenizer import count_text
-from proxy.upstream_errors import classify, error_message
+from proxy.protocol.sse import SSEDecoder
+from proxy.protocol.tokenizer import count_text
+from proxy.protocol.upstream_errors import classify, error_message
 
 
 class BenchError(enum.StrEnum):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from proxy.tokenizer import count_text, encoding_name_for_model, get_encoding
+from proxy.protocol.tokenizer import count_text, encoding_name_for_model, get_encoding
 
 # Common English words; each, with its leading space, is one pre-token of the tokenizer's regex,
 # so a text made of them has exactly as many tokens as words once the multi-token ones are

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from proxy.attempts import backoff_s, retry_after_s
-from proxy.config import RetryConfig
+from proxy.config.load import RetryConfig
+from proxy.routing.attempts import backoff_s, retry_after_s
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from proxy.tokenizer import count_messages
+from proxy.protocol.tokenizer import count_messages
 
 # The cookbook's example_messages, verbatim: a system message, then few-shot examples given as
 # system messages with a `name`, then the user's message.

@@ -1,12 +1,12 @@
-"""proxy.limits.plan: which windows a request counts in, with explicit timestamps."""
+"""proxy.budget.limits.plan: which windows a request counts in, with explicit timestamps."""
 
 from __future__ import annotations
 
 from datetime import datetime
 from zoneinfo import ZoneInfo
 
-from proxy import limits as lim
-from proxy.userconfig import KeyConfig, Limits, Policy, UserConfig
+from proxy.budget import limits as lim
+from proxy.config.policy import KeyConfig, Limits, Policy, UserConfig
 
 UTC = ZoneInfo("UTC")
 

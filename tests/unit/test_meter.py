@@ -1,11 +1,11 @@
-"""proxy.meter.RequestMeter.figures, driven by explicit timestamps."""
+"""proxy.telemetry.meter.RequestMeter.figures, driven by explicit timestamps."""
 
 from __future__ import annotations
 
 import pytest
 
-from proxy.meter import RequestMeter
-from proxy.metrics import TPOT_BUCKETS
+from proxy.telemetry.meter import RequestMeter
+from proxy.telemetry.metrics import TPOT_BUCKETS
 
 
 def _meter() -> RequestMeter:

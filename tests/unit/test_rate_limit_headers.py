@@ -5,9 +5,9 @@ from __future__ import annotations
 from datetime import datetime
 from zoneinfo import ZoneInfo
 
-from proxy import limits as lim
-from proxy.refusals import rate_limit_headers
-from proxy.userconfig import Policy, UserConfig
+from proxy.budget import limits as lim
+from proxy.budget.refusals import rate_limit_headers
+from proxy.config.policy import Policy, UserConfig
 
 
 def test_headers_for_limited_windows_only() -> None:

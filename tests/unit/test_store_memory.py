@@ -1,8 +1,8 @@
-"""proxy.store.MemoryStore: reserve, settle, renew and reap, on a clock the test moves."""
+"""proxy.budget.store.MemoryStore: reserve, settle, renew and reap, on a clock the test moves."""
 
 from __future__ import annotations
 
-from proxy.store import Entry, InFlightLimit, MemoryStore
+from proxy.budget.store import Entry, InFlightLimit, MemoryStore
 from tests.helpers import FakeClock
 
 SLOT = "tm:{alice}"

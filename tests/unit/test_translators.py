@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from proxy.errors import InvalidRequest
-from proxy.translators import (
+from proxy.protocol.translators import (
     ChatTranslator,
     CompletionsTranslator,
     ParsedRequest,

@@ -1,4 +1,4 @@
-"""proxy.usage.parse_usage: both namings, their details, and garbage."""
+"""proxy.protocol.usage.parse_usage: both namings, their details, and garbage."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from proxy.usage import Usage, parse_usage
+from proxy.protocol.usage import Usage, parse_usage
 
 
 def test_chat_naming_with_details() -> None:

@@ -1,0 +1,345 @@
+"""Reserve a request's worst case before it goes upstream; settle it to the actual usage after.
+
+The reservation is prompt tokens (estimated with tiktoken, only when a token limit needs it) plus
+the output cap the proxy enforces on the request (all its choices). Concurrent requests therefore
+cannot push a user over a limit: each one holds its worst case until it settles. Store failures
+follow the configured policy (`fail_open` admits and meters, `fail_closed` refuses with 503);
+settlements the store cannot take go to the local spool and are replayed exactly once when it is
+back (`proxy.spool`), so usage is not lost to an outage, a shutdown or a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from proxy.auth import Principal
+from proxy.budget import limits as lim
+from proxy.budget.notify import Notifier
+from proxy.budget.refusals import Refusal, Refused
+from proxy.budget.spool import REPLAY_DONE_TTL_S, Spool
+from proxy.budget.store import DONE_TTL_S, Entry, ReserveResult, Store, StoreError
+from proxy.budget.store_health import StoreHealth
+from proxy.config.policy import Policy
+from proxy.errors import ServiceUnavailable
+from proxy.protocol.usage import Usage
+from proxy.telemetry.metrics import Metrics
+
+log = logging.getLogger("tokenmeter.budget")
+
+DEFAULT_OUTPUT_CAP = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    res_id: str
+    user: str
+    plan: lim.Plan
+    prompt_tokens: int
+    output_cap: int
+    used: tuple[int, ...]  # per window, after reserving; None-store admission: all zero
+    stored: bool  # False: admitted while the store was unreachable (fail_open)
+
+
+class Budget:
+    def __init__(self, store: Store, metrics: Metrics, notifier: Notifier,
+                 clock: Callable[[], float] = time.time, spool: Spool | None = None) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.notifier = notifier
+        self.clock = clock
+        self.health = StoreHealth(metrics)
+        self.spool = spool
+        self._active: dict[str, Reservation] = {}
+        self._background: set[asyncio.Task[None]] = set()
+
+    # --- reserve ------------------------------------------------------------------------
+    def plan(self, principal: Principal, model: str, policy: Policy) -> lim.Plan:
+        """The windows, concurrency limits and output cap that apply to a request now. Open
+        and pass-through modes meter without limiting: no cap, only unlimited windows."""
+        plan = lim.plan(policy, principal.user, principal.limits, model, self.clock())
+        if not principal.enforce:
+            return plan.unenforced()
+        return dataclasses.replace(plan, output_cap=plan.output_cap or DEFAULT_OUTPUT_CAP)
+
+    async def reserve(self, user: str, plan: lim.Plan, prompt: int, output: int,
+                      policy: Policy) -> Reservation:
+        """Hold `prompt + output` tokens (and the request) in every window of `plan`, or raise
+        `Refused` with what refused it. The store's failures follow `policy.store.on_error`."""
+        entries = tuple(
+            Entry(w.key, w.limit, lim.amount(w, prompt, output), w.ttl_s) for w in plan.windows
+        )
+        res_id = uuid.uuid4().hex
+        if self.store.in_process:  # never fails, never yields: nothing can cut it short
+            result = await self.store.reserve(
+                plan.slot, res_id, entries, plan.in_flight, policy.store.lease_seconds
+            )
+            return self._admitted(user, plan, entries, result, res_id, prompt, output)
+        # While the store is down, one request at a time tries it (and brings it back at once
+        # when it answers); the others go on without waiting for a timeout.
+        trial = not self.health.up
+        if trial and not self.health.begin_trial():
+            return self._unchecked(user, plan, prompt, output, policy)
+        started = time.perf_counter()
+        reserving = self.store.reserve(
+            plan.slot, res_id, entries, plan.in_flight, policy.store.lease_seconds
+        )
+        # Shielded: a client that hangs up must not leave a reservation behind whose reply
+        # nobody reads (it would block the user until its lease ran out); `_abandoned` gives
+        # back whatever the call turns out to have reserved. (A task costs a turn of the event
+        # loop, which is why the in-process store goes without.)
+        call = asyncio.ensure_future(reserving)
+        try:
+            result = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            call.add_done_callback(lambda t: self._abandoned(t, plan, res_id))
+            raise
+        except StoreError as exc:
+            self.health.failed("reserve", exc)
+            # The script may have run before the reply was lost: release its id when the
+            # store answers again; this request is settled under an id of its own.
+            self._settle_later(plan, res_id, _zero(plan), tokens=0, per_id=True)
+            return self._unchecked(user, plan, prompt, output, policy)
+        finally:
+            if trial:
+                self.health.end_trial()
+        self.health.ok("reserve", started)
+        return self._admitted(user, plan, entries, result, res_id, prompt, output)
+
+    def _admitted(self, user: str, plan: lim.Plan, entries: tuple[Entry, ...],
+                  result: ReserveResult, res_id: str, prompt: int, output: int) -> Reservation:
+        if not result.ok:
+            raise self._refusal(user, plan, entries, result)
+        reservation = Reservation(res_id, user, plan, prompt, output, result.used, stored=True)
+        self._active[res_id] = reservation
+        self.metrics.budget_reserved(user, prompt + output)
+        self._update_gauges(user, plan.windows, result.used)
+        return reservation
+
+    def _unchecked(self, user: str, plan: lim.Plan, prompt: int, output: int,
+                   policy: Policy) -> Reservation:
+        """The store is down: the policy decides at once."""
+        if policy.store.on_error == "fail_closed":
+            self.health.skipped("refused")
+            raise ServiceUnavailable(
+                "The budget store is unavailable and this proxy fails closed; retry shortly.",
+                headers={"Retry-After": "1"},
+            )
+        self.health.skipped("admitted")
+        return Reservation(uuid.uuid4().hex, user, plan, prompt, output,
+                           (0,) * len(plan.windows), stored=False)
+
+    def _abandoned(self, call: asyncio.Future[ReserveResult], plan: lim.Plan,
+                   res_id: str) -> None:
+        if call.cancelled():
+            self._settle_later(plan, res_id, _zero(plan), tokens=0, per_id=True)
+            return
+        exc = call.exception()
+        if isinstance(exc, StoreError):
+            self.health.failed("reserve", exc)
+        if exc is not None or call.result().ok:
+            self._settle_later(plan, res_id, _zero(plan), tokens=0, per_id=True)
+
+    def _refusal(self, user: str, plan: lim.Plan, entries: tuple[Entry, ...],
+                 result: ReserveResult) -> Refused:
+        if result.refused_in_flight is not None:
+            self.metrics.budget_refused(user, "max_concurrent_requests")
+            return Refused(Refusal(user, plan.windows, result.used, None, 0,
+                                   plan.in_flight[result.refused_in_flight]))
+        refused = result.refused_entry
+        assert refused is not None
+        window = plan.windows[refused]
+        self.metrics.budget_refused(user, window.name)
+        return Refused(Refusal(user, plan.windows, result.used, window, entries[refused].amount,
+                               None))
+
+    # --- settle -------------------------------------------------------------------------
+    async def settle(self, reservation: Reservation, usage: Usage) -> None:
+        """Never raises: what the store cannot take now goes to the spool."""
+        self._active.pop(reservation.res_id, None)
+        plan = reservation.plan
+        entries = tuple(
+            Entry(w.key, w.limit, lim.amount(w, usage.input_tokens, usage.output_tokens),
+                  w.ttl_s)
+            for w in plan.windows
+        )
+        reserved = reservation.prompt_tokens + reservation.output_cap
+        if reservation.stored:
+            over = max(0, reserved - usage.total_tokens)
+            self.metrics.budget_overreserved(reservation.user, over)
+        await self._settle(reservation, entries, usage.total_tokens)
+
+    async def release(self, reservation: Reservation) -> None:
+        """Give a reservation back whole, the request itself included: an upstream attempt
+        that produced nothing before a fallback took over. Never raises, like settle."""
+        self._active.pop(reservation.res_id, None)
+        if reservation.stored:
+            reserved = reservation.prompt_tokens + reservation.output_cap
+            self.metrics.budget_overreserved(reservation.user, reserved)
+            await self._settle(reservation, _zero(reservation.plan), 0)
+
+    async def _settle(self, reservation: Reservation, entries: tuple[Entry, ...],
+                      tokens: int) -> None:
+        plan = reservation.plan
+        charge = Charge(plan.slot, reservation.res_id, entries, tokens, reservation.stored,
+                        reservation.user, _notice_window(plan), plan.windows)
+        if not self.health.up:
+            self.health.skipped("spooled")
+            self._spool(charge)
+            return
+        with contextlib.suppress(StoreError):  # spooled by _apply
+            await self._apply(charge, DONE_TTL_S)
+
+    def _settle_later(self, plan: lim.Plan, res_id: str, entries: tuple[Entry, ...],
+                      tokens: int, per_id: bool) -> None:
+        """A settlement off the request's path (a release after an abandoned reserve)."""
+        charge = Charge(plan.slot, res_id, entries, tokens, per_id, "", None, None)
+        if not self.health.up:
+            self._spool(charge)
+            return
+
+        async def run() -> None:
+            with contextlib.suppress(StoreError):
+                await self._apply(charge, DONE_TTL_S)
+
+        task = asyncio.ensure_future(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _apply(self, charge: Charge, done_ttl_s: int) -> None:
+        """The one way a settlement reaches the store, live or replayed from the spool: apply
+        it, then the gauges and the quota notices. A failure marks the store down, spools the
+        charge (unless it came from the spool) and raises."""
+        started = time.perf_counter()
+        try:
+            used = await self.store.settle(charge.slot, charge.res_id, charge.entries,
+                                           done_ttl_s)
+        except StoreError as exc:
+            self.health.failed("settle", exc)
+            if done_ttl_s == DONE_TTL_S:
+                self._spool(charge)
+            raise
+        self.health.ok("settle", started)
+        if charge.windows is not None:
+            self._update_gauges(charge.user, charge.windows, used)
+        notice = charge.notice
+        if notice is not None:
+            keys = [e.key for e in charge.entries]
+            if notice.key in keys:
+                await self.notifier.check(self.store, charge.user, notice,
+                                          used[keys.index(notice.key)])
+
+    def _spool(self, charge: Charge) -> None:
+        now = self.clock()
+        slot, entries, tokens = charge.slot, charge.entries, charge.tokens
+        try:
+            if self.spool is None:
+                raise OSError("no spool is configured")
+            if charge.per_id:
+                self.spool.owe(slot, charge.res_id, entries, tokens, now, charge.notice,
+                               charge.user)
+            else:
+                self.spool.add(slot, entries, tokens, now, charge.notice, charge.user)
+        except OSError as exc:
+            # The one loss left: no store and no disk. Loud, with what was lost.
+            self.metrics.settlement_lost(tokens)
+            log.error("LOST a settlement of %d tokens for %s: the store is down and the spool "
+                      "cannot be written (%s)", tokens, slot, exc)
+            return
+        self.metrics.settlement_spooled()
+        self._backlog()
+
+    def _backlog(self) -> None:
+        count, tokens = self.spool.pending() if self.spool is not None else (0, 0)
+        self.metrics.settle_backlog(count, tokens)
+
+    async def probe(self) -> bool:
+        """Ping the store and record the answer: every replica's gauge and health stay true
+        even when it serves no traffic."""
+        started = time.perf_counter()
+        try:
+            await self.store.ping()
+        except StoreError as exc:
+            self.health.failed("ping", exc)
+            return False
+        self.health.ok("ping", started)
+        return True
+
+    async def replay(self) -> int:
+        """Apply what the spool holds, while the store takes it. Returns how many are left."""
+        if self.spool is None:
+            return 0
+        if self.health.up and self.spool.pending()[0]:
+            for owed in self.spool.take():
+                charge = Charge(owed.slot, owed.res_id, owed.entries(self.clock()), owed.tokens,
+                                True, owed.user, owed.notice, None)
+                try:
+                    await self._apply(charge, REPLAY_DONE_TTL_S)
+                except StoreError:
+                    break
+                self.spool.done(owed)
+                log.info("replayed a settlement of %d tokens for %s owed since a store failure",
+                         owed.tokens, owed.slot)
+        self._backlog()
+        return self.spool.pending()[0]
+
+    async def drain_background(self) -> None:
+        while self._background:
+            await asyncio.gather(*list(self._background))
+
+    async def renew_leases(self, lease_s: float) -> None:
+        if not self.health.up:
+            return
+        by_slot: dict[str, list[str]] = collections.defaultdict(list)
+        for r in self._active.values():
+            if r.stored:
+                by_slot[r.plan.slot].append(r.res_id)
+        for slot, ids in by_slot.items():
+            try:
+                await self.store.renew(slot, ids, lease_s)
+            except StoreError as exc:
+                self.health.failed("renew", exc)
+                return
+
+    # --- bookkeeping --------------------------------------------------------------------
+    def _update_gauges(self, user: str, windows: tuple[lim.Window, ...],
+                       used: tuple[int, ...]) -> None:
+        for w, u in zip(windows, used, strict=True):
+            if w.scope != "u":
+                continue
+            self.metrics.budget_state(user, w.name, u, w.limit)
+
+
+
+@dataclass(frozen=True, slots=True)
+class Charge:
+    """One settlement on its way to the store (or the spool)."""
+
+    slot: str
+    res_id: str
+    entries: tuple[Entry, ...]
+    tokens: int
+    per_id: bool  # replaces a reservation the store may hold; else a plain addition
+    user: str
+    notice: lim.Window | None  # the user's limited daily quota, for threshold notices
+    windows: tuple[lim.Window, ...] | None  # parallel to entries, for the gauges
+
+
+def _notice_window(plan: lim.Plan) -> lim.Window | None:
+    for w in plan.windows:
+        if w.name == "daily_tokens" and w.scope == "u" and w.limit:
+            return w
+    return None
+
+
+def _zero(plan: lim.Plan) -> tuple[Entry, ...]:
+    return tuple(Entry(w.key, w.limit, 0, w.ttl_s) for w in plan.windows)
+
+

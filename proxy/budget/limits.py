@@ -1,0 +1,173 @@
+"""Which budget windows apply to a request, and how much it reserves in each. Pure functions.
+
+A window is one counter in the store with an optional limit: a day (in the configured time zone)
+or a fixed clock minute, for one scope: the user, a key with its own limits, or the user's use of
+a group of models. Every storage key of a user carries the user's name as a Redis Cluster hash
+tag (`prefix:{alice}:...`), so one request's windows all live in one slot and one script call
+can check and update them atomically.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Literal
+from zoneinfo import ZoneInfo
+
+from proxy.budget.store import InFlightLimit
+from proxy.config.policy import KeyConfig, Limits, Policy, UserConfig
+
+Measure = Literal["total", "input", "output", "requests"]
+
+_WINDOWS: tuple[tuple[str, Measure, bool], ...] = (
+    # name, what it counts, daily (else per minute)
+    ("daily_tokens", "total", True),
+    ("daily_input_tokens", "input", True),
+    ("daily_output_tokens", "output", True),
+    ("tokens_per_minute", "total", False),
+    ("requests_per_minute", "requests", False),
+)
+_DAILY_RETENTION_S = 8 * 86400  # `tokenmeter usage --date` can look a week back
+
+
+@dataclass(frozen=True, slots=True)
+class EffectiveLimits:
+    """A user's limits as seen through one of their keys. The user's limits are the ceiling for
+    all of its keys together; a key with limits of its own is counted on its own counters too,
+    so its limits can only narrow the user's, never widen them."""
+
+    user: dict[str, int | None]  # the user's own limits (or the defaults)
+    key: dict[str, int | None]  # the key's own limits; empty when it has none
+    key_scope: str | None  # "k.<key name or hash prefix>" when the key has limits of its own
+    model_limits: tuple[tuple[str, Limits], ...]
+
+    @property
+    def output_cap(self) -> int | None:
+        caps = [c for c in (self.user.get("max_output_tokens"), self.key.get("max_output_tokens"))
+                if c is not None]
+        return min(caps) if caps else None
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    name: str
+    scope: str
+    key: str
+    limit: int | None
+    measure: Measure
+    resets_at: float  # epoch seconds
+    ttl_s: int
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    slot: str  # the user's hash-tagged key prefix
+    windows: tuple[Window, ...]
+    in_flight: tuple[InFlightLimit, ...]  # the user's first, always: it holds every reservation
+    output_cap: int | None
+
+    @property
+    def needs_prompt_estimate(self) -> bool:
+        return any(w.limit is not None and w.measure in ("total", "input") for w in self.windows)
+
+    def unenforced(self) -> Plan:
+        """Metered without limits (open and pass-through modes): only the unlimited windows."""
+        return Plan(self.slot, tuple(w for w in self.windows if w.limit is None),
+                    (InFlightLimit("u", None),), None)
+
+
+def effective_limits(
+    user: UserConfig | None, key: KeyConfig | None, defaults: Limits, key_scope: str | None
+) -> EffectiveLimits:
+    own: dict[str, int | None] = {}
+    for field in Limits.model_fields:
+        u = getattr(user, field) if user is not None else None
+        own[field] = u if u is not None else getattr(defaults, field)
+    key_values: dict[str, int | None] = {}
+    if key is not None and key_scope is not None:
+        key_values = {f: getattr(key, f) for f in Limits.model_fields
+                      if getattr(key, f) is not None}
+    models = tuple(user.model_limits.items()) if user is not None else ()
+    scope = f"k.{key_scope}" if key_values else None
+    return EffectiveLimits(own, key_values, scope, models)
+
+
+def unlimited(defaults: Limits) -> EffectiveLimits:
+    """Open and pass-through modes: metered, never limited (but the output cap still applies)."""
+    values: dict[str, int | None] = dict.fromkeys(Limits.model_fields)
+    values["max_output_tokens"] = defaults.max_output_tokens
+    return EffectiveLimits(values, {}, None, ())
+
+
+def _day(now: float, tz: ZoneInfo) -> tuple[str, float]:
+    local = datetime.fromtimestamp(now, tz)
+    # Wall-clock arithmetic on an aware datetime: next local midnight, DST days included.
+    midnight = datetime(local.year, local.month, local.day, tzinfo=tz) + timedelta(days=1)
+    return local.strftime("%Y%m%d"), midnight.timestamp()
+
+
+def slot_for(prefix: str, user: str) -> str:
+    return f"{prefix}:{{{user}}}"
+
+
+def daily_key(prefix: str, user: str, name: str, day: str) -> str:
+    return f"{slot_for(prefix, user)}:u:{name}:{day}"
+
+
+def plan(
+    policy: Policy, user: str, limits: EffectiveLimits, model: str, now: float
+) -> Plan:
+    tz = ZoneInfo(policy.timezone)
+    day, day_end = _day(now, tz)
+    minute = math.floor(now / 60)
+    minute_end = (minute + 1) * 60.0
+    slot = slot_for(policy.store.prefix, user)
+    windows: dict[tuple[str, str], Window] = {}
+
+    def add(name: str, measure: Measure, daily: bool, scope: str, limit: int | None) -> None:
+        stamp = day if daily else str(minute)
+        resets = day_end if daily else minute_end
+        ttl = int(resets - now) + (_DAILY_RETENTION_S if daily else 60)
+        windows[(scope, name)] = Window(
+            name, scope, f"{slot}:{scope}:{name}:{stamp}", limit, measure, resets, ttl
+        )
+
+    # The user's daily totals are always counted, limited or not: they are what `usage` reports.
+    for name, measure, daily in _WINDOWS:
+        if daily:
+            add(name, measure, daily, "u", None)
+    for name, measure, daily in _WINDOWS:
+        limit = limits.user[name]
+        if limit is not None:
+            add(name, measure, daily, "u", limit)
+        key_limit = limits.key.get(name)
+        if key_limit is not None and limits.key_scope is not None:
+            add(name, measure, daily, limits.key_scope, key_limit)
+    caps = [c for c in (limits.output_cap,) if c is not None]
+    for pattern, mlimits in limits.model_limits:
+        if not fnmatch.fnmatchcase(model, pattern):
+            continue
+        for name, measure, daily in _WINDOWS:
+            limit = getattr(mlimits, name)
+            if limit is not None:
+                add(name, measure, daily, f"m.{pattern}", limit)
+        if mlimits.max_output_tokens is not None:
+            caps.append(mlimits.max_output_tokens)
+        break  # the first matching model group applies, like routes
+    in_flight = [InFlightLimit("u", limits.user["max_concurrent_requests"])]
+    key_conc = limits.key.get("max_concurrent_requests")
+    if key_conc is not None and limits.key_scope is not None:
+        in_flight.append(InFlightLimit(limits.key_scope, key_conc))
+    return Plan(slot, tuple(windows.values()), tuple(in_flight), min(caps) if caps else None)
+
+
+def amount(window: Window, input_tokens: int, output_tokens: int) -> int:
+    if window.measure == "total":
+        return input_tokens + output_tokens
+    if window.measure == "input":
+        return input_tokens
+    if window.measure == "output":
+        return output_tokens
+    return 1

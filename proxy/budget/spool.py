@@ -1,0 +1,312 @@
+"""Usage owed to the budget store while it cannot take it, kept on local disk until it can.
+
+Two kinds of debt:
+- an `Owed` settlement under its own id: it replaces what the store may hold for a reservation
+  (or releases a reservation whose reply never arrived), so the store must see that id;
+- usage of requests admitted while the store was down: they reserved nothing, so their amounts
+  are plain additions and are summed per counter (exact, and memory grows with the number of
+  counters touched, not with requests). When the store is back, each user's sums are sealed
+  into one batch with an id of its own and applied like any settlement.
+
+Every id is applied once: the store keeps a done-marker per id (`DONE_TTL_S` for live requests,
+`REPLAY_DONE_TTL_S` here), and an id is struck from the spool only after the store took it, so a
+crash in between replays an id the store will skip.
+
+On disk: one append-only JSON-lines file per process (`spool-<id>.jsonl`), flushed after every
+record (a killed process loses nothing the OS has), compacted to its current state now and then,
+and guarded by an flock on `spool-<id>.lock`. A starting process adopts the files of processes
+that are gone (their lock is free): a restart replays what the previous run owed. No count bound:
+the disk is the bound. Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import logging
+import math
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from proxy.budget.limits import Window
+from proxy.budget.store import Entry
+
+log = logging.getLogger("tokenmeter.spool")
+
+# Long enough that a replay after any restart within the daily counters' retention is skipped
+# by the store if it already took it.
+REPLAY_DONE_TTL_S = 9 * 86400
+_COMPACT_EVERY = 20_000  # appended records between rewrites of the file
+
+
+@dataclass(frozen=True, slots=True)
+class Debt:
+    key: str
+    amount: int
+    expires_at: float  # epoch seconds: when the counter would have expired in the store
+
+
+@dataclass(frozen=True, slots=True)
+class Owed:
+    slot: str
+    res_id: str
+    debts: tuple[Debt, ...]
+    tokens: int  # for the books and the logs: the request's total tokens
+    # The user's limited daily-quota window, so a replay sends the threshold notices a live
+    # settle would have (it is the same code path).
+    notice: Window | None = None
+    user: str = ""  # whose notice it is
+
+    def entries(self, now: float) -> tuple[Entry, ...]:
+        """Store entries for what has not expired yet (an expired counter is gone in the store
+        too, so there is nothing to restore), with what remains of each ttl."""
+        return tuple(
+            Entry(d.key, None, d.amount, max(1, math.ceil(d.expires_at - now)))
+            for d in self.debts if d.expires_at > now
+        )
+
+
+def default_dir() -> Path:
+    env = os.environ.get("TOKENMETER_STATE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "tokenmeter"
+
+
+class Spool:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._id = uuid.uuid4().hex[:16]
+        self._owed: dict[str, Owed] = {}
+        # (slot, key) -> [amount, latest expires_at]; the tokens they carry, per slot
+        self._sums: dict[tuple[str, str], list[float]] = {}
+        self._sum_tokens: dict[str, int] = {}
+        self._sum_notice: dict[str, tuple[str, Window]] = {}  # per slot: user, latest window
+        self._file: IO[str] | None = None
+        self._lock: IO[str] | None = None
+        self._appended = 0
+
+    @property
+    def path(self) -> Path:
+        return self.directory / f"spool-{self._id}.jsonl"
+
+    # --- lifecycle ------------------------------------------------------------------------
+    def open(self) -> None:
+        """Create this process's file and adopt the files of processes that are gone."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock = (self.directory / f"spool-{self._id}.lock").open("w")
+        fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self._file = self.path.open("a", encoding="utf-8")
+        for data in sorted(self.directory.glob("spool-*.jsonl")):
+            if data != self.path:
+                self._adopt(data.with_suffix(".lock"))
+
+    def close(self) -> None:
+        """Write the current state durably; an empty spool leaves no file behind."""
+        if self._file is None:
+            return
+        empty = not self._owed and not self._sums
+        if empty:
+            self._file.close()
+            self.path.unlink(missing_ok=True)
+        else:
+            self._compact()
+            assert self._file is not None
+            self._file.close()
+        self._file = None
+        if self._lock is not None:
+            if empty:
+                (self.directory / f"spool-{self._id}.lock").unlink(missing_ok=True)
+            self._lock.close()  # the next process to start adopts what is left
+            self._lock = None
+
+    # --- recording ------------------------------------------------------------------------
+    def owe(self, slot: str, res_id: str, entries: tuple[Entry, ...], tokens: int,
+            now: float, notice: Window | None = None, user: str = "") -> None:
+        owed = Owed(slot, res_id, _debts(entries, now), tokens, notice, user)
+        self._owed[res_id] = owed
+        self._append(_owed_record(owed))
+
+    def add(self, slot: str, entries: tuple[Entry, ...], tokens: int, now: float,
+            notice: Window | None = None, user: str = "") -> None:
+        debts = _debts(entries, now)
+        self._sum(slot, debts, tokens)
+        if notice is not None:
+            self._sum_notice[slot] = (user, notice)
+        self._append({"a": slot, "e": [[d.key, d.amount, d.expires_at] for d in debts],
+                      "t": tokens, "n": _notice_json(notice), "u": user})
+
+    def _sum(self, slot: str, debts: tuple[Debt, ...], tokens: int) -> None:
+        for d in debts:
+            acc = self._sums.get((slot, d.key))
+            if acc is None:
+                self._sums[(slot, d.key)] = [d.amount, d.expires_at]
+            else:
+                acc[0] += d.amount
+                acc[1] = max(acc[1], d.expires_at)
+        self._sum_tokens[slot] = self._sum_tokens.get(slot, 0) + tokens
+
+    # --- replay ---------------------------------------------------------------------------
+    def pending(self) -> tuple[int, int]:
+        """Settlements waiting (each user's sums count as one), and the tokens they carry."""
+        count = len(self._owed) + len(self._sum_tokens)
+        tokens = sum(o.tokens for o in self._owed.values()) + sum(self._sum_tokens.values())
+        return count, tokens
+
+    def take(self) -> list[Owed]:
+        """Everything owed, each user's sums sealed into a batch under a new id (written to
+        disk before it is handed out, so that id is what a crash replays)."""
+        if self._sums:
+            sealed = _seal(self._sums, self._sum_tokens, self._sum_notice, uuid.uuid4().hex)
+            for owed in sealed.values():
+                self._owed[owed.res_id] = owed
+            self._sums.clear()
+            self._sum_tokens.clear()
+            self._sum_notice.clear()
+            self._compact()
+        return list(self._owed.values())
+
+    def done(self, owed: Owed) -> None:
+        if self._owed.pop(owed.res_id, None) is not None:
+            self._append({"d": owed.res_id})
+            if not self._owed and not self._sums:
+                self._compact()
+
+    def __iter__(self) -> Iterator[Owed]:
+        return iter(list(self._owed.values()))
+
+    # --- disk -----------------------------------------------------------------------------
+    def _append(self, record: dict[str, Any]) -> None:
+        if self._file is None:
+            raise OSError("the spool is not open")
+        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._file.flush()  # in the OS's hands: a killed process loses nothing
+        self._appended += 1
+        if self._appended >= _COMPACT_EVERY:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Rewrite the file as the current state: sums and owed settlements, no history."""
+        tmp = self.directory / f"spool-{self._id}.tmp"
+        with tmp.open("w", encoding="utf-8") as out:
+            for owed in self._owed.values():
+                out.write(json.dumps(_owed_record(owed), separators=(",", ":")) + "\n")
+            by_slot: dict[str, list[list[Any]]] = {}
+            for (slot, key), (amount, expires) in self._sums.items():
+                by_slot.setdefault(slot, []).append([key, int(amount), expires])
+            for slot, entries in by_slot.items():
+                user, notice = self._sum_notice.get(slot, ("", None))
+                out.write(json.dumps({"a": slot, "e": entries, "t": self._sum_tokens.get(slot, 0),
+                                      "n": _notice_json(notice), "u": user},
+                                     separators=(",", ":")) + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, self.path)
+        if self._file is not None:
+            self._file.close()
+        self._file = self.path.open("a", encoding="utf-8")
+        self._appended = 0
+
+    def _adopt(self, lock_path: Path) -> None:
+        """Take over a gone process's file: its owed settlements keep their ids; its sums are
+        sealed under an id derived from its name, so adopting it twice (a crash between
+        writing ours and deleting theirs) yields the same id, which the store applies once."""
+        try:
+            lock = lock_path.open("a")
+        except OSError:
+            return
+        try:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return  # a live process holds it
+            data = lock_path.with_suffix(".jsonl")
+            owed, sums, sum_tokens, notices = _load(data)
+            batch = hashlib.sha256(f"adopted:{data.name}".encode()).hexdigest()[:32]
+            for o in [*owed.values(), *_seal(sums, sum_tokens, notices, batch).values()]:
+                self._owed[o.res_id] = o
+                self._append(_owed_record(o))
+            if self._file is not None:
+                os.fsync(self._file.fileno())
+            if owed or sums:
+                count, tokens = len(owed) + len(sum_tokens), sum(o.tokens for o in owed.values())
+                log.warning("adopted %d settlements (%d tokens) owed by a previous run from %s",
+                            count, tokens + sum(sum_tokens.values()), data)
+            data.unlink(missing_ok=True)
+            lock_path.unlink(missing_ok=True)
+        finally:
+            lock.close()
+
+
+def _debts(entries: tuple[Entry, ...], now: float) -> tuple[Debt, ...]:
+    return tuple(Debt(e.key, e.amount, now + e.ttl_s) for e in entries)
+
+
+def _owed_record(owed: Owed) -> dict[str, Any]:
+    return {"o": owed.slot, "i": owed.res_id, "t": owed.tokens,
+            "e": [[d.key, d.amount, d.expires_at] for d in owed.debts],
+            "n": _notice_json(owed.notice), "u": owed.user}
+
+
+def _notice_json(notice: Window | None) -> dict[str, Any] | None:
+    return dataclasses.asdict(notice) if notice is not None else None
+
+
+def _notice(obj: Any) -> Window | None:
+    return Window(**obj) if isinstance(obj, dict) else None
+
+
+def _seal(sums: dict[tuple[str, str], list[float]], tokens: dict[str, int],
+          notices: dict[str, tuple[str, Window]], batch: str) -> dict[str, Owed]:
+    debts: dict[str, list[Debt]] = {}
+    for (slot, key), (amount, expires) in sums.items():
+        debts.setdefault(slot, []).append(Debt(key, int(amount), expires))
+    return {
+        slot: Owed(slot, f"batch-{batch}-{hashlib.sha256(slot.encode()).hexdigest()[:8]}",
+                   tuple(ds), tokens.get(slot, 0), *_notice_of(notices, slot))
+        for slot, ds in debts.items()
+    }
+
+
+def _notice_of(notices: dict[str, tuple[str, Window]], slot: str) -> tuple[Window | None, str]:
+    user, notice = notices.get(slot, ("", None))
+    return notice, user
+
+
+def _load(path: Path) -> tuple[dict[str, Owed], dict[tuple[str, str], list[float]],
+                               dict[str, int], dict[str, tuple[str, Window]]]:
+    owed: dict[str, Owed] = {}
+    sums: dict[tuple[str, str], list[float]] = {}
+    tokens: dict[str, int] = {}
+    notices: dict[str, tuple[str, Window]] = {}
+    with contextlib.suppress(FileNotFoundError), path.open(encoding="utf-8") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a crash mid-write: it was never flushed whole
+            if "o" in rec:
+                debts = tuple(Debt(k, int(a), float(x)) for k, a, x in rec["e"])
+                owed[rec["i"]] = Owed(rec["o"], rec["i"], debts, int(rec.get("t", 0)),
+                                      _notice(rec.get("n")), str(rec.get("u", "")))
+            elif "a" in rec:
+                slot = rec["a"]
+                for k, a, x in rec["e"]:
+                    acc = sums.setdefault((slot, k), [0, 0.0])
+                    acc[0] += int(a)
+                    acc[1] = max(acc[1], float(x))
+                tokens[slot] = tokens.get(slot, 0) + int(rec.get("t", 0))
+                notice = _notice(rec.get("n"))
+                if notice is not None:
+                    notices[slot] = (str(rec.get("u", "")), notice)
+            elif "d" in rec:
+                owed.pop(rec["d"], None)
+    return owed, sums, tokens, notices

@@ -1,0 +1,230 @@
+"""The Redis store: each operation is one Lua script call, atomic across all replicas.
+
+Layout per user (all keys share the `{user}` hash tag, so Redis Cluster keeps them in one slot):
+  prefix:{alice}:inflight        ZSET  reservation id -> lease deadline (ms)
+  prefix:{alice}:reserved        HASH  reservation id -> JSON [key, amount, key, amount, ...]
+  prefix:{alice}:inflight:k.<key>  ZSET  the same, for a key with its own concurrency limit
+  prefix:{alice}:sets            HASH  reservation id -> the keys' in-flight sets holding it
+  prefix:{alice}:done:<id>       STRING settle marker, so a retried settle is applied once
+  prefix:{alice}:<scope>:<window>:<stamp>   counters, each with its own TTL
+The reap step touches counters named in reservation records rather than in KEYS; they carry the
+same hash tag, so they are in the slot the script runs on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+
+from proxy.budget.store import DONE_TTL_S, Entry, InFlightLimit, ReserveResult, StoreError
+
+_REAP = """
+-- Leases are compared against Redis's clock, not each replica's, so replicas with skewed clocks
+-- cannot reap each other's live reservations.
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- A reservation also held in a key's own in-flight set names that set in `sets`.
+local function unhold(sets, id)
+  local names = redis.call('HGET', sets, id)
+  if names then
+    for name in string.gmatch(names, '%S+') do redis.call('ZREM', name, id) end
+    redis.call('HDEL', sets, id)
+  end
+end
+
+local function reap(inflight, reserved, sets, now)
+  local expired = redis.call('ZRANGEBYSCORE', inflight, '-inf', now)
+  for _, id in ipairs(expired) do
+    local rec = redis.call('HGET', reserved, id)
+    if rec then
+      local r = cjson.decode(rec)
+      for i = 1, #r, 2 do
+        if redis.call('EXISTS', r[i]) == 1 then redis.call('DECRBY', r[i], r[i + 1]) end
+      end
+      redis.call('HDEL', reserved, id)
+    end
+    unhold(sets, id)
+    redis.call('ZREM', inflight, id)
+  end
+end
+"""
+
+# KEYS: inflight, reserved, sets, then m keys' in-flight sets, then the counters
+# ARGV: m, lease_ms, id, the user's max in flight (-1: none), m limits of the keys' sets,
+# then per counter: limit (-1: none), amount, ttl_s
+# Returns {ok, refused counter (1-based, 0: none), refused in-flight set (1-based), used}.
+RESERVE = _REAP + """
+local now = now_ms()
+reap(KEYS[1], KEYS[2], KEYS[3], now)
+local m = tonumber(ARGV[1])
+local id = ARGV[3]
+local first = 3 + m
+local n = #KEYS - first
+local used = {}
+for i = 1, n do used[i] = tonumber(redis.call('GET', KEYS[first + i]) or '0') end
+local maxc = tonumber(ARGV[4])
+if maxc >= 0 and redis.call('ZCARD', KEYS[1]) >= maxc then return {0, 0, 1, used} end
+for j = 1, m do
+  if redis.call('ZCARD', KEYS[3 + j]) >= tonumber(ARGV[4 + j]) then return {0, 0, j + 1, used} end
+end
+local base = 4 + m
+for i = 1, n do
+  local limit = tonumber(ARGV[base + i * 3 - 2])
+  local amount = tonumber(ARGV[base + i * 3 - 1])
+  if limit >= 0 and used[i] + amount > limit then return {0, i, 0, used} end
+end
+local rec = {}
+for i = 1, n do
+  local key = KEYS[first + i]
+  local amount = tonumber(ARGV[base + i * 3 - 1])
+  used[i] = redis.call('INCRBY', key, amount)
+  if redis.call('TTL', key) < 0 then redis.call('EXPIRE', key, ARGV[base + i * 3]) end
+  rec[#rec + 1] = key
+  rec[#rec + 1] = amount
+end
+local deadline = now + tonumber(ARGV[2])
+redis.call('ZADD', KEYS[1], deadline, id)
+redis.call('HSET', KEYS[2], id, cjson.encode(rec))
+if m > 0 then
+  local names = {}
+  for j = 1, m do
+    redis.call('ZADD', KEYS[3 + j], deadline, id)
+    redis.call('EXPIRE', KEYS[3 + j], 172800)
+    names[j] = KEYS[3 + j]
+  end
+  redis.call('HSET', KEYS[3], id, table.concat(names, ' '))
+  redis.call('EXPIRE', KEYS[3], 172800)
+end
+redis.call('EXPIRE', KEYS[1], 172800)
+redis.call('EXPIRE', KEYS[2], 172800)
+return {1, 0, 0, used}
+"""
+
+# KEYS: inflight, reserved, done marker, sets, counters...
+# ARGV: id, done marker ttl_s, then per counter: amount, ttl_s
+SETTLE = _REAP + """
+local out = {}
+local n = #KEYS - 4
+if redis.call('SET', KEYS[3], '1', 'NX', 'EX', ARGV[2]) == false then
+  for i = 1, n do out[i] = tonumber(redis.call('GET', KEYS[i + 4]) or '0') end
+  return out
+end
+local reserved = {}
+local rec = redis.call('HGET', KEYS[2], ARGV[1])
+if rec then
+  local r = cjson.decode(rec)
+  for i = 1, #r, 2 do reserved[r[i]] = r[i + 1] end
+end
+for i = 1, n do
+  local key = KEYS[i + 4]
+  local delta = tonumber(ARGV[i * 2 + 1]) - (reserved[key] or 0)
+  out[i] = redis.call('INCRBY', key, delta)
+  if redis.call('TTL', key) < 0 then redis.call('EXPIRE', key, ARGV[i * 2 + 2]) end
+end
+redis.call('HDEL', KEYS[2], ARGV[1])
+unhold(KEYS[4], ARGV[1])
+redis.call('ZREM', KEYS[1], ARGV[1])
+return out
+"""
+
+# KEYS: inflight   ARGV: lease_ms, ids...   (a key's in-flight set follows the user's: reaping
+# and settling go by the user's set, so only its deadlines matter)
+RENEW = """
+local t = redis.call('TIME')
+local deadline = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1])
+for i = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', deadline, ARGV[i]) end
+return 0
+"""
+
+
+class RedisStore:
+    in_process = False
+
+    def __init__(self, url: str, timeout_ms: float) -> None:
+        timeout = timeout_ms / 1000
+        # No retries inside redis-py: a budget check that is slow is worse than one that fails
+        # fast into the configured policy; reconnection happens on the next call by itself.
+        # A bounded pool that makes callers wait for a connection (up to the timeout) instead
+        # of failing when a burst of requests outnumbers it.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=64, timeout=timeout, socket_timeout=timeout,
+            socket_connect_timeout=timeout, health_check_interval=10,
+            retry=Retry(NoBackoff(), 0),
+        )
+        self._redis: aioredis.Redis = aioredis.Redis(connection_pool=pool)
+        self._reserve = self._redis.register_script(RESERVE)
+        self._settle = self._redis.register_script(SETTLE)
+        self._renew = self._redis.register_script(RENEW)
+        self._probe = self._redis.register_script("return 1")
+
+    async def _call(self, coro: Any) -> Any:
+        try:
+            return await coro
+        except (RedisError, OSError, TimeoutError) as exc:
+            if isinstance(exc, RedisConnectionError | OSError):
+                # The server went away: every pooled connection is stale, not just this one.
+                # Drop them all now, or each would fail once more after the server is back.
+                with contextlib.suppress(RedisError, OSError):
+                    await self._redis.connection_pool.disconnect()
+            raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+
+    async def reserve(
+        self, slot: str, res_id: str, entries: Sequence[Entry],
+        in_flight: Sequence[InFlightLimit], lease_s: float,
+    ) -> ReserveResult:
+        user, keys_sets = in_flight[0], in_flight[1:]
+        args: list[int | str] = [len(keys_sets), int(lease_s * 1000), res_id,
+                                 -1 if user.limit is None else user.limit]
+        args += [-1 if f.limit is None else f.limit for f in keys_sets]
+        for e in entries:
+            args += [-1 if e.limit is None else e.limit, e.amount, e.ttl_s]
+        keys = [f"{slot}:inflight", f"{slot}:reserved", f"{slot}:sets",
+                *(f"{slot}:inflight:{f.scope}" for f in keys_sets), *(e.key for e in entries)]
+        ok, entry, held, used = await self._call(self._reserve(keys=keys, args=args))
+        return ReserveResult(
+            ok=bool(ok), used=tuple(int(u) for u in used),
+            refused_entry=int(entry) - 1 if int(entry) else None,
+            refused_in_flight=int(held) - 1 if int(held) else None,
+        )
+
+    async def settle(self, slot: str, res_id: str, entries: Sequence[Entry],
+                     done_ttl_s: int = DONE_TTL_S) -> tuple[int, ...]:
+        keys = [f"{slot}:inflight", f"{slot}:reserved", f"{slot}:done:{res_id}",
+                f"{slot}:sets", *(e.key for e in entries)]
+        args: list[int | str] = [res_id, done_ttl_s]
+        for e in entries:
+            args += [e.amount, e.ttl_s]
+        out = await self._call(self._settle(keys=keys, args=args))
+        return tuple(int(v) for v in out)
+
+    async def renew(self, slot: str, res_ids: Sequence[str], lease_s: float) -> None:
+        if res_ids:
+            args: list[int | str] = [int(lease_s * 1000), *res_ids]
+            await self._call(self._renew(keys=[f"{slot}:inflight"], args=args))
+
+    async def read(self, keys: Sequence[str]) -> tuple[int, ...]:
+        if not keys:
+            return ()
+        values = await self._call(self._redis.mget(list(keys)))
+        return tuple(int(v) if v is not None else 0 for v in values)
+
+    async def mark_once(self, key: str, ttl_s: int) -> bool:
+        return bool(await self._call(self._redis.set(key, "1", nx=True, ex=ttl_s)))
+
+    async def ping(self) -> None:
+        # A script, not PING: what requests need is scripts that write, and a store that is
+        # paused or stalled for writes still answers PING.
+        await self._call(self._probe(keys=[], args=[]))
+
+    async def close(self) -> None:
+        await self._redis.aclose()

@@ -1,0 +1,225 @@
+"""What one request knows, split by lifetime.
+
+- `RequestContext` (frozen): what admission established once: the id, the configuration the
+  request runs under, who is asking, the parsed body, the model the client asked for.
+- `Attempt` (frozen): one upstream candidate that answered: its route and model, the API shape's
+  translator, its reservation, the response, its deadline and the headers the client gets.
+- `Outcome`: the one mutable object of a request, owned by its handler: the facts that accumulate
+  (status, error class, attempts made, whether the upstream has the request) and which attempt
+  is current. Each step records into it through a method; `finish()` freezes it into the
+  `Settlement` that settle reads.
+
+Models are named as the OpenTelemetry GenAI conventions do: `request_model` (asked by the
+client), `attempt.model` (sent upstream, a fallback's when one serves) and the upstream's own
+answer, which travels in the response body untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import aiohttp
+
+from proxy.auth import Principal
+from proxy.budget.accounting import Reservation
+from proxy.errors import ErrorClass
+from proxy.protocol.translators import ParsedRequest, Translator
+from proxy.protocol.usage import ZERO, Usage
+from proxy.routing.upstream import Route
+from proxy.server.state import Runtime
+from proxy.telemetry.meter import RequestMeter
+
+# A request whose client left: it cannot have read an answer, whatever the upstream did.
+CLIENT_GONE = frozenset({ErrorClass.CLIENT_DISCONNECT, ErrorClass.CLIENT_TIMEOUT})
+
+
+@dataclass(frozen=True, slots=True)
+class RequestContext:
+    request_id: str
+    operation: str
+    runtime: Runtime
+    principal: Principal
+    request: ParsedRequest
+    route: Route  # the route of the model asked for
+
+    @property
+    def request_model(self) -> str:
+        return self.request.model
+
+    @property
+    def stream(self) -> bool:
+        return self.request.stream
+
+
+@dataclass(frozen=True, slots=True)
+class Candidacy:
+    """An attempt under way: reserved, not yet answered. Settle needs it if the call fails."""
+
+    route: Route
+    model: str  # sent upstream
+    translator: Translator
+    reservation: Reservation
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """The attempt whose answer is relayed."""
+
+    candidacy: Candidacy
+    response: aiohttp.ClientResponse
+    deadline: float | None  # loop time: the total cap of a non-streaming request
+    response_headers: dict[str, str]
+
+    @property
+    def translator(self) -> Translator:
+        return self.candidacy.translator
+
+    @property
+    def route(self) -> Route:
+        return self.candidacy.route
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    """Everything settle needs, frozen once the request is over."""
+
+    request_id: str
+    operation: str
+    runtime: Runtime | None
+    principal: Principal | None
+    request_model: str
+    stream: bool
+    candidacy: Candidacy | None
+    status: int
+    error_class: ErrorClass
+    usage: Usage
+    meter: RequestMeter
+    fallback_from: str | None
+    attempts: int
+
+    @property
+    def model(self) -> str:
+        """The model that served (or was last tried), else the one asked for."""
+        return self.candidacy.model if self.candidacy is not None else self.request_model
+
+    @property
+    def route(self) -> Route | None:
+        return self.candidacy.route if self.candidacy is not None else None
+
+
+class Outcome:
+    """The mutable facts of one request, written only through these methods."""
+
+    __slots__ = ("_answered", "_attempts", "_candidacy", "_context", "_error_class",
+                 "_fallback_from", "_in_flight", "_model", "_principal", "_status", "_stream",
+                 "meter", "operation", "request_id", "runtime")
+
+    def __init__(self, request_id: str, operation: str, meter: RequestMeter) -> None:
+        self.request_id = request_id
+        self.operation = operation
+        self.meter = meter
+        self.runtime: Runtime | None = None
+        self._principal: Principal | None = None
+        self._model = ""
+        self._stream = False
+        self._context: RequestContext | None = None
+        self._candidacy: Candidacy | None = None
+        self._status = 500
+        self._error_class = ErrorClass.NONE
+        self._answered = False
+        self._in_flight = False
+        self._fallback_from: str | None = None
+        self._attempts = 1
+
+    # --- admission: known before the context is complete, needed if admission fails -----
+    def read(self, request: ParsedRequest) -> None:
+        self._model, self._stream = request.model, request.stream
+
+    def authenticated(self, principal: Principal) -> None:
+        self._principal = principal
+
+    def admitted(self, context: RequestContext) -> None:
+        self._context = context
+
+    # --- attempts -----------------------------------------------------------------------
+    def candidate(self, candidacy: Candidacy, fallback_from: str | None) -> None:
+        self._candidacy = candidacy
+        if fallback_from is not None:
+            self._fallback_from = fallback_from
+
+    def released(self) -> None:
+        """The current candidate failed before answering and gave its reservation back."""
+        self._candidacy = None
+        self._attempts += 1
+        self._in_flight = False
+
+    def sent(self) -> None:
+        self._in_flight = True
+
+    def retried(self) -> None:
+        self._in_flight = False
+        self._attempts += 1
+
+    def call_failed(self) -> None:
+        self._in_flight = False
+
+    def answered(self, status: int) -> None:
+        self._answered = True
+        self._status = status
+        # An error answer means the upstream is done with the request.
+        self._in_flight = status < 300
+
+    # --- the end ------------------------------------------------------------------------
+    def fail(self, error_class: ErrorClass, status: int | None = None) -> None:
+        self._error_class = error_class
+        if status is not None:
+            self._status = status
+
+    def client_left(self) -> None:
+        """The client went away (or was cut off for not reading): the status stays what the
+        upstream answered, if it did; else 499."""
+        if self._error_class is not ErrorClass.CLIENT_TIMEOUT:  # the proxy cut it: finer
+            self._error_class = ErrorClass.CLIENT_DISCONNECT
+        if not self._answered:
+            self._status = 499
+
+    @property
+    def error_class(self) -> ErrorClass:
+        return self._error_class
+
+    @property
+    def fallback_from(self) -> str | None:
+        return self._fallback_from
+
+    def usage(self) -> Usage:
+        """What the request is charged. An answer read, whole or in part, is charged by its
+        translator: the upstream's usage, else an estimate of what was streamed. A request its
+        client abandoned while the upstream had it is charged its prompt, estimated: the
+        upstream has read it, and whatever it generated never reached anyone."""
+        if self._candidacy is None:
+            return ZERO
+        translator = self._candidacy.translator
+        if self._answered and self._status < 300:
+            return translator.usage()
+        if self._in_flight and self._error_class in CLIENT_GONE:
+            return translator.prompt_usage()
+        return ZERO
+
+    def finish(self) -> Settlement:
+        self.meter.finish()
+        principal = self._context.principal if self._context else self._principal
+        return Settlement(
+            request_id=self.request_id,
+            operation=self.operation,
+            runtime=self.runtime,
+            principal=principal,
+            request_model=self._model,
+            stream=self._stream,
+            candidacy=self._candidacy,
+            status=self._status,
+            error_class=self._error_class,
+            usage=self.usage(),
+            meter=self.meter,
+            fallback_from=self._fallback_from,
+            attempts=self._attempts,
+        )

@@ -1,0 +1,244 @@
+"""The path of one metered request, top to bottom:
+
+    admit -> attempt(s) -> relay + meter -> settle -> books and metrics
+
+`admit` reads, parses and authenticates the request and routes its model: a frozen
+`RequestContext`. `forward` tries the route's candidates in order (the model asked for, then its
+fallbacks), each one reserved in the budget and called with retries (`attempts`), and returns
+the `Attempt` whose answer is relayed. `relay` streams or returns that answer while the tap
+meters it. Whatever happens, the request's `Outcome` is frozen into a `Settlement` and settled in
+`finally`, shielded from the cancellation a client's disconnect causes, so a request that dies
+half-way is still accounted for. Only the `Outcome` is written to along the way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from proxy.auth import client_key
+from proxy.budget import refusals
+from proxy.budget.refusals import Refused
+from proxy.errors import (
+    ErrorClass,
+    InvalidRequest,
+    NotFound,
+    ProxyError,
+    RequestTooLarge,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+from proxy.pipeline.context import Attempt, Candidacy, Outcome, RequestContext
+from proxy.pipeline.relay import client_gone, relay
+from proxy.pipeline.settle import settle
+from proxy.protocol import upstream_errors
+from proxy.protocol.translators import Translator, parse_body
+from proxy.routing import attempts
+from proxy.routing.exceptions_map import Phase, map_upstream_exceptions
+from proxy.routing.upstream import Upstream, upstream_request_headers
+from proxy.server.listener import BODY_TIMED_OUT
+from proxy.server.state import SERVICES, Services
+from proxy.telemetry.meter import RequestMeter
+
+log = logging.getLogger("tokenmeter.relay")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """A candidate that failed in a way its fallback may do better with."""
+
+    reason: ErrorClass  # the fallback metric's label
+
+
+def make_handler(shape: type[Translator]) -> Handler:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await handle(request, request.app[SERVICES], shape)
+
+    return handler
+
+
+async def handle(request: web.Request, svc: Services, shape: type[Translator]
+                 ) -> web.StreamResponse:
+    outcome = Outcome(uuid.uuid4().hex, shape.operation, RequestMeter())
+    try:
+        ctx = await admit(request, svc, shape, outcome)
+        attempt = await forward(request, ctx, svc, shape, outcome)
+        return await relay(request, attempt, svc, outcome)
+    except ProxyError as exc:
+        outcome.fail(exc.error_class, exc.status)
+        return exc.to_response()
+    except asyncio.CancelledError:
+        # aiohttp cancels the handler when the client disconnects, and the listener when the
+        # body missed its deadline (it answered 408 itself).
+        if request.get(BODY_TIMED_OUT):
+            outcome.fail(ErrorClass.BODY_TIMEOUT, 408)
+        else:
+            outcome.client_left()
+        raise
+    except ConnectionError:
+        # A write to a client that has gone (without handler cancellation, or before it lands).
+        if not client_gone(request):
+            outcome.fail(ErrorClass.INTERNAL)
+            raise
+        outcome.fail(ErrorClass.CLIENT_DISCONNECT, 499)
+        return web.Response(status=499)
+    except Exception:
+        outcome.fail(ErrorClass.INTERNAL)
+        raise
+    finally:
+        task = asyncio.ensure_future(settle(outcome.finish(), svc))
+        svc.settling.tasks.add(task)
+        task.add_done_callback(svc.settling.finished)
+        # If we are cancelled while waiting, the settle task runs on; shutdown waits for it.
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(task)
+
+
+async def admit(request: web.Request, svc: Services, shape: type[Translator],
+                outcome: Outcome) -> RequestContext:
+    """Read, parse, authenticate and route: what the rest of the request runs on."""
+    runtime = outcome.runtime = svc.runtime.current
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise RequestTooLarge(
+            f"The request body is larger than the proxy accepts "
+            f"({runtime.config.server.max_body_mb:g} MB, server.max_body_mb)."
+        ) from None
+    parsed = parse_body(raw)
+    outcome.read(parsed)
+    if parsed.stream and not shape.streams:
+        raise InvalidRequest(f"{shape.path} does not support streaming", param="stream")
+    principal = runtime.users.authenticate(request)
+    outcome.authenticated(principal)
+    route = runtime.router.resolve(parsed.model)
+    if route is None:
+        raise NotFound(
+            f"The model `{parsed.model}` is not routed to any upstream by this proxy.",
+            param="model", code="model_not_found",
+        )
+    ctx = RequestContext(outcome.request_id, shape.operation, runtime, principal, parsed, route)
+    outcome.admitted(ctx)
+    return ctx
+
+
+async def forward(request: web.Request, ctx: RequestContext, svc: Services,
+                  shape: type[Translator], outcome: Outcome) -> Attempt:
+    """Try the candidates in order; the first answer worth relaying is returned (the last
+    candidate's answer, or its failure, always is)."""
+    plan = attempts.candidates(ctx.runtime.router, ctx.route, ctx.request_model, svc.latency)
+    reason = ErrorClass.NONE
+    for index, cand in enumerate(plan):
+        fallback_from = None
+        if index:
+            fallback_from = ctx.request_model
+            svc.metrics.fell_back(plan[index - 1].route.pattern, cand.model, reason)
+        elif cand.model != ctx.request_model:  # the primary is slow: its fallback goes first
+            fallback_from = ctx.request_model
+            svc.metrics.fell_back(ctx.route.pattern, cand.model, cand.reason)
+        result = await _try(request, ctx, svc, shape, cand, fallback_from, outcome,
+                            last=index == len(plan) - 1)
+        if isinstance(result, Attempt):
+            return result
+        reason = result.reason
+    raise AssertionError("the last candidate answers or raises")
+
+
+async def _try(
+    request: web.Request, ctx: RequestContext, svc: Services, shape: type[Translator],
+    cand: attempts.Candidate, fallback_from: str | None, outcome: Outcome, *, last: bool,
+) -> Attempt | Failed:
+    """One candidate: reserve its budget and call its upstream (with retries). Returns the
+    attempt to relay, or, when it failed in a way the next candidate may do better with, the
+    failure's class (its reservation is then given back whole)."""
+    upstream, policy = cand.route.upstream, ctx.runtime.config
+    translator = shape(ctx.request, upstream.stream_usage, cand.model,
+                       write_all_caps=upstream.write_all_caps)
+    plan = svc.budget.plan(ctx.principal, cand.model, policy)
+    # The API shape writes the output cap into the body it returns, and says how many output
+    # tokens that body can produce: that, and the prompt when a limit counts it, is reserved.
+    outgoing = translator.upstream_request(plan.output_cap)
+    prompt = await _estimate(translator) if plan.needs_prompt_estimate else 0
+    try:
+        reservation = await svc.budget.reserve(ctx.principal.user, plan, prompt,
+                                               outgoing.output_tokens, policy)
+    except Refused as exc:
+        raise refusals.render(exc.refusal, svc.budget.clock(), policy.timezone) from None
+    candidacy = Candidacy(cand.route, cand.model, translator, reservation)
+    outcome.candidate(candidacy, fallback_from)
+    headers = upstream_request_headers(
+        request.headers, upstream,
+        client_key=client_key(request) if ctx.principal.forward_client_key else None,
+    )
+
+    def on_retry(u: Upstream, reason: ErrorClass) -> None:
+        outcome.retried()
+        svc.metrics.retried(u.name, reason)
+
+    outcome.meter.mark_upstream_start()
+    # Streams have no total cap (idle time is watched instead); a JSON answer has one.
+    deadline = None if ctx.stream else asyncio.get_running_loop().time() + upstream.total_timeout_s
+    try:
+        with map_upstream_exceptions(upstream, Phase.TOTAL):
+            async with asyncio.timeout_at(deadline):
+                up = await attempts.call_upstream(
+                    svc.http.session, upstream, translator.path, outgoing.body, headers,
+                    on_retry=on_retry, rng=svc.rng, on_attempt=outcome.sent,
+                )
+    except (UpstreamTimeout, UpstreamUnavailable) as exc:
+        outcome.call_failed()
+        if last:
+            raise
+        failure = exc.error_class
+    else:
+        if last or up.status == 200:
+            outcome.answered(up.status)
+            return Attempt(candidacy, up, deadline,
+                           _response_headers(candidacy, fallback_from, svc))
+        failure = await attempts.answer_class(up)
+        if not upstream_errors.fallback_worthy(failure):
+            outcome.answered(up.status)
+            return Attempt(candidacy, up, deadline,
+                           _response_headers(candidacy, fallback_from, svc))
+        up.close()
+    log.warning("request %s: model %s failed (%s), trying its next fallback",
+                ctx.request_id, cand.model, failure)
+    outcome.released()
+    await svc.budget.release(reservation)
+    return Failed(failure)
+
+
+def _response_headers(candidacy: Candidacy, fallback_from: str | None,
+                      svc: Services) -> dict[str, str]:
+    # Model names are the client's text: they go into a header only if they are plain
+    # printable ASCII, never as a way to inject a header line.
+    headers: dict[str, str] = {}
+    if _header_safe(candidacy.model):
+        headers["x-tokenmeter-model"] = candidacy.model
+    if fallback_from is not None and _header_safe(fallback_from):
+        headers["x-tokenmeter-fallback-from"] = fallback_from
+    reservation = candidacy.reservation
+    if reservation.stored:  # admitted during a store outage: the counts are unknown
+        headers.update(refusals.rate_limit_headers(reservation.plan.windows, reservation.used,
+                                                   svc.budget.clock()))
+    return headers
+
+
+def _header_safe(value: str) -> bool:
+    return value.isascii() and value.isprintable()
+
+
+async def _estimate(translator: Translator) -> int:
+    # tiktoken is native code that releases the GIL; a large prompt is counted off the loop so
+    # one long request does not stall every stream on this replica.
+    if len(translator.request.raw) > 32_768:
+        return await asyncio.to_thread(translator.estimate_prompt_tokens)
+    return translator.estimate_prompt_tokens()

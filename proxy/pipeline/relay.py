@@ -1,0 +1,195 @@
+"""The relay step of a request: its upstream's answer goes to the client, metered on the way.
+
+Streaming responses are relayed chunk by chunk: each chunk is written to the client before the
+proxy looks at it, and the SSE decoder and translator read it on the side (`tap`). A JSON answer
+is read whole and returned. What the relay learns (a failure, a client that left) is recorded
+in the request's `Outcome`; settling is the pipeline's (`proxy.pipeline`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from proxy.errors import (
+    ErrorClass,
+    ProxyError,
+    UpstreamIncomplete,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+    stream_error_event,
+)
+from proxy.pipeline.context import Attempt, Outcome
+from proxy.pipeline.watchdog import Watch
+from proxy.protocol import upstream_errors
+from proxy.protocol.tap import StreamTap
+from proxy.protocol.translators import Translator
+from proxy.routing.exceptions_map import Phase, map_upstream_exceptions
+from proxy.routing.upstream import client_response_headers
+from proxy.server.state import Services
+from proxy.telemetry.metrics import MeteringStage
+
+log = logging.getLogger("tokenmeter.relay")
+
+
+async def relay(request: web.Request, attempt: Attempt, svc: Services,
+                outcome: Outcome) -> web.StreamResponse:
+    up, upstream = attempt.response, attempt.route.upstream
+    try:
+        with svc.metrics.relaying(upstream.name):
+            if up.status == 200 and up.content_type == "text/event-stream":
+                runtime = outcome.runtime or svc.runtime.current
+                write_timeout = runtime.config.server.client_write_timeout_s
+                with svc.watchdog.watch(
+                    up, upstream.idle_timeout_s, write_timeout=write_timeout,
+                    abort_client=lambda: _client_timed_out(request, outcome, write_timeout),
+                ) as watch:
+                    return await _relay_stream(request, attempt, svc, outcome, watch)
+            return await _relay_body(attempt, outcome)
+    finally:
+        # release(): a response read to its end returns its connection to the pool; one cut
+        # short (client gone, error) has its connection closed, which ends the upstream request.
+        up.release()
+
+
+def client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+def _client_timed_out(request: web.Request, outcome: Outcome,
+                      write_timeout: float | None) -> None:
+    """The watchdog's verdict on a client that stopped reading: its connection is ended (the
+    relay's write then fails, and the upstream response is closed with it)."""
+    log.warning("request %s: the client read nothing for %g s (client_write_timeout_s); "
+                "its stream is ended", outcome.request_id, write_timeout or 0)
+    outcome.fail(ErrorClass.CLIENT_TIMEOUT)
+    _abort(request)
+
+
+async def _relay_body(attempt: Attempt, outcome: Outcome) -> web.StreamResponse:
+    # A JSON answer is useless to a client until complete, so reading it whole costs nothing.
+    # Its time counts against the request's total cap; an error body of a stream request gets
+    # the idle timeout.
+    up, upstream = attempt.response, attempt.route.upstream
+    deadline = attempt.deadline
+    if deadline is None:
+        deadline = asyncio.get_running_loop().time() + upstream.idle_timeout_s
+    with map_upstream_exceptions(
+        upstream, Phase.IDLE if attempt.deadline is None else Phase.TOTAL
+    ):
+        async with asyncio.timeout_at(deadline):
+            body = await up.read()
+    if up.status < 300:
+        attempt.translator.on_body(body)
+    else:
+        outcome.fail(upstream_errors.classify(up.status, body))
+    return web.Response(status=up.status, body=body, headers=_client_headers(attempt))
+
+
+async def _relay_stream(
+    request: web.Request, attempt: Attempt, svc: Services, ex: Outcome, watch: Watch,
+) -> web.StreamResponse:
+    up, translator = attempt.response, attempt.translator
+    resp = web.StreamResponse(status=up.status, headers=_client_headers(attempt))
+    try:
+        await resp.prepare(request)
+    except (ConnectionError, RuntimeError):
+        # The client hung up as the upstream's answer came: its socket is closing, and the
+        # handler's cancellation is on its way. Nothing reached it.
+        if not client_gone(request):
+            raise
+        ex.fail(ErrorClass.CLIENT_DISCONNECT, 499)
+        return resp
+    tap = StreamTap(translator, ex.meter,
+                    on_error=svc.metrics.metering_failure_counter(MeteringStage.STREAM))
+    feed, look = tap.feed, tap.look
+    perf = time.perf_counter
+    try:
+        # A read that fails (or is cut by the watchdog: `silent`) becomes the proxy's error;
+        # a write to a client that left passes through as it is.
+        with map_upstream_exceptions(attempt.route.upstream, Phase.STREAM,
+                                     silent=lambda: watch.expired):
+            async for chunk in up.content.iter_any():
+                now = watch.last = perf()
+                out = feed(chunk, now)  # nearly always `chunk` itself, not parsed yet
+                if out:
+                    # `writing`: a client that reads slowly makes write() wait, and the upstream
+                    # is not read meanwhile; that wait is not the upstream's silence (watchdog).
+                    watch.writing = now
+                    await resp.write(out)
+                    watch.writing = 0.0
+                look()  # forward first, look second
+            if watch.expired:  # the watchdog closed a silent upstream: not a clean end
+                raise TimeoutError
+        at_boundary = tap.client_at_boundary
+        rest = tap.close()
+        if not (tap.broken or translator.end_of_stream()):
+            # Closed without its final event (`[DONE]`, `response.completed`, ...): the upstream
+            # gave up, as a reset would have, without saying so.
+            incomplete = UpstreamIncomplete(
+                "The upstream ended the stream without its final event; this response is "
+                "incomplete."
+            )
+            await _fail_stream(request, resp, tap, translator, ex, watch, incomplete,
+                               at_boundary)
+        elif rest:
+            watch.writing = perf()
+            await resp.write(rest)
+            watch.writing = 0.0
+        # No write_eof here: aiohttp writes the final chunk after the handler returns, which is
+        # after settling, so a client that has seen the end of its stream is already accounted.
+    except (ConnectionResetError, BrokenPipeError):
+        # aiohttp raises these (ClientConnectionResetError among them) from write() when the
+        # client went away, or was cut off for not reading.
+        ex.client_left()
+        tap.close()
+    except (UpstreamTimeout, UpstreamUnavailable) as failure:
+        await _fail_stream(request, resp, tap, translator, ex, watch, failure)
+    except Exception:
+        # Headers are out: no error response is possible any more, only an error event.
+        log.exception("relaying stream %s failed", ex.request_id)
+        broken = ProxyError("The proxy failed while relaying this stream; it is incomplete.",
+                            code="internal")
+        await _fail_stream(request, resp, tap, translator, ex, watch, broken)
+    return resp
+
+
+async def _fail_stream(
+    request: web.Request, resp: web.StreamResponse, tap: StreamTap, translator: Translator,
+    ex: Outcome, watch: Watch, failure: ProxyError, at_boundary: bool | None = None,
+) -> None:
+    """A stream that broke after its headers went out. The client gets a last event in OpenAI's
+    error shape, so it can tell a truncated answer from a complete one (the SDKs raise on it),
+    then the stream ends. If the break came in the middle of an event whose start was already
+    forwarded, no event can follow it cleanly: the connection is cut instead, which clients see
+    as a broken stream, just as clear. `at_boundary`: as it was before the tap was closed."""
+    ex.fail(failure.error_class)
+    if at_boundary is None:
+        at_boundary = tap.client_at_boundary
+    tap.close()  # meters a last, unterminated event; its held bytes are not forwarded
+    if at_boundary:
+        with contextlib.suppress(ConnectionError):
+            watch.writing = time.perf_counter()
+            await resp.write(stream_error_event(failure, translator.named_events))
+            watch.writing = 0.0
+            return
+    _abort(request)
+
+
+def _client_headers(attempt: Attempt) -> CIMultiDict[str]:
+    headers = client_response_headers(attempt.response.headers)
+    for name, value in attempt.response_headers.items():
+        headers[name] = value  # our limits replace the upstream's same-named x-ratelimit-*
+    return headers
+
+
+def _abort(request: web.Request) -> None:
+    """End the client's connection without the final chunk: a broken stream, not a clean end."""
+    if request.transport is not None:
+        request.transport.abort()

@@ -1,0 +1,216 @@
+"""Which upstream call to make, and again: retries with backoff, fallbacks, slow-model switching.
+
+Everything here happens before the client has been sent a byte, which is what makes it safe: a
+request is retried (same upstream) on connect errors and on the statuses its upstream's `retry`
+lists, and handed to the route's fallbacks (other models, routed by their own entries) when the
+retries are spent. Once a stream has started nothing is retried; the relay reports the failure
+in the stream instead. A 5xx whose body blames the request (some servers answer a validation
+error with a 500) is neither retried nor handed on: it would fail the same way every time.
+What an answer means is `proxy.upstream_errors.classify`'s to say; what an aiohttp exception
+means, `proxy.exceptions_map`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import email.utils
+import math
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import aiohttp
+from multidict import CIMultiDict
+
+from proxy.config.load import LatencyFallback, RetryConfig
+from proxy.errors import ConnectTimeout, ErrorClass, ProxyError, UpstreamUnreachable
+from proxy.protocol import upstream_errors
+from proxy.routing.exceptions_map import Phase, map_upstream_exceptions
+from proxy.routing.upstream import Route, Router, Upstream
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    model: str
+    route: Route
+    reason: str  # "primary", or why the previous candidate was left: an error class, "slow"
+
+
+def retry_after_s(headers: Mapping[str, str], now: float | None = None) -> float | None:
+    """The upstream's requested wait: OpenAI's `retry-after-ms`, else RFC 9110 `Retry-After`
+    (seconds or an HTTP date). None when absent or unreadable."""
+    raw_ms = headers.get("retry-after-ms")
+    if raw_ms:
+        try:
+            ms = float(raw_ms)
+        except ValueError:
+            ms = math.nan
+        if math.isfinite(ms) and ms >= 0:
+            return ms / 1000
+    raw = headers.get("retry-after")
+    if not raw:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(raw)
+        except (TypeError, ValueError):
+            return None
+        return max(0.0, when.timestamp() - (time.time() if now is None else now))
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
+
+
+def backoff_s(retry: RetryConfig, n: int, rng: random.Random) -> float:
+    """Wait before retry `n` (1-based): exponential, capped, with equal jitter."""
+    base = min(retry.max_backoff_ms, retry.initial_backoff_ms * 2.0 ** (n - 1)) / 1000
+    return base * (0.5 + rng.random() / 2)
+
+
+async def answer_class(response: aiohttp.ClientResponse) -> ErrorClass:
+    """The class of an upstream's answer, for retries and fallbacks. A 5xx's body is read (some
+    servers answer a bad request with a 500; aiohttp keeps the body for the relay), within a
+    second: a body that does not come by then blames nothing. Other bodies are not read here:
+    a 4xx is final whatever it says, so telling `context_length` from `bad_request` is left to
+    the relay, which reads it anyway."""
+    body: bytes | None = None
+    if response.status >= 500:
+        try:
+            async with asyncio.timeout(1.0):
+                body = await response.read()
+        except (TimeoutError, aiohttp.ClientError):
+            body = None
+    return upstream_errors.classify(response.status, body)
+
+
+class LatencyTracker:
+    """Recent upstream TTFTs per (upstream, route pattern): a bounded set of keys, since both
+    come from the configuration, never from a client."""
+
+    _MAX_SAMPLES = 2000
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._samples: dict[tuple[str, str], collections.deque[tuple[float, float]]] = {}
+
+    def observe(self, route: Route, ttft_s: float) -> None:
+        key = (route.upstream.name, route.pattern)
+        samples = self._samples.get(key)
+        if samples is None:
+            samples = self._samples[key] = collections.deque(maxlen=self._MAX_SAMPLES)
+        samples.append((self._clock(), ttft_s))
+
+    def p95(self, route: Route, window_s: float) -> tuple[float | None, int]:
+        samples = self._samples.get((route.upstream.name, route.pattern))
+        if not samples:
+            return None, 0
+        horizon = self._clock() - window_s
+        while samples and samples[0][0] < horizon:
+            samples.popleft()
+        values = sorted(v for _, v in samples)
+        if not values:
+            return None, 0
+        return values[min(len(values) - 1, math.ceil(0.95 * len(values)) - 1)], len(values)
+
+    def is_slow(self, route: Route, rule: LatencyFallback) -> bool:
+        p95, n = self.p95(route, rule.window_s)
+        return p95 is not None and n >= rule.min_samples and p95 * 1000 > rule.ttft_p95_ms
+
+
+def candidates(
+    router: Router, route: Route, model: str, tracker: LatencyTracker
+) -> list[Candidate]:
+    """The primary, then its fallbacks in order. A primary whose recent TTFT p95 is over its
+    threshold goes last instead of first: it still serves if every fallback fails, and once its
+    slow samples age out of the window it is tried first again."""
+    out = [Candidate(model, route, "primary")]
+    for name in route.fallbacks:
+        fallback = router.resolve(name)
+        if fallback is not None and name != model:
+            out.append(Candidate(name, fallback, "error"))
+    rule = route.latency
+    if rule is not None and len(out) > 1 and tracker.is_slow(route, rule):
+        first = out[1]
+        out = [Candidate(first.model, first.route, "slow"), *out[2:], out[0]]
+    return out
+
+
+RetryHook = Callable[[Upstream, ErrorClass], None]  # the failure's class: the retry's reason
+
+
+def _nothing() -> None:
+    pass
+
+
+async def call_upstream(
+    session: aiohttp.ClientSession,
+    upstream: Upstream,
+    path: str,
+    body: bytes,
+    headers: CIMultiDict[str],
+    *,
+    on_retry: RetryHook,
+    rng: random.Random,
+    on_attempt: Callable[[], None] = _nothing,
+) -> aiohttp.ClientResponse:
+    """POST to `upstream` until it answers with something not worth retrying, the attempts are
+    spent, or the next wait would end past the retry deadline. Returns the last response (any
+    status); raises UpstreamTimeout / UpstreamUnavailable kinds (ConnectTimeout,
+    FirstByteTimeout, UpstreamUnreachable) when no response came at all.
+    `on_attempt` runs as each request goes out, `on_retry` once its failure is given up on."""
+    retry = upstream.retry
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + retry.deadline_s
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=upstream.connect_timeout_s)
+    url = upstream.base_url + path
+    attempt = 0
+    while True:
+        attempt += 1
+        failure: ProxyError
+        on_attempt()
+        try:
+            # A first-byte timeout is raised as it is, never retried: the request may be
+            # running upstream, and a second copy would double its cost.
+            with map_upstream_exceptions(upstream, Phase.CONNECT):
+                async with asyncio.timeout(upstream.first_byte_timeout_s):
+                    response = await session.post(url, data=body, headers=headers,
+                                                  timeout=timeout)
+        except (ConnectTimeout, UpstreamUnreachable) as exc:
+            failure = exc  # no response came: worth another try
+        else:
+            if (
+                response.status not in retry.on_status
+                or attempt >= retry.max_attempts
+                or response.headers.get("x-should-retry", "").lower() == "false"
+            ):
+                return response
+            cls = await answer_class(response)
+            if upstream_errors.blames_request(response.status, cls):
+                return response
+            wait = retry_after_s(response.headers)
+            if wait is None:
+                wait = backoff_s(retry, attempt, rng)
+            if loop.time() + wait > deadline:
+                return response  # the client (or a fallback) gets the answer now, not later
+            on_retry(upstream, cls)
+            await _discard(response)
+            await asyncio.sleep(wait)
+            continue
+        wait = backoff_s(retry, attempt, rng)
+        if attempt >= retry.max_attempts or loop.time() + wait > deadline:
+            raise failure
+        on_retry(upstream, failure.error_class)
+        await asyncio.sleep(wait)
+
+
+async def _discard(response: aiohttp.ClientResponse) -> None:
+    """Read a small error body so its connection can be reused; close it if that is slow."""
+    try:
+        async with asyncio.timeout(1.0):
+            await response.read()
+    except (TimeoutError, aiohttp.ClientError):
+        response.close()
+    finally:
+        response.release()

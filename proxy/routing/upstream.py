@@ -1,0 +1,128 @@
+"""Which upstream serves a model, and which headers cross the proxy in each direction."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from multidict import CIMultiDict
+
+from proxy.config.load import Config, LatencyFallback, RetryConfig, UpstreamConfig
+
+# RFC 9110 7.6.1 hop-by-hop fields, plus what the proxy itself must own: the client's credentials
+# (never forwarded), framing (recomputed), Host, and Accept-Encoding (we ask for identity so the
+# SSE bytes we meter are the bytes we forward).
+_HOP_BY_HOP = frozenset(
+    {
+        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+        "trailer", "trailers", "transfer-encoding", "upgrade", "proxy-connection",
+    }
+)
+_REQUEST_DROP = _HOP_BY_HOP | {"host", "authorization", "api-key", "x-api-key",
+                               "content-length", "accept-encoding"}
+_RESPONSE_DROP = _HOP_BY_HOP | {"content-length"}
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    name: str
+    base_url: str
+    api_key: str | None
+    connect_timeout_s: float
+    first_byte_timeout_s: float
+    idle_timeout_s: float
+    total_timeout_s: float
+    stream_usage: bool
+    retry: RetryConfig
+    write_all_caps: bool = True  # see UpstreamConfig.cap_fields
+
+
+def _writes_all_caps(u: UpstreamConfig) -> bool:
+    if u.cap_fields == "auto":
+        host = urlsplit(u.base_url).hostname or ""
+        return host != "api.openai.com"
+    return u.cap_fields == "all"
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    upstream: Upstream
+    pattern: str
+    fallbacks: tuple[str, ...] = ()
+    latency: LatencyFallback | None = None
+
+
+class Router:
+    def __init__(self, config: Config) -> None:
+        self.upstreams = {
+            name: Upstream(
+                name, u.base_url, u.api_key, u.connect_timeout_s, u.first_byte_timeout_s,
+                u.idle_timeout_s, u.total_timeout_s, u.stream_usage, u.retry,
+                _writes_all_caps(u),
+            )
+            for name, u in config.upstreams.items()
+        }
+        self._routes = [
+            (
+                re.compile(fnmatch.translate(r.match)),
+                Route(self.upstreams[r.upstream], r.match, tuple(r.fallbacks), r.latency_fallback),
+            )
+            for r in config.models
+        ]
+        exact = {r.match for r in config.models if not any(c in r.match for c in "*?[")}
+        self._labels: set[str] = exact | set(config.metrics.model_labels)
+        self.discovered: set[str] = set()
+
+    def resolve(self, model: str) -> Route | None:
+        for regex, route in self._routes:
+            if regex.match(model):
+                return route
+        return None
+
+    def add_model_labels(self, names: Iterable[str], limit: int = 1000) -> None:
+        """Names the upstreams list at /v1/models: a bounded set not chosen by clients."""
+        for name in names:
+            if len(self._labels) >= limit:
+                break
+            self._labels.add(name)
+            self.discovered.add(name)
+
+    def model_label(self, model: str, route: Route | None) -> str:
+        if model in self._labels:
+            return model
+        return route.pattern if route is not None else "unrouted"
+
+
+def upstream_request_headers(
+    client: Mapping[str, str], upstream: Upstream, *, client_key: str | None = None
+) -> CIMultiDict[str]:
+    """`client_key`: pass-through mode, where the client's own key is the upstream key."""
+    drop = _REQUEST_DROP | _connection_tokens(client)
+    out: CIMultiDict[str] = CIMultiDict(
+        (k, v) for k, v in client.items() if k.lower() not in drop
+    )
+    out["Accept-Encoding"] = "identity"
+    key = client_key or upstream.api_key
+    if key:
+        out["Authorization"] = f"Bearer {key}"
+    return out
+
+
+def client_response_headers(upstream: Mapping[str, str]) -> CIMultiDict[str]:
+    drop = _RESPONSE_DROP | _connection_tokens(upstream)
+    return CIMultiDict((k, v) for k, v in upstream.items() if k.lower() not in drop)
+
+
+def _connection_tokens(headers: Mapping[str, str]) -> frozenset[str]:
+    """Fields named in `Connection` are hop-by-hop too, in every `Connection` line: a second
+    line must not smuggle a field past the proxy."""
+    getall = getattr(headers, "getall", None)
+    values: list[str] = getall("Connection", []) if getall is not None else (
+        [headers["Connection"]] if "Connection" in headers else []
+    )
+    return frozenset(
+        t.strip().lower() for value in values for t in value.split(",") if t.strip()
+    )

@@ -1,0 +1,360 @@
+"""The aiohttp application: routes, error mapping and the lifecycles of its long-lived parts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import hashlib
+import hmac
+import json
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from proxy.auth import UserIndex, client_key
+from proxy.budget.accounting import Budget
+from proxy.budget.notify import Notifier
+from proxy.budget.spool import Spool, default_dir
+from proxy.budget.store import MemoryStore, Store
+from proxy.budget.store_redis import RedisStore
+from proxy.config.load import Config
+from proxy.errors import (
+    AuthenticationFailed,
+    MethodNotAllowed,
+    NotFound,
+    ProxyError,
+    RequestTooLarge,
+    UpstreamUnavailable,
+)
+from proxy.pipeline.handler import make_handler
+from proxy.pipeline.watchdog import Watchdog
+from proxy.protocol import tokenizer
+from proxy.protocol.translators import TRANSLATORS
+from proxy.routing.attempts import LatencyTracker
+from proxy.routing.upstream import Router, client_response_headers, upstream_request_headers
+from proxy.server import state as st
+from proxy.server.reload import ConfigWatcher
+from proxy.telemetry.metrics import Metrics
+
+log = logging.getLogger("tokenmeter")
+
+_OPEN_WARNING = (
+    "tokenmeter is OPEN: no users are configured, so every request is accepted without a key "
+    "and metered as user 'default'. Configure `users` to require keys."
+)
+
+
+def build_runtime(config: Config) -> st.Runtime:
+    return st.Runtime(config=config, router=Router(config), users=UserIndex(config))
+
+
+def make_store(config: Config, clock: Callable[[], float]) -> Store:
+    if config.store.url == "memory":
+        return MemoryStore(clock)
+    return RedisStore(config.store.url, config.store.timeout_ms)
+
+
+@web.middleware
+async def _errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ProxyError as exc:
+        return exc.to_response()
+    except web.HTTPNotFound:
+        return NotFound(f"Unknown request URL: {request.method} {request.path}.").to_response()
+    except web.HTTPMethodNotAllowed:
+        return MethodNotAllowed(f"{request.method} is not allowed on {request.path}.").to_response()
+    except web.HTTPRequestEntityTooLarge:
+        return RequestTooLarge("The request body is too large.").to_response()
+    except web.HTTPException:
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return ProxyError("The proxy failed to handle the request.").to_response()
+
+
+async def _models(request: web.Request) -> web.StreamResponse:
+    """GET /v1/models: the upstreams' own lists; with one upstream, its bytes unchanged."""
+    runtime = request.app[st.SERVICES].runtime.current
+    principal = runtime.users.authenticate(request)  # same keys as every other endpoint
+    session = request.app[st.SERVICES].http.session
+    upstreams = list(runtime.router.upstreams.values())
+    merged: list[object] = []
+    failures = 0
+    for upstream in upstreams:
+        headers = upstream_request_headers(
+            request.headers, upstream,
+            client_key=client_key(request) if principal.forward_client_key else None,
+        )
+        timeout = aiohttp.ClientTimeout(
+            total=upstream.first_byte_timeout_s, sock_connect=upstream.connect_timeout_s
+        )
+        try:
+            async with session.get(
+                upstream.base_url + "/models", headers=headers, timeout=timeout
+            ) as up:
+                body = await up.read()
+                if len(upstreams) == 1:
+                    return web.Response(
+                        status=up.status, body=body, headers=client_response_headers(up.headers)
+                    )
+                if up.status == 200:
+                    merged.extend(json.loads(body).get("data") or [])
+                else:
+                    failures += 1
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
+            failures += 1
+            log.warning("listing models of upstream %s failed: %s", upstream.name, exc)
+    if failures == len(upstreams):
+        raise UpstreamUnavailable("No upstream could list its models.")
+    return web.json_response({"object": "list", "data": merged})
+
+
+def _metrics_handler(main: web.Application) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def metrics(request: web.Request) -> web.Response:
+        token = main[st.SERVICES].runtime.current.config.metrics.token
+        if token is not None:
+            given = request.headers.get("Authorization", "")
+            # Compared as digests: constant time, whatever the lengths.
+            if not hmac.compare_digest(
+                hashlib.sha256(given.encode()).digest(),
+                hashlib.sha256(f"Bearer {token}".encode()).digest(),
+            ):
+                raise AuthenticationFailed(
+                    "/metrics needs `Authorization: Bearer <metrics.token>`.", code="invalid_token"
+                )
+        body = generate_latest(main[st.SERVICES].metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    return metrics
+
+
+def create_metrics_app(main: web.Application) -> web.Application:
+    """/metrics alone, for `metrics.port`: a listener that the firewall can keep private."""
+    app = web.Application(middlewares=[_errors])
+    app.router.add_get("/metrics", _metrics_handler(main))
+    return app
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    """Liveness: the process is up and its loop answers."""
+    return web.json_response({"status": "ok"})
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    """Readiness: a configuration is loaded and the store answers, or the policy is fail_open
+    (requests are then served without budgets, which beats refusing them all)."""
+    runtime = request.app[st.SERVICES].runtime.current
+    policy = runtime.config.store.on_error
+    budget = request.app[st.SERVICES].budget
+    if not await budget.probe():
+        ready = policy == "fail_open"
+        return web.json_response(
+            {"status": "degraded" if ready else "unavailable", "store": "unreachable",
+             "on_error": policy},
+            status=200 if ready else 503,
+        )
+    return web.json_response({"status": "ok", "store": "ok", "mode": runtime.users.mode})
+
+
+async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
+    # One pooled session for the process; no total timeout (streams may be long), per-request
+    # connect/read timeouts come from the upstream's config.
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=60)
+    async with aiohttp.ClientSession(
+        connector=connector, auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None)
+    ) as session:
+        app[st.SERVICES].http.started(session)
+        yield
+        app[st.SERVICES].http.started(None)
+
+
+async def _discover_models(app: web.Application) -> AsyncIterator[None]:
+    """Learn model names the upstreams serve, so `model` labels can name them (a bounded set
+    that clients cannot grow). Best effort and in the background: startup never waits on it."""
+    runtime = app[st.SERVICES].runtime.current
+    if not runtime.config.metrics.discover_models:
+        yield
+        return
+
+    async def discover() -> None:
+        session = app[st.SERVICES].http.session
+        for upstream in runtime.router.upstreams.values():
+            try:
+                async with session.get(
+                    upstream.base_url + "/models",
+                    headers=upstream_request_headers({}, upstream),
+                    timeout=aiohttp.ClientTimeout(total=10),
+                ) as up:
+                    if up.status == 200:
+                        data = (await up.json(content_type=None)).get("data") or []
+                        runtime.router.add_model_labels(
+                            str(m["id"]) for m in data if isinstance(m, dict) and "id" in m
+                        )
+            except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
+                log.warning("could not list models of upstream %s: %s", upstream.name, exc)
+
+    task = asyncio.create_task(discover())
+    yield
+    task.cancel()
+
+
+async def _watchdog_ctx(app: web.Application) -> AsyncIterator[None]:
+    task = asyncio.create_task(app[st.SERVICES].watchdog.run())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _drain_settling(app: web.Application) -> AsyncIterator[None]:
+    yield
+    pending = set(app[st.SERVICES].settling.tasks)
+    if pending:
+        await asyncio.wait(pending, timeout=10)
+
+
+async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
+    budget = app[st.SERVICES].budget
+    holder = app[st.SERVICES].runtime
+
+    async def maintain() -> None:
+        # Probe the store, replay what the spool holds once it answers, renew the leases of
+        # streams still running.
+        tick = 0
+        while True:
+            lease = holder.current.config.store.lease_seconds
+            await asyncio.sleep(min(1.0, lease / 3))
+            tick += 1
+            if await budget.probe():
+                await budget.replay()
+                if tick % max(1, int(lease / 3)) == 0:
+                    await budget.renew_leases(lease)
+            budget.health.tick()
+
+    if budget.spool is not None:
+        try:
+            budget.spool.open()
+        except OSError as exc:
+            log.error("the settlement spool cannot be opened in %s (%s): usage owed to the "
+                      "store during an outage will be lost", budget.spool.directory, exc)
+            budget.spool = None
+        else:
+            log.info("settlements the store cannot take are kept in %s", budget.spool.path)
+    if not await budget.probe():  # StoreHealth has said so: add only what it cannot know
+        log.warning("starting with the budget store unreachable (policy %s)",
+                    holder.current.config.store.on_error)
+    else:
+        await budget.replay()
+    task = asyncio.create_task(maintain())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await budget.drain_background()
+    if budget.health.up:
+        await budget.replay()
+    budget.health.tick(final=True)
+    await budget.store.close()
+    if budget.spool is not None:
+        count, tokens = budget.spool.pending()
+        budget.spool.close()
+        if count:
+            log.warning("%d settlements (%d tokens) are owed to the budget store; they stay in "
+                        "%s and are replayed at the next start", count, tokens,
+                        budget.spool.directory)
+
+
+def _watch_ctx(path: Path) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        holder = app[st.SERVICES].runtime
+
+        from proxy.server.reload import keep_running_store
+
+        def apply(config: Config) -> None:
+            # The store is set up once at start: a changed prefix must not reset every budget.
+            config = keep_running_store(config, holder.current.config)
+            previous = holder.current
+            holder.current = build_runtime(config)
+            # Names learned from the upstreams at start stay allowed as labels.
+            holder.current.router.add_model_labels(previous.router.discovered)
+            app[st.SERVICES].metrics.open_mode(holder.current.open_mode)
+
+        watcher = ConfigWatcher(path, apply, app[st.SERVICES].metrics)
+        app[st.WATCHER] = watcher
+        task = asyncio.create_task(watcher.run())
+        yield
+        task.cancel()
+
+    return ctx
+
+
+def create_app(
+    config: Config,
+    *,
+    config_path: Path | None = None,
+    clock: Callable[[], float] = time.time,
+    store: Store | None = None,
+) -> web.Application:
+    """`clock` (epoch seconds) decides budget days and minutes; tests inject one."""
+    app = web.Application(
+        middlewares=[_errors], client_max_size=int(config.server.max_body_mb * 1024 * 1024)
+    )
+    runtime = build_runtime(config)
+    holder = st.RuntimeHolder(runtime)
+    metrics = Metrics()
+    metrics.open_mode(runtime.open_mode)
+    http = st.HttpClient()
+    notifier = Notifier(
+        metrics,
+        thresholds=lambda: holder.current.config.alerts.thresholds,
+        webhook_url=lambda: holder.current.config.alerts.webhook_url,
+        session=lambda: http.session if http.running else None,
+    )
+    spool_dir = Path(config.store.spool_dir) if config.store.spool_dir else default_dir()
+    budget = Budget(store or make_store(config, clock), metrics, notifier, clock,
+                    Spool(spool_dir))
+    app[st.SERVICES] = st.Services(
+        runtime=holder, metrics=metrics, budget=budget, http=http, latency=LatencyTracker(),
+        rng=random.Random(), settling=st.Settling(), watchdog=Watchdog(),
+    )
+    app.cleanup_ctx.extend(
+        [_session_ctx, _store_ctx, _watchdog_ctx, _discover_models, _drain_settling]
+    )
+    if config_path is not None:
+        app.cleanup_ctx.append(_watch_ctx(config_path))
+    for translator in TRANSLATORS:
+        app.router.add_post("/v1" + translator.path, make_handler(translator))
+    app.router.add_get("/v1/models", _models)
+    if config.metrics.port is None:
+        app.router.add_get("/metrics", _metrics_handler(app))
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    if runtime.open_mode:
+        app.on_startup.append(_warn_open)
+    app.on_startup.append(_settle_heap)
+    return app
+
+
+async def _settle_heap(app: web.Application) -> None:
+    """Load the tokenizers now (0.3 s of CPU, off the loop) instead of in the first request that
+    needs an estimate, then move everything alive at startup out of the garbage collector's
+    sight: its full collections would otherwise walk the 200k-entry BPE tables mid-stream."""
+    try:
+        await asyncio.to_thread(tokenizer.preload)
+    except tokenizer.EncodingUnavailable as exc:
+        log.error("token counting unavailable, estimates will fail: %s", exc)
+    gc.freeze()
+
+
+async def _warn_open(app: web.Application) -> None:
+    log.warning(_OPEN_WARNING)

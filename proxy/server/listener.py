@@ -1,0 +1,342 @@
+"""The client-facing listener, hardened against clients that hold connections open.
+
+aiohttp has no deadline on reading a request: a client that sends its header block one byte at
+a time (slowloris) or stops halfway through its body keeps a socket, and with enough of them
+the process runs out of file descriptors and cannot open upstream sockets any more. Here:
+
+- the header block of each request must arrive whole within `header_timeout_s`: counted from
+  the connection's start for its first request, and from the first byte of the next one on a
+  kept-alive connection (the idle wait before that byte is aiohttp's `keepalive_timeout`);
+- the body must arrive whole within `body_timeout_s` of the headers being parsed;
+- at most `max_connections` client connections are open at once; one more is answered at once
+  with a 503 in OpenAI's error shape and closed.
+
+A late request is answered 408 (when nothing of a response was sent yet) and the connection is
+closed. Each deadline is one timer per request head, armed and checked outside the per-chunk
+path: the only per-read cost is two attribute checks in `data_received`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+import resource
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.http_parser import RawRequestMessage
+from aiohttp.streams import StreamReader
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
+from aiohttp.web_server import Server
+
+from proxy.config.load import ServerConfig
+from proxy.errors import ProxyError, ServiceUnavailable
+
+log = logging.getLogger("tokenmeter.listener")
+
+# File descriptors kept out of the connection budget: the listeners, Redis, log files, DNS,
+# the upstreams' idle pooled sockets beyond one per request.
+FD_RESERVE = 128
+# A refused connection is kept this long at most while its request is read and dropped, so the
+# 503 is not lost to a TCP reset from closing with unread bytes.
+REFUSAL_LINGER_S = 1.0
+# Refusals and timeouts are logged at most once per this many seconds per kind, with a count:
+# a flood must not become a log flood.
+LOG_EVERY_S = 10.0
+
+
+# Set on a request whose body did not arrive in time, before its handler is cancelled: the
+# handler sees only the cancellation, as for a client that went away.
+BODY_TIMED_OUT = web.RequestKey("tokenmeter_body_timed_out", bool)
+
+
+class RequestTimeout(ProxyError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
+class ListenerEvent(enum.Enum):
+    REFUSED = "refused"  # max_connections reached: 503 and closed
+    HEADER_TIMEOUT = "header_timeout"  # headers not whole in header_timeout_s: 408 and closed
+    BODY_TIMEOUT = "body_timeout"  # body not whole in body_timeout_s: 408 and closed
+
+
+@dataclass(frozen=True, slots=True)
+class ListenerLimits:
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    keepalive_timeout_s: float = 75.0
+    max_connections: int = 4096
+
+    @classmethod
+    def from_config(cls, server: ServerConfig, fd_limit: int | None = None) -> ListenerLimits:
+        """The configured limits, `max_connections` lowered to what `fd_limit` allows."""
+        max_connections = server.max_connections
+        if fd_limit is not None:
+            budget = connection_budget(fd_limit)
+            if budget < max_connections:
+                log.warning(
+                    "server.max_connections lowered from %d to %d: the open-file limit is %d "
+                    "and each client connection can need an upstream socket too",
+                    max_connections, budget, fd_limit,
+                )
+                max_connections = budget
+        return cls(server.header_timeout_s, server.body_timeout_s, server.keepalive_timeout_s,
+                   max_connections)
+
+
+def connection_budget(fd_limit: int) -> int:
+    """Client connections an open-file limit can carry: each may hold an upstream socket too."""
+    return max(1, (fd_limit - FD_RESERVE) // 2)
+
+
+def raise_fd_limit() -> int | None:
+    """Raise the soft open-file limit to the hard one; return the soft limit in force after.
+
+    Never fails: where the limit cannot be read or raised, the process runs with what it has."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):
+        return None
+    if soft == resource.RLIM_INFINITY:
+        return None
+    # macOS reports an unlimited hard limit but refuses more than kern.maxfilesperproc.
+    targets = [hard] if hard != resource.RLIM_INFINITY else [1 << 20, 65536, 10240]
+    for target in targets:
+        if target <= soft:
+            break
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (OSError, ValueError):
+            continue
+        log.info("raised the open-file limit from %d to %d", soft, target)
+        return target
+    if targets[0] > soft:
+        log.warning("could not raise the open-file limit above %d", soft)
+    return soft
+
+
+def _raw_response(status: int, reason: str, error: ProxyError) -> bytes:
+    body = json.dumps(error.to_body()).encode()
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class ConnectionGuard:
+    """Limits and counts shared by the sites of one process (one file-descriptor budget).
+
+    `on_event` is called once per refusal or timeout, e.g. to count them in a metric."""
+
+    def __init__(
+        self,
+        limits: ListenerLimits | None = None,
+        on_event: Callable[[ListenerEvent], None] | None = None,
+    ) -> None:
+        self.limits = limits or ListenerLimits()
+        self.open = 0
+        self.events = dict.fromkeys(ListenerEvent, 0)
+        self._on_event = on_event
+        self._unlogged = dict.fromkeys(ListenerEvent, 0)
+        self._logged_at = dict.fromkeys(ListenerEvent, float("-inf"))
+        self.refusal = _raw_response(503, "Service Unavailable", ServiceUnavailable(
+            "The proxy has too many open connections (server.max_connections); retry shortly.",
+            code="too_many_connections",
+        ))
+        self.header_late = _raw_response(408, "Request Timeout", RequestTimeout(
+            f"The request headers did not arrive within {self.limits.header_timeout_s:g} s "
+            "(server.header_timeout_s)."
+        ))
+        self.body_late = _raw_response(408, "Request Timeout", RequestTimeout(
+            f"The request body did not arrive within {self.limits.body_timeout_s:g} s "
+            "(server.body_timeout_s)."
+        ))
+
+    def note(self, event: ListenerEvent, now: float) -> None:
+        self.events[event] += 1
+        self._unlogged[event] += 1
+        if now - self._logged_at[event] >= LOG_EVERY_S:
+            count, self._unlogged[event], self._logged_at[event] = self._unlogged[event], 0, now
+            log.warning("client connections closed early (%s): %d since the last report; %d open, "
+                        "server.max_connections %d", event.value, count, self.open,
+                        self.limits.max_connections)
+        if self._on_event is not None:
+            self._on_event(event)
+
+
+class _Refusal(asyncio.Protocol):
+    """A connection over the limit: the 503 at once, then whatever the client sends is dropped
+    until it closes (or the linger ends): closing with unread bytes would reset the connection
+    and could destroy the 503 before the client reads it."""
+
+    def __init__(self, transport: asyncio.Transport, response: bytes) -> None:
+        transport.write(response)
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._timer = asyncio.get_running_loop().call_later(REFUSAL_LINGER_S, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass
+
+    def eof_received(self) -> bool:
+        return False  # the transport closes itself
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._timer.cancel()
+
+
+class _GuardedHandler(RequestHandler):
+    __slots__ = ("_body_timer", "_counted", "_guard", "_head_timer", "_make_request")
+
+    def __init__(self, manager: Server, guard: ConnectionGuard, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._guard = guard
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._counted = False
+        # start() calls the request factory once per request head it takes off the queue: the
+        # hook for "the head is whole", outside the per-chunk path.
+        factory = self._request_factory
+        assert factory is not None
+        self._make_request = factory
+        self._request_factory = self._head_parsed
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        guard = self._guard
+        if guard.open >= guard.limits.max_connections:
+            # (uvloop's transports are not asyncio.Transport subclasses, hence no isinstance)
+            tcp = cast(asyncio.Transport, transport)
+            tcp.set_protocol(_Refusal(tcp, guard.refusal))
+            guard.note(ListenerEvent.REFUSED, self._loop.time())
+            return
+        guard.open += 1
+        self._counted = True
+        super().connection_made(transport)
+        self._arm_head()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._release()
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _release(self) -> None:
+        if self._counted:
+            self._counted = False
+            self._guard.open -= 1
+
+    def data_received(self, data: bytes) -> None:
+        # `_waiter` is set only while start() waits for the next request head: the first byte
+        # of a kept-alive connection's next request starts that request's header deadline.
+        if self._head_timer is None and self._waiter is not None and data:
+            self._arm_head()
+        super().data_received(data)
+
+    def _arm_head(self) -> None:
+        self._head_timer = self._loop.call_later(
+            self._guard.limits.header_timeout_s, self._head_deadline
+        )
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _head_parsed(
+        self,
+        message: RawRequestMessage,
+        payload: StreamReader,
+        protocol: RequestHandler,
+        writer: AbstractStreamWriter,
+        task: asyncio.Task[None],
+    ) -> BaseRequest:
+        self._disarm()
+        request = self._make_request(message, payload, protocol, writer, task)
+        if not payload.is_eof():
+            self._body_timer = self._loop.call_later(
+                self._guard.limits.body_timeout_s, self._body_deadline, request, payload, writer
+            )
+        return request
+
+    def _head_deadline(self) -> None:
+        self._head_timer = None
+        waiter = self._waiter
+        # Waiting and nothing parsed: the head is still incomplete. Otherwise a head arrived
+        # (queued behind a running request, or about to be taken) and its body timer takes over.
+        if waiter is not None and not waiter.done():
+            self._cut(ListenerEvent.HEADER_TIMEOUT, self._guard.header_late)
+
+    def _body_deadline(
+        self, request: BaseRequest, payload: StreamReader, writer: AbstractStreamWriter
+    ) -> None:
+        self._body_timer = None
+        if payload.is_eof():
+            return
+        request[BODY_TIMED_OUT] = True
+        # A response already started (the handler answered without reading the body) cannot be
+        # followed by a 408: the connection is only cut.
+        self._cut(ListenerEvent.BODY_TIMEOUT, self._guard.body_late if writer.output_size == 0
+                  else b"")
+
+    def _cut(self, event: ListenerEvent, response: bytes) -> None:
+        transport = self.transport
+        if transport is None:
+            return
+        self._guard.note(event, self._loop.time())
+        if response:
+            transport.write(response)
+        # Counted free now, not at connection_lost: some loops (uvloop) close the socket a loop
+        # turn before calling it, and the client may already be connecting again.
+        self._release()
+        # As aiohttp's own keep-alive timeout does: the handler, if any, is cancelled (the
+        # relay settles it as a client disconnect) and the transport closes after the write.
+        self.force_close()
+
+
+class GuardedSite(web.BaseSite):
+    """`web.TCPSite` whose connections are `_GuardedHandler`s sharing one `ConnectionGuard`."""
+
+    __slots__ = ("_guard", "_host", "_port")
+
+    def __init__(
+        self, runner: web.BaseRunner, host: str, port: int, guard: ConnectionGuard,
+        backlog: int = 128,
+    ) -> None:
+        super().__init__(runner, backlog=backlog)
+        self._host, self._port, self._guard = host, port, guard
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        server = self._runner.server
+        assert server is not None
+        loop = asyncio.get_running_loop()
+        # The keyword arguments aiohttp's Server gives each RequestHandler it makes (access log,
+        # keepalive_timeout, debug...), so ours are configured exactly as the stock ones.
+        kwargs: dict[str, Any] = server._kwargs
+        guard = self._guard
+
+        def factory() -> _GuardedHandler:
+            return _GuardedHandler(server, guard, loop=loop, **kwargs)
+
+        self._server = await loop.create_server(factory, self._host, self._port,
+                                                backlog=self._backlog)
+
+    @property
+    def port(self) -> int:
+        sockets = getattr(self._server, "sockets", None) or []
+        return int(sockets[0].getsockname()[1]) if sockets else self._port

@@ -1,0 +1,146 @@
+"""Hot reload of the configuration file: on change (polled) and on SIGHUP.
+
+A new version is parsed and validated whole; only then is the app's `Runtime` swapped, so a
+request in flight finishes under the version it started with and the next one sees the new
+one. An invalid file is refused, logged and counted, and the previous version keeps serving.
+
+A changed file is loaded only once two consecutive polls read the same bytes (and size and
+mtime): an editor or `cat > file` writes in steps, and a file cut after some users still
+parses, so a half-written version could otherwise drop keys for a moment. SIGHUP loads at once.
+
+The store settings (`store:`) are read once at start: a reload keeps the running ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import hashlib
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from proxy.config.load import Config, ConfigError, parse_config
+from proxy.config.policy import StoreConfig
+from proxy.telemetry.metrics import Metrics
+
+log = logging.getLogger("tokenmeter.reload")
+
+# A change is seen within one poll and loaded on the next: within half a second.
+POLL_SECONDS = 0.25
+
+
+class Poll(enum.Enum):
+    """What one look at the file did."""
+
+    UNCHANGED = "unchanged"  # the version already loaded (or already refused)
+    MISSING = "missing"  # unreadable right now (e.g. mid-replace): nothing changes
+    SETTLING = "settling"  # new content, not yet seen twice alike: maybe still being written
+    APPLIED = "applied"
+    REFUSED = "refused"  # complete but invalid: the previous version keeps serving
+
+
+@dataclass(frozen=True, slots=True)
+class _Snapshot:
+    digest: bytes
+    size: int
+    mtime_ns: int
+
+
+def keep_running_store(config: Config, running: Config) -> Config:
+    """`config` with the running `store:` section, warning about any store field it changes.
+
+    The store (its URL, the key prefix, the lease...) is set up once at start: switching the
+    prefix mid-day would start every budget from zero, so changes wait for a restart."""
+    if config.store == running.store:
+        return config
+    changed = [f for f in StoreConfig.model_fields
+               if getattr(config.store, f) != getattr(running.store, f)]
+    # Field names only: a store URL can carry a password.
+    log.warning(
+        "store settings changed (%s); they take effect on restart, the running ones are kept",
+        ", ".join(f"store.{f}" for f in changed),
+    )
+    return config.model_copy(update={"store": running.store})
+
+
+class ConfigWatcher:
+    def __init__(self, path: Path, apply: Callable[[Config], None], metrics: Metrics) -> None:
+        self.path = path
+        self._apply = apply
+        self._metrics = metrics
+        read = self._read()
+        # The digest of the version last loaded or refused: not looked at again until it changes.
+        self._seen: bytes | None = read[1].digest if read is not None else None
+        self._pending: _Snapshot | None = None  # new content seen on the last poll
+        self._forced = False
+        self._changed = asyncio.Event()
+
+    def _read(self) -> tuple[bytes, _Snapshot] | None:
+        try:
+            with self.path.open("rb") as f:
+                data = f.read()
+                st = os.fstat(f.fileno())
+        except OSError:
+            return None
+        return data, _Snapshot(hashlib.sha256(data).digest(), st.st_size, st.st_mtime_ns)
+
+    def request_reload(self) -> None:
+        """SIGHUP: load on the next poll, at once, even if the content looks unchanged (e.g. an
+        environment variable it names changed)."""
+        self._forced = True
+        self._changed.set()
+
+    def poll_once(self) -> Poll:
+        """One look at the file; the run loop calls this every POLL_SECONDS (tests call it)."""
+        forced, self._forced = self._forced, False
+        read = self._read()
+        if read is None:
+            self._pending = None
+            if forced:  # asked for by SIGHUP: say why nothing happened
+                self._metrics.config_reloaded(ok=False)
+                log.error("configuration reload refused: cannot read %s", self.path)
+            return Poll.MISSING
+        data, snap = read
+        if not forced:
+            if snap.digest == self._seen:
+                self._pending = None
+                return Poll.UNCHANGED
+            if snap != self._pending:
+                self._pending = snap
+                return Poll.SETTLING
+        self._pending = None
+        self._seen = snap.digest
+        return Poll.APPLIED if self._load(data) else Poll.REFUSED
+
+    def reload(self) -> bool:
+        """Load the file now, whatever the polls saw; True if it was applied."""
+        self._forced = True
+        return self.poll_once() is Poll.APPLIED
+
+    def _load(self, data: bytes) -> bool:
+        # The very bytes that were seen stable are parsed: no second read that could differ.
+        try:
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ConfigError(f"{self.path}: not UTF-8: {exc.reason}") from None
+            config = parse_config(text, str(self.path))
+        except ConfigError as exc:
+            self._metrics.config_reloaded(ok=False)
+            log.error("configuration reload refused, the previous version keeps serving: %s", exc)
+            return False
+        self._apply(config)
+        self._metrics.config_reloaded(ok=True)
+        log.info("configuration reloaded from %s", self.path)
+        return True
+
+    async def run(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), POLL_SECONDS)
+            self._changed.clear()
+            self.poll_once()

@@ -1,0 +1,120 @@
+"""Typed keys for what the app holds: one place to see the process's long-lived state."""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import random
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from proxy.auth import UserIndex
+from proxy.budget.accounting import Budget
+from proxy.config.load import Config
+from proxy.config.policy import Price
+from proxy.pipeline.watchdog import Watchdog
+from proxy.routing.attempts import LatencyTracker
+from proxy.routing.upstream import Router
+from proxy.server.reload import ConfigWatcher
+from proxy.telemetry.metrics import Metrics
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    """What a request reads from the current configuration. Replaced whole on reload, so a
+    request sees one consistent version from start to end."""
+
+    config: Config
+    router: Router
+    users: UserIndex
+
+    @property
+    def open_mode(self) -> bool:
+        return self.users.mode == "open"
+
+    def price_for(self, model: str) -> Price | None:
+        prices = self.config.prices
+        if model in prices:
+            return prices[model]
+        for pattern, price in prices.items():
+            if fnmatch.fnmatchcase(model, pattern):
+                return price
+        return None
+
+
+class RuntimeHolder:
+    __slots__ = ("current",)
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.current = runtime
+
+
+
+
+class Settling:
+    """Settle tasks still running: kept referenced, and awaited at shutdown."""
+
+    __slots__ = ("_changed", "completed", "tasks")
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.completed = 0
+        self._changed: asyncio.Event | None = None
+
+    def finished(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        self.completed += 1
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    async def wait_for(self, count: int) -> None:
+        """Until `count` requests have settled since start (tests and shutdown use this)."""
+        while self.completed < count:
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            await self._changed.wait()
+
+
+WATCHER = web.AppKey("watcher", ConfigWatcher)
+
+
+class HttpClient:
+    """The process's one pooled aiohttp session, opened when the app starts."""
+
+    __slots__ = ("_session",)
+
+    def __init__(self) -> None:
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the HTTP client is used before the app started")
+        return self._session
+
+    def started(self, session: aiohttp.ClientSession | None) -> None:
+        self._session = session
+
+    @property
+    def running(self) -> bool:
+        return self._session is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Services:
+    """The long-lived parts a request uses, made once per app and passed explicitly."""
+
+    runtime: RuntimeHolder
+    metrics: Metrics
+    budget: Budget
+    http: HttpClient
+    latency: LatencyTracker
+    rng: random.Random  # retry jitter; tests may seed it
+    settling: Settling
+    watchdog: Watchdog
+
+
+SERVICES = web.AppKey("services", Services)

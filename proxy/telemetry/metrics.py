@@ -1,0 +1,402 @@
+"""Prometheus metrics, one registry per app, updated only through `Metrics`' domain verbs.
+
+Names follow the OpenTelemetry GenAI semantic conventions in Prometheus form where one exists
+(`gen_ai_server_*`); the rest live under `tokenmeter_`. Every label comes from a bounded set:
+configured or upstream-listed model names (else the route pattern), configured users, upstream
+names, operations, HTTP status codes and our own error classes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from proxy.config.policy import Price
+from proxy.protocol.usage import Usage
+
+if TYPE_CHECKING:
+    from proxy.telemetry.meter import Figures  # meter buckets gaps on TPOT_BUCKETS from here
+
+
+# Upper bounds in seconds. Fine enough to tell 1 ms from 5 ms and 50 ms from 100 ms in TTFT.
+TTFT_BUCKETS: tuple[float, ...] = (
+    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
+    0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0,
+)
+# Time per output token from 50 us (14,000 tok/s: 71 us) to 100 ms (10 tok/s) and beyond;
+# 1.33 ms is 750 tok/s.
+TPOT_BUCKETS: tuple[float, ...] = (
+    0.00001, 0.000025, 0.00005, 0.000075, 0.0001, 0.00015, 0.0002, 0.0003, 0.0005, 0.00075,
+    0.001, 0.00133, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
+    0.25, 0.5, 1.0, 2.5,
+)
+DURATION_BUCKETS: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0,
+    300.0, 600.0,
+)
+OVERHEAD_BUCKETS: tuple[float, ...] = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+)
+TOKENS_PER_SECOND_BUCKETS: tuple[float, ...] = (
+    5.0, 10.0, 25.0, 50.0, 75.0, 100.0, 150.0, 200.0, 300.0, 500.0, 750.0, 1000.0, 1500.0,
+    2000.0, 3000.0, 5000.0, 7500.0, 10000.0, 14000.0, 20000.0, 50000.0,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """Everything known about one finished request; the metrics and the log line read this."""
+
+    request_id: str
+    operation: str
+    model: str  # the model that served it (logged, never a label)
+    model_label: str
+    upstream: str
+    user: str
+    key: str | None  # a key's configured name, else the first 12 hex digits of its hash
+    status: int
+    error_class: str  # "none" when the request succeeded
+    stream: bool
+    usage: Usage
+    figures: Figures
+    fallback_from: str | None = None  # the model asked for, when a fallback served instead
+    attempts: int = 1  # upstream calls made: retries and fallbacks included
+
+
+class _GapHistogram(Collector):
+    """Inter-chunk latency histogram fed with whole per-request bucket arrays."""
+
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...]) -> None:
+        self._name = name
+        self._doc = doc
+        self._buckets = buckets
+        self._series: dict[tuple[str, str, str], tuple[list[int], list[float]]] = {}
+
+    def merge(self, labels: tuple[str, str, str], counts: list[int], total: float) -> None:
+        if not any(counts):
+            return
+        series = self._series.get(labels)
+        if series is None:
+            series = self._series[labels] = ([0] * len(counts), [0.0])
+        acc, sums = series
+        for i, c in enumerate(counts):
+            acc[i] += c
+        sums[0] += total
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(
+            self._name, self._doc, labels=("model", "upstream", "operation")
+        )
+        bounds = [*(repr(b) for b in self._buckets), "+Inf"]
+        for labels, (acc, sums) in list(self._series.items()):
+            cumulative: list[tuple[str, float]] = []
+            running = 0
+            for bound, count in zip(bounds, acc, strict=True):
+                running += count
+                cumulative.append((bound, float(running)))
+            family.add_metric(list(labels), cumulative, sums[0])
+        yield family
+
+
+class MeteringStage(enum.Enum):
+    STREAM = "stream"  # reading a relayed stream on the side
+    SETTLE = "settle"  # charging, recording and logging a finished request
+
+
+class Metrics:
+    """Every collector of one app, updated only through the verbs below: each says what
+    happened in the domain's words and names its labels, so no caller depends on label order."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        hist_labels = ("model", "upstream", "operation")
+        self._ttft = Histogram(
+            "gen_ai_server_time_to_first_token_seconds",
+            "Request received to first content token forwarded to the client (streaming).",
+            hist_labels, buckets=TTFT_BUCKETS, registry=r,
+        )
+        self._tpot = Histogram(
+            "gen_ai_server_time_per_output_token_seconds",
+            "Decode time per output token after the first one (streaming).",
+            hist_labels, buckets=TPOT_BUCKETS, registry=r,
+        )
+        self._duration = Histogram(
+            "gen_ai_server_request_duration_seconds",
+            "End-to-end request duration as seen by the proxy.",
+            hist_labels, buckets=DURATION_BUCKETS, registry=r,
+        )
+        self._upstream_ttft = Histogram(
+            "tokenmeter_upstream_time_to_first_token_seconds",
+            "Upstream call started to first content token received: the upstream's part of TTFT.",
+            hist_labels, buckets=TTFT_BUCKETS, registry=r,
+        )
+        self._overhead = Histogram(
+            "tokenmeter_proxy_overhead_seconds",
+            "Proxy's own time from request received to upstream call started.",
+            ("operation",), buckets=OVERHEAD_BUCKETS, registry=r,
+        )
+        self._tokens_per_second = Histogram(
+            "tokenmeter_output_tokens_per_second",
+            "Output tokens per second of one stream over its decode phase.",
+            hist_labels, buckets=TOKENS_PER_SECOND_BUCKETS, registry=r,
+        )
+        self._gaps = _GapHistogram(
+            "tokenmeter_inter_chunk_latency_seconds",
+            "Time between consecutive content chunks of a stream (inter-token latency).",
+            TPOT_BUCKETS,
+        )
+        r.register(self._gaps)
+        self._tokens = Counter(
+            "tokenmeter_tokens",
+            "Tokens by type (input, output, cached_input, reasoning) and source.",
+            ("type", "model", "user", "source"), registry=r,
+        )
+        self._requests = Counter(
+            "tokenmeter_requests",
+            "Requests by HTTP status and error class.",
+            ("model", "user", "status", "error_class"), registry=r,
+        )
+        self._active = Gauge(
+            "tokenmeter_active_requests", "Requests in flight.", ("upstream",), registry=r,
+        )
+        self._retries = Counter(
+            "tokenmeter_upstream_retries",
+            "Upstream calls retried (before any byte reached the client), by the reason.",
+            ("upstream", "reason"), registry=r,
+        )
+        self._fallbacks = Counter(
+            "tokenmeter_fallbacks",
+            "Requests handed from a route to its next fallback model, by the reason "
+            "(an error class, or slow: recent TTFT p95 over the threshold).",
+            ("route", "to_model", "reason"), registry=r,
+        )
+        self._metering_errors = Counter(
+            "tokenmeter_metering_errors",
+            "Failures while metering or settling a request (usage may be missing).",
+            ("stage",), registry=r,
+        )
+        budget = ("user", "window")
+        self._budget_limit = Gauge(
+            "tokenmeter_budget_limit_tokens", "Configured limit of a budget window.", budget,
+            registry=r,
+        )
+        self._budget_used = Gauge(
+            "tokenmeter_budget_used_tokens",
+            "Used (settled plus in-flight reservations) in the current window.", budget,
+            registry=r,
+        )
+        self._budget_remaining = Gauge(
+            "tokenmeter_budget_remaining_tokens", "Limit minus used in the current window.",
+            budget, registry=r,
+        )
+        self._budget_refusals = Counter(
+            "tokenmeter_budget_refusals", "Requests refused by a budget limit.",
+            ("user", "limit"), registry=r,
+        )
+        self._budget_reserved = Counter(
+            "tokenmeter_budget_reserved_tokens", "Tokens reserved before requests went upstream.",
+            ("user",), registry=r,
+        )
+        self._budget_overreserved = Counter(
+            "tokenmeter_budget_overreserved_tokens",
+            "Reserved minus actual tokens, released at settlement.", ("user",), registry=r,
+        )
+        self._threshold_crossings = Counter(
+            "tokenmeter_budget_threshold_crossings",
+            "Users crossing a notice threshold of their daily quota.", ("user", "threshold"),
+            registry=r,
+        )
+        self._store_errors = Counter(
+            "tokenmeter_store_errors", "Budget store operations that failed.", ("op",),
+            registry=r,
+        )
+        self._store_latency = Histogram(
+            "tokenmeter_store_latency_seconds", "Budget store round trip.", ("op",),
+            buckets=OVERHEAD_BUCKETS, registry=r,
+        )
+        self._store_up = Gauge(
+            "tokenmeter_store_up",
+            "1 if the budget store answered its last operation or probe (probed every second).",
+            registry=r,
+        )
+        self._settle_backlog = Gauge(
+            "tokenmeter_settle_backlog",
+            "Settlements in the local spool, waiting for the store to come back (each user's "
+            "usage while the store was down counts as one).", registry=r,
+        )
+        self._settle_backlog_tokens = Gauge(
+            "tokenmeter_settle_backlog_tokens",
+            "Tokens in the local spool, owed to the store.", registry=r,
+        )
+        self._settlements_spooled = Counter(
+            "tokenmeter_settlements_spooled",
+            "Settlements written to the local spool because the store could not take them.",
+            registry=r,
+        )
+        self._settlements_lost = Counter(
+            "tokenmeter_settlements_lost",
+            "Settlements lost: the store was down and the spool could not be written.",
+            registry=r,
+        )
+        self._settlement_tokens_lost = Counter(
+            "tokenmeter_settlement_tokens_lost", "Tokens of the settlements lost.", registry=r,
+        )
+        self._connections_closed = Counter(
+            "tokenmeter_client_connections_closed",
+            "Client connections the proxy refused (max_connections) or cut (header or body "
+            "deadline).", ("reason",), registry=r,
+        )
+        self._connections_open = Gauge(
+            "tokenmeter_client_connections_open", "Client connections open now.", registry=r,
+        )
+        self._config_reloads = Counter(
+            "tokenmeter_config_reloads", "Configuration reloads by result.", ("result",),
+            registry=r,
+        )
+        self._cost = Counter(
+            "tokenmeter_cost_usd", "Estimated cost from the configured price table.",
+            ("model", "user", "type"), registry=r,
+        )
+        self._info = Gauge(
+            "tokenmeter_open_mode", "1 when no users are configured and every request is accepted.",
+            registry=r,
+        )
+
+    # --- a request -----------------------------------------------------------------------
+    def record_request(self, rec: RequestRecord, price: Price | None,
+                       gaps: list[int]) -> None:
+        """One finished request: latency, tokens, the request itself, its cost, its gaps."""
+        self._observe(rec)
+        if price is not None:
+            self._observe_cost(rec, price.input, price.cached_input, price.output)
+        self._observe_gaps(rec, gaps)
+
+    @contextlib.contextmanager
+    def relaying(self, upstream: str) -> Iterator[None]:
+        """A request in flight to `upstream` while its answer is relayed."""
+        active = self._active.labels(upstream=upstream)
+        active.inc()
+        try:
+            yield
+        finally:
+            active.dec()
+
+    def retried(self, upstream: str, reason: str) -> None:
+        self._retries.labels(upstream=upstream, reason=reason).inc()
+
+    def fell_back(self, route: str, to_model: str, reason: str) -> None:
+        self._fallbacks.labels(route=route, to_model=to_model, reason=reason).inc()
+
+    def metering_failed(self, stage: MeteringStage) -> None:
+        self._metering_errors.labels(stage=stage.value).inc()
+
+    def metering_failure_counter(self, stage: MeteringStage) -> Callable[[], None]:
+        """`metering_failed(stage)` bound once, for a stream's per-chunk path."""
+        return self._metering_errors.labels(stage=stage.value).inc
+
+    # --- budgets ---------------------------------------------------------------------------
+    def budget_reserved(self, user: str, tokens: int) -> None:
+        self._budget_reserved.labels(user=user).inc(tokens)
+
+    def budget_overreserved(self, user: str, tokens: int) -> None:
+        self._budget_overreserved.labels(user=user).inc(tokens)
+
+    def budget_refused(self, user: str, limit: str) -> None:
+        self._budget_refusals.labels(user=user, limit=limit).inc()
+
+    def budget_state(self, user: str, window: str, used: int, limit: int | None) -> None:
+        self._budget_used.labels(user=user, window=window).set(used)
+        if limit is not None:
+            self._budget_limit.labels(user=user, window=window).set(limit)
+            self._budget_remaining.labels(user=user, window=window).set(max(0, limit - used))
+
+    def threshold_crossed(self, user: str, threshold: float) -> None:
+        self._threshold_crossings.labels(user=user, threshold=f"{threshold:g}").inc()
+
+    # --- the store and the spool ----------------------------------------------------------
+    def store_answered(self, op: str, seconds: float | None) -> None:
+        if seconds is not None:
+            self._store_latency.labels(op=op).observe(seconds)
+        self._store_up.set(1)
+
+    def store_failed(self, op: str) -> None:
+        self._store_errors.labels(op=op).inc()
+        self._store_up.set(0)
+
+    def settlement_spooled(self) -> None:
+        self._settlements_spooled.inc()
+
+    def settlement_lost(self, tokens: int) -> None:
+        self._settlements_lost.inc()
+        self._settlement_tokens_lost.inc(tokens)
+
+    def settle_backlog(self, settlements: int, tokens: int) -> None:
+        self._settle_backlog.set(settlements)
+        self._settle_backlog_tokens.set(tokens)
+
+    # --- the process -----------------------------------------------------------------------
+    def connection_closed(self, reason: str) -> None:
+        self._connections_closed.labels(reason=reason).inc()
+
+    def connections_open(self, count: Callable[[], float]) -> None:
+        self._connections_open.set_function(count)
+
+    def config_reloaded(self, ok: bool) -> None:
+        self._config_reloads.labels(result="ok" if ok else "error").inc()
+
+    def open_mode(self, is_open: bool) -> None:
+        self._info.set(1 if is_open else 0)
+
+    def _observe(self, rec: RequestRecord) -> None:
+        hl = (rec.model_label, rec.upstream, rec.operation)
+        f = rec.figures
+        self._duration.labels(*hl).observe(f.duration)
+        if f.ttft is not None:
+            self._ttft.labels(*hl).observe(f.ttft)
+        if f.upstream_ttft is not None:
+            self._upstream_ttft.labels(*hl).observe(f.upstream_ttft)
+        if f.time_per_output_token is not None:
+            self._tpot.labels(*hl).observe(f.time_per_output_token)
+        if f.output_tokens_per_second is not None:
+            self._tokens_per_second.labels(*hl).observe(f.output_tokens_per_second)
+        if f.overhead is not None:
+            self._overhead.labels(rec.operation).observe(f.overhead)
+        u = rec.usage
+        for kind, value in (
+            ("input", u.input_tokens),
+            ("output", u.output_tokens),
+            ("cached_input", u.cached_input_tokens),
+            ("reasoning", u.reasoning_tokens),
+        ):
+            if value:
+                self._tokens.labels(kind, rec.model_label, rec.user, u.source).inc(value)
+        self._requests.labels(rec.model_label, rec.user, str(rec.status), rec.error_class).inc()
+
+    def _observe_cost(
+        self, rec: RequestRecord, input_price: float, cached_price: float | None,
+        output_price: float,
+    ) -> None:
+        """Prices are USD per million tokens; cached input costs the input price if unset."""
+        u = rec.usage
+        cached = min(u.cached_input_tokens, u.input_tokens)
+        labels = (rec.model_label, rec.user)
+        for kind, tokens, price in (
+            ("input", u.input_tokens - cached, input_price),
+            ("cached_input", cached, input_price if cached_price is None else cached_price),
+            ("output", u.output_tokens, output_price),
+        ):
+            if tokens and price:
+                self._cost.labels(*labels, kind).inc(tokens * price / 1_000_000)
+
+    def _observe_gaps(self, rec: RequestRecord, counts: list[int]) -> None:
+        f = rec.figures
+        total = (f.mean_inter_chunk or 0.0) * max(f.content_chunks - 1, 0)
+        self._gaps.merge((rec.model_label, rec.upstream, rec.operation), counts, total)

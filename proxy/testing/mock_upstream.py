@@ -1,0 +1,569 @@
+"""A simulated OpenAI-compatible upstream for tests, benchmarks and the quickstart.
+
+It speaks the wire format of the real API closely enough for the `openai` SDK to parse it, and
+generates text whose token count is known exactly (every word of `WORDS` is one token in both
+o200k_base and cl100k_base), so a test can check the proxy's metering to the token. Prompt tokens
+it counts by a fixed rule of its own (`proxy.mock_tokens`), not with the proxy's tokenizer, so its
+reports and the proxy's estimates are independent, as with a real server. Behaviour comes
+from `MockSettings`, and each request may override any field through an `x-mock-*` header, so one
+server can play many scenarios: slow or stalled streams, resets, injected errors, missing usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import random
+import struct
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from proxy.testing.mock_settings import (
+    GARBAGE,
+    HEALTHY,
+    MOCK_STATE,
+    SETTINGS,
+    MockSettings,
+    MockState,
+    ReceivedRequest,
+    effective,
+)
+from proxy.testing.mock_tokens import count_messages, count_text, count_texts
+
+__all__ = ["MOCK_STATE", "WORDS", "MockSettings", "MockState", "create_mock_app",
+           "generated_text", "run_mock"]
+
+WORDS = (" the", " of", " and", " to", " in", " is", " that", " it", " for", " on")
+
+
+def generated_text(n: int) -> str:
+    return "".join(WORDS[i % len(WORDS)] for i in range(n))
+
+
+_FINGERPRINT = "fp_tokenmeter_mock"
+# Tokens per write when pacing is off: big enough to be fast, small enough to still be a stream
+# and to let the other streams on the loop progress.
+_BURST = 64
+_STALL_POLL_S = 0.05
+# The fields of a Responses API `response` object that the mock never varies.
+_RESPONSE_STATIC = (
+    '{"background":false,"error":null,"parallel_tool_calls":true,"previous_response_id":null,'
+    '"reasoning":{"effort":null,"summary":null},"store":false,"temperature":1.0,'
+    '"text":{"format":{"type":"text"}},"tool_choice":"auto","tools":[],"top_p":1.0,'
+    '"truncation":"disabled","user":null,"metadata":{}}'
+)
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+@dataclass
+class _ApiError(Exception):
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+    type_: str = "invalid_request_error"
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    def response(self, request_id: str) -> web.Response:
+        error = dict(message=self.message, type=self.type_, param=self.param, code=self.code)
+        headers = {"Content-Type": "application/json", "x-request-id": request_id, **self.headers}
+        return web.Response(status=self.status, body=_dumps({"error": error}), headers=headers)
+
+
+@dataclass(frozen=True)
+class _Call:
+    request: web.Request
+    cfg: MockSettings
+    body: dict[str, Any]
+    model: str
+    prompt_tokens: int
+    request_id: str
+    started: float
+
+    @property
+    def stream(self) -> bool:
+        return self.body.get("stream") is True
+
+    def headers(self, content_type: str) -> dict[str, str]:
+        elapsed_ms = (asyncio.get_running_loop().time() - self.started) * 1000
+        return {
+            "Content-Type": content_type,
+            "x-request-id": self.request_id,
+            "openai-processing-ms": str(round(elapsed_ms)),
+        }
+
+
+_Endpoint = Callable[[_Call], Awaitable[web.StreamResponse]]
+
+
+def _endpoint(
+    fn: _Endpoint, *, needs_body: bool = True, inject: bool = True
+) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        started = asyncio.get_running_loop().time()
+        raw = await request.read()
+        try:
+            parsed = json.loads(raw) if raw else None
+        except ValueError:
+            parsed = None
+        body = parsed if isinstance(parsed, dict) else None
+        headers = {name.lower(): value for name, value in request.headers.items()}
+        received = ReceivedRequest(path=request.path, headers=headers, body=body)
+        state = request.app[MOCK_STATE]
+        state.requests.append(received)
+        state.active += 1
+        request_id = "req_" + uuid.uuid4().hex
+        try:
+            try:
+                cfg = effective(request.app[SETTINGS], request.headers)
+            except ValueError as exc:
+                raise _ApiError(400, str(exc)) from None
+            if cfg.fail_first is not None:
+                scenario = request.headers.get("x-mock-scenario", "")
+                seen = state.attempts[scenario] = state.attempts.get(scenario, 0) + 1
+                if seen > cfg.fail_first:
+                    cfg = dataclasses.replace(cfg, **HEALTHY)
+            if needs_body and body is None:
+                raise _ApiError(400, "We could not parse the JSON body of your request.")
+            body = body or {}
+            model = body.get("model") if needs_body else cfg.model
+            if not isinstance(model, str) or not model:
+                raise _ApiError(400, "you must provide a model parameter")
+            prompt_tokens = _prompt_tokens(request.path, body) if needs_body else 0
+            call = _Call(request, cfg, body, model, prompt_tokens, request_id, started)
+            if inject:
+                await _sleep_ms(cfg.delay_ms)
+                if cfg.status != 200:
+                    raise _injected_error(call)
+            return await fn(call)
+        except _ApiError as exc:
+            return exc.response(request_id)
+        finally:
+            state.active -= 1
+            received.closed.set()
+
+    return handler
+
+
+def _injected_error(call: _Call) -> _ApiError:
+    error = _default_error(call)
+    if call.cfg.error_type is not None:
+        error.type_ = call.cfg.error_type
+    return error
+
+
+def _default_error(call: _Call) -> _ApiError:
+    status, code = call.cfg.status, call.cfg.error_code
+    if code == "context_length_exceeded":
+        message = (
+            "This model's maximum context length is 128000 tokens. However, your messages "
+            f"resulted in {call.prompt_tokens} tokens. Please reduce the length of the messages."
+        )
+        return _ApiError(status, message, "messages", code)
+    if status == 401:
+        message = "Incorrect API key provided: sk-mock. You can find your API key in your account."
+        return _ApiError(401, message, None, code or "invalid_api_key")
+    if status == 429:
+        code = code or "rate_limit_exceeded"
+        type_ = "insufficient_quota" if code == "insufficient_quota" else "requests"
+        message = f"Rate limit reached for {call.model} (mock). Please try again in 1s."
+        headers = _retry_headers(call.cfg) or {"retry-after": "1"}
+        return _ApiError(429, message, None, code, type_=type_, headers=headers)
+    if status >= 500:
+        message = "The server had an error while processing your request. Sorry about that!"
+        return _ApiError(status, message, None, code, type_="server_error",
+                         headers=_retry_headers(call.cfg))
+    return _ApiError(status, f"Mock upstream injected HTTP {status}.", None, code)
+
+
+def _retry_headers(cfg: MockSettings) -> dict[str, str]:
+    if cfg.retry_after_ms is None:
+        return {}
+    ms = cfg.retry_after_ms
+    return {"retry-after-ms": f"{ms:g}", "retry-after": str(math.ceil(ms / 1000))}
+
+
+async def _sleep_ms(ms: float) -> None:
+    if ms > 0:
+        await asyncio.sleep(ms / 1000)
+
+
+def _prompt_tokens(path: str, body: dict[str, Any]) -> int:
+    if path.endswith("/chat/completions"):
+        if not isinstance(messages := body.get("messages"), list):
+            message = "Missing required parameter: 'messages'."
+            raise _ApiError(400, message, "messages", "missing_required_parameter")
+        return count_messages(messages)
+    if path.endswith("/responses"):
+        value, param = body.get("input", ""), "input"
+        if isinstance(value, list):
+            return count_messages(value)
+    elif path.endswith("/embeddings"):
+        value, param = body.get("input"), "input"
+        if value in (None, "", []):
+            raise _ApiError(400, "Missing required parameter: 'input'.", "input")
+    elif path.endswith("/completions"):
+        value, param = body.get("prompt", ""), "prompt"
+    else:
+        return 0
+    # What is left: a text, a list of texts, one token array or a list of token arrays.
+    if isinstance(value, str):
+        return count_text(value)
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return count_texts(value)
+    if isinstance(value, list) and all(isinstance(v, int) for v in value):
+        return len(value)
+    if isinstance(value, list) and all(isinstance(v, list) for v in value):
+        return sum(len(v) for v in value)
+    raise _ApiError(400, f"Invalid value for '{param}'.", param)
+
+
+def _output_count(call: _Call, keys: tuple[str, ...]) -> tuple[int, bool]:
+    """Tokens to generate, and whether a max-tokens parameter cut the generation short."""
+    limit = call.cfg.output_tokens
+    for key in keys:
+        value = call.body.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise _ApiError(400, f"Invalid value for '{key}'.", key)
+        limit = min(limit, value)
+    return limit, limit < call.cfg.output_tokens
+
+
+def _completion_usage(call: _Call, n: int) -> dict[str, Any] | None:
+    if not call.cfg.usage:
+        return None
+    return {
+        "prompt_tokens": call.prompt_tokens,
+        "completion_tokens": n,
+        "total_tokens": call.prompt_tokens + n,
+        "prompt_tokens_details": {"cached_tokens": call.cfg.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": call.cfg.reasoning_tokens},
+    }
+
+
+async def _json_response(call: _Call, obj: dict[str, Any]) -> web.StreamResponse:
+    await _sleep_ms(call.cfg.ttft_ms)
+    resp = web.StreamResponse(headers=call.headers("application/json"))
+    body = _dumps(obj)
+    resp.content_length = len(body)
+    try:
+        await resp.prepare(call.request)
+        await _writer(resp, call.cfg)(body)
+        await resp.write_eof()
+    except ConnectionError:
+        return resp
+    call.request.app[MOCK_STATE].record_usage(obj.get("usage"))
+    return resp
+
+
+def _writer(resp: web.StreamResponse, cfg: MockSettings) -> Callable[[bytes], Awaitable[None]]:
+    """resp.write, or with chunk_seed, writes of random pieces (each flushed on its own)."""
+    if cfg.chunk_seed is None:
+        return resp.write
+    rng = random.Random(cfg.chunk_seed)
+
+    async def write(data: bytes) -> None:
+        start = 0
+        while start < len(data):
+            end = min(len(data), start + rng.randint(1, 64))
+            await resp.write(data[start:end])
+            await asyncio.sleep(0)  # let the transport send this piece on its own
+            start = end
+
+    return write
+
+
+def _fault(cfg: MockSettings, n: int) -> tuple[int, str | None]:
+    """How many tokens to send, and what happens after them instead of a normal end.
+
+    Positions are clamped to the tokens generated so that an asked-for fault always happens
+    (before the final events); with several set the earliest wins, on a tie the reset, then the
+    stall.
+    """
+    faults = [
+        (min(after, n), name)
+        for after, name in (
+            (cfg.reset_after, "reset"), (cfg.stall_after, "stall"), (cfg.end_after, "end"),
+        )
+        if after is not None
+    ]
+    return min(faults, key=lambda fault: fault[0]) if faults else (n, None)
+
+
+async def _hang(request: web.Request) -> None:
+    # With handler cancellation (run_mock, aiohttp's TestServer) the disconnect cancels us here;
+    # polling the transport covers servers run without it, where nothing else would wake us.
+    while (transport := request.transport) is not None and not transport.is_closing():  # noqa: ASYNC110
+        await asyncio.sleep(_STALL_POLL_S)
+
+
+async def _stream(
+    call: _Call,
+    n: int,
+    *,
+    token: Callable[[int], bytes],
+    head: bytes,
+    tail: bytes,
+    preamble: bytes = b"",
+    usage: Mapping[str, Any] | None = None,
+) -> web.StreamResponse:
+    """Send `preamble` at once, `head` with the first token, then the tokens, then `tail`.
+
+    Token i is due at t_first + i / rate: following a schedule rather than sleeping per token
+    means a late wake-up is caught up by writing everything due in one write, so the stream
+    keeps the asked-for rate instead of drifting behind it.
+    """
+    cfg = call.cfg
+    resp = web.StreamResponse(headers=call.headers("text/event-stream; charset=utf-8"))
+    resp.headers["Cache-Control"] = "no-cache"
+    loop = asyncio.get_running_loop()
+    count, fault = _fault(cfg, n)
+    interval = 1.0 / cfg.tokens_per_second if cfg.tokens_per_second > 0 else 0.0
+    garbage = min(cfg.garbage_after, count) if cfg.garbage_after is not None else -1
+    try:
+        await resp.prepare(call.request)
+        write = _writer(resp, cfg)
+        if preamble and not (fault == "end" and count == 0):
+            await write(preamble)
+        t_first = loop.time() + cfg.ttft_ms / 1000
+        pending, i = [head], 0
+        while i < count:
+            now = loop.time()
+            if now < (due := t_first + i * interval):
+                await asyncio.sleep(due - now)
+                continue
+            if interval:
+                upto = min(count, max(i + 1, int((now - t_first) / interval) + 1))
+            else:
+                upto = min(count, i + _BURST)
+            pending.extend(token(k) for k in range(i, upto))
+            if i <= garbage < upto:
+                pending.insert(len(pending) - (upto - garbage), GARBAGE)
+            await write(b"".join(pending))
+            pending, i = [], upto
+            if not interval:
+                await asyncio.sleep(0)
+        if fault == "reset":
+            if (transport := call.request.transport) is not None:
+                transport.abort()
+            return resp
+        if fault == "stall":
+            await _hang(call.request)
+            return resp
+        if fault == "end":
+            await resp.write_eof()
+            return resp
+        await asyncio.sleep(max(0.0, t_first - loop.time()))  # no tokens: still wait out ttft
+        if garbage == count:
+            pending.append(GARBAGE)
+        await write(b"".join([*pending, tail]))
+        await resp.write_eof()
+    except ConnectionError:
+        return resp  # The client went away: there is nobody left to tell.
+    call.request.app[MOCK_STATE].record_usage(usage)
+    return resp
+
+
+def _data(obj: Any) -> bytes:
+    return b"data: " + _dumps(obj) + b"\n\n"
+
+
+def _word_events(render: Callable[[str], bytes]) -> Callable[[int], bytes]:
+    # A stream has only len(WORDS) distinct token events: render each once, not once per token.
+    rendered = [render(word) for word in WORDS]
+    return lambda i: rendered[i % len(rendered)]
+
+
+async def _completion(call: _Call, *, chat: bool) -> web.StreamResponse:
+    """Chat completions and legacy completions: the same shapes, bar the choice objects."""
+    limits = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
+    n, cut = _output_count(call, limits)
+    finish, usage = ("length" if cut else "stop"), _completion_usage(call, n)
+    cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    kind = "chat.completion" if chat else "text_completion"
+    base = {"id": cid, "object": kind, "created": int(time.time()), "model": call.model}
+    base["system_fingerprint"] = _FINGERPRINT
+
+    def choice(content: Any, finish_reason: str | None, key: str = "delta") -> dict[str, Any]:
+        if not chat:
+            return {"text": content, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, key: content, "logprobs": None, "finish_reason": finish_reason}
+
+    if not call.stream:
+        message = {"role": "assistant", "content": generated_text(n), "refusal": None}
+        content = {**message, "annotations": []} if chat else generated_text(n)
+        obj = {**base, "choices": [choice(content, finish, "message")]}
+        return await _json_response(call, obj if usage is None else {**obj, "usage": usage})
+    options = call.body.get("stream_options")
+    include = isinstance(options, dict) and options.get("include_usage") is True and bool(usage)
+    chunk_base = {**base, "object": "chat.completion.chunk"} if chat else base
+    usage_null = {"usage": None} if include else {}
+
+    def chunk(*choices: dict[str, Any]) -> bytes:
+        return _data({**chunk_base, "choices": list(choices), **usage_null})
+
+    head = chunk(choice({"role": "assistant", "content": ""}, None)) if chat else b""
+    tail = chunk(choice({} if chat else "", finish))
+    if include:
+        tail += _data({**chunk_base, "choices": [], "usage": usage})
+    token = _word_events(lambda word: chunk(choice({"content": word} if chat else word, None)))
+    if not call.cfg.omit_done:
+        tail += b"data: [DONE]\n\n"
+    reported = usage if include else None
+    return await _stream(call, n, token=token, head=head, tail=tail, usage=reported)
+
+
+def _event(kind: str, seq: int, payload: dict[str, Any]) -> bytes:
+    data = _dumps({"type": kind, "sequence_number": seq, **payload})
+    return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+
+async def _responses(call: _Call) -> web.StreamResponse:
+    n, cut = _output_count(call, ("max_output_tokens",))
+    text, status = generated_text(n), ("incomplete" if cut else "completed")
+    rid, msg_id, created = "resp_" + uuid.uuid4().hex, "msg_" + uuid.uuid4().hex, int(time.time())
+    usage = None
+    if call.cfg.usage:
+        usage = {
+            "input_tokens": call.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": call.cfg.cached_tokens},
+            "output_tokens": n,
+            "output_tokens_details": {"reasoning_tokens": call.cfg.reasoning_tokens},
+            "total_tokens": call.prompt_tokens + n,
+        }
+
+    incomplete = {"reason": "max_output_tokens"}
+
+    def response(state: str, output: list[Any], usage: Any) -> dict[str, Any]:
+        return {
+            "id": rid,
+            "object": "response",
+            "created_at": created,
+            "status": state,
+            "incomplete_details": incomplete if state == "incomplete" else None,
+            "instructions": call.body.get("instructions"),
+            "max_output_tokens": call.body.get("max_output_tokens"),
+            "model": call.model,
+            "output": output,
+            "usage": usage,
+            **json.loads(_RESPONSE_STATIC),
+        }
+
+    def part(content: str) -> dict[str, Any]:
+        return {"type": "output_text", "annotations": [], "logprobs": [], "text": content}
+
+    def item(state: str, content: list[dict[str, Any]]) -> dict[str, Any]:
+        return dict(id=msg_id, type="message", status=state, content=content, role="assistant")
+
+    done_item = item(status, [part(text)])
+    final = response(status, [done_item], usage)
+    if not call.stream:
+        return await _json_response(call, final)
+    at = {"item_id": msg_id, "output_index": 0, "content_index": 0}
+    preamble = _event("response.created", 0, {"response": response("in_progress", [], None)})
+    preamble += _event("response.in_progress", 1, {"response": response("in_progress", [], None)})
+    added = {"output_index": 0, "item": item("in_progress", [])}
+    head = _event("response.output_item.added", 2, added)
+    head += _event("response.content_part.added", 3, {**at, "part": part("")})
+    # The sequence number changes per token: splice it between a pre-rendered prefix and suffix.
+    prefix = _event("response.output_text.delta", 0, {}).removesuffix(b"0}\n\n")
+    suffixes = [b"," + _dumps({**at, "delta": w, "logprobs": []})[1:] + b"\n\n" for w in WORDS]
+    seq = 4 + n
+    tail = _event("response.output_text.done", seq, {**at, "text": text, "logprobs": []})
+    tail += _event("response.content_part.done", seq + 1, {**at, "part": part(text)})
+    tail += _event("response.output_item.done", seq + 2, {"output_index": 0, "item": done_item})
+    tail += _event(f"response.{status}", seq + 3, {"response": final})
+
+    def token(i: int) -> bytes:
+        return prefix + str(4 + i).encode() + suffixes[i % len(WORDS)]
+
+    return await _stream(call, n, token=token, head=head, tail=tail, preamble=preamble, usage=usage)
+
+
+async def _embeddings(call: _Call) -> web.StreamResponse:
+    raw = call.body["input"]
+    # A list of ints is one tokenised input; any other list is a batch of inputs.
+    inputs: list[Any] = raw if isinstance(raw, list) and not isinstance(raw[0], int) else [raw]
+    dims, fmt = call.body.get("dimensions") or 8, call.body.get("encoding_format") or "float"
+    if isinstance(dims, bool) or not isinstance(dims, int) or not 1 <= dims <= 4096:
+        raise _ApiError(400, "Invalid value for 'dimensions'.", "dimensions")
+    if fmt not in ("float", "base64"):
+        raise _ApiError(400, "Invalid value for 'encoding_format'.", "encoding_format")
+    data = []
+    for index, value in enumerate(inputs):
+        # Deterministic per input, and multiples of 1/256 so float32 (base64) loses nothing.
+        seed = value.encode() if isinstance(value, str) else _dumps(value)
+        vector = [b / 256 for b in hashlib.shake_256(seed).digest(dims)]
+        packed = base64.b64encode(struct.pack(f"<{dims}f", *vector)).decode()
+        embedding = packed if fmt == "base64" else vector
+        data.append({"object": "embedding", "index": index, "embedding": embedding})
+    obj: dict[str, Any] = {"object": "list", "data": data, "model": call.model}
+    if call.cfg.usage:
+        obj["usage"] = {"prompt_tokens": call.prompt_tokens, "total_tokens": call.prompt_tokens}
+    return await _json_response(call, obj)
+
+
+def _model_object(model: str) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": 1_700_000_000, "owned_by": "tokenmeter-mock"}
+
+
+async def _models(call: _Call) -> web.StreamResponse:
+    listing = {"object": "list", "data": [_model_object(call.cfg.model)]}
+    return web.Response(body=_dumps(listing), headers=call.headers("application/json"))
+
+
+async def _stats(call: _Call) -> web.StreamResponse:
+    return web.json_response(call.request.app[MOCK_STATE].reported)
+
+
+async def _not_found(call: _Call) -> web.StreamResponse:
+    raise _ApiError(404, f"Invalid URL ({call.request.method} {call.request.path})")
+
+
+def create_mock_app(settings: MockSettings | None = None) -> web.Application:
+    # Benchmarks send long prompts, beyond aiohttp's default 1 MiB body limit.
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app[SETTINGS] = settings if settings is not None else MockSettings()
+    app[MOCK_STATE] = MockState()
+    add = app.router.add_route
+    add("GET", "/v1/models", _endpoint(_models, needs_body=False))
+    add("POST", "/v1/chat/completions", _endpoint(functools.partial(_completion, chat=True)))
+    add("POST", "/v1/completions", _endpoint(functools.partial(_completion, chat=False)))
+    add("POST", "/v1/responses", _endpoint(_responses))
+    add("POST", "/v1/embeddings", _endpoint(_embeddings))
+    add("GET", "/_mock/stats", _endpoint(_stats, needs_body=False, inject=False))
+    add("*", "/{tail:.*}", _endpoint(_not_found, needs_body=False, inject=False))
+    return app
+
+
+def run_mock(settings: MockSettings, host: str, port: int) -> None:
+    line = f"mock upstream listening on http://{host}:{port}/v1"
+
+    def announce(*_: Any) -> None:
+        print(line, flush=True)
+
+    # handler_cancellation: a client disconnect must end the handler (and set `closed`) at once,
+    # as with the real upstream, rather than the mock generating on for nobody.
+    web.run_app(
+        create_mock_app(settings),
+        host=host,
+        port=port,
+        print=announce,
+        access_log=None,
+        handler_cancellation=True,
+    )
