@@ -4,7 +4,7 @@ closed set of error classes every request is counted under.
 Each error knows its HTTP status and OpenAI error `type`/`code`; `to_response` is the only place
 that turns one into bytes, so every error the proxy originates has OpenAI's shape:
 `{"error": {"message", "type", "param", "code"}}`. Upstream errors never pass through here: their
-bodies are forwarded unchanged, and `proxy.upstream_errors.classify` names their class.
+bodies are forwarded unchanged, and `proxy.protocol.upstream_errors.classify` names their class.
 
 A `code` is an OpenAI wire field and stays what clients have always seen; `error_class` is the
 metrics label. For the proxy's own errors the class is the code's value (or the type's, for an
@@ -54,7 +54,7 @@ class ErrorClass(enum.StrEnum):
     SERVICE_UNAVAILABLE = "service_unavailable"  # e.g. budget store down, failing closed
     INTERNAL = "internal"  # a bug
     SERVER_ERROR = "server_error"  # a bare ProxyError: its type, for want of a code
-    # The upstream's answers (proxy.upstream_errors.classify).
+    # The upstream's answers (proxy.protocol.upstream_errors.classify).
     AUTH = "auth"
     RATE_LIMIT = "rate_limit"
     BAD_REQUEST = "bad_request"

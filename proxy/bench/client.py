@@ -30,7 +30,7 @@ from proxy.protocol.upstream_errors import classify, error_message
 class BenchError(enum.StrEnum):
     """What went wrong with one request, as the client saw it. These names are the bench's
     output (JSON, CSV, report) and predate the proxy's `ErrorClass`; an HTTP error's class
-    comes from the proxy's own classifier (`proxy.upstream_errors.classify`) through
+    comes from the proxy's own classifier (`proxy.protocol.upstream_errors.classify`) through
     `_FROM_ANSWER`, so both read an answer the same way."""
 
     RATE_LIMIT = "rate_limit"  # 429

@@ -5,7 +5,7 @@ the output cap the proxy enforces on the request (all its choices). Concurrent r
 cannot push a user over a limit: each one holds its worst case until it settles. Store failures
 follow the configured policy (`fail_open` admits and meters, `fail_closed` refuses with 503);
 settlements the store cannot take go to the local spool and are replayed exactly once when it is
-back (`proxy.spool`), so usage is not lost to an outage, a shutdown or a restart.
+back (`proxy.budget.spool`), so usage is not lost to an outage, a shutdown or a restart.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Streaming responses are relayed chunk by chunk: each chunk is written to the client before the
 proxy looks at it, and the SSE decoder and translator read it on the side (`tap`). A JSON answer
 is read whole and returned. What the relay learns (a failure, a client that left) is recorded
-in the request's `Outcome`; settling is the pipeline's (`proxy.pipeline`).
+in the request's `Outcome`; settling is the pipeline's (`proxy.pipeline.handler`).
 """
 
 from __future__ import annotations

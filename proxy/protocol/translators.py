@@ -52,7 +52,7 @@ def carries_usage(data: bytes) -> bool:
     """`data` (an event, or a chunk of the stream) may hold a usage object: the one sniff both
     the tap (to know what it may have to strip) and the Chat/Completions translator (to know
     which events to parse) use. A usage object cut between two chunks is not seen here; the
-    tap handles that (see `proxy.tap`)."""
+    tap handles that (see `proxy.protocol.tap`)."""
     return b'"usage":{' in data or b'"usage": {' in data
 
 

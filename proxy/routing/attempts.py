@@ -6,8 +6,8 @@ lists, and handed to the route's fallbacks (other models, routed by their own en
 retries are spent. Once a stream has started nothing is retried; the relay reports the failure
 in the stream instead. A 5xx whose body blames the request (some servers answer a validation
 error with a 500) is neither retried nor handed on: it would fail the same way every time.
-What an answer means is `proxy.upstream_errors.classify`'s to say; what an aiohttp exception
-means, `proxy.exceptions_map`'s.
+What an answer means is `proxy.protocol.upstream_errors.classify`'s to say; what an aiohttp
+exception means, `proxy.routing.exceptions_map`'s.
 """
 
 from __future__ import annotations

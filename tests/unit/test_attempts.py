@@ -1,4 +1,4 @@
-"""proxy.attempts: the upstream's requested wait and the backoff between retries."""
+"""proxy.routing.attempts: the upstream's requested wait and the backoff between retries."""
 
 from __future__ import annotations
 
