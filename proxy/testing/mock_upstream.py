@@ -4,8 +4,9 @@ It speaks the wire format of the real API closely enough for the `openai` SDK to
 generates text whose token count is known exactly (every word of `WORDS` is one token in both
 o200k_base and cl100k_base), so a test can check the proxy's metering to the token. Prompt tokens
 it counts by a fixed rule of its own (`proxy.testing.mock_tokens`), not with the proxy's
-tokenizer, so its reports and the proxy's estimates are independent, as with a real server. Behaviour comes
-from `MockSettings`, and each request may override any field through an `x-mock-*` header, so one
+tokenizer, so its reports and the proxy's estimates are independent, as with a real server.
+Behaviour comes from `MockSettings`, and each request may override any field through an
+`x-mock-*` header, so one
 server can play many scenarios: slow or stalled streams, resets, injected errors, missing usage.
 """
 
