@@ -6,8 +6,8 @@ o200k_base and cl100k_base), so a test can check the proxy's metering to the tok
 it counts by a fixed rule of its own (`proxy.testing.mock_tokens`), not with the proxy's
 tokenizer, so its reports and the proxy's estimates are independent, as with a real server.
 Behaviour comes from `MockSettings`, and each request may override any field through an
-`x-mock-*` header, so one
-server can play many scenarios: slow or stalled streams, resets, injected errors, missing usage.
+`x-mock-*` header, so one server can play many scenarios: slow or stalled streams, resets,
+injected errors, missing usage.
 """
 
 from __future__ import annotations
