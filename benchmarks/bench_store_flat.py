@@ -18,13 +18,13 @@ import argparse
 import asyncio
 import time
 
-from proxy.budget.store import Entry, InFlightLimit, MemoryStore
+from proxy.budget.store import USER, Entry, InFlightLimit, MemoryStore
 
 
 async def run(requests: int) -> list[float]:
     now = [1_796_000_000.0]
     store = MemoryStore(lambda: now[0])
-    in_flight = (InFlightLimit("u", None),)
+    in_flight = (InFlightLimit(USER, None),)
     per_thousand: list[float] = []
     started = time.process_time()
     for i in range(1, requests + 1):

@@ -9,25 +9,45 @@ can check and update them atomically.
 
 from __future__ import annotations
 
+import enum
 import fnmatch
 import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Literal
+from typing import Any
 from zoneinfo import ZoneInfo
 
-from proxy.budget.store import InFlightLimit
+from proxy.budget.store import USER, InFlightLimit, Scope, ScopeKind
 from proxy.config.policy import KeyConfig, Limits, Policy, UserConfig
 
-Measure = Literal["total", "input", "output", "requests"]
 
-_WINDOWS: tuple[tuple[str, Measure, bool], ...] = (
-    # name, what it counts, daily (else per minute)
-    ("daily_tokens", "total", True),
-    ("daily_input_tokens", "input", True),
-    ("daily_output_tokens", "output", True),
-    ("tokens_per_minute", "total", False),
-    ("requests_per_minute", "requests", False),
+class WindowName(enum.StrEnum):
+    """The windows a limit can be set on; the values are the config fields and metric labels."""
+
+    DAILY_TOKENS = "daily_tokens"
+    DAILY_INPUT_TOKENS = "daily_input_tokens"
+    DAILY_OUTPUT_TOKENS = "daily_output_tokens"
+    TOKENS_PER_MINUTE = "tokens_per_minute"
+    REQUESTS_PER_MINUTE = "requests_per_minute"
+
+    @property
+    def daily(self) -> bool:
+        return self.value.startswith("daily")
+
+
+class Measure(enum.Enum):
+    TOTAL = "total"
+    INPUT = "input"
+    OUTPUT = "output"
+    REQUESTS = "requests"
+
+
+_WINDOWS: tuple[tuple[WindowName, Measure], ...] = (
+    (WindowName.DAILY_TOKENS, Measure.TOTAL),
+    (WindowName.DAILY_INPUT_TOKENS, Measure.INPUT),
+    (WindowName.DAILY_OUTPUT_TOKENS, Measure.OUTPUT),
+    (WindowName.TOKENS_PER_MINUTE, Measure.TOTAL),
+    (WindowName.REQUESTS_PER_MINUTE, Measure.REQUESTS),
 )
 _DAILY_RETENTION_S = 8 * 86400  # `tokenmeter usage --date` can look a week back
 
@@ -40,7 +60,7 @@ class EffectiveLimits:
 
     user: dict[str, int | None]  # the user's own limits (or the defaults)
     key: dict[str, int | None]  # the key's own limits; empty when it has none
-    key_scope: str | None  # "k.<key name or hash prefix>" when the key has limits of its own
+    key_scope: Scope | None  # the key's, when it has limits of its own
     model_limits: tuple[tuple[str, Limits], ...]
 
     @property
@@ -52,13 +72,30 @@ class EffectiveLimits:
 
 @dataclass(frozen=True, slots=True)
 class Window:
-    name: str
-    scope: str
+    name: WindowName
+    scope: Scope
     key: str
     limit: int | None
     measure: Measure
     resets_at: float  # epoch seconds
     ttl_s: int
+
+    @property
+    def is_users_daily_quota(self) -> bool:
+        """The user's own limited daily_tokens: the one quota notices are about."""
+        return (self.name is WindowName.DAILY_TOKENS and self.scope == USER
+                and bool(self.limit))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name.value, "scope": [self.scope.kind.value, self.scope.name],
+                "key": self.key, "limit": self.limit, "measure": self.measure.value,
+                "resets_at": self.resets_at, "ttl_s": self.ttl_s}
+
+    @staticmethod
+    def from_json(obj: dict[str, Any]) -> Window:
+        kind, name = obj["scope"]
+        return Window(WindowName(obj["name"]), Scope(ScopeKind(kind), name), obj["key"],
+                      obj["limit"], Measure(obj["measure"]), obj["resets_at"], obj["ttl_s"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,12 +107,13 @@ class Plan:
 
     @property
     def needs_prompt_estimate(self) -> bool:
-        return any(w.limit is not None and w.measure in ("total", "input") for w in self.windows)
+        return any(w.limit is not None and w.measure in (Measure.TOTAL, Measure.INPUT)
+                   for w in self.windows)
 
     def unenforced(self) -> Plan:
         """Metered without limits (open and pass-through modes): only the unlimited windows."""
         return Plan(self.slot, tuple(w for w in self.windows if w.limit is None),
-                    (InFlightLimit("u", None),), None)
+                    (InFlightLimit(USER, None),), None)
 
 
 def effective_limits(
@@ -90,7 +128,7 @@ def effective_limits(
         key_values = {f: getattr(key, f) for f in Limits.model_fields
                       if getattr(key, f) is not None}
     models = tuple(user.model_limits.items()) if user is not None else ()
-    scope = f"k.{key_scope}" if key_values else None
+    scope = Scope(ScopeKind.KEY, key_scope) if key_values and key_scope is not None else None
     return EffectiveLimits(own, key_values, scope, models)
 
 
@@ -124,39 +162,40 @@ def plan(
     minute = math.floor(now / 60)
     minute_end = (minute + 1) * 60.0
     slot = slot_for(policy.store.prefix, user)
-    windows: dict[tuple[str, str], Window] = {}
+    windows: dict[tuple[Scope, WindowName], Window] = {}
 
-    def add(name: str, measure: Measure, daily: bool, scope: str, limit: int | None) -> None:
+    def add(name: WindowName, measure: Measure, scope: Scope, limit: int | None) -> None:
+        daily = name.daily
         stamp = day if daily else str(minute)
         resets = day_end if daily else minute_end
         ttl = int(resets - now) + (_DAILY_RETENTION_S if daily else 60)
         windows[(scope, name)] = Window(
-            name, scope, f"{slot}:{scope}:{name}:{stamp}", limit, measure, resets, ttl
+            name, scope, f"{slot}:{scope}:{name.value}:{stamp}", limit, measure, resets, ttl
         )
 
     # The user's daily totals are always counted, limited or not: they are what `usage` reports.
-    for name, measure, daily in _WINDOWS:
-        if daily:
-            add(name, measure, daily, "u", None)
-    for name, measure, daily in _WINDOWS:
-        limit = limits.user[name]
+    for name, measure in _WINDOWS:
+        if name.daily:
+            add(name, measure, USER, None)
+    for name, measure in _WINDOWS:
+        limit = limits.user[name.value]
         if limit is not None:
-            add(name, measure, daily, "u", limit)
-        key_limit = limits.key.get(name)
+            add(name, measure, USER, limit)
+        key_limit = limits.key.get(name.value)
         if key_limit is not None and limits.key_scope is not None:
-            add(name, measure, daily, limits.key_scope, key_limit)
+            add(name, measure, limits.key_scope, key_limit)
     caps = [c for c in (limits.output_cap,) if c is not None]
     for pattern, mlimits in limits.model_limits:
         if not fnmatch.fnmatchcase(model, pattern):
             continue
-        for name, measure, daily in _WINDOWS:
-            limit = getattr(mlimits, name)
+        for name, measure in _WINDOWS:
+            limit = getattr(mlimits, name.value)
             if limit is not None:
-                add(name, measure, daily, f"m.{pattern}", limit)
+                add(name, measure, Scope(ScopeKind.MODELS, pattern), limit)
         if mlimits.max_output_tokens is not None:
             caps.append(mlimits.max_output_tokens)
         break  # the first matching model group applies, like routes
-    in_flight = [InFlightLimit("u", limits.user["max_concurrent_requests"])]
+    in_flight = [InFlightLimit(USER, limits.user["max_concurrent_requests"])]
     key_conc = limits.key.get("max_concurrent_requests")
     if key_conc is not None and limits.key_scope is not None:
         in_flight.append(InFlightLimit(limits.key_scope, key_conc))
@@ -164,10 +203,10 @@ def plan(
 
 
 def amount(window: Window, input_tokens: int, output_tokens: int) -> int:
-    if window.measure == "total":
+    if window.measure is Measure.TOTAL:
         return input_tokens + output_tokens
-    if window.measure == "input":
+    if window.measure is Measure.INPUT:
         return input_tokens
-    if window.measure == "output":
+    if window.measure is Measure.OUTPUT:
         return output_tokens
     return 1

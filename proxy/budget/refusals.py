@@ -12,7 +12,7 @@ from datetime import datetime
 from zoneinfo import ZoneInfo
 
 from proxy.budget import limits as lim
-from proxy.budget.store import InFlightLimit
+from proxy.budget.store import InFlightLimit, Scope, ScopeKind
 from proxy.errors import BudgetExceeded
 
 
@@ -47,11 +47,11 @@ def _duration(seconds: float) -> str:
 
 
 _HEADER_NAMES = {
-    "requests_per_minute": "requests",
-    "tokens_per_minute": "tokens",
-    "daily_tokens": "tokens-day",
-    "daily_input_tokens": "input-tokens-day",
-    "daily_output_tokens": "output-tokens-day",
+    lim.WindowName.REQUESTS_PER_MINUTE: "requests",
+    lim.WindowName.TOKENS_PER_MINUTE: "tokens",
+    lim.WindowName.DAILY_TOKENS: "tokens-day",
+    lim.WindowName.DAILY_INPUT_TOKENS: "input-tokens-day",
+    lim.WindowName.DAILY_OUTPUT_TOKENS: "output-tokens-day",
 }
 
 
@@ -100,7 +100,7 @@ def render(refusal: Refusal, now: float, tz: str) -> BudgetExceeded:
         f"(the prompt plus max output tokens). It resets at {reset_at} "
         f"(in {_duration(window.resets_at - now)})."
     )
-    daily = window.name.startswith("daily")
+    daily = window.name.daily
     never = refusal.needed > window.limit  # would not fit even in an empty window
     if daily or never:
         if never:
@@ -114,15 +114,15 @@ def render(refusal: Refusal, now: float, tz: str) -> BudgetExceeded:
             headers={**headers, "Retry-After": str(retry_after), "x-should-retry": "false"},
         )
     return BudgetExceeded(
-        msg, type_="requests" if window.measure == "requests" else "tokens",
+        msg, type_="requests" if window.measure is lim.Measure.REQUESTS else "tokens",
         code="rate_limit_exceeded", limit=window.name,
         headers={**headers, "Retry-After": str(retry_after)},
     )
 
 
-def _scope_words(scope: str) -> str:
-    if scope.startswith("k."):
-        return f" (key '{scope[2:]}')"
-    if scope.startswith("m."):
-        return f" (models '{scope[2:]}')"
+def _scope_words(scope: Scope) -> str:
+    if scope.kind is ScopeKind.KEY:
+        return f" (key '{scope.name}')"
+    if scope.kind is ScopeKind.MODELS:
+        return f" (models '{scope.name}')"
     return ""

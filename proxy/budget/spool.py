@@ -22,7 +22,6 @@ the disk is the bound. Nothing here touches the network.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import hashlib
 import json
@@ -257,11 +256,11 @@ def _owed_record(owed: Owed) -> dict[str, Any]:
 
 
 def _notice_json(notice: Window | None) -> dict[str, Any] | None:
-    return dataclasses.asdict(notice) if notice is not None else None
+    return notice.to_json() if notice is not None else None
 
 
 def _notice(obj: Any) -> Window | None:
-    return Window(**obj) if isinstance(obj, dict) else None
+    return Window.from_json(obj) if isinstance(obj, dict) else None
 
 
 def _seal(sums: dict[tuple[str, str], list[float]], tokens: dict[str, int],

@@ -13,6 +13,7 @@ The Redis store does the same in Lua, so replicas sharing one Redis share one bu
 
 from __future__ import annotations
 
+import enum
 import heapq
 import time
 from collections.abc import Callable, Sequence
@@ -34,11 +35,32 @@ class Entry:
     ttl_s: int
 
 
+class ScopeKind(enum.Enum):
+    USER = "u"  # the user's own counters
+    KEY = "k"  # a key with limits of its own
+    MODELS = "m"  # the user's use of a group of models (a glob)
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """Whose counter a window or an in-flight set is. `str()` is its part of a storage key
+    (`u`, `k.<key>`, `m.<glob>`), which is never parsed back."""
+
+    kind: ScopeKind
+    name: str = ""  # the key's name, or the model glob
+
+    def __str__(self) -> str:
+        return self.kind.value if self.kind is ScopeKind.USER else f"{self.kind.value}.{self.name}"
+
+
+USER = Scope(ScopeKind.USER)
+
+
 @dataclass(frozen=True, slots=True)
 class InFlightLimit:
-    """A set of requests in flight and its limit: the user's (`scope` "u"), or a key's."""
+    """A set of requests in flight and its limit: the user's, or a key's."""
 
-    scope: str
+    scope: Scope
     limit: int | None
 
 

@@ -19,7 +19,8 @@ def _plan(user: UserConfig, now: float, model: str = "gpt-4o", tz: str = "UTC",
 
 
 def _limited(p: lim.Plan) -> dict[tuple[str, str], int | None]:
-    return {(w.scope, w.name): w.limit for w in p.windows if w.limit is not None}
+    """Limits by (storage scope, window name): the strings the store sees."""
+    return {(str(w.scope), w.name.value): w.limit for w in p.windows if w.limit is not None}
 
 
 def test_daily_totals_always_counted_and_limits_added() -> None:
@@ -33,7 +34,7 @@ def test_daily_totals_always_counted_and_limits_added() -> None:
     assert _limited(p) == {("u", "daily_tokens"): 100, ("u", "requests_per_minute"): 5}
     minute = next(w for w in p.windows if w.name == "requests_per_minute")
     assert minute.resets_at == datetime(2026, 3, 1, 12, 1, tzinfo=UTC).timestamp()
-    assert minute.measure == "requests"
+    assert minute.measure is lim.Measure.REQUESTS
     # Every key of the user lives in one Redis Cluster slot.
     assert all(w.key.startswith(p.slot + ":") for w in p.windows)
     assert p.slot.endswith("{alice}")

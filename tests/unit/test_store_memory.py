@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from proxy.budget.store import Entry, InFlightLimit, MemoryStore
+from proxy.budget.store import USER, Entry, InFlightLimit, MemoryStore
 from tests.helpers import FakeClock
 
 SLOT = "tm:{alice}"
@@ -15,9 +15,9 @@ def _entry(amount: int, limit: int | None = 100) -> Entry:
 
 async def test_reserve_refuses_past_the_limit_and_settle_replaces_the_estimate() -> None:
     store = MemoryStore(clock=FakeClock(1000.0))
-    ok = await store.reserve(SLOT, "r1", [_entry(60)], [InFlightLimit("u", None)], 30)
+    ok = await store.reserve(SLOT, "r1", [_entry(60)], [InFlightLimit(USER, None)], 30)
     assert ok.ok and ok.used == (60,)
-    refused = await store.reserve(SLOT, "r2", [_entry(60)], [InFlightLimit("u", None)], 30)
+    refused = await store.reserve(SLOT, "r2", [_entry(60)], [InFlightLimit(USER, None)], 30)
     assert not refused.ok and refused.refused_entry == 0 and refused.used == (60,)
     # The request used 25, not the 60 it reserved: the counter holds what was used.
     assert await store.settle(SLOT, "r1", [_entry(25)]) == (25,)
@@ -28,7 +28,7 @@ async def test_reserve_refuses_past_the_limit_and_settle_replaces_the_estimate()
 
 async def test_concurrency_limit_frees_on_settle() -> None:
     store = MemoryStore(clock=FakeClock(0.0))
-    one = [InFlightLimit("u", 1)]
+    one = [InFlightLimit(USER, 1)]
     assert (await store.reserve(SLOT, "a", [], one, 30)).ok
     second = await store.reserve(SLOT, "b", [], one, 30)
     assert not second.ok and second.refused_in_flight == 0
@@ -39,7 +39,7 @@ async def test_concurrency_limit_frees_on_settle() -> None:
 async def test_an_expired_lease_is_reaped_and_its_reservation_given_back() -> None:
     clock = FakeClock(0.0)
     store = MemoryStore(clock=clock)
-    one = [InFlightLimit("u", 1)]
+    one = [InFlightLimit(USER, 1)]
     assert (await store.reserve(SLOT, "dead", [_entry(80)], one, 30)).ok
     clock.now = 29.0
     assert not (await store.reserve(SLOT, "x", [_entry(10)], one, 30)).ok
@@ -51,7 +51,7 @@ async def test_an_expired_lease_is_reaped_and_its_reservation_given_back() -> No
 async def test_renew_keeps_a_live_reservation() -> None:
     clock = FakeClock(0.0)
     store = MemoryStore(clock=clock)
-    one = [InFlightLimit("u", 1)]
+    one = [InFlightLimit(USER, 1)]
     assert (await store.reserve(SLOT, "live", [_entry(50)], one, 30)).ok
     clock.now = 20.0
     await store.renew(SLOT, ["live", "unknown"], 30)
