@@ -87,7 +87,8 @@ async def test_embeddings_refuse_streaming(stack: Stack) -> None:
 async def test_upstream_errors_pass_through_and_are_classified(
     stack: Stack, status: str, code: str | None, exc: type[Exception], error_class: str
 ) -> None:
-    headers = {"x-mock-status": status}
+    # A 429's Retry-After is honoured by the proxy's retries: 1 ms, not the mock's 1 s default.
+    headers = {"x-mock-status": status, "x-mock-retry-after-ms": "1"}
     if code:
         headers["x-mock-error-code"] = code
     body = {"model": "mock-gpt", "messages": MESSAGES, "stream": True}
