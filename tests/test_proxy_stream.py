@@ -260,3 +260,19 @@ async def test_stream_usage_can_be_turned_off_per_upstream(
     assert b'"usage":null' not in proxied
     m = await scrape(proxy)
     assert sample(m, "tokenmeter_tokens_total", type="output", source="estimated") == 16
+
+
+async def test_the_access_log_names_the_model_the_upstream_answered(stack: Stack) -> None:
+    """The three models of a request, as OTel names them: the one asked for, the one sent
+    upstream and the one the upstream's answer names (here, the mock echoes what it got)."""
+    client = stack.client()
+    await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
+    stream = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES,
+                                                  stream=True)
+    async for _ in stream:
+        pass
+    await client.responses.create(model="mock-gpt", input="hi")
+    await stack.settled(3)
+    lines = stack.access_lines()
+    assert [line["response_model"] for line in lines] == ["mock-gpt"] * 3
+    assert all(line["model"] == "mock-gpt" and line["fallback_from"] is None for line in lines)

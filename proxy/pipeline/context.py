@@ -106,6 +106,11 @@ class Settlement:
     def route(self) -> Route | None:
         return self.candidacy.route if self.candidacy is not None else None
 
+    @property
+    def response_model(self) -> str | None:
+        """The model the upstream's answer names, when it named one."""
+        return self.candidacy.translator.response_model if self.candidacy is not None else None
+
 
 class Outcome:
     """The mutable facts of one request, written only through these methods."""

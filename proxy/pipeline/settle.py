@@ -39,6 +39,7 @@ async def settle(done: Settlement, svc: Services) -> None:
             usage=usage,
             figures=figures,
             fallback_from=done.fallback_from,
+            response_model=done.response_model,
             attempts=done.attempts,
         )
         metrics.record_request(record, runtime.price_for(model), done.meter.gap_buckets())

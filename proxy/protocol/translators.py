@@ -285,9 +285,19 @@ class Translator:
         the caller already knows it (the tap sniffed the chunk this event filled), else None."""
         return _NOTHING
 
+    # The model the upstream says answered (OTel's gen_ai.response.model), from the JSON the
+    # translator parses anyway: the body, the first events, the final Responses event.
+    response_model: str | None = None
+
+    def _answered_by(self, obj: dict[str, Any]) -> None:
+        model = obj.get("model")
+        if self.response_model is None and isinstance(model, str) and model:
+            self.response_model = model[:256]
+
     def on_body(self, body: bytes) -> None:
         self._body = _loads(body)
         self._reported = parse_usage(self._body.get("usage"))
+        self._answered_by(self._body)
 
     def _event_texts(self, events: list[bytes]) -> Iterable[str]:
         """The output texts in held content events."""
@@ -394,6 +404,7 @@ class _ChoicesTranslator(Translator):
 
     def _classify(self, data: bytes, obj: dict[str, Any]) -> EventFlag:
         self._started = True
+        self._answered_by(obj)
         finish = content = False
         choices = obj.get("choices")
         if not isinstance(choices, list):
@@ -565,6 +576,7 @@ class ResponsesTranslator(Translator):
             obj = obj if obj is not None else _loads(data)
             response = obj.get("response")
             if isinstance(response, dict):
+                self._answered_by(response)
                 usage = parse_usage(response.get("usage"))
                 if usage is not None:
                     self._reported = usage

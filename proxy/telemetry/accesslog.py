@@ -24,6 +24,7 @@ def request_fields(rec: RequestRecord) -> dict[str, object]:
         "key": rec.key,
         "model": rec.model[:200],
         "fallback_from": None if rec.fallback_from is None else rec.fallback_from[:200],
+        "response_model": None if rec.response_model is None else rec.response_model[:200],
         "attempts": rec.attempts,
         "upstream": rec.upstream,
         "status": rec.status,

@@ -67,6 +67,7 @@ class RequestRecord:
     usage: Usage
     figures: Figures
     fallback_from: str | None = None  # the model asked for, when a fallback served instead
+    response_model: str | None = None  # the model the upstream's answer names (logged only)
     attempts: int = 1  # upstream calls made: retries and fallbacks included
 
 
