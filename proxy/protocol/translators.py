@@ -290,9 +290,10 @@ class Translator:
     response_model: str | None = None
 
     def _answered_by(self, obj: dict[str, Any]) -> None:
-        model = obj.get("model")
-        if self.response_model is None and isinstance(model, str) and model:
-            self.response_model = model[:256]
+        if self.response_model is None:
+            model = obj.get("model")
+            if isinstance(model, str) and model:
+                self.response_model = model[:256]
 
     def on_body(self, body: bytes) -> None:
         self._body = _loads(body)
