@@ -93,7 +93,7 @@ async def _relay_body(attempt: Attempt, outcome: Outcome) -> web.StreamResponse:
 
 
 async def _relay_stream(
-    request: web.Request, attempt: Attempt, svc: Services, ex: Outcome, watch: Watch,
+    request: web.Request, attempt: Attempt, svc: Services, outcome: Outcome, watch: Watch,
 ) -> web.StreamResponse:
     up, translator = attempt.response, attempt.translator
     resp = web.StreamResponse(status=up.status, headers=_client_headers(attempt))
@@ -104,9 +104,9 @@ async def _relay_stream(
         # handler's cancellation is on its way. Nothing reached it.
         if not client_gone(request):
             raise
-        ex.fail(ErrorClass.CLIENT_DISCONNECT, 499)
+        outcome.fail(ErrorClass.CLIENT_DISCONNECT, 499)
         return resp
-    tap = StreamTap(translator, ex.meter,
+    tap = StreamTap(translator, outcome.meter,
                     on_error=svc.metrics.metering_failure_counter(MeteringStage.STREAM))
     feed, look = tap.feed, tap.look
     perf = time.perf_counter
@@ -136,7 +136,7 @@ async def _relay_stream(
                 "The upstream ended the stream without its final event; this response is "
                 "incomplete."
             )
-            await _fail_stream(request, resp, tap, translator, ex, watch, incomplete,
+            await _fail_stream(request, resp, tap, translator, outcome, watch, incomplete,
                                at_boundary)
         elif rest:
             watch.writing = perf()
@@ -147,29 +147,29 @@ async def _relay_stream(
     except (ConnectionResetError, BrokenPipeError):
         # aiohttp raises these (ClientConnectionResetError among them) from write() when the
         # client went away, or was cut off for not reading.
-        ex.client_left()
+        outcome.client_left()
         tap.close()
     except (UpstreamTimeout, UpstreamUnavailable) as failure:
-        await _fail_stream(request, resp, tap, translator, ex, watch, failure)
+        await _fail_stream(request, resp, tap, translator, outcome, watch, failure)
     except Exception:
         # Headers are out: no error response is possible any more, only an error event.
-        log.exception("relaying stream %s failed", ex.request_id)
+        log.exception("relaying stream %s failed", outcome.request_id)
         broken = ProxyError("The proxy failed while relaying this stream; it is incomplete.",
                             code="internal")
-        await _fail_stream(request, resp, tap, translator, ex, watch, broken)
+        await _fail_stream(request, resp, tap, translator, outcome, watch, broken)
     return resp
 
 
 async def _fail_stream(
     request: web.Request, resp: web.StreamResponse, tap: StreamTap, translator: Translator,
-    ex: Outcome, watch: Watch, failure: ProxyError, at_boundary: bool | None = None,
+    outcome: Outcome, watch: Watch, failure: ProxyError, at_boundary: bool | None = None,
 ) -> None:
     """A stream that broke after its headers went out. The client gets a last event in OpenAI's
     error shape, so it can tell a truncated answer from a complete one (the SDKs raise on it),
     then the stream ends. If the break came in the middle of an event whose start was already
     forwarded, no event can follow it cleanly: the connection is cut instead, which clients see
     as a broken stream, just as clear. `at_boundary`: as it was before the tap was closed."""
-    ex.fail(failure.error_class)
+    outcome.fail(failure.error_class)
     if at_boundary is None:
         at_boundary = tap.client_at_boundary
     tap.close()  # meters a last, unterminated event; its held bytes are not forwarded
