@@ -25,7 +25,7 @@ from proxy.budget import limits as lim
 from proxy.budget.notify import Notifier
 from proxy.budget.refusals import Refusal, Refused
 from proxy.budget.spool import REPLAY_DONE_TTL_S, Spool
-from proxy.budget.store import DONE_TTL_S, USER, Entry, ReserveResult, Store, StoreError
+from proxy.budget.store import DONE_TTL_S, Entry, ReserveResult, ScopeKind, Store, StoreError
 from proxy.budget.store_health import StoreHealth
 from proxy.config.policy import Policy
 from proxy.errors import ServiceUnavailable
@@ -312,7 +312,7 @@ class Budget:
     def _update_gauges(self, user: str, windows: tuple[lim.Window, ...],
                        used: tuple[int, ...]) -> None:
         for w, u in zip(windows, used, strict=True):
-            if w.scope != USER:
+            if w.scope.kind is not ScopeKind.USER:
                 continue
             self.metrics.budget_state(user, w.name, u, w.limit)
 

@@ -42,12 +42,16 @@ class Measure(enum.Enum):
     REQUESTS = "requests"
 
 
-_WINDOWS: tuple[tuple[WindowName, Measure], ...] = (
-    (WindowName.DAILY_TOKENS, Measure.TOTAL),
-    (WindowName.DAILY_INPUT_TOKENS, Measure.INPUT),
-    (WindowName.DAILY_OUTPUT_TOKENS, Measure.OUTPUT),
-    (WindowName.TOKENS_PER_MINUTE, Measure.TOTAL),
-    (WindowName.REQUESTS_PER_MINUTE, Measure.REQUESTS),
+# (name, its config field, what it counts, daily): `plan` runs per request, and enum property
+# lookups there cost more than the rest of it, so the plain values are spelled out once.
+_WINDOWS: tuple[tuple[WindowName, str, Measure, bool], ...] = tuple(
+    (name, name.value, measure, name.daily) for name, measure in (
+        (WindowName.DAILY_TOKENS, Measure.TOTAL),
+        (WindowName.DAILY_INPUT_TOKENS, Measure.INPUT),
+        (WindowName.DAILY_OUTPUT_TOKENS, Measure.OUTPUT),
+        (WindowName.TOKENS_PER_MINUTE, Measure.TOTAL),
+        (WindowName.REQUESTS_PER_MINUTE, Measure.REQUESTS),
+    )
 )
 _DAILY_RETENTION_S = 8 * 86400  # `tokenmeter usage --date` can look a week back
 
@@ -162,36 +166,42 @@ def plan(
     minute = math.floor(now / 60)
     minute_end = (minute + 1) * 60.0
     slot = slot_for(policy.store.prefix, user)
-    windows: dict[tuple[Scope, WindowName], Window] = {}
+    windows: dict[tuple[str, str], Window] = {}  # by (scope part, field): plain, fast keys
 
-    def add(name: WindowName, measure: Measure, scope: Scope, limit: int | None) -> None:
-        daily = name.daily
-        stamp = day if daily else str(minute)
-        resets = day_end if daily else minute_end
-        ttl = int(resets - now) + (_DAILY_RETENTION_S if daily else 60)
-        windows[(scope, name)] = Window(
-            name, scope, f"{slot}:{scope}:{name.value}:{stamp}", limit, measure, resets, ttl
+    minute_stamp = str(minute)
+    daily_ttl = int(day_end - now) + _DAILY_RETENTION_S
+    minute_ttl = int(minute_end - now) + 60
+
+    def add(name: WindowName, field: str, measure: Measure, daily: bool, scope: Scope,
+            limit: int | None) -> None:
+        stamp, resets, ttl = ((day, day_end, daily_ttl) if daily
+                              else (minute_stamp, minute_end, minute_ttl))
+        windows[(scope.part, field)] = Window(
+            name, scope, f"{slot}:{scope.part}:{field}:{stamp}", limit, measure, resets, ttl
         )
 
     # The user's daily totals are always counted, limited or not: they are what `usage` reports.
-    for name, measure in _WINDOWS:
-        if name.daily:
-            add(name, measure, USER, None)
-    for name, measure in _WINDOWS:
-        limit = limits.user[name.value]
+    for name, field, measure, daily in _WINDOWS:
+        if daily:
+            add(name, field, measure, daily, USER, None)
+    key_scope = limits.key_scope
+    for name, field, measure, daily in _WINDOWS:
+        limit = limits.user[field]
         if limit is not None:
-            add(name, measure, USER, limit)
-        key_limit = limits.key.get(name.value)
-        if key_limit is not None and limits.key_scope is not None:
-            add(name, measure, limits.key_scope, key_limit)
+            add(name, field, measure, daily, USER, limit)
+        if key_scope is not None:
+            key_limit = limits.key.get(field)
+            if key_limit is not None:
+                add(name, field, measure, daily, key_scope, key_limit)
     caps = [c for c in (limits.output_cap,) if c is not None]
     for pattern, mlimits in limits.model_limits:
         if not fnmatch.fnmatchcase(model, pattern):
             continue
-        for name, measure in _WINDOWS:
-            limit = getattr(mlimits, name.value)
+        group = Scope(ScopeKind.MODELS, pattern)
+        for name, field, measure, daily in _WINDOWS:
+            limit = getattr(mlimits, field)
             if limit is not None:
-                add(name, measure, Scope(ScopeKind.MODELS, pattern), limit)
+                add(name, field, measure, daily, group, limit)
         if mlimits.max_output_tokens is not None:
             caps.append(mlimits.max_output_tokens)
         break  # the first matching model group applies, like routes

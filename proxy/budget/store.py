@@ -17,7 +17,7 @@ import enum
 import heapq
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -48,9 +48,15 @@ class Scope:
 
     kind: ScopeKind
     name: str = ""  # the key's name, or the model glob
+    # Its part of a storage key, made once: every request's plan uses it.
+    part: str = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        part = "u" if self.kind is ScopeKind.USER else f"{self.kind.value}.{self.name}"
+        object.__setattr__(self, "part", part)
 
     def __str__(self) -> str:
-        return self.kind.value if self.kind is ScopeKind.USER else f"{self.kind.value}.{self.name}"
+        return self.part
 
 
 USER = Scope(ScopeKind.USER)

@@ -271,6 +271,8 @@ class Metrics:
             registry=r,
         )
 
+    # Labels are passed in their declared order (prometheus_client sorts keyword labels on every
+    # call); each verb's signature names them.
     # --- a request -----------------------------------------------------------------------
     def record_request(self, rec: RequestRecord, price: Price | None,
                        gaps: list[int]) -> None:
@@ -283,7 +285,7 @@ class Metrics:
     @contextlib.contextmanager
     def relaying(self, upstream: str) -> Iterator[None]:
         """A request in flight to `upstream` while its answer is relayed."""
-        active = self._active.labels(upstream=upstream)
+        active = self._active.labels(upstream)
         active.inc()
         try:
             yield
@@ -291,45 +293,45 @@ class Metrics:
             active.dec()
 
     def retried(self, upstream: str, reason: str) -> None:
-        self._retries.labels(upstream=upstream, reason=reason).inc()
+        self._retries.labels(upstream, reason).inc()
 
     def fell_back(self, route: str, to_model: str, reason: str) -> None:
-        self._fallbacks.labels(route=route, to_model=to_model, reason=reason).inc()
+        self._fallbacks.labels(route, to_model, reason).inc()
 
     def metering_failed(self, stage: MeteringStage) -> None:
-        self._metering_errors.labels(stage=stage.value).inc()
+        self._metering_errors.labels(stage.value).inc()
 
     def metering_failure_counter(self, stage: MeteringStage) -> Callable[[], None]:
         """`metering_failed(stage)` bound once, for a stream's per-chunk path."""
-        return self._metering_errors.labels(stage=stage.value).inc
+        return self._metering_errors.labels(stage.value).inc
 
     # --- budgets ---------------------------------------------------------------------------
     def budget_reserved(self, user: str, tokens: int) -> None:
-        self._budget_reserved.labels(user=user).inc(tokens)
+        self._budget_reserved.labels(user).inc(tokens)
 
     def budget_overreserved(self, user: str, tokens: int) -> None:
-        self._budget_overreserved.labels(user=user).inc(tokens)
+        self._budget_overreserved.labels(user).inc(tokens)
 
     def budget_refused(self, user: str, limit: str) -> None:
-        self._budget_refusals.labels(user=user, limit=limit).inc()
+        self._budget_refusals.labels(user, limit).inc()
 
     def budget_state(self, user: str, window: str, used: int, limit: int | None) -> None:
-        self._budget_used.labels(user=user, window=window).set(used)
+        self._budget_used.labels(user, window).set(used)
         if limit is not None:
-            self._budget_limit.labels(user=user, window=window).set(limit)
-            self._budget_remaining.labels(user=user, window=window).set(max(0, limit - used))
+            self._budget_limit.labels(user, window).set(limit)
+            self._budget_remaining.labels(user, window).set(max(0, limit - used))
 
     def threshold_crossed(self, user: str, threshold: float) -> None:
-        self._threshold_crossings.labels(user=user, threshold=f"{threshold:g}").inc()
+        self._threshold_crossings.labels(user, f"{threshold:g}").inc()
 
     # --- the store and the spool ----------------------------------------------------------
     def store_answered(self, op: str, seconds: float | None) -> None:
         if seconds is not None:
-            self._store_latency.labels(op=op).observe(seconds)
+            self._store_latency.labels(op).observe(seconds)
         self._store_up.set(1)
 
     def store_failed(self, op: str) -> None:
-        self._store_errors.labels(op=op).inc()
+        self._store_errors.labels(op).inc()
         self._store_up.set(0)
 
     def settlement_spooled(self) -> None:
@@ -345,13 +347,13 @@ class Metrics:
 
     # --- the process -----------------------------------------------------------------------
     def connection_closed(self, reason: str) -> None:
-        self._connections_closed.labels(reason=reason).inc()
+        self._connections_closed.labels(reason).inc()
 
     def connections_open(self, count: Callable[[], float]) -> None:
         self._connections_open.set_function(count)
 
     def config_reloaded(self, ok: bool) -> None:
-        self._config_reloads.labels(result="ok" if ok else "error").inc()
+        self._config_reloads.labels("ok" if ok else "error").inc()
 
     def open_mode(self, is_open: bool) -> None:
         self._info.set(1 if is_open else 0)
