@@ -99,6 +99,9 @@ class LineSplitter:
         return rest
 
 
+_new_event = tuple.__new__
+
+
 class EventAssembler:
     """Lines in, events out: `data:` lines are gathered until a blank line dispatches them."""
 
@@ -118,7 +121,8 @@ class EventAssembler:
         if not line:
             event = None
             if self._has_data:
-                event = Event(b"\n".join(self._data), self._event, end)
+                # tuple.__new__ skips the NamedTuple constructor's extra call: once per event.
+                event = _new_event(Event, (b"\n".join(self._data), self._event, end))
                 self._data = []
                 self._has_data = False
             self._event = None
