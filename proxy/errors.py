@@ -168,9 +168,8 @@ class RequestTooLarge(ProxyError):
 
 
 class UpstreamUnavailable(ProxyError):
-    """The upstream could not be reached, or broke before completing its response. Raise one
-    of the kinds below; `UpstreamUnavailable(msg, code=...)` still works (same wire error and
-    class) while callers move over."""
+    """The upstream could not be reached, or broke before completing its response. A specific
+    failure raises one of the kinds below; the plain one means no upstream answered at all."""
 
     status = 502
     type = "upstream_error"
@@ -197,8 +196,8 @@ class UpstreamIncomplete(UpstreamUnavailable):
 
 
 class UpstreamTimeout(ProxyError):
-    """The upstream was too slow. Raise one of the kinds below; `UpstreamTimeout(msg,
-    code="idle_timeout")` still works (same wire error and class) while callers move over."""
+    """The upstream was too slow: raise one of the kinds below, each named for the limit
+    that ran out."""
 
     status = 504
     type = "upstream_error"
