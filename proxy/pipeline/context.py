@@ -137,6 +137,9 @@ class Outcome:
         self._attempts = 1
 
     # --- admission: known before the context is complete, needed if admission fails -----
+    def configured(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
     def read(self, request: ParsedRequest) -> None:
         self._model, self._stream = request.model, request.stream
 

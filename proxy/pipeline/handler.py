@@ -105,7 +105,8 @@ async def handle(request: web.Request, svc: Services, shape: type[Translator]
 async def admit(request: web.Request, svc: Services, shape: type[Translator],
                 outcome: Outcome) -> RequestContext:
     """Read, parse, authenticate and route: what the rest of the request runs on."""
-    runtime = outcome.runtime = svc.runtime.current
+    runtime = svc.runtime.current
+    outcome.configured(runtime)  # the version this request runs under, start to end
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
