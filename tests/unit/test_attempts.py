@@ -1,4 +1,5 @@
-"""proxy.routing.attempts: the upstream's requested wait and the backoff between retries."""
+"""proxy.routing.attempts: the upstream's requested wait, the backoff between retries, and the
+candidates a request tries in order."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import random
 
 import pytest
 
-from proxy.config.load import RetryConfig
-from proxy.routing.attempts import backoff_s, retry_after_s
+from proxy.config.load import RetryConfig, parse_config
+from proxy.routing.attempts import LatencyTracker, backoff_s, candidates, retry_after_s
+from proxy.routing.upstream import Router
 
 
 @pytest.mark.parametrize(
@@ -49,3 +51,46 @@ def test_backoff_is_exponential_capped_with_equal_jitter() -> None:
 
 def test_zero_backoff_never_waits() -> None:
     assert backoff_s(RetryConfig(initial_backoff_ms=0), 3, random.Random(1)) == 0.0
+
+
+def _router(latency: str = "") -> Router:
+    text = f"""
+upstreams:
+  a: {{base_url: "http://a.invalid/v1"}}
+  b: {{base_url: "http://b.invalid/v1"}}
+models:
+  - match: primary
+    upstream: a
+    fallbacks: [backup, spare, primary]
+{latency}
+  - {{match: backup, upstream: b}}
+  - {{match: spare, upstream: b}}
+"""
+    return Router(parse_config(text, "t.yaml"))
+
+
+def test_candidates_are_the_model_then_its_fallbacks_in_order() -> None:
+    router = _router()
+    route = router.resolve("primary")
+    assert route is not None
+    plan = candidates(router, route, "primary", LatencyTracker())
+    # The model itself is not tried twice, even when listed among its own fallbacks.
+    assert [(c.model, c.reason) for c in plan] == [
+        ("primary", "primary"), ("backup", "error"), ("spare", "error")]
+    assert [c.route.upstream.name for c in plan] == ["a", "b", "b"]
+
+
+def test_a_slow_primary_goes_last_until_its_samples_age_out() -> None:
+    router = _router("    latency_fallback: {ttft_p95_ms: 100, window_s: 60, min_samples: 3}")
+    route = router.resolve("primary")
+    assert route is not None
+    now = [1000.0]
+    tracker = LatencyTracker(clock=lambda: now[0])
+    assert candidates(router, route, "primary", tracker)[0].model == "primary"  # no verdict
+    for _ in range(3):
+        tracker.observe(route, 0.5)  # 500 ms TTFT, over the 100 ms threshold
+    slow = candidates(router, route, "primary", tracker)
+    assert [(c.model, c.reason) for c in slow] == [
+        ("backup", "slow"), ("spare", "error"), ("primary", "primary")]
+    now[0] += 61  # the slow samples leave the window
+    assert candidates(router, route, "primary", tracker)[0].model == "primary"
