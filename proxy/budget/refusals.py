@@ -6,6 +6,7 @@ response, and where the `x-ratelimit-*` headers of admitted requests are written
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 from datetime import datetime
@@ -14,6 +15,12 @@ from zoneinfo import ZoneInfo
 from proxy.budget import limits as lim
 from proxy.budget.store import InFlightLimit, Scope, ScopeKind
 from proxy.errors import BudgetExceeded
+
+
+class RefusalKind(enum.Enum):
+    CONCURRENCY = "concurrency"  # an in-flight set is full: retry in a moment
+    QUOTA = "quota"  # a daily window is spent: not before it resets (x-should-retry: false)
+    RATE = "rate"  # a per-minute window is full: retry after it rolls over
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +33,13 @@ class Refusal:
     window: lim.Window | None  # the window that refused
     needed: int  # what the request would have added to it
     in_flight: InFlightLimit | None  # or the concurrency limit that refused
+
+    @property
+    def kind(self) -> RefusalKind:
+        if self.in_flight is not None:
+            return RefusalKind.CONCURRENCY
+        assert self.window is not None
+        return RefusalKind.QUOTA if self.window.name.daily else RefusalKind.RATE
 
 
 class Refused(Exception):
@@ -77,8 +91,10 @@ def rate_limit_headers(windows: tuple[lim.Window, ...], used: tuple[int, ...],
 def render(refusal: Refusal, now: float, tz: str) -> BudgetExceeded:
     headers = rate_limit_headers(refusal.windows, refusal.used, now)
     user = refusal.user
-    if refusal.in_flight is not None:
+    kind = refusal.kind
+    if kind is RefusalKind.CONCURRENCY:
         held = refusal.in_flight
+        assert held is not None
         return BudgetExceeded(
             f"Too many concurrent requests for user '{user}'"
             f"{_scope_words(held.scope)}: the limit is {held.limit} at a time. Retry when "
@@ -100,7 +116,7 @@ def render(refusal: Refusal, now: float, tz: str) -> BudgetExceeded:
         f"(the prompt plus max output tokens). It resets at {reset_at} "
         f"(in {_duration(window.resets_at - now)})."
     )
-    daily = window.name.daily
+    daily = kind is RefusalKind.QUOTA
     never = refusal.needed > window.limit  # would not fit even in an empty window
     if daily or never:
         if never:
