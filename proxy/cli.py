@@ -23,6 +23,8 @@ from proxy.bench.cli import run as run_bench
 from proxy.budget.store import StoreError
 from proxy.budget.store_redis import RedisStore
 from proxy.config.load import Config, ConfigError, load_config, single_upstream_config
+from proxy.ledger.reconcile import add_parser as add_reconcile_parser
+from proxy.ledger.reconcile import run as run_reconcile
 from proxy.server import state as st
 from proxy.server.app import create_app, create_metrics_app
 from proxy.server.listener import ConnectionGuard, GuardedSite, ListenerLimits, raise_fd_limit
@@ -243,6 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     u.add_argument("--date", help="YYYY-MM-DD in the configured time zone (default: today)")
     u.add_argument("--json", action="store_true")
     add_bench_parser(sub)
+    add_reconcile_parser(sub)
 
     args = parser.parse_args(argv)
     setup_logging(getattr(args, "log_level", "INFO"))
@@ -257,6 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "usage":
         return _usage(args)
+    if args.command == "reconcile":
+        return run_reconcile(args)
     if args.command == "bench":
         return run_bench(args)
     if args.command == "mock-upstream":

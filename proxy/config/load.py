@@ -17,6 +17,7 @@ from pydantic import (
     model_validator,
 )
 
+from proxy.config.ledger import LedgerConfig
 from proxy.config.policy import ConfigModel, Policy
 
 
@@ -152,6 +153,7 @@ class Config(Policy):
     upstreams: dict[str, UpstreamConfig] = Field(min_length=1)
     models: list[ModelRoute] = Field(default_factory=list)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    ledger: LedgerConfig = Field(default_factory=LedgerConfig)
 
     @model_validator(mode="after")
     def _routes(self) -> Config:

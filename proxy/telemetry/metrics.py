@@ -111,6 +111,13 @@ class MeteringStage(enum.Enum):
     SETTLE = "settle"  # charging, recording and logging a finished request
 
 
+class LedgerStage(enum.Enum):
+    SPOOL = "spool"  # appending a row to the local spool
+    SHIP = "ship"  # writing a batch into the database
+    CONNECT = "connect"  # opening the database (and migrating its schema)
+    RETENTION = "retention"  # deleting rows past ledger.retention_days
+
+
 class Metrics:
     """Every collector of one app, updated only through the verbs below: each says what
     happened in the domain's words and names its labels, so no caller depends on label order."""
@@ -266,6 +273,46 @@ class Metrics:
             "tokenmeter_cost_usd", "Estimated cost from the configured price table.",
             ("model", "user", "type"), registry=r,
         )
+        self._ledger_rows = Counter(
+            "tokenmeter_ledger_rows_written", "Ledger rows stored in the database.", ("sink",),
+            registry=r,
+        )
+        self._ledger_spool_rows = Gauge(
+            "tokenmeter_ledger_spool_rows", "Ledger rows in the local spool not yet stored.",
+            registry=r,
+        )
+        self._ledger_spool_bytes = Gauge(
+            "tokenmeter_ledger_spool_bytes", "Disk taken by ledger rows not yet stored.",
+            registry=r,
+        )
+        self._ledger_ship = Histogram(
+            "tokenmeter_ledger_ship_seconds", "Time to store one batch of ledger rows.",
+            buckets=DURATION_BUCKETS, registry=r,
+        )
+        self._ledger_lag = Gauge(
+            "tokenmeter_ledger_lag_seconds",
+            "Age of the oldest ledger row not yet stored (0: nothing waits).", registry=r,
+        )
+        self._ledger_errors = Counter(
+            "tokenmeter_ledger_errors", "Ledger failures by stage.", ("stage",), registry=r,
+        )
+        self._ledger_dropped = Counter(
+            "tokenmeter_ledger_rows_dropped",
+            "Ledger rows lost: the spool was full or could not be written.", registry=r,
+        )
+        self._ledger_up = Gauge(
+            "tokenmeter_ledger_up", "1 when the last write to the ledger database succeeded.",
+            registry=r,
+        )
+        self._reconcile_drift = Gauge(
+            "tokenmeter_reconcile_drift_tokens",
+            "Ledger total minus the store's counter, beyond what requests in flight explain, "
+            "at the last reconcile (by window).", ("window",), registry=r,
+        )
+        self._reconcile_orphans = Gauge(
+            "tokenmeter_reconcile_orphans",
+            "Reservations still held past their lease at the last reconcile.", registry=r,
+        )
         self._info = Gauge(
             "tokenmeter_open_mode", "1 when no users are configured and every request is accepted.",
             registry=r,
@@ -344,6 +391,31 @@ class Metrics:
     def settle_backlog(self, settlements: int, tokens: int) -> None:
         self._settle_backlog.set(settlements)
         self._settle_backlog_tokens.set(tokens)
+
+    # --- the books ------------------------------------------------------------------------
+    def ledger_stored(self, sink: str, rows: int, seconds: float) -> None:
+        """A batch of `rows` reached the database (`sink`: sqlite or postgresql)."""
+        self._ledger_rows.labels(sink).inc(rows)
+        self._ledger_ship.observe(seconds)
+        self._ledger_up.set(1)
+
+    def ledger_pending(self, rows: int, spool_bytes: int, oldest_age_s: float) -> None:
+        self._ledger_spool_rows.set(rows)
+        self._ledger_spool_bytes.set(spool_bytes)
+        self._ledger_lag.set(oldest_age_s)
+
+    def ledger_failed(self, stage: LedgerStage) -> None:
+        self._ledger_errors.labels(stage.value).inc()
+        if stage is not LedgerStage.SPOOL:
+            self._ledger_up.set(0)
+
+    def ledger_dropped(self, rows: int) -> None:
+        self._ledger_dropped.inc(rows)
+
+    def reconciled(self, drift_by_window: dict[str, int], orphans: int) -> None:
+        for window, drift in drift_by_window.items():
+            self._reconcile_drift.labels(window).set(drift)
+        self._reconcile_orphans.set(orphans)
 
     # --- the process -----------------------------------------------------------------------
     def connection_closed(self, reason: str) -> None:

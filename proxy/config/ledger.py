@@ -1,0 +1,47 @@
+"""Configuration of the books: where each request's ledger row goes, and for how long."""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import Field, field_validator
+
+from proxy.config.policy import ConfigModel
+
+
+class LedgerConfig(ConfigModel):
+    # Off: no rows are kept (metrics and the access log still see every request).
+    enabled: bool = True
+    # None: an SQLite file, `ledger.sqlite3`, in the state directory (printed at start); or
+    # `sqlite:///absolute/path.sqlite3`; or `postgresql://user@host:5432/db` for replicas sharing
+    # one ledger.
+    url: str | None = None
+    # Where rows wait between settle and the database (one append per request). Default: the
+    # state directory ($TOKENMETER_STATE_DIR, else $XDG_STATE_HOME/tokenmeter).
+    spool_dir: str | None = None
+    # Rows not yet shipped may take this much disk; past it, new rows are dropped, loudly
+    # (tokenmeter_ledger_rows_dropped_total, an error log): a full disk must not stop serving.
+    spool_max_mb: float = Field(default=1024.0, gt=0)
+    # Rows per database write; the shipper writes as soon as rows are there, never waiting to
+    # fill a batch.
+    batch_rows: int = Field(default=2000, ge=1, le=100_000)
+    # Rows older than this are deleted, a bounded slice at a time (writers never wait on it).
+    retention_days: int = Field(default=400, ge=1)
+    # Names this process in every row. Default: the host name and the process id.
+    replica_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.:@-]{1,128}$")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^(sqlite:///.+|postgres(ql)?://.+)$", v):
+            raise ValueError(
+                "must be sqlite:///<path> or postgresql://... (or leave it out for an SQLite "
+                "file in the state directory)"
+            )
+        return v
+
+    @property
+    def dialect(self) -> str:
+        """`sqlite` or `postgresql`."""
+        return "postgresql" if self.url is not None and self.url.startswith("postgres") \
+            else "sqlite"

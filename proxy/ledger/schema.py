@@ -1,0 +1,103 @@
+"""The ledger's schema, versioned: migration n takes a database from version n-1 to n.
+
+Both dialects hold the same table and columns (`proxy.ledger.row.COLUMNS`, in that order, then
+the generated `cost_usd`), so reports and dashboards read one shape. Timestamps are
+`timestamptz` in PostgreSQL and epoch seconds (REAL) in SQLite, which has no time type.
+A migration is only ever appended; `tokenmeter_schema` holds the version a database is at.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TABLE = "tokenmeter_requests"
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    version: int
+    postgresql: tuple[str, ...]
+    sqlite: tuple[str, ...]
+
+
+_PG_V1 = f"""
+CREATE TABLE IF NOT EXISTS {TABLE} (
+    request_id text PRIMARY KEY,
+    started_at timestamptz NOT NULL,
+    ended_at timestamptz NOT NULL,
+    replica text NOT NULL,
+    user_name text NOT NULL,
+    key_name text,
+    team text,
+    operation text NOT NULL,
+    requested_model text NOT NULL,
+    model text,
+    response_model text,
+    upstream text,
+    fallback_from text,
+    attempts integer NOT NULL,
+    status integer NOT NULL,
+    error_class text NOT NULL,
+    stream boolean NOT NULL,
+    input_tokens bigint NOT NULL,
+    output_tokens bigint NOT NULL,
+    cached_input_tokens bigint NOT NULL,
+    reasoning_tokens bigint NOT NULL,
+    token_source text NOT NULL,
+    ttft_ms double precision,
+    upstream_ttft_ms double precision,
+    overhead_ms double precision,
+    duration_ms double precision NOT NULL,
+    output_tokens_per_s double precision,
+    cost_nanousd bigint,
+    price_version text,
+    windows text NOT NULL,
+    cost_usd numeric(20, 9) GENERATED ALWAYS AS (cost_nanousd / 1000000000.0) STORED
+)"""
+
+_SQLITE_V1 = f"""
+CREATE TABLE IF NOT EXISTS {TABLE} (
+    request_id TEXT PRIMARY KEY,
+    started_at REAL NOT NULL,
+    ended_at REAL NOT NULL,
+    replica TEXT NOT NULL,
+    user_name TEXT NOT NULL,
+    key_name TEXT,
+    team TEXT,
+    operation TEXT NOT NULL,
+    requested_model TEXT NOT NULL,
+    model TEXT,
+    response_model TEXT,
+    upstream TEXT,
+    fallback_from TEXT,
+    attempts INTEGER NOT NULL,
+    status INTEGER NOT NULL,
+    error_class TEXT NOT NULL,
+    stream INTEGER NOT NULL,
+    input_tokens INTEGER NOT NULL,
+    output_tokens INTEGER NOT NULL,
+    cached_input_tokens INTEGER NOT NULL,
+    reasoning_tokens INTEGER NOT NULL,
+    token_source TEXT NOT NULL,
+    ttft_ms REAL,
+    upstream_ttft_ms REAL,
+    overhead_ms REAL,
+    duration_ms REAL NOT NULL,
+    output_tokens_per_s REAL,
+    cost_nanousd INTEGER,
+    price_version TEXT,
+    windows TEXT NOT NULL,
+    cost_usd REAL GENERATED ALWAYS AS (cost_nanousd / 1000000000.0) VIRTUAL
+)"""
+
+_INDEXES = (
+    f"CREATE INDEX IF NOT EXISTS {TABLE}_started ON {TABLE} (started_at)",
+    f"CREATE INDEX IF NOT EXISTS {TABLE}_user ON {TABLE} (user_name, started_at)",
+    f"CREATE INDEX IF NOT EXISTS {TABLE}_team ON {TABLE} (team, started_at)",
+)
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, (_PG_V1, *_INDEXES), (_SQLITE_V1, *_INDEXES)),
+)
+
+VERSION = MIGRATIONS[-1].version
