@@ -22,8 +22,8 @@ from proxy.auth import UserIndex, client_key
 from proxy.budget.accounting import Budget
 from proxy.budget.notify import Notifier
 from proxy.budget.spool import Spool, default_dir
-from proxy.budget.store import MemoryStore, Store
-from proxy.budget.store_redis import RedisStore
+from proxy.budget.store import Store
+from proxy.budget.store_factory import make_store
 from proxy.config.load import Config
 from proxy.errors import (
     AuthenticationFailed,
@@ -53,12 +53,6 @@ _OPEN_WARNING = (
 
 def build_runtime(config: Config) -> st.Runtime:
     return st.Runtime(config=config, router=Router(config), users=UserIndex(config))
-
-
-def make_store(config: Config, clock: Callable[[], float]) -> Store:
-    if config.store.url == "memory":
-        return MemoryStore(clock)
-    return RedisStore(config.store.url, config.store.timeout_ms)
 
 
 @web.middleware
@@ -321,7 +315,7 @@ def create_app(
         session=lambda: http.session if http.running else None,
     )
     spool_dir = Path(config.store.spool_dir) if config.store.spool_dir else default_dir()
-    budget = Budget(store or make_store(config, clock), metrics, notifier, clock,
+    budget = Budget(store or make_store(config.store, clock), metrics, notifier, clock,
                     Spool(spool_dir))
     app[st.SERVICES] = st.Services(
         runtime=holder, metrics=metrics, budget=budget, http=http, latency=LatencyTracker(),
