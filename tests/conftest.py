@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from collections.abc import AsyncIterator, Iterator
 
+import asyncpg
 import pytest
 import redis
 from aiohttp.test_utils import TestServer
@@ -64,6 +66,26 @@ def store_url(request: pytest.FixtureRequest) -> str:
         return "memory"
     url: str = request.getfixturevalue("redis_url")
     return url
+
+
+SYSTEM_POSTGRES = "postgresql://postgres@127.0.0.1:5432"
+
+
+@pytest.fixture
+async def pg_url() -> AsyncIterator[str]:
+    """A database of this test's own on the machine's PostgreSQL, dropped afterwards."""
+    name = f"tm_test_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(f"{SYSTEM_POSTGRES}/postgres")
+    try:
+        await admin.execute(f"CREATE DATABASE {name}")
+    finally:
+        await admin.close()
+    yield f"{SYSTEM_POSTGRES}/{name}"
+    admin = await asyncpg.connect(f"{SYSTEM_POSTGRES}/postgres")
+    try:
+        await admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    finally:
+        await admin.close()
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import subprocess
@@ -63,3 +64,42 @@ class RedisServer:
     def restart(self) -> None:
         self.stop()
         self.start()
+
+
+class PostgresServer:
+    """A throwaway PostgreSQL 15 cluster on a free port, for tests that stop or kill the
+    database (never the machine's own on 5432). PostgreSQL refuses to run as root, so every
+    command runs as the `postgres` user."""
+
+    BIN = "/usr/lib/postgresql/15/bin"
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="tm-pg-")
+        self.data = f"{self.dir}/data"
+        shutil.chown(self.dir, "postgres", "postgres")
+        self._as_postgres(f"{self.BIN}/initdb", "-D", self.data, "-A", "trust", "-U",
+                          "postgres", "--no-sync", "-E", "UTF8")
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _as_postgres(self, *cmd: str) -> None:
+        subprocess.run(["runuser", "-u", "postgres", "--", *cmd], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+
+    def start(self) -> None:
+        options = (f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off "
+                   "-c synchronous_commit=off -c full_page_writes=off")
+        self._as_postgres(f"{self.BIN}/pg_ctl", "-D", self.data, "-o", options, "-w",
+                          "-l", f"{self.dir}/log", "start")
+
+    def stop(self, mode: str = "fast") -> None:
+        """`fast`: a clean shutdown; `immediate`: as good as a kill -9."""
+        self._as_postgres(f"{self.BIN}/pg_ctl", "-D", self.data, "-m", mode, "-w", "stop")
+
+    def destroy(self) -> None:
+        with contextlib.suppress(subprocess.CalledProcessError):
+            self.stop("immediate")
+        shutil.rmtree(self.dir, ignore_errors=True)

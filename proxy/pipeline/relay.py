@@ -34,6 +34,8 @@ from proxy.routing.upstream import client_response_headers
 from proxy.server.state import Services
 from proxy.telemetry.metrics import MeteringStage
 
+REQUEST_ID_HEADER = "x-tokenmeter-request-id"
+
 log = logging.getLogger("tokenmeter.relay")
 
 
@@ -89,14 +91,16 @@ async def _relay_body(attempt: Attempt, outcome: Outcome) -> web.StreamResponse:
         attempt.translator.on_body(body)
     else:
         outcome.fail(upstream_errors.classify(up.status, body))
-    return web.Response(status=up.status, body=body, headers=_client_headers(attempt))
+    headers = _client_headers(attempt, outcome.request_id)
+    return web.Response(status=up.status, body=body, headers=headers)
 
 
 async def _relay_stream(
     request: web.Request, attempt: Attempt, svc: Services, outcome: Outcome, watch: Watch,
 ) -> web.StreamResponse:
     up, translator = attempt.response, attempt.translator
-    resp = web.StreamResponse(status=up.status, headers=_client_headers(attempt))
+    headers = _client_headers(attempt, outcome.request_id)
+    resp = web.StreamResponse(status=up.status, headers=headers)
     try:
         await resp.prepare(request)
     except (ConnectionError, RuntimeError):
@@ -182,10 +186,12 @@ async def _fail_stream(
     _abort(request)
 
 
-def _client_headers(attempt: Attempt) -> CIMultiDict[str]:
+def _client_headers(attempt: Attempt, request_id: str) -> CIMultiDict[str]:
     headers = client_response_headers(attempt.response.headers)
     for name, value in attempt.response_headers.items():
         headers[name] = value  # our limits replace the upstream's same-named x-ratelimit-*
+    # The ledger row's id: a client (or its support ticket) can find its request in the books.
+    headers[REQUEST_ID_HEADER] = request_id
     return headers
 
 

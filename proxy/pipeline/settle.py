@@ -1,17 +1,27 @@
 """The last step of every request: charge the budget, record metrics, cost and the log line.
 
 It runs once per request, from the relay's `finally`, shielded from the client's disconnect. It
-never raises: a failure here is a billing hole, so it is logged at error level and counted.
+never raises: a failure here is a billing hole, so it is logged at error level and counted. The
+ledger row is handed over whatever else fails (the metrics, the log line), and before them.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from typing import TYPE_CHECKING
 
+from proxy.budget.cost import cost_nanousd
+from proxy.ledger.row import LedgerRow
 from proxy.pipeline.context import Settlement
-from proxy.server.state import Services
+from proxy.protocol.usage import Usage
+from proxy.server.state import Runtime, Services
 from proxy.telemetry.accesslog import log_request
-from proxy.telemetry.metrics import MeteringStage, RequestRecord
+from proxy.telemetry.meter import Figures
+from proxy.telemetry.metrics import MeteringStage, Metrics, RequestRecord
+
+if TYPE_CHECKING:
+    from proxy.ledger.ledger import Ledger
 
 log = logging.getLogger("tokenmeter.settle")
 
@@ -24,6 +34,8 @@ async def settle(done: Settlement, svc: Services) -> None:
         if done.candidacy is not None:
             await svc.budget.settle(done.candidacy.reservation, usage)
         figures = done.meter.figures(usage.output_tokens)
+        if svc.ledger is not None:
+            _book(svc.ledger, done, runtime, usage, figures, metrics)
         route, model, principal = done.route, done.model, done.principal
         record = RequestRecord(
             request_id=done.request_id,
@@ -50,3 +62,58 @@ async def settle(done: Settlement, svc: Services) -> None:
         # Loud, never silent: a request whose usage we could not record is a billing hole.
         metrics.metering_failed(MeteringStage.SETTLE)
         log.exception("failed to settle request %s", done.request_id)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
+def _book(ledger: Ledger, done: Settlement, runtime: Runtime, usage: Usage,
+          figures: Figures, metrics: Metrics) -> None:
+    """The request's ledger row, handed to the ledger's spool (one append, no I/O wait)."""
+    try:
+        principal, candidacy = done.principal, done.candidacy
+        price = runtime.price_for(done.model)
+        windows = ""
+        if candidacy is not None:
+            plan = candidacy.reservation.plan
+            cut = len(plan.slot) + 1
+            windows = " ".join(w.key[cut:] for w in plan.windows)
+        ended = time.time()
+        ledger.record(LedgerRow(
+            request_id=done.request_id,
+            started_at=ended - figures.duration,
+            ended_at=ended,
+            replica=ledger.replica,
+            user_name=principal.user if principal is not None else "anonymous",
+            key_name=(principal.key_name or principal.key_id) if principal else None,
+            team=principal.team if principal is not None else None,
+            operation=done.operation,
+            requested_model=done.request_model,
+            model=candidacy.model if candidacy is not None else None,
+            response_model=done.response_model,
+            upstream=candidacy.route.upstream.name if candidacy is not None else None,
+            fallback_from=done.fallback_from,
+            attempts=done.attempts,
+            status=done.status,
+            error_class=done.error_class.value,
+            stream=done.stream,
+            input_tokens=usage.input_tokens,
+            output_tokens=usage.output_tokens,
+            cached_input_tokens=usage.cached_input_tokens,
+            reasoning_tokens=usage.reasoning_tokens,
+            token_source=usage.source,
+            ttft_ms=_ms(figures.ttft),
+            upstream_ttft_ms=_ms(figures.upstream_ttft),
+            overhead_ms=_ms(figures.overhead),
+            duration_ms=figures.duration * 1000,
+            output_tokens_per_s=figures.output_tokens_per_second,
+            cost_nanousd=None if price is None else cost_nanousd(
+                price, usage.input_tokens, usage.cached_input_tokens, usage.output_tokens),
+            price_version=None if price is None else runtime.price_version,
+            windows=windows,
+        ))
+    except Exception:
+        # A row that could not even be made: the books miss this request. Loud.
+        metrics.metering_failed(MeteringStage.LEDGER)
+        log.exception("failed to make the ledger row of request %s", done.request_id)

@@ -13,6 +13,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -20,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy.auth import UserIndex, client_key
 from proxy.budget.accounting import Budget
+from proxy.budget.cost import price_version
 from proxy.budget.notify import Notifier
 from proxy.budget.spool import Spool, default_dir
 from proxy.budget.store import Store
@@ -52,7 +54,8 @@ _OPEN_WARNING = (
 
 
 def build_runtime(config: Config) -> st.Runtime:
-    return st.Runtime(config=config, router=Router(config), users=UserIndex(config))
+    return st.Runtime(config=config, router=Router(config), users=UserIndex(config),
+                      price_version=price_version(config.prices))
 
 
 @web.middleware
@@ -149,15 +152,23 @@ async def _readyz(request: web.Request) -> web.Response:
     (requests are then served without budgets, which beats refusing them all)."""
     runtime = request.app[st.SERVICES].runtime.current
     policy = runtime.config.store.on_error
-    budget = request.app[st.SERVICES].budget
-    if not await budget.probe():
+    svc = request.app[st.SERVICES]
+    # A broken ledger is reported, never a reason to stop serving: rows wait in its spool.
+    ledger = svc.ledger.health() if svc.ledger is not None else None
+    books: dict[str, object] = {} if ledger is None else {
+        "ledger": "ok" if ledger.ok else ledger.detail, "ledger_pending_rows": ledger.pending_rows,
+    }
+    if not await svc.budget.probe():
         ready = policy == "fail_open"
         return web.json_response(
             {"status": "degraded" if ready else "unavailable", "store": "unreachable",
-             "on_error": policy},
+             "on_error": policy, **books},
             status=200 if ready else 503,
         )
-    return web.json_response({"status": "ok", "store": "ok", "mode": runtime.users.mode})
+    status = "ok" if ledger is None or ledger.ok else "degraded"
+    return web.json_response(
+        {"status": status, "store": "ok", "mode": runtime.users.mode, **books}
+    )
 
 
 async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -208,6 +219,19 @@ async def _watchdog_ctx(app: web.Application) -> AsyncIterator[None]:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+async def _ledger_ctx(app: web.Application) -> AsyncIterator[None]:
+    """First in, last out: the ledger ships what the settling of the last requests wrote."""
+    svc = app[st.SERVICES]
+    ledger = svc.ledger
+    if ledger is None:
+        yield
+        return
+    await ledger.start()
+    log.info("ledger: rows of replica %s go to %s", ledger.replica, ledger.location)
+    yield
+    await ledger.stop(svc.runtime.current.config.server.drain_seconds)
 
 
 async def _drain_settling(app: web.Application) -> AsyncIterator[None]:
@@ -292,6 +316,14 @@ def _watch_ctx(path: Path) -> Callable[[web.Application], AsyncIterator[None]]:
     return ctx
 
 
+def _interim_ledger(config: Config, metrics: Metrics, clock: Callable[[], float]) -> Any:
+    try:
+        from proxy.ledger.ledger import make_ledger
+    except ImportError:
+        return None
+    return make_ledger(config.ledger, metrics, clock=clock)
+
+
 def create_app(
     config: Config,
     *,
@@ -320,9 +352,10 @@ def create_app(
     app[st.SERVICES] = st.Services(
         runtime=holder, metrics=metrics, budget=budget, http=http, latency=LatencyTracker(),
         rng=random.Random(), settling=st.Settling(), watchdog=Watchdog(),
+        ledger=_interim_ledger(config, metrics, clock),
     )
     app.cleanup_ctx.extend(
-        [_session_ctx, _store_ctx, _watchdog_ctx, _discover_models, _drain_settling]
+        [_ledger_ctx, _session_ctx, _store_ctx, _watchdog_ctx, _discover_models, _drain_settling]
     )
     if config_path is not None:
         app.cleanup_ctx.append(_watch_ctx(config_path))

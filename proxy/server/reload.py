@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from proxy.config.load import Config, ConfigError, parse_config
-from proxy.config.policy import StoreConfig
 from proxy.telemetry.metrics import Metrics
 
 log = logging.getLogger("tokenmeter.reload")
@@ -51,20 +50,23 @@ class _Snapshot:
 
 
 def keep_running_store(config: Config, running: Config) -> Config:
-    """`config` with the running `store:` section, warning about any store field it changes.
+    """`config` with the running `store:` and `ledger:` sections, warning about any field it
+    changes.
 
-    The store (its URL, the key prefix, the lease...) is set up once at start: switching the
-    prefix mid-day would start every budget from zero, so changes wait for a restart."""
-    if config.store == running.store:
-        return config
-    changed = [f for f in StoreConfig.model_fields
-               if getattr(config.store, f) != getattr(running.store, f)]
-    # Field names only: a store URL can carry a password.
-    log.warning(
-        "store settings changed (%s); they take effect on restart, the running ones are kept",
-        ", ".join(f"store.{f}" for f in changed),
-    )
-    return config.model_copy(update={"store": running.store})
+    Both are set up once at start: switching the store's prefix mid-day would start every
+    budget from zero, and the ledger's spool and database are open; changes wait for a restart."""
+    for section in ("store", "ledger"):
+        new, old = getattr(config, section), getattr(running, section)
+        if new == old:
+            continue
+        changed = [f for f in type(old).model_fields if getattr(new, f) != getattr(old, f)]
+        # Field names only: a URL can carry a password.
+        log.warning(
+            "%s settings changed (%s); they take effect on restart, the running ones are kept",
+            section, ", ".join(f"{section}.{f}" for f in changed),
+        )
+        config = config.model_copy(update={section: old})
+    return config
 
 
 class ConfigWatcher:

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import fnmatch
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
 
 from proxy.auth import UserIndex
 from proxy.budget.accounting import Budget
+from proxy.budget.cost import price_for
 from proxy.config.load import Config
 from proxy.config.policy import Price
 from proxy.pipeline.watchdog import Watchdog
@@ -19,6 +20,9 @@ from proxy.routing.attempts import LatencyTracker
 from proxy.routing.upstream import Router
 from proxy.server.reload import ConfigWatcher
 from proxy.telemetry.metrics import Metrics
+
+if TYPE_CHECKING:
+    from proxy.ledger.ledger import Ledger
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,19 +33,14 @@ class Runtime:
     config: Config
     router: Router
     users: UserIndex
+    price_version: str  # of this configuration's price table, recorded in each ledger row
 
     @property
     def open_mode(self) -> bool:
         return self.users.mode == "open"
 
     def price_for(self, model: str) -> Price | None:
-        prices = self.config.prices
-        if model in prices:
-            return prices[model]
-        for pattern, price in prices.items():
-            if fnmatch.fnmatchcase(model, pattern):
-                return price
-        return None
+        return price_for(self.config.prices, model)
 
 
 class RuntimeHolder:
@@ -115,6 +114,7 @@ class Services:
     rng: random.Random  # retry jitter; tests may seed it
     settling: Settling
     watchdog: Watchdog
+    ledger: Ledger | None  # None: ledger.enabled is false
 
 
 SERVICES = web.AppKey("services", Services)

@@ -109,6 +109,7 @@ class _GapHistogram(Collector):
 class MeteringStage(enum.Enum):
     STREAM = "stream"  # reading a relayed stream on the side
     SETTLE = "settle"  # charging, recording and logging a finished request
+    LEDGER = "ledger"  # making a finished request's ledger row
 
 
 class LedgerStage(enum.Enum):
