@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 TABLE = "tokenmeter_requests"
+# One row per applied migration (version, applied_at); a database is at its highest version.
+SCHEMA_TABLE = "tokenmeter_schema"
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,128 @@
+"""The shared ledger: PostgreSQL through asyncpg.
+
+Why asyncpg rather than psycopg 3: it speaks PostgreSQL's binary protocol from C and is
+asyncio-native, and `copy_records_to_table` streams a batch of Python tuples as a binary COPY
+with no SQL text built per row. A batch is one transaction: COPY into a temporary staging table
+(created once per connection, emptied at every commit), then one `INSERT ... SELECT ... ON
+CONFLICT (request_id) DO NOTHING` into the ledger, so a row shipped twice (a crash between the
+commit and the spool's cursor write) is stored once. COPY alone cannot skip conflicts, and
+row-by-row INSERTs are the write path that becomes a bottleneck.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import asyncpg
+
+from proxy.ledger.migrate import migrate_postgres
+from proxy.ledger.row import COLUMNS
+from proxy.ledger.schema import TABLE
+
+CONNECT_TIMEOUT_S = 5.0
+# A statement stuck longer than this (a network partition) fails the batch: the rows stay in
+# the spool and the shipper reconnects.
+COMMAND_TIMEOUT_S = 60.0
+_STAGE = "tokenmeter_stage"
+_COLS = ", ".join(COLUMNS)
+_CREATE_STAGE = (f"CREATE TEMP TABLE IF NOT EXISTS {_STAGE} ON COMMIT DELETE ROWS AS "
+                 f"SELECT {_COLS} FROM {TABLE} WITH NO DATA")
+_MOVE = (f"INSERT INTO {TABLE} ({_COLS}) SELECT {_COLS} FROM {_STAGE} "
+         "ON CONFLICT (request_id) DO NOTHING")
+# A slice of old rows by their physical address (ctid): the subselect walks the started_at
+# index, the delete is a TID scan, and the transaction holds row locks on `limit` rows only.
+_PRUNE = (f"DELETE FROM {TABLE} WHERE ctid = ANY(ARRAY("
+          f"SELECT ctid FROM {TABLE} WHERE started_at < $1 LIMIT $2))")
+# One replica prunes at a time (the others skip that round): "tokenprn" in ASCII.
+PG_PRUNE_LOCK = 0x746F6B656E70726E
+_STARTED = COLUMNS.index("started_at")
+_ENDED = COLUMNS.index("ended_at")
+
+
+def mask_url(url: str) -> str:
+    """The URL with any password replaced by ***: for logs and /readyz."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        userinfo, _, hostinfo = netloc.rpartition("@")
+        user = userinfo.split(":", 1)[0]
+        netloc = f"{user}:***@{hostinfo}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        query = urlencode([(k, "***" if k.lower() in ("password", "passfile") else v)
+                           for k, v in pairs], safe="*")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+class PostgresSink:
+    name = "postgresql"
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+        self.location = mask_url(url)
+        self._conn: asyncpg.Connection | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self._conn is not None and not self._conn.is_closed()
+
+    async def open(self) -> None:
+        await self.close()
+        conn = await asyncpg.connect(self._url, timeout=CONNECT_TIMEOUT_S,
+                                     command_timeout=COMMAND_TIMEOUT_S)
+        try:
+            await migrate_postgres(conn)
+            await conn.execute(_CREATE_STAGE)
+        except BaseException:
+            conn.terminate()
+            raise
+        self._conn = conn
+
+    @staticmethod
+    def prepare(values: list[Any]) -> tuple[Any, ...]:
+        values[_STARTED] = datetime.fromtimestamp(values[_STARTED], UTC)
+        values[_ENDED] = datetime.fromtimestamp(values[_ENDED], UTC)
+        return tuple(values)
+
+    def is_poison(self, exc: BaseException) -> bool:
+        """A row this database will never take: a value out of its type's range or of the
+        wrong type, a constraint. Connection trouble is not poison: the batch is retried."""
+        return isinstance(exc, (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError,
+                                TypeError, ValueError, OverflowError))
+
+    async def write(self, records: list[tuple[Any, ...]]) -> int:
+        conn = self._require()
+        async with conn.transaction():
+            await conn.copy_records_to_table(_STAGE, records=records, columns=COLUMNS)
+            status = await conn.execute(_MOVE)
+        return int(status.rsplit(" ", 1)[1])  # "INSERT 0 <rows>"
+
+    async def prune(self, cutoff: float, limit: int) -> int:
+        conn = self._require()
+        async with conn.transaction():
+            if not await conn.fetchval("SELECT pg_try_advisory_xact_lock($1)", PG_PRUNE_LOCK):
+                return 0  # another replica is pruning
+            status = await conn.execute(_PRUNE, datetime.fromtimestamp(cutoff, UTC), limit)
+        return int(status.rsplit(" ", 1)[1])  # "DELETE <rows>"
+
+    async def ping(self) -> None:
+        await self._require().fetchval("SELECT 1")
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None and not conn.is_closed():
+            try:
+                await conn.close(timeout=2)
+            except Exception:
+                conn.terminate()  # a dead server: just drop the socket
+
+    def shutdown(self) -> None:
+        pass
+
+    def _require(self) -> asyncpg.Connection:
+        if self._conn is None or self._conn.is_closed():
+            raise asyncpg.ConnectionDoesNotExistError("the ledger database is not connected")
+        return self._conn
