@@ -1,4 +1,4 @@
-"""`tokenmeter`: serve, demo, mock-upstream, check-config."""
+"""`tokenmeter`: serve, demo, mock-upstream, check-config, usage, reconcile, bench."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import date
 from pathlib import Path
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -22,9 +23,23 @@ from proxy.bench.cli import add_parser as add_bench_parser
 from proxy.bench.cli import run as run_bench
 from proxy.budget.store import StoreError
 from proxy.budget.store_redis import RedisStore
+from proxy.config.ledger import LedgerConfig
 from proxy.config.load import Config, ConfigError, load_config, single_upstream_config
+from proxy.ledger.query import LedgerUnavailable, locate, open_reader
 from proxy.ledger.reconcile import add_parser as add_reconcile_parser
 from proxy.ledger.reconcile import run as run_reconcile
+from proxy.ledger.report import (
+    Period,
+    Report,
+    build_report,
+    default_period,
+    describe_period,
+    parse_bound,
+    parse_by,
+    render_csv,
+    render_json,
+    render_table,
+)
 from proxy.server import state as st
 from proxy.server.app import create_app, create_metrics_app
 from proxy.server.listener import ConnectionGuard, GuardedSite, ListenerLimits, raise_fd_limit
@@ -170,7 +185,129 @@ async def _serve(
             await r.cleanup()
 
 
+_USAGE_HELP = """\
+Usage and cost from the ledger (the books: one row per request), or with --source store the
+per-user counters the budget store holds for one day.
+
+The ledger report: requests, refused (by the budget), failed, input, cached input, output and
+reasoning tokens, total (input + output) and cost in USD (an exact decimal; 'unpriced' counts
+requests whose model has no price), per group, then a total row. A request counts at the time
+it started. Days, weeks (Monday to Sunday, shown as the Monday's date) and months are those of
+the configured time zone (timezone:, else UTC; --timezone overrides).
+
+  tokenmeter usage                                   # this month so far, per user
+  tokenmeter usage --config tm.yaml --from 2026-11-01 --to 2026-11-30 --by team,model
+  tokenmeter usage --by key,day --format csv > november.csv
+  tokenmeter usage --ledger postgresql://reader@db/tokenmeter --by user,week --format json
+
+The ledger read is the configuration's (ledger.url; without one, ledger.sqlite3 in the state
+directory, $TOKENMETER_STATE_DIR else $XDG_STATE_HOME/tokenmeter), or --ledger's.
+
+The store's counters (what the budget enforces now, kept eight days):
+  tokenmeter usage --config tm.yaml --source store [--date 2026-12-01] [--json]
+--date or --json alone also select this view (they are its options).
+"""
+
+
+def _add_usage_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    u = sub.add_parser(
+        "usage", help="usage and cost from the ledger (or a day of the store's counters)",
+        description=_USAGE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    u.add_argument("--config", help="YAML configuration (its ledger, time zone, store)")
+    u.add_argument("--source", choices=["ledger", "store"],
+                   help="ledger (default) or store; --date and --json imply store")
+    books = u.add_argument_group("the ledger report")
+    books.add_argument("--ledger", metavar="URL",
+                       help="read this ledger instead: sqlite:///path or postgresql://...")
+    books.add_argument("--from", dest="start", metavar="WHEN",
+                       help="YYYY-MM-DD or YYYY-MM-DDTHH:MM, local time (default: the first "
+                            "of this month, unless --to is given)")
+    books.add_argument("--to", dest="end", metavar="WHEN",
+                       help="YYYY-MM-DD (that whole day included) or YYYY-MM-DDTHH:MM "
+                            "(excluded), local time (default: now)")
+    books.add_argument("--by", default="user", metavar="KEYS",
+                       help="comma-separated groups among user,team,key,model,upstream,day,"
+                            "week,month (default: user)")
+    books.add_argument("--format", choices=["table", "csv", "json"],
+                       help="output format (default: table)")
+    books.add_argument("--timezone", metavar="ZONE",
+                       help="IANA time zone for dates and buckets (default: the "
+                            "configuration's, else UTC)")
+    store = u.add_argument_group("the store's counters")
+    store.add_argument("--date", help="YYYY-MM-DD in the configured time zone (default: today)")
+    store.add_argument("--json", action="store_true", help="JSON instead of a table")
+
+
 def _usage(args: argparse.Namespace) -> int:
+    source = args.source or ("store" if args.date or args.json else "ledger")
+    ledger_only = [flag for flag, value in (
+        ("--ledger", args.ledger), ("--from", args.start), ("--to", args.end),
+        ("--format", args.format), ("--timezone", args.timezone),
+        ("--by", args.by if args.by != "user" else None),
+    ) if value is not None]
+    if source == "ledger":
+        if args.date or args.json:
+            print("--date and --json belong to --source store; for the ledger use --from D "
+                  "--to D and --format json", file=sys.stderr)
+            return 2
+        return _ledger_usage(args)
+    if ledger_only:
+        print(f"{', '.join(ledger_only)}: options of the ledger report, not of --source store",
+              file=sys.stderr)
+        return 2
+    if not args.config:
+        print("--source store needs --config (the store to read)", file=sys.stderr)
+        return 2
+    return _store_usage(args)
+
+
+def _ledger_usage(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config) if args.config else None
+        zone = args.timezone or (config.timezone if config is not None else "UTC")
+        try:
+            tz = ZoneInfo(zone)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"unknown time zone {zone!r}") from None
+        by = parse_by(args.by)
+        if args.start is None and args.end is None:
+            period = default_period(tz, time.time())
+        else:
+            period = Period(
+                tz,
+                None if args.start is None else parse_bound(args.start, tz, end=False),
+                None if args.end is None else parse_bound(args.end, tz, end=True),
+            )
+        ledger = config.ledger if config is not None else LedgerConfig()
+        if not ledger.enabled and args.ledger is None:
+            raise ValueError("the ledger is off in this configuration (ledger.enabled: false); "
+                             "give --ledger URL to read one")
+        location = locate(ledger, args.ledger)
+    except (ConfigError, ValueError, LedgerUnavailable) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+
+    async def run() -> Report:
+        async with await open_reader(location) as reader:
+            return await build_report(reader, by, period)
+
+    try:
+        report = asyncio.run(run())
+    except LedgerUnavailable as exc:
+        print(f"cannot read the ledger: {exc}", file=sys.stderr)
+        return 1
+    fmt = args.format or "table"
+    if fmt == "csv":
+        sys.stdout.write(render_csv(report))
+    elif fmt == "json":
+        print(render_json(report))
+    else:
+        print(render_table(report, f"{location.describe()}: {describe_period(period)}"))
+    return 0
+
+
+def _store_usage(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
         day = date.fromisoformat(args.date) if args.date else today(config, time.time())
@@ -240,10 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     c = sub.add_parser("check-config", help="validate a configuration file")
     c.add_argument("file")
 
-    u = sub.add_parser("usage", help="per-user consumption for a day, from the store")
-    u.add_argument("--config", required=True)
-    u.add_argument("--date", help="YYYY-MM-DD in the configured time zone (default: today)")
-    u.add_argument("--json", action="store_true")
+    _add_usage_parser(sub)
     add_bench_parser(sub)
     add_reconcile_parser(sub)
 

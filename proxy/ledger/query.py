@@ -1,0 +1,235 @@
+"""Reading the books: the ledger opened read-only, SQLite or PostgreSQL, behind one interface.
+
+Reports and reconcile write each statement once with `Sql`, which gives the placeholders and
+the timestamp parameters of the reader's dialect (PostgreSQL keeps `timestamptz`, SQLite epoch
+seconds). Nothing here ever writes: SQLite is opened with `mode=ro` and `query_only`, and a
+PostgreSQL session is read-only (`default_transaction_read_only`), so a report run against the
+production database cannot change it, whatever a query says.
+
+Drivers: asyncpg for PostgreSQL (the writer's driver too: one dependency, and async, so an
+in-process reconcile never blocks the proxy's event loop); the standard library's sqlite3 for
+SQLite, its calls run in a worker thread for the same reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import sqlite3
+import urllib.parse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import asyncpg
+
+from proxy.budget.spool import default_dir
+from proxy.config.ledger import LedgerConfig
+from proxy.ledger.schema import TABLE
+
+DEFAULT_FILE = "ledger.sqlite3"
+
+
+class Dialect(enum.StrEnum):
+    SQLITE = "sqlite"
+    POSTGRESQL = "postgresql"
+
+
+class LedgerUnavailable(Exception):
+    """The ledger cannot be read: no file, no table yet, the database unreachable."""
+
+
+def ledger_path(url: str | None) -> Path:
+    """The SQLite file of a ledger URL: None is `ledger.sqlite3` in the state directory;
+    `sqlite:///abs/path.sqlite3` is `/abs/path.sqlite3` (the third slash starts the path)."""
+    if url is None:
+        return default_dir() / DEFAULT_FILE
+    return Path(url.removeprefix("sqlite://"))
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    """Where a ledger is: an SQLite file or a PostgreSQL URL."""
+
+    dialect: Dialect
+    path: Path | None = None
+    url: str | None = None
+
+    def describe(self) -> str:
+        """For output and errors: the file, or the URL without its password."""
+        if self.path is not None:
+            return f"sqlite://{self.path}"
+        assert self.url is not None
+        parts = urllib.parse.urlsplit(self.url)
+        if parts.password is not None:
+            host = parts.hostname or ""
+            netloc = f"{parts.username or ''}:***@{host}"
+            if parts.port is not None:
+                netloc += f":{parts.port}"
+            parts = parts._replace(netloc=netloc)
+        return urllib.parse.urlunsplit(parts)
+
+
+def locate(config: LedgerConfig, url: str | None = None) -> Location:
+    """The ledger `config` writes to, or the one `url` names (it wins when given)."""
+    url = url if url is not None else config.url
+    if url is not None and url.startswith("postgres"):
+        return Location(Dialect.POSTGRESQL, url=url)
+    if url is not None and not url.startswith("sqlite:///"):
+        raise LedgerUnavailable(f"{url!r}: a ledger URL is sqlite:///<path> or postgresql://...")
+    return Location(Dialect.SQLITE, path=ledger_path(url))
+
+
+class Sql:
+    """One statement's parameters, collected as its text is written: `p(v)` and `ts(epoch)`
+    return the placeholder to put in the text."""
+
+    def __init__(self, dialect: Dialect) -> None:
+        self.dialect = dialect
+        self.params: list[object] = []
+
+    def p(self, value: object) -> str:
+        self.params.append(value)
+        return "?" if self.dialect is Dialect.SQLITE else f"${len(self.params)}"
+
+    def ts(self, epoch: float) -> str:
+        """A point in time, as the dialect stores `started_at` and `ended_at`."""
+        if self.dialect is Dialect.SQLITE:
+            return self.p(float(epoch))
+        return self.p(datetime.fromtimestamp(epoch, UTC))
+
+
+class LedgerReader:
+    """A read-only connection to one ledger. `fetch` returns plain tuples; integer sums come
+    back as `int` or (PostgreSQL's `sum(bigint)` is numeric) `Decimal`: use `as_int`."""
+
+    location: Location
+
+    @property
+    def dialect(self) -> Dialect:
+        return self.location.dialect
+
+    def sql(self) -> Sql:
+        return Sql(self.dialect)
+
+    async def fetch(self, text: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> LedgerReader:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.close()
+
+
+def as_int(value: object) -> int:
+    """A count or sum from either driver (None for the sum of no values) as an int."""
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value
+    return int(str(value))  # Decimal: exact, never through a float
+
+
+class _SqliteReader(LedgerReader):
+    def __init__(self, location: Location, conn: sqlite3.Connection) -> None:
+        self.location = location
+        self._conn = conn
+        # One statement at a time on the connection, each in a worker thread.
+        self._lock = asyncio.Lock()
+
+    async def fetch(self, text: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
+        def run() -> list[tuple[Any, ...]]:
+            return [tuple(r) for r in self._conn.execute(text, tuple(params)).fetchall()]
+
+        async with self._lock:
+            try:
+                return await asyncio.to_thread(run)
+            except sqlite3.Error as exc:
+                raise LedgerUnavailable(f"{self.location.describe()}: {exc}") from exc
+
+    async def close(self) -> None:
+        async with self._lock:
+            self._conn.close()
+
+
+class _PostgresReader(LedgerReader):
+    def __init__(self, location: Location, conn: asyncpg.Connection) -> None:
+        self.location = location
+        self._conn = conn
+
+    async def fetch(self, text: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
+        try:
+            records = await self._conn.fetch(text, *params)
+        except (asyncpg.PostgresError, OSError) as exc:
+            raise LedgerUnavailable(f"{self.location.describe()}: {exc}") from exc
+        return [tuple(r) for r in records]
+
+    async def close(self) -> None:
+        await self._conn.close()
+
+
+async def open_reader(location: Location, timeout_s: float = 10.0) -> LedgerReader:
+    """Open `location` read-only; `LedgerUnavailable` when there is no ledger to read there
+    (no file, no table yet, the server not answering)."""
+    reader: LedgerReader
+    if location.dialect is Dialect.SQLITE:
+        assert location.path is not None
+        reader = await asyncio.to_thread(_open_sqlite, location, timeout_s)
+    else:
+        assert location.url is not None
+        try:
+            conn = await asyncpg.connect(
+                location.url, timeout=timeout_s,
+                server_settings={"default_transaction_read_only": "on",
+                                 "application_name": "tokenmeter-books"},
+            )
+        except (asyncpg.PostgresError, OSError, TimeoutError) as exc:
+            raise LedgerUnavailable(f"{location.describe()}: {exc}") from exc
+        reader = _PostgresReader(location, conn)
+    try:
+        await _require_table(reader)
+    except BaseException:
+        await reader.close()
+        raise
+    return reader
+
+
+def _open_sqlite(location: Location, timeout_s: float) -> LedgerReader:
+    path = location.path
+    assert path is not None
+    if not path.is_file():
+        raise LedgerUnavailable(
+            f"no ledger at {path} (the proxy creates it when it starts with the ledger on; "
+            "give --ledger or --config to read another)"
+        )
+    uri = f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro"
+    try:
+        # check_same_thread off: each statement runs in a worker thread, one at a time.
+        conn = sqlite3.connect(uri, uri=True, timeout=timeout_s, check_same_thread=False)
+        conn.execute("PRAGMA query_only = ON")
+    except sqlite3.Error as exc:
+        raise LedgerUnavailable(f"{location.describe()}: {exc}") from exc
+    return _SqliteReader(location, conn)
+
+
+async def _require_table(reader: LedgerReader) -> None:
+    q = reader.sql()
+    if reader.dialect is Dialect.SQLITE:
+        text = f"SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = {q.p(TABLE)}"
+    else:
+        # to_regclass follows the search path, as the queries' unqualified table name does.
+        text = f"SELECT CASE WHEN to_regclass({q.p(TABLE)}) IS NULL THEN 0 ELSE 1 END"
+    ((found,),) = await reader.fetch(text, q.params)
+    if not as_int(found):
+        raise LedgerUnavailable(
+            f"{reader.location.describe()} holds no ledger table ({TABLE}) yet: no proxy has "
+            "written to it"
+        )

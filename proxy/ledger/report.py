@@ -1,0 +1,349 @@
+"""`tokenmeter usage`: usage and cost from the ledger, grouped and totalled: a table, CSV or JSON.
+
+A request belongs to the time it started (`started_at`), and to the group of its user, team, key
+name, model (the one sent upstream; the one asked for when none was) and upstream. Days, weeks
+(ISO: Monday to Sunday) and months are those of the configured time zone, DST and offsets of
+any size included:
+- PostgreSQL buckets in SQL (`AT TIME ZONE`, `date_trunc('week', ...)` starts on Monday);
+- SQLite has no time zones, so it sums per 15-minute UTC slice, and each slice takes the local
+  bucket of its first second. That is exact when no local midnight falls inside a slice, which
+  holds for every offset in use today (all are multiples of 15 minutes); a slice a midnight does
+  cut (historic offsets such as Monrovia's -0:44:30) is summed again per row time and split.
+Both dialects give the same report from the same rows (the tests check it).
+
+Tokens: `total` is input + output; cached input is part of input, reasoning part of output, as
+the upstreams count them. Cost is the sum of the rows' `cost_nanousd`, printed as an exact
+decimal (never through a float); `unpriced` counts requests whose model had no price, whose cost
+is therefore not in `cost_usd`. `refused` counts requests the budget refused (429), `failed`
+those that ended in any other error (the client's, the proxy's or the upstream's).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import enum
+import io
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import date, datetime, timedelta
+from decimal import Decimal
+from typing import Any
+from zoneinfo import ZoneInfo
+
+from proxy.errors import ErrorClass
+from proxy.ledger.query import Dialect, LedgerReader, Sql, as_int
+from proxy.ledger.schema import TABLE
+
+SLICE_S = 900  # SQLite's UTC slice: every offset in use is a multiple of 15 minutes
+
+
+class GroupKey(enum.StrEnum):
+    USER = "user"
+    TEAM = "team"
+    KEY = "key"
+    MODEL = "model"
+    UPSTREAM = "upstream"
+    DAY = "day"  # YYYY-MM-DD
+    WEEK = "week"  # the Monday it starts on, YYYY-MM-DD
+    MONTH = "month"  # YYYY-MM
+
+    @property
+    def is_time(self) -> bool:
+        return self in _TIME_KEYS
+
+
+_TIME_KEYS = frozenset({GroupKey.DAY, GroupKey.WEEK, GroupKey.MONTH})
+
+_COLUMN = {
+    GroupKey.USER: "user_name",
+    GroupKey.TEAM: "team",
+    GroupKey.KEY: "key_name",
+    GroupKey.MODEL: "COALESCE(model, requested_model)",
+    GroupKey.UPSTREAM: "upstream",
+}
+
+_PG_BUCKET = {
+    GroupKey.DAY: "to_char(started_at AT TIME ZONE {tz}, 'YYYY-MM-DD')",
+    GroupKey.WEEK: "to_char(date_trunc('week', started_at AT TIME ZONE {tz}), 'YYYY-MM-DD')",
+    GroupKey.MONTH: "to_char(started_at AT TIME ZONE {tz}, 'YYYY-MM')",
+}
+
+# The error classes are a closed set of identifiers (proxy.errors), safe to write inline.
+_REFUSED = ErrorClass.BUDGET_EXCEEDED.value
+_AGGREGATES = (
+    "count(*)",
+    f"sum(CASE WHEN error_class = '{_REFUSED}' THEN 1 ELSE 0 END)",
+    f"sum(CASE WHEN error_class NOT IN ('{ErrorClass.NONE.value}', '{_REFUSED}') "
+    "THEN 1 ELSE 0 END)",
+    "sum(input_tokens)",
+    "sum(cached_input_tokens)",
+    "sum(output_tokens)",
+    "sum(reasoning_tokens)",
+    "sum(cost_nanousd)",
+    "count(*) - count(cost_nanousd)",
+)
+
+
+def parse_by(text: str) -> tuple[GroupKey, ...]:
+    """`user,model,day` -> the group keys, in that order; ValueError names what is wrong."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ValueError("--by needs at least one of " + ",".join(GroupKey))
+    keys = []
+    for name in names:
+        try:
+            keys.append(GroupKey(name))
+        except ValueError:
+            raise ValueError(
+                f"--by: unknown group {name!r} (choose from {','.join(GroupKey)})"
+            ) from None
+    if len(set(keys)) != len(keys):
+        raise ValueError("--by names a group twice")
+    return tuple(keys)
+
+
+@dataclass(frozen=True, slots=True)
+class Totals:
+    requests: int = 0
+    refused: int = 0
+    failed: int = 0
+    input_tokens: int = 0
+    cached_input_tokens: int = 0
+    output_tokens: int = 0
+    reasoning_tokens: int = 0
+    cost_nanousd: int = 0
+    unpriced: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+    @property
+    def cost_usd(self) -> Decimal:
+        return Decimal(self.cost_nanousd).scaleb(-9)
+
+    def __add__(self, other: Totals) -> Totals:
+        return Totals(*(a + b for a, b in zip(dataclasses.astuple(self),
+                                              dataclasses.astuple(other), strict=True)))
+
+    @staticmethod
+    def of(values: Sequence[object]) -> Totals:
+        return Totals(*(as_int(v) for v in values))
+
+
+@dataclass(frozen=True, slots=True)
+class Period:
+    """[start, end) in a time zone; a missing bound is open."""
+
+    tz: ZoneInfo
+    start: datetime | None = None  # aware
+    end: datetime | None = None  # aware, exclusive
+
+
+def parse_bound(text: str, tz: ZoneInfo, *, end: bool) -> datetime:
+    """`YYYY-MM-DD` (a whole day: as an end, the day is included) or `YYYY-MM-DDTHH:MM[:SS]`
+    (that instant), in `tz` unless it carries its own offset."""
+    text = text.strip()
+    if "T" in text or " " in text:
+        moment = datetime.fromisoformat(text)
+        return moment if moment.tzinfo is not None else moment.replace(tzinfo=tz)
+    day = date.fromisoformat(text)
+    if end:
+        day += timedelta(days=1)
+    # Midnight, first occurrence (fold=0); where the clocks skip midnight, the instant the
+    # day really starts.
+    return datetime(day.year, day.month, day.day, tzinfo=tz)
+
+
+def default_period(tz: ZoneInfo, now: float) -> Period:
+    """The month so far."""
+    today = datetime.fromtimestamp(now, tz).date()
+    return Period(tz, datetime(today.year, today.month, 1, tzinfo=tz), None)
+
+
+Keys = tuple[str | None, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    by: tuple[GroupKey, ...]
+    period: Period
+    rows: tuple[tuple[Keys, Totals], ...]  # sorted by the group keys
+
+    @property
+    def totals(self) -> Totals:
+        out = Totals()
+        for _, t in self.rows:
+            out += t
+        return out
+
+
+def labels(moment: float, tz: ZoneInfo, keys: Iterable[GroupKey]) -> tuple[str, ...]:
+    """The local day, week and month buckets of an instant."""
+    local = datetime.fromtimestamp(moment, tz).date()
+    out = []
+    for key in keys:
+        if key is GroupKey.DAY:
+            out.append(local.isoformat())
+        elif key is GroupKey.WEEK:
+            out.append((local - timedelta(days=local.weekday())).isoformat())
+        else:
+            out.append(f"{local.year:04d}-{local.month:02d}")
+    return tuple(out)
+
+
+async def build_report(reader: LedgerReader, by: Sequence[GroupKey], period: Period) -> Report:
+    plain = [k for k in by if not k.is_time]
+    timed = [k for k in by if k.is_time]
+    q = reader.sql()
+    where = _where(q, period)
+    select = [_COLUMN[k] for k in plain]
+    pg = reader.dialect is Dialect.POSTGRESQL
+    if timed and pg:
+        tz = q.p(period.tz.key)
+        select += [_PG_BUCKET[k].format(tz=tz) for k in timed]
+    elif timed:
+        select.append(f"CAST(started_at / {SLICE_S} AS INTEGER)")
+    groups = ", ".join(str(i + 1) for i in range(len(select)))
+    text = (f"SELECT {', '.join([*select, *_AGGREGATES])} FROM {TABLE}{where}"
+            + (f" GROUP BY {groups}" if groups else ""))
+    fetched = await reader.fetch(text, q.params)
+    grouped: dict[tuple[str | None, ...], Totals] = {}
+    if not timed or pg:
+        for r in fetched:
+            _add(grouped, r[: len(select)], Totals.of(r[len(select):]))
+    else:
+        await _fold_slices(reader, period, plain, timed, fetched, grouped)
+    # Back in the order --by named them.
+    order = [(plain + timed).index(k) for k in by]
+    rows = sorted(
+        ((tuple(keys[i] for i in order), t) for keys, t in grouped.items() if t.requests),
+        key=lambda item: tuple((v is None, v or "") for v in item[0]),
+    )
+    return Report(tuple(by), period, tuple(rows))
+
+
+def _where(q: Sql, period: Period) -> str:
+    cond = []
+    if period.start is not None:
+        cond.append(f"started_at >= {q.ts(period.start.timestamp())}")
+    if period.end is not None:
+        cond.append(f"started_at < {q.ts(period.end.timestamp())}")
+    return " WHERE " + " AND ".join(cond) if cond else ""
+
+
+def _add(grouped: dict[Keys, Totals], keys: Sequence[Any], totals: Totals) -> None:
+    key = tuple(None if v is None else str(v) for v in keys)
+    grouped[key] = grouped.get(key, Totals()) + totals
+
+
+async def _fold_slices(reader: LedgerReader, period: Period, plain: list[GroupKey],
+                       timed: list[GroupKey], fetched: list[tuple[Any, ...]],
+                       grouped: dict[Keys, Totals]) -> None:
+    """SQLite: each UTC slice's sums into the local buckets; a slice a local midnight cuts is
+    summed again per row time."""
+    n = len(plain)
+    tz = period.tz
+    slice_labels: dict[int, tuple[str, ...] | None] = {}
+    cut: list[int] = []
+    for r in fetched:
+        index = int(r[n])
+        if index not in slice_labels:
+            lo = index * SLICE_S
+            first = labels(lo, tz, timed)
+            # Offsets are whole seconds: a midnight inside the slice shows at its last second.
+            uniform = first == labels(lo + SLICE_S - 1, tz, timed)
+            slice_labels[index] = first if uniform else None
+            if not uniform:
+                cut.append(index)
+        bucket = slice_labels[index]
+        if bucket is not None:
+            _add(grouped, (*r[:n], *bucket), Totals.of(r[n + 1:]))
+    if not cut:
+        return
+    q = reader.sql()
+    where = _where(q, period)
+    marks = ", ".join(q.p(i) for i in cut)
+    slices = f"CAST(started_at / {SLICE_S} AS INTEGER) IN ({marks})"
+    where = f"{where} AND {slices}" if where else f" WHERE {slices}"
+    select = [_COLUMN[k] for k in plain] + ["started_at"]
+    groups = ", ".join(str(i + 1) for i in range(len(select)))
+    text = (f"SELECT {', '.join([*select, *_AGGREGATES])} FROM {TABLE}{where} "
+            f"GROUP BY {groups}")
+    for r in await reader.fetch(text, q.params):
+        _add(grouped, (*r[:n], *labels(float(r[n]), tz, timed)), Totals.of(r[n + 1:]))
+
+
+# --- output ---------------------------------------------------------------------------------
+
+COLUMNS = ("requests", "refused", "failed", "input_tokens", "cached_input_tokens",
+           "output_tokens", "reasoning_tokens", "total_tokens", "cost_usd", "unpriced")
+_HEADINGS = ("requests", "refused", "failed", "input", "cached", "output", "reasoning",
+             "total", "cost_usd", "unpriced")
+
+
+def _usd(t: Totals) -> str:
+    return f"{t.cost_usd:f}"  # always nine decimals, exact
+
+
+def _values(t: Totals) -> tuple[int | str, ...]:
+    return (t.requests, t.refused, t.failed, t.input_tokens, t.cached_input_tokens,
+            t.output_tokens, t.reasoning_tokens, t.total_tokens, _usd(t), t.unpriced)
+
+
+def render_csv(report: Report) -> str:
+    """One line per group, then `total` in the first group column with the sums."""
+    out = io.StringIO()
+    w = csv.writer(out, lineterminator="\n")
+    w.writerow([*report.by, *COLUMNS])
+    for keys, t in report.rows:
+        w.writerow([*("" if k is None else k for k in keys), *_values(t)])
+    w.writerow(["total", *[""] * (len(report.by) - 1), *_values(report.totals)])
+    return out.getvalue()
+
+
+def _json_totals(t: Totals) -> dict[str, object]:
+    return {**dict(zip(COLUMNS, _values(t), strict=True)), "cost_nanousd": t.cost_nanousd}
+
+
+def render_json(report: Report) -> str:
+    """`{"timezone", "from", "to", "by", "rows": [...], "totals": {...}}`; `cost_usd` is a
+    decimal string (exact), `cost_nanousd` the same as an integer."""
+    p = report.period
+    doc = {
+        "timezone": p.tz.key,
+        "from": None if p.start is None else p.start.isoformat(),
+        "to": None if p.end is None else p.end.isoformat(),
+        "by": list(report.by),
+        "rows": [{**dict(zip(report.by, keys, strict=True)), **_json_totals(t)}
+                 for keys, t in report.rows],
+        "totals": _json_totals(report.totals),
+    }
+    return json.dumps(doc, indent=2)
+
+
+def render_table(report: Report, caption: str | None = None) -> str:
+    def cells(t: Totals) -> list[str]:
+        return [v if isinstance(v, str) else f"{v:,}" for v in _values(t)]
+
+    header = [*report.by, *_HEADINGS]
+    body = [[*("-" if k is None else k for k in keys), *cells(t)] for keys, t in report.rows]
+    body.append(["total", *[""] * (len(report.by) - 1), *cells(report.totals)])
+    table = [header, *body]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    n = len(report.by)
+    lines = [
+        "  ".join(c.ljust(w) if i < n else c.rjust(w)
+                  for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip()
+        for row in table
+    ]
+    return "\n".join([caption, *lines] if caption else lines)
+
+
+def describe_period(p: Period) -> str:
+    def moment(d: datetime | None, open_word: str) -> str:
+        return open_word if d is None else d.strftime("%Y-%m-%d %H:%M")
+
+    return f"{moment(p.start, 'the first row')} to {moment(p.end, 'now')} ({p.tz.key})"
