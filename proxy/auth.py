@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from proxy.budget.limits import EffectiveLimits, effective_limits, unlimited
+from proxy.budget.limits import EffectiveLimits, limits_for, unlimited
 from proxy.config.policy import Policy
 from proxy.errors import AuthenticationFailed
 
@@ -42,7 +42,7 @@ class UserIndex:
                 scope = (key.name or key_id) if overrides else None
                 self._by_hash[key.key] = Principal(
                     user=user,
-                    limits=effective_limits(cfg, key, policy.defaults, scope),
+                    limits=limits_for(policy, user, key, scope),
                     key_id=key_id,
                     key_name=key.name,
                     team=cfg.team,

@@ -1,8 +1,11 @@
 """Reserve a request's worst case before it goes upstream; settle it to the actual usage after.
 
 The reservation is prompt tokens (estimated with tiktoken, only when a token limit needs it) plus
-the output cap the proxy enforces on the request (all its choices). Concurrent requests therefore
-cannot push a user over a limit: each one holds its worst case until it settles. Store failures
+the output cap the proxy enforces on the request (all its choices); in cost windows, that worst
+case priced at the model's price (the prompt as uncached input), and the settlement is the real
+cost (cached input at its price) at the same price, carried on the reservation, whatever the
+price table says by then. Concurrent requests therefore cannot push a user over a limit: each
+one holds its worst case until it settles. Store failures
 follow the configured policy (`fail_open` admits and meters, `fail_closed` refuses with 503);
 settlements the store cannot take go to the local spool and are replayed exactly once when it is
 back (`proxy.budget.spool`), so usage is not lost to an outage, a shutdown or a restart.
@@ -13,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import logging
 import time
 import uuid
@@ -22,12 +24,13 @@ from dataclasses import dataclass
 
 from proxy.auth import Principal
 from proxy.budget import limits as lim
+from proxy.budget.cost import cost_nanousd, price_for
 from proxy.budget.notify import Notifier
-from proxy.budget.refusals import Refusal, Refused
+from proxy.budget.refusals import Refusal, Refused, unpriced
 from proxy.budget.spool import REPLAY_DONE_TTL_S, Spool
 from proxy.budget.store import DONE_TTL_S, Entry, ReserveResult, ScopeKind, Store, StoreError
 from proxy.budget.store_health import StoreHealth
-from proxy.config.policy import Policy
+from proxy.config.policy import Policy, Price
 from proxy.errors import ServiceUnavailable
 from proxy.protocol.usage import Usage
 from proxy.telemetry.metrics import Metrics
@@ -46,6 +49,8 @@ class Reservation:
     output_cap: int
     used: tuple[int, ...]  # per window, after reserving; None-store admission: all zero
     stored: bool  # False: admitted while the store was unreachable (fail_open)
+    price: Price | None = None  # the price cost windows were reserved at; settled at it too
+    cost_nanousd: int = 0  # the worst-case cost reserved (0 without cost windows)
 
 
 class Budget:
@@ -63,30 +68,44 @@ class Budget:
     # --- reserve ------------------------------------------------------------------------
     def plan(self, principal: Principal, model: str, policy: Policy) -> lim.Plan:
         """The windows, concurrency limits and output cap that apply to a request now. Open
-        and pass-through modes meter without limiting: no cap, only unlimited windows."""
+        and pass-through modes meter without limiting: no cap, only unlimited windows. A cost
+        window needs the model's price: without one the request is refused (`BudgetExceeded`),
+        since a budget that cannot be counted cannot be kept."""
         plan = lim.plan(policy, principal.user, principal.limits, model, self.clock())
         if not principal.enforce:
             return plan.unenforced()
-        return dataclasses.replace(plan, output_cap=plan.output_cap or DEFAULT_OUTPUT_CAP)
+        price = None
+        if plan.costed:
+            price = price_for(policy.prices, model)
+            if price is None:
+                window = next(w for w in plan.windows
+                              if w.measure is lim.Measure.COST and w.limit is not None)
+                self.metrics.budget_refused(principal.user, window.name)
+                raise unpriced(principal.user, model, window)
+        return lim.Plan(plan.slot, plan.windows, plan.in_flight,
+                        plan.output_cap or DEFAULT_OUTPUT_CAP, plan.costed, price)
 
     async def reserve(self, user: str, plan: lim.Plan, prompt: int, output: int,
                       policy: Policy) -> Reservation:
         """Hold `prompt + output` tokens (and the request) in every window of `plan`, or raise
         `Refused` with what refused it. The store's failures follow `policy.store.on_error`."""
+        price = plan.price
+        cost = lim.reserve_cost(price, prompt, output) if price is not None else 0
         entries = tuple(
-            Entry(w.key, w.limit, lim.amount(w, prompt, output), w.ttl_s) for w in plan.windows
+            Entry(w.key, w.limit, lim.amount(w, prompt, output, cost), w.ttl_s)
+            for w in plan.windows
         )
         res_id = uuid.uuid4().hex
         if self.store.in_process:  # never fails, never yields: nothing can cut it short
             result = await self.store.reserve(
                 plan.slot, res_id, entries, plan.in_flight, policy.store.lease_seconds
             )
-            return self._admitted(user, plan, entries, result, res_id, prompt, output)
+            return self._admitted(user, plan, entries, result, res_id, prompt, output, cost)
         # While the store is down, one request at a time tries it (and brings it back at once
         # when it answers); the others go on without waiting for a timeout.
         trial = not self.health.up
         if trial and not self.health.begin_trial():
-            return self._unchecked(user, plan, prompt, output, policy)
+            return self._unchecked(user, plan, prompt, output, policy, cost)
         started = time.perf_counter()
         reserving = self.store.reserve(
             plan.slot, res_id, entries, plan.in_flight, policy.store.lease_seconds
@@ -106,25 +125,27 @@ class Budget:
             # The script may have run before the reply was lost: release its id when the
             # store answers again; this request is settled under an id of its own.
             self._settle_later(plan, res_id, _zero(plan), tokens=0, per_id=True)
-            return self._unchecked(user, plan, prompt, output, policy)
+            return self._unchecked(user, plan, prompt, output, policy, cost)
         finally:
             if trial:
                 self.health.end_trial()
         self.health.ok("reserve", started)
-        return self._admitted(user, plan, entries, result, res_id, prompt, output)
+        return self._admitted(user, plan, entries, result, res_id, prompt, output, cost)
 
     def _admitted(self, user: str, plan: lim.Plan, entries: tuple[Entry, ...],
-                  result: ReserveResult, res_id: str, prompt: int, output: int) -> Reservation:
+                  result: ReserveResult, res_id: str, prompt: int, output: int,
+                  cost: int) -> Reservation:
         if not result.ok:
             raise self._refusal(user, plan, entries, result)
-        reservation = Reservation(res_id, user, plan, prompt, output, result.used, stored=True)
+        reservation = Reservation(res_id, user, plan, prompt, output, result.used, True,
+                                  plan.price, cost)
         self._active[res_id] = reservation
         self.metrics.budget_reserved(user, prompt + output)
         self._update_gauges(user, plan.windows, result.used)
         return reservation
 
     def _unchecked(self, user: str, plan: lim.Plan, prompt: int, output: int,
-                   policy: Policy) -> Reservation:
+                   policy: Policy, cost: int) -> Reservation:
         """The store is down: the policy decides at once."""
         if policy.store.on_error == "fail_closed":
             self.health.skipped("refused")
@@ -134,7 +155,7 @@ class Budget:
             )
         self.health.skipped("admitted")
         return Reservation(uuid.uuid4().hex, user, plan, prompt, output,
-                           (0,) * len(plan.windows), stored=False)
+                           (0,) * len(plan.windows), False, plan.price, cost)
 
     def _abandoned(self, call: asyncio.Future[ReserveResult], plan: lim.Plan,
                    res_id: str) -> None:
@@ -165,10 +186,12 @@ class Budget:
         """Never raises: what the store cannot take now goes to the spool."""
         self._active.pop(reservation.res_id, None)
         plan = reservation.plan
+        price = reservation.price
+        inp, out = usage.input_tokens, usage.output_tokens
+        cost = (cost_nanousd(price, inp, usage.cached_input_tokens, out)
+                if price is not None else 0)
         entries = tuple(
-            Entry(w.key, w.limit, lim.amount(w, usage.input_tokens, usage.output_tokens),
-                  w.ttl_s)
-            for w in plan.windows
+            Entry(w.key, w.limit, lim.amount(w, inp, out, cost), w.ttl_s) for w in plan.windows
         )
         reserved = reservation.prompt_tokens + reservation.output_cap
         if reservation.stored:
@@ -312,7 +335,8 @@ class Budget:
     def _update_gauges(self, user: str, windows: tuple[lim.Window, ...],
                        used: tuple[int, ...]) -> None:
         for w, u in zip(windows, used, strict=True):
-            if w.scope.kind is not ScopeKind.USER:
+            # The gauges count tokens: cost windows (nano-dollars) are not among them.
+            if w.scope.kind is not ScopeKind.USER or w.measure is lim.Measure.COST:
                 continue
             self.metrics.budget_state(user, w.name, u, w.limit)
 

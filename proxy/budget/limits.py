@@ -1,24 +1,59 @@
 """Which budget windows apply to a request, and how much it reserves in each. Pure functions.
 
-A window is one counter in the store with an optional limit: a day (in the configured time zone)
-or a fixed clock minute, for one scope: the user, a key with its own limits, or the user's use of
-a group of models. Every storage key of a user carries the user's name as a Redis Cluster hash
-tag (`prefix:{alice}:...`), so one request's windows all live in one slot and one script call
-can check and update them atomically.
+A window is one counter in the store with an optional limit: a fixed clock minute, or a
+calendar day, week or month in the configured time zone (weeks start on Monday at 00:00, as in
+ISO 8601), for one scope: the user, a key with its own limits, the user's use of a group of
+models, or the user's team. It counts tokens (all, input or output), requests, or cost in whole
+nano-dollars.
+
+Storage keys and Redis Cluster: one request's windows and its reservation records must live in
+one hash slot, so one script call can check and update them all atomically.
+- A user without a team: everything under `prefix:{alice}` (the slot): `prefix:{alice}:u:...`,
+  `prefix:{alice}:k.<key>:...`, `prefix:{alice}:m.<glob>:...`.
+- A team's user: the slot is the team's, `prefix:{t:platform}` (a colon, which no user name
+  has, so a team's hash tag is never a user's): the user's counters are under
+  `prefix:{t:platform}:alice:...` and the team's under `prefix:{t:platform}:t.platform:...`.
+  The team's slot holds the reservations of all its users, so a reservation left by a dead
+  proxy is reaped off the shared team counters by the next request of any of them.
+Moving a user into, out of or between teams moves their counters to another slot: the user's
+own windows start afresh there (the old counters expire with their windows); the team's are
+the team's. Reservations made before the move settle in the slot they were made in.
+A whole team is one slot, so one cluster node serves it: a team's traffic does not spread
+across shards (users without a team do).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import fnmatch
 import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from decimal import Decimal
 from typing import Any
 from zoneinfo import ZoneInfo
 
+from proxy.budget.cost import NANOS_PER_USD, cost_nanousd
 from proxy.budget.store import USER, InFlightLimit, Scope, ScopeKind
-from proxy.config.policy import KeyConfig, Limits, Policy, UserConfig
+from proxy.config.policy import KeyConfig, Limits, Policy, Price, UserConfig
+
+
+class Period(enum.IntEnum):
+    """How long a window lasts; the value indexes the per-call table in `plan`."""
+
+    MINUTE = 0
+    DAY = 1
+    WEEK = 2
+    MONTH = 3
+
+
+class Measure(enum.Enum):
+    TOTAL = "total"
+    INPUT = "input"
+    OUTPUT = "output"
+    REQUESTS = "requests"
+    COST = "cost"  # nano-dollars (1e-9 USD), from the price table
 
 
 class WindowName(enum.StrEnum):
@@ -27,49 +62,103 @@ class WindowName(enum.StrEnum):
     DAILY_TOKENS = "daily_tokens"
     DAILY_INPUT_TOKENS = "daily_input_tokens"
     DAILY_OUTPUT_TOKENS = "daily_output_tokens"
+    WEEKLY_TOKENS = "weekly_tokens"
+    MONTHLY_TOKENS = "monthly_tokens"
+    DAILY_USD = "daily_usd"
+    MONTHLY_USD = "monthly_usd"
     TOKENS_PER_MINUTE = "tokens_per_minute"
     REQUESTS_PER_MINUTE = "requests_per_minute"
 
     @property
+    def period(self) -> Period:
+        return _PERIOD[self]
+
+    @property
+    def measure(self) -> Measure:
+        return _MEASURE[self]
+
+    @property
+    def calendar(self) -> bool:
+        """A day, week or month: spent until it resets, not worth a retry before."""
+        return _PERIOD[self] is not Period.MINUTE
+
+    @property
     def daily(self) -> bool:
-        return self.value.startswith("daily")
+        return _PERIOD[self] is Period.DAY
 
 
-class Measure(enum.Enum):
-    TOTAL = "total"
-    INPUT = "input"
-    OUTPUT = "output"
-    REQUESTS = "requests"
-
-
-# (name, its config field, what it counts, daily): `plan` runs per request, and enum property
-# lookups there cost more than the rest of it, so the plain values are spelled out once.
-_WINDOWS: tuple[tuple[WindowName, str, Measure, bool], ...] = tuple(
-    (name, name.value, measure, name.daily) for name, measure in (
-        (WindowName.DAILY_TOKENS, Measure.TOTAL),
-        (WindowName.DAILY_INPUT_TOKENS, Measure.INPUT),
-        (WindowName.DAILY_OUTPUT_TOKENS, Measure.OUTPUT),
-        (WindowName.TOKENS_PER_MINUTE, Measure.TOTAL),
-        (WindowName.REQUESTS_PER_MINUTE, Measure.REQUESTS),
-    )
+_PERIOD: dict[WindowName, Period] = {
+    WindowName.DAILY_TOKENS: Period.DAY,
+    WindowName.DAILY_INPUT_TOKENS: Period.DAY,
+    WindowName.DAILY_OUTPUT_TOKENS: Period.DAY,
+    WindowName.WEEKLY_TOKENS: Period.WEEK,
+    WindowName.MONTHLY_TOKENS: Period.MONTH,
+    WindowName.DAILY_USD: Period.DAY,
+    WindowName.MONTHLY_USD: Period.MONTH,
+    WindowName.TOKENS_PER_MINUTE: Period.MINUTE,
+    WindowName.REQUESTS_PER_MINUTE: Period.MINUTE,
+}
+_MEASURE: dict[WindowName, Measure] = {
+    WindowName.DAILY_TOKENS: Measure.TOTAL,
+    WindowName.DAILY_INPUT_TOKENS: Measure.INPUT,
+    WindowName.DAILY_OUTPUT_TOKENS: Measure.OUTPUT,
+    WindowName.WEEKLY_TOKENS: Measure.TOTAL,
+    WindowName.MONTHLY_TOKENS: Measure.TOTAL,
+    WindowName.DAILY_USD: Measure.COST,
+    WindowName.MONTHLY_USD: Measure.COST,
+    WindowName.TOKENS_PER_MINUTE: Measure.TOTAL,
+    WindowName.REQUESTS_PER_MINUTE: Measure.REQUESTS,
+}
+# (name, its config field, what it counts, its period): `plan` runs per request, and enum
+# property lookups there cost more than the rest of it, so the plain values are spelled out once.
+_WINDOWS: tuple[tuple[WindowName, str, Measure, Period], ...] = tuple(
+    (name, name.value, _MEASURE[name], _PERIOD[name]) for name in WindowName
 )
-_DAILY_RETENTION_S = 8 * 86400  # `tokenmeter usage --date` can look a week back
+# Counted for the user (and the team) even without a limit: `tokenmeter usage` reads them.
+_ALWAYS = tuple(w for w in _WINDOWS if w[3] is Period.DAY and w[2] is not Measure.COST)
+_USD_FIELDS = frozenset(n.value for n in WindowName if n.measure is Measure.COST)
+# How long a counter outlives its window: `tokenmeter usage --date` and `reconcile` look back.
+_RETENTION_S = {Period.MINUTE: 60, Period.DAY: 8 * 86400, Period.WEEK: 15 * 86400,
+                Period.MONTH: 40 * 86400}
+
+Counts = dict[str, int | None]  # a limit per config field; USD ones in nano-dollars
+
+
+def usd_to_nanos(usd: float) -> int:
+    """A budget in whole nano-dollars, rounded down: never a nano-dollar more than configured.
+    `str()`: the amount as written in the YAML, not its binary approximation."""
+    return int(Decimal(str(usd)) * NANOS_PER_USD)
+
+
+def counts(limits: Limits | None) -> Counts:
+    """A `Limits` as plain numbers, cost budgets in nano-dollars: what `plan` reads."""
+    out: Counts = {}
+    for name in Limits.model_fields:
+        value = getattr(limits, name) if limits is not None else None
+        if value is not None and name in _USD_FIELDS:
+            value = usd_to_nanos(value)
+        out[name] = value
+    return out
 
 
 @dataclass(frozen=True, slots=True)
 class EffectiveLimits:
     """A user's limits as seen through one of their keys. The user's limits are the ceiling for
     all of its keys together; a key with limits of its own is counted on its own counters too,
-    so its limits can only narrow the user's, never widen them."""
+    so its limits can only narrow the user's, never widen them. A team's limits are shared by
+    all its users, on the team's counters."""
 
-    user: dict[str, int | None]  # the user's own limits (or the defaults)
-    key: dict[str, int | None]  # the key's own limits; empty when it has none
+    user: Counts  # the user's own limits (or the defaults)
+    key: Counts  # the key's own limits (those it sets); empty when it has none
     key_scope: Scope | None  # the key's, when it has limits of its own
-    model_limits: tuple[tuple[str, Limits], ...]
+    model_limits: tuple[tuple[str, Counts], ...]
+    team_scope: Scope | None = None  # the user's team, limited or not
+    team: Counts = dataclasses.field(default_factory=dict)  # the team's limits; empty when none
 
     @property
     def output_cap(self) -> int | None:
-        caps = [c for c in (self.user.get("max_output_tokens"), self.key.get("max_output_tokens"))
+        caps = [c for c in (self.user.get("max_output_tokens"), self.key.get("max_output_tokens"),
+                            self.team.get("max_output_tokens"))
                 if c is not None]
         return min(caps) if caps else None
 
@@ -78,11 +167,14 @@ class EffectiveLimits:
 class Window:
     name: WindowName
     scope: Scope
-    key: str
+    key: str  # the storage key
     limit: int | None
     measure: Measure
     resets_at: float  # epoch seconds
     ttl_s: int
+    # `<scope>:<window>:<stamp>`, e.g. `u:daily_tokens:20261202`, `t.platform:monthly_usd:
+    # M202612`: the key without its slot, as the ledger's `windows` column records it.
+    label: str = ""
 
     @property
     def is_users_daily_quota(self) -> bool:
@@ -93,130 +185,297 @@ class Window:
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name.value, "scope": [self.scope.kind.value, self.scope.name],
                 "key": self.key, "limit": self.limit, "measure": self.measure.value,
-                "resets_at": self.resets_at, "ttl_s": self.ttl_s}
+                "resets_at": self.resets_at, "ttl_s": self.ttl_s, "label": self.label}
 
     @staticmethod
     def from_json(obj: dict[str, Any]) -> Window:
         kind, name = obj["scope"]
+        # Spooled before labels were recorded: no teams then, so the slot ends at the tag.
+        label = obj.get("label") or obj["key"].partition("}:")[2]
         return Window(WindowName(obj["name"]), Scope(ScopeKind(kind), name), obj["key"],
-                      obj["limit"], Measure(obj["measure"]), obj["resets_at"], obj["ttl_s"])
+                      obj["limit"], Measure(obj["measure"]), obj["resets_at"], obj["ttl_s"],
+                      label)
 
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    slot: str  # the user's hash-tagged key prefix
+    slot: str  # the hash-tagged prefix the store keeps this request's reservation under
     windows: tuple[Window, ...]
-    in_flight: tuple[InFlightLimit, ...]  # the user's first, always: it holds every reservation
+    # The slot's set first, always: it holds every reservation of the slot (the user's own
+    # set, or for a team's user the team's).
+    in_flight: tuple[InFlightLimit, ...]
     output_cap: int | None
+    costed: bool = False  # a cost window applies: the request needs a price
+    price: Price | None = None  # the model's, set at admission when `costed`
 
     @property
     def needs_prompt_estimate(self) -> bool:
-        return any(w.limit is not None and w.measure in (Measure.TOTAL, Measure.INPUT)
-                   for w in self.windows)
+        return any(w.limit is not None and w.measure in _PROMPT_MEASURES for w in self.windows)
 
     def unenforced(self) -> Plan:
         """Metered without limits (open and pass-through modes): only the unlimited windows."""
         return Plan(self.slot, tuple(w for w in self.windows if w.limit is None),
-                    (InFlightLimit(USER, None),), None)
+                    (InFlightLimit(self.in_flight[0].scope, None),), None)
+
+
+_PROMPT_MEASURES = (Measure.TOTAL, Measure.INPUT, Measure.COST)
 
 
 def effective_limits(
-    user: UserConfig | None, key: KeyConfig | None, defaults: Limits, key_scope: str | None
+    user: UserConfig | None, key: KeyConfig | None, defaults: Limits, key_scope: str | None,
+    team: str | None = None, team_limits: Limits | None = None,
 ) -> EffectiveLimits:
-    own: dict[str, int | None] = {}
-    for field in Limits.model_fields:
-        u = getattr(user, field) if user is not None else None
-        own[field] = u if u is not None else getattr(defaults, field)
-    key_values: dict[str, int | None] = {}
+    """`team`: the user's team, counted even without `team_limits` (its `teams.<name>`)."""
+    own: Counts = {}
+    default_counts = counts(defaults)
+    user_counts = counts(user)
+    for name in Limits.model_fields:
+        u = user_counts[name]
+        own[name] = u if u is not None else default_counts[name]
+    key_values: Counts = {}
     if key is not None and key_scope is not None:
-        key_values = {f: getattr(key, f) for f in Limits.model_fields
-                      if getattr(key, f) is not None}
-    models = tuple(user.model_limits.items()) if user is not None else ()
+        key_values = {f: v for f, v in counts(key).items() if v is not None}
+    models = (tuple((glob, counts(ml)) for glob, ml in user.model_limits.items())
+              if user is not None else ())
     scope = Scope(ScopeKind.KEY, key_scope) if key_values and key_scope is not None else None
-    return EffectiveLimits(own, key_values, scope, models)
+    team_values: Counts = {}
+    if team_limits is not None:
+        team_values = {f: v for f, v in counts(team_limits).items() if v is not None}
+    team_scope = Scope(ScopeKind.TEAM, team) if team is not None else None
+    return EffectiveLimits(own, key_values, scope, models, team_scope, team_values)
+
+
+def limits_for(policy: Policy, user: str, key: KeyConfig | None = None,
+               key_scope: str | None = None) -> EffectiveLimits:
+    """A configured user's limits (through `key`, if given), their team's included."""
+    cfg = policy.users.get(user)
+    team = cfg.team if cfg is not None else None
+    return effective_limits(cfg, key, policy.defaults, key_scope, team,
+                            policy.teams.get(team) if team is not None else None)
 
 
 def unlimited(defaults: Limits) -> EffectiveLimits:
     """Open and pass-through modes: metered, never limited (but the output cap still applies)."""
-    values: dict[str, int | None] = dict.fromkeys(Limits.model_fields)
+    values: Counts = dict.fromkeys(Limits.model_fields)
     values["max_output_tokens"] = defaults.max_output_tokens
     return EffectiveLimits(values, {}, None, ())
 
 
-def _day(now: float, tz: ZoneInfo) -> tuple[str, float]:
+# --- the calendar ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Calendar:
+    """The day, week and month around an instant, in one zone: valid for the whole day, so
+    `plan` works them out once a day rather than once a request."""
+
+    start: float  # local midnight that began the day
+    end: float  # the next local midnight
+    day: str  # 20261202
+    week: str  # W2026-49: ISO 8601 year and week (the year the week's Thursday is in)
+    week_end: float  # the next Monday's local midnight
+    month: str  # M202612
+    month_end: float  # the next 1st's local midnight
+
+
+_CALENDARS: dict[str, _Calendar] = {}
+
+
+def _make_calendar(tz: ZoneInfo, now: float) -> _Calendar:
     local = datetime.fromtimestamp(now, tz)
-    # Wall-clock arithmetic on an aware datetime: next local midnight, DST days included.
-    midnight = datetime(local.year, local.month, local.day, tzinfo=tz) + timedelta(days=1)
-    return local.strftime("%Y%m%d"), midnight.timestamp()
+    # Wall-clock arithmetic on aware datetimes: local midnights, DST days included.
+    midnight = datetime(local.year, local.month, local.day, tzinfo=tz)
+    iso_year, iso_week, weekday = local.isocalendar()
+    if local.month == 12:
+        next_month = datetime(local.year + 1, 1, 1, tzinfo=tz)
+    else:
+        next_month = datetime(local.year, local.month + 1, 1, tzinfo=tz)
+    return _Calendar(
+        start=midnight.timestamp(),
+        end=(midnight + timedelta(days=1)).timestamp(),
+        day=local.strftime("%Y%m%d"),
+        week=f"W{iso_year}-{iso_week:02d}",
+        week_end=(midnight + timedelta(days=8 - weekday)).timestamp(),
+        month=f"M{local.year}{local.month:02d}",
+        month_end=next_month.timestamp(),
+    )
 
 
-def slot_for(prefix: str, user: str) -> str:
-    return f"{prefix}:{{{user}}}"
+def _calendar(timezone: str, now: float) -> _Calendar:
+    cal = _CALENDARS.get(timezone)
+    if cal is None or not cal.start <= now < cal.end:
+        cal = _make_calendar(ZoneInfo(timezone), now)
+        _CALENDARS[timezone] = cal
+    return cal
 
 
-def daily_key(prefix: str, user: str, name: str, day: str) -> str:
-    return f"{slot_for(prefix, user)}:u:{name}:{day}"
+def _times(timezone: str, now: float) -> tuple[tuple[str, float, int], ...]:
+    """(stamp, reset, ttl) per Period, at `now`."""
+    cal = _calendar(timezone, now)
+    minute = math.floor(now / 60)
+    minute_end = (minute + 1) * 60.0
+    return (
+        (str(minute), minute_end, int(minute_end - now) + _RETENTION_S[Period.MINUTE]),
+        (cal.day, cal.end, int(cal.end - now) + _RETENTION_S[Period.DAY]),
+        (cal.week, cal.week_end, int(cal.week_end - now) + _RETENTION_S[Period.WEEK]),
+        (cal.month, cal.month_end, int(cal.month_end - now) + _RETENTION_S[Period.MONTH]),
+    )
+
+
+# --- storage keys ------------------------------------------------------------------------------
+
+
+def slot_for(prefix: str, user: str, team: str | None = None) -> str:
+    """Where a user's reservation records live: their own slot, or their team's."""
+    return f"{prefix}:{{{user}}}" if team is None else f"{prefix}:{{t:{team}}}"
+
+
+def user_base(prefix: str, user: str, team: str | None = None) -> str:
+    """The prefix of a user's own counters (user, key and model scopes)."""
+    return f"{prefix}:{{{user}}}" if team is None else f"{prefix}:{{t:{team}}}:{user}"
+
+
+def daily_key(prefix: str, user: str, name: str, day: str, team: str | None = None) -> str:
+    """The user's own counter of a daily window (`name`, e.g. daily_tokens) on `day`."""
+    return f"{user_base(prefix, user, team)}:u:{name}:{day}"
+
+
+def team_of(policy: Policy, user: str) -> str | None:
+    cfg = policy.users.get(user)
+    return cfg.team if cfg is not None else None
+
+
+def user_slot(policy: Policy, user: str) -> str:
+    """The slot a configured user's reservations are in (their team's, for a team's user):
+    what `Store.leases` takes."""
+    return slot_for(policy.store.prefix, user, team_of(policy, user))
+
+
+# --- plans -------------------------------------------------------------------------------------
 
 
 def plan(
     policy: Policy, user: str, limits: EffectiveLimits, model: str, now: float
 ) -> Plan:
-    tz = ZoneInfo(policy.timezone)
-    day, day_end = _day(now, tz)
-    minute = math.floor(now / 60)
-    minute_end = (minute + 1) * 60.0
-    slot = slot_for(policy.store.prefix, user)
+    times = _times(policy.timezone, now)
+    team_scope = limits.team_scope
+    team = team_scope.name if team_scope is not None else None
+    prefix = policy.store.prefix
+    slot = slot_for(prefix, user, team)
+    base = slot if team is None else f"{slot}:{user}"
     windows: dict[tuple[str, str], Window] = {}  # by (scope part, field): plain, fast keys
+    costed = False
 
-    minute_stamp = str(minute)
-    daily_ttl = int(day_end - now) + _DAILY_RETENTION_S
-    minute_ttl = int(minute_end - now) + 60
-
-    def add(name: WindowName, field: str, measure: Measure, daily: bool, scope: Scope,
-            limit: int | None) -> None:
-        stamp, resets, ttl = ((day, day_end, daily_ttl) if daily
-                              else (minute_stamp, minute_end, minute_ttl))
+    def add(name: WindowName, field: str, measure: Measure, period: Period, scope: Scope,
+            at: str, limit: int | None) -> None:
+        stamp, resets, ttl = times[period]
+        label = f"{scope.part}:{field}:{stamp}"
         windows[(scope.part, field)] = Window(
-            name, scope, f"{slot}:{scope.part}:{field}:{stamp}", limit, measure, resets, ttl
+            name, scope, f"{at}:{label}", limit, measure, resets, ttl, label
         )
 
     # The user's daily totals are always counted, limited or not: they are what `usage` reports.
-    for name, field, measure, daily in _WINDOWS:
-        if daily:
-            add(name, field, measure, daily, USER, None)
+    for name, field, measure, period in _ALWAYS:
+        add(name, field, measure, period, USER, base, None)
     key_scope = limits.key_scope
-    for name, field, measure, daily in _WINDOWS:
-        limit = limits.user[field]
+    own, key_limits = limits.user, limits.key
+    for name, field, measure, period in _WINDOWS:
+        limit = own[field]
         if limit is not None:
-            add(name, field, measure, daily, USER, limit)
+            add(name, field, measure, period, USER, base, limit)
+            costed = costed or measure is Measure.COST
         if key_scope is not None:
-            key_limit = limits.key.get(field)
+            key_limit = key_limits.get(field)
             if key_limit is not None:
-                add(name, field, measure, daily, key_scope, key_limit)
+                add(name, field, measure, period, key_scope, base, key_limit)
+                costed = costed or measure is Measure.COST
     caps = [c for c in (limits.output_cap,) if c is not None]
     for pattern, mlimits in limits.model_limits:
-        if not fnmatch.fnmatchcase(model, pattern):
+        # The glob itself stands for its group too (`windows_at` asks for each by its glob).
+        if model != pattern and not fnmatch.fnmatchcase(model, pattern):
             continue
         group = Scope(ScopeKind.MODELS, pattern)
-        for name, field, measure, daily in _WINDOWS:
-            limit = getattr(mlimits, field)
+        for name, field, measure, period in _WINDOWS:
+            limit = mlimits[field]
             if limit is not None:
-                add(name, field, measure, daily, group, limit)
-        if mlimits.max_output_tokens is not None:
-            caps.append(mlimits.max_output_tokens)
+                add(name, field, measure, period, group, base, limit)
+                costed = costed or measure is Measure.COST
+        model_cap = mlimits["max_output_tokens"]
+        if model_cap is not None:
+            caps.append(model_cap)
         break  # the first matching model group applies, like routes
-    in_flight = [InFlightLimit(USER, limits.user["max_concurrent_requests"])]
-    key_conc = limits.key.get("max_concurrent_requests")
-    if key_conc is not None and limits.key_scope is not None:
-        in_flight.append(InFlightLimit(limits.key_scope, key_conc))
-    return Plan(slot, tuple(windows.values()), tuple(in_flight), min(caps) if caps else None)
+    user_conc = own["max_concurrent_requests"]
+    key_conc = key_limits.get("max_concurrent_requests")
+    if team_scope is None:
+        in_flight = [InFlightLimit(USER, user_conc)]
+        if key_conc is not None and key_scope is not None:
+            in_flight.append(InFlightLimit(key_scope, key_conc))
+    else:
+        team_limits = limits.team
+        for name, field, measure, period in _ALWAYS:
+            add(name, field, measure, period, team_scope, slot, None)
+        if team_limits:
+            for name, field, measure, period in _WINDOWS:
+                limit = team_limits.get(field)
+                if limit is not None:
+                    add(name, field, measure, period, team_scope, slot, limit)
+                    costed = costed or measure is Measure.COST
+        # The team's set holds every reservation of the team's slot; the user's and the
+        # key's are named for the user, whose key names other users may share.
+        in_flight = [InFlightLimit(team_scope, team_limits.get("max_concurrent_requests"))]
+        if user_conc is not None:
+            in_flight.append(InFlightLimit(USER, user_conc, user))
+        if key_conc is not None and key_scope is not None:
+            in_flight.append(InFlightLimit(key_scope, key_conc, user))
+    return Plan(slot, tuple(windows.values()), tuple(in_flight), min(caps) if caps else None,
+                costed)
 
 
-def amount(window: Window, input_tokens: int, output_tokens: int) -> int:
-    if window.measure is Measure.TOTAL:
+def windows_at(policy: Policy, user: str, now: float) -> tuple[Window, ...]:
+    """The calendar windows (day, week, month; tokens and cost) a configured user's requests
+    count in at `now`, and so the counters the store holds for them: the user's own (the
+    daily totals, always; the others when limited), their team's (likewise), each key's with
+    limits of its own, and each model group's (every group, as if each had been asked for).
+    Per-minute windows are left out. A team's windows come with each of its users: the same
+    keys. For `tokenmeter reconcile`: the window's `key` to read, its `name`, `scope` and
+    `label` to match the ledger's rows against."""
+    cfg = policy.users.get(user)
+    found: dict[str, Window] = {}
+    variants: list[EffectiveLimits] = [limits_for(policy, user)]
+    if cfg is not None:
+        for key in cfg.key_configs():
+            key_id = key.key.removeprefix("sha256:")[:12]
+            variants.append(limits_for(policy, user, key, key.name or key_id))
+    for limits in variants:
+        models = limits.model_limits
+        for pattern, _ in models or (("", {}),):
+            # One group at a time: each plan counts the first group that matches the model.
+            alone = EffectiveLimits(limits.user, limits.key, limits.key_scope,
+                                    tuple(m for m in models if m[0] == pattern),
+                                    limits.team_scope, limits.team)
+            for w in plan(policy, user, alone, pattern, now).windows:
+                if w.name.calendar:
+                    found.setdefault(w.key, w)
+    return tuple(found.values())
+
+
+def reserve_cost(price: Price, prompt_tokens: int, output_tokens: int) -> int:
+    """The most a request can cost: its prompt as uncached input (or all cached, should cached
+    input be priced higher) plus every output token it may produce, in nano-dollars."""
+    cost = cost_nanousd(price, prompt_tokens, 0, output_tokens)
+    if price.cached_input is not None and price.cached_input > price.input:
+        cost = cost_nanousd(price, prompt_tokens, prompt_tokens, output_tokens)
+    return cost
+
+
+def amount(window: Window, input_tokens: int, output_tokens: int, cost_nanousd: int = 0) -> int:
+    measure = window.measure
+    if measure is Measure.TOTAL:
         return input_tokens + output_tokens
-    if window.measure is Measure.INPUT:
+    if measure is Measure.INPUT:
         return input_tokens
-    if window.measure is Measure.OUTPUT:
+    if measure is Measure.OUTPUT:
         return output_tokens
+    if measure is Measure.COST:
+        return cost_nanousd
     return 1

@@ -10,6 +10,7 @@ import enum
 import math
 from dataclasses import dataclass
 from datetime import datetime
+from decimal import Decimal
 from zoneinfo import ZoneInfo
 
 from proxy.budget import limits as lim
@@ -19,7 +20,8 @@ from proxy.errors import BudgetExceeded
 
 class RefusalKind(enum.Enum):
     CONCURRENCY = "concurrency"  # an in-flight set is full: retry in a moment
-    QUOTA = "quota"  # a daily window is spent: not before it resets (x-should-retry: false)
+    # A day, week or month is spent: not before it resets (x-should-retry: false).
+    QUOTA = "quota"
     RATE = "rate"  # a per-minute window is full: retry after it rolls over
 
 
@@ -39,7 +41,7 @@ class Refusal:
         if self.in_flight is not None:
             return RefusalKind.CONCURRENCY
         assert self.window is not None
-        return RefusalKind.QUOTA if self.window.name.daily else RefusalKind.RATE
+        return RefusalKind.QUOTA if self.window.name.calendar else RefusalKind.RATE
 
 
 class Refused(Exception):
@@ -66,7 +68,34 @@ _HEADER_NAMES = {
     lim.WindowName.DAILY_TOKENS: "tokens-day",
     lim.WindowName.DAILY_INPUT_TOKENS: "input-tokens-day",
     lim.WindowName.DAILY_OUTPUT_TOKENS: "output-tokens-day",
+    lim.WindowName.WEEKLY_TOKENS: "tokens-week",
+    lim.WindowName.MONTHLY_TOKENS: "tokens-month",
+    lim.WindowName.DAILY_USD: "usd-day",  # in US dollars, not nano-dollars
+    lim.WindowName.MONTHLY_USD: "usd-month",
 }
+
+# The wire `code` of a spent calendar window: daily tokens keep the code clients know.
+_QUOTA_CODES = {
+    lim.WindowName.DAILY_TOKENS: "daily_quota_exceeded",
+    lim.WindowName.DAILY_INPUT_TOKENS: "daily_quota_exceeded",
+    lim.WindowName.DAILY_OUTPUT_TOKENS: "daily_quota_exceeded",
+    lim.WindowName.WEEKLY_TOKENS: "weekly_quota_exceeded",
+    lim.WindowName.MONTHLY_TOKENS: "monthly_quota_exceeded",
+    lim.WindowName.DAILY_USD: "daily_budget_exceeded",
+    lim.WindowName.MONTHLY_USD: "monthly_budget_exceeded",
+}
+
+_PERIOD_WORDS = {lim.Period.DAY: "Daily", lim.Period.WEEK: "Weekly", lim.Period.MONTH: "Monthly",
+                 lim.Period.MINUTE: "Per-minute"}
+
+
+def usd(nanos: int) -> str:
+    """Nano-dollars as dollars, exact and short: 1.5, 0.000123, 2 (no trailing zeros)."""
+    return format(Decimal(nanos).scaleb(-9).normalize(), "f")
+
+
+def _amount(window: lim.Window, value: int) -> str:
+    return f"${usd(value)}" if window.measure is lim.Measure.COST else f"{value:,}"
 
 
 def rate_limit_headers(windows: tuple[lim.Window, ...], used: tuple[int, ...],
@@ -75,15 +104,20 @@ def rate_limit_headers(windows: tuple[lim.Window, ...], used: tuple[int, ...],
     out: dict[str, str] = {}
     best: dict[str, int] = {}
     for w, u in zip(windows, used, strict=True):
-        if w.limit is None:
+        limit = w.limit
+        if limit is None:
             continue
         name = _HEADER_NAMES[w.name]
-        remaining = max(0, w.limit - u)
+        remaining = max(0, limit - u)
         if name in best and best[name] <= remaining:
             continue
         best[name] = remaining
-        out[f"x-ratelimit-limit-{name}"] = str(w.limit)
-        out[f"x-ratelimit-remaining-{name}"] = str(remaining)
+        if w.measure is lim.Measure.COST:
+            out[f"x-ratelimit-limit-{name}"] = usd(limit)
+            out[f"x-ratelimit-remaining-{name}"] = usd(remaining)
+        else:
+            out[f"x-ratelimit-limit-{name}"] = str(limit)
+            out[f"x-ratelimit-remaining-{name}"] = str(remaining)
         out[f"x-ratelimit-reset-{name}"] = _duration(w.resets_at - now)
     return out
 
@@ -109,24 +143,29 @@ def render(refusal: Refusal, now: float, tz: str) -> BudgetExceeded:
     retry_after = max(1, math.ceil(window.resets_at - now))
     reset_at = datetime.fromtimestamp(window.resets_at, ZoneInfo(tz)).isoformat()
     scope = _scope_words(window.scope)
-    what = window.name.replace("_", " ")
+    if window.measure is lim.Measure.COST:
+        what = f"{_PERIOD_WORDS[window.name.period]} cost budget"
+        needs = "the prompt plus max output tokens, at the model's price"
+    else:
+        what = f"{window.name.replace('_', ' ').capitalize()} limit"
+        needs = "the prompt plus max output tokens"
     msg = (
-        f"{what.capitalize()} limit reached for user '{user}'{scope}: "
-        f"{left:,} of {window.limit:,} left, and this request needs up to {refusal.needed:,} "
-        f"(the prompt plus max output tokens). It resets at {reset_at} "
+        f"{what} reached for user '{user}'{scope}: "
+        f"{_amount(window, left)} of {_amount(window, window.limit)} left, and this request "
+        f"needs up to {_amount(window, refusal.needed)} ({needs}). It resets at {reset_at} "
         f"(in {_duration(window.resets_at - now)})."
     )
-    daily = kind is RefusalKind.QUOTA
+    quota = kind is RefusalKind.QUOTA
     never = refusal.needed > window.limit  # would not fit even in an empty window
-    if daily or never:
+    if quota or never:
         if never:
             msg += " Lower max_tokens: this request can never fit this limit."
         return BudgetExceeded(
-            msg, type_="insufficient_quota" if daily else "tokens",
-            code="daily_quota_exceeded" if daily else "rate_limit_exceeded",
+            msg, type_="insufficient_quota" if quota else "tokens",
+            code=_QUOTA_CODES[window.name] if quota else "rate_limit_exceeded",
             limit=window.name,
-            # The openai SDKs retry every 429 unless told not to; a spent daily quota will
-            # not come back within any retry budget.
+            # The openai SDKs retry every 429 unless told not to; a spent day, week or month
+            # will not come back within any retry budget.
             headers={**headers, "Retry-After": str(retry_after), "x-should-retry": "false"},
         )
     return BudgetExceeded(
@@ -136,9 +175,25 @@ def render(refusal: Refusal, now: float, tz: str) -> BudgetExceeded:
     )
 
 
+def unpriced(user: str, model: str, window: lim.Window) -> BudgetExceeded:
+    """A cost budget applies but the model has no price: refused rather than counted as free,
+    which would let the budget be overspent without bound. Not worth a retry: the price table
+    changes with the configuration, not with time."""
+    scope = _scope_words(window.scope)
+    return BudgetExceeded(
+        f"The model `{model}` has no price in this proxy's price table, so the "
+        f"{window.name.replace('_', ' ')} cost budget of user '{user}'{scope} cannot be "
+        "enforced for it. Use a priced model, or ask the operator to add its price.",
+        type_="insufficient_quota", code="model_not_priced", limit=window.name,
+        headers={"x-should-retry": "false"},
+    )
+
+
 def _scope_words(scope: Scope) -> str:
     if scope.kind is ScopeKind.KEY:
         return f" (key '{scope.name}')"
     if scope.kind is ScopeKind.MODELS:
         return f" (models '{scope.name}')"
+    if scope.kind is ScopeKind.TEAM:
+        return f" (the budget of team '{scope.name}', shared by its users)"
     return ""

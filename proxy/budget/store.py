@@ -9,6 +9,10 @@ A store does three things atomically per user slot:
   reservation is unknown: admitted while the store was down, or its lease expired), once per id;
 - `renew`: extend the leases of reservations still streaming.
 The Redis store does the same in Lua, so replicas sharing one Redis share one budget.
+
+A slot is the unit of atomicity: the user's (`prefix:{alice}`), or for a team's users the
+team's (`prefix:{t:platform}`), whose first in-flight set then holds every reservation of the
+team, so any member's request reaps a member's dead reservation off the team's counters.
 """
 
 from __future__ import annotations
@@ -39,15 +43,16 @@ class ScopeKind(enum.Enum):
     USER = "u"  # the user's own counters
     KEY = "k"  # a key with limits of its own
     MODELS = "m"  # the user's use of a group of models (a glob)
+    TEAM = "t"  # the counters a team's users share
 
 
 @dataclass(frozen=True, slots=True)
 class Scope:
     """Whose counter a window or an in-flight set is. `str()` is its part of a storage key
-    (`u`, `k.<key>`, `m.<glob>`), which is never parsed back."""
+    (`u`, `k.<key>`, `m.<glob>`, `t.<team>`), which is never parsed back."""
 
     kind: ScopeKind
-    name: str = ""  # the key's name, or the model glob
+    name: str = ""  # the key's name, the model glob, or the team
     # Its part of a storage key, made once: every request's plan uses it.
     part: str = field(init=False, compare=False, repr=False)
 
@@ -64,10 +69,19 @@ USER = Scope(ScopeKind.USER)
 
 @dataclass(frozen=True, slots=True)
 class InFlightLimit:
-    """A set of requests in flight and its limit: the user's, or a key's."""
+    """A set of requests in flight and its limit: the user's, a key's, or a team's.
+
+    `part` names the set within its slot: the scope's part, qualified by `owner` (the user)
+    when the slot is a team's, whose users may have keys of the same name."""
 
     scope: Scope
     limit: int | None
+    owner: str = ""
+    part: str = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        part = f"{self.owner}:{self.scope.part}" if self.owner else self.scope.part
+        object.__setattr__(self, "part", part)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +115,12 @@ class Store(Protocol):
         ...
 
     async def renew(self, slot: str, res_ids: Sequence[str], lease_s: float) -> None: ...
+
+    async def leases(self, slot: str) -> dict[str, float]:
+        """The reservations `slot` holds: id -> lease deadline (epoch seconds, the store's
+        clock). One past its deadline is an orphan (its proxy died) until the slot's next
+        reserve reaps it."""
+        ...
 
     async def read(self, keys: Sequence[str]) -> tuple[int, ...]: ...
 
@@ -212,7 +232,7 @@ class MemoryStore:
         now = self._now()
         self._reap(slot, now)
         used = tuple(self._counters.get(e.key, now) for e in entries)
-        names = tuple(f"{slot}:{f.scope}" for f in in_flight)
+        names = tuple(f"{slot}:{f.part}" for f in in_flight)
         for i, (f, name) in enumerate(zip(in_flight, names, strict=True)):
             if f.limit is not None and len(self._sets.get(name, ())) >= f.limit:
                 return ReserveResult(False, used, refused_in_flight=i)
@@ -246,6 +266,9 @@ class MemoryStore:
         for res_id in res_ids:
             if res_id in leases:
                 leases[res_id] = deadline
+
+    async def leases(self, slot: str) -> dict[str, float]:
+        return dict(self._leases.get(slot, {}))
 
     async def read(self, keys: Sequence[str]) -> tuple[int, ...]:
         now = self._now()

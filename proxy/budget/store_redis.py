@@ -1,27 +1,38 @@
 """The Redis store: each operation is one Lua script call, atomic across all replicas.
 
-Layout per user (all keys share the `{user}` hash tag, so Redis Cluster keeps them in one slot):
+Layout per slot (all keys share its hash tag, so Redis Cluster keeps them in one hash slot; the
+slot is the user's, `{alice}`, or for a team's users the team's, `{t:platform}`):
   prefix:{alice}:inflight        ZSET  reservation id -> lease deadline (ms)
   prefix:{alice}:reserved        HASH  reservation id -> JSON [key, amount, key, amount, ...]
   prefix:{alice}:inflight:k.<key>  ZSET  the same, for a key with its own concurrency limit
-  prefix:{alice}:sets            HASH  reservation id -> the keys' in-flight sets holding it
+  prefix:{alice}:sets            HASH  reservation id -> the other in-flight sets holding it
   prefix:{alice}:done:<id>       STRING settle marker, so a retried settle is applied once
   prefix:{alice}:<scope>:<window>:<stamp>   counters, each with its own TTL
-The reap step touches counters named in reservation records rather than in KEYS; they carry the
-same hash tag, so they are in the slot the script runs on.
+In a team's slot the first set holds the whole team's reservations, the users' own sets are
+`inflight:<user>:u` and `inflight:<user>:k.<key>`, and the counters are
+`prefix:{t:platform}:<user>:<scope>:<window>:<stamp>` and `prefix:{t:platform}:t.platform:...`
+(see proxy.budget.limits). The reap step touches counters named in reservation records rather
+than in KEYS; they carry the same hash tag, so they are in the slot the script runs on.
+
+Redis Cluster: `redis+cluster://host:port` (or `rediss+cluster://`) makes the client a
+`RedisCluster`, which sends each script call to the node of its keys' slot (and loads scripts
+on every primary). Only `read` (the `usage` report's multi-user MGET) spans slots: it is split
+per slot there.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from proxy.budget.store import DONE_TTL_S, Entry, InFlightLimit, ReserveResult, StoreError
 
@@ -59,7 +70,8 @@ local function reap(inflight, reserved, sets, now)
 end
 """
 
-# KEYS: inflight, reserved, sets, then m keys' in-flight sets, then the counters
+# KEYS: inflight, reserved, sets, then m other in-flight sets (the user's own in a team's slot,
+# a key's), then the counters
 # ARGV: m, lease_ms, id, the user's max in flight (-1: none), m limits of the keys' sets,
 # then per counter: limit (-1: none), amount, ttl_s
 # Returns {ok, refused counter (1-based, 0: none), refused in-flight set (1-based), used}.
@@ -147,35 +159,78 @@ return 0
 """
 
 
+_MAX_CONNECTIONS = 64
+_CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+def cluster_url(url: str) -> str | None:
+    """The plain URL redis-py's cluster client takes, if `url` names a Redis Cluster."""
+    scheme, sep, rest = url.partition("://")
+    plain = _CLUSTER_SCHEMES.get(scheme)
+    return f"{plain}{sep}{rest}" if plain is not None and sep else None
+
+
 class RedisStore:
     in_process = False
 
     def __init__(self, url: str, timeout_ms: float) -> None:
         timeout = timeout_ms / 1000
+        self._timeout = timeout
         # No retries inside redis-py: a budget check that is slow is worse than one that fails
         # fast into the configured policy; reconnection happens on the next call by itself.
-        # A bounded pool that makes callers wait for a connection (up to the timeout) instead
-        # of failing when a burst of requests outnumbers it.
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=64, timeout=timeout, socket_timeout=timeout,
-            socket_connect_timeout=timeout, health_check_interval=10,
-            retry=Retry(NoBackoff(), 0),
-        )
-        self._redis: aioredis.Redis = aioredis.Redis(connection_pool=pool)
+        cluster = cluster_url(url)
+        self._cluster: RedisCluster | None = None
+        self._single: aioredis.Redis | None = None
+        self._gate: asyncio.Semaphore | None = None
+        self._redis: aioredis.Redis | RedisCluster
+        if cluster is None:
+            # A bounded pool that makes callers wait for a connection (up to the timeout)
+            # instead of failing when a burst of requests outnumbers it.
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url, max_connections=_MAX_CONNECTIONS, timeout=timeout, socket_timeout=timeout,
+                socket_connect_timeout=timeout, health_check_interval=10,
+                retry=Retry(NoBackoff(), 0),
+            )
+            self._single = aioredis.Redis(connection_pool=pool)
+            self._redis = self._single
+        else:
+            # The cluster client's per-node pools fail at once when full rather than wait:
+            # the gate makes callers wait (up to the timeout) as the blocking pool does, and
+            # bounds the connections to any one node by the same number. After a connection
+            # error the client itself drops the node's connections and re-reads the slots.
+            self._cluster = RedisCluster.from_url(
+                cluster, max_connections=_MAX_CONNECTIONS, socket_timeout=timeout,
+                socket_connect_timeout=timeout, health_check_interval=10,
+                retry=Retry(NoBackoff(), 0),
+            )
+            self._redis = self._cluster
+            self._gate = asyncio.Semaphore(_MAX_CONNECTIONS)
         self._reserve = self._redis.register_script(RESERVE)
         self._settle = self._redis.register_script(SETTLE)
         self._renew = self._redis.register_script(RENEW)
         self._probe = self._redis.register_script("return 1")
 
-    async def _call(self, coro: Any) -> Any:
+    async def _call(self, coro: Awaitable[Any]) -> Any:
         try:
-            return await coro
-        except (RedisError, OSError, TimeoutError) as exc:
-            if isinstance(exc, RedisConnectionError | OSError):
+            if self._gate is None:
+                return await coro
+            try:
+                async with asyncio.timeout(self._timeout):
+                    await self._gate.acquire()
+            except TimeoutError:
+                if asyncio.iscoroutine(coro):
+                    coro.close()  # never awaited: say so to no one
+                raise
+            try:
+                return await coro
+            finally:
+                self._gate.release()
+        except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
+            if self._single is not None and isinstance(exc, RedisConnectionError | OSError):
                 # The server went away: every pooled connection is stale, not just this one.
                 # Drop them all now, or each would fail once more after the server is back.
                 with contextlib.suppress(RedisError, OSError):
-                    await self._redis.connection_pool.disconnect()
+                    await self._single.connection_pool.disconnect()
             raise StoreError(f"{type(exc).__name__}: {exc}") from exc
 
     async def reserve(
@@ -189,7 +244,7 @@ class RedisStore:
         for e in entries:
             args += [-1 if e.limit is None else e.limit, e.amount, e.ttl_s]
         keys = [f"{slot}:inflight", f"{slot}:reserved", f"{slot}:sets",
-                *(f"{slot}:inflight:{f.scope}" for f in keys_sets), *(e.key for e in entries)]
+                *(f"{slot}:inflight:{f.part}" for f in keys_sets), *(e.key for e in entries)]
         ok, entry, held, used = await self._call(self._reserve(keys=keys, args=args))
         return ReserveResult(
             ok=bool(ok), used=tuple(int(u) for u in used),
@@ -212,10 +267,19 @@ class RedisStore:
             args: list[int | str] = [int(lease_s * 1000), *res_ids]
             await self._call(self._renew(keys=[f"{slot}:inflight"], args=args))
 
+    async def leases(self, slot: str) -> dict[str, float]:
+        held = await self._call(self._redis.zrange(f"{slot}:inflight", 0, -1, withscores=True))
+        return {(r.decode() if isinstance(r, bytes) else str(r)): float(ms) / 1000
+                for r, ms in held}
+
     async def read(self, keys: Sequence[str]) -> tuple[int, ...]:
         if not keys:
             return ()
-        values = await self._call(self._redis.mget(list(keys)))
+        if self._cluster is not None:
+            # Keys of several users are in several slots: one MGET per slot.
+            values = await self._call(self._cluster.mget_nonatomic(list(keys)))
+        else:
+            values = await self._call(self._redis.mget(list(keys)))
         return tuple(int(v) if v is not None else 0 for v in values)
 
     async def mark_once(self, key: str, ttl_s: int) -> bool:

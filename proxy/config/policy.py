@@ -92,11 +92,23 @@ _Model = ConfigModel
 
 
 class Limits(_Model):
-    """Every limit is optional; unset means "no limit" (usage is still counted)."""
+    """Every limit is optional; unset means "no limit" (usage is still counted).
+
+    Days, weeks and months are calendar ones in `timezone` (local midnight to local midnight,
+    DST days included); a week starts on Monday at 00:00, as in ISO 8601 (and `date +%V`).
+    """
 
     daily_tokens: int | None = Field(default=None, ge=0)
     daily_input_tokens: int | None = Field(default=None, ge=0)
     daily_output_tokens: int | None = Field(default=None, ge=0)
+    weekly_tokens: int | None = Field(default=None, ge=0)  # Monday 00:00 to Monday 00:00
+    monthly_tokens: int | None = Field(default=None, ge=0)  # the 1st 00:00 to the next 1st
+    # Cost budgets in US dollars, priced from `prices` by the model sent upstream: a request
+    # reserves its worst case (the prompt as uncached input plus its max output tokens) and
+    # settles its real cost. Counted in whole nano-dollars, so $0.10 is exactly 100,000,000.
+    # A request for a model without a price is refused while a cost budget applies to it.
+    daily_usd: float | None = Field(default=None, ge=0)
+    monthly_usd: float | None = Field(default=None, ge=0)
     tokens_per_minute: int | None = Field(default=None, ge=0)
     requests_per_minute: int | None = Field(default=None, ge=0)
     max_concurrent_requests: int | None = Field(default=None, ge=0)
@@ -129,7 +141,11 @@ _KeyEntry = Annotated[
 
 class UserConfig(Limits):
     keys: list[_KeyEntry] = Field(default_factory=list)
-    team: str | None = None
+    # The team the user's usage is also counted for (and limited by `teams.<team>`, if set).
+    # A team need not be listed in `teams`: it is then counted, unlimited, for the books.
+    # Its counters and the user's share one Redis Cluster slot, so moving a user into, out of
+    # or between teams starts the user's own counters afresh (see proxy.budget.limits).
+    team: str | None = Field(default=None, pattern=NAME)
     # Limits for models matching a glob, counted separately from the user's overall limits:
     # e.g. {"o1*": {daily_tokens: 20000}} next to daily_tokens: 500000.
     model_limits: dict[str, Limits] = Field(default_factory=dict)
@@ -170,7 +186,11 @@ class UserConfig(Limits):
 
 
 class StoreConfig(_Model):
-    url: str = "memory"  # or redis://host:6379/0 (rediss:// for TLS)
+    # "memory", or redis://host:6379/0 (rediss:// for TLS, unix:///path.sock), or a Redis
+    # Cluster: redis+cluster://host:port (rediss+cluster:// for TLS), any node of it; the
+    # client discovers the others. Every reservation's keys share one hash slot (the user's,
+    # or the team's for a team's users), so each budget check is one script call on one node.
+    url: str = "memory"
     on_error: Literal["fail_open", "fail_closed"] = "fail_open"
     prefix: str = Field(default="tokenmeter", pattern=r"^[A-Za-z0-9_.:-]+$")
     # A reservation not settled or renewed within this time (its proxy died) is released.
@@ -185,8 +205,9 @@ class StoreConfig(_Model):
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
-        if v != "memory" and not re.match(r"^(redis|rediss|unix)://", v):
-            raise ValueError("must be 'memory' or a redis://, rediss:// or unix:// URL")
+        if v != "memory" and not re.match(r"^(rediss?(\+cluster)?|unix)://", v):
+            raise ValueError("must be 'memory' or a redis://, rediss://, unix://, "
+                             "redis+cluster:// or rediss+cluster:// URL")
         return v
 
 
@@ -219,6 +240,9 @@ class Policy(_Model):
     timezone: str = "UTC"
     defaults: Limits = Field(default_factory=lambda: Limits(max_output_tokens=4096))
     users: dict[str, UserConfig] = Field(default_factory=dict)
+    # Limits a team's users share (the same fields as a user's): `teams.<name>`, where a user
+    # has `team: <name>`. Reserved together with the user's and key's windows, all or nothing.
+    teams: dict[str, Limits] = Field(default_factory=dict)
     alerts: AlertsConfig = Field(default_factory=AlertsConfig)
     prices: dict[str, Price] = Field(default_factory=dict)
 
@@ -239,6 +263,14 @@ class Policy(_Model):
         for name in v:
             if not re.match(NAME, name):
                 raise ValueError(f"user name {name!r} must match {NAME}")
+        return v
+
+    @field_validator("teams")
+    @classmethod
+    def _team_names(cls, v: dict[str, Limits]) -> dict[str, Limits]:
+        for name in v:
+            if not re.match(NAME, name):
+                raise ValueError(f"team name {name!r} must match {NAME}")
         return v
 
     @model_validator(mode="after")

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from datetime import date, datetime
 from zoneinfo import ZoneInfo
 
-from proxy.budget.limits import daily_key
+from proxy.budget.limits import daily_key, team_of
 from proxy.budget.store import Store
 from proxy.config.load import Config
 
@@ -35,7 +35,9 @@ def today(config: Config, now: float) -> date:
 async def read_usage(config: Config, store: Store, day: date) -> list[UserUsage]:
     stamp = day.strftime("%Y%m%d")
     users = list(config.users) or ["default"]
-    keys = [daily_key(config.store.prefix, u, f, stamp) for u in users for f in _FIELDS]
+    # A team's users keep their counters in the team's slot: the key depends on the team.
+    keys = [daily_key(config.store.prefix, u, f, stamp, team_of(config, u))
+            for u in users for f in _FIELDS]
     values = await store.read(keys)
     out = []
     for i, user in enumerate(users):
