@@ -1,0 +1,435 @@
+"""The ledger's write path against real databases: an SQLite file and the machine's PostgreSQL
+(a database of each test's own). Rows land once, a re-shipped row is stored once, a SIGKILLed
+process's rows are adopted and shipped, the spool is bounded, retention deletes old rows only,
+migrations are idempotent and safe when replicas start together."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+from proxy.config.ledger import LedgerConfig
+from proxy.ledger import shipper as shipper_mod
+from proxy.ledger.ledger import Ledger, make_ledger
+from proxy.ledger.migrate import migrate_postgres, migrate_sqlite
+from proxy.ledger.row import COLUMNS, LedgerRow
+from proxy.ledger.schema import SCHEMA_TABLE, TABLE, VERSION
+from proxy.ledger.sink_postgres import mask_url
+from proxy.ledger.spool import encode_row
+from proxy.telemetry.metrics import Metrics
+from tests.helpers import FakeClock
+from tests.servers import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+NOW = 1_796_000_000.0
+
+
+def make_row(i: int, *, prefix: str = "req", started_at: float = NOW, **changes: Any) -> LedgerRow:
+    row = LedgerRow(
+        request_id=f"{prefix}-{i:06d}", started_at=started_at + i * 0.001,
+        ended_at=started_at + i * 0.001 + 1.25, replica="test-1", user_name=f"user{i % 7}",
+        key_name="ci" if i % 2 else None, team="platform" if i % 3 else None,
+        operation="chat.completions", requested_model="gpt-4o-mini", model="gpt-4o-mini",
+        response_model="gpt-4o-mini-2024-07-18", upstream="openai", fallback_from=None,
+        attempts=1, status=200 if i % 5 else 429, error_class="none" if i % 5 else "quota",
+        stream=bool(i % 2), input_tokens=100 + i, output_tokens=20 + i, cached_input_tokens=i % 4,
+        reasoning_tokens=0, token_source="reported", ttft_ms=12.5, upstream_ttft_ms=11.0,
+        overhead_ms=0.4, duration_ms=1250.0, output_tokens_per_s=16.0,
+        cost_nanousd=1_234_567 + i, price_version="p1", windows="u:daily:20261203",
+    )
+    return dataclasses.replace(row, **changes) if changes else row
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Each test runs on an SQLite file and on a PostgreSQL database of its own."""
+    if request.param == "sqlite":
+        return f"sqlite://{tmp_path}/books.sqlite3"
+    url: str = request.getfixturevalue("pg_url")
+    return url
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Path:
+    path = tmp_path / "state"
+    path.mkdir()
+    return path
+
+
+def ledger_for(url: str | None, state: Path, metrics: Metrics | None = None,
+               **config: Any) -> Ledger:
+    return Ledger(LedgerConfig(url=url, **config), metrics or Metrics(), state_dir=state)
+
+
+async def fetch(url: str, sql: str) -> list[tuple[Any, ...]]:
+    if url.startswith("sqlite://"):
+        with sqlite3.connect(url.removeprefix("sqlite://")) as db:
+            return [tuple(r) for r in db.execute(sql).fetchall()]
+    conn = await asyncpg.connect(url)
+    try:
+        return [tuple(r) for r in await conn.fetch(sql)]
+    finally:
+        await conn.close()
+
+
+async def stored_ids(url: str) -> list[str]:
+    return [str(r[0]) for r in await fetch(url, f"SELECT request_id FROM {TABLE}")]
+
+
+def sample(metrics: Metrics, name: str, labels: dict[str, str] | None = None) -> float:
+    value = metrics.registry.get_sample_value(name, labels or {})
+    return 0.0 if value is None else float(value)
+
+
+def spool_files(state: Path) -> list[str]:
+    return sorted(p.name for p in state.iterdir() if p.name.startswith("ledger-"))
+
+
+# --- rows land once ---------------------------------------------------------------------------
+
+async def test_rows_land_once_with_their_values(db_url: str, state: Path) -> None:
+    metrics = Metrics()
+    ledger = ledger_for(db_url, state, metrics, batch_rows=100)
+    rows = [make_row(i) for i in range(1000)]
+    for row in rows[:400]:
+        ledger.record(row)  # before start: they wait in the spool
+    await ledger.start()
+    assert ledger.health().ok, ledger.health()
+    for row in rows[400:]:
+        ledger.record(row)
+    assert await ledger.flush(20)
+    assert ledger.health().pending_rows == 0
+    ids = await stored_ids(db_url)
+    assert sorted(ids) == [r.request_id for r in rows]
+    dialect = "sqlite" if db_url.startswith("sqlite") else "postgresql"
+    assert sample(metrics, "tokenmeter_ledger_rows_written_total", {"sink": dialect}) == 1000
+
+    # The values come back as they went in, cost_usd generated from nano-dollars.
+    got = await fetch(db_url, f"SELECT {', '.join(COLUMNS)}, cost_usd FROM {TABLE} "
+                              "WHERE request_id = 'req-000007'")
+    values = list(got[0])
+    for i in (1, 2):  # timestamps: timestamptz in PostgreSQL, epoch seconds in SQLite
+        if not isinstance(values[i], float):
+            values[i] = values[i].timestamp()
+    assert bool(values[COLUMNS.index("stream")]) is True
+    values[COLUMNS.index("stream")] = bool(values[COLUMNS.index("stream")])
+    expected = dataclasses.astuple(rows[7])
+    assert values[1] == pytest.approx(expected[1], abs=1e-6)
+    assert values[2] == pytest.approx(expected[2], abs=1e-6)
+    assert tuple(values[3:len(COLUMNS)]) == expected[3:]
+    assert float(values[-1]) == pytest.approx((1_234_567 + 7) / 1e9)
+
+    await ledger.stop(5)
+    assert spool_files(state) == []  # all stored: nothing left behind, not even the lock
+
+
+async def test_a_row_shipped_twice_is_stored_once(db_url: str, state: Path,
+                                                  tmp_path: Path) -> None:
+    """A crash between the database's commit and the spool's cursor write: the next process
+    ships the same rows again, and the primary key keeps one of each."""
+    first = ledger_for(db_url, state, batch_rows=64)
+    for i in range(500):
+        first.record(make_row(i))
+    before = tmp_path / "before"
+    shutil.copytree(state, before)  # the spool as it was when the batches were committed
+    await first.start()
+    assert await first.flush(20)
+    await first.stop(5)
+    assert len(await stored_ids(db_url)) == 500
+
+    for name in spool_files(before):  # the cursor never moved: back to that state
+        shutil.copy(before / name, state / name)
+    metrics = Metrics()
+    second = ledger_for(db_url, state, metrics, batch_rows=64)
+    await second.start()
+    assert await second.flush(20)
+    ids = await stored_ids(db_url)
+    assert len(ids) == len(set(ids)) == 500
+    dialect = "sqlite" if db_url.startswith("sqlite") else "postgresql"
+    assert sample(metrics, "tokenmeter_ledger_rows_written_total", {"sink": dialect}) == 0
+    await second.stop(5)
+    assert spool_files(state) == []
+
+
+def test_encode_row_is_to_json() -> None:
+    for i in range(20):
+        row = make_row(i, key_name=None, ttft_ms=None, windows="a b", user_name="é\"\\x")
+        assert encode_row(row) == row.to_json()
+        assert LedgerRow.from_json(encode_row(row)) == row
+
+
+# --- SIGKILL ----------------------------------------------------------------------------------
+
+CHILD = textwrap.dedent("""
+    import asyncio, dataclasses, sys, time
+    from pathlib import Path
+    from proxy.config.ledger import LedgerConfig
+    from proxy.ledger.ledger import Ledger
+    from proxy.ledger.row import LedgerRow
+    from proxy.telemetry.metrics import Metrics
+
+    async def main() -> None:
+        url = sys.argv[2] if sys.argv[2] != "-" else None
+        ledger = Ledger(LedgerConfig(url=url, batch_rows=50), Metrics(),
+                        state_dir=Path(sys.argv[1]))
+        await ledger.start()
+        template = LedgerRow.from_json(sys.stdin.readline())
+        i = 0
+        while True:
+            rid = f"kill-{i:07d}"
+            ledger.record(dataclasses.replace(template, request_id=rid, ended_at=time.time()))
+            print(rid, flush=True)  # only after record returned: this row must survive
+            i += 1
+            if i % 25 == 0:
+                await asyncio.sleep(0)  # the shipper runs too: some rows stored, some waiting
+
+    asyncio.run(main())
+""")
+
+
+async def test_sigkill_loses_no_recorded_row(db_url: str, state: Path, tmp_path: Path) -> None:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(state), db_url],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert child.stdin is not None and child.stdout is not None
+    child.stdin.write(make_row(0).to_json())
+    child.stdin.flush()
+    printed: list[str] = []
+    stored_before: list[str] = []
+    deadline = time.monotonic() + 20
+    # Killed in full swing: some rows already stored, others waiting, one maybe mid-write.
+    while len(printed) < 3000 or not stored_before:
+        assert time.monotonic() < deadline, f"the child printed {len(printed)} ids"
+        line = await asyncio.to_thread(child.stdout.readline)
+        assert line, "the child ended by itself"
+        printed.append(line.decode().strip())
+        if len(printed) % 500 == 0:
+            stored_before = await stored_ids(db_url)
+    child.send_signal(signal.SIGKILL)
+    rest, _ = await asyncio.to_thread(child.communicate)
+    printed += [line for line in rest.decode().split("\n") if line.startswith("kill-")]
+    # A torn last print is not an id the child confirmed.
+    printed = [p for p in printed if len(p) == len("kill-0000000")]
+    assert child.returncode == -signal.SIGKILL
+    assert any(name.endswith(".jsonl") for name in spool_files(state))
+    assert len(await stored_ids(db_url)) < len(printed)  # rows were waiting in the spool
+
+    metrics = Metrics()
+    ledger = ledger_for(db_url, state, metrics)
+    await ledger.start()
+    assert await ledger.flush(20)
+    ids = await stored_ids(db_url)
+    assert len(ids) == len(set(ids))  # never twice
+    missing = set(printed) - set(ids)
+    assert not missing, f"{len(missing)} recorded rows lost, e.g. {sorted(missing)[:3]}"
+    await ledger.stop(5)
+    assert spool_files(state) == []
+
+
+async def test_a_torn_last_line_is_skipped_and_counted(db_url: str, state: Path) -> None:
+    """A process killed inside the write of a row leaves its segment without the last
+    newline: the complete rows before it are stored, the fragment is dropped, loudly."""
+    dead = state / "ledger-999999-0123456789ab-000001.jsonl"
+    lines = b"".join(make_row(i).to_json() for i in range(5))
+    dead.write_bytes(lines + make_row(5).to_json()[:40])
+    (state / "ledger-999999-0123456789ab-000002.jsonl").write_bytes(make_row(6).to_json())
+    metrics = Metrics()
+    ledger = ledger_for(db_url, state, metrics)
+    await ledger.start()
+    assert await ledger.flush(20)
+    assert sorted(await stored_ids(db_url)) == [make_row(i).request_id for i in (0, 1, 2, 3, 4, 6)]
+    assert sample(metrics, "tokenmeter_ledger_rows_dropped_total") == 1
+    assert spool_files(state) == []  # adopted, stored, deleted (their lock too)
+    await ledger.stop(5)
+
+
+# --- the bound, bad rows, health ------------------------------------------------------------
+
+async def test_a_full_spool_drops_rows_loudly(state: Path, tmp_path: Path) -> None:
+    metrics = Metrics()
+    url = f"sqlite://{tmp_path}/books.sqlite3"
+    ledger = ledger_for(url, state, metrics, spool_max_mb=0.01)  # 10 KiB: a few dozen rows
+    for i in range(200):  # not started: nothing ships, the spool fills
+        ledger.record(make_row(i))
+    kept = ledger.health().pending_rows
+    assert 0 < kept < 200
+    assert sample(metrics, "tokenmeter_ledger_rows_dropped_total") == 200 - kept
+    health = ledger.health()
+    assert not health.ok and "full" in health.detail
+    assert sum(p.stat().st_size for p in state.glob("ledger-*.jsonl")) <= 0.01 * 1024 * 1024
+
+    await ledger.start()
+    assert await ledger.flush(20)
+    assert len(await stored_ids(url)) == kept  # what the spool took, it delivered
+    ledger.record(make_row(1000))  # room again: spooled, and health recovers
+    assert ledger.health().ok
+    assert await ledger.flush(20)
+    await ledger.stop(5)
+
+
+async def test_a_row_the_database_refuses_is_dropped_alone(db_url: str, state: Path) -> None:
+    metrics = Metrics()
+    ledger = ledger_for(db_url, state, metrics, batch_rows=50)
+    for i in range(40):
+        # 2**63 fits neither PostgreSQL's bigint nor SQLite's INTEGER.
+        ledger.record(make_row(i, input_tokens=2**63) if i == 17 else make_row(i))
+    await ledger.start()
+    assert await ledger.flush(20)
+    ids = await stored_ids(db_url)
+    assert sorted(ids) == [make_row(i).request_id for i in range(40) if i != 17]
+    assert sample(metrics, "tokenmeter_ledger_rows_dropped_total") == 1
+    assert ledger.health().ok
+    await ledger.stop(5)
+
+
+async def test_password_never_shown(state: Path) -> None:
+    assert mask_url("postgresql://tm:s3cret@db:5432/books?sslmode=require") == \
+        "postgresql://tm:***@db:5432/books?sslmode=require"
+    assert "s3cret" not in mask_url("postgresql://tm@db/books?password=s3cret")
+    port = free_port()  # nothing listens there
+    ledger = ledger_for(f"postgresql://tm:s3cret@127.0.0.1:{port}/books", state)
+    assert "s3cret" not in ledger.location
+    ledger.record(make_row(1))
+    await ledger.start()  # does not raise, does not wait long
+    health = ledger.health()
+    assert not health.ok and "s3cret" not in health.detail and health.pending_rows == 1
+    await ledger.stop(0.2)
+    assert ledger.health().pending_rows == 0  # the process's view is closed...
+    assert any(n.endswith(".jsonl") for n in spool_files(state))  # ...the row waits on disk
+
+
+def test_disabled_is_none(state: Path) -> None:
+    assert make_ledger(LedgerConfig(enabled=False), Metrics(), state_dir=state) is None
+    ledger = make_ledger(LedgerConfig(), Metrics(), state_dir=state)
+    assert ledger is not None and ledger.location.endswith("/state/ledger.sqlite3")
+
+
+# --- retention --------------------------------------------------------------------------------
+
+async def test_retention_deletes_old_rows_only(db_url: str, state: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shipper_mod, "PRUNE_SLICE", 7)  # several slices
+    clock = FakeClock(NOW)
+    ledger = Ledger(LedgerConfig(url=db_url, retention_days=30), Metrics(), state_dir=state,
+                    clock=clock)
+    old = [make_row(i, prefix="old", started_at=NOW - 31 * 86400) for i in range(30)]
+    new = [make_row(i, prefix="new", started_at=NOW - 29 * 86400) for i in range(30)]
+    for row in old + new:
+        ledger.record(row)
+    await ledger.start()
+    assert await ledger.flush(20)
+    await ledger.prune()
+    assert sorted(await stored_ids(db_url)) == [r.request_id for r in new]
+    clock.now += 2 * 86400  # now the others are past it too
+    assert await ledger.prune() == 30
+    assert await stored_ids(db_url) == []
+    await ledger.stop(5)
+
+
+# --- migrations -------------------------------------------------------------------------------
+
+async def test_migration_from_empty_and_again(db_url: str, state: Path) -> None:
+    for _ in range(2):
+        ledger = ledger_for(db_url, state)
+        await ledger.start()
+        assert ledger.health().ok
+        await ledger.stop(5)
+    assert await fetch(db_url, f"SELECT version FROM {SCHEMA_TABLE}") == [(VERSION,)]
+    if db_url.startswith("sqlite://"):
+        with sqlite3.connect(db_url.removeprefix("sqlite://")) as conn:
+            assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+async def test_two_replicas_migrate_together_postgres(pg_url: str, tmp_path: Path) -> None:
+    conns = [await asyncpg.connect(pg_url) for _ in range(4)]
+    try:
+        assert await asyncio.gather(*(migrate_postgres(c) for c in conns)) == [VERSION] * 4
+    finally:
+        for c in conns:
+            await c.close()
+    ledgers = [ledger_for(pg_url, tmp_path / f"s{i}") for i in range(3)]
+    await asyncio.gather(*(lg.start() for lg in ledgers))
+    for i, lg in enumerate(ledgers):
+        assert lg.health().ok
+        lg.record(make_row(i))
+    assert all(await asyncio.gather(*(lg.flush(20) for lg in ledgers)))
+    assert len(await stored_ids(pg_url)) == 3
+    assert await fetch(pg_url, f"SELECT version FROM {SCHEMA_TABLE}") == [(VERSION,)]
+    for lg in ledgers:
+        await lg.stop(5)
+
+
+def test_two_processes_migrate_together_sqlite(tmp_path: Path) -> None:
+    path = tmp_path / "books.sqlite3"
+    barrier = threading.Barrier(4)
+    results: list[int] = []
+
+    def migrate() -> None:
+        conn = sqlite3.connect(path, isolation_level=None, timeout=10)
+        try:
+            barrier.wait()
+            results.append(migrate_sqlite(conn))
+        finally:
+            conn.close()
+
+    threads = [threading.Thread(target=migrate) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert results == [VERSION] * 4
+    with sqlite3.connect(path) as conn:
+        assert conn.execute(f"SELECT version FROM {SCHEMA_TABLE}").fetchall() == [(VERSION,)]
+
+
+async def test_a_newer_schema_is_refused_and_rows_wait(db_url: str, state: Path) -> None:
+    ledger = ledger_for(db_url, state)
+    await ledger.start()
+    await ledger.stop(5)
+    newer = f"INSERT INTO {SCHEMA_TABLE} (version, applied_at) VALUES ({VERSION + 1}, " + \
+        ("0)" if db_url.startswith("sqlite") else "now())")
+    await execute(db_url, newer)
+
+    ledger = ledger_for(db_url, state)
+    for i in range(10):
+        ledger.record(make_row(i))
+    await ledger.start()
+    health = ledger.health()
+    assert not health.ok and "newer" in health.detail and health.pending_rows == 10
+    assert not await ledger.flush(0.3)
+    # The operator upgrades (here: the newer version goes away): the rows land.
+    await execute(db_url, f"DELETE FROM {SCHEMA_TABLE} WHERE version > {VERSION}")
+    assert await ledger.flush(20)
+    assert len(await stored_ids(db_url)) == 10
+    assert ledger.health().ok
+    await ledger.stop(5)
+
+
+async def execute(url: str, sql: str) -> None:
+    if url.startswith("sqlite://"):
+        with sqlite3.connect(url.removeprefix("sqlite://")) as db:
+            db.execute(sql)
+        return
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
