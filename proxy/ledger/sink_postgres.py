@@ -25,6 +25,11 @@ CONNECT_TIMEOUT_S = 5.0
 # A statement stuck longer than this (a network partition) fails the batch: the rows stay in
 # the spool and the shipper reconnects.
 COMMAND_TIMEOUT_S = 60.0
+# The spool forgets a batch once its commit returns, so the commit must be durable even where
+# the server defaults to `synchronous_commit = off` (which acknowledges before the WAL is
+# written: a crash of PostgreSQL then loses batches we no longer hold; a test saw exactly that).
+# One WAL flush per batch of thousands of rows costs little.
+_SESSION = {"synchronous_commit": "on", "application_name": "tokenmeter-ledger"}
 _STAGE = "tokenmeter_stage"
 _COLS = ", ".join(COLUMNS)
 _CREATE_STAGE = (f"CREATE TEMP TABLE IF NOT EXISTS {_STAGE} ON COMMIT DELETE ROWS AS "
@@ -72,7 +77,8 @@ class PostgresSink:
     async def open(self) -> None:
         await self.close()
         conn = await asyncpg.connect(self._url, timeout=CONNECT_TIMEOUT_S,
-                                     command_timeout=COMMAND_TIMEOUT_S)
+                                     command_timeout=COMMAND_TIMEOUT_S,
+                                     server_settings=_SESSION)
         try:
             await migrate_postgres(conn)
             await conn.execute(_CREATE_STAGE)
