@@ -336,7 +336,8 @@ def scrape_config_for(target: str) -> dict[str, Any]:
     """deploy/prometheus/prometheus.yml with its tokenmeter job pointed at `target`."""
     config: dict[str, Any] = load_yaml(PROM_CONFIG)
     config["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
-    config["rule_files"] = [str(RULES)]
+    # Every rule file prometheus.yml loads (tokenmeter's and the ledger's), as absolute paths.
+    config["rule_files"] = [str(PROM_CONFIG.parent / f) for f in config["rule_files"]]
     job = next(j for j in config["scrape_configs"] if j["job_name"] == "tokenmeter")
     job.pop("dns_sd_configs")
     job["static_configs"] = [{"targets": [target]}]
@@ -469,7 +470,9 @@ async def test_dashboards_and_rules_against_real_prometheus(
     assert "mock-gpt" in models
 
     # The rule file loads and evaluates in this Prometheus.
-    expected_groups = {g["name"] for g in load_yaml(RULES)["groups"]}
+    expected_groups = {g["name"] for f in load_yaml(PROM_CONFIG)["rule_files"]
+                       for g in load_yaml(PROM_CONFIG.parent / f)["groups"]}
+    assert len(expected_groups) > len(load_yaml(RULES)["groups"])  # the ledger's are in
     deadline = time.monotonic() + 20
     while True:
         body = await prometheus.api("/api/v1/rules")
@@ -781,6 +784,12 @@ def test_compose_proxy_config(monkeypatch: pytest.MonkeyPatch) -> None:
     assert any(k.startswith("${") for k in raw["users"]["alice"]["keys"])
     assert {"input", "cached_input", "output"} <= set(raw["prices"]["mock-gpt"])
 
+    # The books go to the compose stack's PostgreSQL, with ledger-db's password.
+    assert config.ledger.enabled and config.ledger.dialect == "postgresql"
+    assert config.ledger.url == (
+        "postgresql://tokenmeter:tokenmeter-ledger-demo-change-me@ledger-db:5432/tokenmeter"
+    )
+
     monkeypatch.setenv("TOKENMETER_UPSTREAM", "openai")
     switched = parse_config(COMPOSE_PROXY_CONFIG.read_text(encoding="utf-8"), "compose")
     assert switched.models[-1].upstream == "openai"
@@ -859,12 +868,22 @@ def test_kubernetes_manifests(monkeypatch: pytest.MonkeyPatch) -> None:
     # Graceful shutdown: preStop sleep, then SIGTERM and drain_seconds, all within the grace.
     cm = objs["ConfigMap"]
     secret = objs["Secret"]
-    assert {"REDIS_URL", "OPENAI_API_KEY"} <= set(secret["stringData"])
+    assert {"REDIS_URL", "LEDGER_URL", "OPENAI_API_KEY"} <= set(secret["stringData"])
     for name, value in secret["stringData"].items():
         monkeypatch.setenv(name, value)
     config = parse_config(cm["data"]["tokenmeter.yaml"], "configmap.yaml")
     assert "${REDIS_URL}" in cm["data"]["tokenmeter.yaml"]
     assert config.store.url == secret["stringData"]["REDIS_URL"]
+    # Replicas share one ledger, in PostgreSQL; its spool fits the pod's state volume, or the
+    # kubelet would evict the pod before the ledger could drop rows.
+    assert "${LEDGER_URL}" in cm["data"]["tokenmeter.yaml"]
+    assert config.ledger.url == secret["stringData"]["LEDGER_URL"]
+    assert config.ledger.dialect == "postgresql"
+    state = next(v for v in spec["volumes"] if v["name"] == "state")
+    size = re.fullmatch(r"(\d+)(Mi|Gi)", state["emptyDir"]["sizeLimit"])
+    assert size, state
+    state_mib = int(size[1]) * (1024 if size[2] == "Gi" else 1)
+    assert config.ledger.spool_max_mb * 1.25 <= state_mib, "room for the settlement spool too"
     pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop[0] == "sleep"
     grace = spec["terminationGracePeriodSeconds"]
@@ -1013,3 +1032,92 @@ def test_the_settlement_spool_has_a_writable_volume_everywhere() -> None:
     mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert "emptyDir" in volumes[mounts["/var/lib/tokenmeter"]]
+
+
+# ------------------------------------------------------------------ the ledger's database
+
+
+def _compose_default(value: str) -> str:
+    """"${VAR:-default}" -> default, as compose fills it in with VAR unset."""
+    m = re.fullmatch(r"\$\{\w+:-(.*)\}", value)
+    return m.group(1) if m else value
+
+
+def test_compose_ledger_database_and_grafana_datasource() -> None:
+    services = load_yaml(COMPOSE)["services"]
+    db = services["ledger-db"]
+    env = {k: str(v) for k, v in db["environment"].items()}
+    assert db["image"].startswith("postgres:15")  # the version the tests run against
+    assert "ports" not in db
+    assert "pg_isready" in db["healthcheck"]["test"]
+    # The proxy writes as the database's owner, with the same password.
+    tm = services["tokenmeter"]
+    assert _compose_default(tm["environment"]["LEDGER_DB_PASSWORD"]) == _compose_default(
+        env["POSTGRES_PASSWORD"])
+    assert tm["depends_on"]["ledger-db"]["condition"] == "service_healthy"
+    raw = load_yaml(COMPOSE_PROXY_CONFIG)
+    assert raw["ledger"]["url"] == (
+        f"postgresql://{env['POSTGRES_USER']}:${{LEDGER_DB_PASSWORD}}@ledger-db:5432/"
+        f"{env['POSTGRES_DB']}"
+    )
+    # The read-only role: the init script runs the SQL file at the path compose mounts it.
+    mounts = {v.split(":")[1]: (DEPLOY / v.split(":")[0]).resolve() for v in db["volumes"]
+              if v.startswith(".")}
+    init = next(m for m in mounts if m.startswith("/docker-entrypoint-initdb.d/"))
+    assert init.endswith(".sh") and mounts[init] == DEPLOY / "compose" / "ledger-init.sh"
+    script = mounts[init].read_text(encoding="utf-8")
+    sql_path = re.search(r"-f (\S+)", script)
+    assert sql_path and mounts[sql_path[1]] == DEPLOY / "compose" / "ledger-reader.sql"
+    for var in ("POSTGRES_USER", "POSTGRES_DB", "LEDGER_READER_USER", "LEDGER_READER_PASSWORD"):
+        assert f'"${var}"' in script and var in env, var
+    assert mounts[init].stat().st_mode & 0o111, "the image runs an executable init script"
+    assert "ledger-data:/var/lib/postgresql/data" in db["volumes"]
+    assert "ledger-data" in load_yaml(COMPOSE)["volumes"]
+
+    # Grafana's ledger datasource is filled from Grafana's environment: every variable set,
+    # pointing at ledger-db as the read-only role.
+    graf = services["grafana"]
+    genv = {k: str(v) for k, v in graf["environment"].items()}
+    ds_text = (GRAFANA / "provisioning" / "datasources" / "ledger.yml").read_text("utf-8")
+    wanted = set(re.findall(r"\$\{(\w+)\}", ds_text))
+    assert wanted and wanted <= set(genv), wanted - set(genv)
+    assert genv["TOKENMETER_LEDGER_DB_HOST"] == "ledger-db:5432"
+    assert genv["TOKENMETER_LEDGER_DB_NAME"] == env["POSTGRES_DB"]
+    assert genv["TOKENMETER_LEDGER_DB_USER"] == env["LEDGER_READER_USER"]
+    assert genv["TOKENMETER_LEDGER_DB_USER"] != env["POSTGRES_USER"]
+    assert _compose_default(genv["TOKENMETER_LEDGER_DB_PASSWORD"]) == _compose_default(
+        env["LEDGER_READER_PASSWORD"])
+    assert "ledger-db" in graf["depends_on"]
+
+
+def test_kubernetes_grafana_ledger_datasource_example() -> None:
+    """The example for a Kubernetes Grafana is the provisioned datasource with values filled
+    in: same name, uid, type and settings, so the dashboard finds it."""
+    (secret,) = load_yaml_docs(K8S / "examples" / "grafana-ledger-datasource.yaml")
+    assert secret["kind"] == "Secret" and "namespace" not in secret["metadata"]
+    assert secret["metadata"]["labels"]["grafana_datasource"] == "1"
+    (text,) = secret["stringData"].values()
+    (example,) = yaml.safe_load(text)["datasources"]
+    (provisioned,) = load_yaml(GRAFANA / "provisioning" / "datasources" / "ledger.yml")[
+        "datasources"]
+
+    def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+        return out
+
+    mine, theirs = flat(provisioned), flat(example)
+    assert set(mine) == set(theirs)
+    # Everything but what the provisioned file takes from Grafana's environment is the same.
+    env_driven = {k for k, v in mine.items() if isinstance(v, str) and "${" in v}
+    assert env_driven == {"url", "user", "jsonData.database", "jsonData.sslmode",
+                          "secureJsonData.password"}
+    assert {k: v for k, v in mine.items() if k not in env_driven} == {
+        k: v for k, v in theirs.items() if k not in env_driven}
+    assert example["uid"] == "tokenmeter-ledger"
+    assert example["user"] != "tokenmeter", "Grafana reads as a read-only role"
+    assert "REPLACE-ME" in example["secureJsonData"]["password"]
+    # Not applied by `kubectl apply -k`: it holds a password and belongs to Grafana.
+    kustomization = load_yaml(K8S / "kustomization.yaml")
+    assert not any("grafana" in r for r in kustomization["resources"])
