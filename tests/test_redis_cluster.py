@@ -1,0 +1,304 @@
+"""The Redis store on a real Redis Cluster: three `redis-server --cluster-enabled yes` on
+loopback ports joined by `redis-cli --cluster create`. Every reservation (a team's counters,
+the user's and a key's together) is one script call on one node, with no CROSSSLOT error, and
+proxies sharing the cluster keep a team's quota under a race."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import openai
+import pytest
+import redis
+from aiohttp.test_utils import TestServer
+from redis.crc import key_slot
+
+from proxy.budget import limits as lim
+from proxy.budget.store import Entry, InFlightLimit, ScopeKind, StoreError
+from proxy.budget.store_redis import RedisStore
+from proxy.config.policy import KeyConfig, Policy, Price
+from proxy.server import state as st
+from proxy.server.app import create_app
+from proxy.telemetry.usage_report import read_usage, today
+from proxy.testing.mock_upstream import MockSettings
+from tests.helpers import (
+    ALICE_KEY,
+    BOB_KEY,
+    CI_KEY,
+    MESSAGES,
+    ServerFactory,
+    make_config,
+    sample,
+    scrape,
+    sdk,
+    until,
+)
+from tests.servers import free_port, wait_for_port
+
+
+class Cluster:
+    """Three primaries, no replicas, each with its own cluster-bus port, in a temp dir."""
+
+    def __init__(self, nodes: int = 3) -> None:
+        self.dir = tempfile.mkdtemp(prefix="tm-redis-cluster-")
+        self.ports = [free_port() for _ in range(nodes)]
+        self.bus_ports = [free_port() for _ in range(nodes)]
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.ports[0]}"
+
+    def start(self) -> None:
+        exe, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+        assert exe and cli, "redis-server and redis-cli are needed (.ci/run installs them)"
+        for port, bus in zip(self.ports, self.bus_ports, strict=True):
+            self.procs.append(subprocess.Popen(
+                [exe, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                 "--cluster-config-file", f"{self.dir}/nodes-{port}.conf",
+                 "--cluster-port", str(bus), "--dir", self.dir, "--save", "",
+                 "--appendonly", "no", "--loglevel", "warning"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            ))
+        for port in self.ports:
+            wait_for_port(port)
+        subprocess.run(
+            [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
+             "--cluster-replicas", "0", "--cluster-yes"],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60,
+        )
+        deadline = time.monotonic() + 30
+        while not all(self._ok(p) for p in self.ports):
+            assert time.monotonic() < deadline, "the cluster never reached cluster_state:ok"
+            time.sleep(0.05)
+
+    @staticmethod
+    def _ok(port: int) -> bool:
+        with redis.Redis(port=port, decode_responses=True) as r:
+            info = r.cluster("INFO")  # parsed by redis-py into a dict
+        return isinstance(info, dict) and info.get("cluster_state") == "ok"
+
+    def flush(self) -> None:
+        for port in self.ports:
+            with redis.Redis(port=port) as r:
+                r.flushall()
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait(timeout=10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    c = Cluster()
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture
+async def store(cluster: Cluster) -> AsyncIterator[RedisStore]:
+    cluster.flush()
+    s = RedisStore(cluster.url, 5000)
+    yield s
+    await s.close()
+
+
+POLICY = Policy.model_validate({
+    "teams": {"platform": {"daily_tokens": 100, "monthly_usd": 0.001,
+                           "max_concurrent_requests": 4}},
+    "users": {
+        "alice": {"team": "platform", "daily_tokens": 70,
+                  "keys": [{"key": CI_KEY, "name": "ci", "weekly_tokens": 30,
+                            "max_concurrent_requests": 1}]},
+        "bob": {"team": "platform"},
+        "dave": {"daily_tokens": 50},
+    },
+})
+PRICE = Price(input=1.0, output=2.0)
+CI = KeyConfig(key=CI_KEY, name="ci", weekly_tokens=30, max_concurrent_requests=1)
+
+
+def _plan(user: str, key: KeyConfig | None = None) -> lim.Plan:
+    limits = lim.limits_for(POLICY, user, key, key.name if key is not None else None)
+    return lim.plan(POLICY, user, limits, "mock-gpt", time.time())
+
+
+def _entries(p: lim.Plan, tokens: int) -> list[Entry]:
+    cost = lim.reserve_cost(PRICE, tokens, 0)
+    return [Entry(w.key, w.limit, lim.amount(w, tokens, 0, cost), w.ttl_s) for w in p.windows]
+
+
+def _refused_by(p: lim.Plan, result: Any) -> tuple[ScopeKind, str]:
+    assert not result.ok
+    if result.refused_in_flight is not None:
+        held: InFlightLimit = p.in_flight[result.refused_in_flight]
+        return held.scope.kind, "max_concurrent_requests"
+    w = p.windows[result.refused_entry]
+    return w.scope.kind, w.name.value
+
+
+def _value(p: lim.Plan, used: tuple[int, ...], kind: ScopeKind, name: str) -> int:
+    return next(u for w, u in zip(p.windows, used, strict=True)
+                if w.scope.kind is kind and w.name == name)
+
+
+async def test_reservations_of_users_with_and_without_teams_on_a_cluster(
+    store: RedisStore, cluster: Cluster
+) -> None:
+    alice_ci, alice, bob, dave = _plan("alice", CI), _plan("alice"), _plan("bob"), _plan("dave")
+    # The team's slot and dave's are served by different nodes: this is a sharded store.
+    with redis.RedisCluster(host="127.0.0.1", port=cluster.ports[0]) as rc:
+        owners = {rc.get_node_from_key(p.slot).name for p in (alice, dave)}
+    assert len(owners) == 2, owners
+
+    # Team + user + key windows, and the key's, user's and team's in-flight sets: one call.
+    first = await store.reserve(alice_ci.slot, "a1", _entries(alice_ci, 25), alice_ci.in_flight,
+                                30)
+    assert first.ok
+    assert _value(alice_ci, first.used, ScopeKind.TEAM, "daily_tokens") == 25
+    assert _value(alice_ci, first.used, ScopeKind.TEAM, "monthly_usd") == 25_000
+    again = await store.reserve(alice_ci.slot, "a2", _entries(alice_ci, 1), alice_ci.in_flight,
+                                30)
+    assert _refused_by(alice_ci, again) == (ScopeKind.KEY, "max_concurrent_requests")
+    settled = await store.settle(alice_ci.slot, "a1", _entries(alice_ci, 20))
+    assert _value(alice_ci, settled, ScopeKind.KEY, "weekly_tokens") == 20
+    assert _value(alice_ci, settled, ScopeKind.USER, "daily_tokens") == 20
+    assert _value(alice_ci, settled, ScopeKind.TEAM, "daily_tokens") == 20
+    over_key = await store.reserve(alice_ci.slot, "a3", _entries(alice_ci, 15),
+                                   alice_ci.in_flight, 30)
+    assert _refused_by(alice_ci, over_key) == (ScopeKind.KEY, "weekly_tokens")
+
+    # bob takes most of what the team has left; alice, well within her own 70, is refused
+    # by the team's day, and nothing of her refused request is counted anywhere.
+    assert (await store.reserve(bob.slot, "b1", _entries(bob, 75), bob.in_flight, 30)).ok
+    assert set(await store.leases(bob.slot)) == {"b1"}
+    over_team = await store.reserve(alice.slot, "a4", _entries(alice, 10), alice.in_flight, 30)
+    assert _refused_by(alice, over_team) == (ScopeKind.TEAM, "daily_tokens")
+    await store.renew(bob.slot, ["b1"], 60)
+    deadline = (await store.leases(bob.slot))["b1"]
+    assert time.time() + 50 < deadline <= time.time() + 61
+    await store.settle(bob.slot, "b1", _entries(bob, 60))
+    assert await store.leases(bob.slot) == {}
+
+    # A user without a team, in a slot of their own.
+    assert (await store.reserve(dave.slot, "d1", _entries(dave, 50), dave.in_flight, 30)).ok
+    over_user = await store.reserve(dave.slot, "d2", _entries(dave, 1), dave.in_flight, 30)
+    assert _refused_by(dave, over_user) == (ScopeKind.USER, "daily_tokens")
+
+    # One read across the slots of every user: split per slot by the client.
+    team_day = next(w.key for w in bob.windows
+                    if w.scope.kind is ScopeKind.TEAM and w.name == "daily_tokens")
+    day = lim.windows_at(POLICY, "dave", time.time())[0].label.rpartition(":")[2]
+    keys = [team_day, *(lim.daily_key("tokenmeter", u, "daily_tokens", day,
+                                      lim.team_of(POLICY, u)) for u in ("alice", "bob", "dave"))]
+    assert len({key_slot(k.encode()) for k in keys}) == 2
+    assert await store.read(keys) == (80, 20, 60, 50)
+
+
+async def test_a_dead_reservation_is_reaped_off_the_teams_counters_on_a_cluster(
+    store: RedisStore,
+) -> None:
+    """The reap step reads counters named in reservation records, not in KEYS: on a cluster
+    that works only because they share the slot's hash tag."""
+    alice, bob = _plan("alice"), _plan("bob")
+    assert (await store.reserve(alice.slot, "dead", _entries(alice, 60), alice.in_flight,
+                                0.05)).ok
+    await until(lambda: _lapsed(store, alice.slot))
+    # bob's request reaps alice's dead reservation off the team's counters.
+    result = await store.reserve(bob.slot, "b1", _entries(bob, 90), bob.in_flight, 30)
+    assert result.ok
+    assert _value(bob, result.used, ScopeKind.TEAM, "daily_tokens") == 90
+    assert set(await store.leases(alice.slot)) == {"b1"}
+    alice_day = next(w.key for w in alice.windows
+                     if w.scope.kind is ScopeKind.USER and w.name == "daily_tokens")
+    assert await store.read([alice_day]) == (0,)
+
+
+async def _lapsed(store: RedisStore, slot: str) -> bool:
+    return all(deadline < time.time() for deadline in (await store.leases(slot)).values())
+
+
+async def test_keys_of_two_slots_in_one_call_are_refused_not_half_applied(
+    store: RedisStore,
+) -> None:
+    """What the layout prevents: a reservation spanning two slots fails as a store error."""
+    alice, dave = _plan("alice"), _plan("dave")
+    mixed = _entries(dave, 1) + _entries(alice, 1)
+    with pytest.raises(StoreError, match=r"(?i)slot"):
+        await store.reserve(dave.slot, "x", mixed, dave.in_flight, 30)
+    dave_day = next(w.key for w in dave.windows if w.name == "daily_tokens")
+    assert await store.read([dave_day]) == (0,)
+
+
+# --- proxies sharing the cluster --------------------------------------------------------------
+@pytest.fixture
+def mock_settings() -> MockSettings:
+    return MockSettings(tokens_per_second=0, ttft_ms=5, output_tokens=16)
+
+
+async def _tokens(client: openai.AsyncOpenAI) -> int:
+    stream = await client.chat.completions.create(
+        model="mock-gpt", messages=MESSAGES, stream=True, stream_options={"include_usage": True},
+    )
+    usage = None
+    async for chunk in stream:
+        usage = chunk.usage or usage
+    assert usage is not None
+    return usage.total_tokens
+
+
+async def test_two_proxies_on_a_cluster_keep_a_teams_quota_under_a_race(
+    aiohttp_server: ServerFactory, upstream: TestServer, cluster: Cluster
+) -> None:
+    cluster.flush()
+    users = {
+        "alice": {"team": "platform", "daily_tokens": 900, "max_output_tokens": 20,
+                  "keys": [ALICE_KEY, {"key": CI_KEY, "name": "ci", "weekly_tokens": 300}]},
+        "bob": {"team": "platform", "keys": [BOB_KEY], "max_output_tokens": 20},
+        "dave": {"keys": ["sk-dave-0123456789"], "daily_tokens": 400, "max_output_tokens": 20},
+    }
+    config = make_config(str(upstream.make_url("/v1")), store=cluster.url, users=users,
+                         extra={"teams": {"platform": {"daily_tokens": 1500}}})
+    proxies = [await aiohttp_server(create_app(config)) for _ in range(2)]
+    keys = [ALICE_KEY, CI_KEY, BOB_KEY, "sk-dave-0123456789"]
+    clients = [(k, sdk(p, k)) for p in proxies for k in keys]
+    results = await asyncio.gather(*(_tokens(clients[i % len(clients)][1]) for i in range(160)),
+                                   return_exceptions=True)
+    served: dict[str, int] = dict.fromkeys(keys, 0)
+    refused = 0
+    for i, r in enumerate(results):
+        if isinstance(r, int):
+            served[clients[i % len(clients)][0]] += r
+        else:
+            assert isinstance(r, openai.RateLimitError), repr(r)
+            refused += 1
+    assert refused and all(served.values()), served
+    team = served[ALICE_KEY] + served[CI_KEY] + served[BOB_KEY]
+    assert team <= 1500 and served[ALICE_KEY] + served[CI_KEY] <= 900
+    assert served[CI_KEY] <= 300 and served["sk-dave-0123456789"] <= 400
+    for p in proxies:
+        m = await scrape(p)
+        assert sample(m, "tokenmeter_store_errors_total") == 0  # no CROSSSLOT, no timeout
+        assert p.app[st.SERVICES].budget.health.up
+    budget = proxies[0].app[st.SERVICES].budget
+
+    async def settled() -> bool:
+        rows = await read_usage(config, budget.store, today(config, budget.clock()))
+        by_user = {r.user: r.tokens for r in rows}
+        return by_user == {"alice": served[ALICE_KEY] + served[CI_KEY],
+                           "bob": served[BOB_KEY], "dave": served["sk-dave-0123456789"]}
+
+    await until(settled)
+    for _, c in clients:
+        await c.close()
