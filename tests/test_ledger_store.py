@@ -261,6 +261,35 @@ async def test_a_torn_last_line_is_skipped_and_counted(db_url: str, state: Path)
     await ledger.stop(5)
 
 
+async def test_replicas_sharing_a_spool_adopt_only_the_dead(
+        state: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two live processes on one spool directory each ship their own rows; files of a process
+    that died are taken over by a live one within `ADOPT_EVERY_S`."""
+    monkeypatch.setattr(shipper_mod, "ADOPT_EVERY_S", 0.05)
+    url = f"sqlite://{tmp_path}/books.sqlite3"
+    a, b = ledger_for(url, state), ledger_for(url, state)
+    for i in range(30):
+        a.record(make_row(i, prefix="a"))
+    await b.start()
+    assert b.health().pending_rows == 0  # a is alive: its lock is held, its rows are its own
+    assert a.health().pending_rows == 30
+    await a.start()
+    assert await a.flush(20)
+
+    dead = state / "ledger-4242-00000000dead-000001.jsonl"
+    dead.write_bytes(b"".join(make_row(i, prefix="dead").to_json() for i in range(20)))
+    deadline = time.monotonic() + 20
+    while len(await stored_ids(url)) < 50:
+        assert time.monotonic() < deadline, "the dead process's rows were not adopted"
+        await asyncio.sleep(0.02)
+    ids = await stored_ids(url)
+    assert len(ids) == len(set(ids)) == 50
+    assert not dead.exists()
+    await a.stop(5)
+    await b.stop(5)
+    assert spool_files(state) == []
+
+
 # --- the bound, bad rows, health ------------------------------------------------------------
 
 async def test_a_full_spool_drops_rows_loudly(state: Path, tmp_path: Path) -> None:

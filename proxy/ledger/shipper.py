@@ -108,12 +108,13 @@ class Shipper:
     async def run(self) -> None:
         backoff = BACKOFF_MIN_S
         while True:
-            stage = LedgerStage.SHIP
+            stage = LedgerStage.SPOOL
             try:
                 if time.monotonic() >= self._next_adopt:
                     await self._adopt()
                 batch = await self._head_batch()
                 self._publish(force=False)
+                stage = LedgerStage.SHIP
                 if not self.sink.connected:
                     stage = LedgerStage.CONNECT
                     await self._connect()
@@ -135,9 +136,10 @@ class Shipper:
                 raise
             except Exception as exc:
                 self._failed(stage, exc)
-                with contextlib.suppress(Exception):
-                    async with self._lock:
-                        await self.sink.close()
+                if stage is not LedgerStage.SPOOL:  # the connection may be broken: a new one
+                    with contextlib.suppress(Exception):
+                        async with self._lock:
+                            await self.sink.close()
                 self._publish(force=True)
                 await self._idle(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX_S)

@@ -51,6 +51,7 @@ log = logging.getLogger("tokenmeter.ledger")
 SEGMENT_MIN_BYTES = 64 * 1024
 SEGMENT_MAX_BYTES = 16 * 1024 * 1024
 _SEGMENT_RE = re.compile(r"^ledger-(\d+-[0-9a-f]+)-(\d+)\.jsonl$")
+_ENDED = COLUMNS.index("ended_at")
 _FILE_MODE = 0o600  # rows name users and teams: not for every local account to read
 
 # `LedgerRow.to_json` goes through `dataclasses.astuple`, which deep-copies every field (about
@@ -112,6 +113,7 @@ class Spool:
         self.pending_rows = 0
         self.pending_bytes = 0
         self.dropping = False  # the last append was refused or failed
+        self.cursor_failing = False  # the last cursor write failed (logged once)
         self._segments: list[Segment] = []  # in shipping order: adopted first, then ours
         self._adopted: dict[str, _Adopted] = {}
         self._lock_fd = -1
@@ -208,8 +210,17 @@ class Spool:
         self.pending_bytes -= consumed
         if not seg.live and seg.start >= seg.end:
             self._delete(seg)
-        else:
+            return
+        try:
             _write_cursor(seg)
+        except OSError as exc:
+            # The rows are stored; a stale cursor only means a restart ships them again.
+            if not self.cursor_failing:
+                log.error("ledger: cannot write the spool cursor %s (%s): after a restart "
+                          "these rows are shipped again (and stored once)", seg.cursor_path, exc)
+            self.cursor_failing = True
+        else:
+            self.cursor_failing = False
 
     def forget(self, seg: Segment) -> None:
         """A segment whose file vanished: its rows are lost (the caller says so)."""
@@ -373,7 +384,7 @@ def read_batch(seg: Segment, end: int, max_rows: int,
             values = json.loads(line)
             if not isinstance(values, list) or len(values) != width:
                 raise ValueError("not a ledger row")
-            ended = float(values[2])
+            ended = float(values[_ENDED])
             records.append(prepare(values))
         except (ValueError, TypeError, OverflowError):
             bad += 1
