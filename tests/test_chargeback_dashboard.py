@@ -27,8 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import openai
 import pytest
 import yaml
+from aiohttp.test_utils import TestServer
 
 from proxy.budget.cost import cost_nanousd
 from proxy.config.policy import Price
@@ -36,6 +38,9 @@ from proxy.errors import ErrorClass
 from proxy.ledger.migrate import migrate_postgres
 from proxy.ledger.row import COLUMNS, LedgerRow
 from proxy.ledger.schema import TABLE
+from proxy.server import state as st
+from proxy.server.app import create_app
+from tests.helpers import ALICE_KEY, BOB_KEY, MESSAGES, ServerFactory, make_config, sdk
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "grafana" / "dashboards" / "chargeback.json"
@@ -121,7 +126,7 @@ ROWS: tuple[LedgerRow, ...] = (
     ledger_row(at(4, 12), "dave", None, None, "llama-local", tokens=(100, 0, 10, 0)),
     ledger_row(at(4, 13), "dave", None, None, "gpt-4o", status=502,
                error=ErrorClass.UPSTREAM_5XX),
-    # Names that need SQL quoting.
+    # Names that need SQL quoting (the config's names cannot, but the SQL must not rely on it).
     ledger_row(at(5, 16), "o'hara", "r'n'd", "o'hara-key", "gpt-4o-mini",
                tokens=(10_000, 5000, 2000, 1000)),
     # The edges of the month: the last instant is in, the next month and the one before out.
@@ -152,13 +157,14 @@ class Selection:
     start: datetime
     end: datetime
     chosen: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    source: tuple[LedgerRow, ...] = ROWS  # what the database holds
 
     def rows(self) -> list[LedgerRow]:
         """What the dashboard should see: the rows in the range matching every filter (Python's
         own reading, to compare the SQL with)."""
         lo, hi = self.start.timestamp(), self.end.timestamp()
         out = []
-        for r in ROWS:
+        for r in self.source:
             if not lo <= r.started_at <= hi:
                 continue
             for name, value in (("team", team_of(r)), ("user", r.user_name),
@@ -653,6 +659,75 @@ async def test_the_datasource_role_reads_and_cannot_write(reader_url: str) -> No
                 await conn.execute(statement)
     finally:
         await conn.close()
+
+
+async def test_rows_the_proxy_wrote(
+    aiohttp_server: ServerFactory, upstream: TestServer, reader_url: str, pg_url: str
+) -> None:
+    """The same, on rows the real proxy books through its spool and shipper: teams, a refused
+    request, costs from its price table."""
+    config = make_config(
+        str(upstream.make_url("/v1")), store="memory",
+        users={
+            "alice": {"keys": [ALICE_KEY], "team": "research"},
+            # Room for two requests of ~26 tokens (16 out at most), then refused.
+            "bob": {"keys": [BOB_KEY], "team": "apps", "daily_tokens": 60,
+                    "max_output_tokens": 16},
+        },
+        extra={"ledger": {"url": pg_url},
+               "prices": {"mock-gpt": {"input": 2.5, "cached_input": 1.25, "output": 10.0}}},
+    )
+    proxy = await aiohttp_server(create_app(config))
+    started = datetime.now(UTC)
+    price = PRICES["gpt-4o"]  # the same figures as the config's
+    expected_nanos = 0
+    refusals = 0
+    for key, count in ((ALICE_KEY, 3), (BOB_KEY, 4)):
+        client = sdk(proxy, key)
+        for _ in range(count):
+            try:
+                r = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
+            except openai.RateLimitError:
+                refusals += 1
+                continue
+            assert r.usage is not None
+            expected_nanos += cost_nanousd(price, r.usage.prompt_tokens, 0,
+                                           r.usage.completion_tokens)
+        await client.close()
+    assert refusals >= 1, "bob ran out of his quota"
+    services = proxy.app[st.SERVICES]
+    await asyncio.wait_for(services.settling.wait_for(7), 30)
+    assert services.ledger is not None
+    assert await services.ledger.flush(30), services.ledger.health()
+
+    owner = await asyncpg.connect(pg_url)
+    try:
+        mine = await owner.fetch(
+            f"SELECT {', '.join(COLUMNS)} FROM {TABLE} WHERE started_at >= $1", started)
+    finally:
+        await owner.close()
+    assert len(mine) == 7
+    written = tuple(from_db(r) for r in mine)
+    sel = Selection(started - timedelta(minutes=5), datetime.now(UTC) + timedelta(minutes=5),
+                    source=ROWS + written)
+    conn = await asyncpg.connect(reader_url)
+    try:
+        run = await run_dashboard(conn, sel)
+    finally:
+        await conn.close()
+    check_panels(run, sel)
+    assert sorted(run.options["team"]) == ["apps", "research"]
+    assert run["Spend (time range)"][0]["spend"] == usd([expected_nanos])
+    assert run["Refused requests (time range)"][0]["refused"] == refusals
+    assert {(r["metric"], r["refused"]) for r in run["Refused requests by class"]} == {
+        ("budget_exceeded", refusals)}
+
+
+def from_db(record: asyncpg.Record) -> LedgerRow:
+    values = dict(record)
+    for name in ("started_at", "ended_at"):
+        values[name] = values[name].timestamp()
+    return LedgerRow(**values)
 
 
 # ---------------------------------------------------------------------- static checks
