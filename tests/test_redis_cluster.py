@@ -161,6 +161,7 @@ async def test_reservations_of_users_with_and_without_teams_on_a_cluster(
     with redis.RedisCluster(host="127.0.0.1", port=cluster.ports[0]) as rc:
         owners = {rc.get_node_from_key(p.slot).name for p in (alice, dave)}
     assert len(owners) == 2, owners
+    await store.ping()  # the readiness probe: a script, on whichever node
 
     # Team + user + key windows, and the key's, user's and team's in-flight sets: one call.
     first = await store.reserve(alice_ci.slot, "a1", _entries(alice_ci, 25), alice_ci.in_flight,

@@ -14,7 +14,8 @@ from proxy.budget import limits as lim
 from proxy.budget.cost import cost_nanousd
 from proxy.budget.refusals import Refusal, RefusalKind, render, unpriced, usd
 from proxy.budget.store import Entry, MemoryStore, ScopeKind
-from proxy.config.policy import KeyConfig, Limits, Policy, Price, UserConfig
+from proxy.budget.store_redis import cluster_url
+from proxy.config.policy import KeyConfig, Limits, Policy, Price, StoreConfig, UserConfig
 from tests.helpers import FakeClock
 
 BERLIN = ZoneInfo("Europe/Berlin")
@@ -317,6 +318,15 @@ async def test_a_dead_members_reservation_is_reaped_by_another_members_request()
     team_key = next(w.key for w in bob.windows
                     if w.scope.kind is ScopeKind.TEAM and w.name == "daily_tokens")
     assert await store.read([team_key]) == (30,)
+
+
+def test_a_cluster_is_named_by_its_url_scheme() -> None:
+    assert cluster_url("redis+cluster://10.0.0.1:7000") == "redis://10.0.0.1:7000"
+    assert cluster_url("rediss+cluster://u:p@h:7000/0") == "rediss://u:p@h:7000/0"
+    assert cluster_url("redis://h:6379/0") is None
+    assert StoreConfig(url="redis+cluster://h:7000").url == "redis+cluster://h:7000"
+    with pytest.raises(ValueError, match="redis\\+cluster://"):
+        StoreConfig(url="cluster://h:7000")
 
 
 def test_team_limits_default_nothing() -> None:
