@@ -241,7 +241,9 @@ class Policy(_Model):
     defaults: Limits = Field(default_factory=lambda: Limits(max_output_tokens=4096))
     users: dict[str, UserConfig] = Field(default_factory=dict)
     # Limits a team's users share (the same fields as a user's): `teams.<name>`, where a user
-    # has `team: <name>`. Reserved together with the user's and key's windows, all or nothing.
+    # has `team: <name>`. Reserved together with the user's and key's windows, all or nothing;
+    # a team's max_concurrent_requests counts all its users' requests in flight, and its
+    # max_output_tokens caps each of their requests like a user's.
     teams: dict[str, Limits] = Field(default_factory=dict)
     alerts: AlertsConfig = Field(default_factory=AlertsConfig)
     prices: dict[str, Price] = Field(default_factory=dict)
