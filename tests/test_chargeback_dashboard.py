@@ -8,7 +8,8 @@ data source's macros (`$__timeFilter`, `$__timeGroupAlias`, ...) expanded as Gra
 grafana-postgresql-datasource does. The queries run as the read-only role that
 deploy/compose/ledger-reader.sql creates (the role the provisioned datasource uses), on the
 schema the proxy's own migration creates, and their answers are compared with the same sums
-computed here in Python from the rows inserted. No query of the dashboard goes unrun.
+computed here in Python from the rows inserted, and from rows the real proxy booked through its
+spool and shipper. No query of the dashboard goes unrun.
 """
 
 from __future__ import annotations
