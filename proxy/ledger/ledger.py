@@ -66,6 +66,7 @@ class Ledger:
         self._metrics = metrics
         self._shipper = Shipper(self._spool, sink, metrics, batch_rows=config.batch_rows,
                                 retention_days=config.retention_days, clock=clock)
+        self._rows = self._shipper.rows  # set on every row: wakes an idle shipper
         self._task: asyncio.Task[None] | None = None
         self._dropped = 0  # rows dropped in the current episode (since the last row spooled)
         self._drop_reason = ""
@@ -79,6 +80,8 @@ class Ledger:
         """Append the row to the spool: one write, no waiting on any database. Never raises."""
         try:
             if self._spool.append(encode_row(row)):
+                if not self._rows.is_set():
+                    self._rows.set()
                 if self._dropped:
                     self._recovered()
                 return

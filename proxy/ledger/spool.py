@@ -25,8 +25,8 @@ The bound: rows not yet stored may take `max_bytes`; past it `append` refuses ne
 caller counts them as dropped). Shipped rows of the segment being written still take disk until
 it is closed and deleted, at most one segment (`segment_bytes` is a sixteenth of the bound).
 
-Threads: `append`, `advance` and the bookkeeping run on the event loop's thread; `read_batch`
-and `scan_dead` do file I/O only and are run in a worker thread by the shipper.
+Threads: `append`, `advance` and the bookkeeping run on the event loop's thread; `scan_dead`
+and big `read_batch`es do file I/O only and are run in a worker thread by the shipper.
 """
 
 from __future__ import annotations
@@ -297,6 +297,9 @@ class Spool:
         for name in sorted(os.listdir(self.directory)):
             m = pattern.match(name)
             if m is None:
+                if name.startswith(f"ledger-{owner}-") and name.endswith(".pos.tmp"):
+                    with contextlib.suppress(FileNotFoundError):  # its cursor write was cut
+                        (self.directory / name).unlink()
                 continue
             path = self.directory / name
             try:
@@ -358,7 +361,7 @@ def read_batch(seg: Segment, end: int, max_rows: int,
     segment keeps growing, but only whole lines are ever below its `end`)."""
     start = seg.start
     want = end - start
-    size = max(SEGMENT_MIN_BYTES, max_rows * 1024)
+    size = read_size(max_rows)
     with seg.path.open("rb") as f:
         f.seek(start)
         data = f.read(min(want, size))
@@ -392,6 +395,11 @@ def read_batch(seg: Segment, end: int, max_rows: int,
         if oldest is None or ended < oldest:
             oldest = ended
     return Batch(seg, records, len(lines), bad, start + cut + torn, torn, oldest)
+
+
+def read_size(max_rows: int) -> int:
+    """Bytes read at once for a batch of `max_rows` (rows are about 300 to 600 bytes)."""
+    return max(SEGMENT_MIN_BYTES, max_rows * 1024)
 
 
 def _load_segment(path: Path, owner: str, seq: int) -> Segment:
