@@ -172,6 +172,20 @@ def test_encode_row_is_to_json() -> None:
         assert LedgerRow.from_json(encode_row(row)) == row
 
 
+async def test_rows_recorded_after_stop_wait_for_the_next_start(db_url: str,
+                                                                 state: Path) -> None:
+    ledger = ledger_for(db_url, state)
+    await ledger.start()
+    ledger.record(make_row(1))
+    await ledger.stop(5)
+    ledger.record(make_row(2))  # a straggler settling after the drain: spooled, not lost
+    await ledger.start()  # the same object again (a restart of the app in one process)
+    assert await ledger.flush(20)
+    assert sorted(await stored_ids(db_url)) == [make_row(1).request_id, make_row(2).request_id]
+    await ledger.stop(5)
+    assert spool_files(state) == []
+
+
 # --- SIGKILL ----------------------------------------------------------------------------------
 
 CHILD = textwrap.dedent("""

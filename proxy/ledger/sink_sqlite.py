@@ -41,13 +41,15 @@ class SqliteSink:
         self.path = path
         self.location = f"sqlite://{path.absolute()}"
         self._conn: sqlite3.Connection | None = None
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="tm-ledger-sqlite")
+        self._executor: ThreadPoolExecutor | None = None
 
     @property
     def connected(self) -> bool:
         return self._conn is not None
 
     async def _run(self, fn: Callable[[], T]) -> T:
+        if self._executor is None:  # made here, so a ledger started again after stop works
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="tm-ledger-sqlite")
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     async def open(self) -> None:
@@ -112,7 +114,9 @@ class SqliteSink:
 
     def shutdown(self) -> None:
         """The worker thread ends once what is queued on it has run."""
-        self._executor.shutdown(wait=False)
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
 
     def _require(self) -> sqlite3.Connection:
         if self._conn is None:
