@@ -91,7 +91,7 @@ async def _admin(statement: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def pg_url() -> Iterator[str]:
+def module_pg() -> Iterator[str]:
     name = f"tm_usage_{uuid.uuid4().hex[:12]}"
     asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
     yield f"postgresql://postgres@127.0.0.1:5432/{name}"
@@ -113,16 +113,16 @@ def _sqlite_books(tmp_path: Path) -> Books:
     return Books(f"sqlite://{tmp_path / 'books.sqlite3'}")
 
 
-def _pg_books(pg_url: str) -> Books:
-    asyncio.run(_pg_write(pg_url, [], fresh=True))  # each test its own empty table
-    return Books(pg_url)
+def _pg_books(module_pg: str) -> Books:
+    asyncio.run(_pg_write(module_pg, [], fresh=True))  # each test its own empty table
+    return Books(module_pg)
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def books(request: pytest.FixtureRequest, tmp_path: Path) -> Books:
     if request.param == "sqlite":
         return _sqlite_books(tmp_path)
-    return _pg_books(request.getfixturevalue("pg_url"))
+    return _pg_books(request.getfixturevalue("module_pg"))
 
 
 def usage(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
@@ -279,14 +279,14 @@ def test_offsets_of_any_size(books: Books, capsys: pytest.CaptureFixture[str], z
     assert [r["day"] for r in csv_rows(out)][:-1] == days
 
 
-def test_both_dialects_print_the_same(tmp_path: Path, pg_url: str,
+def test_both_dialects_print_the_same(tmp_path: Path, module_pg: str,
                                       capsys: pytest.CaptureFixture[str]) -> None:
     rows = [*TEAMS, *(row(f"z{i}", ("alice", "bob", "dan")[i % 3],
                           f"2025-01-{1 + i % 28:02d}T{i % 24:02d}:{(i * 7) % 60:02d}",
                           team=("eng", None)[i % 2], input_tokens=i, output_tokens=2 * i,
                           cost_nanousd=i * 1_000_003)
                       for i in range(200))]
-    lite, pg = _sqlite_books(tmp_path), _pg_books(pg_url)
+    lite, pg = _sqlite_books(tmp_path), _pg_books(module_pg)
     lite.write(rows)
     pg.write(rows)
     for by in ("user", "team,model,day", "week,key", "month,upstream,user,day"):

@@ -20,6 +20,7 @@ import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -135,7 +136,9 @@ def as_int(value: object) -> int:
         return 0
     if isinstance(value, int):
         return value
-    return int(str(value))  # Decimal: exact, never through a float
+    if isinstance(value, Decimal) and value == value.to_integral_value():
+        return int(value)  # exact (PostgreSQL's numeric sums may come as 7.5E+5)
+    raise TypeError(f"not an integer: {value!r}")
 
 
 class _SqliteReader(LedgerReader):

@@ -1,17 +1,583 @@
-"""`tokenmeter reconcile`: the ledger's totals against the store's counters (being built)."""
+"""`tokenmeter reconcile`: do the books and the budget store tell the same story?
+
+For one day (default today, in the configured time zone), every calendar budget window that day
+is in (its day, week and month; tokens, input, output and cost), per user, key and model group
+with a window of their own, and per team: the ledger's total for the window against the store's
+counter, and the reservations the store holds past their lease (orphans).
+
+Which rows count towards a window: those whose `windows` column names it. Settle records there
+the labels (`u:daily_tokens:20261203`, `t.platform:monthly_usd:M202612`) of the very counters it
+charged, so a row is attributed exactly where the store counted it; no clock or time-zone
+arithmetic can put a request on the other side of midnight. A user's window takes the user's
+rows (the row's team says which slot its counters were in, so a user who changed teams is still
+attributed right); a team's window takes every row naming it. Per-minute windows are not
+compared (their counters live two minutes).
+
+What may legitimately differ, and how it is treated:
+- Requests in flight: their reservation (their worst case) is in the counter, their row is not
+  in the ledger yet. The store's counters and its reservation records are read in one atomic
+  snapshot per slot (one read-only script), then the ledger is read, so each window's reserved
+  amount bounds the difference: a window agrees when |ledger - store| <= held (a request that
+  settles between the two reads moves the difference within that bound). Reservations past their
+  lease (their proxy died) are listed as orphans; what they hold still explains the difference,
+  since the next reservation in their slot gives it back. Orphans alone do not fail the run:
+  they heal by themselves, and the metric and alert report them.
+- Rows on their way: a settled request's row waits in its replica's ledger spool until the
+  shipper writes it (well under a second normally; longer while the database is down), and
+  usage settled while the store was down waits in the budget spool. Reconcile flushes nothing
+  (it cannot reach other replicas' spools). The command therefore reads twice: a difference
+  in the first reading is read again `--recheck` seconds later, and only windows that disagree
+  in both are drift (exit 1); one that disagrees only in the second is `pending`. The current
+  day is judged like any other: with the shipper caught up, the books match the store while
+  the day runs, not only after it. `ledger_newest` (the newest row's end) shows how far the
+  ledger is behind. The in-process `reconcile()` is one reading: its `drift_by_window()` feeds
+  `tokenmeter_reconcile_drift_tokens`, whose alert waits 15 minutes before it fires.
+- Windows the store no longer holds (past their retention: a day's counters for eight days
+  after it, a week's fifteen, a month's forty) are listed as `expired` and not judged.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import enum
+import json
 import sys
+import time
+import urllib.parse
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, date, datetime, timedelta
+from typing import Protocol
+from zoneinfo import ZoneInfo
+
+from redis.exceptions import RedisClusterException, RedisError
+
+from proxy.budget import limits as lim
+from proxy.budget.store import MemoryStore, ScopeKind, Store, StoreError
+from proxy.budget.store_redis import RedisStore
+from proxy.config.load import Config, ConfigError, load_config
+from proxy.config.policy import Limits
+from proxy.ledger.query import LedgerReader, LedgerUnavailable, as_int, locate, open_reader
+from proxy.ledger.schema import TABLE
+
+DEFAULT_USER = "default"  # open mode's one user (proxy.auth.DEFAULT_USER)
+_EXPIRY_MARGIN_S = 60  # a counter this close to its expiry may be gone by the time it is read
+
+
+# --- the store's side: counters and reservations, one atomic snapshot per slot -------------------
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """A reservation the store holds: what it added to which counters, and until when."""
+
+    res_id: str
+    deadline: float  # epoch seconds, the store's clock
+    amounts: tuple[tuple[str, int], ...]  # (counter key, amount)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotState:
+    now: float  # the store's clock (leases are judged by it)
+    counters: Mapping[str, int]
+    holds: tuple[Hold, ...]
+
+
+class StoreView(Protocol):
+    async def snapshot(self, slot: str, keys: Sequence[str]) -> SlotState:
+        """The counters `keys` (all in `slot`) and the slot's reservations, read atomically."""
+        ...
+
+
+# KEYS: the slot's inflight ZSET, its reserved HASH, then the counters. Read-only. The store's
+# clock, as the reservation scripts judge leases by it.
+SNAPSHOT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local values = {}
+for i = 3, #KEYS do values[i - 2] = redis.call('GET', KEYS[i]) or '0' end
+return {now, values, redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES'),
+        redis.call('HGETALL', KEYS[2])}
+"""
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class _RedisView:
+    def __init__(self, store: RedisStore) -> None:
+        # The store's own client (single node or cluster): its timeouts, its connections. A
+        # script call goes to the node of its keys' slot.
+        self._script = store._redis.register_script(SNAPSHOT)
+
+    async def snapshot(self, slot: str, keys: Sequence[str]) -> SlotState:
+        try:
+            now_ms, values, leases, records = await self._script(
+                keys=[f"{slot}:inflight", f"{slot}:reserved", *keys], args=[])
+        except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
+            raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+        reserved = {_text(records[i]): json.loads(_text(records[i + 1]))
+                    for i in range(0, len(records), 2)}
+        holds = []
+        for i in range(0, len(leases), 2):
+            res_id = _text(leases[i])
+            record = reserved.get(res_id, [])
+            amounts = tuple((str(record[j]), int(record[j + 1]))
+                            for j in range(0, len(record), 2))
+            holds.append(Hold(res_id, float(_text(leases[i + 1])) / 1000, amounts))
+        counters = {k: int(_text(v)) for k, v in zip(keys, values, strict=True)}
+        return SlotState(int(now_ms) / 1000, counters, tuple(holds))
+
+
+class _MemoryView:
+    """The in-process store, read without yielding: atomic like the Redis script."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self._store = store
+
+    async def snapshot(self, slot: str, keys: Sequence[str]) -> SlotState:
+        s = self._store
+        now = s._clock()
+        counters = {k: s._counters.get(k, now) for k in keys}
+        holds = tuple(Hold(res_id, deadline, s._reserved.get(res_id, ()))
+                      for res_id, deadline in s._leases.get(slot, {}).items())
+        return SlotState(now, counters, holds)
+
+
+def store_view(store: Store) -> StoreView:
+    """What reconcile reads of `store`. (It needs the reservations' amounts, which the Store
+    interface does not give: it reads the two stores' own structures.)"""
+    if isinstance(store, RedisStore):
+        return _RedisView(store)
+    if isinstance(store, MemoryStore):
+        return _MemoryView(store)
+    raise TypeError(f"cannot reconcile against a {type(store).__name__}")
+
+
+# --- the result ---------------------------------------------------------------------------------
+
+class Verdict(enum.StrEnum):
+    AGREES = "agrees"  # the ledger's total is the store's counter
+    IN_FLIGHT = "in flight"  # they differ by no more than reservations hold
+    DRIFT = "drift"  # they differ beyond it
+    PENDING = "pending"  # drift in a second reading only: rows may be on their way
+    EXPIRED = "expired"  # the store no longer holds the window: not judged
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One window: the ledger's total, the store's counter, what reservations hold in it."""
+
+    key: str  # the storage key
+    user: str | None  # None: a team's window
+    team: str | None
+    label: str  # `<scope>:<window>:<stamp>`
+    window: str  # its name: daily_tokens, monthly_usd, ...
+    measure: str  # total, input, output, requests, cost (nano-dollars)
+    ledger: int
+    store: int
+    in_flight: int
+    verdict: Verdict
+
+    @property
+    def scope(self) -> str:
+        return self.label.rsplit(":", 2)[0]
+
+    @property
+    def stamp(self) -> str:
+        return self.label.rsplit(":", 1)[1]
+
+    @property
+    def difference(self) -> int:
+        """Ledger minus store."""
+        return self.ledger - self.store
+
+    @property
+    def unexplained(self) -> int:
+        """The difference beyond what reservations explain, signed like it."""
+        d = self.difference
+        if abs(d) <= self.in_flight:
+            return 0
+        return d - self.in_flight if d > 0 else d + self.in_flight
+
+    @property
+    def judged(self) -> bool:
+        return self.verdict is not Verdict.EXPIRED
+
+    @property
+    def quiet(self) -> bool:
+        return self.ledger == 0 and self.store == 0 and self.in_flight == 0
+
+    def to_json(self) -> dict[str, object]:
+        return {"user": self.user, "team": self.team, "scope": self.scope,
+                "window": self.window, "stamp": self.stamp, "measure": self.measure,
+                "ledger": self.ledger, "store": self.store, "in_flight": self.in_flight,
+                "difference": self.difference, "unexplained": self.unexplained,
+                "verdict": self.verdict.value, "key": self.key}
+
+
+@dataclass(frozen=True, slots=True)
+class Orphan:
+    """A reservation still held past its lease: its proxy died, or its release was lost."""
+
+    slot: str
+    res_id: str
+    deadline: float  # epoch seconds
+    overdue_s: float
+    held: tuple[tuple[str, int], ...]  # (counter key within the slot, amount)
+
+    def to_json(self) -> dict[str, object]:
+        return {"slot": self.slot, "reservation": self.res_id,
+                "lease_ended": datetime.fromtimestamp(self.deadline, UTC).isoformat(),
+                "overdue_s": round(self.overdue_s, 3), "held": dict(self.held)}
+
+
+@dataclass(frozen=True, slots=True)
+class Reconciliation:
+    day: date
+    timezone: str
+    at: float  # the store's clock at the (first) snapshot
+    checks: tuple[Check, ...]
+    orphans: tuple[Orphan, ...]
+    ledger_newest: float | None  # the newest row's end, epoch seconds; None: no rows at all
+
+    @property
+    def agrees(self) -> bool:
+        return not any(c.verdict is Verdict.DRIFT for c in self.checks)
+
+    def drift_by_window(self) -> dict[str, int]:
+        """Per window name (every calendar one, 0 included so a gauge clears): the unexplained
+        difference (ledger minus store) summed over users, keys, model groups and teams. When
+        some are over and some under, the larger side's sum: opposite drifts never cancel
+        to 0. Cost windows are in nano-dollars."""
+        over: dict[str, int] = defaultdict(int)
+        under: dict[str, int] = defaultdict(int)
+        for c in self.checks:
+            if c.verdict is Verdict.DRIFT:
+                u = c.unexplained
+                (over if u > 0 else under)[c.window] += u
+        out = {}
+        for name in lim.WindowName:
+            if name.calendar:
+                plus, minus = over[name.value], under[name.value]
+                out[name.value] = plus if plus >= -minus else minus
+        return out
+
+    def confirmed_by(self, earlier: Reconciliation) -> Reconciliation:
+        """This (second) reading, its drift kept only where `earlier` showed drift too."""
+        before = {c.key for c in earlier.checks if c.verdict is Verdict.DRIFT}
+        checks = tuple(
+            replace(c, verdict=Verdict.PENDING)
+            if c.verdict is Verdict.DRIFT and c.key not in before else c
+            for c in self.checks
+        )
+        return replace(self, checks=checks)
+
+    def to_json(self) -> dict[str, object]:
+        shown = [c for c in self.checks if not c.quiet]
+        return {
+            "date": self.day.isoformat(), "timezone": self.timezone,
+            "at": datetime.fromtimestamp(self.at, UTC).isoformat(),
+            "agrees": self.agrees, "checked": len(self.checks),
+            "ledger_newest": None if self.ledger_newest is None
+            else datetime.fromtimestamp(self.ledger_newest, UTC).isoformat(),
+            "windows": [c.to_json() for c in shown],
+            "orphans": [o.to_json() for o in self.orphans],
+            "drift_by_window": self.drift_by_window(),
+        }
+
+
+# --- the comparison -----------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    key: str
+    user: str | None
+    team: str | None
+    label: str
+    name: lim.WindowName
+    expires_at: float
+
+
+@dataclass(slots=True)
+class _Tally:
+    requests: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost_nanousd: int = 0
+
+    def amount(self, measure: lim.Measure) -> int:
+        if measure is lim.Measure.TOTAL:
+            return self.input_tokens + self.output_tokens
+        if measure is lim.Measure.INPUT:
+            return self.input_tokens
+        if measure is lim.Measure.OUTPUT:
+            return self.output_tokens
+        if measure is lim.Measure.COST:
+            return self.cost_nanousd
+        return self.requests
+
+
+def _slot_of(key: str) -> str:
+    """`prefix:{alice}:u:daily_tokens:20261203` -> `prefix:{alice}` (names never hold braces)."""
+    return key[: key.index("}") + 1]
+
+
+def _calendar(config: Config, at: float) -> dict[str, tuple[str, float]]:
+    """Per calendar window name: the stamp of its period around `at` and when its counters
+    expire. From a plan with every limit set, so it names every window there is."""
+    every = Limits(**dict.fromkeys(Limits.model_fields, 1))
+    limits = lim.effective_limits(None, None, every, None)
+    return {w.name.value: (w.label.rsplit(":", 1)[1], at + w.ttl_s)
+            for w in lim.plan(config, "_", limits, "", at).windows if w.name.calendar}
+
+
+def _span(day: date, tz: ZoneInfo) -> tuple[float, float]:
+    """From the start of the week or month `day` is in (whichever is earlier) to the end of the
+    later one: the rows that can have charged a window of that day."""
+    monday = day - timedelta(days=day.weekday())
+    first = day.replace(day=1)
+    start = min(monday, first)
+    sunday_next = monday + timedelta(days=7)
+    next_first = (first + timedelta(days=32)).replace(day=1)
+    end = max(sunday_next, next_first)
+    return (datetime(start.year, start.month, start.day, tzinfo=tz).timestamp(),
+            datetime(end.year, end.month, end.day, tzinfo=tz).timestamp())
+
+
+async def _ledger(reader: LedgerReader, config: Config, span: tuple[float, float],
+                  calendar: Mapping[str, tuple[str, float]]
+                  ) -> dict[str, tuple[_Target, _Tally]]:
+    """The ledger's totals per counter key, for the windows of the day."""
+    q = reader.sql()
+    text = (
+        "SELECT user_name, team, windows, count(*), sum(input_tokens), sum(output_tokens), "
+        f"sum(cost_nanousd) FROM {TABLE} WHERE started_at < {q.ts(span[1])} "
+        f"AND ended_at >= {q.ts(span[0])} AND windows <> '' GROUP BY user_name, team, windows"
+    )
+    prefix = config.store.prefix
+    out: dict[str, tuple[_Target, _Tally]] = {}
+    for user, team, windows, n, inp, outp, cost in await reader.fetch(text, q.params):
+        for label in str(windows).split():
+            scope, field, stamp = label.rsplit(":", 2)
+            day_stamp = calendar.get(field)
+            if day_stamp is None or day_stamp[0] != stamp:
+                continue  # a per-minute window, or another period's
+            if scope.startswith("t."):
+                owner, team_of = None, scope[2:]
+                key = f"{lim.slot_for(prefix, '', team_of)}:{label}"
+            else:
+                owner, team_of = user, team
+                key = f"{lim.user_base(prefix, user, team)}:{label}"
+            if key not in out:
+                out[key] = (_Target(key, owner, team_of, label, lim.WindowName(field),
+                                    day_stamp[1]), _Tally())
+            tally = out[key][1]
+            tally.requests += as_int(n)
+            tally.input_tokens += as_int(inp)
+            tally.output_tokens += as_int(outp)
+            tally.cost_nanousd += as_int(cost)
+    return out
+
+
+async def _newest(reader: LedgerReader) -> float | None:
+    ((newest,),) = await reader.fetch(f"SELECT max(ended_at) FROM {TABLE}")
+    if newest is None:
+        return None
+    return newest.timestamp() if isinstance(newest, datetime) else float(newest)
+
+
+async def reconcile(config: Config, view: StoreView, reader: LedgerReader,
+                    day: date) -> Reconciliation:
+    """One reading: the store's snapshot first, then the ledger (see the module's docstring).
+    `view`: `store_view(store)`. Raises StoreError or LedgerUnavailable when either cannot be
+    read."""
+    tz = ZoneInfo(config.timezone)
+    at = datetime(day.year, day.month, day.day, 12, tzinfo=tz).timestamp()
+    calendar = _calendar(config, at)
+    span = _span(day, tz)
+    targets: dict[str, _Target] = {}
+    for user in list(config.users) or [DEFAULT_USER]:
+        team = lim.team_of(config, user)
+        for w in lim.windows_at(config, user, at):
+            is_team = w.scope.kind is ScopeKind.TEAM
+            targets.setdefault(w.key, _Target(
+                w.key, None if is_team else user, w.scope.name if is_team else team, w.label,
+                w.name, calendar[w.name.value][1]))
+    # Users and windows only the ledger knows (a pass-through key, a user no longer
+    # configured, a key's limits since removed): read before the store, so it reads them too.
+    for key, (target, _) in (await _ledger(reader, config, span, calendar)).items():
+        targets.setdefault(key, target)
+    by_slot: dict[str, list[str]] = defaultdict(list)
+    for key in targets:
+        by_slot[_slot_of(key)].append(key)
+    slots = sorted(by_slot)
+    states = dict(zip(slots, await asyncio.gather(
+        *(view.snapshot(slot, by_slot[slot]) for slot in slots)), strict=True))
+    ledger = await _ledger(reader, config, span, calendar)
+    newest = await _newest(reader)
+
+    checks = []
+    orphans = []
+    for slot, state in states.items():
+        held: dict[str, int] = defaultdict(int)
+        for h in state.holds:
+            for key, amt in h.amounts:
+                held[key] += amt
+            if h.deadline <= state.now:
+                cut = len(slot) + 1
+                orphans.append(Orphan(slot, h.res_id, h.deadline, state.now - h.deadline,
+                                      tuple((k[cut:], a) for k, a in h.amounts)))
+        for key in by_slot[slot]:
+            t = targets[key]
+            measure = t.name.measure
+            found = ledger.get(key)
+            total = found[1].amount(measure) if found is not None else 0
+            stored, in_flight = state.counters[key], held[key]
+            d = total - stored
+            if state.now >= t.expires_at - _EXPIRY_MARGIN_S:
+                verdict = Verdict.EXPIRED
+            elif d == 0:
+                verdict = Verdict.AGREES
+            elif abs(d) <= in_flight:
+                verdict = Verdict.IN_FLIGHT
+            else:
+                verdict = Verdict.DRIFT
+            checks.append(Check(key, t.user, t.team, t.label, t.name.value, measure.value,
+                                total, stored, in_flight, verdict))
+    checks.sort(key=lambda c: (c.user is None, c.user or "", c.team or "", c.label))
+    at_store = min((s.now for s in states.values()), default=time.time())
+    return Reconciliation(day, config.timezone, at_store, tuple(checks), tuple(orphans), newest)
+
+
+# --- output -------------------------------------------------------------------------------------
+
+def _redact(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname or ''}"
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def _ago(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
+def render_table(r: Reconciliation, caption: str) -> str:
+    lines = [caption]
+    shown = [c for c in r.checks if not c.quiet]
+    header = ("user", "team", "scope", "window", "period", "ledger", "store", "in flight",
+              "verdict")
+    rows = [header, *(
+        ("-" if c.user is None else c.user, c.team or "-", c.scope, c.window, c.stamp,
+         f"{c.ledger:,}", f"{c.store:,}", f"{c.in_flight:,}", c.verdict.value)
+        for c in shown
+    )]
+    if shown:
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        lines += ["  ".join(cell.rjust(w) if 5 <= i <= 7 else cell.ljust(w)
+                            for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip()
+                  for row in rows]
+    else:
+        lines.append("no usage in any window of the day, in the ledger or the store")
+    if r.orphans:
+        lines += ["", f"orphans (reservations held past their lease): {len(r.orphans)}"]
+        for o in r.orphans:
+            held = " ".join(f"{k}={a:,}" for k, a in o.held)
+            lines.append(f"  {o.slot} {o.res_id}: lease ended {_ago(o.overdue_s)} ago; "
+                         f"holds {held or 'nothing'}")
+    if r.ledger_newest is not None:
+        lines.append(f"\nthe ledger's newest row ended {_ago(max(0.0, r.at - r.ledger_newest))} "
+                     "before the store was read")
+    drift = [c for c in r.checks if c.verdict is Verdict.DRIFT]
+    pending = [c for c in r.checks if c.verdict is Verdict.PENDING]
+    judged = sum(1 for c in r.checks if c.judged)
+    if drift:
+        lines.append(f"DRIFT: {len(drift)} of {judged} windows disagree beyond the requests in "
+                     "flight")
+    else:
+        lines.append(f"agree: {judged} windows checked"
+                     + (f"; {len(pending)} differ in the second reading only (pending)"
+                        if pending else ""))
+    return "\n".join(lines)
+
+
+# --- the command --------------------------------------------------------------------------------
+
+_HELP = """\
+Compare the ledger's totals with the budget store's counters, per user, key, model group and
+team, for every calendar window (day, week, month; tokens and cost) a day is in, and list the
+reservations held past their lease (orphans).
+
+A row counts towards the windows its settle charged (the ledger's `windows` column). A window
+agrees when |ledger - store| is at most what reservations (requests in flight, orphans) hold in
+it. A difference may be rows still on their way to the ledger: one seen in the first reading is
+read again after --recheck seconds, and only one seen in both is drift.
+
+Exit status: 0 agree (orphans are listed, they do not fail the run), 1 drift, 2 could not
+reconcile (configuration, store or ledger unreadable).
+"""
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    r = sub.add_parser("reconcile", help="compare the ledger's totals with the store's counters")
-    r.add_argument("--config", required=True)
+    r = sub.add_parser("reconcile", help="compare the ledger's totals with the store's counters",
+                       description=_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("--config", required=True, help="YAML configuration (its store and ledger)")
     r.add_argument("--date", help="YYYY-MM-DD in the configured time zone (default: today)")
+    r.add_argument("--ledger", metavar="URL",
+                   help="read this ledger instead of the configuration's")
+    r.add_argument("--recheck", type=float, default=3.0, metavar="SECONDS",
+                   help="wait before reading a difference again (default 3; 0: one reading)")
+    r.add_argument("--json", action="store_true", help="JSON instead of a table")
 
 
 def run(args: argparse.Namespace) -> int:
-    print("reconcile is not built yet", file=sys.stderr)
-    return 2
+    try:
+        config = load_config(args.config)
+        tz = ZoneInfo(config.timezone)
+        day = (date.fromisoformat(args.date) if args.date
+               else datetime.now(tz).date())
+        if config.store.url == "memory":
+            raise ValueError("the in-process store lives inside the running proxy; reconcile "
+                             "needs a Redis store")
+        if not config.ledger.enabled and args.ledger is None:
+            raise ValueError("the ledger is off in this configuration (ledger.enabled: false); "
+                             "give --ledger URL to read one")
+        location = locate(config.ledger, args.ledger)
+    except (ConfigError, ValueError, LedgerUnavailable) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+
+    async def go() -> Reconciliation:
+        store = RedisStore(config.store.url, max(config.store.timeout_ms, 2000))
+        try:
+            async with await open_reader(location) as reader:
+                view = store_view(store)
+                first = await reconcile(config, view, reader, day)
+                if first.agrees or args.recheck <= 0:
+                    return first
+                await asyncio.sleep(args.recheck)  # rows on their way get the time to land
+                return (await reconcile(config, view, reader, day)).confirmed_by(first)
+        finally:
+            await store.close()
+
+    try:
+        result = asyncio.run(go())
+    except StoreError as exc:
+        print(f"cannot read the store: {exc}", file=sys.stderr)
+        return 2
+    except LedgerUnavailable as exc:
+        print(f"cannot read the ledger: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        caption = (f"reconcile {day.isoformat()} ({config.timezone}): ledger "
+                   f"{location.describe()} against store {_redact(config.store.url)}")
+        print(render_table(result, caption))
+    return 0 if result.agrees else 1
