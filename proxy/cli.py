@@ -192,8 +192,10 @@ per-user counters the budget store holds for one day.
 The ledger report: requests, refused (by the budget), failed, input, cached input, output and
 reasoning tokens, total (input + output) and cost in USD (an exact decimal; 'unpriced' counts
 requests whose model has no price), per group, then a total row. A request counts at the time
-it started. Days, weeks (Monday to Sunday, shown as the Monday's date) and months are those of
-the configured time zone (timezone:, else UTC; --timezone overrides).
+it started. --from and --to take dates (YYYY-MM-DD; --to D includes all of day D) or
+datetimes (YYYY-MM-DDTHH:MM, --to excluded). Dates, days, weeks (Monday to Sunday, shown as the
+Monday's date) and months are those of the configured time zone (timezone:, else UTC;
+--timezone overrides). Without --from and --to: this month so far.
 
   tokenmeter usage                                   # this month so far, per user
   tokenmeter usage --config tm.yaml --from 2026-11-01 --to 2026-11-30 --by team,model

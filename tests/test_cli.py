@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import csv
+import io
 import json
+import signal
 import subprocess
 import sys
 
+import openai
+from aiohttp.test_utils import TestServer
+
 from proxy.testing.mock_upstream import generated_text
+from tests.helpers import MESSAGES
+from tests.servers import free_port, wait_for_port
 
 
 def test_demo_quickstart_makes_a_metered_streaming_request() -> None:
@@ -22,3 +31,37 @@ def test_demo_quickstart_makes_a_metered_streaming_request() -> None:
     assert access["output_tokens"] == 64 and access["token_source"] == "reported"
     assert access["stream"] is True and access["ttft_ms"] > 0
     assert any("OPEN" in x.get("message", "") for x in lines)  # says loudly it is open
+
+
+async def test_usage_reads_the_books_a_served_proxy_kept(upstream: TestServer) -> None:
+    """Zero set-up: `serve --upstream` keeps books in the state directory's SQLite file, and
+    `usage` reads them from there (both find it through $TOKENMETER_STATE_DIR)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "serve", "--upstream", str(upstream.make_url("/v1")),
+         "--port", str(port), "--log-level", "WARNING"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    try:
+        await asyncio.to_thread(wait_for_port, port, 30)
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                                    max_retries=0)
+        for _ in range(2):
+            await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
+    finally:
+        proc.send_signal(signal.SIGTERM)  # drains: the shipper writes what is spooled
+        _, err = await asyncio.to_thread(proc.communicate, None, 60)
+    assert proc.returncode == 0, err
+
+    def usage(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "proxy.cli", "usage", *args],
+                              capture_output=True, text=True, timeout=60, check=False)
+
+    done = await asyncio.to_thread(usage, "--format", "csv", "--by", "user,model")
+    assert done.returncode == 0, done.stderr
+    rows = list(csv.DictReader(io.StringIO(done.stdout)))
+    assert [(r["user"], r["model"], r["requests"]) for r in rows] == [
+        ("default", "mock-gpt", "2"), ("total", "", "2")]
+    assert int(rows[-1]["total_tokens"]) > 0
+    done = await asyncio.to_thread(usage, "--help")
+    assert "--source store" in done.stdout and "--to D includes all of day D" in done.stdout

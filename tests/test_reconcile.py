@@ -20,6 +20,7 @@ from zoneinfo import ZoneInfo
 
 import asyncpg
 import pytest
+from aiohttp.test_utils import TestServer
 from prometheus_client import generate_latest
 
 from proxy.auth import Principal
@@ -37,8 +38,19 @@ from proxy.ledger.reconcile import Reconciliation, Verdict, reconcile, store_vie
 from proxy.ledger.row import COLUMNS, LedgerRow
 from proxy.ledger.schema import MIGRATIONS, TABLE
 from proxy.protocol.usage import Usage
+from proxy.server import state as st
+from proxy.server.app import create_app
 from proxy.telemetry.metrics import Metrics
-from tests.helpers import FakeClock, until
+from tests.helpers import (
+    ALICE_KEY,
+    BOB_KEY,
+    MESSAGES,
+    FakeClock,
+    ServerFactory,
+    make_config,
+    sdk,
+    until,
+)
 
 ALICE = "sk-alice-reconcile-0001"
 ALICE_CI = "sk-alice-ci-reconcile-0002"
@@ -444,3 +456,38 @@ async def test_the_ledger_is_opened_read_only(books: Books, statement: str) -> N
         with pytest.raises(LedgerUnavailable, match=r"readonly|read-only"):
             await reader.fetch(statement)
         assert await reader.fetch(f"SELECT count(*) FROM {TABLE}") == [(0,)]
+
+
+async def test_the_real_proxy_books_agree_with_its_store(
+    aiohttp_server: ServerFactory, upstream: TestServer, redis_url: str, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Rows the proxy itself booked (its settle's window labels, its spool and shipper)."""
+    books = f"sqlite://{tmp_path / 'proxy-books.sqlite3'}"
+    users = {"alice": {"keys": [ALICE_KEY], "team": "blue", "daily_tokens": 1_000_000},
+             "bob": {"keys": [BOB_KEY], "monthly_tokens": 1_000_000}}
+    config = make_config(str(upstream.make_url("/v1")), store=redis_url, users=users,
+                         extra={"ledger": {"url": books}, "timezone": noon_zone(),
+                                "teams": {"blue": {"weekly_tokens": 1_000_000}}})
+    proxy = await aiohttp_server(create_app(config))
+    for key in (ALICE_KEY, BOB_KEY, ALICE_KEY):
+        await sdk(proxy, key).chat.completions.create(model="mock-gpt", messages=MESSAGES)
+    stream = await sdk(proxy, BOB_KEY).chat.completions.create(
+        model="mock-gpt", messages=MESSAGES, stream=True)
+    async for _ in stream:
+        pass
+    svc = proxy.app[st.SERVICES]
+    await asyncio.wait_for(svc.settling.wait_for(4), 30)
+    assert svc.ledger is not None and await svc.ledger.flush(30)
+    path = tmp_path / "tm.json"
+    path.write_text(config.model_dump_json(exclude_none=True))
+    code = await asyncio.to_thread(main, ["reconcile", "--config", str(path), "--recheck", "0",
+                                          "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0, [w for w in doc["windows"] if w["verdict"] != "agrees"]
+    windows = {(w["user"], w["scope"], w["window"]): w for w in doc["windows"]}
+    assert windows[("alice", "u", "daily_tokens")]["ledger"] > 0
+    assert windows[(None, "t.blue", "weekly_tokens")]["ledger"] == (
+        windows[("alice", "u", "daily_tokens")]["ledger"])
+    assert windows[("bob", "u", "monthly_tokens")]["store"] > 0
+    assert {w["verdict"] for w in doc["windows"]} == {"agrees"}

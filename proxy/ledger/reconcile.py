@@ -360,7 +360,12 @@ async def _ledger(reader: LedgerReader, config: Config, span: tuple[float, float
     prefix = config.store.prefix
     out: dict[str, tuple[_Target, _Tally]] = {}
     for user, team, windows, n, inp, outp, cost in await reader.fetch(text, q.params):
-        for label in str(windows).split():
+        for written in str(windows).split():
+            label = written
+            if team is not None and written.startswith(f"{user}:"):
+                # A team user's counter written as the key past the team's slot
+                # (`alice:u:...`) rather than its label (`u:...`): no scope starts so.
+                label = written[len(user) + 1:]
             scope, field, stamp = label.rsplit(":", 2)
             day_stamp = calendar.get(field)
             if day_stamp is None or day_stamp[0] != stamp:
