@@ -17,7 +17,7 @@ import asyncio
 import enum
 import sqlite3
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -119,6 +119,10 @@ class LedgerReader:
     async def fetch(self, text: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
         raise NotImplementedError
 
+    def define(self, name: str, fn: Callable[[float], str]) -> None:
+        """SQLite only: a one-argument SQL function of ours (time-zone buckets)."""
+        raise NotImplementedError(f"{self.dialect} takes no functions of ours")
+
     async def close(self) -> None:
         raise NotImplementedError
 
@@ -157,6 +161,9 @@ class _SqliteReader(LedgerReader):
                 return await asyncio.to_thread(run)
             except sqlite3.Error as exc:
                 raise LedgerUnavailable(f"{self.location.describe()}: {exc}") from exc
+
+    def define(self, name: str, fn: Callable[[float], str]) -> None:
+        self._conn.create_function(name, 1, fn, deterministic=True)
 
     async def close(self) -> None:
         async with self._lock:

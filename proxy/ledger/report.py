@@ -5,10 +5,11 @@ name, model (the one sent upstream; the one asked for when none was) and upstrea
 (ISO: Monday to Sunday) and months are those of the configured time zone, DST and offsets of
 any size included:
 - PostgreSQL buckets in SQL (`AT TIME ZONE`, `date_trunc('week', ...)` starts on Monday);
-- SQLite has no time zones, so it sums per 15-minute UTC slice, and each slice takes the local
-  bucket of its first second. That is exact when no local midnight falls inside a slice, which
-  holds for every offset in use today (all are multiples of 15 minutes); a slice a midnight does
-  cut (historic offsets such as Monrovia's -0:44:30) is summed again per row time and split.
+- SQLite has no time zones: a function of ours (`tm_bucket`, Python's zoneinfo) names each
+  row's local buckets, worked out once per 15-minute UTC slice, which is exact when no local
+  midnight falls inside the slice: true of every offset in use today (all are multiples of 15
+  minutes); in a slice a midnight does cut (historic offsets such as Monrovia's -0:44:30), per
+  row. SQLite then groups by the names, as PostgreSQL does.
 Both dialects give the same report from the same rows (the tests check it).
 
 Tokens: `total` is input + output; cached input is part of input, reasoning part of output, as
@@ -21,11 +22,10 @@ those that ended in any other error (the client's, the proxy's or the upstream's
 from __future__ import annotations
 
 import csv
-import dataclasses
 import enum
 import io
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta
 from decimal import Decimal
@@ -125,12 +125,21 @@ class Totals:
         return Decimal(self.cost_nanousd).scaleb(-9)
 
     def __add__(self, other: Totals) -> Totals:
-        return Totals(*(a + b for a, b in zip(dataclasses.astuple(self),
-                                              dataclasses.astuple(other), strict=True)))
+        return Totals(
+            self.requests + other.requests, self.refused + other.refused,
+            self.failed + other.failed, self.input_tokens + other.input_tokens,
+            self.cached_input_tokens + other.cached_input_tokens,
+            self.output_tokens + other.output_tokens,
+            self.reasoning_tokens + other.reasoning_tokens,
+            self.cost_nanousd + other.cost_nanousd, self.unpriced + other.unpriced,
+        )
 
     @staticmethod
     def of(values: Sequence[object]) -> Totals:
         return Totals(*(as_int(v) for v in values))
+
+
+_ZERO = Totals()
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,22 +209,24 @@ async def build_report(reader: LedgerReader, by: Sequence[GroupKey], period: Per
     q = reader.sql()
     where = _where(q, period)
     select = [_COLUMN[k] for k in plain]
-    pg = reader.dialect is Dialect.POSTGRESQL
-    if timed and pg:
+    if timed and reader.dialect is Dialect.POSTGRESQL:
         tz = q.p(period.tz.key)
         select += [_PG_BUCKET[k].format(tz=tz) for k in timed]
     elif timed:
-        select.append(f"CAST(started_at / {SLICE_S} AS INTEGER)")
+        reader.define(_BUCKET_FN, _bucket_namer(period.tz, timed))
+        select.append(f"{_BUCKET_FN}(started_at)")
     groups = ", ".join(str(i + 1) for i in range(len(select)))
     text = (f"SELECT {', '.join([*select, *_AGGREGATES])} FROM {TABLE}{where}"
             + (f" GROUP BY {groups}" if groups else ""))
-    fetched = await reader.fetch(text, q.params)
-    grouped: dict[tuple[str | None, ...], Totals] = {}
-    if not timed or pg:
-        for r in fetched:
-            _add(grouped, r[: len(select)], Totals.of(r[len(select):]))
-    else:
-        await _fold_slices(reader, period, plain, timed, fetched, grouped)
+    n = len(select)
+    sqlite_timed = bool(timed) and reader.dialect is Dialect.SQLITE
+    grouped: dict[Keys, Totals] = {}
+    for r in await reader.fetch(text, q.params):
+        keys: tuple[Any, ...] = tuple(r[:n])
+        if sqlite_timed:
+            keys = (*keys[:-1], *str(keys[-1]).split("|"))
+        key = tuple(None if v is None else str(v) for v in keys)
+        grouped[key] = grouped.get(key, _ZERO) + Totals.of(r[n:])
     # Back in the order --by named them.
     order = [(plain + timed).index(k) for k in by]
     rows = sorted(
@@ -225,6 +236,27 @@ async def build_report(reader: LedgerReader, by: Sequence[GroupKey], period: Per
     return Report(tuple(by), period, tuple(rows))
 
 
+_BUCKET_FN = "tm_bucket"
+
+
+def _bucket_namer(tz: ZoneInfo, timed: Sequence[GroupKey]) -> Callable[[float], str]:
+    """SQLite's `tm_bucket(started_at)`: the row's local buckets, `|`-joined."""
+    slices: dict[int, str | None] = {}
+
+    def name(moment: float) -> str:
+        index = int(moment // SLICE_S)
+        found = slices.get(index, "")
+        if found == "":
+            lo = index * SLICE_S
+            first = labels(lo, tz, timed)
+            # Offsets are whole seconds: a midnight inside the slice shows at its last second.
+            found = "|".join(first) if first == labels(lo + SLICE_S - 1, tz, timed) else None
+            slices[index] = found
+        return found if found is not None else "|".join(labels(moment, tz, timed))
+
+    return name
+
+
 def _where(q: Sql, period: Period) -> str:
     cond = []
     if period.start is not None:
@@ -232,48 +264,6 @@ def _where(q: Sql, period: Period) -> str:
     if period.end is not None:
         cond.append(f"started_at < {q.ts(period.end.timestamp())}")
     return " WHERE " + " AND ".join(cond) if cond else ""
-
-
-def _add(grouped: dict[Keys, Totals], keys: Sequence[Any], totals: Totals) -> None:
-    key = tuple(None if v is None else str(v) for v in keys)
-    grouped[key] = grouped.get(key, Totals()) + totals
-
-
-async def _fold_slices(reader: LedgerReader, period: Period, plain: list[GroupKey],
-                       timed: list[GroupKey], fetched: list[tuple[Any, ...]],
-                       grouped: dict[Keys, Totals]) -> None:
-    """SQLite: each UTC slice's sums into the local buckets; a slice a local midnight cuts is
-    summed again per row time."""
-    n = len(plain)
-    tz = period.tz
-    slice_labels: dict[int, tuple[str, ...] | None] = {}
-    cut: list[int] = []
-    for r in fetched:
-        index = int(r[n])
-        if index not in slice_labels:
-            lo = index * SLICE_S
-            first = labels(lo, tz, timed)
-            # Offsets are whole seconds: a midnight inside the slice shows at its last second.
-            uniform = first == labels(lo + SLICE_S - 1, tz, timed)
-            slice_labels[index] = first if uniform else None
-            if not uniform:
-                cut.append(index)
-        bucket = slice_labels[index]
-        if bucket is not None:
-            _add(grouped, (*r[:n], *bucket), Totals.of(r[n + 1:]))
-    if not cut:
-        return
-    q = reader.sql()
-    where = _where(q, period)
-    marks = ", ".join(q.p(i) for i in cut)
-    slices = f"CAST(started_at / {SLICE_S} AS INTEGER) IN ({marks})"
-    where = f"{where} AND {slices}" if where else f" WHERE {slices}"
-    select = [_COLUMN[k] for k in plain] + ["started_at"]
-    groups = ", ".join(str(i + 1) for i in range(len(select)))
-    text = (f"SELECT {', '.join([*select, *_AGGREGATES])} FROM {TABLE}{where} "
-            f"GROUP BY {groups}")
-    for r in await reader.fetch(text, q.params):
-        _add(grouped, (*r[:n], *labels(float(r[n]), tz, timed)), Totals.of(r[n + 1:]))
 
 
 # --- output ---------------------------------------------------------------------------------
