@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from proxy.budget.cost import cost_nanousd
+from proxy.ledger.ledger import Ledger
 from proxy.ledger.row import LedgerRow
 from proxy.pipeline.context import Settlement
 from proxy.protocol.usage import Usage
@@ -19,9 +19,6 @@ from proxy.server.state import Runtime, Services
 from proxy.telemetry.accesslog import log_request
 from proxy.telemetry.meter import Figures
 from proxy.telemetry.metrics import MeteringStage, Metrics, RequestRecord
-
-if TYPE_CHECKING:
-    from proxy.ledger.ledger import Ledger
 
 log = logging.getLogger("tokenmeter.settle")
 
@@ -76,9 +73,7 @@ def _book(ledger: Ledger, done: Settlement, runtime: Runtime, usage: Usage,
         price = runtime.price_for(done.model)
         windows = ""
         if candidacy is not None:
-            plan = candidacy.reservation.plan
-            cut = len(plan.slot) + 1
-            windows = " ".join(w.key[cut:] for w in plan.windows)
+            windows = " ".join(w.label for w in candidacy.reservation.plan.windows)
         ended = time.time()
         ledger.record(LedgerRow(
             request_id=done.request_id,

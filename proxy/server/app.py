@@ -13,7 +13,6 @@ import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -35,6 +34,7 @@ from proxy.errors import (
     RequestTooLarge,
     UpstreamUnavailable,
 )
+from proxy.ledger.ledger import make_ledger
 from proxy.pipeline.handler import make_handler
 from proxy.pipeline.watchdog import Watchdog
 from proxy.protocol import tokenizer
@@ -316,14 +316,6 @@ def _watch_ctx(path: Path) -> Callable[[web.Application], AsyncIterator[None]]:
     return ctx
 
 
-def _interim_ledger(config: Config, metrics: Metrics, clock: Callable[[], float]) -> Any:
-    try:
-        from proxy.ledger.ledger import make_ledger
-    except ImportError:
-        return None
-    return make_ledger(config.ledger, metrics, clock=clock)
-
-
 def create_app(
     config: Config,
     *,
@@ -352,7 +344,7 @@ def create_app(
     app[st.SERVICES] = st.Services(
         runtime=holder, metrics=metrics, budget=budget, http=http, latency=LatencyTracker(),
         rng=random.Random(), settling=st.Settling(), watchdog=Watchdog(),
-        ledger=_interim_ledger(config, metrics, clock),
+        ledger=make_ledger(config.ledger, metrics, clock=clock),
     )
     app.cleanup_ctx.extend(
         [_ledger_ctx, _session_ctx, _store_ctx, _watchdog_ctx, _discover_models, _drain_settling]

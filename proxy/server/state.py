@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -15,14 +14,12 @@ from proxy.budget.accounting import Budget
 from proxy.budget.cost import price_for
 from proxy.config.load import Config
 from proxy.config.policy import Price
+from proxy.ledger.ledger import Ledger
 from proxy.pipeline.watchdog import Watchdog
 from proxy.routing.attempts import LatencyTracker
 from proxy.routing.upstream import Router
 from proxy.server.reload import ConfigWatcher
 from proxy.telemetry.metrics import Metrics
-
-if TYPE_CHECKING:
-    from proxy.ledger.ledger import Ledger
 
 
 @dataclass(frozen=True, slots=True)
