@@ -27,6 +27,9 @@ class LedgerConfig(ConfigModel):
     batch_rows: int = Field(default=2000, ge=1, le=100_000)
     # Rows older than this are deleted, a bounded slice at a time (writers never wait on it).
     retention_days: int = Field(default=400, ge=1)
+    # The proxy compares its ledger with the store's counters this often and exports the
+    # difference (tokenmeter_reconcile_drift_tokens, tokenmeter_reconcile_orphans); 0: never.
+    reconcile_every_s: float = Field(default=300.0, ge=0)
     # Names this process in every row. Default: the host name and the process id.
     replica_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.:@-]{1,128}$")
 

@@ -34,6 +34,7 @@ from proxy.errors import (
     RequestTooLarge,
     UpstreamUnavailable,
 )
+from proxy.ledger.audit import Auditor
 from proxy.ledger.ledger import make_ledger
 from proxy.pipeline.handler import make_handler
 from proxy.pipeline.watchdog import Watchdog
@@ -234,6 +235,21 @@ async def _ledger_ctx(app: web.Application) -> AsyncIterator[None]:
     await ledger.stop(svc.runtime.current.config.server.drain_seconds)
 
 
+async def _audit_ctx(app: web.Application) -> AsyncIterator[None]:
+    svc = app[st.SERVICES]
+    config = svc.runtime.current.config
+    if svc.ledger is None or not config.ledger.reconcile_every_s:
+        yield
+        return
+    auditor = Auditor(svc.budget.store, svc.metrics)
+    task = asyncio.create_task(auditor.run(lambda: svc.runtime.current.config))
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await auditor.close()
+
+
 async def _drain_settling(app: web.Application) -> AsyncIterator[None]:
     yield
     pending = set(app[st.SERVICES].settling.tasks)
@@ -347,7 +363,8 @@ def create_app(
         ledger=make_ledger(config.ledger, metrics, clock=clock),
     )
     app.cleanup_ctx.extend(
-        [_ledger_ctx, _session_ctx, _store_ctx, _watchdog_ctx, _discover_models, _drain_settling]
+        [_ledger_ctx, _session_ctx, _store_ctx, _audit_ctx, _watchdog_ctx, _discover_models,
+         _drain_settling]
     )
     if config_path is not None:
         app.cleanup_ctx.append(_watch_ctx(config_path))
