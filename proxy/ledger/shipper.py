@@ -145,6 +145,7 @@ class Shipper:
                 if time.monotonic() >= self._next_ping:
                     async with self._lock:
                         await self.sink.ping()
+                    self._metrics.ledger_connected()
                     self._next_ping = time.monotonic() + PING_EVERY_S
                 self._back()
                 backoff = BACKOFF_MIN_S
@@ -174,6 +175,7 @@ class Shipper:
         finally:
             self.attempted.set()
         self.ever_connected = True
+        self._metrics.ledger_connected()
         self.too_new = None
         self._next_ping = time.monotonic() + PING_EVERY_S
 
@@ -244,7 +246,7 @@ class Shipper:
             if not self.sink.is_poison(exc):
                 raise
             if len(records) == 1:
-                self._metrics.ledger_failed(LedgerStage.SHIP)
+                self._metrics.ledger_failed(LedgerStage.ROW)
                 log.error("ledger: the database refuses a row (%s: %s); dropping it",
                           type(exc).__name__, _one_line(exc))
                 return 0, 1

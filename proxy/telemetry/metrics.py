@@ -117,6 +117,7 @@ class LedgerStage(enum.Enum):
     SHIP = "ship"  # writing a batch into the database
     CONNECT = "connect"  # opening the database (and migrating its schema)
     RETENTION = "retention"  # deleting rows past ledger.retention_days
+    ROW = "row"  # the database refused one row (it is dropped; the others are stored)
 
 
 class Metrics:
@@ -405,9 +406,13 @@ class Metrics:
         self._ledger_spool_bytes.set(spool_bytes)
         self._ledger_lag.set(oldest_age_s)
 
+    def ledger_connected(self) -> None:
+        """The database answered (a connect or an idle ping): up before any batch is stored."""
+        self._ledger_up.set(1)
+
     def ledger_failed(self, stage: LedgerStage) -> None:
         self._ledger_errors.labels(stage.value).inc()
-        if stage is not LedgerStage.SPOOL:
+        if stage in (LedgerStage.CONNECT, LedgerStage.SHIP):
             self._ledger_up.set(0)
 
     def ledger_dropped(self, rows: int) -> None:
