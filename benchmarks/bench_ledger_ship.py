@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import shutil
 import sqlite3
@@ -55,7 +54,7 @@ _TEMPLATE = LedgerRow(
 
 
 def rows(n: int, prefix: str) -> list[LedgerRow]:
-    return [dataclasses.replace(_TEMPLATE, request_id=f"{prefix}-{i:08d}",
+    return [_TEMPLATE._replace(request_id=f"{prefix}-{i:08d}",
                                 started_at=_TEMPLATE.started_at + i * 0.01,
                                 ended_at=_TEMPLATE.ended_at + i * 0.01, user_name=f"user{i % 97}")
             for i in range(n)]

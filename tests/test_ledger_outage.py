@@ -5,7 +5,6 @@ on a free port (the machine's is never stopped)."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
@@ -179,7 +178,7 @@ async def test_a_database_down_at_start_does_not_block_it(
     await ledger.start()
     assert time.monotonic() - started < 5
     assert not ledger.health().ok
-    rows = [dataclasses.replace(make_row(i), request_id=f"early-{i}") for i in range(20)]
+    rows = [make_row(i)._replace(request_id=f"early-{i}") for i in range(20)]
     for row in rows:
         ledger.record(row)
     await asyncio.to_thread(postgres.start)

@@ -6,7 +6,6 @@ migrations are idempotent and safe when replicas start together."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import shutil
 import signal
@@ -51,7 +50,7 @@ def make_row(i: int, *, prefix: str = "req", started_at: float = NOW, **changes:
         overhead_ms=0.4, duration_ms=1250.0, output_tokens_per_s=16.0,
         cost_nanousd=1_234_567 + i, price_version="p1", windows="u:daily:20261203",
     )
-    return dataclasses.replace(row, **changes) if changes else row
+    return row._replace(**changes) if changes else row
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -127,7 +126,7 @@ async def test_rows_land_once_with_their_values(db_url: str, state: Path) -> Non
             values[i] = values[i].timestamp()
     assert bool(values[COLUMNS.index("stream")]) is True
     values[COLUMNS.index("stream")] = bool(values[COLUMNS.index("stream")])
-    expected = dataclasses.astuple(rows[7])
+    expected = tuple(rows[7])
     assert values[1] == pytest.approx(expected[1], abs=1e-6)
     assert values[2] == pytest.approx(expected[2], abs=1e-6)
     assert tuple(values[3:len(COLUMNS)]) == expected[3:]
@@ -205,7 +204,7 @@ CHILD = textwrap.dedent("""
         i = 0
         while True:
             rid = f"kill-{i:07d}"
-            ledger.record(dataclasses.replace(template, request_id=rid, ended_at=time.time()))
+            ledger.record(template._replace(request_id=rid, ended_at=time.time()))
             print(rid, flush=True)  # only after record returned: this row must survive
             i += 1
             if i % 25 == 0:

@@ -10,7 +10,7 @@ import json
 import sqlite3
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ def row(rid: str, user: str, started: str, **kw: Any) -> LedgerRow:
         ttft_ms=12.0, upstream_ttft_ms=10.0, overhead_ms=0.4, duration_ms=500.0,
         output_tokens_per_s=10.0, cost_nanousd=1000, price_version="p1", windows="",
     )
-    return replace(base, **kw)
+    return base._replace(**kw)
 
 
 # --- the ledger, written as the proxy's sinks do (schema migrations, one row per request) --------
