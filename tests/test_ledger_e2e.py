@@ -274,12 +274,19 @@ async def test_postgres_down_for_ten_seconds_fails_no_request_and_loses_no_row(
     postgres.stop("immediate")
     outage = asyncio.gather(*(load(10.0) for _ in range(3)))
     await until(lambda: not ledger.health().ok, deadline=20)
+    # Still ready (a broken ledger fails no request), and saying what is wrong.
+    async with aiohttp.ClientSession() as session, session.get(proxy.make_url("/readyz")) as r:
+        assert r.status == 200
+        ready = await r.json()
+    assert ready["status"] == "degraded" and ready["ledger"] != "ok"
+    assert sample(await scrape(proxy), "tokenmeter_ledger_up") == 0
     await outage
     during = len(ids)
     postgres.start()
     await load(0.5)
     assert await ledger.flush(60), ledger.health()
     assert ledger.health().ok
+    assert sample(await scrape(proxy), "tokenmeter_ledger_up") == 1
     db = await asyncpg.connect(postgres.url)
     try:
         rows = await db.fetch(f"SELECT request_id, count(*) AS n FROM {TABLE} "

@@ -22,8 +22,8 @@ class LedgerConfig(ConfigModel):
     # Rows not yet shipped may take this much disk; past it, new rows are dropped, loudly
     # (tokenmeter_ledger_rows_dropped_total, an error log): a full disk must not stop serving.
     spool_max_mb: float = Field(default=1024.0, gt=0)
-    # Rows per database write; the shipper writes as soon as rows are there, never waiting to
-    # fill a batch.
+    # Rows per database write. A shipper that is behind writes batches back to back; once caught
+    # up, at most one batch every 250 ms (a row is in the database within about that).
     batch_rows: int = Field(default=2000, ge=1, le=100_000)
     # Rows older than this are deleted, a bounded slice at a time (writers never wait on it).
     retention_days: int = Field(default=400, ge=1)
