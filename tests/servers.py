@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import math
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
 
 
 def free_port() -> int:
@@ -103,3 +112,88 @@ class PostgresServer:
         with contextlib.suppress(subprocess.CalledProcessError):
             self.stop("immediate")
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@dataclass
+class Prometheus:
+    """A real Prometheus the test started (`running_prometheus`), and its HTTP API."""
+
+    url: str
+    log: Path
+    session: aiohttp.ClientSession
+
+    def log_tail(self) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
+
+    async def api(self, path: str, **form: str) -> dict[str, Any]:
+        if form:
+            request = self.session.post(self.url + path, data=form)
+        else:
+            request = self.session.get(self.url + path)
+        async with request as r:
+            body: dict[str, Any] = await r.json()
+        return body
+
+    async def get(self, path: str) -> Any:
+        """The `data` of a successful API answer."""
+        body = await self.api(path)
+        assert body["status"] == "success", body
+        return body["data"]
+
+    async def query(self, expr: str) -> list[dict[str, Any]]:
+        body = await self.api("/api/v1/query", query=expr)
+        assert body["status"] == "success", f"{expr}: {body}"
+        result: list[dict[str, Any]] = body["data"]["result"]
+        return result
+
+    async def wait_for(self, expr: str, within: float = 30.0) -> list[dict[str, Any]]:
+        """Poll until `expr` has a result with a finite value (the sync point with scrapes)."""
+        deadline = time.monotonic() + within
+        while True:
+            result = await self.query(expr)
+            if any(math.isfinite(float(s["value"][1])) for s in result):
+                return result
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no data for {expr} within {within}s\n{self.log_tail()}")
+            await asyncio.sleep(0.25)
+
+
+@contextlib.asynccontextmanager
+async def running_prometheus(config: dict[str, Any], workdir: Path) -> AsyncIterator[Prometheus]:
+    """Debian's `prometheus` with `config` (a prometheus.yml as data), ready when yielded."""
+    exe = shutil.which("prometheus")
+    assert exe, "prometheus is not installed (Debian package `prometheus`; .ci/run installs it)"
+    config_file = workdir / "prometheus.yml"
+    config_file.write_text(yaml.safe_dump(config))
+    port = free_port()
+    log = workdir / "prometheus.log"
+    with log.open("wb") as out:
+        proc = await asyncio.create_subprocess_exec(
+            exe, f"--config.file={config_file}", f"--storage.tsdb.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            stdout=out, stderr=asyncio.subprocess.STDOUT,
+        )
+    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+    prom = Prometheus(url=f"http://127.0.0.1:{port}", log=log, session=session)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.returncode is None, f"prometheus exited\n{prom.log_tail()}"
+            try:
+                async with session.get(prom.url + "/-/ready") as r:
+                    if r.status == 200:
+                        break
+            except aiohttp.ClientError:
+                pass
+            assert time.monotonic() < deadline, f"prometheus not ready\n{prom.log_tail()}"
+            await asyncio.sleep(0.1)
+        yield prom
+    finally:
+        await session.close()
+        if proc.returncode is None:
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 15)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()

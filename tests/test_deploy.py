@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import json
-import math
 import re
 import shlex
 import shutil
@@ -27,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import openai
 import pytest
 import yaml
@@ -39,6 +37,7 @@ from proxy.config.load import parse_config
 from proxy.config.policy import hash_key
 from proxy.server.app import create_app
 from proxy.testing.mock_upstream import MockSettings, create_mock_app
+from tests.servers import Prometheus, running_prometheus
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -277,42 +276,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@dataclass
-class Prometheus:
-    url: str
-    log: Path
-    session: aiohttp.ClientSession
-
-    def log_tail(self) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
-
-    async def api(self, path: str, **form: str) -> dict[str, Any]:
-        if form:
-            request = self.session.post(self.url + path, data=form)
-        else:
-            request = self.session.get(self.url + path)
-        async with request as r:
-            body: dict[str, Any] = await r.json()
-        return body
-
-    async def query(self, expr: str) -> list[dict[str, Any]]:
-        body = await self.api("/api/v1/query", query=expr)
-        assert body["status"] == "success", f"{expr}: {body}"
-        result: list[dict[str, Any]] = body["data"]["result"]
-        return result
-
-    async def wait_for(self, expr: str, within: float = 30.0) -> list[dict[str, Any]]:
-        """Poll until `expr` has a result with a finite value (the sync point with scrapes)."""
-        deadline = time.monotonic() + within
-        while True:
-            result = await self.query(expr)
-            if any(math.isfinite(float(s["value"][1])) for s in result):
-                return result
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no data for {expr} within {within}s\n{self.log_tail()}")
-            await asyncio.sleep(0.25)
-
-
 @pytest.fixture
 async def metered_proxy(aiohttp_server: ServerFactory) -> TestServer:
     upstream = await aiohttp_server(create_mock_app(
@@ -349,44 +312,9 @@ def scrape_config_for(target: str) -> dict[str, Any]:
 async def prometheus(
     metered_proxy: TestServer, tmp_path: Path
 ) -> AsyncIterator[Prometheus]:
-    exe = shutil.which("prometheus")
-    assert exe, "prometheus is not installed (Debian package `prometheus`; .ci/run installs it)"
-    config = tmp_path / "prometheus.yml"
-    config.write_text(yaml.safe_dump(
-        scrape_config_for(f"127.0.0.1:{metered_proxy.port}")
-    ))
-    port = free_port()
-    log = tmp_path / "prometheus.log"
-    with log.open("wb") as out:
-        proc = await asyncio.create_subprocess_exec(
-            exe, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            stdout=out, stderr=asyncio.subprocess.STDOUT,
-        )
-    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
-    prom = Prometheus(url=f"http://127.0.0.1:{port}", log=log, session=session)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.returncode is None, f"prometheus exited\n{prom.log_tail()}"
-            try:
-                async with session.get(prom.url + "/-/ready") as r:
-                    if r.status == 200:
-                        break
-            except aiohttp.ClientError:
-                pass
-            assert time.monotonic() < deadline, f"prometheus not ready\n{prom.log_tail()}"
-            await asyncio.sleep(0.1)
+    target = f"127.0.0.1:{metered_proxy.port}"
+    async with running_prometheus(scrape_config_for(target), tmp_path) as prom:
         yield prom
-    finally:
-        await session.close()
-        if proc.returncode is None:
-            proc.terminate()
-            try:
-                await asyncio.wait_for(proc.wait(), 15)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
 
 
 async def _stream(client: openai.AsyncOpenAI, text: str) -> str:

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 import yaml
 from aiohttp import web
@@ -32,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.telemetry.metrics import LedgerStage, Metrics
 from tests.helpers import ServerFactory
+from tests.servers import Prometheus, running_prometheus
 
 ROOT = Path(__file__).resolve().parents[1]
 PROM_DIR = ROOT / "deploy" / "prometheus"
@@ -214,22 +214,6 @@ async def exporter(aiohttp_server: ServerFactory, metrics: Metrics, on_scrape: A
     return server
 
 
-@dataclass
-class Prometheus:
-    url: str
-    log: Path
-    session: aiohttp.ClientSession
-
-    def log_tail(self) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
-
-    async def get(self, path: str) -> Any:
-        async with self.session.get(self.url + path) as r:
-            body = await r.json()
-        assert body["status"] == "success", body
-        return body["data"]
-
-
 def prometheus_config(targets: list[str]) -> dict[str, Any]:
     """deploy/prometheus/prometheus.yml, fast, with its rule files (as absolute paths) and its
     tokenmeter job pointed at `targets`."""
@@ -256,44 +240,10 @@ async def outage_and_idle(aiohttp_server: ServerFactory) -> tuple[TestServer, Te
 async def prometheus(
     outage_and_idle: tuple[TestServer, TestServer], tmp_path: Path
 ) -> AsyncIterator[Prometheus]:
-    exe = shutil.which("prometheus")
-    assert exe, "prometheus is not installed (Debian package `prometheus`; .ci/run installs it)"
-    config = tmp_path / "prometheus.yml"
-    config.write_text(yaml.safe_dump(prometheus_config(
+    async with running_prometheus(prometheus_config(
         [f"127.0.0.1:{s.port}" for s in outage_and_idle]
-    )))
-    port = free_port()
-    log = tmp_path / "prometheus.log"
-    with log.open("wb") as out:
-        proc = await asyncio.create_subprocess_exec(
-            exe, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            stdout=out, stderr=asyncio.subprocess.STDOUT,
-        )
-    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
-    prom = Prometheus(url=f"http://127.0.0.1:{port}", log=log, session=session)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.returncode is None, f"prometheus exited\n{prom.log_tail()}"
-            try:
-                async with session.get(prom.url + "/-/ready") as r:
-                    if r.status == 200:
-                        break
-            except aiohttp.ClientError:
-                pass
-            assert time.monotonic() < deadline, f"prometheus not ready\n{prom.log_tail()}"
-            await asyncio.sleep(0.1)
+    ), tmp_path) as prom:
         yield prom
-    finally:
-        await session.close()
-        if proc.returncode is None:
-            proc.terminate()
-            try:
-                await asyncio.wait_for(proc.wait(), 15)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
 
 
 def active(alerts_data: dict[str, Any]) -> Iterator[tuple[str, str, str]]:
