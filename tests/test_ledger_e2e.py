@@ -239,6 +239,37 @@ metrics: {{discover_models: false}}
         proxy.wait(timeout=10)
 
 
+async def test_sigterm_ships_every_row_before_the_process_exits(
+    paced_upstream: TestServer, tmp_path: Path
+) -> None:
+    config = tmp_path / "tokenmeter.yaml"
+    config.write_text(f"""
+upstreams:
+  mock: {{base_url: "{paced_upstream.make_url('/v1')}"}}
+metrics: {{discover_models: false}}
+""")
+    port = free_port()
+    proxy = _serve(config, port)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    try:
+        async with aiohttp.ClientSession() as session:
+            ids = await asyncio.gather(*(_read_whole(session, url, stream=i % 2 == 0)
+                                         for i in range(40)))
+        proxy.send_signal(signal.SIGTERM)
+        assert proxy.wait(timeout=60) == 0
+    finally:
+        if proxy.poll() is None:
+            proxy.kill()
+    # No restart: the exiting process itself stored them (drain within server.drain_seconds).
+    ledger = Path(os.environ["TOKENMETER_STATE_DIR"]) / "ledger.sqlite3"
+    with sqlite3.connect(f"file:{ledger}?mode=ro", uri=True) as db:
+        stored = {r for (r,) in db.execute(f"SELECT request_id FROM {TABLE}")}
+    assert None not in ids
+    assert stored == set(ids)
+    leftovers = [p for p in ledger.parent.glob("ledger-*.jsonl")]
+    assert leftovers == []  # nothing left waiting in the spool
+
+
 # --- PostgreSQL stopped under load --------------------------------------------------------------
 
 
