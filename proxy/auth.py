@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from proxy.budget.clamp import WORST_CASE, AdmissionRule, resolve
 from proxy.budget.limits import EffectiveLimits, limits_for, unlimited
 from proxy.config.policy import Policy
 from proxy.errors import AuthenticationFailed
@@ -24,6 +25,8 @@ class Principal:
     team: str | None = None
     enforce: bool = True  # False: metered only (open and pass-through modes)
     forward_client_key: bool = False  # pass-through: the client's key is the upstream key
+    # How a request whose worst case does not fit is treated: key > user > team > defaults.
+    admission: AdmissionRule = WORST_CASE
 
 
 class UserIndex:
@@ -38,7 +41,8 @@ class UserIndex:
             for key in cfg.key_configs():
                 key_id = key.key.removeprefix("sha256:")[:12]
                 overrides = any(getattr(key, f) is not None for f in type(key).model_fields
-                                if f not in ("key", "name"))
+                                if f not in ("key", "name", "admission"))
+                team = policy.teams.get(cfg.team) if cfg.team is not None else None
                 scope = (key.name or key_id) if overrides else None
                 self._by_hash[key.key] = Principal(
                     user=user,
@@ -46,6 +50,9 @@ class UserIndex:
                     key_id=key_id,
                     key_name=key.name,
                     team=cfg.team,
+                    admission=resolve(key.admission, cfg.admission,
+                                      team.admission if team is not None else None,
+                                      policy.defaults.admission),
                 )
         self._passthrough_labels: set[str] = set()
 

@@ -9,6 +9,10 @@ one holds its worst case until it settles. Store failures
 follow the configured policy (`fail_open` admits and meters, `fail_closed` refuses with 503);
 settlements the store cannot take go to the local spool and are replayed exactly once when it is
 back (`proxy.budget.spool`), so usage is not lost to an outage, a shutdown or a restart.
+
+Under the `clamp` admission policy (`proxy.budget.clamp`) a request whose worst case does not
+fit is admitted with fewer output tokens, if its minimum fits: the store grants and reserves
+them in the same atomic step, and the caller sends the granted cap upstream.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 
 from proxy.auth import Principal
 from proxy.budget import limits as lim
+from proxy.budget.clamp import Clamp, grant, output_rate
 from proxy.budget.cost import cost_nanousd, price_for
 from proxy.budget.notify import Notifier
 from proxy.budget.refusals import Refusal, Refused, unpriced
@@ -51,6 +56,14 @@ class Reservation:
     stored: bool  # False: admitted while the store was unreachable (fail_open)
     price: Price | None = None  # the price cost windows were reserved at; settled at it too
     cost_nanousd: int = 0  # the worst-case cost reserved (0 without cost windows)
+    # Clamped (`output_cap` below what the request asked for): what it asked for, and the
+    # window that left the least room.
+    requested_output: int | None = None
+    clamped_by: lim.Window | None = None
+
+    @property
+    def clamped(self) -> bool:
+        return self.requested_output is not None
 
 
 class Budget:
@@ -86,21 +99,27 @@ class Budget:
                         plan.output_cap or DEFAULT_OUTPUT_CAP, plan.costed, price)
 
     async def reserve(self, user: str, plan: lim.Plan, prompt: int, output: int,
-                      policy: Policy) -> Reservation:
+                      policy: Policy, min_output: int | None = None) -> Reservation:
         """Hold `prompt + output` tokens (and the request) in every window of `plan`, or raise
-        `Refused` with what refused it. The store's failures follow `policy.store.on_error`."""
+        `Refused` with what refused it. The store's failures follow `policy.store.on_error`.
+        `min_output` (the `clamp` policy): the output may be lowered to what fits, down to
+        this many tokens; the reservation's `output_cap` is what was granted."""
         price = plan.price
         cost = lim.reserve_cost(price, prompt, output) if price is not None else 0
         entries = tuple(
             Entry(w.key, w.limit, lim.amount(w, prompt, output, cost), w.ttl_s)
             for w in plan.windows
         )
+        clamp = None
+        if min_output is not None and min_output < output:
+            clamp = _clamp(plan, prompt, output, min_output)
         res_id = uuid.uuid4().hex
         if self.store.in_process:  # never fails, never yields: nothing can cut it short
             result = await self.store.reserve(
-                plan.slot, res_id, entries, plan.in_flight, policy.store.lease_seconds
+                plan.slot, res_id, entries, plan.in_flight, policy.store.lease_seconds, clamp
             )
-            return self._admitted(user, plan, entries, result, res_id, prompt, output, cost)
+            return self._admitted(user, plan, entries, result, res_id, prompt, output, cost,
+                                  clamp)
         # While the store is down, one request at a time tries it (and brings it back at once
         # when it answers); the others go on without waiting for a timeout.
         trial = not self.health.up
@@ -108,7 +127,7 @@ class Budget:
             return self._unchecked(user, plan, prompt, output, policy, cost)
         started = time.perf_counter()
         reserving = self.store.reserve(
-            plan.slot, res_id, entries, plan.in_flight, policy.store.lease_seconds
+            plan.slot, res_id, entries, plan.in_flight, policy.store.lease_seconds, clamp
         )
         # Shielded: a client that hangs up must not leave a reservation behind whose reply
         # nobody reads (it would block the user until its lease ran out); `_abandoned` gives
@@ -130,15 +149,30 @@ class Budget:
             if trial:
                 self.health.end_trial()
         self.health.ok("reserve", started)
-        return self._admitted(user, plan, entries, result, res_id, prompt, output, cost)
+        return self._admitted(user, plan, entries, result, res_id, prompt, output, cost, clamp)
 
     def _admitted(self, user: str, plan: lim.Plan, entries: tuple[Entry, ...],
                   result: ReserveResult, res_id: str, prompt: int, output: int,
-                  cost: int) -> Reservation:
+                  cost: int, clamp: Clamp | None = None) -> Reservation:
         if not result.ok:
-            raise self._refusal(user, plan, entries, result)
+            raise self._refusal(user, plan, entries, result, clamp)
+        requested, clamped_by = None, None
+        granted = result.granted
+        if clamp is not None and granted is not None and granted < output:
+            amounts = clamp.amounts(granted)
+            # The window that left the least room, as the store saw it before this request.
+            before = tuple(u - a for u, a in zip(result.used, amounts, strict=True))
+            binding = grant(clamp, tuple(w.limit for w in plan.windows), before).binding
+            clamped_by = plan.windows[binding] if binding is not None else None
+            requested, output = output, granted
+            if plan.price is not None:
+                cost = max((a for w, a in zip(plan.windows, amounts, strict=True)
+                            if w.measure is lim.Measure.COST), default=0)
+            self.metrics.budget_clamped(
+                user, clamped_by.name if clamped_by is not None else "", requested - granted
+            )
         reservation = Reservation(res_id, user, plan, prompt, output, result.used, True,
-                                  plan.price, cost)
+                                  plan.price, cost, requested, clamped_by)
         self._active[res_id] = reservation
         self.metrics.budget_reserved(user, prompt + output)
         self._update_gauges(user, plan.windows, result.used)
@@ -169,7 +203,7 @@ class Budget:
             self._settle_later(plan, res_id, _zero(plan), tokens=0, per_id=True)
 
     def _refusal(self, user: str, plan: lim.Plan, entries: tuple[Entry, ...],
-                 result: ReserveResult) -> Refused:
+                 result: ReserveResult, clamp: Clamp | None = None) -> Refused:
         if result.refused_in_flight is not None:
             self.metrics.budget_refused(user, "max_concurrent_requests")
             return Refused(Refusal(user, plan.windows, result.used, None, 0,
@@ -178,6 +212,9 @@ class Budget:
         assert refused is not None
         window = plan.windows[refused]
         self.metrics.budget_refused(user, window.name)
+        if clamp is not None:  # what it needed at least: the prompt and the fewest outputs
+            return Refused(Refusal(user, plan.windows, result.used, window,
+                                   clamp.amounts(clamp.minimum)[refused], None, at_least=True))
         return Refused(Refusal(user, plan.windows, result.used, window, entries[refused].amount,
                                None))
 
@@ -354,6 +391,34 @@ class Charge:
     user: str
     notice: lim.Window | None  # the user's limited daily quota, for threshold notices
     windows: tuple[lim.Window, ...] | None  # parallel to entries, for the gauges
+
+
+def _clamp(plan: lim.Plan, prompt: int, output: int, minimum: int) -> Clamp:
+    """Each window's amount as `base + rate * output` (see `proxy.budget.clamp`)."""
+    bases: list[int] = []
+    rates: list[int] = []
+    price = plan.price
+    for w in plan.windows:
+        measure = w.measure
+        if measure is lim.Measure.TOTAL:
+            bases.append(prompt)
+            rates.append(1)
+        elif measure is lim.Measure.INPUT:
+            bases.append(prompt)
+            rates.append(0)
+        elif measure is lim.Measure.OUTPUT:
+            bases.append(0)
+            rates.append(1)
+        elif measure is lim.Measure.COST and price is not None:
+            bases.append(lim.reserve_cost(price, prompt, 0))
+            rates.append(output_rate(price))
+        elif measure is lim.Measure.COST:  # unlimited and unpriced: counted as free
+            bases.append(0)
+            rates.append(0)
+        else:  # REQUESTS
+            bases.append(1)
+            rates.append(0)
+    return Clamp(output, minimum, tuple(bases), tuple(rates))
 
 
 def _notice_window(plan: lim.Plan) -> lim.Window | None:

@@ -35,6 +35,9 @@ class Refusal:
     window: lim.Window | None  # the window that refused
     needed: int  # what the request would have added to it
     in_flight: InFlightLimit | None  # or the concurrency limit that refused
+    # `needed` is the least the request could be admitted with (the `clamp` policy: its
+    # prompt and min_output_tokens), not its worst case.
+    at_least: bool = False
 
     @property
     def kind(self) -> RefusalKind:
@@ -143,16 +146,18 @@ def render(refusal: Refusal, now: float, tz: str) -> BudgetExceeded:
     retry_after = max(1, math.ceil(window.resets_at - now))
     reset_at = datetime.fromtimestamp(window.resets_at, ZoneInfo(tz)).isoformat()
     scope = _scope_words(window.scope)
+    outputs = "min_output_tokens" if refusal.at_least else "max output tokens"
     if window.measure is lim.Measure.COST:
         what = f"{_PERIOD_WORDS[window.name.period]} cost budget"
-        needs = "the prompt plus max output tokens, at the model's price"
+        needs = f"the prompt plus {outputs}, at the model's price"
     else:
         what = f"{window.name.replace('_', ' ').capitalize()} limit"
-        needs = "the prompt plus max output tokens"
+        needs = f"the prompt plus {outputs}"
     msg = (
         f"{what} reached for user '{user}'{scope}: "
         f"{_amount(window, left)} of {_amount(window, window.limit)} left, and this request "
-        f"needs up to {_amount(window, refusal.needed)} ({needs}). It resets at {reset_at} "
+        f"needs {'at least' if refusal.at_least else 'up to'} "
+        f"{_amount(window, refusal.needed)} ({needs}). It resets at {reset_at} "
         f"(in {_duration(window.resets_at - now)})."
     )
     quota = kind is RefusalKind.QUOTA

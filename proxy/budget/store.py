@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from proxy.budget.clamp import Clamp, grant
+
 
 class StoreError(Exception):
     """The store could not be reached or did not answer in time."""
@@ -90,6 +92,8 @@ class ReserveResult:
     used: tuple[int, ...]  # per entry: counter value after the call (before on refusal)
     refused_entry: int | None = None  # index of the window that refused
     refused_in_flight: int | None = None  # index of the concurrency limit that refused
+    # Under a clamp: the output tokens granted, and so reserved (None: no clamp was asked).
+    granted: int | None = None
 
 
 DONE_TTL_S = 600  # a settle is applied once per reservation id for this long (retries)
@@ -102,10 +106,13 @@ class Store(Protocol):
 
     async def reserve(
         self, slot: str, res_id: str, entries: Sequence[Entry],
-        in_flight: Sequence[InFlightLimit], lease_s: float,
+        in_flight: Sequence[InFlightLimit], lease_s: float, clamp: Clamp | None = None,
     ) -> ReserveResult:
         """Reap expired leases; refuse if any in-flight set is full or any window would go
-        over; else add the amounts and hold `res_id` in every in-flight set under a lease."""
+        over; else add the amounts and hold `res_id` in every in-flight set under a lease.
+        With `clamp`, in the same atomic step: grant the output tokens that fit (see
+        `proxy.budget.clamp`), refuse below its minimum, and reserve the clamped amounts
+        instead of the entries' own when the grant is below what was asked."""
         ...
 
     async def settle(self, slot: str, res_id: str, entries: Sequence[Entry],
@@ -227,7 +234,7 @@ class MemoryStore:
 
     async def reserve(
         self, slot: str, res_id: str, entries: Sequence[Entry],
-        in_flight: Sequence[InFlightLimit], lease_s: float,
+        in_flight: Sequence[InFlightLimit], lease_s: float, clamp: Clamp | None = None,
     ) -> ReserveResult:
         now = self._now()
         self._reap(slot, now)
@@ -236,16 +243,26 @@ class MemoryStore:
         for i, (f, name) in enumerate(zip(in_flight, names, strict=True)):
             if f.limit is not None and len(self._sets.get(name, ())) >= f.limit:
                 return ReserveResult(False, used, refused_in_flight=i)
-        for i, (e, u) in enumerate(zip(entries, used, strict=True)):
-            if e.limit is not None and u + e.amount > e.limit:
+        amounts = tuple(e.amount for e in entries)
+        granted = None
+        if clamp is not None:
+            fit = grant(clamp, tuple(e.limit for e in entries), used)
+            if fit.output < clamp.minimum:
+                return ReserveResult(False, used, refused_entry=fit.binding or 0)
+            granted = fit.output
+            if granted < clamp.requested:
+                amounts = clamp.amounts(granted)
+        for i, (e, u, a) in enumerate(zip(entries, used, amounts, strict=True)):
+            if e.limit is not None and u + a > e.limit:
                 return ReserveResult(False, used, refused_entry=i)
-        after = tuple(self._counters.add(e.key, e.amount, e.ttl_s, now) for e in entries)
+        after = tuple(self._counters.add(e.key, a, e.ttl_s, now)
+                      for e, a in zip(entries, amounts, strict=True))
         self._leases.setdefault(slot, {})[res_id] = now + lease_s
-        self._reserved[res_id] = tuple((e.key, e.amount) for e in entries)
+        self._reserved[res_id] = tuple((e.key, a) for e, a in zip(entries, amounts, strict=True))
         for name in names:
             self._sets.setdefault(name, set()).add(res_id)
         self._set_names[res_id] = names
-        return ReserveResult(True, after)
+        return ReserveResult(True, after, granted=granted)
 
     async def settle(self, slot: str, res_id: str, entries: Sequence[Entry],
                      done_ttl_s: int = DONE_TTL_S) -> tuple[int, ...]:

@@ -34,6 +34,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 
+from proxy.budget.clamp import Clamp
 from proxy.budget.store import DONE_TTL_S, Entry, InFlightLimit, ReserveResult, StoreError
 
 _REAP = """
@@ -74,7 +75,10 @@ end
 # a key's), then the counters
 # ARGV: m, lease_ms, id, the user's max in flight (-1: none), m limits of the keys' sets,
 # then per counter: limit (-1: none), amount, ttl_s
-# Returns {ok, refused counter (1-based, 0: none), refused in-flight set (1-based), used}.
+# then, to clamp (see proxy.budget.clamp, whose `grant` this mirrors): the output asked for, the
+# minimum, and per counter: base, rate
+# Returns {ok, refused counter (1-based, 0: none), refused in-flight set (1-based), used,
+# output tokens granted (-1: no clamp asked)}.
 RESERVE = _REAP + """
 local now = now_ms()
 reap(KEYS[1], KEYS[2], KEYS[3], now)
@@ -85,24 +89,63 @@ local n = #KEYS - first
 local used = {}
 for i = 1, n do used[i] = tonumber(redis.call('GET', KEYS[first + i]) or '0') end
 local maxc = tonumber(ARGV[4])
-if maxc >= 0 and redis.call('ZCARD', KEYS[1]) >= maxc then return {0, 0, 1, used} end
+if maxc >= 0 and redis.call('ZCARD', KEYS[1]) >= maxc then return {0, 0, 1, used, -1} end
 for j = 1, m do
-  if redis.call('ZCARD', KEYS[3 + j]) >= tonumber(ARGV[4 + j]) then return {0, 0, j + 1, used} end
+  if redis.call('ZCARD', KEYS[3 + j]) >= tonumber(ARGV[4 + j]) then
+    return {0, 0, j + 1, used, -1}
+  end
 end
 local base = 4 + m
+local amounts = {}
+for i = 1, n do amounts[i] = tonumber(ARGV[base + i * 3 - 1]) end
+local granted = -1
+local c = base + n * 3
+if #ARGV > c then
+  -- Clamp: the least room for output tokens over the windows, then reserve that many.
+  local requested = tonumber(ARGV[c + 1])
+  local binding = 0
+  granted = requested
+  for i = 1, n do
+    local limit = tonumber(ARGV[base + i * 3 - 2])
+    if limit >= 0 then
+      local b = tonumber(ARGV[c + i * 2 + 1])
+      local rate = tonumber(ARGV[c + i * 2 + 2])
+      local room = limit - used[i] - b
+      local fits = nil
+      if room < 0 then
+        fits = -1
+      elseif rate > 0 then
+        -- floor division of integers held in doubles, corrected for rounding
+        fits = math.floor(room / rate)
+        while fits * rate > room do fits = fits - 1 end
+        while (fits + 1) * rate <= room do fits = fits + 1 end
+      end
+      if fits ~= nil and fits < granted then granted = fits; binding = i end
+    end
+  end
+  if granted < tonumber(ARGV[c + 2]) then
+    if binding == 0 then binding = 1 end
+    return {0, binding, 0, used, granted}
+  end
+  if granted < requested then
+    for i = 1, n do
+      amounts[i] = tonumber(ARGV[c + i * 2 + 1]) + tonumber(ARGV[c + i * 2 + 2]) * granted
+    end
+  end
+end
 for i = 1, n do
   local limit = tonumber(ARGV[base + i * 3 - 2])
-  local amount = tonumber(ARGV[base + i * 3 - 1])
-  if limit >= 0 and used[i] + amount > limit then return {0, i, 0, used} end
+  if limit >= 0 and used[i] + amounts[i] > limit then return {0, i, 0, used, granted} end
 end
 local rec = {}
 for i = 1, n do
   local key = KEYS[first + i]
-  local amount = tonumber(ARGV[base + i * 3 - 1])
+  -- '%.0f': a Lua number is written as an integer, never in exponent form
+  local amount = string.format('%.0f', amounts[i])
   used[i] = redis.call('INCRBY', key, amount)
   if redis.call('TTL', key) < 0 then redis.call('EXPIRE', key, ARGV[base + i * 3]) end
   rec[#rec + 1] = key
-  rec[#rec + 1] = amount
+  rec[#rec + 1] = amounts[i]
 end
 local deadline = now + tonumber(ARGV[2])
 redis.call('ZADD', KEYS[1], deadline, id)
@@ -119,7 +162,7 @@ if m > 0 then
 end
 redis.call('EXPIRE', KEYS[1], 172800)
 redis.call('EXPIRE', KEYS[2], 172800)
-return {1, 0, 0, used}
+return {1, 0, 0, used, granted}
 """
 
 # KEYS: inflight, reserved, done marker, sets, counters...
@@ -235,7 +278,7 @@ class RedisStore:
 
     async def reserve(
         self, slot: str, res_id: str, entries: Sequence[Entry],
-        in_flight: Sequence[InFlightLimit], lease_s: float,
+        in_flight: Sequence[InFlightLimit], lease_s: float, clamp: Clamp | None = None,
     ) -> ReserveResult:
         user, keys_sets = in_flight[0], in_flight[1:]
         args: list[int | str] = [len(keys_sets), int(lease_s * 1000), res_id,
@@ -243,13 +286,18 @@ class RedisStore:
         args += [-1 if f.limit is None else f.limit for f in keys_sets]
         for e in entries:
             args += [-1 if e.limit is None else e.limit, e.amount, e.ttl_s]
+        if clamp is not None:
+            args += [clamp.requested, clamp.minimum]
+            for b, r in zip(clamp.bases, clamp.rates, strict=True):
+                args += [b, r]
         keys = [f"{slot}:inflight", f"{slot}:reserved", f"{slot}:sets",
                 *(f"{slot}:inflight:{f.part}" for f in keys_sets), *(e.key for e in entries)]
-        ok, entry, held, used = await self._call(self._reserve(keys=keys, args=args))
+        ok, entry, held, used, granted = await self._call(self._reserve(keys=keys, args=args))
         return ReserveResult(
             ok=bool(ok), used=tuple(int(u) for u in used),
             refused_entry=int(entry) - 1 if int(entry) else None,
             refused_in_flight=int(held) - 1 if int(held) else None,
+            granted=int(granted) if clamp is not None and bool(ok) else None,
         )
 
     async def settle(self, slot: str, res_id: str, entries: Sequence[Entry],

@@ -6,6 +6,7 @@ Keys are hashed the moment they are read: a raw key (from `${ENV}` or written in
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import re
 import types
@@ -115,11 +116,43 @@ class Limits(_Model):
     max_output_tokens: int | None = Field(default=None, ge=1)
 
 
+class AdmissionPolicy(enum.StrEnum):
+    """How a request whose worst case does not fit the room left in its windows is treated."""
+
+    # Admitted only if the prompt estimate plus the whole output cap fits every window.
+    WORST_CASE = "worst_case"
+    # Admitted with a lower output cap (what fits), if at least `min_output_tokens` fit.
+    CLAMP = "clamp"
+
+
+class Admission(_Model):
+    """`admission:` in `defaults`, a user, a key or `teams.<name>`.
+
+    Precedence, field by field: a key's setting wins over its user's, a user's over their
+    team's, a team's over `defaults`; a field set nowhere takes the default below. So
+    `defaults: {admission: {policy: clamp}}` with a key's `admission: {min_output_tokens: 1024}`
+    clamps that key's requests to no fewer than 1024 output tokens. The key is the most
+    specific because it is what one agent holds; the team is the least, a shared floor."""
+
+    policy: AdmissionPolicy = AdmissionPolicy.WORST_CASE
+    # Under `clamp`: the fewest output tokens (all choices together) worth sending a request
+    # upstream with; a request that cannot get its prompt plus this many is refused (429).
+    min_output_tokens: int = Field(default=256, ge=1)
+
+
+class AdmittedLimits(Limits):
+    """Limits with an admission policy: `defaults` and `teams.<name>` (not a model group's:
+    admission is about who asks, not which model)."""
+
+    admission: Admission | None = None
+
+
 class KeyConfig(Limits):
     """A key with a name (shown in logs and usable in Redis keys) and its own limits."""
 
     key: str
     name: str | None = Field(default=None, pattern=NAME)
+    admission: Admission | None = None
 
     @field_validator("key")
     @classmethod
@@ -141,6 +174,7 @@ _KeyEntry = Annotated[
 
 class UserConfig(Limits):
     keys: list[_KeyEntry] = Field(default_factory=list)
+    admission: Admission | None = None
     # The team the user's usage is also counted for (and limited by `teams.<team>`, if set).
     # A team need not be listed in `teams`: it is then counted, unlimited, for the books.
     # Its counters and the user's share one Redis Cluster slot, so moving a user into, out of
@@ -238,13 +272,15 @@ class Policy(_Model):
     mode: Literal["open", "keys", "passthrough"] | None = None
     store: StoreConfig = Field(default_factory=StoreConfig)
     timezone: str = "UTC"
-    defaults: Limits = Field(default_factory=lambda: Limits(max_output_tokens=4096))
+    defaults: AdmittedLimits = Field(
+        default_factory=lambda: AdmittedLimits(max_output_tokens=4096)
+    )
     users: dict[str, UserConfig] = Field(default_factory=dict)
     # Limits a team's users share (the same fields as a user's): `teams.<name>`, where a user
     # has `team: <name>`. Reserved together with the user's and key's windows, all or nothing;
     # a team's max_concurrent_requests counts all its users' requests in flight, and its
     # max_output_tokens caps each of their requests like a user's.
-    teams: dict[str, Limits] = Field(default_factory=dict)
+    teams: dict[str, AdmittedLimits] = Field(default_factory=dict)
     alerts: AlertsConfig = Field(default_factory=AlertsConfig)
     prices: dict[str, Price] = Field(default_factory=dict)
 
@@ -269,7 +305,7 @@ class Policy(_Model):
 
     @field_validator("teams")
     @classmethod
-    def _team_names(cls, v: dict[str, Limits]) -> dict[str, Limits]:
+    def _team_names(cls, v: dict[str, AdmittedLimits]) -> dict[str, AdmittedLimits]:
         for name in v:
             if not re.match(NAME, name):
                 raise ValueError(f"team name {name!r} must match {NAME}")

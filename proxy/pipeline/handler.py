@@ -25,6 +25,7 @@ from aiohttp import web
 from proxy.auth import client_key
 from proxy.budget import refusals
 from proxy.budget.refusals import Refused
+from proxy.budget.store import ScopeKind
 from proxy.errors import (
     ErrorClass,
     InvalidRequest,
@@ -168,11 +169,21 @@ async def _try(
     # tokens that body can produce: that, and the prompt when a limit counts it, is reserved.
     outgoing = translator.upstream_request(plan.output_cap)
     prompt = await _estimate(translator) if plan.needs_prompt_estimate else 0
+    # Under `clamp` the store may grant fewer output tokens than the body allows, down to the
+    # rule's minimum (never below one per choice, never above what was asked); the body is
+    # then built again with the granted cap, before anything goes upstream.
+    rule = ctx.principal.admission
+    min_output = None
+    if rule.clamps and outgoing.output_tokens > 0:
+        min_output = min(outgoing.output_tokens,
+                         max(rule.min_output_tokens, translator.choices()))
     try:
         reservation = await svc.budget.reserve(ctx.principal.user, plan, prompt,
-                                               outgoing.output_tokens, policy)
+                                               outgoing.output_tokens, policy, min_output)
     except Refused as exc:
         raise refusals.render(exc.refusal, svc.budget.clock(), policy.timezone) from None
+    if reservation.clamped:
+        outgoing = translator.upstream_request(reservation.output_cap)
     candidacy = Candidacy(cand.route, cand.model, translator, reservation)
     outcome.candidate(candidacy, fallback_from)
     headers = upstream_request_headers(
@@ -227,6 +238,19 @@ def _response_headers(candidacy: Candidacy, fallback_from: str | None,
     if fallback_from is not None and _header_safe(fallback_from):
         headers["x-tokenmeter-fallback-from"] = fallback_from
     reservation = candidacy.reservation
+    if reservation.clamped:
+        # The output cap the client's body allowed (under the proxy's caps, all choices) and
+        # the one sent upstream; and the window that left the least room (with its scope when
+        # it is not the user's own: a key's, a model group's, the team's).
+        headers["x-tokenmeter-output-clamped"] = (
+            f"{reservation.requested_output}->{reservation.output_cap}"
+        )
+        window = reservation.clamped_by
+        if window is not None:
+            reason = window.name.value
+            if window.scope.kind is not ScopeKind.USER and _header_safe(window.scope.part):
+                reason += f"; scope={window.scope.part}"
+            headers["x-tokenmeter-clamp-reason"] = reason
     if reservation.stored:  # admitted during a store outage: the counts are unknown
         headers.update(refusals.rate_limit_headers(reservation.plan.windows, reservation.used,
                                                    svc.budget.clock()))

@@ -219,6 +219,16 @@ class Metrics:
             "tokenmeter_budget_overreserved_tokens",
             "Reserved minus actual tokens, released at settlement.", ("user",), registry=r,
         )
+        self._budget_clamped = Counter(
+            "tokenmeter_budget_clamped_requests",
+            "Requests admitted with a lower output cap (admission: clamp), by the window that "
+            "left the least room.", budget, registry=r,
+        )
+        self._budget_clamped_tokens = Counter(
+            "tokenmeter_budget_clamped_tokens",
+            "Output tokens cut from requests' caps by clamping (asked for minus granted).",
+            budget, registry=r,
+        )
         self._threshold_crossings = Counter(
             "tokenmeter_budget_threshold_crossings",
             "Users crossing a notice threshold of their daily quota.", ("user", "threshold"),
@@ -360,6 +370,10 @@ class Metrics:
 
     def budget_overreserved(self, user: str, tokens: int) -> None:
         self._budget_overreserved.labels(user).inc(tokens)
+
+    def budget_clamped(self, user: str, window: str, tokens_cut: int) -> None:
+        self._budget_clamped.labels(user, window).inc()
+        self._budget_clamped_tokens.labels(user, window).inc(tokens_cut)
 
     def budget_refused(self, user: str, limit: str) -> None:
         self._budget_refusals.labels(user, limit).inc()

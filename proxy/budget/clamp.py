@@ -1,0 +1,112 @@
+"""Admission under `clamp`: how many output tokens a request is granted when its worst case does
+not fit the room left in its windows. Pure functions; the memory store calls them and the Redis
+store's RESERVE script does the same arithmetic in Lua (keep the two in step).
+
+Each window counts `base + rate * output` for a request: its amount with no output (the prompt
+in a TOTAL or INPUT window, 1 in a REQUESTS window, the prompt's cost in a COST window) plus a
+whole number per output token (1 in TOTAL and OUTPUT windows, 0 in INPUT and REQUESTS windows,
+which no output cap can make room in, and the model's output price in nano-dollars rounded up in
+COST windows, so a clamped cost reservation is never below what the granted tokens can cost).
+A window with limit `L` and `U` used leaves room for `floor((L - U - base) / rate)` output
+tokens; the grant is the least of those and the tokens asked for. It is refused below the
+minimum, at the window that allowed the fewest.
+
+How concurrent requests share a small remainder: the grant is computed and reserved in one
+atomic store step (reserve-then-clamp), so requests are served first come, first served, each
+taking what is left at its turn (up to what it asked for). The remainder is never promised
+twice, and a request is refused only when what is left at its turn is below its own minimum.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from decimal import Decimal
+
+from proxy.config.policy import Admission, AdmissionPolicy, Price
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionRule:
+    """A principal's admission policy, resolved from the configuration once per key."""
+
+    policy: AdmissionPolicy = AdmissionPolicy.WORST_CASE
+    min_output_tokens: int = 256
+
+    @property
+    def clamps(self) -> bool:
+        return self.policy is AdmissionPolicy.CLAMP
+
+
+WORST_CASE = AdmissionRule()
+
+
+def resolve(*levels: Admission | None) -> AdmissionRule:
+    """Field by field, the first level (most specific first: key, user, team, defaults) that
+    sets a field gives it; a field set nowhere keeps its default."""
+    values: dict[str, object] = {}
+    for level in levels:
+        if level is None:
+            continue
+        for name in level.model_fields_set:
+            values.setdefault(name, getattr(level, name))
+    if not values:
+        return WORST_CASE
+    rule = AdmissionRule()
+    policy = values.get("policy", rule.policy)
+    minimum = values.get("min_output_tokens", rule.min_output_tokens)
+    assert isinstance(policy, AdmissionPolicy) and isinstance(minimum, int)
+    return AdmissionRule(policy, minimum)
+
+
+@dataclass(frozen=True, slots=True)
+class Clamp:
+    """What a store needs to clamp a reservation: per entry (parallel to the entries), its
+    amount with no output and its amount per output token; the output asked for and the
+    fewest output tokens worth admitting (`minimum <= requested`)."""
+
+    requested: int
+    minimum: int
+    bases: tuple[int, ...]
+    rates: tuple[int, ...]
+
+    def amounts(self, granted: int) -> tuple[int, ...]:
+        """What a request granted `granted` output tokens reserves in each window."""
+        return tuple(b + r * granted for b, r in zip(self.bases, self.rates, strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    output: int  # output tokens granted (below `minimum`: refused)
+    binding: int | None  # the entry that allowed the fewest, when below what was asked
+
+
+def room_for_output(limit: int | None, used: int, base: int, rate: int) -> int | None:
+    """The output tokens one window has room for: None when unbounded (no limit, or a window
+    that output does not count in and whose base fits), -1 when not even the base fits."""
+    if limit is None:
+        return None
+    room = limit - used - base
+    if room < 0:
+        return -1
+    if rate == 0:
+        return None
+    return room // rate
+
+
+def grant(clamp: Clamp, limits: Sequence[int | None], used: Sequence[int]) -> Grant:
+    """The output tokens a request gets given each window's limit and use (see the module)."""
+    granted, binding = clamp.requested, None
+    for i, (limit, u, base, rate) in enumerate(
+        zip(limits, used, clamp.bases, clamp.rates, strict=True)
+    ):
+        fits = room_for_output(limit, u, base, rate)
+        if fits is not None and fits < granted:
+            granted, binding = fits, i
+    return Grant(max(granted, -1), binding)
+
+
+def output_rate(price: Price) -> int:
+    """Nano-dollars per output token, rounded up to a whole one."""
+    return math.ceil(Decimal(str(price.output)) * 1000)

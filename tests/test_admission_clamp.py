@@ -1,0 +1,248 @@
+"""The `clamp` admission policy enforced by real proxies over loopback, driven by the real openai
+SDK against the mock upstream (which honours max_tokens / max_completion_tokens): on the
+in-process store, and on a real redis-server shared by two replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from typing import Any
+from zoneinfo import ZoneInfo
+
+import openai
+import pytest
+from aiohttp.test_utils import TestServer
+
+from proxy.budget import limits as lim
+from proxy.budget.clamp import Clamp
+from proxy.budget.store import USER, Entry, InFlightLimit, MemoryStore
+from proxy.budget.store_redis import RedisStore
+from proxy.protocol.translators import ChatTranslator, parse_body
+from proxy.server import state as st
+from proxy.server.app import create_app
+from proxy.testing.mock_upstream import MOCK_STATE, MockSettings
+from tests.helpers import ALICE_KEY, MESSAGES, ServerFactory, make_config, sample, scrape, sdk
+
+QUOTA = 20_000
+ASKED = 32_000
+
+
+@pytest.fixture
+def mock_settings() -> MockSettings:
+    # An agent's answer: far shorter than the max_tokens it sends.
+    return MockSettings(tokens_per_second=0, ttft_ms=0, output_tokens=900)
+
+
+Factory = Callable[..., Awaitable[list[TestServer]]]
+
+
+@pytest.fixture
+def make_proxies(aiohttp_server: ServerFactory, upstream: TestServer, store_url: str) -> Factory:
+    """Two replicas sharing one budget through Redis; one on the in-process store."""
+
+    async def make(users: dict[str, Any], **extra: Any) -> list[TestServer]:
+        config = make_config(str(upstream.make_url("/v1")), store=store_url, users=users,
+                             extra=extra)
+        count = 1 if store_url == "memory" else 2
+        return [await aiohttp_server(create_app(config)) for _ in range(count)]
+
+    return make
+
+
+def _alice(policy: str, daily: int, **more: Any) -> dict[str, Any]:
+    return {"alice": {"keys": [ALICE_KEY], "daily_tokens": daily, "max_output_tokens": 64_000,
+                      "admission": {"policy": policy}, **more}}
+
+
+async def _daily_used(proxy: TestServer) -> int:
+    budget = proxy.app[st.SERVICES].budget
+    runtime = proxy.app[st.SERVICES].runtime.current
+    key = lim.daily_key(
+        runtime.config.store.prefix, "alice", "daily_tokens",
+        datetime.fromtimestamp(budget.clock(), ZoneInfo("UTC")).strftime("%Y%m%d"),
+    )
+    (used,) = await budget.store.read([key])
+    return used
+
+
+def _prompt_estimate() -> int:
+    """The proxy's own estimate of MESSAGES, as it reserves it."""
+    body = {"model": "mock-gpt", "messages": MESSAGES}
+    return ChatTranslator(parse_body(json.dumps(body).encode())).estimate_prompt_tokens()
+
+
+async def test_agent_with_large_max_tokens_is_clamped_not_refused(
+    make_proxies: Factory, upstream: TestServer
+) -> None:
+    proxies = await make_proxies(_alice("clamp", QUOTA))
+    client = sdk(proxies[-1], ALICE_KEY)
+    prompt = _prompt_estimate()
+    raw = await client.chat.completions.with_raw_response.create(
+        model="mock-gpt", messages=MESSAGES, max_tokens=ASKED,
+    )
+    completion = raw.parse()
+    assert completion.usage is not None and completion.usage.completion_tokens == 900
+    granted = QUOTA - prompt
+    assert raw.headers["x-tokenmeter-output-clamped"] == f"{ASKED}->{granted}"
+    assert raw.headers["x-tokenmeter-clamp-reason"] == "daily_tokens"
+    sent = upstream.app[MOCK_STATE].requests[-1].body
+    assert sent is not None and sent["max_tokens"] == granted
+    assert sent.get("max_completion_tokens", granted) == granted
+    assert await _daily_used(proxies[0]) == completion.usage.total_tokens <= QUOTA
+    metrics = await scrape(proxies[-1])
+    assert sample(metrics, "tokenmeter_budget_clamped_requests_total", user="alice",
+                  window="daily_tokens") == 1
+    assert sample(metrics, "tokenmeter_budget_clamped_tokens_total", user="alice") == (
+        ASKED - granted)
+    # The answer that would run to the cap stops at it, with the upstream's own finish_reason,
+    # and the day ends exactly at the quota, never past it.
+    long = await client.chat.completions.with_raw_response.create(
+        model="mock-gpt", messages=MESSAGES, max_tokens=ASKED,
+        extra_headers={"x-mock-output-tokens": "50000"},
+    )
+    done = long.parse()
+    left = QUOTA - completion.usage.total_tokens
+    assert long.headers["x-tokenmeter-output-clamped"] == f"{ASKED}->{left - prompt}"
+    assert done.choices[0].finish_reason == "length"
+    assert await _daily_used(proxies[0]) == QUOTA
+    with pytest.raises(openai.RateLimitError) as refused:
+        await client.chat.completions.create(model="mock-gpt", messages=MESSAGES,
+                                             max_tokens=ASKED)
+    assert refused.value.code == "daily_quota_exceeded"
+    assert "at least" in refused.value.message
+    await client.close()
+
+
+async def test_worst_case_refuses_what_clamp_serves(make_proxies: Factory) -> None:
+    proxies = await make_proxies(_alice("worst_case", QUOTA))
+    client = sdk(proxies[-1], ALICE_KEY)
+    with pytest.raises(openai.RateLimitError) as refused:
+        await client.chat.completions.create(model="mock-gpt", messages=MESSAGES,
+                                             max_tokens=ASKED)
+    assert refused.value.status_code == 429
+    assert refused.value.response.headers["x-should-retry"] == "false"
+    assert "up to" in refused.value.message
+    # What fits is served whole, unclamped, as before.
+    raw = await client.chat.completions.with_raw_response.create(
+        model="mock-gpt", messages=MESSAGES, max_tokens=1000,
+    )
+    assert "x-tokenmeter-output-clamped" not in raw.headers
+    assert await _daily_used(proxies[0]) <= QUOTA
+    await client.close()
+
+
+async def test_key_setting_wins_over_user_and_defaults(make_proxies: Factory) -> None:
+    """defaults: clamp; the user: worst_case; the key: clamp with a large minimum."""
+    users = {"alice": {"keys": [{"key": ALICE_KEY, "admission": {"min_output_tokens": 25_000}}],
+                       "daily_tokens": QUOTA, "max_output_tokens": 64_000,
+                       "admission": {"policy": "clamp"}}}
+    proxies = await make_proxies(users, defaults={"admission": {"policy": "worst_case"}})
+    client = sdk(proxies[-1], ALICE_KEY)
+    # clamp (the user's), but the key's minimum does not fit the 20,000 left: refused.
+    with pytest.raises(openai.RateLimitError) as refused:
+        await client.chat.completions.create(model="mock-gpt", messages=MESSAGES,
+                                             max_tokens=ASKED)
+    assert "min_output_tokens" in refused.value.message
+    await client.close()
+
+
+async def _one_stream(client: openai.AsyncOpenAI, max_tokens: int) -> tuple[int, bool]:
+    raw = await client.chat.completions.with_raw_response.create(
+        model="mock-gpt", messages=MESSAGES, max_tokens=max_tokens, stream=True,
+        stream_options={"include_usage": True},
+        # A long answer: each stream produces every token it is granted.
+        extra_headers={"x-mock-output-tokens": "50000"},
+    )
+    clamped = "x-tokenmeter-output-clamped" in raw.headers
+    usage = None
+    async for chunk in raw.parse():
+        usage = chunk.usage or usage
+    assert usage is not None
+    return usage.total_tokens, clamped
+
+
+async def test_race_for_the_last_tokens(
+    make_proxies: Factory, upstream: TestServer
+) -> None:
+    """100 streams, each asking for 1,500 output tokens and producing as many as it is let,
+    race across the replicas for the last 5,000 tokens under `clamp` (min_output_tokens 256).
+
+    Reserve-then-clamp is one atomic step, first come, first served, and every admitted stream
+    uses all it is granted, so the counter only grows: the first three get 1,500 (plus the
+    prompt) each, the fourth the rest (clamped), and everyone after is refused. Asserted
+    exactly: nothing over the quota; every refusal a 429 in OpenAI's shape; exactly one clamped
+    answer; and no request refused while its own minimum fitted: after the race the room left
+    is below the prompt estimate plus min_output_tokens (the counter never shrinks here, so the
+    room each refused request saw was at most this)."""
+    last = 5_000
+    users = _alice("clamp", last)
+    proxies = await make_proxies(users)
+    prompt = _prompt_estimate()
+    clients = [sdk(p, ALICE_KEY) for p in proxies]
+    results = await asyncio.gather(
+        *(_one_stream(clients[i % len(clients)], 1_500) for i in range(100)),
+        return_exceptions=True,
+    )
+    served = [r for r in results if isinstance(r, tuple)]
+    refused = [r for r in results if not isinstance(r, tuple)]
+    for exc in refused:
+        assert isinstance(exc, openai.RateLimitError), repr(exc)
+        assert exc.status_code == 429 and exc.code == "daily_quota_exceeded"
+        assert exc.response.headers["x-should-retry"] == "false"
+        body = exc.body
+        assert isinstance(body, dict) and body["type"] == "insufficient_quota"
+    used = sum(tokens for tokens, _ in served)
+    assert used <= last
+    assert await _daily_used(proxies[0]) == used
+    full = prompt + 1_500
+    assert len(served) == last // full + 1
+    assert [c for _, c in served].count(True) == 1
+    assert refused and last - used < prompt + 256
+    for p in proxies:
+        assert sample(await scrape(p), "tokenmeter_store_errors_total") == 0
+    assert len(upstream.app[MOCK_STATE].requests) == len(served)
+    for c in clients:
+        await c.close()
+
+
+async def test_stores_grant_alike(redis_url: str) -> None:
+    """The Lua script and the in-process store agree, grant by grant, on random windows of
+    every measure (the arithmetic itself: tests/unit/test_clamp.py)."""
+    rng = random.Random(7)
+    redis_store = RedisStore(redis_url, 5000)
+    memory = MemoryStore()
+    seen: set[str] = set()
+    try:
+        for case in range(150):
+            n = rng.randint(1, 4)
+            limits = [rng.choice([None, rng.randint(0, 60_000)]) for _ in range(n)]
+            prior = [rng.randint(0, 40_000) for _ in range(n)]
+            bases = tuple(rng.choice([0, 1, rng.randint(1, 3000)]) for _ in range(n))
+            rates = tuple(rng.choice([0, 1, rng.randint(1, 20_000)]) for _ in range(n))
+            requested = rng.randint(1, 40_000)
+            clamp = Clamp(requested, rng.randint(1, requested), bases, rates)
+            keys = [f"tm:{{c{case}}}:w{i}" for i in range(n)]
+            worst = [b + r * requested for b, r in zip(bases, rates, strict=True)]
+            results = []
+            for store in (memory, redis_store):
+                slot = f"tm:{{c{case}}}"
+                # What is used already, settled under an id of its own.
+                await store.settle(slot, "prior", [Entry(k, None, u, 600)
+                                                   for k, u in zip(keys, prior, strict=True)])
+                entries = [Entry(k, lim_, w, 600)
+                           for k, lim_, w in zip(keys, limits, worst, strict=True)]
+                results.append(await store.reserve(
+                    slot, "r", entries, [InFlightLimit(USER, None)], 30, clamp))
+            assert results[0] == results[1], (case, limits, prior, clamp)
+            seen.add("refused" if not results[0].ok
+                     else "whole" if results[0].granted == requested else "clamped")
+            if results[0].ok:
+                assert results[0].granted is not None
+                for u, limit in zip(results[0].used, limits, strict=True):
+                    assert limit is None or u <= limit
+        assert seen == {"refused", "whole", "clamped"}
+    finally:
+        await redis_store.close()
