@@ -18,9 +18,11 @@ from aiohttp.test_utils import TestServer
 
 from proxy.budget import limits as lim
 from proxy.budget.clamp import Clamp
+from proxy.budget.cost import cost_nanousd
 from proxy.budget.store import USER, Entry, InFlightLimit, MemoryStore
 from proxy.budget.store_redis import RedisStore
-from proxy.protocol.translators import ChatTranslator, parse_body
+from proxy.config.policy import Price
+from proxy.protocol.translators import ChatTranslator, ResponsesTranslator, parse_body
 from proxy.server import state as st
 from proxy.server.app import create_app
 from proxy.testing.mock_upstream import MOCK_STATE, MockSettings
@@ -146,6 +148,85 @@ async def test_key_setting_wins_over_user_and_defaults(make_proxies: Factory) ->
         await client.chat.completions.create(model="mock-gpt", messages=MESSAGES,
                                              max_tokens=ASKED)
     assert "min_output_tokens" in refused.value.message
+    await client.close()
+
+
+async def test_a_minimum_larger_than_the_quota_is_never_admitted(make_proxies: Factory) -> None:
+    proxies = await make_proxies(_alice("clamp", 200))
+    client = sdk(proxies[-1], ALICE_KEY)
+    with pytest.raises(openai.RateLimitError) as refused:
+        await client.chat.completions.create(model="mock-gpt", messages=MESSAGES,
+                                             max_tokens=ASKED)
+    assert "its prompt plus min_output_tokens is larger" in refused.value.message
+    # Asking for no more than fits is not clamping: served whole.
+    raw = await client.chat.completions.with_raw_response.create(
+        model="mock-gpt", messages=MESSAGES, max_tokens=100,
+    )
+    assert "x-tokenmeter-output-clamped" not in raw.headers
+    await client.close()
+
+
+async def _counter(proxy: TestServer, scope: str, field: str, team: str | None = None) -> int:
+    """A counter of today for alice (`scope`: `u`) or her team (`t.<team>`)."""
+    budget = proxy.app[st.SERVICES].budget
+    prefix = proxy.app[st.SERVICES].runtime.current.config.store.prefix
+    day = datetime.fromtimestamp(budget.clock(), ZoneInfo("UTC")).strftime("%Y%m%d")
+    base = (lim.slot_for(prefix, "alice", team) if scope != "u"
+            else lim.user_base(prefix, "alice", team))
+    (value,) = await budget.store.read([f"{base}:{scope}:{field}:{day}"])
+    return value
+
+
+async def test_cost_budget_clamps_at_the_output_price(make_proxies: Factory) -> None:
+    """$0.02 a day at $1/M input and $2/M output: room for (20,000,000 - 1,000 * prompt) /
+    2,000 output tokens, and a long answer ends within the budget, never past it."""
+    prices = {"mock-gpt": {"input": 1.0, "output": 2.0}}
+    proxies = await make_proxies(
+        {"alice": {"keys": [ALICE_KEY], "daily_usd": 0.02, "max_output_tokens": 64_000,
+                   "admission": {"policy": "clamp"}}},
+        prices=prices,
+    )
+    client = sdk(proxies[-1], ALICE_KEY)
+    prompt = _prompt_estimate()
+    raw = await client.chat.completions.with_raw_response.create(
+        model="mock-gpt", messages=MESSAGES, max_tokens=ASKED,
+        extra_headers={"x-mock-output-tokens": "50000"},
+    )
+    granted = (20_000_000 - 1_000 * prompt) // 2_000
+    assert raw.headers["x-tokenmeter-output-clamped"] == f"{ASKED}->{granted}"
+    assert raw.headers["x-tokenmeter-clamp-reason"] == "daily_usd"
+    usage = raw.parse().usage
+    assert usage is not None and usage.completion_tokens == granted
+    spent = cost_nanousd(Price(input=1.0, output=2.0), usage.prompt_tokens, 0, granted)
+    assert await _counter(proxies[0], "u", "daily_usd") == spent <= 20_000_000
+    await client.close()
+
+
+async def test_team_window_clamps_a_responses_request(
+    make_proxies: Factory, upstream: TestServer
+) -> None:
+    """The Responses API's `max_output_tokens`, lowered for a team's daily window; the header
+    names the team's scope, and the answer ends `incomplete` at the granted cap."""
+    users = {"alice": {"keys": [ALICE_KEY], "team": "platform", "max_output_tokens": 64_000}}
+    proxies = await make_proxies(
+        users, teams={"platform": {"daily_tokens": QUOTA, "admission": {"policy": "clamp"}}}
+    )
+    client = sdk(proxies[-1], ALICE_KEY)
+    text = "count to three"
+    body = {"model": "mock-gpt", "input": text}
+    prompt = ResponsesTranslator(parse_body(json.dumps(body).encode())).estimate_prompt_tokens()
+    raw = await client.responses.with_raw_response.create(
+        model="mock-gpt", input=text, max_output_tokens=ASKED,
+        extra_headers={"x-mock-output-tokens": "50000"},
+    )
+    granted = QUOTA - prompt
+    assert raw.headers["x-tokenmeter-output-clamped"] == f"{ASKED}->{granted}"
+    assert raw.headers["x-tokenmeter-clamp-reason"] == "daily_tokens; scope=t.platform"
+    response = raw.parse()
+    assert response.status == "incomplete"
+    sent = upstream.app[MOCK_STATE].requests[-1].body
+    assert sent is not None and sent["max_output_tokens"] == granted
+    assert await _counter(proxies[0], "t.platform", "daily_tokens", "platform") == QUOTA
     await client.close()
 
 

@@ -111,7 +111,9 @@ class Budget:
             for w in plan.windows
         )
         clamp = None
-        if min_output is not None and min_output < output:
+        # Nothing to clamp against without a limit: the plain reservation, at no extra cost.
+        if (min_output is not None and min_output < output
+                and any(e.limit is not None for e in entries)):
             clamp = _clamp(plan, prompt, output, min_output)
         res_id = uuid.uuid4().hex
         if self.store.in_process:  # never fails, never yields: nothing can cut it short

@@ -163,7 +163,10 @@ def render(refusal: Refusal, now: float, tz: str) -> BudgetExceeded:
     quota = kind is RefusalKind.QUOTA
     never = refusal.needed > window.limit  # would not fit even in an empty window
     if quota or never:
-        if never:
+        if never and refusal.at_least:
+            msg += (" This request can never fit this limit: its prompt plus "
+                    "min_output_tokens is larger.")
+        elif never:
             msg += " Lower max_tokens: this request can never fit this limit."
         return BudgetExceeded(
             msg, type_="insufficient_quota" if quota else "tokens",
