@@ -4,7 +4,8 @@ A store does three things atomically per user slot:
 - `reserve`: drop reservations whose lease ran out (their proxy died), check the concurrency
   limits (the user's in-flight set, and a key's own when it has a limit) and every window
   (`used + amount <= limit`), and only if all pass add the amounts and record the reservation
-  under a lease;
+  under a lease; under the `clamp` admission policy the output tokens that fit are worked out
+  and reserved in the same step (`proxy.budget.clamp`);
 - `settle`: replace a reservation's amounts by the actual ones (or add them outright if the
   reservation is unknown: admitted while the store was down, or its lease expired), once per id;
 - `renew`: extend the leases of reservations still streaming.
