@@ -51,7 +51,10 @@ USERS = {
     "alice": {"keys": [ALICE_KEY], "daily_tokens": 50_000_000},
     "bob": {"keys": [BOB_KEY], "daily_tokens": 50_000_000, "team": "blue"},
 }
-PACED = {"x-mock-tokens-per-second": "400", "x-mock-output-tokens": "200"}
+# The client hangs up mid-stream; the upstream stalls after 20 tokens so that it never finishes
+# (and reports usage) behind the proxy's back however late the hang-up is seen on a busy box.
+PACED = {"x-mock-tokens-per-second": "400", "x-mock-output-tokens": "200",
+         "x-mock-stall-after": "20"}
 
 
 async def _served(app_server: TestServer, count: int) -> None:
