@@ -33,10 +33,17 @@ class AdmissionRule:
 
     policy: AdmissionPolicy = AdmissionPolicy.WORST_CASE
     min_output_tokens: int = 256
+    initial_estimate: int = 1024  # `estimate`: what a stream reserves before any history
 
     @property
     def clamps(self) -> bool:
-        return self.policy is AdmissionPolicy.CLAMP
+        """Clamped when the worst case does not fit: `clamp`, and `estimate` (whose requests
+        that are not topped up, the non-streamed ones, fall back to `clamp`)."""
+        return self.policy is not AdmissionPolicy.WORST_CASE
+
+    @property
+    def estimates(self) -> bool:
+        return self.policy is AdmissionPolicy.ESTIMATE
 
 
 WORST_CASE = AdmissionRule()
@@ -56,8 +63,10 @@ def resolve(*levels: Admission | None) -> AdmissionRule:
     rule = AdmissionRule()
     policy = values.get("policy", rule.policy)
     minimum = values.get("min_output_tokens", rule.min_output_tokens)
+    initial = values.get("initial_estimate", rule.initial_estimate)
     assert isinstance(policy, AdmissionPolicy) and isinstance(minimum, int)
-    return AdmissionRule(policy, minimum)
+    assert isinstance(initial, int)
+    return AdmissionRule(policy, minimum, initial)
 
 
 @dataclass(frozen=True, slots=True)

@@ -123,6 +123,9 @@ class AdmissionPolicy(enum.StrEnum):
     WORST_CASE = "worst_case"
     # Admitted with a lower output cap (what fits), if at least `min_output_tokens` fit.
     CLAMP = "clamp"
+    # Streams reserve a learned estimate of their output (not the cap) and are topped up while
+    # they run; a stream the quota cannot top up ends there. Non-streamed requests: `clamp`.
+    ESTIMATE = "estimate"
 
 
 class Admission(_Model):
@@ -138,6 +141,18 @@ class Admission(_Model):
     # Under `clamp`: the fewest output tokens (all choices together) worth sending a request
     # upstream with; a request that cannot get its prompt plus this many is refused (429).
     min_output_tokens: int = Field(default=256, ge=1)
+    # Under `estimate`: the output tokens a stream reserves before its key and model have any
+    # history (bounded by the request's cap); then a high percentile of recent outputs.
+    initial_estimate: int = Field(default=1024, ge=1)
+
+    @field_validator("policy")
+    @classmethod
+    def _not_yet(cls, v: AdmissionPolicy) -> AdmissionPolicy:
+        # `estimate` is built (proxy.budget.estimate, proxy.pipeline.topup) but not yet
+        # accepted from the YAML: the configuration tests still hold it invalid.
+        if v is AdmissionPolicy.ESTIMATE:
+            raise ValueError("admission policy `estimate` is not available yet")
+        return v
 
 
 class AdmittedLimits(Limits):
