@@ -49,7 +49,9 @@ class ErrorClass(enum.StrEnum):
     REQUEST_TOO_LARGE = "request_too_large"
     REQUEST_TIMEOUT = "request_timeout"  # headers or body too slow (the listener's 408)
     TOO_MANY_CONNECTIONS = "too_many_connections"
-    BUDGET_EXCEEDED = "budget_exceeded"  # any quota/rate/concurrency limit (429)
+    # any quota/rate/concurrency limit (429), and a stream under `admission: estimate` ended
+    # mid-way because its quota could not be topped up (200, then an error event)
+    BUDGET_EXCEEDED = "budget_exceeded"
     # The proxy's own failures.
     SERVICE_UNAVAILABLE = "service_unavailable"  # e.g. budget store down, failing closed
     INTERNAL = "internal"  # a bug

@@ -4,24 +4,45 @@ by two replicas."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+import re
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
 
+import aiohttp
+import openai
 import pytest
+import redis.asyncio as aioredis
 from aiohttp.test_utils import TestServer
 
 from proxy.budget import limits as lim
 from proxy.budget.clamp import AdmissionRule
+from proxy.budget.store import USER, Entry, InFlightLimit, MemoryStore, Store, TopUpResult
+from proxy.budget.store_redis import RedisStore
 from proxy.config.policy import AdmissionPolicy, hash_key
 from proxy.protocol.translators import ChatTranslator, parse_body
 from proxy.server import state as st
 from proxy.server.app import create_app
 from proxy.testing.mock_upstream import MOCK_STATE, MockSettings
-from tests.helpers import ALICE_KEY, MESSAGES, ServerFactory, make_config, sdk
+from tests.helpers import (
+    ALICE_KEY,
+    MESSAGES,
+    ServerFactory,
+    budget_yaml,
+    make_config,
+    sample,
+    scrape,
+    sdk,
+    until,
+)
+from tests.servers import free_port, wait_for_port
 
 QUOTA = 20_000
 ASKED = 32_000
@@ -29,7 +50,8 @@ ASKED = 32_000
 
 @pytest.fixture
 def mock_settings() -> MockSettings:
-    return MockSettings(tokens_per_second=0, ttft_ms=0, output_tokens=900)
+    # Paced: a stream arrives event by event, as a model's does, not in one write.
+    return MockSettings(tokens_per_second=4000, ttft_ms=0, output_tokens=900)
 
 
 Factory = Callable[..., Awaitable[list[TestServer]]]
@@ -97,3 +119,306 @@ async def test_non_streamed_request_falls_back_to_clamp(
     assert completion.usage is not None
     assert await _daily_used(proxies[0]) == completion.usage.total_tokens <= QUOTA
     await client.close()
+
+
+async def _stream(client: openai.AsyncOpenAI, tokens: int,
+                  max_tokens: int = ASKED) -> tuple[int, int | None]:
+    """A streamed chat completion of `tokens` output tokens (if let run): the content events the
+    client got (one token each) and the completion tokens the upstream reported, if it did."""
+    got, reported = 0, None
+    stream = await client.chat.completions.create(
+        model="mock-gpt", messages=MESSAGES, max_tokens=max_tokens, stream=True,
+        stream_options={"include_usage": True},
+        extra_headers={"x-mock-output-tokens": str(tokens)},
+    )
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            got += 1
+        if chunk.usage is not None:
+            reported = chunk.usage.completion_tokens
+    return got, reported
+
+
+async def test_agent_stream_is_served_with_an_estimate_not_its_cap(
+    make_proxies: Factory, upstream: TestServer
+) -> None:
+    """20,000 left, max_tokens 32,000, streamed: served whole, the cap kept upstream, the
+    day's counter exactly what was used."""
+    proxies = await make_proxies(_alice(QUOTA))
+    _estimate(proxies)
+    client = sdk(proxies[-1], ALICE_KEY)
+    got, reported = await _stream(client, 900)
+    assert got == reported == 900
+    sent = upstream.app[MOCK_STATE].requests[-1].body
+    assert sent is not None and sent["max_tokens"] == ASKED
+    prompt = _prompt_estimate()
+    assert await _daily_used(proxies[0]) == prompt + 900 <= QUOTA
+    await client.close()
+
+
+async def test_long_streams_are_topped_up_then_cut_at_the_quota(
+    make_proxies: Factory, upstream: TestServer
+) -> None:
+    """An estimate of 300: a 1,500-token stream is topped up as it runs and served whole; the
+    stream that runs into the end of the day's quota is cut there with an error event the SDK
+    raises naming the quota, charged what it produced, and the counter never passes the
+    limit."""
+    quota = 4_000
+    proxies = await make_proxies(_alice(quota))
+    _estimate(proxies, initial_estimate=300)
+    client = sdk(proxies[-1], ALICE_KEY)
+    prompt = _prompt_estimate()
+    got, reported = await _stream(client, 1_500)
+    assert got == reported == 1_500
+    used = await _daily_used(proxies[0])
+    assert used == prompt + 1_500
+    metrics = await scrape(proxies[-1])
+    assert sample(metrics, "tokenmeter_budget_topups_total", user="alice",
+                  outcome="granted") >= 4
+    # The learned estimate is now 1,500 (one completed stream): the next stream reserves it
+    # and is topped up until the day runs out.
+    client2 = sdk(proxies[0], ALICE_KEY)
+    counted = 0
+    with pytest.raises(openai.APIError) as cut:
+        stream = await client2.chat.completions.create(
+            model="mock-gpt", messages=MESSAGES, max_tokens=ASKED, stream=True,
+            extra_headers={"x-mock-output-tokens": "20000"},
+        )
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                counted += 1
+    assert cut.value.code == "daily_quota_exceeded"
+    assert "daily tokens" in cut.value.message.lower()
+    assert 0 < counted <= quota - used - prompt
+    await until(lambda: _charged(proxies[0], used + prompt + counted))
+    metrics = await scrape(proxies[0])
+    assert sample(metrics, "tokenmeter_budget_streams_ended_total", user="alice",
+                  window="daily_tokens") == 1
+    assert sample(metrics, "tokenmeter_requests_total", error_class="budget_exceeded") == 1
+    # The next request finds the day spent: a 429 in OpenAI's shape.
+    with pytest.raises(openai.RateLimitError) as refused:
+        await _stream(client, 100)
+    assert refused.value.code == "daily_quota_exceeded"
+    await client.close()
+    await client2.close()
+
+
+async def test_redis_top_up_and_history_match_the_memory_store(redis_url: str) -> None:
+    """The TOPUP and RECORD scripts against the in-process store, case by case."""
+    redis = RedisStore(redis_url, 5000)
+    slot = "tm:{alice}"
+    day, out = f"{slot}:day", f"{slot}:out"
+    try:
+        for store in (MemoryStore(), redis):
+            answers = await _top_up_cases(store, slot, day, out)
+            assert answers == [
+                TopUpResult(500), (1_600, 1_500), TopUpResult(400),
+                TopUpResult(0, refused_entry=0), (2_000, 1_900), (1_300, 1_200),
+                TopUpResult(0, gone=True),
+            ], store
+            for n in range(40):
+                await store.record_output(f"{slot}:est", n, 32, 60)
+            assert sorted(await store.output_samples(f"{slot}:est")) == list(range(8, 40))
+    finally:
+        await redis.close()
+
+
+async def _top_up_cases(store: Store, slot: str, day: str, out: str) -> list[object]:
+    flight = [InFlightLimit(USER, None)]
+    assert (await store.reserve(slot, "r1", [Entry(day, 2_000, 1_100, 60),
+                                             Entry(out, None, 1_000, 60)], flight, 30.0)).ok
+    per_token = [Entry(day, 2_000, 1, 60), Entry(out, None, 1, 60)]
+    answers: list[object] = [await store.top_up(slot, "r1", per_token, 500, 1),
+                             await store.read([day, out])]
+    answers.append(await store.top_up(slot, "r1", per_token, 500, 1))
+    answers.append(await store.top_up(slot, "r1", per_token, 500, 1))
+    answers.append(await store.read([day, out]))
+    await store.settle(slot, "r1", [Entry(day, 2_000, 1_300, 60), Entry(out, None, 1_200, 60)])
+    answers.append(await store.read([day, out]))
+    answers.append(await store.top_up(slot, "r1", per_token, 500, 1))
+    return answers
+
+
+async def test_race_for_the_last_tokens(make_proxies: Factory, store_url: str) -> None:
+    """100 streams of 2,000 tokens each race across the replicas for a day's 5,000 tokens under
+    `estimate` (an estimate of 300). Asserted: the counter never passes the quota and equals
+    what the served and cut streams produced (plus their prompts); every refusal is a 429 in
+    OpenAI's shape whose message says less was left than its prompt plus min_output_tokens
+    (so none was refused while its own minimum fitted); every admitted stream either finished
+    whole or was cut with the quota's error event."""
+    quota = 5_000
+    proxies = await make_proxies(_alice(quota))
+    _estimate(proxies, initial_estimate=300)
+    clients = [sdk(p, ALICE_KEY) for p in proxies]
+    prompt = _prompt_estimate()
+
+    async def one(i: int) -> tuple[str, int]:
+        counted = 0
+        try:
+            stream = await clients[i % len(clients)].chat.completions.create(
+                model="mock-gpt", messages=MESSAGES, max_tokens=ASKED, stream=True,
+                extra_headers={"x-mock-output-tokens": "2000"},
+            )
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    counted += 1
+        except openai.RateLimitError as exc:
+            assert exc.status_code == 429 and exc.code == "daily_quota_exceeded"
+            assert exc.response.headers["x-should-retry"] == "false"
+            left = re.search(r": ([0-9,]+) of [0-9,]+ left", exc.message)
+            assert left is not None, exc.message
+            assert int(left.group(1).replace(",", "")) < prompt + 256
+            return "refused", 0
+        except openai.APIError as exc:
+            assert exc.code == "daily_quota_exceeded", exc
+            return "cut", counted
+        assert counted == 2_000
+        return "served", counted
+
+    results = await asyncio.gather(*(one(i) for i in range(100)))
+    admitted = [n for kind, n in results if kind != "refused"]
+    assert any(kind == "refused" for kind, _ in results)
+    assert any(kind == "cut" for kind, _ in results)
+    charged = sum(prompt + n for n in admitted)
+    assert charged <= quota
+    await until(lambda: _charged(proxies[0], charged))
+    for c in clients:
+        await c.close()
+
+
+
+async def test_an_upstream_that_sends_everything_at_once_is_cut_within_its_reservation(
+    make_proxies: Factory
+) -> None:
+    """An unpaced upstream: the whole answer arrives in a few large chunks. The relay forwards
+    a topped-up stream event by event, so it still stops short of the quota."""
+    quota = 1_000
+    proxies = await make_proxies(_alice(quota))
+    _estimate(proxies, initial_estimate=300)
+    client = sdk(proxies[-1], ALICE_KEY)
+    counted = 0
+    with pytest.raises(openai.APIError) as cut:
+        stream = await client.chat.completions.create(
+            model="mock-gpt", messages=MESSAGES, max_tokens=ASKED, stream=True,
+            extra_headers={"x-mock-output-tokens": "2000", "x-mock-tokens-per-second": "0"},
+        )
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                counted += 1
+    assert cut.value.code == "daily_quota_exceeded"
+    charged = _prompt_estimate() + counted
+    assert charged <= quota
+    await until(lambda: _charged(proxies[0], charged))
+    await client.close()
+
+
+async def _charged(proxy: TestServer, expected: int) -> bool:
+    """The stream's settle is done once the counter shows exactly its charge (the client may
+    see the error event before the proxy has settled)."""
+    return await _daily_used(proxy) == expected
+
+
+# `tokenmeter serve` with every key under `estimate` (an estimate of 300 before any history):
+# the YAML does not accept the policy yet, so the subprocess sets what it resolves to.
+_SERVE_ESTIMATE = """
+import sys
+from proxy import auth
+from proxy.budget.clamp import AdmissionRule
+from proxy.config.policy import AdmissionPolicy
+auth.resolve = lambda *levels: AdmissionRule(AdmissionPolicy.ESTIMATE, 256, 300)
+from proxy.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+async def test_a_killed_proxys_topped_up_reservation_is_released_by_its_lease(
+    upstream: TestServer, redis_url: str, tmp_path: Path, aiohttp_server: ServerFactory
+) -> None:
+    """A `tokenmeter serve` on Redis is SIGKILLed during a stream that has been topped up: once
+    the lease (2 s) has run out, the next reservation reaps it whole, top-ups included, and
+    the day's counter is back to what the settled requests used: nothing double-charged."""
+    cfg = tmp_path / "tm.yaml"
+    users = (f"  alice:\n    keys: [{ALICE_KEY}]\n    daily_tokens: 100000\n"
+             "    max_output_tokens: 64000\n")
+    cfg.write_text(budget_yaml(str(upstream.make_url("/v1")), redis_url, users,
+                               lease_seconds=2))
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SERVE_ESTIMATE, "serve", "--config", str(cfg),
+         "--port", str(port)],
+        cwd=Path(lim.__file__).parents[2],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    r = aioredis.from_url(redis_url)
+    day = datetime.now(ZoneInfo("UTC")).strftime("%Y%m%d")
+    key = lim.daily_key("tokenmeter", "alice", "daily_tokens", day)
+    slot = "tokenmeter:{alice}"
+    prompt = _prompt_estimate()
+
+    async def used() -> int:
+        return int(await r.get(key) or 0)
+
+    try:
+        await asyncio.to_thread(wait_for_port, port, 20.0)
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=ALICE_KEY,
+                                    max_retries=0)
+        got, _ = await _stream(client, 500)
+        assert got == 500
+        await client.close()
+        settled = prompt + 500
+        await until(lambda: _equals(used(), settled))
+        async with aiohttp.ClientSession() as s:
+            resp = await s.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                json={"model": "mock-gpt", "messages": MESSAGES, "stream": True,
+                      "max_tokens": ASKED},
+                headers={"Authorization": f"Bearer {ALICE_KEY}",
+                         "x-mock-output-tokens": "20000", "x-mock-tokens-per-second": "400"},
+            )
+            assert resp.status == 200
+            body = b""
+            # The estimate learned is 500; past 600 tokens the stream has been topped up.
+            while body.count(b'"content":" ') < 600:
+                body += await resp.content.readany()
+            await until(lambda: _above(used(), settled + prompt + 500))
+            proc.kill()
+            proc.wait(timeout=10)
+        held = await used()
+        assert held > settled + prompt + 500  # the topped-up reservation, held by no one
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    async def lease_over() -> bool:
+        store = RedisStore(redis_url, 5000)
+        try:
+            deadlines = list((await store.leases(slot)).values())
+        finally:
+            await store.close()
+        now: tuple[int, int] = await r.time()
+        return bool(deadlines) and max(deadlines) < now[0] + now[1] / 1e6
+
+    await until(lease_over, deadline=10.0)
+    config = make_config(str(upstream.make_url("/v1")), store=redis_url,
+                         users={"alice": {"keys": [ALICE_KEY], "daily_tokens": 100_000}})
+    survivor = await aiohttp_server(create_app(config))
+    client = sdk(survivor, ALICE_KEY)
+    done = await client.chat.completions.create(
+        model="mock-gpt", messages=MESSAGES, max_tokens=100,
+        extra_headers={"x-mock-output-tokens": "16"},
+    )
+    assert done.usage is not None
+    total = done.usage.total_tokens
+    await until(lambda: _equals(used(), settled + total))
+    assert await r.zcard(f"{slot}:inflight") == 0
+    await client.close()
+    await r.aclose()
+
+
+async def _equals(value: Awaitable[int], expected: int) -> bool:
+    return await value == expected
+
+
+async def _above(value: Awaitable[int], floor: int) -> bool:
+    return await value > floor

@@ -13,6 +13,11 @@ back (`proxy.budget.spool`), so usage is not lost to an outage, a shutdown or a 
 Under the `clamp` admission policy (`proxy.budget.clamp`) a request whose worst case does not
 fit is admitted with fewer output tokens, if its minimum fits: the store grants and reserves
 them in the same atomic step, and the caller sends the granted cap upstream.
+
+Under `estimate` (`proxy.budget.estimate`) a stream reserves a learned estimate of its output,
+clamped the same way, and keeps its own cap upstream: `top_up` adds to the live reservation in
+steps while it runs (`proxy.pipeline.topup`), each step checked and added in one atomic store
+step like a reserve, so the windows are never promised past their limits.
 """
 
 from __future__ import annotations
@@ -27,13 +32,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from proxy.auth import Principal
+from proxy.budget import estimate as est
 from proxy.budget import limits as lim
 from proxy.budget.clamp import Clamp, grant, output_rate
 from proxy.budget.cost import cost_nanousd, price_for
 from proxy.budget.notify import Notifier
 from proxy.budget.refusals import Refusal, Refused, unpriced
 from proxy.budget.spool import REPLAY_DONE_TTL_S, Spool
-from proxy.budget.store import DONE_TTL_S, Entry, ReserveResult, ScopeKind, Store, StoreError
+from proxy.budget.store import (
+    DONE_TTL_S,
+    Entry,
+    ReserveResult,
+    ScopeKind,
+    Store,
+    StoreError,
+    TopUpResult,
+)
 from proxy.budget.store_health import StoreHealth
 from proxy.config.policy import Policy, Price
 from proxy.errors import ServiceUnavailable
@@ -60,6 +74,10 @@ class Reservation:
     # window that left the least room.
     requested_output: int | None = None
     clamped_by: lim.Window | None = None
+    # Under `estimate`: the output cap sent upstream, which top-ups may raise `output_cap` to
+    # (None: not topped up), and the store key of the (user, key, model)'s output history.
+    topup_cap: int | None = None
+    estimate_key: str | None = None
 
     @property
     def clamped(self) -> bool:
@@ -76,6 +94,7 @@ class Budget:
         self.health = StoreHealth(metrics)
         self.spool = spool
         self._active: dict[str, Reservation] = {}
+        self._topped: dict[str, int] = {}  # res_id -> output tokens added by top-ups
         self._background: set[asyncio.Task[None]] = set()
 
     # --- reserve ------------------------------------------------------------------------
@@ -98,12 +117,70 @@ class Budget:
         return lim.Plan(plan.slot, plan.windows, plan.in_flight,
                         plan.output_cap or DEFAULT_OUTPUT_CAP, plan.costed, price)
 
+    async def output_estimate(self, key: str, cap: int, initial: int) -> int:
+        """The output tokens a request under `estimate` reserves (see `proxy.budget.estimate`);
+        `initial` when the store holds no history or cannot be read."""
+        if not self.health.up:
+            return est.estimate((), cap, initial)
+        try:
+            samples = await self.store.output_samples(key)
+        except StoreError as exc:
+            self.health.failed("estimate", exc)
+            samples = ()
+        return est.estimate(samples, cap, initial)
+
+    async def learn(self, reservation: Reservation, output_tokens: int) -> None:
+        """A completed request's output length joins its (user, key, model)'s history."""
+        if reservation.estimate_key is None or not self.health.up:
+            return
+        try:
+            await self.store.record_output(reservation.estimate_key, output_tokens,
+                                           est.SAMPLES, est.ESTIMATE_TTL_S)
+        except StoreError as exc:
+            self.health.failed("estimate", exc)
+
+    async def top_up(self, reservation: Reservation, step: int, policy: Policy) -> TopUpResult:
+        """Add up to `step` output tokens to a stream's reservation in every window, all or
+        nothing (the last room left is granted when it is less than a step). Never raises: a
+        store that fails follows `store.on_error` (fail_open grants the step unrecorded, and
+        the settle counts what was used; fail_closed refuses)."""
+        plan = reservation.plan
+        if not reservation.stored or not self.health.up:
+            if policy.store.on_error == "fail_closed" and reservation.stored:
+                return TopUpResult(0, refused_entry=None)
+            return self._topped_up(reservation, step)
+        rates = _clamp(plan, reservation.prompt_tokens, 0, 0).rates
+        entries = tuple(Entry(w.key, w.limit, r, w.ttl_s)
+                        for w, r in zip(plan.windows, rates, strict=True))
+        started = time.perf_counter()
+        try:
+            result = await self.store.top_up(plan.slot, reservation.res_id, entries, step, 1)
+        except StoreError as exc:
+            self.health.failed("top_up", exc)
+            if policy.store.on_error == "fail_closed":
+                return TopUpResult(0, refused_entry=None)
+            return self._topped_up(reservation, step)
+        self.health.ok("top_up", started)
+        if result.granted:
+            self._topped_up(reservation, result.granted)
+        return result
+
+    def _topped_up(self, reservation: Reservation, granted: int) -> TopUpResult:
+        self._topped[reservation.res_id] = self._topped.get(reservation.res_id, 0) + granted
+        self.metrics.budget_reserved(reservation.user, granted)
+        return TopUpResult(granted)
+
     async def reserve(self, user: str, plan: lim.Plan, prompt: int, output: int,
-                      policy: Policy, min_output: int | None = None) -> Reservation:
+                      policy: Policy, min_output: int | None = None,
+                      topup_cap: int | None = None,
+                      estimate_key: str | None = None) -> Reservation:
         """Hold `prompt + output` tokens (and the request) in every window of `plan`, or raise
         `Refused` with what refused it. The store's failures follow `policy.store.on_error`.
         `min_output` (the `clamp` policy): the output may be lowered to what fits, down to
-        this many tokens; the reservation's `output_cap` is what was granted."""
+        this many tokens; the reservation's `output_cap` is what was granted. `topup_cap`
+        (`estimate` streams): `output` is an estimate, the request keeps this cap upstream and
+        its reservation may be topped up to it; a grant below the estimate is then not a
+        clamp of the request."""
         price = plan.price
         cost = lim.reserve_cost(price, prompt, output) if price is not None else 0
         entries = tuple(
@@ -121,12 +198,13 @@ class Budget:
                 plan.slot, res_id, entries, plan.in_flight, policy.store.lease_seconds, clamp
             )
             return self._admitted(user, plan, entries, result, res_id, prompt, output, cost,
-                                  clamp)
+                                  clamp, topup_cap, estimate_key)
         # While the store is down, one request at a time tries it (and brings it back at once
         # when it answers); the others go on without waiting for a timeout.
         trial = not self.health.up
         if trial and not self.health.begin_trial():
-            return self._unchecked(user, plan, prompt, output, policy, cost)
+            return self._unchecked(user, plan, prompt, output, policy, cost, topup_cap,
+                                   estimate_key)
         started = time.perf_counter()
         reserving = self.store.reserve(
             plan.slot, res_id, entries, plan.in_flight, policy.store.lease_seconds, clamp
@@ -146,21 +224,29 @@ class Budget:
             # The script may have run before the reply was lost: release its id when the
             # store answers again; this request is settled under an id of its own.
             self._settle_later(plan, res_id, _zero(plan), tokens=0, per_id=True)
-            return self._unchecked(user, plan, prompt, output, policy, cost)
+            return self._unchecked(user, plan, prompt, output, policy, cost, topup_cap,
+                                   estimate_key)
         finally:
             if trial:
                 self.health.end_trial()
         self.health.ok("reserve", started)
-        return self._admitted(user, plan, entries, result, res_id, prompt, output, cost, clamp)
+        return self._admitted(user, plan, entries, result, res_id, prompt, output, cost, clamp,
+                              topup_cap, estimate_key)
 
     def _admitted(self, user: str, plan: lim.Plan, entries: tuple[Entry, ...],
                   result: ReserveResult, res_id: str, prompt: int, output: int,
-                  cost: int, clamp: Clamp | None = None) -> Reservation:
+                  cost: int, clamp: Clamp | None = None, topup_cap: int | None = None,
+                  estimate_key: str | None = None) -> Reservation:
         if not result.ok:
             raise self._refusal(user, plan, entries, result, clamp)
         requested, clamped_by = None, None
         granted = result.granted
-        if clamp is not None and granted is not None and granted < output:
+        if topup_cap is not None and clamp is not None and granted is not None:
+            if granted < output and plan.price is not None:
+                cost = max((a for w, a in zip(plan.windows, clamp.amounts(granted), strict=True)
+                            if w.measure is lim.Measure.COST), default=0)
+            output = min(output, granted)
+        elif clamp is not None and granted is not None and granted < output:
             amounts = clamp.amounts(granted)
             # The window that left the least room, as the store saw it before this request.
             before = tuple(u - a for u, a in zip(result.used, amounts, strict=True))
@@ -174,14 +260,16 @@ class Budget:
                 user, clamped_by.name if clamped_by is not None else "", requested - granted
             )
         reservation = Reservation(res_id, user, plan, prompt, output, result.used, True,
-                                  plan.price, cost, requested, clamped_by)
+                                  plan.price, cost, requested, clamped_by, topup_cap,
+                                  estimate_key)
         self._active[res_id] = reservation
         self.metrics.budget_reserved(user, prompt + output)
         self._update_gauges(user, plan.windows, result.used)
         return reservation
 
     def _unchecked(self, user: str, plan: lim.Plan, prompt: int, output: int,
-                   policy: Policy, cost: int) -> Reservation:
+                   policy: Policy, cost: int, topup_cap: int | None = None,
+                   estimate_key: str | None = None) -> Reservation:
         """The store is down: the policy decides at once."""
         if policy.store.on_error == "fail_closed":
             self.health.skipped("refused")
@@ -191,7 +279,8 @@ class Budget:
             )
         self.health.skipped("admitted")
         return Reservation(uuid.uuid4().hex, user, plan, prompt, output,
-                           (0,) * len(plan.windows), False, plan.price, cost)
+                           (0,) * len(plan.windows), False, plan.price, cost,
+                           topup_cap=topup_cap, estimate_key=estimate_key)
 
     def _abandoned(self, call: asyncio.Future[ReserveResult], plan: lim.Plan,
                    res_id: str) -> None:
@@ -224,6 +313,7 @@ class Budget:
     async def settle(self, reservation: Reservation, usage: Usage) -> None:
         """Never raises: what the store cannot take now goes to the spool."""
         self._active.pop(reservation.res_id, None)
+        topped = self._topped.pop(reservation.res_id, 0)
         plan = reservation.plan
         price = reservation.price
         inp, out = usage.input_tokens, usage.output_tokens
@@ -232,7 +322,7 @@ class Budget:
         entries = tuple(
             Entry(w.key, w.limit, lim.amount(w, inp, out, cost), w.ttl_s) for w in plan.windows
         )
-        reserved = reservation.prompt_tokens + reservation.output_cap
+        reserved = reservation.prompt_tokens + reservation.output_cap + topped
         if reservation.stored:
             over = max(0, reserved - usage.total_tokens)
             self.metrics.budget_overreserved(reservation.user, over)
@@ -242,8 +332,9 @@ class Budget:
         """Give a reservation back whole, the request itself included: an upstream attempt
         that produced nothing before a fallback took over. Never raises, like settle."""
         self._active.pop(reservation.res_id, None)
+        topped = self._topped.pop(reservation.res_id, 0)
         if reservation.stored:
-            reserved = reservation.prompt_tokens + reservation.output_cap
+            reserved = reservation.prompt_tokens + reservation.output_cap + topped
             self.metrics.budget_overreserved(reservation.user, reserved)
             await self._settle(reservation, _zero(reservation.plan), 0)
 

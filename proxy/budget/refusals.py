@@ -205,3 +205,36 @@ def _scope_words(scope: Scope) -> str:
     if scope.kind is ScopeKind.TEAM:
         return f" (the budget of team '{scope.name}', shared by its users)"
     return ""
+
+
+class QuotaEnded(BudgetExceeded):
+    """The error event that ends a stream under `admission: estimate` whose reservation could
+    not be topped up: OpenAI's shape, the window's quota code, so the SDKs raise it naming the
+    quota. Its error class is `budget_exceeded`, as a refusal's; the status (200) and
+    `tokenmeter_budget_streams_ended_total` tell the two apart."""
+
+
+def ended(user: str, window: lim.Window | None, output_tokens: int, now: float,
+          tz: str) -> QuotaEnded:
+    """The stream ended by its quota after `output_tokens` (about, as counted)."""
+    if window is None:  # the store could not be asked and the proxy fails closed
+        return QuotaEnded(
+            f"This stream was ended after {output_tokens} output tokens: the budget store is "
+            "unavailable and this proxy fails closed, so its reservation could not grow.",
+            type_="insufficient_quota", code="service_unavailable",
+            limit="store", headers={},
+        )
+    reset_at = datetime.fromtimestamp(window.resets_at, ZoneInfo(tz)).isoformat()
+    if window.measure is lim.Measure.COST:
+        what = f"{_PERIOD_WORDS[window.name.period]} cost budget"
+    else:
+        what = f"{window.name.replace('_', ' ').capitalize()} limit"
+    quota = window.name in _QUOTA_CODES
+    return QuotaEnded(
+        f"{what} reached for user '{user}'{_scope_words(window.scope)} while this response "
+        f"streamed: it was ended after {output_tokens} output tokens (admission: estimate). "
+        f"It resets at {reset_at} (in {_duration(window.resets_at - now)}).",
+        type_="insufficient_quota" if quota else "tokens",
+        code=_QUOTA_CODES[window.name] if quota else "rate_limit_exceeded",
+        limit=window.name, headers={},
+    )

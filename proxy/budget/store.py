@@ -18,6 +18,7 @@ team, so any member's request reaps a member's dead reservation off the team's c
 
 from __future__ import annotations
 
+import collections
 import enum
 import heapq
 import time
@@ -25,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from proxy.budget.clamp import Clamp, grant
+from proxy.budget.clamp import Clamp, grant, room_for_output
 
 
 class StoreError(Exception):
@@ -97,6 +98,15 @@ class ReserveResult:
     granted: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class TopUpResult:
+    """A top-up's answer: the output tokens added to a live reservation (0: none)."""
+
+    granted: int
+    refused_entry: int | None = None  # the window without room for the minimum
+    gone: bool = False  # no live reservation under that id (settled, or its lease ran out)
+
+
 DONE_TTL_S = 600  # a settle is applied once per reservation id for this long (retries)
 
 
@@ -123,6 +133,23 @@ class Store(Protocol):
         ...
 
     async def renew(self, slot: str, res_ids: Sequence[str], lease_s: float) -> None: ...
+
+    async def top_up(self, slot: str, res_id: str, entries: Sequence[Entry], step: int,
+                     minimum: int) -> TopUpResult:
+        """Add up to `step` output tokens to the live reservation `res_id`, atomically: each
+        entry's `amount` is what one output token counts in its window; the grant is the most
+        every window has room for, up to `step`, refused (nothing added) below `minimum`. What
+        is granted is added to the counters and to the reservation's recorded amounts, so a
+        settle replaces it and a reap gives it back with the rest."""
+        ...
+
+    async def output_samples(self, key: str) -> tuple[int, ...]:
+        """The recent output lengths kept under `key` (the `estimate` policy's history)."""
+        ...
+
+    async def record_output(self, key: str, tokens: int, keep: int, ttl_s: int) -> None:
+        """Add one output length to `key`'s ring of the last `keep`."""
+        ...
 
     async def leases(self, slot: str) -> dict[str, float]:
         """The reservations `slot` holds: id -> lease deadline (epoch seconds, the store's
@@ -202,6 +229,7 @@ class MemoryStore:
         self._reserved: dict[str, tuple[tuple[str, int], ...]] = {}  # res_id -> amounts
         self._sets: dict[str, set[str]] = {}  # "slot:scope" -> res_ids in flight
         self._set_names: dict[str, tuple[str, ...]] = {}  # res_id -> its in-flight sets
+        self._samples: dict[str, collections.deque[int]] = {}  # `estimate` histories
 
     def _now(self) -> float:
         now = self._clock()
@@ -277,6 +305,38 @@ class MemoryStore:
             self._counters.add(e.key, e.amount - reserved.get(e.key, 0), e.ttl_s, now)
             for e in entries
         )
+
+    async def top_up(self, slot: str, res_id: str, entries: Sequence[Entry], step: int,
+                     minimum: int) -> TopUpResult:
+        now = self._now()
+        deadline = self._leases.get(slot, {}).get(res_id)
+        reserved = self._reserved.get(res_id)
+        if deadline is None or deadline <= now or reserved is None:
+            return TopUpResult(0, gone=True)
+        granted, binding = step, None
+        for i, e in enumerate(entries):
+            if e.amount > 0:
+                fits = room_for_output(e.limit, self._counters.get(e.key, now), 0, e.amount)
+                if fits is not None and fits < granted:
+                    granted, binding = fits, i
+        if granted < minimum:
+            return TopUpResult(0, refused_entry=binding or 0)
+        amounts = dict(reserved)
+        for e in entries:
+            if e.amount > 0:
+                self._counters.add(e.key, e.amount * granted, e.ttl_s, now)
+                amounts[e.key] = amounts.get(e.key, 0) + e.amount * granted
+        self._reserved[res_id] = tuple(amounts.items())
+        return TopUpResult(granted)
+
+    async def output_samples(self, key: str) -> tuple[int, ...]:
+        return tuple(self._samples.get(key, ()))
+
+    async def record_output(self, key: str, tokens: int, keep: int, ttl_s: int) -> None:
+        ring = self._samples.get(key)
+        if ring is None:
+            ring = self._samples[key] = collections.deque(maxlen=keep)
+        ring.append(tokens)
 
     async def renew(self, slot: str, res_ids: Sequence[str], lease_s: float) -> None:
         leases = self._leases.get(slot, {})

@@ -35,7 +35,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 
 from proxy.budget.clamp import Clamp
-from proxy.budget.store import DONE_TTL_S, Entry, InFlightLimit, ReserveResult, StoreError
+from proxy.budget.store import (
+    DONE_TTL_S,
+    Entry,
+    InFlightLimit,
+    ReserveResult,
+    StoreError,
+    TopUpResult,
+)
 
 _REAP = """
 -- Leases are compared against Redis's clock, not each replica's, so replicas with skewed clocks
@@ -192,6 +199,61 @@ redis.call('ZREM', KEYS[1], ARGV[1])
 return out
 """
 
+# KEYS: inflight, reserved, counters...
+# ARGV: id, step, minimum, then per counter: limit (-1: none), amount per output token, ttl_s
+# Returns {1, granted} | {0, refused counter (1-based)} | {-1, 0}: no live reservation.
+TOPUP = _REAP + """
+local now = now_ms()
+local deadline = redis.call('ZSCORE', KEYS[1], ARGV[1])
+local rec = redis.call('HGET', KEYS[2], ARGV[1])
+if (not deadline) or tonumber(deadline) <= now or (not rec) then return {-1, 0} end
+local n = #KEYS - 2
+local granted = tonumber(ARGV[2])
+local binding = 0
+for i = 1, n do
+  local limit = tonumber(ARGV[i * 3 + 1])
+  local rate = tonumber(ARGV[i * 3 + 2])
+  if limit >= 0 and rate > 0 then
+    local room = limit - tonumber(redis.call('GET', KEYS[2 + i]) or '0')
+    local fits = -1
+    if room >= 0 then
+      fits = math.floor(room / rate)
+      while fits * rate > room do fits = fits - 1 end
+      while (fits + 1) * rate <= room do fits = fits + 1 end
+    end
+    if fits < granted then granted = fits; binding = i end
+  end
+end
+if granted < tonumber(ARGV[3]) then
+  if binding == 0 then binding = 1 end
+  return {0, binding}
+end
+local r = cjson.decode(rec)
+for i = 1, n do
+  local rate = tonumber(ARGV[i * 3 + 2])
+  if rate > 0 then
+    local key = KEYS[2 + i]
+    local add = rate * granted
+    redis.call('INCRBY', key, string.format('%.0f', add))
+    if redis.call('TTL', key) < 0 then redis.call('EXPIRE', key, ARGV[i * 3 + 3]) end
+    for j = 1, #r, 2 do
+      if r[j] == key then r[j + 1] = r[j + 1] + add end
+    end
+  end
+end
+redis.call('HSET', KEYS[2], ARGV[1], cjson.encode(r))
+return {1, granted}
+"""
+
+# KEYS: samples   ARGV: output tokens, ring size, ttl_s   (the `estimate` policy's history:
+# field `n` counts the writes, fields 0..size-1 hold the last `size` lengths)
+RECORD = """
+local i = redis.call('HINCRBY', KEYS[1], 'n', 1) - 1
+redis.call('HSET', KEYS[1], tostring(i % tonumber(ARGV[2])), ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return 0
+"""
+
 # KEYS: inflight   ARGV: lease_ms, ids...   (a key's in-flight set follows the user's: reaping
 # and settling go by the user's set, so only its deadlines matter)
 RENEW = """
@@ -251,6 +313,8 @@ class RedisStore:
         self._reserve = self._redis.register_script(RESERVE)
         self._settle = self._redis.register_script(SETTLE)
         self._renew = self._redis.register_script(RENEW)
+        self._top_up = self._redis.register_script(TOPUP)
+        self._record = self._redis.register_script(RECORD)
         self._probe = self._redis.register_script("return 1")
 
     async def _call(self, coro: Awaitable[Any]) -> Any:
@@ -309,6 +373,26 @@ class RedisStore:
             args += [e.amount, e.ttl_s]
         out = await self._call(self._settle(keys=keys, args=args))
         return tuple(int(v) for v in out)
+
+    async def top_up(self, slot: str, res_id: str, entries: Sequence[Entry], step: int,
+                     minimum: int) -> TopUpResult:
+        keys = [f"{slot}:inflight", f"{slot}:reserved", *(e.key for e in entries)]
+        args: list[int | str] = [res_id, step, minimum]
+        for e in entries:
+            args += [-1 if e.limit is None else e.limit, e.amount, e.ttl_s]
+        ok, value = await self._call(self._top_up(keys=keys, args=args))
+        if int(ok) == 1:
+            return TopUpResult(int(value))
+        if int(ok) == 0:
+            return TopUpResult(0, refused_entry=int(value) - 1)
+        return TopUpResult(0, gone=True)
+
+    async def output_samples(self, key: str) -> tuple[int, ...]:
+        held = await self._call(self._redis.hgetall(key))
+        return tuple(int(v) for k, v in held.items() if k not in (b"n", "n"))
+
+    async def record_output(self, key: str, tokens: int, keep: int, ttl_s: int) -> None:
+        await self._call(self._record(keys=[key], args=[tokens, keep, ttl_s]))
 
     async def renew(self, slot: str, res_ids: Sequence[str], lease_s: float) -> None:
         if res_ids:

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from proxy.auth import client_key
 from proxy.budget import refusals
+from proxy.budget.estimate import sample_key
 from proxy.budget.refusals import Refused
 from proxy.budget.store import ScopeKind
 from proxy.errors import (
@@ -177,9 +178,24 @@ async def _try(
     if rule.clamps and outgoing.output_tokens > 0:
         min_output = min(outgoing.output_tokens,
                          max(rule.min_output_tokens, translator.choices()))
+    # Under `estimate` a stream reserves its learned output estimate (clamped like the cap
+    # would be, if less is left) and keeps its own cap upstream: the relay tops it up as it
+    # runs. Every request under `estimate`, streamed or not, teaches the estimate.
+    output, topup_cap, estimate_key = outgoing.output_tokens, None, None
+    if rule.estimates and outgoing.output_tokens > 0:
+        principal = ctx.principal
+        estimate_key = sample_key(plan.slot, principal.user, principal.key_id or "-",
+                                  cand.model)
+        if ctx.stream and principal.enforce and any(w.limit is not None for w in plan.windows):
+            guess = await svc.budget.output_estimate(estimate_key, outgoing.output_tokens,
+                                                     rule.initial_estimate)
+            if min_output is not None:
+                guess = max(guess, min_output)
+            if guess < outgoing.output_tokens:
+                output, topup_cap = guess, outgoing.output_tokens
     try:
-        reservation = await svc.budget.reserve(ctx.principal.user, plan, prompt,
-                                               outgoing.output_tokens, policy, min_output)
+        reservation = await svc.budget.reserve(ctx.principal.user, plan, prompt, output,
+                                               policy, min_output, topup_cap, estimate_key)
     except Refused as exc:
         raise refusals.render(exc.refusal, svc.budget.clock(), policy.timezone) from None
     if reservation.clamped:

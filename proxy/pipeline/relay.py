@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 
 from aiohttp import web
 from multidict import CIMultiDict
 
+from proxy.budget.refusals import QuotaEnded
 from proxy.errors import (
     ErrorClass,
     ProxyError,
@@ -25,6 +27,7 @@ from proxy.errors import (
     stream_error_event,
 )
 from proxy.pipeline.context import Attempt, Outcome
+from proxy.pipeline.topup import TopUps
 from proxy.pipeline.watchdog import Watch
 from proxy.protocol import upstream_errors
 from proxy.protocol.tap import StreamTap
@@ -32,6 +35,7 @@ from proxy.protocol.translators import Translator
 from proxy.routing.exceptions_map import Phase, map_upstream_exceptions
 from proxy.routing.upstream import client_response_headers
 from proxy.server.state import Services
+from proxy.telemetry.meter import RequestMeter
 from proxy.telemetry.metrics import MeteringStage
 
 REQUEST_ID_HEADER = "x-tokenmeter-request-id"
@@ -114,12 +118,22 @@ async def _relay_stream(
                     on_error=svc.metrics.metering_failure_counter(MeteringStage.STREAM))
     feed, look = tap.feed, tap.look
     perf = time.perf_counter
+    # Under `admission: estimate`: the reservation grows as the stream runs (proxy.pipeline.
+    # topup); between its checks the loop pays one comparison per chunk.
+    topups = TopUps.for_stream(svc.budget, attempt.candidacy.reservation, translator,
+                               (outcome.runtime or svc.runtime.current).config)
+    if topups is not None:
+        topups.at_boundary = lambda: tap.client_at_boundary
+    meter = outcome.meter
     try:
         # A read that fails (or is cut by the watchdog: `silent`) becomes the proxy's error;
         # a write to a client that left passes through as it is.
         with map_upstream_exceptions(attempt.route.upstream, Phase.STREAM,
                                      silent=lambda: watch.expired):
             async for chunk in up.content.iter_any():
+                if topups is not None:
+                    await _relay_carefully(chunk, resp, tap, topups, meter, watch)
+                    continue
                 now = watch.last = perf()
                 out = feed(chunk, now)  # nearly always `chunk` itself, not parsed yet
                 if out:
@@ -129,6 +143,8 @@ async def _relay_stream(
                     await resp.write(out)
                     watch.writing = 0.0
                 look()  # forward first, look second
+                if topups is not None and meter.chunks >= topups.next_at:
+                    await topups.check(meter.chunks)
             if watch.expired:  # the watchdog closed a silent upstream: not a clean end
                 raise TimeoutError
         at_boundary = tap.client_at_boundary
@@ -155,13 +171,44 @@ async def _relay_stream(
         tap.close()
     except (UpstreamTimeout, UpstreamUnavailable) as failure:
         await _fail_stream(request, resp, tap, translator, outcome, watch, failure)
+    except QuotaEnded as ended:
+        # Its quota could not be topped up: the upstream response is closed (by `relay`'s
+        # release of a response not read to its end) and the client told why.
+        log.info("request %s: stream ended by its quota (%s)", outcome.request_id, ended.limit)
+        await _fail_stream(request, resp, tap, translator, outcome, watch, ended)
     except Exception:
         # Headers are out: no error response is possible any more, only an error event.
         log.exception("relaying stream %s failed", outcome.request_id)
         broken = ProxyError("The proxy failed while relaying this stream; it is incomplete.",
                             code="internal")
         await _fail_stream(request, resp, tap, translator, outcome, watch, broken)
+    finally:
+        if topups is not None:
+            await topups.close()
     return resp
+
+
+async def _relay_carefully(chunk: bytes, resp: web.StreamResponse, tap: StreamTap,
+                           topups: TopUps, meter: RequestMeter, watch: Watch) -> None:
+    """The relay's loop body for a stream whose reservation is topped up: event by event, each
+    forwarded and looked at before the next, and checked when due, so the stream can be ended
+    between any two events (see proxy.pipeline.topup)."""
+    for piece in _EVENT_END.split(chunk):
+        if not piece:
+            continue
+        now = watch.last = time.perf_counter()
+        out = tap.feed(piece, now)
+        if out:
+            watch.writing = now
+            await resp.write(out)
+            watch.writing = 0.0
+        tap.look()
+        if meter.chunks >= topups.next_at:
+            await topups.check(meter.chunks)
+
+
+# After each blank line that ends an SSE event (LF or CRLF line ends).
+_EVENT_END = re.compile(rb"(?<=\n\n)|(?<=\r\n\r\n)")
 
 
 async def _fail_stream(

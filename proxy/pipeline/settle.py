@@ -11,6 +11,7 @@ import logging
 import time
 
 from proxy.budget.cost import cost_nanousd
+from proxy.errors import ErrorClass
 from proxy.ledger.ledger import Ledger
 from proxy.ledger.row import LedgerRow
 from proxy.pipeline.context import Settlement
@@ -29,7 +30,13 @@ async def settle(done: Settlement, svc: Services) -> None:
     try:
         usage = done.usage
         if done.candidacy is not None:
-            await svc.budget.settle(done.candidacy.reservation, usage)
+            reservation = done.candidacy.reservation
+            await svc.budget.settle(reservation, usage)
+            # Only an answer that ended as the upstream meant it to says how long answers run
+            # (see proxy.budget.estimate).
+            if (reservation.estimate_key is not None and done.status == 200
+                    and done.error_class is ErrorClass.NONE and usage.output_tokens > 0):
+                await svc.budget.learn(reservation, usage.output_tokens)
         figures = done.meter.figures(usage.output_tokens)
         if svc.ledger is not None:
             _book(svc.ledger, done, runtime, usage, figures, metrics)

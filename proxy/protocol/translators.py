@@ -342,6 +342,28 @@ class Translator:
             rated = round(self._rated_events * self._sampled_tokens / self._sampled_events)
         return self._folded + rated
 
+    # `output_tokens_so_far`'s running count: the held list it last counted, how far, and
+    # the tokens of that much.
+    _counted_list: list[bytes] | None = None
+    _counted_at: int = 0
+    _counted: int = 0
+
+    def output_tokens_so_far(self) -> int:
+        """The output tokens streamed so far: the upstream's own figure if it reported one,
+        else an estimate counted incrementally (each held event once, whatever the number of
+        calls), so a caller may ask every few hundred tokens (the `estimate` policy's top-ups)
+        without the cost growing with the stream."""
+        if self._reported is not None:
+            return self._reported.output_tokens
+        events = self._content
+        if events is not self._counted_list:  # folded since: those are in `_folded_tokens`
+            self._counted_list, self._counted_at, self._counted = events, 0, 0
+        if len(events) > self._counted_at:
+            fresh = events[self._counted_at:]
+            self._counted += tokenizer.count_texts(self.model, self._event_texts(fresh))
+            self._counted_at = len(events)
+        return self._folded_tokens() + self._counted
+
     def retained_bytes(self) -> int:
         """Memory held for the estimate: the held events and their list."""
         return sys.getsizeof(self._content) + sum(map(sys.getsizeof, self._content))

@@ -229,6 +229,21 @@ class Metrics:
             "Output tokens cut from requests' caps by clamping (asked for minus granted).",
             budget, registry=r,
         )
+        self._budget_topups = Counter(
+            "tokenmeter_budget_topups",
+            "Reservation top-ups of streams under admission: estimate, by outcome (granted, "
+            "refused: no room left in a window, gone: the reservation had been reaped).",
+            ("user", "outcome"), registry=r,
+        )
+        self._budget_topup_tokens = Counter(
+            "tokenmeter_budget_topup_tokens",
+            "Output tokens added to streams' reservations by top-ups.", ("user",), registry=r,
+        )
+        self._budget_streams_ended = Counter(
+            "tokenmeter_budget_streams_ended",
+            "Streams ended mid-way because their quota could not be topped up, by window.",
+            budget, registry=r,
+        )
         self._threshold_crossings = Counter(
             "tokenmeter_budget_threshold_crossings",
             "Users crossing a notice threshold of their daily quota.", ("user", "threshold"),
@@ -374,6 +389,14 @@ class Metrics:
     def budget_clamped(self, user: str, window: str, tokens_cut: int) -> None:
         self._budget_clamped.labels(user, window).inc()
         self._budget_clamped_tokens.labels(user, window).inc(tokens_cut)
+
+    def budget_topped_up(self, user: str, outcome: str, tokens: int) -> None:
+        self._budget_topups.labels(user, outcome).inc()
+        if tokens:
+            self._budget_topup_tokens.labels(user).inc(tokens)
+
+    def budget_stream_ended(self, user: str, window: str) -> None:
+        self._budget_streams_ended.labels(user, window).inc()
 
     def budget_refused(self, user: str, limit: str) -> None:
         self._budget_refusals.labels(user, limit).inc()
