@@ -166,7 +166,8 @@ class Budget:
         return result
 
     def _topped_up(self, reservation: Reservation, granted: int) -> TopUpResult:
-        self._topped[reservation.res_id] = self._topped.get(reservation.res_id, 0) + granted
+        if reservation.res_id in self._active:  # not after its settle: nothing would pop it
+            self._topped[reservation.res_id] = self._topped.get(reservation.res_id, 0) + granted
         self.metrics.budget_reserved(reservation.user, granted)
         return TopUpResult(granted)
 

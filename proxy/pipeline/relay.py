@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 
 from aiohttp import web
@@ -131,7 +130,9 @@ async def _relay_stream(
         with map_upstream_exceptions(attempt.route.upstream, Phase.STREAM,
                                      silent=lambda: watch.expired):
             async for chunk in up.content.iter_any():
-                if topups is not None:
+                # A chunk that may reach the next top-up check goes event by event.
+                if (topups is not None
+                        and meter.chunks + chunk.count(b"\n\n") >= topups.next_at):
                     await _relay_carefully(chunk, resp, tap, topups, meter, watch)
                     continue
                 now = watch.last = perf()
@@ -190,14 +191,16 @@ async def _relay_stream(
 
 async def _relay_carefully(chunk: bytes, resp: web.StreamResponse, tap: StreamTap,
                            topups: TopUps, meter: RequestMeter, watch: Watch) -> None:
-    """The relay's loop body for a stream whose reservation is topped up: event by event, each
-    forwarded and looked at before the next, and checked when due, so the stream can be ended
-    between any two events (see proxy.pipeline.topup)."""
-    for piece in _EVENT_END.split(chunk):
-        if not piece:
-            continue
+    """The relay's loop body for a chunk of a topped-up stream that may reach its next check:
+    event by event, each forwarded and looked at before the next, and checked when due, so the
+    stream can be ended between any two events (see proxy.pipeline.topup)."""
+    pieces = chunk.split(b"\n\n")  # (an upstream with CRLF line ends: one piece, whole)
+    last = len(pieces) - 1
+    for i, piece in enumerate(pieces):
+        if i == last and not piece:
+            break
         now = watch.last = time.perf_counter()
-        out = tap.feed(piece, now)
+        out = tap.feed(piece + b"\n\n" if i < last else piece, now)
         if out:
             watch.writing = now
             await resp.write(out)
@@ -206,9 +209,6 @@ async def _relay_carefully(chunk: bytes, resp: web.StreamResponse, tap: StreamTa
         if meter.chunks >= topups.next_at:
             await topups.check(meter.chunks)
 
-
-# After each blank line that ends an SSE event (LF or CRLF line ends).
-_EVENT_END = re.compile(rb"(?<=\n\n)|(?<=\r\n\r\n)")
 
 
 async def _fail_stream(

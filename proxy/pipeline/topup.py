@@ -12,10 +12,10 @@ translator's incremental estimate, each event counted once) and:
 - when a top-up was refused (no room left in a window), lets the stream run to what it holds
   and ends it a couple of events short of the line: `QuotaEnded`, which the relay sends as the
   final error event. What the stream produced is charged exactly at settle.
-The relay splits each network chunk of such a stream into its events and forwards them one at a
-time, checking between them when due, so a chunk that bunches many events (a fast upstream, a
-busy proxy) cannot carry the stream past its reservation. A model's stream arrives an event per
-chunk anyway; there the split costs one regex scan of the chunk.
+A network chunk whose events may reach the next check (counted by their blank lines, one
+`bytes.count` per chunk) is split into its events, forwarded and checked one at a time, so a
+chunk that bunches many events (a fast upstream, a busy proxy) cannot carry the stream past its
+reservation; from the first top-up on, every chunk is. Other chunks go whole, as any stream's.
 Between checks nothing runs per chunk but one integer comparison in the relay: the next check is
 placed, from the tokens per event seen so far, at half the distance to the next threshold.
 """

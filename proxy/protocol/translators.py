@@ -342,27 +342,40 @@ class Translator:
             rated = round(self._rated_events * self._sampled_tokens / self._sampled_events)
         return self._folded + rated
 
-    # `output_tokens_so_far`'s running count: the held list it last counted, how far, and
-    # the tokens of that much.
-    _counted_list: list[bytes] | None = None
-    _counted_at: int = 0
-    _counted: int = 0
+    # `output_tokens_so_far`'s running count: the held list it last looked at, how far, and
+    # its random sample of the events seen (events, tokens), kept across folds.
+    _seen_list: list[bytes] | None = None
+    _seen_at: int = 0
+    _rate_events: int = 0
+    _rate_tokens: int = 0
 
     def output_tokens_so_far(self) -> int:
-        """The output tokens streamed so far: the upstream's own figure if it reported one,
-        else an estimate counted incrementally (each held event once, whatever the number of
-        calls), so a caller may ask every few hundred tokens (the `estimate` policy's top-ups)
-        without the cost growing with the stream."""
+        """The output tokens streamed so far: the upstream's own figure if it reported one, else
+        the held events rated at the tokens per event of a random sample of one in `_SAMPLE`
+        (as `_fold` rates a stream whose usage will be reported), plus what was folded. Counting
+        every event would cost as much per event as the rest of the hot path; a caller may ask
+        every few events (the `estimate` policy's top-ups) and pays for the new ones only."""
         if self._reported is not None:
             return self._reported.output_tokens
         events = self._content
-        if events is not self._counted_list:  # folded since: those are in `_folded_tokens`
-            self._counted_list, self._counted_at, self._counted = events, 0, 0
-        if len(events) > self._counted_at:
-            fresh = events[self._counted_at:]
-            self._counted += tokenizer.count_texts(self.model, self._event_texts(fresh))
-            self._counted_at = len(events)
-        return self._folded_tokens() + self._counted
+        if events is not self._seen_list:  # folded since: those are in `_folded_tokens`
+            self._seen_list, self._seen_at = events, 0
+        fresh = len(events) - self._seen_at
+        if fresh > 0:
+            k, part = divmod(fresh, self._SAMPLE)
+            if part and _SAMPLER.random() * self._SAMPLE < part:
+                k += 1
+            if not self._rate_events:
+                k = max(k, 1)
+            if k:
+                sample = _SAMPLER.sample(events[self._seen_at:], k)
+                self._rate_events += k
+                self._rate_tokens += tokenizer.count_texts(self.model, self._event_texts(sample))
+            self._seen_at = len(events)
+        held = 0
+        if self._rate_events:
+            held = -(-len(events) * self._rate_tokens // self._rate_events)  # rounded up
+        return self._folded_tokens() + held
 
     def retained_bytes(self) -> int:
         """Memory held for the estimate: the held events and their list."""

@@ -3,8 +3,12 @@ history (the Redis scripts are checked against the same cases in tests/test_admi
 
 from __future__ import annotations
 
+import json
+
 from proxy.budget import estimate as est
 from proxy.budget.store import USER, Entry, InFlightLimit, MemoryStore, TopUpResult
+from proxy.protocol.translators import ChatTranslator, parse_body
+from proxy.testing.mock_upstream import WORDS
 from tests.helpers import FakeClock
 
 
@@ -70,3 +74,19 @@ async def test_a_reaped_reservation_gives_its_top_ups_back() -> None:
     assert (await store.top_up("s", "r1", [Entry("day", 5_000, 1, 600)], 700, 1)).gone
     assert (await store.reserve("s", "r2", [Entry("day", 5_000, 10, 600)], flight, 2.0)).ok
     assert await store.read(["day"]) == (10,)
+
+
+def test_output_tokens_so_far_counts_new_events_only_and_rates_by_a_sample() -> None:
+    """One-token events (the mock's words): the sampled rate is exact, whatever the calls."""
+    body = {"model": "mock-gpt", "messages": [{"role": "user", "content": "hi"}],
+            "stream": True}
+    translator = ChatTranslator(parse_body(json.dumps(body).encode()))
+    assert translator.output_tokens_so_far() == 0
+    for n in range(1, 401):
+        event = {"id": "c", "object": "chat.completion.chunk", "model": "mock-gpt",
+                 "choices": [{"index": 0, "delta": {"content": WORDS[n % len(WORDS)]},
+                              "finish_reason": None}]}
+        translator.on_event(json.dumps(event).encode(), None)
+        if n % 37 == 0 or n == 400:
+            assert translator.output_tokens_so_far() == n
+    assert translator.usage().output_tokens == 400
