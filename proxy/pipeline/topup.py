@@ -3,7 +3,7 @@
 The stream reserved its prompt plus a learned estimate of its output (`proxy.budget.estimate`)
 and kept its own output cap upstream. As it runs, the relay calls `check` when the count of
 content events reaches `next_at`; `check` counts the output tokens streamed so far (the
-translator's incremental estimate, each event counted once) and:
+translator's `output_tokens_so_far`: the new events rated by a sample) and:
 - at three quarters of what is reserved, starts a top-up (`Budget.top_up`) as a task, so the
   store's round trip overlaps the stream instead of delaying a chunk;
 - when the stream comes within a couple of events of what is reserved while that top-up is
