@@ -145,15 +145,6 @@ class Admission(_Model):
     # history (bounded by the request's cap); then a high percentile of recent outputs.
     initial_estimate: int = Field(default=1024, ge=1)
 
-    @field_validator("policy")
-    @classmethod
-    def _not_yet(cls, v: AdmissionPolicy) -> AdmissionPolicy:
-        # `estimate` is built (proxy.budget.estimate, proxy.pipeline.topup) but not yet
-        # accepted from the YAML: the configuration tests still hold it invalid.
-        if v is AdmissionPolicy.ESTIMATE:
-            raise ValueError("admission policy `estimate` is not available yet")
-        return v
-
 
 class AdmittedLimits(Limits):
     """Limits with an admission policy: `defaults` and `teams.<name>` (not a model group's:

@@ -120,12 +120,20 @@ def test_principals_carry_their_resolved_rule() -> None:
 
 
 @pytest.mark.parametrize("admission", [
-    {"policy": "estimate"}, {"policy": "CLAMP"}, {"min_output_tokens": 0},
+    {"policy": "guess"}, {"policy": "CLAMP"}, {"min_output_tokens": 0},
     {"min_output_tokens": True}, {"polic": "clamp"},
 ])
 def test_bad_admission_is_refused(admission: dict[str, object]) -> None:
     with pytest.raises(pydantic.ValidationError):
         Policy.model_validate({"defaults": {"admission": admission}})
+
+
+def test_estimate_is_accepted_from_the_file() -> None:
+    policy = Policy.model_validate({"defaults": {"admission": {
+        "policy": "estimate", "initial_estimate": 512}}})
+    assert policy.defaults.admission is not None
+    assert policy.defaults.admission.policy is AdmissionPolicy.ESTIMATE
+    assert policy.defaults.admission.initial_estimate == 512
 
 
 def test_model_groups_take_no_admission() -> None:
