@@ -99,6 +99,10 @@ async def test_agent_with_large_max_tokens_is_clamped_not_refused(
                   window="daily_tokens") == 1
     assert sample(metrics, "tokenmeter_budget_clamped_tokens_total", user="alice") == (
         ASKED - granted)
+    # Reserved and over-reserved are told apart by the policy that admitted the request.
+    assert sample(metrics, "tokenmeter_budget_reserved_tokens_total", user="alice",
+                  policy="clamp") == prompt + granted
+    assert sample(metrics, "tokenmeter_budget_reserved_tokens_total", policy="worst_case") == 0
     # The answer that would run to the cap stops at it, with the upstream's own finish_reason,
     # and the day ends exactly at the quota, never past it.
     long = await client.chat.completions.with_raw_response.create(

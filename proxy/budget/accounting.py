@@ -49,7 +49,7 @@ from proxy.budget.store import (
     TopUpResult,
 )
 from proxy.budget.store_health import StoreHealth
-from proxy.config.policy import Policy, Price
+from proxy.config.policy import AdmissionPolicy, Policy, Price
 from proxy.errors import ServiceUnavailable
 from proxy.protocol.usage import Usage
 from proxy.telemetry.metrics import Metrics
@@ -78,6 +78,8 @@ class Reservation:
     # (None: not topped up), and the store key of the (user, key, model)'s output history.
     topup_cap: int | None = None
     estimate_key: str | None = None
+    # The policy it was admitted under (a label of the reserved / over-reserved counters).
+    admission: AdmissionPolicy = AdmissionPolicy.WORST_CASE
 
     @property
     def clamped(self) -> bool:
@@ -168,13 +170,14 @@ class Budget:
     def _topped_up(self, reservation: Reservation, granted: int) -> TopUpResult:
         if reservation.res_id in self._active:  # not after its settle: nothing would pop it
             self._topped[reservation.res_id] = self._topped.get(reservation.res_id, 0) + granted
-        self.metrics.budget_reserved(reservation.user, granted)
+        self.metrics.budget_reserved(reservation.user, reservation.admission, granted)
         return TopUpResult(granted)
 
     async def reserve(self, user: str, plan: lim.Plan, prompt: int, output: int,
                       policy: Policy, min_output: int | None = None,
                       topup_cap: int | None = None,
-                      estimate_key: str | None = None) -> Reservation:
+                      estimate_key: str | None = None,
+                      admission: AdmissionPolicy = AdmissionPolicy.WORST_CASE) -> Reservation:
         """Hold `prompt + output` tokens (and the request) in every window of `plan`, or raise
         `Refused` with what refused it. The store's failures follow `policy.store.on_error`.
         `min_output` (the `clamp` policy): the output may be lowered to what fits, down to
@@ -199,13 +202,13 @@ class Budget:
                 plan.slot, res_id, entries, plan.in_flight, policy.store.lease_seconds, clamp
             )
             return self._admitted(user, plan, entries, result, res_id, prompt, output, cost,
-                                  clamp, topup_cap, estimate_key)
+                                  clamp, topup_cap, estimate_key, admission=admission)
         # While the store is down, one request at a time tries it (and brings it back at once
         # when it answers); the others go on without waiting for a timeout.
         trial = not self.health.up
         if trial and not self.health.begin_trial():
             return self._unchecked(user, plan, prompt, output, policy, cost, topup_cap,
-                                   estimate_key)
+                                   estimate_key, admission=admission)
         started = time.perf_counter()
         reserving = self.store.reserve(
             plan.slot, res_id, entries, plan.in_flight, policy.store.lease_seconds, clamp
@@ -226,18 +229,19 @@ class Budget:
             # store answers again; this request is settled under an id of its own.
             self._settle_later(plan, res_id, _zero(plan), tokens=0, per_id=True)
             return self._unchecked(user, plan, prompt, output, policy, cost, topup_cap,
-                                   estimate_key)
+                                   estimate_key, admission=admission)
         finally:
             if trial:
                 self.health.end_trial()
         self.health.ok("reserve", started)
         return self._admitted(user, plan, entries, result, res_id, prompt, output, cost, clamp,
-                              topup_cap, estimate_key)
+                              topup_cap, estimate_key, admission=admission)
 
     def _admitted(self, user: str, plan: lim.Plan, entries: tuple[Entry, ...],
                   result: ReserveResult, res_id: str, prompt: int, output: int,
                   cost: int, clamp: Clamp | None = None, topup_cap: int | None = None,
-                  estimate_key: str | None = None) -> Reservation:
+                  estimate_key: str | None = None,
+                  admission: AdmissionPolicy = AdmissionPolicy.WORST_CASE) -> Reservation:
         if not result.ok:
             raise self._refusal(user, plan, entries, result, clamp)
         requested, clamped_by = None, None
@@ -262,15 +266,16 @@ class Budget:
             )
         reservation = Reservation(res_id, user, plan, prompt, output, result.used, True,
                                   plan.price, cost, requested, clamped_by, topup_cap,
-                                  estimate_key)
+                                  estimate_key, admission)
         self._active[res_id] = reservation
-        self.metrics.budget_reserved(user, prompt + output)
+        self.metrics.budget_reserved(user, admission, prompt + output)
         self._update_gauges(user, plan.windows, result.used)
         return reservation
 
     def _unchecked(self, user: str, plan: lim.Plan, prompt: int, output: int,
                    policy: Policy, cost: int, topup_cap: int | None = None,
-                   estimate_key: str | None = None) -> Reservation:
+                   estimate_key: str | None = None,
+                   admission: AdmissionPolicy = AdmissionPolicy.WORST_CASE) -> Reservation:
         """The store is down: the policy decides at once."""
         if policy.store.on_error == "fail_closed":
             self.health.skipped("refused")
@@ -281,7 +286,8 @@ class Budget:
         self.health.skipped("admitted")
         return Reservation(uuid.uuid4().hex, user, plan, prompt, output,
                            (0,) * len(plan.windows), False, plan.price, cost,
-                           topup_cap=topup_cap, estimate_key=estimate_key)
+                           topup_cap=topup_cap, estimate_key=estimate_key,
+                           admission=admission)
 
     def _abandoned(self, call: asyncio.Future[ReserveResult], plan: lim.Plan,
                    res_id: str) -> None:
@@ -326,7 +332,7 @@ class Budget:
         reserved = reservation.prompt_tokens + reservation.output_cap + topped
         if reservation.stored:
             over = max(0, reserved - usage.total_tokens)
-            self.metrics.budget_overreserved(reservation.user, over)
+            self.metrics.budget_overreserved(reservation.user, reservation.admission, over)
         await self._settle(reservation, entries, usage.total_tokens)
 
     async def release(self, reservation: Reservation) -> None:
@@ -336,7 +342,8 @@ class Budget:
         topped = self._topped.pop(reservation.res_id, 0)
         if reservation.stored:
             reserved = reservation.prompt_tokens + reservation.output_cap + topped
-            self.metrics.budget_overreserved(reservation.user, reserved)
+            self.metrics.budget_overreserved(reservation.user, reservation.admission,
+                                             reserved)
             await self._settle(reservation, _zero(reservation.plan), 0)
 
     async def _settle(self, reservation: Reservation, entries: tuple[Entry, ...],

@@ -195,7 +195,8 @@ async def _try(
                 output, topup_cap = guess, outgoing.output_tokens
     try:
         reservation = await svc.budget.reserve(ctx.principal.user, plan, prompt, output,
-                                               policy, min_output, topup_cap, estimate_key)
+                                               policy, min_output, topup_cap, estimate_key,
+                                               rule.policy)
     except Refused as exc:
         raise refusals.render(exc.refusal, svc.budget.clock(), policy.timezone) from None
     if reservation.clamped:

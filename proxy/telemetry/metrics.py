@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from proxy.config.policy import Price
+from proxy.config.policy import AdmissionPolicy, Price
 from proxy.protocol.usage import Usage
 
 if TYPE_CHECKING:
@@ -212,12 +212,14 @@ class Metrics:
             ("user", "limit"), registry=r,
         )
         self._budget_reserved = Counter(
-            "tokenmeter_budget_reserved_tokens", "Tokens reserved before requests went upstream.",
-            ("user",), registry=r,
+            "tokenmeter_budget_reserved_tokens",
+            "Tokens reserved before requests went upstream (top-ups included), by admission "
+            "policy.", ("user", "policy"), registry=r,
         )
         self._budget_overreserved = Counter(
             "tokenmeter_budget_overreserved_tokens",
-            "Reserved minus actual tokens, released at settlement.", ("user",), registry=r,
+            "Reserved minus actual tokens, released at settlement, by admission policy.",
+            ("user", "policy"), registry=r,
         )
         self._budget_clamped = Counter(
             "tokenmeter_budget_clamped_requests",
@@ -380,11 +382,11 @@ class Metrics:
         return self._metering_errors.labels(stage.value).inc
 
     # --- budgets ---------------------------------------------------------------------------
-    def budget_reserved(self, user: str, tokens: int) -> None:
-        self._budget_reserved.labels(user).inc(tokens)
+    def budget_reserved(self, user: str, policy: AdmissionPolicy, tokens: int) -> None:
+        self._budget_reserved.labels(user, policy.value).inc(tokens)
 
-    def budget_overreserved(self, user: str, tokens: int) -> None:
-        self._budget_overreserved.labels(user).inc(tokens)
+    def budget_overreserved(self, user: str, policy: AdmissionPolicy, tokens: int) -> None:
+        self._budget_overreserved.labels(user, policy.value).inc(tokens)
 
     def budget_clamped(self, user: str, window: str, tokens_cut: int) -> None:
         self._budget_clamped.labels(user, window).inc()
