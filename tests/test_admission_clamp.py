@@ -252,7 +252,7 @@ async def _one_stream(client: openai.AsyncOpenAI, max_tokens: int) -> tuple[int,
 async def test_race_for_the_last_tokens(
     make_proxies: Factory, upstream: TestServer
 ) -> None:
-    """100 streams, each asking for 1,500 output tokens and producing as many as it is let,
+    """200 streams, each asking for 1,500 output tokens and producing as many as it is let,
     race across the replicas for the last 5,000 tokens under `clamp` (min_output_tokens 256).
 
     Reserve-then-clamp is one atomic step, first come, first served, and every admitted stream
@@ -268,7 +268,7 @@ async def test_race_for_the_last_tokens(
     prompt = _prompt_estimate()
     clients = [sdk(p, ALICE_KEY) for p in proxies]
     results = await asyncio.gather(
-        *(_one_stream(clients[i % len(clients)], 1_500) for i in range(100)),
+        *(_one_stream(clients[i % len(clients)], 1_500) for i in range(200)),
         return_exceptions=True,
     )
     served = [r for r in results if isinstance(r, tuple)]
@@ -289,6 +289,35 @@ async def test_race_for_the_last_tokens(
     for p in proxies:
         assert sample(await scrape(p), "tokenmeter_store_errors_total") == 0
     assert len(upstream.app[MOCK_STATE].requests) == len(served)
+    for c in clients:
+        await c.close()
+
+
+async def test_race_for_the_last_tokens_under_worst_case(
+    make_proxies: Factory, upstream: TestServer
+) -> None:
+    """The same race under `worst_case`: a request is admitted only if its whole worst case
+    (prompt + 1,500) fits. Asserted exactly: nothing over the quota; every refusal a 429 in
+    OpenAI's shape; as many served as whole worst cases fit, none clamped; and no request refused
+    while its own worst case fitted: the room left after the race is below one worst case."""
+    last = 5_000
+    proxies = await make_proxies(_alice("worst_case", last))
+    prompt = _prompt_estimate()
+    clients = [sdk(p, ALICE_KEY) for p in proxies]
+    results = await asyncio.gather(
+        *(_one_stream(clients[i % len(clients)], 1_500) for i in range(200)),
+        return_exceptions=True,
+    )
+    served = [r for r in results if isinstance(r, tuple)]
+    refused = [r for r in results if not isinstance(r, tuple)]
+    for exc in refused:
+        assert isinstance(exc, openai.RateLimitError), repr(exc)
+        assert exc.status_code == 429 and exc.code == "daily_quota_exceeded"
+    used = sum(tokens for tokens, _ in served)
+    assert used <= last and await _daily_used(proxies[0]) == used
+    assert len(served) == last // (prompt + 1_500)
+    assert not any(clamped for _, clamped in served)
+    assert last - used < prompt + 1_500
     for c in clients:
         await c.close()
 

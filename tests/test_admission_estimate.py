@@ -240,7 +240,7 @@ async def _top_up_cases(store: Store, slot: str, day: str, out: str) -> list[obj
 
 
 async def test_race_for_the_last_tokens(make_proxies: Factory, store_url: str) -> None:
-    """100 streams of 2,000 tokens each race across the replicas for a day's 5,000 tokens under
+    """200 streams of 2,000 tokens each race across the replicas for a day's 5,000 tokens under
     `estimate` (an estimate of 300). Asserted: the counter never passes the quota and equals
     what the served and cut streams produced (plus their prompts); every refusal is a 429 in
     OpenAI's shape whose message says less was left than its prompt plus min_output_tokens
@@ -275,7 +275,7 @@ async def test_race_for_the_last_tokens(make_proxies: Factory, store_url: str) -
         assert counted == 2_000
         return "served", counted
 
-    results = await asyncio.gather(*(one(i) for i in range(100)))
+    results = await asyncio.gather(*(one(i) for i in range(200)))
     admitted = [n for kind, n in results if kind != "refused"]
     assert any(kind == "refused" for kind, _ in results)
     assert any(kind == "cut" for kind, _ in results)
