@@ -5,7 +5,6 @@ by two replicas."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import re
 import subprocess
@@ -23,10 +22,8 @@ import redis.asyncio as aioredis
 from aiohttp.test_utils import TestServer
 
 from proxy.budget import limits as lim
-from proxy.budget.clamp import AdmissionRule
 from proxy.budget.store import USER, Entry, InFlightLimit, MemoryStore, Store, TopUpResult
 from proxy.budget.store_redis import RedisStore
-from proxy.config.policy import AdmissionPolicy, hash_key
 from proxy.protocol.translators import ChatTranslator, parse_body
 from proxy.server import state as st
 from proxy.server.app import create_app
@@ -70,20 +67,10 @@ def make_proxies(aiohttp_server: ServerFactory, upstream: TestServer, store_url:
     return make
 
 
-def _alice(daily: int) -> dict[str, Any]:
+def _alice(daily: int, **admission: Any) -> dict[str, Any]:
+    """Alice under `admission: {policy: estimate, ...}`, from the configuration."""
     return {"alice": {"keys": [ALICE_KEY], "daily_tokens": daily, "max_output_tokens": 64_000,
-                      "admission": {"policy": "clamp"}}}
-
-
-def _estimate(proxies: list[TestServer], **rule: Any) -> None:
-    """Put alice's key under `estimate` on every replica. (The YAML does not accept the policy
-    yet; this sets what `admission: {policy: estimate}` resolves to.)"""
-    for proxy in proxies:
-        users = proxy.app[st.SERVICES].runtime.current.users
-        by_hash = users._by_hash
-        principal = by_hash[hash_key(ALICE_KEY)]
-        by_hash[hash_key(ALICE_KEY)] = dataclasses.replace(
-            principal, admission=AdmissionRule(AdmissionPolicy.ESTIMATE, **rule))
+                      "admission": {"policy": "estimate", **admission}}}
 
 
 async def _daily_used(proxy: TestServer) -> int:
@@ -106,7 +93,6 @@ async def test_non_streamed_request_falls_back_to_clamp(
     make_proxies: Factory, upstream: TestServer
 ) -> None:
     proxies = await make_proxies(_alice(QUOTA))
-    _estimate(proxies)
     client = sdk(proxies[-1], ALICE_KEY)
     raw = await client.chat.completions.with_raw_response.create(
         model="mock-gpt", messages=MESSAGES, max_tokens=ASKED,
@@ -145,7 +131,6 @@ async def test_agent_stream_is_served_with_an_estimate_not_its_cap(
     """20,000 left, max_tokens 32,000, streamed: served whole, the cap kept upstream, the
     day's counter exactly what was used."""
     proxies = await make_proxies(_alice(QUOTA))
-    _estimate(proxies)
     client = sdk(proxies[-1], ALICE_KEY)
     got, reported = await _stream(client, 900)
     assert got == reported == 900
@@ -164,8 +149,7 @@ async def test_long_streams_are_topped_up_then_cut_at_the_quota(
     raises naming the quota, charged what it produced, and the counter never passes the
     limit."""
     quota = 4_000
-    proxies = await make_proxies(_alice(quota))
-    _estimate(proxies, initial_estimate=300)
+    proxies = await make_proxies(_alice(quota, initial_estimate=300))
     client = sdk(proxies[-1], ALICE_KEY)
     prompt = _prompt_estimate()
     got, reported = await _stream(client, 1_500)
@@ -201,6 +185,41 @@ async def test_long_streams_are_topped_up_then_cut_at_the_quota(
     assert refused.value.code == "daily_quota_exceeded"
     await client.close()
     await client2.close()
+
+
+async def test_a_teams_monthly_window_ends_a_topped_up_stream(
+    make_proxies: Factory, upstream: TestServer
+) -> None:
+    """The issue-12 windows under `estimate`: top-ups check every window of the request, a
+    team's monthly quota among them; the stream that reaches it is cut with its code, and the
+    team's counter never passes it."""
+    team_quota = 3_000
+    users = _alice(1_000_000, initial_estimate=300)
+    users["alice"]["team"] = "platform"
+    proxies = await make_proxies(users, teams={"platform": {"monthly_tokens": team_quota}})
+    client = sdk(proxies[-1], ALICE_KEY)
+    counted = 0
+    with pytest.raises(openai.APIError) as cut:
+        stream = await client.chat.completions.create(
+            model="mock-gpt", messages=MESSAGES, max_tokens=ASKED, stream=True,
+            extra_headers={"x-mock-output-tokens": "20000"},
+        )
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                counted += 1
+    assert cut.value.code == "monthly_quota_exceeded"
+    charged = _prompt_estimate() + counted
+    assert 300 < charged <= team_quota
+    runtime = proxies[0].app[st.SERVICES].runtime.current
+    budget = proxies[0].app[st.SERVICES].budget
+    (team,) = [w for w in lim.windows_at(runtime.config, "alice", budget.clock())
+               if w.name is lim.WindowName.MONTHLY_TOKENS]
+
+    async def team_used() -> bool:
+        return (await budget.store.read([team.key]))[0] == charged
+
+    await until(team_used)
+    await client.close()
 
 
 async def test_redis_top_up_and_history_match_the_memory_store(redis_url: str) -> None:
@@ -247,8 +266,7 @@ async def test_race_for_the_last_tokens(make_proxies: Factory, store_url: str) -
     (so none was refused while its own minimum fitted); every admitted stream either finished
     whole or was cut with the quota's error event."""
     quota = 5_000
-    proxies = await make_proxies(_alice(quota))
-    _estimate(proxies, initial_estimate=300)
+    proxies = await make_proxies(_alice(quota, initial_estimate=300))
     clients = [sdk(p, ALICE_KEY) for p in proxies]
     prompt = _prompt_estimate()
 
@@ -293,8 +311,7 @@ async def test_an_upstream_that_sends_everything_at_once_is_cut_within_its_reser
     """An unpaced upstream: the whole answer arrives in a few large chunks. The relay forwards
     a topped-up stream event by event, so it still stops short of the quota."""
     quota = 1_000
-    proxies = await make_proxies(_alice(quota))
-    _estimate(proxies, initial_estimate=300)
+    proxies = await make_proxies(_alice(quota, initial_estimate=300))
     client = sdk(proxies[-1], ALICE_KEY)
     counted = 0
     with pytest.raises(openai.APIError) as cut:
@@ -318,19 +335,6 @@ async def _charged(proxy: TestServer, expected: int) -> bool:
     return await _daily_used(proxy) == expected
 
 
-# `tokenmeter serve` with every key under `estimate` (an estimate of 300 before any history):
-# the YAML does not accept the policy yet, so the subprocess sets what it resolves to.
-_SERVE_ESTIMATE = """
-import sys
-from proxy import auth
-from proxy.budget.clamp import AdmissionRule
-from proxy.config.policy import AdmissionPolicy
-auth.resolve = lambda *levels: AdmissionRule(AdmissionPolicy.ESTIMATE, 256, 300)
-from proxy.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 async def test_a_killed_proxys_topped_up_reservation_is_released_by_its_lease(
     upstream: TestServer, redis_url: str, tmp_path: Path, aiohttp_server: ServerFactory
 ) -> None:
@@ -339,13 +343,13 @@ async def test_a_killed_proxys_topped_up_reservation_is_released_by_its_lease(
     the day's counter is back to what the settled requests used: nothing double-charged."""
     cfg = tmp_path / "tm.yaml"
     users = (f"  alice:\n    keys: [{ALICE_KEY}]\n    daily_tokens: 100000\n"
-             "    max_output_tokens: 64000\n")
+             "    max_output_tokens: 64000\n"
+             "    admission: {policy: estimate, initial_estimate: 300}\n")
     cfg.write_text(budget_yaml(str(upstream.make_url("/v1")), redis_url, users,
                                lease_seconds=2))
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-c", _SERVE_ESTIMATE, "serve", "--config", str(cfg),
-         "--port", str(port)],
+        [sys.executable, "-m", "proxy", "serve", "--config", str(cfg), "--port", str(port)],
         cwd=Path(lim.__file__).parents[2],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
