@@ -98,12 +98,22 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    c = Cluster()
-    try:
-        c.start()
-        yield c
-    finally:
-        c.stop()
+    # Six free ports are picked before six servers bind them: on a busy box (two xdist workers
+    # starting servers of their own) one may be taken in between. Fresh ports, up to 3 times.
+    for attempt in range(3):
+        c = Cluster()
+        try:
+            c.start()
+        except (subprocess.SubprocessError, OSError, AssertionError):
+            c.stop()
+            if attempt == 2:
+                raise
+            continue
+        try:
+            yield c
+        finally:
+            c.stop()
+        return
 
 
 @pytest.fixture
