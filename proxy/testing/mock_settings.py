@@ -56,6 +56,10 @@ class MockSettings:
     chunk_seed: int | None = None
     end_after: int | None = None
     omit_done: bool = False
+    # Anthropic Messages only: prompt tokens reported as written to / read from the prompt cache
+    # (taken out of input_tokens, as Anthropic's input_tokens counts only the uncached rest).
+    cache_creation_tokens: int = 0
+    cache_read_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Checked here so that header overrides, applied with dataclasses.replace, obey the same
@@ -63,7 +67,8 @@ class MockSettings:
         if not all(map(math.isfinite, (self.tokens_per_second, self.ttft_ms, self.delay_ms))):
             raise ValueError("tokens_per_second, ttft_ms and delay_ms must be finite")
         times = (self.ttft_ms, self.delay_ms)
-        counts = (self.output_tokens, self.cached_tokens, self.reasoning_tokens)
+        counts = (self.output_tokens, self.cached_tokens, self.reasoning_tokens,
+                  self.cache_creation_tokens, self.cache_read_tokens)
         faults = (self.stall_after, self.reset_after, self.garbage_after, self.fail_first,
                   self.retry_after_ms, self.end_after)
         if min(*times, *counts, *(f or 0 for f in faults)) < 0:
@@ -135,6 +140,8 @@ _OVERRIDES: tuple[tuple[str, str, Callable[[str], object]], ...] = (
     ("x-mock-error-type", "error_type", lambda value: value or None),
     ("x-mock-end-after", "end_after", _optional_int),
     ("x-mock-omit-done", "omit_done", _switch),
+    ("x-mock-cache-creation-tokens", "cache_creation_tokens", int),
+    ("x-mock-cache-read-tokens", "cache_read_tokens", int),
 )
 
 GARBAGE = b"\x00\xff\xfenot an event {{{\r\n: \xc3\x28 half-utf8\n\n"

@@ -9,6 +9,8 @@ The rule, the same for every model:
   string value in it, at any depth (role, name, content, content parts' text...; keys are free).
   A message list costs 2 more, for the reply's priming.
 - a token array (a list of ints) costs its length.
+- an Anthropic Messages request costs its `messages` as above, plus its `system` and `tools`
+  counted as strings (no per-message cost); thinking and other options are free.
 
 The mock's generated output words (`mock_upstream.WORDS`) are one token each by this rule, and by
 the proxy's tokenizer too, so output counts agree exactly; prompt counts in general do not.
@@ -46,3 +48,9 @@ def _strings(value: Any) -> Iterable[str]:
 
 def count_messages(messages: list[Any]) -> int:
     return sum(PER_MESSAGE + count_texts(_strings(m)) for m in messages) + PER_REPLY
+
+
+def count_anthropic(body: dict[str, Any]) -> int:
+    messages = body.get("messages")
+    extra = count_texts(_strings(body.get("system"))) + count_texts(_strings(body.get("tools")))
+    return count_messages(messages if isinstance(messages, list) else []) + extra

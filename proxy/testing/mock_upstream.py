@@ -1,4 +1,5 @@
-"""A simulated OpenAI-compatible upstream for tests, benchmarks and the quickstart.
+"""A simulated OpenAI-compatible (and Anthropic Messages) upstream for tests, benchmarks and
+the quickstart.
 
 It speaks the wire format of the real API closely enough for the `openai` SDK to parse it, and
 generates text whose token count is known exactly (every word of `WORDS` is one token in both
@@ -39,7 +40,7 @@ from proxy.testing.mock_settings import (
     ReceivedRequest,
     effective,
 )
-from proxy.testing.mock_tokens import count_messages, count_text, count_texts
+from proxy.testing.mock_tokens import count_anthropic, count_messages, count_text, count_texts
 
 __all__ = ["MOCK_STATE", "WORDS", "MockSettings", "MockState", "create_mock_app",
            "generated_text", "run_mock"]
@@ -77,11 +78,26 @@ class _ApiError(Exception):
     code: str | None = None
     type_: str = "invalid_request_error"
     headers: Mapping[str, str] = field(default_factory=dict)
+    # The error's type in Anthropic's shape when it is not the status's usual one.
+    anthropic_type: str | None = None
 
-    def response(self, request_id: str) -> web.Response:
-        error = dict(message=self.message, type=self.type_, param=self.param, code=self.code)
+    def response(self, request_id: str, *, anthropic: bool = False) -> web.Response:
         headers = {"Content-Type": "application/json", "x-request-id": request_id, **self.headers}
+        if anthropic:
+            type_ = self.anthropic_type or _ANTHROPIC_TYPES.get(self.status, "api_error")
+            body = {"type": "error", "error": {"type": type_, "message": self.message}}
+            headers["request-id"] = request_id
+            return web.Response(status=self.status, body=_dumps(body), headers=headers)
+        error = dict(message=self.message, type=self.type_, param=self.param, code=self.code)
         return web.Response(status=self.status, body=_dumps({"error": error}), headers=headers)
+
+
+# Anthropic's error type per status (docs.anthropic.com, "Errors").
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+    500: "api_error", 529: "overloaded_error",
+}
 
 
 @dataclass(frozen=True)
@@ -111,7 +127,7 @@ _Endpoint = Callable[[_Call], Awaitable[web.StreamResponse]]
 
 
 def _endpoint(
-    fn: _Endpoint, *, needs_body: bool = True, inject: bool = True
+    fn: _Endpoint, *, needs_body: bool = True, inject: bool = True, anthropic: bool = False
 ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     async def handler(request: web.Request) -> web.StreamResponse:
         started = asyncio.get_running_loop().time()
@@ -151,7 +167,7 @@ def _endpoint(
                     raise _injected_error(call)
             return await fn(call)
         except _ApiError as exc:
-            return exc.response(request_id)
+            return exc.response(request_id, anthropic=anthropic)
         finally:
             state.active -= 1
             received.closed.set()
@@ -162,7 +178,7 @@ def _endpoint(
 def _injected_error(call: _Call) -> _ApiError:
     error = _default_error(call)
     if call.cfg.error_type is not None:
-        error.type_ = call.cfg.error_type
+        error.type_ = error.anthropic_type = call.cfg.error_type
     return error
 
 
@@ -203,6 +219,10 @@ async def _sleep_ms(ms: float) -> None:
 
 
 def _prompt_tokens(path: str, body: dict[str, Any]) -> int:
+    if path.endswith(("/messages", "/messages/count_tokens")):
+        if not isinstance(body.get("messages"), list):
+            raise _ApiError(400, "messages: Field required", "messages")
+        return count_anthropic(body)
     if path.endswith("/chat/completions"):
         if not isinstance(messages := body.get("messages"), list):
             message = "Missing required parameter: 'messages'."
@@ -496,6 +516,60 @@ async def _responses(call: _Call) -> web.StreamResponse:
     return await _stream(call, n, token=token, head=head, tail=tail, preamble=preamble, usage=usage)
 
 
+def _anthropic_event(payload: dict[str, Any]) -> bytes:
+    kind: str = payload["type"]
+    return b"event: " + kind.encode() + b"\ndata: " + _dumps(payload) + b"\n\n"
+
+
+def _anthropic_usage(call: _Call, output: int) -> dict[str, Any]:
+    cfg = call.cfg
+    cached = cfg.cache_creation_tokens + cfg.cache_read_tokens
+    return {
+        "input_tokens": max(0, call.prompt_tokens - cached),
+        "cache_creation_input_tokens": cfg.cache_creation_tokens,
+        "cache_read_input_tokens": cfg.cache_read_tokens,
+        "output_tokens": output,
+    }
+
+
+async def _messages(call: _Call) -> web.StreamResponse:
+    """Anthropic's Messages API: one text block of generated words."""
+    if "max_tokens" not in call.body:
+        raise _ApiError(400, "max_tokens: Field required", "max_tokens")
+    n, cut = _output_count(call, ("max_tokens",))
+    stop_reason, usage = ("max_tokens" if cut else "end_turn"), _anthropic_usage(call, n)
+    message: dict[str, Any] = {
+        "id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant",
+        "model": call.model, "content": [], "stop_reason": None, "stop_sequence": None,
+    }
+    if not call.stream:
+        content = [{"type": "text", "text": generated_text(n)}]
+        final = {**message, "content": content, "stop_reason": stop_reason, "usage": usage}
+        return await _json_response(call, final)
+    # As Anthropic does: message_start carries the input usage and an output count of 1, and
+    # message_delta the cumulative final usage.
+    preamble = _anthropic_event({"type": "message_start",
+                                 "message": {**message, "usage": {**usage, "output_tokens": 1}}})
+    block = {"type": "text", "text": ""}
+    head = _anthropic_event({"type": "content_block_start", "index": 0, "content_block": block})
+    head += _anthropic_event({"type": "ping"})
+    token = _word_events(lambda word: _anthropic_event(
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": word}}
+    ))
+    tail = _anthropic_event({"type": "content_block_stop", "index": 0})
+    tail += _anthropic_event({"type": "message_delta",
+                              "delta": {"stop_reason": stop_reason, "stop_sequence": None},
+                              "usage": usage})
+    tail += _anthropic_event({"type": "message_stop"})
+    return await _stream(call, n, token=token, head=head, tail=tail, preamble=preamble,
+                         usage=usage)
+
+
+async def _count_tokens(call: _Call) -> web.StreamResponse:
+    obj = {"input_tokens": call.prompt_tokens}
+    return web.Response(body=_dumps(obj), headers=call.headers("application/json"))
+
+
 async def _embeddings(call: _Call) -> web.StreamResponse:
     raw = call.body["input"]
     # A list of ints is one tokenised input; any other list is a batch of inputs.
@@ -547,6 +621,8 @@ def create_mock_app(settings: MockSettings | None = None) -> web.Application:
     add("POST", "/v1/completions", _endpoint(functools.partial(_completion, chat=False)))
     add("POST", "/v1/responses", _endpoint(_responses))
     add("POST", "/v1/embeddings", _endpoint(_embeddings))
+    add("POST", "/v1/messages", _endpoint(_messages, anthropic=True))
+    add("POST", "/v1/messages/count_tokens", _endpoint(_count_tokens, anthropic=True))
     add("GET", "/_mock/stats", _endpoint(_stats, needs_body=False, inject=False))
     add("*", "/{tail:.*}", _endpoint(_not_found, needs_body=False, inject=False))
     return app
