@@ -92,6 +92,6 @@ def client_key(request: web.Request) -> str | None:
     scheme, _, value = auth.partition(" ")
     if scheme.lower() == "bearer" and value.strip():
         return value.strip()
-    # Azure-style SDKs send the key in `api-key`.
-    value = request.headers.get("api-key", "").strip()
-    return value or None
+    # Azure-style SDKs send the key in `api-key`, Anthropic's (before 2.x) in `x-api-key`.
+    value = request.headers.get("api-key", "").strip() or request.headers.get("x-api-key", "")
+    return value.strip() or None

@@ -115,21 +115,46 @@ class ProxyError(Exception):
             }
         }
 
-    def to_response(self) -> web.Response:
+    def to_anthropic_body(self) -> dict[str, object]:
+        """Anthropic's error shape: the type is the status's (the SDK picks its exception by
+        status; `rate_limit_error` for every refusal of a budget or limit)."""
+        type_ = ANTHROPIC_ERROR_TYPES.get(self.status, "api_error")
+        return {"type": "error", "error": {"type": type_, "message": self.message}}
+
+    def to_response(self, shape: ErrorShape | None = None) -> web.Response:
         from aiohttp import web
 
+        body = self.to_anthropic_body() if shape is ErrorShape.ANTHROPIC else self.to_body()
         return web.Response(
             status=self.status,
-            body=json.dumps(self.to_body()).encode(),
+            body=json.dumps(body).encode(),
             content_type="application/json",
             headers=self.headers,
         )
 
 
-def stream_error_event(exc: ProxyError, named: bool) -> bytes:
+class ErrorShape(enum.Enum):
+    """The body an API's clients expect the proxy's own errors in."""
+
+    OPENAI = "openai"
+    ANTHROPIC = "anthropic"
+
+
+# Anthropic's error type per status (its "Errors" reference); other statuses are `api_error`.
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+    529: "overloaded_error",
+}
+
+
+def stream_error_event(exc: ProxyError, named: bool,
+                       shape: ErrorShape = ErrorShape.OPENAI) -> bytes:
     """The last event of a stream that broke: `data: {"error": {...}}`, which the openai SDKs
     raise as an APIError. The Responses API names its events, so there it is also an `error`
     event with that API's top-level `type`/`code`/`message`/`param`."""
+    if shape is ErrorShape.ANTHROPIC:  # Anthropic streams name their `error` event
+        return b"event: error\ndata: " + json.dumps(exc.to_anthropic_body()).encode() + b"\n\n"
     body: dict[str, object] = dict(exc.to_body())
     if named:
         err = exc.to_body()["error"]

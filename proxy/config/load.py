@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import fnmatch
 import os
 import re
@@ -52,10 +53,18 @@ class RetryConfig(_Model):
         return v
 
 
+class UpstreamApi(enum.StrEnum):
+    """The API an upstream speaks: which routes it serves and how it takes its key."""
+
+    OPENAI = "openai"  # key as `Authorization: Bearer`
+    ANTHROPIC = "anthropic"  # Messages API (/v1/messages); key as `x-api-key`
+
+
 class UpstreamConfig(_Model):
     base_url: str
     # Usually "${OPENAI_API_KEY}"; None sends no Authorization (local vLLM / Ollama).
     api_key: str | None = None
+    api: UpstreamApi = UpstreamApi.OPENAI
     connect_timeout_s: float = Field(default=10.0, gt=0)
     # Request sent -> response headers received (the upstream's queueing plus prefill).
     first_byte_timeout_s: float = Field(default=120.0, gt=0)

@@ -76,7 +76,7 @@ async def handle(request: web.Request, svc: Services, shape: type[Translator]
         return await relay(request, attempt, svc, outcome)
     except ProxyError as exc:
         outcome.fail(exc.error_class, exc.status)
-        return exc.to_response()
+        return exc.to_response(shape.error_shape)
     except asyncio.CancelledError:
         # aiohttp cancels the handler when the client disconnects, and the listener when the
         # body missed its deadline (it answered 408 itself).
@@ -127,6 +127,12 @@ async def admit(request: web.Request, svc: Services, shape: type[Translator],
         raise NotFound(
             f"The model `{parsed.model}` is not routed to any upstream by this proxy.",
             param="model", code="model_not_found",
+        )
+    if route.upstream.api != shape.upstream_api:
+        raise InvalidRequest(
+            f"The model `{parsed.model}` is served by an upstream of another API "
+            f"({route.upstream.api}); this route is for {shape.upstream_api} models.",
+            param="model",
         )
     ctx = RequestContext(outcome.request_id, shape.operation, runtime, principal, parsed, route)
     outcome.admitted(ctx)

@@ -227,7 +227,8 @@ async def _fail_stream(
     if at_boundary:
         with contextlib.suppress(ConnectionError):
             watch.writing = time.perf_counter()
-            await resp.write(stream_error_event(failure, translator.named_events))
+            await resp.write(stream_error_event(failure, translator.named_events,
+                                                translator.error_shape))
             watch.writing = 0.0
             return
     _abort(request)

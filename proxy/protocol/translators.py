@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from proxy.errors import InvalidRequest
+from proxy.errors import ErrorShape, InvalidRequest
 from proxy.protocol import tokenizer
 from proxy.protocol.usage import Usage, parse_usage
 
@@ -161,6 +161,8 @@ class Translator:
     path: ClassVar[str]
     streams: ClassVar[bool] = True
     named_events: ClassVar[bool] = False  # SSE `event:` names (Responses API)
+    error_shape: ClassVar[ErrorShape] = ErrorShape.OPENAI  # of the proxy's own errors
+    upstream_api: ClassVar[str] = "openai"  # the UpstreamApi of the upstreams that serve it
 
     def __init__(
         self, request: ParsedRequest, ask_usage: bool = True, model: str | None = None,

@@ -17,6 +17,9 @@ class Usage:
     # "reported": the upstream's own `usage`; "estimated": counted here with tiktoken because the
     # upstream sent none or the stream was cut before it could.
     source: Source = "reported"
+    # Prompt tokens written to the prompt cache (Anthropic), part of input_tokens like the
+    # cache reads in cached_input_tokens.
+    cache_creation_input_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -26,7 +29,7 @@ class Usage:
 ZERO = Usage()
 
 
-def _int(value: Any) -> int:
+def usage_int(value: Any) -> int:
     # bool is an int subclass; a usage field of `true` is garbage, not 1 token.
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
@@ -37,7 +40,7 @@ def _int(value: Any) -> int:
 
 def _detail(obj: dict[str, Any], key: str, field: str) -> int:
     details = obj.get(key)
-    return _int(details.get(field)) if isinstance(details, dict) else 0
+    return usage_int(details.get(field)) if isinstance(details, dict) else 0
 
 
 def parse_usage(obj: Any) -> Usage | None:
@@ -47,15 +50,15 @@ def parse_usage(obj: Any) -> Usage | None:
         return None
     if "input_tokens" in obj or "output_tokens" in obj:
         return Usage(
-            input_tokens=_int(obj.get("input_tokens")),
-            output_tokens=_int(obj.get("output_tokens")),
+            input_tokens=usage_int(obj.get("input_tokens")),
+            output_tokens=usage_int(obj.get("output_tokens")),
             cached_input_tokens=_detail(obj, "input_tokens_details", "cached_tokens"),
             reasoning_tokens=_detail(obj, "output_tokens_details", "reasoning_tokens"),
         )
     if "prompt_tokens" in obj or "completion_tokens" in obj:
         return Usage(
-            input_tokens=_int(obj.get("prompt_tokens")),
-            output_tokens=_int(obj.get("completion_tokens")),
+            input_tokens=usage_int(obj.get("prompt_tokens")),
+            output_tokens=usage_int(obj.get("completion_tokens")),
             cached_input_tokens=_detail(obj, "prompt_tokens_details", "cached_tokens"),
             reasoning_tokens=_detail(obj, "completion_tokens_details", "reasoning_tokens"),
         )

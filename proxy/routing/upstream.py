@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 from multidict import CIMultiDict
 
-from proxy.config.load import Config, LatencyFallback, RetryConfig, UpstreamConfig
+from proxy.config.load import Config, LatencyFallback, RetryConfig, UpstreamApi, UpstreamConfig
 
 # RFC 9110 7.6.1 hop-by-hop fields, plus what the proxy itself must own: the client's credentials
 # (never forwarded), framing (recomputed), Host, and Accept-Encoding (we ask for identity so the
@@ -38,6 +38,7 @@ class Upstream:
     stream_usage: bool
     retry: RetryConfig
     write_all_caps: bool = True  # see UpstreamConfig.cap_fields
+    api: UpstreamApi = UpstreamApi.OPENAI
 
 
 def _writes_all_caps(u: UpstreamConfig) -> bool:
@@ -61,7 +62,7 @@ class Router:
             name: Upstream(
                 name, u.base_url, u.api_key, u.connect_timeout_s, u.first_byte_timeout_s,
                 u.idle_timeout_s, u.total_timeout_s, u.stream_usage, u.retry,
-                _writes_all_caps(u),
+                _writes_all_caps(u), u.api,
             )
             for name, u in config.upstreams.items()
         }
@@ -106,7 +107,9 @@ def upstream_request_headers(
     )
     out["Accept-Encoding"] = "identity"
     key = client_key or upstream.api_key
-    if key:
+    if key and upstream.api is UpstreamApi.ANTHROPIC:
+        out["x-api-key"] = key
+    elif key:
         out["Authorization"] = f"Bearer {key}"
     return out
 

@@ -39,7 +39,8 @@ from proxy.ledger.ledger import make_ledger
 from proxy.pipeline.handler import make_handler
 from proxy.pipeline.watchdog import Watchdog
 from proxy.protocol import tokenizer
-from proxy.protocol.translators import TRANSLATORS
+from proxy.protocol.anthropic import CountTokensTranslator, MessagesTranslator
+from proxy.protocol.translators import TRANSLATORS, Translator
 from proxy.routing.attempts import LatencyTracker
 from proxy.routing.upstream import Router, client_response_headers, upstream_request_headers
 from proxy.server import state as st
@@ -368,7 +369,9 @@ def create_app(
     )
     if config_path is not None:
         app.cleanup_ctx.append(_watch_ctx(config_path))
-    for translator in TRANSLATORS:
+    shapes: tuple[type[Translator], ...] = (*TRANSLATORS, MessagesTranslator,
+                                            CountTokensTranslator)
+    for translator in shapes:
         app.router.add_post("/v1" + translator.path, make_handler(translator))
     app.router.add_get("/v1/models", _models)
     if config.metrics.port is None:

@@ -1,0 +1,152 @@
+"""The Anthropic Messages API through the proxy, with the real `anthropic` SDK as the client."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+import anthropic
+import pytest
+from aiohttp.test_utils import TestServer
+from anthropic.types import MessageParam
+
+from proxy.testing.mock_upstream import generated_text
+from tests.helpers import ALICE_KEY, UPSTREAM_KEY, Stack, StackFactory, make_config, sample
+
+MESSAGES: list[MessageParam] = [{"role": "user", "content": "count to three"}]
+MODEL = "mock-gpt"  # the label the test config lists: metrics name it rather than its route
+CACHE = {"x-mock-cache-read-tokens": "7", "x-mock-cache-creation-tokens": "3"}
+
+
+@pytest.fixture
+async def stack(make_stack: StackFactory, upstream_url: str) -> Stack:
+    users = {"alice": {"keys": [ALICE_KEY], "daily_tokens": 1000}}
+    return await make_stack(make_config(upstream_url, store="memory", users=users,
+                                        api_key=UPSTREAM_KEY, api="anthropic"))
+
+
+@pytest.fixture
+def upstream_url(upstream: TestServer) -> str:
+    return str(upstream.make_url("/v1"))
+
+
+def client(base: str, key: str) -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(base_url=base.removesuffix("/v1"), api_key=key,
+                                    max_retries=0)
+
+
+@pytest.fixture
+async def clients(stack: Stack) -> AsyncIterator[tuple[anthropic.AsyncAnthropic,
+                                                       anthropic.AsyncAnthropic]]:
+    via, direct = client(stack.base_url, ALICE_KEY), client(stack.upstream_url, "x")
+    async with via, direct:
+        yield via, direct
+
+
+async def test_non_streamed_equals_direct(
+    stack: Stack, clients: tuple[anthropic.AsyncAnthropic, anthropic.AsyncAnthropic]
+) -> None:
+    via, direct = clients
+    through, plain = [
+        await c.messages.create(model=MODEL, max_tokens=9, messages=MESSAGES, extra_headers=CACHE)
+        for c in (via, direct)
+    ]
+    ignore = {"id"}
+    assert through.model_dump(exclude=ignore) == plain.model_dump(exclude=ignore)
+    assert through.content[0].type == "text" and through.content[0].text == generated_text(9)
+    sent = stack.mock.requests[0].headers
+    assert sent["x-api-key"] == UPSTREAM_KEY and "authorization" not in sent
+    assert ALICE_KEY not in str(sent)
+    await stack.settled(1)
+    metrics = await stack.metrics()
+    usage = through.usage
+    prompt = usage.input_tokens + 3 + 7
+    tokens = "tokenmeter_tokens_total"
+    assert sample(metrics, tokens, type="input", model=MODEL, user="alice") == prompt
+    assert sample(metrics, tokens, type="output", model=MODEL, user="alice") == 9
+    assert sample(metrics, tokens, type="cached_input", model=MODEL, user="alice") == 7
+
+
+async def test_streamed_equals_direct(
+    stack: Stack, clients: tuple[anthropic.AsyncAnthropic, anthropic.AsyncAnthropic]
+) -> None:
+    via, direct = clients
+    finals = []
+    for c in (via, direct):
+        async with c.messages.stream(model=MODEL, max_tokens=12, messages=MESSAGES,
+                                     extra_headers=CACHE) as stream:
+            text = "".join([t async for t in stream.text_stream])
+            final = await stream.get_final_message()
+        assert text == generated_text(12)
+        finals.append(final.model_dump(exclude={"id"}))
+    assert finals[0] == finals[1]
+    await stack.settled(1)
+    metrics = await stack.metrics()
+    assert sample(metrics, "tokenmeter_tokens_total", type="output", model=MODEL,
+                  user="alice", source="reported") == 12
+
+
+async def test_budget_refusal_is_a_rate_limit_error(
+    stack: Stack, clients: tuple[anthropic.AsyncAnthropic, anthropic.AsyncAnthropic]
+) -> None:
+    via, _ = clients
+    with pytest.raises(anthropic.RateLimitError) as caught:
+        await via.messages.create(model=MODEL, max_tokens=5000, messages=MESSAGES)
+    assert caught.value.status_code == 429
+    assert isinstance(caught.value.body, dict)
+    assert caught.value.body["type"] == "error"
+    assert caught.value.body["error"]["type"] == "rate_limit_error"
+    assert not stack.mock.requests
+
+
+async def test_errors_in_anthropic_shape(
+    stack: Stack, clients: tuple[anthropic.AsyncAnthropic, anthropic.AsyncAnthropic]
+) -> None:
+    async with client(stack.base_url, "sk-wrong") as wrong:
+        with pytest.raises(anthropic.AuthenticationError) as caught:
+            await wrong.messages.create(model=MODEL, max_tokens=5, messages=MESSAGES)
+    assert isinstance(caught.value.body, dict)
+    assert caught.value.body["error"]["type"] == "authentication_error"
+    via, _ = clients
+    # The SDK will not send a request without max_tokens; other clients may.
+    async with aiohttp.ClientSession() as session, session.post(
+        stack.proxy.make_url("/v1/messages"), json={"model": MODEL, "messages": MESSAGES},
+        headers={"x-api-key": ALICE_KEY},
+    ) as response:
+        assert response.status == 400
+        body = await response.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in body["error"]["message"]
+    assert not stack.mock.requests
+    # Upstream errors pass through as the upstream sent them.
+    with pytest.raises(anthropic.APIStatusError) as up:
+        await via.messages.create(model=MODEL, max_tokens=5, messages=MESSAGES,
+                                  extra_headers={"x-mock-status": "529"})
+    assert up.value.status_code == 529
+    assert isinstance(up.value.body, dict)
+    assert up.value.body["error"]["type"] == "overloaded_error"
+
+
+async def test_x_api_key_authenticates(stack: Stack) -> None:
+    async with anthropic.AsyncAnthropic(
+        base_url=stack.base_url.removesuffix("/v1"), api_key=None, max_retries=0,
+        default_headers={"x-api-key": ALICE_KEY},
+    ) as c:
+        message = await c.messages.create(model=MODEL, max_tokens=3, messages=MESSAGES)
+    assert message.usage.output_tokens == 3
+    assert stack.mock.requests[-1].headers["x-api-key"] == UPSTREAM_KEY
+
+
+async def test_count_tokens_is_authenticated_and_free(
+    stack: Stack, clients: tuple[anthropic.AsyncAnthropic, anthropic.AsyncAnthropic]
+) -> None:
+    via, direct = clients
+    counted = await via.messages.count_tokens(model=MODEL, messages=MESSAGES)
+    assert counted.input_tokens == (await direct.messages.count_tokens(
+        model=MODEL, messages=MESSAGES)).input_tokens
+    async with client(stack.base_url, "sk-wrong") as wrong:
+        with pytest.raises(anthropic.AuthenticationError):
+            await wrong.messages.count_tokens(model=MODEL, messages=MESSAGES)
+    await stack.settled(1)
+    metrics = await stack.metrics()
+    assert not [k for k in metrics if k[0] == "tokenmeter_tokens_total"]
