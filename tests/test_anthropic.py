@@ -65,6 +65,8 @@ async def test_non_streamed_equals_direct(
     assert sample(metrics, tokens, type="input", model=MODEL, user="alice") == prompt
     assert sample(metrics, tokens, type="output", model=MODEL, user="alice") == 9
     assert sample(metrics, tokens, type="cached_input", model=MODEL, user="alice") == 7
+    assert sample(metrics, tokens, type="cache_read_input", model=MODEL, user="alice") == 7
+    assert sample(metrics, tokens, type="cache_creation_input", model=MODEL, user="alice") == 3
 
 
 async def test_streamed_equals_direct(
@@ -82,8 +84,11 @@ async def test_streamed_equals_direct(
     assert finals[0] == finals[1]
     await stack.settled(1)
     metrics = await stack.metrics()
-    assert sample(metrics, "tokenmeter_tokens_total", type="output", model=MODEL,
-                  user="alice", source="reported") == 12
+    usage = finals[0]["usage"]
+    for kind, value in (("output", 12), ("cache_read_input", 7), ("cache_creation_input", 3),
+                        ("input", usage["input_tokens"] + 10)):
+        assert sample(metrics, "tokenmeter_tokens_total", type=kind, model=MODEL,
+                      user="alice", source="reported") == value
 
 
 async def test_budget_refusal_is_a_rate_limit_error(

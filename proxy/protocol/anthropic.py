@@ -47,6 +47,7 @@ def anthropic_usage(obj: Any) -> Usage | None:
         output_tokens=usage_int(obj.get("output_tokens")),
         cached_input_tokens=reads,
         cache_creation_input_tokens=writes,
+        cache_read_input_tokens=reads,
     )
 
 

@@ -17,9 +17,11 @@ class Usage:
     # "reported": the upstream's own `usage`; "estimated": counted here with tiktoken because the
     # upstream sent none or the stream was cut before it could.
     source: Source = "reported"
-    # Prompt tokens written to the prompt cache (Anthropic), part of input_tokens like the
-    # cache reads in cached_input_tokens.
+    # Anthropic's prompt-cache figures as it reports them: tokens written to the cache, and read
+    # from it. Both are part of input_tokens; the reads are cached_input_tokens too (what the
+    # cached-input price applies to, whatever the API).
     cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

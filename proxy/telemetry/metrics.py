@@ -166,7 +166,8 @@ class Metrics:
         r.register(self._gaps)
         self._tokens = Counter(
             "tokenmeter_tokens",
-            "Tokens by type (input, output, cached_input, reasoning) and source.",
+            "Tokens by type (input, output, cached_input, reasoning, cache_creation_input, "
+            "cache_read_input) and source.",
             ("type", "model", "user", "source"), registry=r,
         )
         self._requests = Counter(
@@ -495,6 +496,8 @@ class Metrics:
             ("output", u.output_tokens),
             ("cached_input", u.cached_input_tokens),
             ("reasoning", u.reasoning_tokens),
+            ("cache_creation_input", u.cache_creation_input_tokens),
+            ("cache_read_input", u.cache_read_input_tokens),
         ):
             if value:
                 self._tokens.labels(kind, rec.model_label, rec.user, u.source).inc(value)
