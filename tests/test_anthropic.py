@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import sqlite3
 from collections.abc import AsyncIterator
+from contextlib import closing
+from pathlib import Path
 
 import aiohttp
 import anthropic
@@ -10,8 +14,19 @@ import pytest
 from aiohttp.test_utils import TestServer
 from anthropic.types import MessageParam
 
+from proxy.ledger.schema import TABLE
+from proxy.pipeline.relay import REQUEST_ID_HEADER
+from proxy.testing import mock_tokens
 from proxy.testing.mock_upstream import generated_text
-from tests.helpers import ALICE_KEY, UPSTREAM_KEY, Stack, StackFactory, make_config, sample
+from tests.helpers import (
+    ALICE_KEY,
+    UPSTREAM_KEY,
+    Stack,
+    StackFactory,
+    make_config,
+    sample,
+    until,
+)
 
 MESSAGES: list[MessageParam] = [{"role": "user", "content": "count to three"}]
 MODEL = "mock-gpt"  # the label the test config lists: metrics name it rather than its route
@@ -155,3 +170,31 @@ async def test_count_tokens_is_authenticated_and_free(
     await stack.settled(1)
     metrics = await stack.metrics()
     assert not [k for k in metrics if k[0] == "tokenmeter_tokens_total"]
+
+
+async def test_ledger_keeps_every_token_type(
+    stack: Stack, clients: tuple[anthropic.AsyncAnthropic, anthropic.AsyncAnthropic]
+) -> None:
+    via, _ = clients
+    headers = {"x-mock-cache-read-tokens": "17", "x-mock-cache-creation-tokens": "13"}
+    async with via.messages.with_streaming_response.create(
+        model=MODEL, max_tokens=6, messages=MESSAGES, stream=True, extra_headers=headers
+    ) as response:
+        request_id = response.headers[REQUEST_ID_HEADER]
+        await response.read()
+    ledger = Path(os.environ["TOKENMETER_STATE_DIR"]) / "ledger.sqlite3"
+    query = (f"SELECT input_tokens, output_tokens, cached_input_tokens, "
+             f"cache_creation_input_tokens, token_source FROM {TABLE} WHERE request_id = ?")
+
+    def row() -> tuple[object, ...] | None:
+        if not ledger.exists():
+            return None
+        with closing(sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)) as db:
+            found: tuple[object, ...] | None = db.execute(query, (request_id,)).fetchone()
+        return found
+
+    await until(lambda: row() is not None, deadline=20, every=0.05)
+    # The mock takes the cache tokens out of its input_tokens (down to 0); the proxy's input is
+    # the whole prompt: what it reported plus the cache writes and reads.
+    fresh = max(0, mock_tokens.count_anthropic({"messages": MESSAGES}) - 30)
+    assert row() == (fresh + 30, 6, 17, 13, "reported")

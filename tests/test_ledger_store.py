@@ -26,7 +26,7 @@ from proxy.ledger import shipper as shipper_mod
 from proxy.ledger.ledger import Ledger, make_ledger
 from proxy.ledger.migrate import migrate_postgres, migrate_sqlite
 from proxy.ledger.row import COLUMNS, LedgerRow
-from proxy.ledger.schema import SCHEMA_TABLE, TABLE, VERSION
+from proxy.ledger.schema import MIGRATIONS, SCHEMA_TABLE, TABLE, VERSION
 from proxy.ledger.sink_postgres import mask_url
 from proxy.ledger.spool import encode_row
 from proxy.telemetry.metrics import Metrics
@@ -35,6 +35,9 @@ from tests.servers import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 NOW = 1_796_000_000.0
+
+# Every migration applied, each once, in order.
+APPLIED = [(m.version,) for m in MIGRATIONS]
 
 
 def make_row(i: int, *, prefix: str = "req", started_at: float = NOW, **changes: Any) -> LedgerRow:
@@ -395,7 +398,7 @@ async def test_migration_from_empty_and_again(db_url: str, state: Path) -> None:
         await ledger.start()
         assert ledger.health().ok
         await ledger.stop(5)
-    assert await fetch(db_url, f"SELECT version FROM {SCHEMA_TABLE}") == [(VERSION,)]
+    assert await fetch(db_url, f"SELECT version FROM {SCHEMA_TABLE} ORDER BY version") == APPLIED
     if db_url.startswith("sqlite://"):
         with sqlite3.connect(db_url.removeprefix("sqlite://")) as conn:
             assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
@@ -415,7 +418,7 @@ async def test_two_replicas_migrate_together_postgres(pg_url: str, tmp_path: Pat
         lg.record(make_row(i))
     assert all(await asyncio.gather(*(lg.flush(20) for lg in ledgers)))
     assert len(await stored_ids(pg_url)) == 3
-    assert await fetch(pg_url, f"SELECT version FROM {SCHEMA_TABLE}") == [(VERSION,)]
+    assert await fetch(pg_url, f"SELECT version FROM {SCHEMA_TABLE} ORDER BY version") == APPLIED
     for lg in ledgers:
         await lg.stop(5)
 
@@ -440,7 +443,7 @@ def test_two_processes_migrate_together_sqlite(tmp_path: Path) -> None:
         t.join(20)
     assert results == [VERSION] * 4
     with sqlite3.connect(path) as conn:
-        assert conn.execute(f"SELECT version FROM {SCHEMA_TABLE}").fetchall() == [(VERSION,)]
+        assert conn.execute(f"SELECT version FROM {SCHEMA_TABLE} ORDER BY version").fetchall() == APPLIED
 
 
 async def test_a_newer_schema_is_refused_and_rows_wait(db_url: str, state: Path) -> None:

@@ -12,6 +12,7 @@ import sqlite3
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
@@ -33,6 +34,7 @@ from proxy.budget.store_redis import RedisStore
 from proxy.cli import main
 from proxy.config.ledger import LedgerConfig
 from proxy.config.load import Config
+from proxy.ledger.migrate import migrate_sqlite
 from proxy.ledger.query import LedgerReader, LedgerUnavailable, Location, locate, open_reader
 from proxy.ledger.reconcile import Reconciliation, Verdict, reconcile, store_view
 from proxy.ledger.row import COLUMNS, LedgerRow
@@ -99,10 +101,10 @@ class Books:
 
     async def write(self, rows: Sequence[LedgerRow]) -> None:
         if self.url.startswith("sqlite"):
-            with sqlite3.connect(self.url.removeprefix("sqlite://")) as db:
-                for migration in MIGRATIONS:
-                    for statement in migration.sqlite:
-                        db.execute(statement)
+            path = self.url.removeprefix("sqlite://")
+            with closing(sqlite3.connect(path, isolation_level=None)) as fresh:
+                migrate_sqlite(fresh)
+            with sqlite3.connect(path) as db:
                 marks = ", ".join("?" * len(COLUMNS))
                 db.executemany(
                     f"INSERT INTO {TABLE} ({', '.join(COLUMNS)}) VALUES ({marks})",

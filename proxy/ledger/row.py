@@ -47,6 +47,9 @@ class LedgerRow(NamedTuple):
     cost_nanousd: int | None  # from the price table; None: the model has no price
     price_version: str | None
     windows: str  # budget windows charged, space-separated `scope:window:stamp`
+    # Schema v2: prompt tokens written to the prompt cache (Anthropic), part of input_tokens.
+    # Last and defaulted, so spool lines written before it still load.
+    cache_creation_input_tokens: int = 0
 
     @property
     def cost_usd(self) -> Decimal | None:

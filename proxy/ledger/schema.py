@@ -1,7 +1,8 @@
 """The ledger's schema, versioned: migration n takes a database from version n-1 to n.
 
 Both dialects hold the same table and columns (`proxy.ledger.row.COLUMNS`, in that order, then
-the generated `cost_usd`), so reports and dashboards read one shape. Timestamps are
+the generated `cost_usd`; columns added by later migrations come after it), so reports and
+dashboards read one shape. Timestamps are
 `timestamptz` in PostgreSQL and epoch seconds (REAL) in SQLite, which has no time type.
 A migration is only ever appended; `tokenmeter_schema` holds the version a database is at.
 """
@@ -98,8 +99,15 @@ _INDEXES = (
     f"CREATE INDEX IF NOT EXISTS {TABLE}_team ON {TABLE} (team, started_at)",
 )
 
+# v2: cache writes (Anthropic), a token type of their own; existing rows wrote none.
+_V2_PG = (f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS cache_creation_input_tokens bigint "
+          "NOT NULL DEFAULT 0",)
+_V2_SQLITE = (f"ALTER TABLE {TABLE} ADD COLUMN cache_creation_input_tokens INTEGER NOT NULL "
+              "DEFAULT 0",)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, (_PG_V1, *_INDEXES), (_SQLITE_V1, *_INDEXES)),
+    Migration(2, _V2_PG, _V2_SQLITE),
 )
 
 VERSION = MIGRATIONS[-1].version

@@ -114,6 +114,7 @@ def _book(ledger: Ledger, done: Settlement, runtime: Runtime, usage: Usage,
                 price, usage.input_tokens, usage.cached_input_tokens, usage.output_tokens),
             price_version=None if price is None else runtime.price_version,
             windows=windows,
+            cache_creation_input_tokens=usage.cache_creation_input_tokens,
         ))
     except Exception:
         # A row that could not even be made: the books miss this request. Loud.
