@@ -198,3 +198,32 @@ async def test_ledger_keeps_every_token_type(
     # the whole prompt: what it reported plus the cache writes and reads.
     fresh = max(0, mock_tokens.count_anthropic({"messages": MESSAGES}) - 30)
     assert row() == (fresh + 30, 6, 17, 13, "reported")
+
+
+async def test_a_reset_mid_stream_is_charged_as_estimated(
+    stack: Stack, clients: tuple[anthropic.AsyncAnthropic, anthropic.AsyncAnthropic]
+) -> None:
+    via, _ = clients
+    text = ""
+    # The proxy ends the stream with an `error` event in Anthropic's shape: the SDK raises it.
+    with pytest.raises(anthropic.APIStatusError) as caught:
+        async with via.messages.stream(
+            model=MODEL, max_tokens=50, messages=MESSAGES,
+            extra_headers={"x-mock-reset-after": "4", **CACHE},
+        ) as stream:
+            async for chunk in stream.text_stream:
+                text += chunk
+    assert text == generated_text(4)
+    assert isinstance(caught.value.body, dict)
+    assert caught.value.body["error"]["type"] == "api_error"
+    await stack.settled(1)
+    metrics = await stack.metrics()
+    tokens = "tokenmeter_tokens_total"
+    # The prompt as message_start reported it; the output counted here (4 one-token words).
+    fresh = max(0, mock_tokens.count_anthropic({"messages": MESSAGES}) - 10)
+    assert sample(metrics, tokens, type="input", model=MODEL, user="alice",
+                  source="estimated") == fresh + 10
+    assert sample(metrics, tokens, type="output", model=MODEL, user="alice",
+                  source="estimated") == 4
+    assert sample(metrics, tokens, type="cache_read_input", model=MODEL, user="alice",
+                  source="estimated") == 7

@@ -11,6 +11,7 @@ existing cost of cached input applies to the reads.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -66,13 +67,27 @@ class MessagesTranslator(Translator):
             raise InvalidRequest("max_tokens: Field required", param="max_tokens")
         self._fields: dict[str, int] = {}  # the latest cumulative usage, field by field
 
-    def _merge_usage(self, obj: Any) -> None:
+    def _merge_usage(self, obj: Any, *, final: bool) -> None:
+        """`final`: a message_delta, whose output count is the answer's so far. message_start's
+        output count is a placeholder (1): until a message_delta comes, the usage is not
+        reported but estimated (see `usage`)."""
         if not isinstance(obj, dict):
             return
         for field in _USAGE_FIELDS:
             if field in obj:
                 self._fields[field] = usage_int(obj[field])
-        self._reported = anthropic_usage(self._fields)
+        if final:
+            self._reported = anthropic_usage(self._fields)
+
+    def usage(self) -> Usage:
+        """A stream cut before its message_delta: the prompt as message_start reported it, the
+        output counted here, the whole labelled estimated."""
+        if self._reported is not None or not self._fields:
+            return super().usage()
+        start = anthropic_usage(self._fields)
+        assert start is not None  # a dict
+        output = self._folded_tokens() + tokenizer.count_texts(self.model, self._output_texts())
+        return dataclasses.replace(start, output_tokens=output, source="estimated")
 
     def on_event(self, data: bytes, name: str | None, marked: bool | None = None) -> EventFlag:
         if name is None:  # a server that omits `event:` lines: the type is in the data
@@ -93,11 +108,11 @@ class MessagesTranslator(Translator):
             message = _loads(data).get("message")
             if isinstance(message, dict):
                 self._answered_by(message)
-                self._merge_usage(message.get("usage"))
+                self._merge_usage(message.get("usage"), final=False)
             return _NOTHING
         if name == "message_delta":
             obj = _loads(data)
-            self._merge_usage(obj.get("usage"))
+            self._merge_usage(obj.get("usage"), final=True)
             return _FINISH
         if name in ("message_stop", "error"):  # `error`: the upstream told the client itself
             self.terminated = True
