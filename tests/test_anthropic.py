@@ -12,7 +12,7 @@ import aiohttp
 import anthropic
 import pytest
 from aiohttp.test_utils import TestServer
-from anthropic.types import MessageParam
+from anthropic.types import MessageParam, ToolParam
 
 from proxy.ledger.schema import TABLE
 from proxy.pipeline.relay import REQUEST_ID_HEADER
@@ -227,3 +227,28 @@ async def test_a_reset_mid_stream_is_charged_as_estimated(
                   source="estimated") == 4
     assert sample(metrics, tokens, type="cache_read_input", model=MODEL, user="alice",
                   source="estimated") == 7
+
+
+async def test_tool_use_equals_direct(
+    stack: Stack, clients: tuple[anthropic.AsyncAnthropic, anthropic.AsyncAnthropic]
+) -> None:
+    tools: list[ToolParam] = [{"name": "search", "description": "Search the docs.",
+                               "input_schema": {"type": "object",
+                                                "properties": {"q": {"type": "string"}}}}]
+    answers = []
+    for c in clients:
+        async with c.messages.stream(model=MODEL, max_tokens=20, messages=MESSAGES, tools=tools,
+                                     tool_choice={"type": "tool", "name": "search"}) as stream:
+            final = await stream.get_final_message()
+        assert final.stop_reason == "tool_use"
+        block = final.content[0]
+        n = final.usage.output_tokens
+        assert block.type == "tool_use" and block.input == {"q": generated_text(n)}
+        answers.append(final.model_dump(exclude={"id"}))
+        answers[-1]["content"][0].pop("id")
+    assert answers[0] == answers[1]
+    await stack.settled(1)
+    metrics = await stack.metrics()
+    # Content counted per input_json_delta; the output as the upstream reported it.
+    assert sample(metrics, "tokenmeter_tokens_total", type="output", model=MODEL,
+                  user="alice", source="reported") == answers[0]["usage"]["output_tokens"]

@@ -532,31 +532,62 @@ def _anthropic_usage(call: _Call, output: int) -> dict[str, Any]:
     }
 
 
+def _forced_tool(body: dict[str, Any]) -> str | None:
+    """The tool a request makes the model call (`tool_choice` of type `tool` or `any`)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not (isinstance(tools, list) and tools and isinstance(choice, dict)):
+        return None
+    if choice.get("type") == "tool" and isinstance(choice.get("name"), str):
+        return str(choice["name"])
+    first = tools[0]
+    if choice.get("type") == "any" and isinstance(first, dict):
+        return str(first.get("name", "tool"))
+    return None
+
+
 async def _messages(call: _Call) -> web.StreamResponse:
-    """Anthropic's Messages API: one text block of generated words."""
+    """Anthropic's Messages API: one text block of generated words, or, when `tool_choice`
+    forces a tool, one tool_use block whose input is {"q": the generated words}."""
     if "max_tokens" not in call.body:
         raise _ApiError(400, "max_tokens: Field required", "max_tokens")
     n, cut = _output_count(call, ("max_tokens",))
+    tool = _forced_tool(call.body)
     stop_reason, usage = ("max_tokens" if cut else "end_turn"), _anthropic_usage(call, n)
+    if tool is not None and not cut:
+        stop_reason = "tool_use"
     message: dict[str, Any] = {
         "id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant",
         "model": call.model, "content": [], "stop_reason": None, "stop_sequence": None,
     }
+    tool_id = "toolu_" + uuid.uuid4().hex[:24]
     if not call.stream:
-        content = [{"type": "text", "text": generated_text(n)}]
+        content: list[dict[str, Any]] = [{"type": "text", "text": generated_text(n)}]
+        if tool is not None:
+            input_ = {"q": generated_text(n)}
+            content = [{"type": "tool_use", "id": tool_id, "name": tool, "input": input_}]
         final = {**message, "content": content, "stop_reason": stop_reason, "usage": usage}
         return await _json_response(call, final)
     # As Anthropic does: message_start carries the input usage and an output count of 1, and
     # message_delta the cumulative final usage.
     preamble = _anthropic_event({"type": "message_start",
                                  "message": {**message, "usage": {**usage, "output_tokens": 1}}})
-    block = {"type": "text", "text": ""}
+    def delta(payload: dict[str, Any]) -> bytes:
+        return _anthropic_event({"type": "content_block_delta", "index": 0, "delta": payload})
+
+    block: dict[str, Any] = {"type": "text", "text": ""}
+    if tool is not None:
+        block = {"type": "tool_use", "id": tool_id, "name": tool, "input": {}}
     head = _anthropic_event({"type": "content_block_start", "index": 0, "content_block": block})
     head += _anthropic_event({"type": "ping"})
-    token = _word_events(lambda word: _anthropic_event(
-        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": word}}
-    ))
-    tail = _anthropic_event({"type": "content_block_stop", "index": 0})
+    tail = b""
+    if tool is None:
+        token = _word_events(lambda word: delta({"type": "text_delta", "text": word}))
+    else:
+        # The input's JSON in pieces: its opening, a piece per word, its close.
+        head += delta({"type": "input_json_delta", "partial_json": '{"q": "'})
+        token = _word_events(lambda word: delta({"type": "input_json_delta", "partial_json": word}))
+        tail = delta({"type": "input_json_delta", "partial_json": '"}'})
+    tail += _anthropic_event({"type": "content_block_stop", "index": 0})
     tail += _anthropic_event({"type": "message_delta",
                               "delta": {"stop_reason": stop_reason, "stop_sequence": None},
                               "usage": usage})
