@@ -1,0 +1,82 @@
+"""The Anthropic Messages translator on its own (sans-I/O): which events are content, and which
+usage wins."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from proxy.errors import InvalidRequest
+from proxy.protocol.anthropic import CountTokensTranslator, MessagesTranslator
+from proxy.protocol.translators import EventFlag, parse_body
+from proxy.protocol.usage import Usage
+
+BODY = {"model": "claude-x", "max_tokens": 100, "stream": True,
+        "messages": [{"role": "user", "content": "hi"}]}
+
+
+def translator(**changes: Any) -> MessagesTranslator:
+    return MessagesTranslator(parse_body(json.dumps({**BODY, **changes}).encode()))
+
+
+def event(payload: dict[str, Any]) -> tuple[bytes, str]:
+    return json.dumps(payload, separators=(",", ":")).encode(), str(payload["type"])
+
+
+def delta(kind: str, **fields: str) -> tuple[bytes, str]:
+    return event({"type": "content_block_delta", "index": 0, "delta": {"type": kind, **fields}})
+
+
+START = event({"type": "message_start", "message": {
+    "id": "msg_1", "model": "claude-x-20260101", "usage": {
+        "input_tokens": 5, "cache_creation_input_tokens": 20, "cache_read_input_tokens": 100,
+        "output_tokens": 1}}})
+
+
+def test_content_deltas_and_the_rest() -> None:
+    t = translator()
+    assert t.on_event(*START) == EventFlag(0)
+    assert t.response_model == "claude-x-20260101"
+    assert t.on_event(*event({"type": "ping"})) == EventFlag(0)
+    assert t.on_event(*delta("thinking_delta", thinking="hmm")) == EventFlag.CONTENT
+    assert t.on_event(*delta("signature_delta", signature="abc")) == EventFlag(0)
+    assert t.on_event(*delta("text_delta", text="Hello")) == EventFlag.CONTENT
+    assert t.on_event(*delta("input_json_delta", partial_json='{"a"')) == EventFlag.CONTENT
+    assert not t.complete
+    # Cumulative: the latest message_delta wins, and fields it leaves out keep their value.
+    t.on_event(*event({"type": "message_delta", "delta": {"stop_reason": None},
+                       "usage": {"output_tokens": 7}}))
+    t.on_event(*event({"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                       "usage": {"output_tokens": 9, "cache_read_input_tokens": 100}}))
+    assert t.on_event(*event({"type": "message_stop"})) == EventFlag.FINISH
+    assert t.complete
+    assert t.usage() == Usage(input_tokens=125, output_tokens=9, cached_input_tokens=100,
+                              cache_creation_input_tokens=20, cache_read_input_tokens=100)
+
+
+def test_cut_before_message_delta_is_estimated() -> None:
+    t = translator()
+    t.on_event(*START)
+    t.on_event(*delta("text_delta", text=" the of and"))
+    usage = t.usage()
+    assert usage.source == "estimated"
+    assert (usage.input_tokens, usage.cached_input_tokens) == (125, 100)
+    assert usage.output_tokens == 3
+
+
+def test_max_tokens_is_required_and_capped() -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        translator(max_tokens=None)
+    assert caught.value.param == "max_tokens"
+    outgoing = translator(max_tokens=5000).upstream_request(300)
+    assert json.loads(outgoing.body)["max_tokens"] == 300 and outgoing.output_tokens == 300
+
+
+def test_count_tokens_charges_nothing() -> None:
+    body = {"model": "claude-x", "messages": BODY["messages"]}
+    t = CountTokensTranslator(parse_body(json.dumps(body).encode()))
+    assert t.upstream_request(300).output_tokens == 0
+    t.on_body(b'{"input_tokens": 12}')
+    assert t.usage() == Usage() and t.prompt_usage() == Usage()
