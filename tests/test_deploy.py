@@ -278,8 +278,11 @@ def free_port() -> int:
 
 @pytest.fixture
 async def metered_proxy(aiohttp_server: ServerFactory) -> TestServer:
+    # Paced so that every stream spans several reads even on a loaded box: at 2,000 tok/s its
+    # 16 tokens could arrive in one read, leaving no decode phase and the tokens/s histogram
+    # without a sample (the dashboards' queries on it then have no data).
     upstream = await aiohttp_server(create_mock_app(
-        MockSettings(tokens_per_second=2000, ttft_ms=5, output_tokens=16)
+        MockSettings(tokens_per_second=400, ttft_ms=5, output_tokens=16)
     ))
     config = parse_config(f"""
 upstreams:
