@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,39 +32,25 @@ from pathlib import Path
 
 import aiohttp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from procs import cpu_s, free_port, wait_port
+
 KEY = "sk-bench-admission-0123456789"
 POLICIES = ("worst_case", "clamp", "estimate")
 BODY = {"model": "m", "messages": [{"role": "user", "content": "write"}], "stream": True,
         "max_tokens": 4096}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
-def _wait(port: int) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _start(argv: list[str], env: dict[str, str], port: int) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen([sys.executable, "-m", "proxy.cli", *argv], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait(port)
+    wait_port(port)
     return proc
 
 
@@ -78,7 +63,7 @@ def _proxy(policy: str, mock_port: int) -> tuple[subprocess.Popen[bytes], int]:
         "defaults:\n  max_output_tokens: 4096\n"
         f"  admission: {{policy: {policy}, initial_estimate: 128}}\n"
         f"users:\n  bench:\n    keys: ['{KEY}']\n    daily_tokens: 1000000000\n")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "TOKENMETER_STATE_DIR": str(state)}
     return _start(["serve", "--config", str(config), "--port", str(port),
                    "--log-level", "WARNING"], env, port), port
@@ -115,7 +100,7 @@ async def _load(port: int, pid: int, streams: int) -> tuple[float, float]:
     gaps: list[float] = []
     async with aiohttp.ClientSession() as session:
         await _stream(session, port)
-        before = _cpu_s(pid)
+        before = cpu_s(pid)
         queue = iter(range(streams))
 
         async def worker() -> None:
@@ -123,7 +108,7 @@ async def _load(port: int, pid: int, streams: int) -> tuple[float, float]:
                 gaps.extend((await _stream(session, port))[1])
 
         await asyncio.gather(*(worker() for _ in range(8)))
-        cpu = (_cpu_s(pid) - before) / streams * 1000
+        cpu = (cpu_s(pid) - before) / streams * 1000
     return statistics.quantiles(gaps, n=100)[98] * 1000, cpu
 
 
@@ -138,7 +123,7 @@ async def _topups(port: int) -> float:
 
 
 async def run(rounds: int, streams: int, ttft_n: int) -> dict[str, dict[str, list[float]]]:
-    mock_port = _free_port()
+    mock_port = free_port()
     # Processes start between measurements, never during one: a blocking start is fine.
     mock = _start(["mock-upstream", "--port", str(mock_port), "--ttft-ms", "20",
                    "--tokens-per-second", "750", "--output-tokens", "600"],

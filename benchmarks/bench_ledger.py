@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import sqlite3
 import statistics
 import subprocess
@@ -36,33 +35,19 @@ from pathlib import Path
 import aiohttp
 import asyncpg
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from procs import cpu_s, free_port, wait_port
+
 PG = "postgresql://postgres@127.0.0.1:5432"
 PLAIN = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 STREAM = {**PLAIN, "stream": True}
 VARIANTS = ("off", "sqlite", "postgresql")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
-def _wait(port: int) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Proxy:
@@ -76,13 +61,13 @@ class Proxy:
         config.write_text(
             f"upstreams:\n  mock: {{base_url: 'http://127.0.0.1:{mock_port}/v1'}}\n"
             f"metrics: {{discover_models: false}}\nledger: {ledger}\n")
-        self.port = _free_port()
+        self.port = free_port()
         env = {**os.environ, "TOKENMETER_STATE_DIR": str(self.state)}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config),
              "--port", str(self.port), "--log-level", "WARNING"],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _wait(self.port)
+        wait_port(self.port)
 
     def stop(self) -> None:
         self.proc.terminate()  # SIGTERM: the shipper drains before the process exits
@@ -111,7 +96,7 @@ async def cpu_ms_per_request(proxy: Proxy, requests: int, concurrency: int = 16)
     async with aiohttp.ClientSession() as session:
         for _ in range(200):  # warm-up: connections, caches, the first batch shipped
             await _plain(session, proxy.port)
-        before = _cpu_s(proxy.proc.pid)
+        before = cpu_s(proxy.proc.pid)
         queue = iter(range(requests))
 
         async def worker() -> None:
@@ -119,7 +104,7 @@ async def cpu_ms_per_request(proxy: Proxy, requests: int, concurrency: int = 16)
                 await _plain(session, proxy.port)
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return (_cpu_s(proxy.proc.pid) - before) / requests * 1000
+        return (cpu_s(proxy.proc.pid) - before) / requests * 1000
 
 
 async def _ttft(session: aiohttp.ClientSession, port: int) -> float:
@@ -157,12 +142,12 @@ async def _drop_db(name: str) -> None:
 
 
 def _start_mock() -> tuple[subprocess.Popen[bytes], int]:
-    port = _free_port()
+    port = free_port()
     mock = subprocess.Popen(
         [sys.executable, "-m", "proxy.cli", "mock-upstream", "--port", str(port),
          "--ttft-ms", "0", "--tokens-per-second", "0", "--output-tokens", "16"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait(port)
+    wait_port(port)
     return mock, port
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,37 +30,23 @@ from pathlib import Path
 
 import aiohttp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from procs import cpu_s, free_port, wait_port
+
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
-def _wait(port: int) -> None:
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Stack:
     def __init__(self, tree: Path, *mock_args: str) -> None:
         env = {**os.environ, "PYTHONPATH": str(tree),
                "TOKENMETER_STATE_DIR": tempfile.mkdtemp(prefix="tm-cost-")}
-        self.mock_port, self.proxy_port = _free_port(), _free_port()
+        self.mock_port, self.proxy_port = free_port(), free_port()
         cli = [sys.executable, "-m", "proxy.cli"]
         self.mock = subprocess.Popen(
             [*cli, "mock-upstream", "--port", str(self.mock_port), *mock_args],
@@ -70,8 +55,8 @@ class Stack:
             [*cli, "serve", "--upstream", f"http://127.0.0.1:{self.mock_port}/v1",
              "--port", str(self.proxy_port), "--log-level", "WARNING"], env=env, cwd=tree,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _wait(self.mock_port)
-        _wait(self.proxy_port)
+        wait_port(self.mock_port)
+        wait_port(self.proxy_port)
 
     def stop(self) -> None:
         for p in (self.proxy, self.mock):
@@ -115,9 +100,9 @@ async def cpu_ms_per_stream(tree: Path, streams: int = 1200, concurrency: int = 
                 async with gate:
                     await _stream(s, stack.proxy_port)
 
-            before = _cpu_s(stack.proxy.pid)
+            before = cpu_s(stack.proxy.pid)
             await asyncio.gather(*(one() for _ in range(streams)))
-            return 1000 * (_cpu_s(stack.proxy.pid) - before) / streams
+            return 1000 * (cpu_s(stack.proxy.pid) - before) / streams
     finally:
         stack.stop()
 
