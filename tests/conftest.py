@@ -8,6 +8,7 @@ import logging
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import asyncpg
 import pytest
@@ -18,7 +19,14 @@ from hypothesis import HealthCheck, settings
 from proxy.config.load import Config
 from proxy.server.app import create_app
 from proxy.testing.mock_upstream import MockSettings, create_mock_app
-from tests.helpers import ServerFactory, Stack, StackFactory, config_for
+from tests.helpers import (
+    ProxiesFactory,
+    ServerFactory,
+    Stack,
+    StackFactory,
+    config_for,
+    make_config,
+)
 from tests.servers import RedisServer
 
 # Hypothesis profiles, chosen by HYPOTHESIS_PROFILE (default "ci"). Both check every invariant
@@ -123,6 +131,21 @@ async def make_stack(
     for s in made:
         for c in s.clients:
             await c.close()
+
+
+@pytest.fixture
+def make_proxies(aiohttp_server: ServerFactory, upstream: TestServer,
+                 store_url: str) -> ProxiesFactory:
+    """Replicas of one configuration in front of `upstream`: two sharing one budget through
+    Redis, or one on the in-process store (`store_url` runs each test on both)."""
+
+    async def make(users: dict[str, Any], **extra: Any) -> list[TestServer]:
+        config = make_config(str(upstream.make_url("/v1")), store=store_url, users=users,
+                             extra=extra)
+        count = 1 if store_url == "memory" else 2
+        return [await aiohttp_server(create_app(config)) for _ in range(count)]
+
+    return make
 
 
 @pytest.fixture

@@ -272,3 +272,5 @@ class Stack:  # made by the `stack` and `make_stack` fixtures (conftest.py)
 
 
 StackFactory = Callable[[Config], Awaitable[Stack]]
+# `make_proxies` (conftest.py): users (and further top-level sections) -> the replicas made.
+ProxiesFactory = Callable[..., Awaitable[list[TestServer]]]

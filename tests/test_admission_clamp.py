@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -24,9 +23,9 @@ from proxy.budget.store_redis import RedisStore
 from proxy.config.policy import Price
 from proxy.protocol.translators import ChatTranslator, ResponsesTranslator, parse_body
 from proxy.server import state as st
-from proxy.server.app import create_app
 from proxy.testing.mock_upstream import MOCK_STATE, MockSettings
-from tests.helpers import ALICE_KEY, MESSAGES, ServerFactory, make_config, sample, scrape, sdk
+from tests.helpers import ALICE_KEY, MESSAGES, sample, scrape, sdk
+from tests.helpers import ProxiesFactory as Factory
 
 QUOTA = 20_000
 ASKED = 32_000
@@ -38,20 +37,6 @@ def mock_settings() -> MockSettings:
     return MockSettings(tokens_per_second=0, ttft_ms=0, output_tokens=900)
 
 
-Factory = Callable[..., Awaitable[list[TestServer]]]
-
-
-@pytest.fixture
-def make_proxies(aiohttp_server: ServerFactory, upstream: TestServer, store_url: str) -> Factory:
-    """Two replicas sharing one budget through Redis; one on the in-process store."""
-
-    async def make(users: dict[str, Any], **extra: Any) -> list[TestServer]:
-        config = make_config(str(upstream.make_url("/v1")), store=store_url, users=users,
-                             extra=extra)
-        count = 1 if store_url == "memory" else 2
-        return [await aiohttp_server(create_app(config)) for _ in range(count)]
-
-    return make
 
 
 def _alice(policy: str, daily: int, **more: Any) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from tests.helpers import (
     sdk,
     until,
 )
+from tests.helpers import ProxiesFactory as Factory
 from tests.servers import free_port, wait_for_port
 
 QUOTA = 20_000
@@ -51,20 +52,6 @@ def mock_settings() -> MockSettings:
     return MockSettings(tokens_per_second=4000, ttft_ms=0, output_tokens=900)
 
 
-Factory = Callable[..., Awaitable[list[TestServer]]]
-
-
-@pytest.fixture
-def make_proxies(aiohttp_server: ServerFactory, upstream: TestServer, store_url: str) -> Factory:
-    """Two replicas sharing one budget through Redis; one on the in-process store."""
-
-    async def make(users: dict[str, Any], **extra: Any) -> list[TestServer]:
-        config = make_config(str(upstream.make_url("/v1")), store=store_url, users=users,
-                             extra=extra)
-        count = 1 if store_url == "memory" else 2
-        return [await aiohttp_server(create_app(config)) for _ in range(count)]
-
-    return make
 
 
 def _alice(daily: int, **admission: Any) -> dict[str, Any]:
