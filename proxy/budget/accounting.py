@@ -35,7 +35,7 @@ from proxy.auth import Principal
 from proxy.budget import estimate as est
 from proxy.budget import limits as lim
 from proxy.budget.clamp import Clamp, grant, output_rate
-from proxy.budget.cost import cost_nanousd, price_for
+from proxy.budget.cost import price_for, usage_cost
 from proxy.budget.notify import Notifier
 from proxy.budget.refusals import Refusal, Refused, unpriced
 from proxy.budget.spool import REPLAY_DONE_TTL_S, Spool
@@ -324,8 +324,7 @@ class Budget:
         plan = reservation.plan
         price = reservation.price
         inp, out = usage.input_tokens, usage.output_tokens
-        cost = (cost_nanousd(price, inp, usage.cached_input_tokens, out)
-                if price is not None else 0)
+        cost = usage_cost(price, usage) if price is not None else 0
         entries = tuple(
             Entry(w.key, w.limit, lim.amount(w, inp, out, cost), w.ttl_s) for w in plan.windows
         )

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from decimal import Decimal
 
 from proxy.config.policy import Price
+from proxy.protocol.usage import Usage
 
 NANOS_PER_USD = 1_000_000_000
 
@@ -43,6 +44,12 @@ def cost_nanousd(price: Price, input_tokens: int, cached_input_tokens: int,
     total = (_nanos(input_tokens - cached, price.input) + _nanos(cached, cached_price)
              + _nanos(output_tokens, price.output))
     return math.ceil(total)
+
+
+def usage_cost(price: Price, usage: Usage) -> int:
+    """What `usage` costs at `price`: the one place settle and the books price a request."""
+    return cost_nanousd(price, usage.input_tokens, usage.cached_input_tokens,
+                        usage.output_tokens)
 
 
 def price_version(prices: Mapping[str, Price]) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
-from proxy.budget.cost import cost_nanousd
+from proxy.budget.cost import usage_cost
 from proxy.errors import ErrorClass
 from proxy.ledger.ledger import Ledger
 from proxy.ledger.row import LedgerRow
@@ -110,8 +110,7 @@ def _book(ledger: Ledger, done: Settlement, runtime: Runtime, usage: Usage,
             overhead_ms=_ms(figures.overhead),
             duration_ms=figures.duration * 1000,
             output_tokens_per_s=figures.output_tokens_per_second,
-            cost_nanousd=None if price is None else cost_nanousd(
-                price, usage.input_tokens, usage.cached_input_tokens, usage.output_tokens),
+            cost_nanousd=None if price is None else usage_cost(price, usage),
             price_version=None if price is None else runtime.price_version,
             windows=windows,
             cache_creation_input_tokens=usage.cache_creation_input_tokens,
