@@ -328,8 +328,8 @@ async def test_stores_grant_alike(redis_url: str) -> None:
             results = []
             for store in (memory, redis_store):
                 slot = f"tm:{{c{case}}}"
-                # What is used already, settled under an id of its own.
-                await store.settle(slot, "prior", [Entry(k, None, u, 600)
+                # What is used already, added under an id of its own.
+                await store.add_once(slot, "prior", [Entry(k, None, u, 600)
                                                    for k, u in zip(keys, prior, strict=True)])
                 entries = [Entry(k, lim_, w, 600)
                            for k, lim_, w in zip(keys, limits, worst, strict=True)]

@@ -40,10 +40,10 @@ from proxy.budget.notify import Notifier
 from proxy.budget.refusals import Refusal, Refused, unpriced
 from proxy.budget.spool import REPLAY_DONE_TTL_S, Spool
 from proxy.budget.store import (
-    DONE_TTL_S,
     Entry,
     ReserveResult,
     ScopeKind,
+    Settlement,
     Store,
     StoreError,
     TopUpResult,
@@ -227,7 +227,7 @@ class Budget:
             self.health.failed("reserve", exc)
             # The script may have run before the reply was lost: release its id when the
             # store answers again; this request is settled under an id of its own.
-            self._settle_later(plan, res_id, _zero(plan), tokens=0, per_id=True)
+            self._settle_later(plan, res_id, _zero(plan), tokens=0)
             return self._unchecked(user, plan, prompt, output, policy, cost, topup_cap,
                                    estimate_key, admission=admission)
         finally:
@@ -292,13 +292,13 @@ class Budget:
     def _abandoned(self, call: asyncio.Future[ReserveResult], plan: lim.Plan,
                    res_id: str) -> None:
         if call.cancelled():
-            self._settle_later(plan, res_id, _zero(plan), tokens=0, per_id=True)
+            self._settle_later(plan, res_id, _zero(plan), tokens=0)
             return
         exc = call.exception()
         if isinstance(exc, StoreError):
             self.health.failed("reserve", exc)
         if exc is not None or call.result().ok:
-            self._settle_later(plan, res_id, _zero(plan), tokens=0, per_id=True)
+            self._settle_later(plan, res_id, _zero(plan), tokens=0)
 
     def _refusal(self, user: str, plan: lim.Plan, entries: tuple[Entry, ...],
                  result: ReserveResult, clamp: Clamp | None = None) -> Refused:
@@ -348,43 +348,48 @@ class Budget:
     async def _settle(self, reservation: Reservation, entries: tuple[Entry, ...],
                       tokens: int) -> None:
         plan = reservation.plan
-        charge = Charge(plan.slot, reservation.res_id, entries, tokens, reservation.stored,
+        kind = Settlement.RESERVED if reservation.stored else Settlement.ADDITION
+        charge = Charge(plan.slot, reservation.res_id, entries, tokens, kind,
                         reservation.user, _notice_window(plan), plan.windows)
         if not self.health.up:
             self.health.skipped("spooled")
-            self._spool(charge)
+            self._spool(charge, per_id=kind is Settlement.RESERVED)
             return
         with contextlib.suppress(StoreError):  # spooled by _apply
-            await self._apply(charge, DONE_TTL_S)
+            await self._apply(charge)
 
     def _settle_later(self, plan: lim.Plan, res_id: str, entries: tuple[Entry, ...],
-                      tokens: int, per_id: bool) -> None:
+                      tokens: int) -> None:
         """A settlement off the request's path (a release after an abandoned reserve)."""
-        charge = Charge(plan.slot, res_id, entries, tokens, per_id, "", None, None)
+        charge = Charge(plan.slot, res_id, entries, tokens, Settlement.RESERVED, "", None, None)
         if not self.health.up:
-            self._spool(charge)
+            self._spool(charge, per_id=True)
             return
 
         async def run() -> None:
             with contextlib.suppress(StoreError):
-                await self._apply(charge, DONE_TTL_S)
+                await self._apply(charge)
 
         task = asyncio.ensure_future(run())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _apply(self, charge: Charge, done_ttl_s: int) -> None:
+    async def _apply(self, charge: Charge, replay: bool = False) -> None:
         """The one way a settlement reaches the store, live or replayed from the spool: apply
         it, then the gauges and the quota notices. A failure marks the store down, spools the
-        charge (unless it came from the spool) and raises."""
+        charge under its id (the store may have applied it before the reply was lost: the
+        replay must be recognised; unless it came from the spool) and raises."""
         started = time.perf_counter()
         try:
-            used = await self.store.settle(charge.slot, charge.res_id, charge.entries,
-                                           done_ttl_s)
+            if charge.kind is Settlement.RESERVED:
+                used = await self.store.settle(charge.slot, charge.res_id, charge.entries)
+            else:
+                used = await self.store.add_once(charge.slot, charge.res_id, charge.entries,
+                                                 REPLAY_DONE_TTL_S)
         except StoreError as exc:
             self.health.failed("settle", exc)
-            if done_ttl_s == DONE_TTL_S:
-                self._spool(charge)
+            if not replay:
+                self._spool(charge, per_id=True)
             raise
         self.health.ok("settle", started)
         if charge.windows is not None:
@@ -396,15 +401,17 @@ class Budget:
                 await self.notifier.check(self.store, charge.user, notice,
                                           used[keys.index(notice.key)])
 
-    def _spool(self, charge: Charge) -> None:
+    def _spool(self, charge: Charge, per_id: bool) -> None:
+        """`per_id`: owed under the charge's own id; else summed per counter with the other
+        additions of the outage (applied later as one batch)."""
         now = self.clock()
         slot, entries, tokens = charge.slot, charge.entries, charge.tokens
         try:
             if self.spool is None:
                 raise OSError("no spool is configured")
-            if charge.per_id:
+            if per_id:
                 self.spool.owe(slot, charge.res_id, entries, tokens, now, charge.notice,
-                               charge.user)
+                               charge.user, charge.kind)
             else:
                 self.spool.add(slot, entries, tokens, now, charge.notice, charge.user)
         except OSError as exc:
@@ -439,9 +446,9 @@ class Budget:
         if self.health.up and self.spool.pending()[0]:
             for owed in self.spool.take():
                 charge = Charge(owed.slot, owed.res_id, owed.entries(self.clock()), owed.tokens,
-                                True, owed.user, owed.notice, None)
+                                owed.kind, owed.user, owed.notice, None)
                 try:
-                    await self._apply(charge, REPLAY_DONE_TTL_S)
+                    await self._apply(charge, replay=True)
                 except StoreError:
                     break
                 self.spool.done(owed)
@@ -487,7 +494,7 @@ class Charge:
     res_id: str
     entries: tuple[Entry, ...]
     tokens: int
-    per_id: bool  # replaces a reservation the store may hold; else a plain addition
+    kind: Settlement  # replaces a reservation the store granted, or adds usage without one
     user: str
     notice: lim.Window | None  # the user's limited daily quota, for threshold notices
     windows: tuple[lim.Window, ...] | None  # parallel to entries, for the gauges

@@ -8,9 +8,10 @@ Two kinds of debt:
   counters touched, not with requests). When the store is back, each user's sums are sealed
   into one batch with an id of its own and applied like any settlement.
 
-Every id is applied once: the store keeps a done-marker per id (`DONE_TTL_S` for live requests,
-`REPLAY_DONE_TTL_S` here), and an id is struck from the spool only after the store took it, so a
-crash in between replays an id the store will skip.
+Every id is applied once, and struck from the spool only after the store took it, so a crash in
+between replays an id the store will skip: a reservation's settle is recognised by the store
+itself (the reservation's record is gone once settled; see `proxy.budget.store`), a batch of
+additions by a done-marker kept `REPLAY_DONE_TTL_S`.
 
 On disk: one append-only JSON-lines file per process (`spool-<id>.jsonl`), flushed after every
 record (a killed process loses nothing the OS has), compacted to its current state now and then,
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from proxy.budget.limits import Window
-from proxy.budget.store import Entry
+from proxy.budget.store import Entry, Settlement
 
 log = logging.getLogger("tokenmeter.spool")
 
@@ -62,6 +63,10 @@ class Owed:
     # settle would have (it is the same code path).
     notice: Window | None = None
     user: str = ""  # whose notice it is
+    # Spool lines written before reservations settled without markers carry no kind: an
+    # addition under a marker is what the store applied them as then (and it replaces a
+    # reservation still held under the id, so it is right for both).
+    kind: Settlement = Settlement.ADDITION
 
     def entries(self, now: float) -> tuple[Entry, ...]:
         """Store entries for what has not expired yet (an expired counter is gone in the store
@@ -129,8 +134,9 @@ class Spool:
 
     # --- recording ------------------------------------------------------------------------
     def owe(self, slot: str, res_id: str, entries: tuple[Entry, ...], tokens: int,
-            now: float, notice: Window | None = None, user: str = "") -> None:
-        owed = Owed(slot, res_id, _debts(entries, now), tokens, notice, user)
+            now: float, notice: Window | None = None, user: str = "",
+            kind: Settlement = Settlement.RESERVED) -> None:
+        owed = Owed(slot, res_id, _debts(entries, now), tokens, notice, user, kind)
         self._owed[res_id] = owed
         self._append(_owed_record(owed))
 
@@ -252,7 +258,7 @@ def _debts(entries: tuple[Entry, ...], now: float) -> tuple[Debt, ...]:
 def _owed_record(owed: Owed) -> dict[str, Any]:
     return {"o": owed.slot, "i": owed.res_id, "t": owed.tokens,
             "e": [[d.key, d.amount, d.expires_at] for d in owed.debts],
-            "n": _notice_json(owed.notice), "u": owed.user}
+            "n": _notice_json(owed.notice), "u": owed.user, "k": owed.kind.value}
 
 
 def _notice_json(notice: Window | None) -> dict[str, Any] | None:
@@ -275,6 +281,13 @@ def _seal(sums: dict[tuple[str, str], list[float]], tokens: dict[str, int],
     }
 
 
+def _kind(value: object) -> Settlement:
+    try:
+        return Settlement(value)
+    except ValueError:
+        return Settlement.ADDITION  # a line from before kinds: see `Owed.kind`
+
+
 def _notice_of(notices: dict[str, tuple[str, Window]], slot: str) -> tuple[Window | None, str]:
     user, notice = notices.get(slot, ("", None))
     return notice, user
@@ -295,7 +308,8 @@ def _load(path: Path) -> tuple[dict[str, Owed], dict[tuple[str, str], list[float
             if "o" in rec:
                 debts = tuple(Debt(k, int(a), float(x)) for k, a, x in rec["e"])
                 owed[rec["i"]] = Owed(rec["o"], rec["i"], debts, int(rec.get("t", 0)),
-                                      _notice(rec.get("n")), str(rec.get("u", "")))
+                                      _notice(rec.get("n")), str(rec.get("u", "")),
+                                      _kind(rec.get("k")))
             elif "a" in rec:
                 slot = rec["a"]
                 for k, a, x in rec["e"]:

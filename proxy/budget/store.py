@@ -6,9 +6,17 @@ A store does three things atomically per user slot:
   (`used + amount <= limit`), and only if all pass add the amounts and record the reservation
   under a lease; under the `clamp` admission policy the output tokens that fit are worked out
   and reserved in the same step (`proxy.budget.clamp`);
-- `settle`: replace a reservation's amounts by the actual ones (or add them outright if the
-  reservation is unknown: admitted while the store was down, or its lease expired), once per id;
+- `settle`: replace a reservation's amounts by the actual ones, once: the reservation's own
+  record is what says it is not settled yet, so a settle leaves nothing behind. A reservation
+  reaped because its lease ran out leaves a tombstone instead (rare: its proxy died, or could
+  not renew), and its settle then adds the amounts outright;
+- `add_once`: add usage the store holds no reservation for (requests admitted while it was
+  down), once per id within a time to live, guarded by a done-marker per id: these are rare
+  and batched (`proxy.budget.spool`), so markers stay few;
 - `renew`: extend the leases of reservations still streaming.
+
+So what a settled request leaves in the store is nothing: memory is bounded by the requests in
+flight, the reaped ones within `REAPED_TTL_S` and the batches within their marker's ttl.
 The Redis store does the same in Lua, so replicas sharing one Redis share one budget.
 
 A slot is the unit of atomicity: the user's (`prefix:{alice}`), or for a team's users the
@@ -107,7 +115,17 @@ class TopUpResult:
     gone: bool = False  # no live reservation under that id (settled, or its lease ran out)
 
 
-DONE_TTL_S = 600  # a settle is applied once per reservation id for this long (retries)
+DONE_TTL_S = 600  # an addition is applied once per id for this long (live retries)
+# A reaped reservation's tombstone is kept this long: its proxy's spool may replay the settle
+# after a restart (as long as the spool's own replay window, `spool.REPLAY_DONE_TTL_S`).
+REAPED_TTL_S = 9 * 86400
+
+
+class Settlement(enum.Enum):
+    """How a settlement is made exactly-once in the store."""
+
+    RESERVED = "r"  # replaces a reservation the store granted: `Store.settle`
+    ADDITION = "a"  # usage without a reservation (store down): `Store.add_once`
 
 
 class Store(Protocol):
@@ -126,10 +144,17 @@ class Store(Protocol):
         instead of the entries' own when the grant is below what was asked."""
         ...
 
-    async def settle(self, slot: str, res_id: str, entries: Sequence[Entry],
-                     done_ttl_s: int = DONE_TTL_S) -> tuple[int, ...]:
-        """Replace `res_id`'s reserved amounts by `entries` (or add them if nothing is
-        reserved under that id), once per id within `done_ttl_s`; returns the counters."""
+    async def settle(self, slot: str, res_id: str, entries: Sequence[Entry]) -> tuple[int, ...]:
+        """Replace the granted reservation `res_id`'s amounts by `entries`; if its lease ran
+        out and it was reaped (its amounts given back), add `entries` outright; if neither,
+        it was settled already and nothing changes. Returns the counters."""
+        ...
+
+    async def add_once(self, slot: str, batch_id: str, entries: Sequence[Entry],
+                       done_ttl_s: int = DONE_TTL_S) -> tuple[int, ...]:
+        """Add `entries` once per `batch_id` within `done_ttl_s` (replacing a reservation
+        held under that id, if any: spool lines written before `settle` existed are replayed
+        this way); returns the counters."""
         ...
 
     async def renew(self, slot: str, res_ids: Sequence[str], lease_s: float) -> None: ...
@@ -204,6 +229,9 @@ class _Expiring:
         self.set(key, value, expires)
         return value
 
+    def discard(self, key: str) -> None:
+        self.values.pop(key, None)  # its heap entry is popped when its time comes
+
     def expire(self, now: float) -> None:
         heap = self._heap
         while heap and heap[0][0] <= now:
@@ -230,11 +258,13 @@ class MemoryStore:
         self._sets: dict[str, set[str]] = {}  # "slot:scope" -> res_ids in flight
         self._set_names: dict[str, tuple[str, ...]] = {}  # res_id -> its in-flight sets
         self._samples: dict[str, collections.deque[int]] = {}  # `estimate` histories
+        self._reaped = _Expiring()  # "slot:res_id" of reservations reaped, not yet settled
 
     def _now(self) -> float:
         now = self._clock()
         self._counters.expire(now)
         self._marks.expire(now)
+        self._reaped.expire(now)
         return now
 
     def _drop(self, slot: str, res_id: str, now: float, give_back: bool) -> dict[str, int]:
@@ -260,6 +290,7 @@ class MemoryStore:
         leases = self._leases.get(slot, {})
         for res_id in [r for r, deadline in leases.items() if deadline <= now]:
             self._drop(slot, res_id, now, give_back=True)
+            self._reaped.set(f"{slot}:{res_id}", 1, now + REAPED_TTL_S)
 
     async def reserve(
         self, slot: str, res_id: str, entries: Sequence[Entry],
@@ -293,9 +324,24 @@ class MemoryStore:
         self._set_names[res_id] = names
         return ReserveResult(True, after, granted=granted)
 
-    async def settle(self, slot: str, res_id: str, entries: Sequence[Entry],
-                     done_ttl_s: int = DONE_TTL_S) -> tuple[int, ...]:
+    async def settle(self, slot: str, res_id: str, entries: Sequence[Entry]) -> tuple[int, ...]:
         now = self._now()
+        if res_id in self._reserved:
+            reserved = self._drop(slot, res_id, now, give_back=False)
+        elif self._reaped.alive(tomb := f"{slot}:{res_id}", now):
+            self._reaped.discard(tomb)
+            reserved = {}
+        else:
+            return tuple(self._counters.get(e.key, now) for e in entries)
+        return tuple(
+            self._counters.add(e.key, e.amount - reserved.get(e.key, 0), e.ttl_s, now)
+            for e in entries
+        )
+
+    async def add_once(self, slot: str, batch_id: str, entries: Sequence[Entry],
+                       done_ttl_s: int = DONE_TTL_S) -> tuple[int, ...]:
+        now = self._now()
+        res_id = batch_id
         done = f"{slot}:done:{res_id}"
         if self._marks.alive(done, now):
             return tuple(self._counters.get(e.key, now) for e in entries)
@@ -364,6 +410,7 @@ class MemoryStore:
         return {
             "counters": len(self._counters.values), "counter_heap": len(self._counters),
             "marks": len(self._marks.values), "mark_heap": len(self._marks),
+            "reaped": len(self._reaped.values),
             "leases": sum(len(v) for v in self._leases.values()),
             "reserved": len(self._reserved), "sets": len(self._sets),
         }

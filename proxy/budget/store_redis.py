@@ -6,7 +6,10 @@ slot is the user's, `{alice}`, or for a team's users the team's, `{t:platform}`)
   prefix:{alice}:reserved        HASH  reservation id -> JSON [key, amount, key, amount, ...]
   prefix:{alice}:inflight:k.<key>  ZSET  the same, for a key with its own concurrency limit
   prefix:{alice}:sets            HASH  reservation id -> the other in-flight sets holding it
-  prefix:{alice}:done:<id>       STRING settle marker, so a retried settle is applied once
+  prefix:{alice}:reaped          ZSET  reservation id -> when it was reaped (ms): a tombstone, so
+                                 its late settle adds its usage outright, once (kept 9 days)
+  prefix:{alice}:done:<id>       STRING marker of an addition without a reservation (a batch
+                                 owed while the store was down), so it is applied once
   prefix:{alice}:<scope>:<window>:<stamp>   counters, each with its own TTL
 In a team's slot the first set holds the whole team's reservations, the users' own sets are
 `inflight:<user>:u` and `inflight:<user>:k.<key>`, and the counters are
@@ -37,6 +40,7 @@ from redis.exceptions import RedisClusterException, RedisError
 from proxy.budget.clamp import Clamp
 from proxy.budget.store import (
     DONE_TTL_S,
+    REAPED_TTL_S,
     Entry,
     InFlightLimit,
     ReserveResult,
@@ -44,7 +48,8 @@ from proxy.budget.store import (
     TopUpResult,
 )
 
-_REAP = """
+_REAP = f"""
+local REAPED_TTL_MS = {REAPED_TTL_S * 1000}
 -- Leases are compared against Redis's clock, not each replica's, so replicas with skewed clocks
 -- cannot reap each other's live reservations.
 local function now_ms()
@@ -61,9 +66,17 @@ local function unhold(sets, id)
   end
 end
 
-local function reap(inflight, reserved, sets, now)
+-- A settled reservation leaves nothing behind: its record going is what makes a second settle
+-- a no-op. A reaped one leaves a tombstone, so its settle (late, or replayed from a spool after
+-- a restart) still counts the usage, once.
+local function reap(inflight, reserved, sets, reaped, now)
   local expired = redis.call('ZRANGEBYSCORE', inflight, '-inf', now)
+  if #expired > 0 then
+    redis.call('ZREMRANGEBYSCORE', reaped, '-inf', now - REAPED_TTL_MS)
+    redis.call('PEXPIRE', reaped, REAPED_TTL_MS)
+  end
   for _, id in ipairs(expired) do
+    redis.call('ZADD', reaped, now, id)
     local rec = redis.call('HGET', reserved, id)
     if rec then
       local r = cjson.decode(rec)
@@ -78,8 +91,8 @@ local function reap(inflight, reserved, sets, now)
 end
 """
 
-# KEYS: inflight, reserved, sets, then m other in-flight sets (the user's own in a team's slot,
-# a key's), then the counters
+# KEYS: inflight, reserved, sets, reaped, then m other in-flight sets (the user's own in a
+# team's slot, a key's), then the counters
 # ARGV: m, lease_ms, id, the user's max in flight (-1: none), m limits of the keys' sets,
 # then per counter: limit (-1: none), amount, ttl_s
 # then, to clamp (see proxy.budget.clamp, whose `grant` this mirrors): the output asked for, the
@@ -88,17 +101,17 @@ end
 # output tokens granted (-1: no clamp asked)}.
 RESERVE = _REAP + """
 local now = now_ms()
-reap(KEYS[1], KEYS[2], KEYS[3], now)
+reap(KEYS[1], KEYS[2], KEYS[3], KEYS[4], now)
 local m = tonumber(ARGV[1])
 local id = ARGV[3]
-local first = 3 + m
+local first = 4 + m
 local n = #KEYS - first
 local used = {}
 for i = 1, n do used[i] = tonumber(redis.call('GET', KEYS[first + i]) or '0') end
 local maxc = tonumber(ARGV[4])
 if maxc >= 0 and redis.call('ZCARD', KEYS[1]) >= maxc then return {0, 0, 1, used, -1} end
 for j = 1, m do
-  if redis.call('ZCARD', KEYS[3 + j]) >= tonumber(ARGV[4 + j]) then
+  if redis.call('ZCARD', KEYS[4 + j]) >= tonumber(ARGV[4 + j]) then
     return {0, 0, j + 1, used, -1}
   end
 end
@@ -160,9 +173,9 @@ redis.call('HSET', KEYS[2], id, cjson.encode(rec))
 if m > 0 then
   local names = {}
   for j = 1, m do
-    redis.call('ZADD', KEYS[3 + j], deadline, id)
-    redis.call('EXPIRE', KEYS[3 + j], 172800)
-    names[j] = KEYS[3 + j]
+    redis.call('ZADD', KEYS[4 + j], deadline, id)
+    redis.call('EXPIRE', KEYS[4 + j], 172800)
+    names[j] = KEYS[4 + j]
   end
   redis.call('HSET', KEYS[3], id, table.concat(names, ' '))
   redis.call('EXPIRE', KEYS[3], 172800)
@@ -172,9 +185,38 @@ redis.call('EXPIRE', KEYS[2], 172800)
 return {1, 0, 0, used, granted}
 """
 
+# KEYS: inflight, reserved, reaped, sets, counters...
+# ARGV: id, then per counter: amount, ttl_s
+SETTLE = _REAP + """
+local out = {}
+local n = #KEYS - 4
+local reserved = {}
+local rec = redis.call('HGET', KEYS[2], ARGV[1])
+if rec then
+  local r = cjson.decode(rec)
+  for i = 1, #r, 2 do reserved[r[i]] = r[i + 1] end
+elseif redis.call('ZREM', KEYS[3], ARGV[1]) == 0 then
+  -- Neither held nor reaped: settled already (a retry whose first reply was lost).
+  for i = 1, n do out[i] = tonumber(redis.call('GET', KEYS[i + 4]) or '0') end
+  return out
+end
+for i = 1, n do
+  local key = KEYS[i + 4]
+  local delta = tonumber(ARGV[i * 2]) - (reserved[key] or 0)
+  out[i] = redis.call('INCRBY', key, delta)
+  if redis.call('TTL', key) < 0 then redis.call('EXPIRE', key, ARGV[i * 2 + 1]) end
+end
+if rec then
+  redis.call('HDEL', KEYS[2], ARGV[1])
+  unhold(KEYS[4], ARGV[1])
+  redis.call('ZREM', KEYS[1], ARGV[1])
+end
+return out
+"""
+
 # KEYS: inflight, reserved, done marker, sets, counters...
 # ARGV: id, done marker ttl_s, then per counter: amount, ttl_s
-SETTLE = _REAP + """
+ADD_ONCE = _REAP + """
 local out = {}
 local n = #KEYS - 4
 if redis.call('SET', KEYS[3], '1', 'NX', 'EX', ARGV[2]) == false then
@@ -312,6 +354,7 @@ class RedisStore:
             self._gate = asyncio.Semaphore(_MAX_CONNECTIONS)
         self._reserve = self._redis.register_script(RESERVE)
         self._settle = self._redis.register_script(SETTLE)
+        self._add_once = self._redis.register_script(ADD_ONCE)
         self._renew = self._redis.register_script(RENEW)
         self._top_up = self._redis.register_script(TOPUP)
         self._record = self._redis.register_script(RECORD)
@@ -354,7 +397,7 @@ class RedisStore:
             args += [clamp.requested, clamp.minimum]
             for b, r in zip(clamp.bases, clamp.rates, strict=True):
                 args += [b, r]
-        keys = [f"{slot}:inflight", f"{slot}:reserved", f"{slot}:sets",
+        keys = [f"{slot}:inflight", f"{slot}:reserved", f"{slot}:sets", f"{slot}:reaped",
                 *(f"{slot}:inflight:{f.part}" for f in keys_sets), *(e.key for e in entries)]
         ok, entry, held, used, granted = await self._call(self._reserve(keys=keys, args=args))
         return ReserveResult(
@@ -364,14 +407,23 @@ class RedisStore:
             granted=int(granted) if clamp is not None and bool(ok) else None,
         )
 
-    async def settle(self, slot: str, res_id: str, entries: Sequence[Entry],
-                     done_ttl_s: int = DONE_TTL_S) -> tuple[int, ...]:
-        keys = [f"{slot}:inflight", f"{slot}:reserved", f"{slot}:done:{res_id}",
-                f"{slot}:sets", *(e.key for e in entries)]
-        args: list[int | str] = [res_id, done_ttl_s]
+    async def settle(self, slot: str, res_id: str, entries: Sequence[Entry]) -> tuple[int, ...]:
+        keys = [f"{slot}:inflight", f"{slot}:reserved", f"{slot}:reaped", f"{slot}:sets",
+                *(e.key for e in entries)]
+        args: list[int | str] = [res_id]
         for e in entries:
             args += [e.amount, e.ttl_s]
         out = await self._call(self._settle(keys=keys, args=args))
+        return tuple(int(v) for v in out)
+
+    async def add_once(self, slot: str, batch_id: str, entries: Sequence[Entry],
+                       done_ttl_s: int = DONE_TTL_S) -> tuple[int, ...]:
+        keys = [f"{slot}:inflight", f"{slot}:reserved", f"{slot}:done:{batch_id}",
+                f"{slot}:sets", *(e.key for e in entries)]
+        args: list[int | str] = [batch_id, done_ttl_s]
+        for e in entries:
+            args += [e.amount, e.ttl_s]
+        out = await self._call(self._add_once(keys=keys, args=args))
         return tuple(int(v) for v in out)
 
     async def top_up(self, slot: str, res_id: str, entries: Sequence[Entry], step: int,

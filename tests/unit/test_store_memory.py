@@ -63,7 +63,7 @@ async def test_renew_keeps_a_live_reservation() -> None:
 async def test_counters_expire_with_their_ttl_and_marks_fire_once() -> None:
     clock = FakeClock(0.0)
     store = MemoryStore(clock=clock)
-    await store.settle(SLOT, "r", [Entry(DAY, None, 5, 10)])
+    await store.add_once(SLOT, "r", [Entry(DAY, None, 5, 10)])
     assert await store.read([DAY]) == (5,)
     clock.now = 11.0
     assert await store.read([DAY]) == (0,)
@@ -72,3 +72,37 @@ async def test_counters_expire_with_their_ttl_and_marks_fire_once() -> None:
     clock.now = 72.0
     assert await store.mark_once("notice", 60)
     assert store.sizes()["reserved"] == 0
+
+
+async def test_a_settle_leaves_nothing_behind_and_a_second_one_changes_nothing() -> None:
+    store = MemoryStore(clock=FakeClock(0.0))
+    for i in range(5_000):
+        assert (await store.reserve(SLOT, f"r{i}", [_entry(60, None)],
+                                    [InFlightLimit(USER, None)], 30)).ok
+        await store.settle(SLOT, f"r{i}", [_entry(1, None)])
+    assert await store.read([DAY]) == (5_000,)
+    # A retried settle (its first reply lost) is recognised without a marker per request.
+    assert await store.settle(SLOT, "r7", [_entry(1, None)]) == (5_000,)
+    sizes = store.sizes()
+    assert (sizes["marks"], sizes["mark_heap"], sizes["reserved"], sizes["leases"],
+            sizes["reaped"]) == (0, 0, 0, 0, 0), sizes
+
+
+async def test_a_reaped_reservation_is_charged_by_its_late_settle_once() -> None:
+    clock = FakeClock(0.0)
+    store = MemoryStore(clock=clock)
+    assert (await store.reserve(SLOT, "slow", [_entry(80)], [InFlightLimit(USER, None)], 30)).ok
+    clock.now = 31.0  # its lease ran out (renewal failed): the next reserve reaps it
+    assert (await store.reserve(SLOT, "x", [_entry(10)], [InFlightLimit(USER, None)], 30)).ok
+    assert await store.read([DAY]) == (10,)  # the 80 was given back
+    assert await store.settle(SLOT, "slow", [_entry(50)]) == (60,)  # what it used, outright
+    assert await store.settle(SLOT, "slow", [_entry(50)]) == (60,)  # once
+    assert store.sizes()["reaped"] == 0
+
+
+async def test_an_addition_is_applied_once_per_id() -> None:
+    store = MemoryStore(clock=FakeClock(0.0))
+    assert await store.add_once(SLOT, "batch-1", [_entry(7)], 600) == (7,)
+    assert await store.add_once(SLOT, "batch-1", [_entry(7)], 600) == (7,)
+    # An id never reserved is not an addition when settled: nothing was granted under it.
+    assert await store.settle(SLOT, "never", [_entry(9)]) == (7,)
