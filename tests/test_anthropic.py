@@ -14,8 +14,10 @@ import pytest
 from aiohttp.test_utils import TestServer
 from anthropic.types import MessageParam, ToolParam
 
+from proxy.budget import limits as lim
 from proxy.ledger.schema import TABLE
 from proxy.pipeline.relay import REQUEST_ID_HEADER
+from proxy.server import state as st
 from proxy.testing import mock_tokens
 from proxy.testing.mock_upstream import generated_text
 from tests.helpers import (
@@ -182,9 +184,18 @@ async def test_ledger_keeps_every_token_type(
     ) as response:
         request_id = response.headers[REQUEST_ID_HEADER]
         await response.read()
+    found = await ledger_row(request_id, "input_tokens, output_tokens, cached_input_tokens, "
+                             "cache_creation_input_tokens, token_source")
+    # The mock takes the cache tokens out of its input_tokens (down to 0); the proxy's input is
+    # the whole prompt: what it reported plus the cache writes and reads.
+    fresh = max(0, mock_tokens.count_anthropic({"messages": MESSAGES}) - 30)
+    assert found == (fresh + 30, 6, 17, 13, "reported")
+
+
+async def ledger_row(request_id: str, columns: str) -> tuple[object, ...]:
+    """The ledger's row of `request_id` (SQLite in the state dir), once it is written."""
     ledger = Path(os.environ["TOKENMETER_STATE_DIR"]) / "ledger.sqlite3"
-    query = (f"SELECT input_tokens, output_tokens, cached_input_tokens, "
-             f"cache_creation_input_tokens, token_source FROM {TABLE} WHERE request_id = ?")
+    query = f"SELECT {columns} FROM {TABLE} WHERE request_id = ?"
 
     def row() -> tuple[object, ...] | None:
         if not ledger.exists():
@@ -194,10 +205,9 @@ async def test_ledger_keeps_every_token_type(
         return found
 
     await until(lambda: row() is not None, deadline=20, every=0.05)
-    # The mock takes the cache tokens out of its input_tokens (down to 0); the proxy's input is
-    # the whole prompt: what it reported plus the cache writes and reads.
-    fresh = max(0, mock_tokens.count_anthropic({"messages": MESSAGES}) - 30)
-    assert row() == (fresh + 30, 6, 17, 13, "reported")
+    found = row()
+    assert found is not None
+    return found
 
 
 async def test_a_reset_mid_stream_is_charged_as_estimated(
@@ -252,3 +262,63 @@ async def test_tool_use_equals_direct(
     # Content counted per input_json_delta; the output as the upstream reported it.
     assert sample(metrics, "tokenmeter_tokens_total", type="output", model=MODEL,
                   user="alice", source="reported") == answers[0]["usage"]["output_tokens"]
+
+
+# Claude Sonnet 4's list prices, cache writes and reads included (USD per million tokens).
+SONNET = {"input": 3.0, "output": 15.0, "cached_input": 0.30, "cache_write_5m": 3.75,
+          "cache_write_1h": 6.0}
+LONG: list[MessageParam] = [{"role": "user", "content": " ".join(["tokens"] * 120)}]
+
+
+@pytest.fixture
+async def priced(make_stack: StackFactory, upstream_url: str) -> Stack:
+    users = {"alice": {"keys": [ALICE_KEY], "daily_usd": 100}}
+    return await make_stack(make_config(upstream_url, store="memory", users=users,
+                                        api_key=UPSTREAM_KEY, api="anthropic",
+                                        extra={"prices": {"mock-*": SONNET}}))
+
+
+async def cached_requests(stack: Stack) -> list[tuple[str, int]]:
+    """A cached prompt (reads, 5-minute and 1-hour writes), non-streamed then streamed: each
+    request's id and its cost in nano-dollars computed by hand from the usage the SDK parsed."""
+    cache = {"x-mock-cache-read-tokens": "40", "x-mock-cache-creation-tokens": "30",
+             "x-mock-cache-creation-1h-tokens": "12"}
+    async with client(stack.base_url, ALICE_KEY) as via:
+        async with via.messages.with_streaming_response.create(
+            model=MODEL, max_tokens=9, messages=LONG, extra_headers=cache
+        ) as raw:
+            message = await raw.parse()
+            ids = [raw.headers[REQUEST_ID_HEADER]]
+        usages = [message.usage]
+        async with via.messages.stream(model=MODEL, max_tokens=11, messages=LONG,
+                                       extra_headers=cache) as stream:
+            final = await stream.get_final_message()
+            ids.append(stream.response.headers[REQUEST_ID_HEADER])
+        usages.append(final.usage)
+    assert [u.output_tokens for u in usages] == [9, 11]
+    expected = []
+    for usage in usages:
+        assert usage.cache_creation is not None
+        assert usage.cache_creation.ephemeral_1h_input_tokens == 12
+        assert usage.cache_creation.ephemeral_5m_input_tokens == 18
+        assert usage.cache_read_input_tokens == 40 and usage.input_tokens > 0
+        # USD per million x 1,000 per token: fresh input, reads, 5-minute and 1-hour writes.
+        expected.append(usage.input_tokens * 3_000 + 40 * 300 + 18 * 3_750 + 12 * 6_000
+                        + usage.output_tokens * 15_000)
+    await stack.settled(2)
+    return list(zip(ids, expected, strict=True))
+
+
+async def test_cached_prompt_cost_in_ledger_and_budget(priced: Stack) -> None:
+    """Each row's cost and the day's cost counter are the figure computed by hand: every
+    prompt token billed once, at its own price (no cache write also billed as input; streamed
+    reads at the cache-read price)."""
+    costs = await cached_requests(priced)
+    for request_id, cost in costs:
+        assert await ledger_row(request_id, "cost_nanousd, cache_creation_input_tokens") == (
+            cost, 30)
+    budget = priced.app[st.SERVICES].budget
+    config = priced.app[st.SERVICES].runtime.current.config
+    (window,) = [w for w in lim.windows_at(config, "alice", budget.clock())
+                 if w.name == "daily_usd"]
+    assert tuple(await budget.store.read([window.key])) == (sum(c for _, c in costs),)

@@ -12,11 +12,13 @@ import json
 import math
 from collections.abc import Mapping
 from decimal import Decimal
+from typing import NamedTuple
 
 from proxy.config.policy import Price
 from proxy.protocol.usage import Usage
 
 NANOS_PER_USD = 1_000_000_000
+_LATER_FIELDS = ("cache_write_5m", "cache_write_1h")
 
 
 def price_for(prices: Mapping[str, Price], model: str) -> Price | None:
@@ -38,21 +40,64 @@ def _nanos(tokens: int, usd_per_million: float) -> Decimal:
 def cost_nanousd(price: Price, input_tokens: int, cached_input_tokens: int,
                  output_tokens: int) -> int:
     """Cached input is billed at `cached_input` when set, else at the input price. Rounded up
-    to a whole nano-dollar, so a reservation of the worst case is never below the real cost."""
-    cached = min(cached_input_tokens, input_tokens)
-    cached_price = price.input if price.cached_input is None else price.cached_input
-    total = (_nanos(input_tokens - cached, price.input) + _nanos(cached, cached_price)
-             + _nanos(output_tokens, price.output))
-    return math.ceil(total)
+    to a whole nano-dollar. No cache writes: `usage_cost` prices those."""
+    return usage_cost(price, Usage(input_tokens=input_tokens, output_tokens=output_tokens,
+                                   cached_input_tokens=cached_input_tokens))
+
+
+class CostLine(NamedTuple):
+    """Tokens that pay one price: `kind` names the Price field (and the cost metric's type)."""
+
+    kind: str
+    tokens: int
+    usd_per_million: float
+
+
+def cost_lines(price: Price, usage: Usage) -> tuple[CostLine, ...]:
+    """`usage`'s tokens by the price they pay, each token in exactly one line.
+
+    The prompt (`input_tokens`, the whole of it) splits into cache reads, cache writes (1-hour
+    ones, the rest 5-minute) and the plain rest: a cache write is billed at its write price
+    only, never also as input (LiteLLM's double-billing), and a cache read at the cached-input
+    price, streamed or not. Counts that do not add up (more reads and writes than prompt) are
+    capped to the prompt, reads first, so the prompt is never billed twice."""
+    inp = usage.input_tokens
+    reads = min(usage.cached_input_tokens, inp)
+    writes = min(usage.cache_creation_input_tokens, inp - reads)
+    hour = min(usage.cache_creation_1h_input_tokens, writes)
+    return (
+        CostLine("input", inp - reads - writes, price.input),
+        CostLine("cached_input", reads, _or_input(price, price.cached_input)),
+        CostLine("cache_write_5m", writes - hour, _or_input(price, price.cache_write_5m)),
+        CostLine("cache_write_1h", hour, _or_input(price, price.cache_write_1h)),
+        CostLine("output", usage.output_tokens, price.output),
+    )
+
+
+def _or_input(price: Price, usd_per_million: float | None) -> float:
+    return price.input if usd_per_million is None else usd_per_million
 
 
 def usage_cost(price: Price, usage: Usage) -> int:
-    """What `usage` costs at `price`: the one place settle and the books price a request."""
-    return cost_nanousd(price, usage.input_tokens, usage.cached_input_tokens,
-                        usage.output_tokens)
+    """What `usage` costs at `price`: the one place settle and the books price a request.
+    Rounded up to a whole nano-dollar once, for the whole request."""
+    return math.ceil(sum((_nanos(line.tokens, line.usd_per_million)
+                          for line in cost_lines(price, usage) if line.tokens), Decimal(0)))
+
+
+def worst_case_nanousd(price: Price, prompt_tokens: int, output_tokens: int) -> int:
+    """The most a request of `prompt_tokens` and up to `output_tokens` can cost: every prompt
+    token at the dearest price a prompt token can pay (plain input, a cache read or either cache
+    write), so a reservation of it is never below `usage_cost` of what the request used."""
+    dearest = max(p for p in (price.input, price.cached_input, price.cache_write_5m,
+                              price.cache_write_1h) if p is not None)
+    return math.ceil(_nanos(prompt_tokens, dearest) + _nanos(output_tokens, price.output))
 
 
 def price_version(prices: Mapping[str, Price]) -> str:
     """A short fingerprint of the whole price table: rows say which prices costed them."""
-    table = {name: p.model_dump() for name, p in prices.items()}
+    # Unset cache-write prices are left out, so a table that sets none keeps the fingerprint it
+    # had before they existed (rows costed by it still name the same version).
+    table = {name: p.model_dump(exclude={k for k in _LATER_FIELDS if getattr(p, k) is None})
+             for name, p in prices.items()}
     return hashlib.sha256(json.dumps(table, sort_keys=True).encode()).hexdigest()[:12]

@@ -34,7 +34,7 @@ from decimal import Decimal
 from typing import Any
 from zoneinfo import ZoneInfo
 
-from proxy.budget.cost import NANOS_PER_USD, cost_nanousd
+from proxy.budget.cost import NANOS_PER_USD, worst_case_nanousd
 from proxy.budget.store import USER, InFlightLimit, Scope, ScopeKind
 from proxy.config.policy import KeyConfig, Limits, Policy, Price, UserConfig
 
@@ -460,12 +460,9 @@ def windows_at(policy: Policy, user: str, now: float) -> tuple[Window, ...]:
 
 
 def reserve_cost(price: Price, prompt_tokens: int, output_tokens: int) -> int:
-    """The most a request can cost: its prompt as uncached input (or all cached, should cached
-    input be priced higher) plus every output token it may produce, in nano-dollars."""
-    cost = cost_nanousd(price, prompt_tokens, 0, output_tokens)
-    if price.cached_input is not None and price.cached_input > price.input:
-        cost = cost_nanousd(price, prompt_tokens, prompt_tokens, output_tokens)
-    return cost
+    """The most a request can cost: every prompt token at its dearest price (uncached, cached,
+    or a cache write) plus every output token it may produce, in nano-dollars."""
+    return worst_case_nanousd(price, prompt_tokens, output_tokens)
 
 
 def amount(window: Window, input_tokens: int, output_tokens: int, cost_nanousd: int = 0) -> int:

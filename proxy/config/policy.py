@@ -265,11 +265,21 @@ class AlertsConfig(_Model):
 
 
 class Price(_Model):
-    """US dollars per million tokens."""
+    """US dollars per million tokens.
+
+    A price not given is the input price: the table adds no multiplier of its own, so a model
+    whose provider bills cache writes at a premium (Anthropic: 1.25x input for the 5-minute
+    cache, 2x for the 1-hour one) needs them written out, as its price list gives them."""
 
     input: float = Field(ge=0)
     output: float = Field(ge=0)
+    # Prompt tokens read from the cache (OpenAI's cached_tokens, Anthropic's cache reads).
     cached_input: float | None = Field(default=None, ge=0)
+    # Prompt tokens written to the cache (Anthropic's cache_creation_input_tokens), by the
+    # cache's lifetime; a write whose lifetime the usage does not give is a 5-minute one,
+    # Anthropic's default.
+    cache_write_5m: float | None = Field(default=None, ge=0)
+    cache_write_1h: float | None = Field(default=None, ge=0)
 
 
 class Policy(_Model):

@@ -32,16 +32,27 @@ _CONTENT = EventFlag.CONTENT
 _FINISH = EventFlag.FINISH
 # The deltas that carry output tokens (signature and citation deltas do not).
 _CONTENT_MARKS = (b'"text_delta"', b'"thinking_delta"', b'"input_json_delta"')
+# `cache_creation` (the writes by cache lifetime) is an object: kept whole, the latest wins.
 _USAGE_FIELDS = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens",
-                 "output_tokens")
+                 "output_tokens", "cache_creation")
 
 
 def anthropic_usage(obj: Any) -> Usage | None:
-    """An Anthropic `usage` object as a `Usage` (see the module's note on input tokens)."""
+    """An Anthropic `usage` object as a `Usage` (see the module's note on input tokens).
+
+    `cache_creation: {ephemeral_5m_input_tokens, ephemeral_1h_input_tokens}`, where the usage
+    has it, says which cache the writes went to: the 1-hour ones are kept apart (priced apart),
+    the rest of `cache_creation_input_tokens` are 5-minute writes."""
     if not isinstance(obj, dict):
         return None
     fresh = usage_int(obj.get("input_tokens"))
-    writes = usage_int(obj.get("cache_creation_input_tokens"))
+    split = obj.get("cache_creation")
+    split = split if isinstance(split, dict) else {}
+    hour = usage_int(split.get("ephemeral_1h_input_tokens"))
+    if "cache_creation_input_tokens" in obj:
+        writes = usage_int(obj.get("cache_creation_input_tokens"))
+    else:  # only the split: its sum
+        writes = usage_int(split.get("ephemeral_5m_input_tokens")) + hour
     reads = usage_int(obj.get("cache_read_input_tokens"))
     return Usage(
         input_tokens=fresh + writes + reads,
@@ -49,6 +60,7 @@ def anthropic_usage(obj: Any) -> Usage | None:
         cached_input_tokens=reads,
         cache_creation_input_tokens=writes,
         cache_read_input_tokens=reads,
+        cache_creation_1h_input_tokens=min(hour, writes),
     )
 
 
@@ -65,7 +77,7 @@ class MessagesTranslator(Translator):
         if self.cap_fields and self.request.body.get("max_tokens") is None:
             # Required by the API: refused here rather than capped, as the upstream would.
             raise InvalidRequest("max_tokens: Field required", param="max_tokens")
-        self._fields: dict[str, int] = {}  # the latest cumulative usage, field by field
+        self._fields: dict[str, Any] = {}  # the latest cumulative usage, field by field
 
     def _merge_usage(self, obj: Any, *, final: bool) -> None:
         """`final`: a message_delta, whose output count is the answer's so far. message_start's
@@ -75,7 +87,8 @@ class MessagesTranslator(Translator):
             return
         for field in _USAGE_FIELDS:
             if field in obj:
-                self._fields[field] = usage_int(obj[field])
+                value = obj[field]
+                self._fields[field] = value if isinstance(value, dict) else usage_int(value)
         if final:
             self._reported = anthropic_usage(self._fields)
 

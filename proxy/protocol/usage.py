@@ -22,6 +22,9 @@ class Usage:
     # cached-input price applies to, whatever the API).
     cache_creation_input_tokens: int = 0
     cache_read_input_tokens: int = 0
+    # Of the cache writes, those to the 1-hour cache (Anthropic's
+    # cache_creation.ephemeral_1h_input_tokens), priced apart; the rest are 5-minute writes.
+    cache_creation_1h_input_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

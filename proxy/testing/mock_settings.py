@@ -60,6 +60,9 @@ class MockSettings:
     # (taken out of input_tokens, as Anthropic's input_tokens counts only the uncached rest).
     cache_creation_tokens: int = 0
     cache_read_tokens: int = 0
+    # Of the cache writes, those reported as 1-hour ones (usage.cache_creation's
+    # ephemeral_1h_input_tokens; the rest are ephemeral_5m_input_tokens).
+    cache_creation_1h_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Checked here so that header overrides, applied with dataclasses.replace, obey the same
@@ -68,11 +71,14 @@ class MockSettings:
             raise ValueError("tokens_per_second, ttft_ms and delay_ms must be finite")
         times = (self.ttft_ms, self.delay_ms)
         counts = (self.output_tokens, self.cached_tokens, self.reasoning_tokens,
-                  self.cache_creation_tokens, self.cache_read_tokens)
+                  self.cache_creation_tokens, self.cache_read_tokens,
+                  self.cache_creation_1h_tokens)
         faults = (self.stall_after, self.reset_after, self.garbage_after, self.fail_first,
                   self.retry_after_ms, self.end_after)
         if min(*times, *counts, *(f or 0 for f in faults)) < 0:
             raise ValueError("times, token counts and fault positions must not be negative")
+        if self.cache_creation_1h_tokens > self.cache_creation_tokens:
+            raise ValueError("cache_creation_1h_tokens are part of cache_creation_tokens")
         if self.status != 200 and not 400 <= self.status <= 599:
             raise ValueError("status must be 200 or an error status (400-599)")
 
@@ -142,6 +148,7 @@ _OVERRIDES: tuple[tuple[str, str, Callable[[str], object]], ...] = (
     ("x-mock-omit-done", "omit_done", _switch),
     ("x-mock-cache-creation-tokens", "cache_creation_tokens", int),
     ("x-mock-cache-read-tokens", "cache_read_tokens", int),
+    ("x-mock-cache-creation-1h-tokens", "cache_creation_1h_tokens", int),
 )
 
 GARBAGE = b"\x00\xff\xfenot an event {{{\r\n: \xc3\x28 half-utf8\n\n"

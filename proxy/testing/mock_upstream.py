@@ -522,6 +522,8 @@ def _anthropic_event(payload: dict[str, Any]) -> bytes:
 
 
 def _anthropic_usage(call: _Call, output: int) -> dict[str, Any]:
+    """As Anthropic reports it: message_delta's usage has all but `cache_creation`, the writes
+    by cache lifetime, which the message (and message_start's) has."""
     cfg = call.cfg
     cached = cfg.cache_creation_tokens + cfg.cache_read_tokens
     return {
@@ -530,6 +532,12 @@ def _anthropic_usage(call: _Call, output: int) -> dict[str, Any]:
         "cache_read_input_tokens": cfg.cache_read_tokens,
         "output_tokens": output,
     }
+
+
+def _cache_creation(cfg: MockSettings) -> dict[str, int]:
+    hour = cfg.cache_creation_1h_tokens
+    return {"ephemeral_5m_input_tokens": cfg.cache_creation_tokens - hour,
+            "ephemeral_1h_input_tokens": hour}
 
 
 def _forced_tool(body: dict[str, Any]) -> str | None:
@@ -553,6 +561,7 @@ async def _messages(call: _Call) -> web.StreamResponse:
     n, cut = _output_count(call, ("max_tokens",))
     tool = _forced_tool(call.body)
     stop_reason, usage = ("max_tokens" if cut else "end_turn"), _anthropic_usage(call, n)
+    split = {"cache_creation": _cache_creation(call.cfg)}
     if tool is not None and not cut:
         stop_reason = "tool_use"
     message: dict[str, Any] = {
@@ -565,12 +574,14 @@ async def _messages(call: _Call) -> web.StreamResponse:
         if tool is not None:
             input_ = {"q": generated_text(n)}
             content = [{"type": "tool_use", "id": tool_id, "name": tool, "input": input_}]
-        final = {**message, "content": content, "stop_reason": stop_reason, "usage": usage}
+        final = {**message, "content": content, "stop_reason": stop_reason,
+                 "usage": {**usage, **split}}
         return await _json_response(call, final)
     # As Anthropic does: message_start carries the input usage and an output count of 1, and
     # message_delta the cumulative final usage.
     preamble = _anthropic_event({"type": "message_start",
-                                 "message": {**message, "usage": {**usage, "output_tokens": 1}}})
+                                 "message": {**message,
+                                             "usage": {**usage, **split, "output_tokens": 1}}})
     def delta(payload: dict[str, Any]) -> bytes:
         return _anthropic_event({"type": "content_block_delta", "index": 0, "delta": payload})
 

@@ -80,3 +80,39 @@ def test_count_tokens_charges_nothing() -> None:
     assert t.upstream_request(300).output_tokens == 0
     t.on_body(b'{"input_tokens": 12}')
     assert t.usage() == Usage() and t.prompt_usage() == Usage()
+
+
+def test_cache_writes_by_lifetime() -> None:
+    """message_start says which cache the writes went to; message_delta (cumulative, without
+    `cache_creation`) leaves that split as it was."""
+    t = translator()
+    t.on_event(*event({"type": "message_start", "message": {"id": "m", "usage": {
+        "input_tokens": 5, "cache_creation_input_tokens": 20, "cache_read_input_tokens": 100,
+        "cache_creation": {"ephemeral_5m_input_tokens": 12, "ephemeral_1h_input_tokens": 8},
+        "output_tokens": 1}}}))
+    t.on_event(*delta("text_delta", text="Hello"))
+    t.on_event(*event({"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                       "usage": {"output_tokens": 4, "cache_creation_input_tokens": 20}}))
+    assert t.usage() == Usage(input_tokens=125, output_tokens=4, cached_input_tokens=100,
+                              cache_creation_input_tokens=20, cache_read_input_tokens=100,
+                              cache_creation_1h_input_tokens=8)
+
+
+@pytest.mark.parametrize(("usage", "writes", "hour"), [
+    ({"input_tokens": 1, "cache_creation_input_tokens": 30}, 30, 0),  # no split: all 5-minute
+    ({"input_tokens": 1, "cache_creation_input_tokens": 30,
+      "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 30}}, 30, 30),
+    # Only the split: the writes are its sum.
+    ({"input_tokens": 1,
+      "cache_creation": {"ephemeral_5m_input_tokens": 4, "ephemeral_1h_input_tokens": 6}}, 10, 6),
+    # A split that claims more 1-hour writes than writes: capped, never more than the writes.
+    ({"input_tokens": 1, "cache_creation_input_tokens": 5,
+      "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 9}}, 5, 5),
+    ({"input_tokens": 1, "cache_creation_input_tokens": 5, "cache_creation": None}, 5, 0),
+])
+def test_non_streamed_cache_split(usage: dict[str, Any], writes: int, hour: int) -> None:
+    t = translator(stream=False)
+    t.on_body(json.dumps({"id": "m", "content": [], "usage": usage}).encode())
+    got = t.usage()
+    assert (got.input_tokens, got.cache_creation_input_tokens) == (1 + writes, writes)
+    assert got.cache_creation_1h_input_tokens == hour
