@@ -9,11 +9,13 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
 from datetime import date
 from pathlib import Path
+from typing import Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from aiohttp import web
@@ -43,6 +45,15 @@ from proxy.ledger.report import (
 from proxy.server import state as st
 from proxy.server.app import create_app, create_metrics_app
 from proxy.server.listener import ConnectionGuard, GuardedSite, ListenerLimits, raise_fd_limit
+from proxy.server.workers import (
+    WorkerSockets,
+    budget_sharing_problem,
+    inherited_sockets,
+    parse_workers,
+    resolve_workers,
+    supervise,
+    watch_supervisor,
+)
 from proxy.telemetry.usage_report import UserUsage, read_usage, render, today
 
 log = logging.getLogger("tokenmeter")
@@ -104,22 +115,26 @@ def _mock_settings(args: argparse.Namespace) -> object:
 
 async def _start_site(
     app: web.Application, host: str, port: int, drain_seconds: float = 5.0,
-    guard: ConnectionGuard | None = None,
+    guard: ConnectionGuard | None = None, socks: Sequence[socket.socket] = (),
 ) -> tuple[web.AppRunner, int]:
     # handler_cancellation: a client that disconnects cancels its handler, so the upstream
     # request is closed at once instead of at the next chunk. shutdown_timeout: on SIGTERM the
     # listener closes first, running streams get this long to finish, then they are cancelled
     # (and still settled: settling is shielded). The guard bounds how long a request may take
-    # to arrive and how many connections are open (proxy/listener.py).
+    # to arrive and how many connections are open (proxy/listener.py). `socks`: listening
+    # sockets a supervisor bound (serve --workers), one site each, instead of binding here.
     guard = guard or ConnectionGuard()
     runner = web.AppRunner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=drain_seconds,
         keepalive_timeout=guard.limits.keepalive_timeout_s,
     )
     await runner.setup()
-    site = GuardedSite(runner, host, port, guard)
-    await site.start()
-    return runner, site.port
+    sites = [GuardedSite(runner, host, port, guard, sock=sock) for sock in socks] or [
+        GuardedSite(runner, host, port, guard)
+    ]
+    for site in sites:
+        await site.start()
+    return runner, sites[0].port
 
 
 async def _embedded_upstream(host: str) -> tuple[web.AppRunner, str]:
@@ -131,9 +146,12 @@ async def _embedded_upstream(host: str) -> tuple[web.AppRunner, str]:
 
 async def _serve(
     config: Config | None, host: str | None, port: int | None, demo: bool, once: bool,
-    config_path: Path | None = None,
+    config_path: Path | None = None, inherited: WorkerSockets | None = None,
 ) -> None:
+    """`inherited`: this process is worker `inherited.index` of `serve --workers`, serving
+    the sockets its supervisor bound."""
     runners: list[web.AppRunner] = []
+    chores: list[asyncio.Task[None]] = []
     fd_limit = raise_fd_limit()
     try:
         if config is None:
@@ -152,18 +170,23 @@ async def _serve(
             on_event=lambda event: metrics.connection_closed(event.value),
         )
         metrics.connections_open(lambda: guard.open)
-        runner, actual = await _start_site(app, host, port, config.server.drain_seconds, guard)
+        runner, actual = await _start_site(app, host, port, config.server.drain_seconds, guard,
+                                           inherited.api if inherited is not None else ())
         runners.append(runner)
         base = f"http://{host}:{actual}/v1"
         metrics_host, metrics_port = host, actual
         if config.metrics.port is not None:
             metrics_host = config.metrics.host or host
             metrics_runner, metrics_port = await _start_site(
-                create_metrics_app(app), metrics_host, config.metrics.port, guard=guard
+                create_metrics_app(app), metrics_host, config.metrics.port, guard=guard,
+                socks=inherited.metrics if inherited is not None else (),
             )
             runners.insert(0, metrics_runner)  # cleaned up last: scrapes see the drain
-        log.info("tokenmeter listening on %s (metrics at http://%s:%d/metrics)", base,
-                 metrics_host, metrics_port)
+        if inherited is not None:
+            log.info("worker %d (pid %d) serving %s", inherited.index, os.getpid(), base)
+        else:
+            log.info("tokenmeter listening on %s (metrics at http://%s:%d/metrics)", base,
+                     metrics_host, metrics_port)
         if demo:
             from proxy.demo import run_demo
 
@@ -178,9 +201,15 @@ async def _serve(
         watcher = app.get(st.WATCHER)
         if watcher is not None:
             loop.add_signal_handler(signal.SIGHUP, watcher.request_reload)
+        if inherited is not None:
+            chores.append(asyncio.create_task(watch_supervisor(stop)))
+        if metrics.shared:
+            chores.append(asyncio.create_task(metrics.keep_fresh()))
         await stop.wait()
         log.info("shutting down: draining for up to %.0f s", config.server.drain_seconds)
     finally:
+        for task in chores:
+            task.cancel()
         for r in reversed(runners):
             await r.cleanup()
 
@@ -361,6 +390,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--host", help="listen address (default: server.host, else 127.0.0.1)")
         p.add_argument("--port", type=int, help="listen port (default: server.port, else 8080)")
         p.add_argument("--log-level", default="INFO")
+        if name == "serve":
+            p.add_argument(
+                "--workers", type=_workers_arg, metavar="N",
+                help="processes serving the port: a number or 'auto' (one per CPU); default: "
+                     "server.workers, else 1. More than 1 needs a Redis budget store when any "
+                     "limit is configured",
+            )
         if name == "demo":
             p.add_argument("--once", action="store_true", help="exit after the demo request")
 
@@ -412,11 +448,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
+    inherited = inherited_sockets()
+    if inherited is None and args.command == "serve":
+        setting = args.workers or (config.server.workers if config is not None else 1)
+        workers = resolve_workers(setting)
+        if workers > 1:
+            if config is not None and (problem := budget_sharing_problem(config, workers)):
+                print(problem, file=sys.stderr)
+                return 2
+            try:
+                return supervise(sys.argv[1:] if argv is None else list(argv), config, workers,
+                                 args.host, args.port)
+            except OSError as exc:
+                print(f"cannot listen: {exc}", file=sys.stderr)
+                return 1
     with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=_loop_factory()) as r:
         demo = args.command == "demo"
         path = Path(args.config) if args.config else None
-        r.run(_serve(config, args.host, args.port, demo, getattr(args, "once", False), path))
+        r.run(_serve(config, args.host, args.port, demo, getattr(args, "once", False), path,
+                     inherited))
     return 0
+
+
+def _workers_arg(text: str) -> int | Literal["auto"]:
+    try:
+        return parse_workers(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

@@ -138,6 +138,17 @@ class ServerConfig(_Model):
     # ended (error class client_timeout), like nginx's send_timeout; the upstream's own silence
     # is idle_timeout_s, which a slow client no longer trips. None: wait as long as it takes.
     client_write_timeout_s: float | None = Field(default=300.0, gt=0)
+    # Processes serving the one port (`serve --workers` overrides it): "auto" is one per CPU
+    # this process may run on. With more than one, a supervisor binds the port and restarts a
+    # worker that dies; budgets then need a Redis store (proxy/server/workers.py). Read at start.
+    workers: int | Literal["auto"] = 1
+
+    @field_validator("workers")
+    @classmethod
+    def _workers(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be at least 1, or 'auto' (one per CPU)")
+        return v
 
 
 class MetricsConfig(_Model):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from proxy.auth import UserIndex, client_key
 from proxy.budget.accounting import Budget
@@ -131,7 +131,10 @@ def _metrics_handler(main: web.Application) -> Callable[[web.Request], Awaitable
                 raise AuthenticationFailed(
                     "/metrics needs `Authorization: Bearer <metrics.token>`.", code="invalid_token"
                 )
-        body = generate_latest(main[st.SERVICES].metrics.registry)
+        metrics = main[st.SERVICES].metrics
+        # A worker reads every worker's files: disk I/O, off the loop. One process: in memory.
+        body = await asyncio.to_thread(metrics.exposition) if metrics.shared else (
+            metrics.exposition())
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     return metrics

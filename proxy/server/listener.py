@@ -23,6 +23,7 @@ import enum
 import json
 import logging
 import resource
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -305,16 +306,20 @@ class _GuardedHandler(RequestHandler):
 
 
 class GuardedSite(web.BaseSite):
-    """`web.TCPSite` whose connections are `_GuardedHandler`s sharing one `ConnectionGuard`."""
+    """`web.TCPSite` whose connections are `_GuardedHandler`s sharing one `ConnectionGuard`.
 
-    __slots__ = ("_guard", "_host", "_port")
+    With `sock`, it serves a socket bound (and listening) elsewhere, e.g. one a supervisor
+    process bound once and handed to each of its workers (proxy/server/workers.py); `host` and
+    `port` then only name it."""
+
+    __slots__ = ("_guard", "_host", "_port", "_sock")
 
     def __init__(
         self, runner: web.BaseRunner, host: str, port: int, guard: ConnectionGuard,
-        backlog: int = 128,
+        backlog: int = 128, sock: socket.socket | None = None,
     ) -> None:
         super().__init__(runner, backlog=backlog)
-        self._host, self._port, self._guard = host, port, guard
+        self._host, self._port, self._guard, self._sock = host, port, guard, sock
 
     @property
     def name(self) -> str:
@@ -333,8 +338,12 @@ class GuardedSite(web.BaseSite):
         def factory() -> _GuardedHandler:
             return _GuardedHandler(server, guard, loop=loop, **kwargs)
 
-        self._server = await loop.create_server(factory, self._host, self._port,
-                                                backlog=self._backlog)
+        if self._sock is not None:
+            self._server = await loop.create_server(factory, sock=self._sock,
+                                                    backlog=self._backlog)
+        else:
+            self._server = await loop.create_server(factory, self._host, self._port,
+                                                    backlog=self._backlog)
 
     @property
     def port(self) -> int:

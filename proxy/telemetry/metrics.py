@@ -4,18 +4,31 @@ Names follow the OpenTelemetry GenAI semantic conventions in Prometheus form whe
 (`gen_ai_server_*`); the rest live under `tokenmeter_`. Every label comes from a bounded set:
 configured or upstream-listed model names (else the route pattern), configured users, upstream
 names, operations, HTTP status codes and our own error classes.
+
+Workers (`serve --workers N`, proxy/server/workers.py) use prometheus_client's multiprocess
+mode: each worker's values live in files of its own in `PROMETHEUS_MULTIPROC_DIR`, and whichever
+worker answers /metrics reads them all (`exposition`). Counters and histograms are summed. Each
+gauge says how it combines (`multiprocess_mode`, ignored by a single process): `livesum` for a
+worker's own share of something (requests in flight, connections, spool backlogs), `livemin`
+for "is it up" (0 as soon as one live worker lost the store or the database), `livemax` for an
+age, `mostrecent` for a fact about shared state that any worker may have read last (a budget's
+use in the shared store, the last reconcile) and `livemostrecent` for configuration. A single
+process (no multiprocess directory) keeps today's registry and exposition, unchanged.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import enum
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
 from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from proxy.config.policy import AdmissionPolicy, Price
@@ -106,6 +119,36 @@ class _GapHistogram(Collector):
         yield family
 
 
+class _SharedGapHistogram:
+    """`_GapHistogram` for workers: the same series, kept in the multiprocess files of a real
+    `Histogram` (whose buckets are stored per bucket, not cumulated, as the arrays come)."""
+
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...]) -> None:
+        # Not registered: in multiprocess mode /metrics reads the files, not a registry.
+        self._histogram = Histogram(name, doc, ("model", "upstream", "operation"),
+                                    buckets=buckets, registry=None)
+
+    def merge(self, labels: tuple[str, str, str], counts: list[int], total: float) -> None:
+        if not any(counts):
+            return
+        child = self._histogram.labels(*labels)
+        for value, count in zip(child._buckets, counts, strict=True):
+            if count:
+                value.inc(count)
+        child._sum.inc(total)
+
+
+def multiprocess_dir() -> str | None:
+    """prometheus_client's multiprocess directory when this process writes its metrics there
+    (a worker of `serve --workers N`); the mode is fixed when prometheus_client is imported."""
+    if not getattr(values.ValueClass, "_multiprocess", False):
+        return None
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+
+
+REFRESH_S = 1.0  # how often a worker writes its callback gauges into the shared files
+
+
 class MeteringStage(enum.Enum):
     STREAM = "stream"  # reading a relayed stream on the side
     SETTLE = "settle"  # charging, recording and logging a finished request
@@ -158,12 +201,18 @@ class Metrics:
             "Output tokens per second of one stream over its decode phase.",
             hist_labels, buckets=TOKENS_PER_SECOND_BUCKETS, registry=r,
         )
-        self._gaps = _GapHistogram(
-            "tokenmeter_inter_chunk_latency_seconds",
-            "Time between consecutive content chunks of a stream (inter-token latency).",
-            TPOT_BUCKETS,
-        )
-        r.register(self._gaps)
+        self._shared_dir = multiprocess_dir()
+        gaps_doc = "Time between consecutive content chunks of a stream (inter-token latency)."
+        self._gaps: _GapHistogram | _SharedGapHistogram
+        if self._shared_dir is None:
+            self._gaps = _GapHistogram("tokenmeter_inter_chunk_latency_seconds", gaps_doc,
+                                       TPOT_BUCKETS)
+            r.register(self._gaps)
+        else:
+            self._gaps = _SharedGapHistogram("tokenmeter_inter_chunk_latency_seconds", gaps_doc,
+                                             TPOT_BUCKETS)
+        # Gauges read from a callback at scrape time (a worker writes them every REFRESH_S).
+        self._callbacks: list[tuple[Gauge, Callable[[], float]]] = []
         self._tokens = Counter(
             "tokenmeter_tokens",
             "Tokens by type (input, output, cached_input, reasoning, cache_creation_input, "
@@ -177,6 +226,7 @@ class Metrics:
         )
         self._active = Gauge(
             "tokenmeter_active_requests", "Requests in flight.", ("upstream",), registry=r,
+            multiprocess_mode="livesum",
         )
         self._retries = Counter(
             "tokenmeter_upstream_retries",
@@ -197,16 +247,16 @@ class Metrics:
         budget = ("user", "window")
         self._budget_limit = Gauge(
             "tokenmeter_budget_limit_tokens", "Configured limit of a budget window.", budget,
-            registry=r,
+            registry=r, multiprocess_mode="mostrecent",
         )
         self._budget_used = Gauge(
             "tokenmeter_budget_used_tokens",
             "Used (settled plus in-flight reservations) in the current window.", budget,
-            registry=r,
+            registry=r, multiprocess_mode="mostrecent",
         )
         self._budget_remaining = Gauge(
             "tokenmeter_budget_remaining_tokens", "Limit minus used in the current window.",
-            budget, registry=r,
+            budget, registry=r, multiprocess_mode="mostrecent",
         )
         self._budget_refusals = Counter(
             "tokenmeter_budget_refusals", "Requests refused by a budget limit.",
@@ -263,16 +313,18 @@ class Metrics:
         self._store_up = Gauge(
             "tokenmeter_store_up",
             "1 if the budget store answered its last operation or probe (probed every second).",
-            registry=r,
+            registry=r, multiprocess_mode="livemin",
         )
         self._settle_backlog = Gauge(
             "tokenmeter_settle_backlog",
             "Settlements in the local spool, waiting for the store to come back (each user's "
             "usage while the store was down counts as one).", registry=r,
+            multiprocess_mode="livesum",
         )
         self._settle_backlog_tokens = Gauge(
             "tokenmeter_settle_backlog_tokens",
             "Tokens in the local spool, owed to the store.", registry=r,
+            multiprocess_mode="livesum",
         )
         self._settlements_spooled = Counter(
             "tokenmeter_settlements_spooled",
@@ -294,6 +346,7 @@ class Metrics:
         )
         self._connections_open = Gauge(
             "tokenmeter_client_connections_open", "Client connections open now.", registry=r,
+            multiprocess_mode="livesum",
         )
         self._config_reloads = Counter(
             "tokenmeter_config_reloads", "Configuration reloads by result.", ("result",),
@@ -309,11 +362,11 @@ class Metrics:
         )
         self._ledger_spool_rows = Gauge(
             "tokenmeter_ledger_spool_rows", "Ledger rows in the local spool not yet stored.",
-            registry=r,
+            registry=r, multiprocess_mode="livesum",
         )
         self._ledger_spool_bytes = Gauge(
             "tokenmeter_ledger_spool_bytes", "Disk taken by ledger rows not yet stored.",
-            registry=r,
+            registry=r, multiprocess_mode="livesum",
         )
         self._ledger_ship = Histogram(
             "tokenmeter_ledger_ship_seconds", "Time to store one batch of ledger rows.",
@@ -322,6 +375,7 @@ class Metrics:
         self._ledger_lag = Gauge(
             "tokenmeter_ledger_lag_seconds",
             "Age of the oldest ledger row not yet stored (0: nothing waits).", registry=r,
+            multiprocess_mode="livemax",
         )
         self._ledger_errors = Counter(
             "tokenmeter_ledger_errors", "Ledger failures by stage.", ("stage",), registry=r,
@@ -332,20 +386,22 @@ class Metrics:
         )
         self._ledger_up = Gauge(
             "tokenmeter_ledger_up", "1 when the last write to the ledger database succeeded.",
-            registry=r,
+            registry=r, multiprocess_mode="livemin",
         )
         self._reconcile_drift = Gauge(
             "tokenmeter_reconcile_drift_tokens",
             "Ledger total minus the store's counter, beyond what requests in flight explain, "
             "at the last reconcile (by window).", ("window",), registry=r,
+            multiprocess_mode="mostrecent",
         )
         self._reconcile_orphans = Gauge(
             "tokenmeter_reconcile_orphans",
             "Reservations still held past their lease at the last reconcile.", registry=r,
+            multiprocess_mode="mostrecent",
         )
         self._info = Gauge(
             "tokenmeter_open_mode", "1 when no users are configured and every request is accepted.",
-            registry=r,
+            registry=r, multiprocess_mode="livemostrecent",
         )
 
     # Labels are passed in their declared order (prometheus_client sorts keyword labels on every
@@ -468,7 +524,39 @@ class Metrics:
         self._connections_closed.labels(reason).inc()
 
     def connections_open(self, count: Callable[[], float]) -> None:
-        self._connections_open.set_function(count)
+        if self._shared_dir is None:
+            self._connections_open.set_function(count)
+        else:  # a callback is not shared between processes: its value is written (refresh)
+            self._callbacks.append((self._connections_open, count))
+            self._connections_open.set(count())
+
+    # --- exposition ---------------------------------------------------------------------------
+    @property
+    def shared(self) -> bool:
+        """This process is one of several workers whose metrics are summed (multiprocess)."""
+        return self._shared_dir is not None
+
+    def refresh(self) -> None:
+        """Write the callback gauges' current values into the shared files."""
+        for gauge, count in self._callbacks:
+            gauge.set(count())
+
+    async def keep_fresh(self) -> None:
+        """A worker's loop: its callback gauges written every REFRESH_S, so a scrape answered
+        by another worker sees them at most that old."""
+        while True:
+            self.refresh()
+            await asyncio.sleep(REFRESH_S)
+
+    def exposition(self) -> bytes:
+        """The text format of /metrics: this registry's, or, in a worker, every worker's series
+        combined from the multiprocess files (this worker's callback gauges refreshed first)."""
+        if self._shared_dir is None:
+            return generate_latest(self.registry)
+        self.refresh()
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, self._shared_dir)  # type: ignore[no-untyped-call]
+        return generate_latest(registry)
 
     def config_reloaded(self, ok: bool) -> None:
         self._config_reloads.labels("ok" if ok else "error").inc()

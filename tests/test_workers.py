@@ -1,0 +1,555 @@
+"""`serve --workers 2`: a real supervisor and its worker processes on one port, one real
+redis-server, the real openai SDK over loopback. The budget races of test_budget.py and
+test_budget_windows.py hold across workers as across replicas; /metrics (whichever worker
+answers) sums every worker; a worker killed mid-stream is started again and its reservation
+released by its lease; SIGHUP reaches every worker and SIGTERM drains them all."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+import redis.asyncio as aioredis
+from aiohttp.test_utils import TestServer
+from prometheus_client.mmap_dict import MmapedDict
+
+from proxy.budget import limits as lim
+from proxy.budget.cost import cost_nanousd
+from proxy.config.load import Config, parse_config
+from proxy.config.policy import Policy, Price
+from proxy.server.workers import budget_sharing_problem, configured_limits, parse_workers
+from proxy.testing.mock_upstream import MockSettings
+from tests.helpers import ALICE_KEY, BOB_KEY, MESSAGES, Samples, budget_yaml, sample, until
+from tests.servers import free_port
+
+pytestmark = pytest.mark.timeout(90)
+
+CACHED = 4
+PRICE = Price(input=1.0, output=2.0, cached_input=0.5)
+PRICES = "prices:\n  mock-gpt: {input: 1.0, output: 2.0, cached_input: 0.5}\n"
+START_S = 30.0  # two fresh interpreters importing and loading tokenizers on a loaded 2-core box
+
+
+@pytest.fixture
+def mock_settings() -> MockSettings:
+    return MockSettings(tokens_per_second=0, ttft_ms=5, output_tokens=16, cached_tokens=CACHED)
+
+
+@dataclass
+class Workers:
+    """A supervisor this test started, read through its log (stderr, JSON lines) and its
+    workers' prometheus_client files."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+    tmp: Path  # the supervisor's TMPDIR: its metrics directory is made in there
+    config: Config
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def lines(self) -> list[dict[str, Any]]:
+        out = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+        return out
+
+    def messages(self) -> list[str]:
+        return [str(x.get("message", "")) for x in self.lines()]
+
+    def pids(self) -> dict[int, int]:
+        """Worker index -> the pid it runs as now (the latest start)."""
+        out: dict[int, int] = {}
+        for message in self.messages():
+            if message.startswith("worker ") and " started (pid " in message:
+                index, pid = message.split()[1], message.rsplit("pid ", 1)[1].rstrip(")")
+                out[int(index)] = int(pid)
+        return out
+
+    def serving(self) -> set[int]:
+        return {int(m.split("(pid ")[1].split(")")[0]) for m in self.messages()
+                if m.startswith("worker ") and ") serving " in m}
+
+    async def ready(self, workers: int = 2) -> None:
+        def check() -> bool:
+            assert self.proc.poll() is None, self.tail()
+            pids = self.pids()
+            return len(pids) == workers and set(pids.values()) <= self.serving()
+
+        await until(check, deadline=START_S, every=0.05)
+
+    def tail(self) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
+
+    def metrics_dir(self) -> Path:
+        (found,) = self.tmp.glob("tokenmeter-metrics-*")
+        return found
+
+    def written(self, kind: str, pid: int, name: str) -> float:
+        """The sum of `name`'s samples in one process's own multiprocess file."""
+        path = self.metrics_dir() / f"{kind}_{pid}.db"
+        if not path.exists():
+            return 0.0
+        total = 0.0
+        values = MmapedDict.read_all_values_from_file(str(path))  # type: ignore[no-untyped-call]
+        for key, value, _, _ in values:
+            if json.loads(key)[1] == name:
+                total += value
+        return total
+
+    async def scrape(self) -> Samples:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        async with aiohttp.ClientSession() as s, s.get(self.url + "/metrics") as r:
+            assert r.status == 200
+            text = await r.text()
+        out: Samples = {}
+        for family in text_string_to_metric_families(text):
+            for smp in family.samples:
+                out[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+        return out
+
+    def sdk(self, key: str) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0)
+
+
+@contextlib.asynccontextmanager
+async def supervised(tmp_path: Path, config_text: str, *flags: str) -> AsyncIterator[Workers]:
+    cfg = tmp_path / "tm.yaml"
+    cfg.write_text(config_text)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    log = tmp_path / "supervisor.log"
+    port = free_port()
+    with log.open("wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy", "serve", "--config", str(cfg), "--port", str(port),
+             *flags],
+            stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, "TMPDIR": str(tmp)},
+        )
+    workers = Workers(proc, port, log, tmp, parse_config(config_text, "tm.yaml"))
+    try:
+        await workers.ready()
+        yield workers
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.to_thread(proc.wait, 30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def users(body: dict[str, dict[str, Any]]) -> str:
+    """The `users:` section's body as budget_yaml wants it (indented YAML)."""
+    lines = []
+    for name, fields in body.items():
+        lines.append(f"  {name}:")
+        lines.extend(f"    {k}: {json.dumps(v)}" for k, v in fields.items())
+    return "\n".join(lines)
+
+
+async def counter(redis_url: str, config: Config, user: str, name: str) -> int:
+    """The store's counter of `user`'s window `name`, read straight from Redis."""
+    window = next(w for w in lim.windows_at(config, user, time.time()) if w.name == name)
+    r = aioredis.Redis.from_url(redis_url)
+    try:
+        value = await r.get(window.key)
+    finally:
+        await r.aclose()
+    return int(value or 0)
+
+
+@dataclass(frozen=True)
+class Served:
+    input: int
+    cached: int
+    output: int
+    stream: bool
+
+    @property
+    def tokens(self) -> int:
+        return self.input + self.output
+
+    @property
+    def cost(self) -> int:
+        return cost_nanousd(PRICE, self.input, self.cached, self.output)
+
+
+async def ask(client: openai.AsyncOpenAI, stream: bool) -> Served:
+    if stream:
+        chunks = await client.chat.completions.create(
+            model="mock-gpt", messages=MESSAGES, stream=True,
+            stream_options={"include_usage": True},
+        )
+        usage = None
+        async for chunk in chunks:
+            usage = chunk.usage or usage
+    else:
+        usage = (await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)).usage
+    assert usage is not None
+    details = usage.prompt_tokens_details
+    cached = details.cached_tokens or 0 if details is not None else 0
+    return Served(usage.prompt_tokens, cached, usage.completion_tokens, stream)
+
+
+async def race(workers: Workers, key: str, n: int, stream_every: int
+               ) -> tuple[list[Served], list[openai.RateLimitError]]:
+    """`n` requests at once through two clients (two connection pools), streamed unless
+    `j % stream_every == 0`."""
+    clients = [workers.sdk(key), workers.sdk(key)]
+    try:
+        results = await asyncio.gather(
+            *(ask(clients[j % 2], stream=j % stream_every != 0) for j in range(n)),
+            return_exceptions=True,
+        )
+    finally:
+        for c in clients:
+            await c.close()
+    served = [r for r in results if isinstance(r, Served)]
+    refused = [r for r in results if isinstance(r, openai.RateLimitError)]
+    assert len(served) + len(refused) == n, [r for r in results if isinstance(r, Exception)
+                                             and not isinstance(r, openai.RateLimitError)][:3]
+    return served, refused
+
+
+def both_served(workers: Workers) -> None:
+    """Each worker counted requests of its own (its pid's file), so the port was shared."""
+    per_worker = {pid: workers.written("counter", pid, "tokenmeter_requests_total")
+                  for pid in workers.pids().values()}
+    assert len(per_worker) == 2 and all(per_worker.values()), per_worker
+
+
+# --- budgets and metrics ------------------------------------------------------------------------
+async def test_concurrent_streams_never_exceed_quota_across_workers(
+    upstream: TestServer, redis_url: str, tmp_path: Path
+) -> None:
+    """test_budget.py's race on two workers of one proxy; then /metrics, answered by either
+    worker, equals what the clients received, and the one SQLite ledger has every row."""
+    config = budget_yaml(
+        str(upstream.make_url("/v1")), redis_url,
+        users({"alice": {"keys": [ALICE_KEY], "daily_tokens": 1500, "max_output_tokens": 20}}),
+        extra="server:\n  workers: 2\n",
+    )
+    async with supervised(tmp_path, config) as workers:
+        n = 240
+        served, refused = await race(workers, ALICE_KEY, n, stream_every=n + 1)
+        assert served and refused, (len(served), len(refused))
+        used = sum(s.tokens for s in served)
+        assert used <= 1500
+        for exc in refused:
+            assert exc.status_code == 429 and exc.code == "daily_quota_exceeded"
+        assert await counter(redis_url, workers.config, "alice", "daily_tokens") == used
+        both_served(workers)
+
+        expected = {
+            ("tokenmeter_requests_total", "200"): len(served),
+            ("tokenmeter_requests_total", "429"): len(refused),
+        }
+
+        async def metrics_match() -> bool:
+            m = await workers.scrape()
+            return (
+                all(sample(m, name, status=status) == count
+                    for (name, status), count in expected.items())
+                and sample(m, "tokenmeter_tokens_total", type="input")
+                == sum(s.input for s in served)
+                and sample(m, "tokenmeter_tokens_total", type="output")
+                == sum(s.output for s in served)
+            )
+
+        try:
+            await until(metrics_match, deadline=10)
+        except TimeoutError:
+            m = await workers.scrape()
+            assert {k: sample(m, k[0], status=k[1]) for k in expected} == expected
+            raise
+        # Histograms too: a duration per request (refused ones too), a TTFT per stream served,
+        # whichever worker served it; requests in flight summed over live workers.
+        m = await workers.scrape()
+        assert sample(m, "gen_ai_server_request_duration_seconds_count") == n
+        assert sample(m, "gen_ai_server_time_to_first_token_seconds_count") == sum(
+            s.stream for s in served)
+        assert sample(m, "tokenmeter_inter_chunk_latency_seconds_count") > 0
+        assert sample(m, "tokenmeter_active_requests") == 0
+        assert sample(m, "tokenmeter_store_errors_total") == 0
+        assert sample(m, "tokenmeter_worker_restarts_total") == 0
+
+        # Both workers' shippers write one SQLite file (WAL, busy timeout): every row arrives.
+        db = Path(os.environ["TOKENMETER_STATE_DIR"]) / "ledger.sqlite3"
+
+        def rows() -> tuple[int, int]:
+            with contextlib.closing(sqlite3.connect(db, timeout=10)) as conn:
+                count, tokens = conn.execute(
+                    "SELECT count(*), coalesce(sum(input_tokens + output_tokens), 0) "
+                    "FROM tokenmeter_requests WHERE status = 200").fetchone()
+            return int(count), int(tokens)
+
+        await until(lambda: db.exists() and rows() == (len(served), used), deadline=15)
+
+
+async def test_cost_budgets_hold_to_the_nanodollar_across_workers(
+    upstream: TestServer, redis_url: str, tmp_path: Path
+) -> None:
+    """test_budget_windows.py's cost race (streamed and not, cached input at its own price) on
+    two workers: not one nano-dollar over, settled at the real cost."""
+    config = budget_yaml(
+        str(upstream.make_url("/v1")), redis_url,
+        users({"alice": {"keys": [ALICE_KEY], "daily_usd": 0.002, "max_output_tokens": 20}}),
+        extra=PRICES,
+    )
+    async with supervised(tmp_path, config, "--workers", "2") as workers:
+        served, refused = await race(workers, ALICE_KEY, 120, stream_every=3)
+        assert served and refused, (len(served), len(refused))
+        assert all(s.cached == CACHED for s in served)
+        spent = sum(s.cost for s in served)
+        assert spent <= 2_000_000  # zero nano-dollars over
+        for exc in refused:
+            assert exc.code == "daily_budget_exceeded"
+            assert "cost budget reached for user 'alice'" in exc.message
+        # Settled at the real cost (cached input at its price), not the reserved worst case.
+        assert await counter(redis_url, workers.config, "alice", "daily_usd") == spent
+        both_served(workers)
+
+
+# --- a worker that dies -------------------------------------------------------------------------
+async def _open_stream(session: aiohttp.ClientSession, url: str, key: str, tokens: int,
+                       per_second: int) -> tuple[aiohttp.ClientResponse, bytes]:
+    resp = await session.post(
+        url + "/v1/chat/completions",
+        json={"model": "mock-gpt", "messages": MESSAGES, "stream": True},
+        headers={"Authorization": f"Bearer {key}", "x-mock-output-tokens": str(tokens),
+                 "x-mock-tokens-per-second": str(per_second)},
+    )
+    assert resp.status == 200
+    return resp, await resp.content.readany()  # under way: reserved, first bytes relayed
+
+
+def _relaying(workers: Workers) -> dict[int, float]:
+    """Worker pid -> its streams in flight, from its own live gauge file."""
+    return {pid: workers.written("gauge_livesum", pid, "tokenmeter_active_requests")
+            for pid in workers.pids().values()}
+
+
+async def test_a_killed_worker_is_restarted_and_its_reservation_released_by_lease(
+    upstream: TestServer, redis_url: str, tmp_path: Path
+) -> None:
+    config = budget_yaml(
+        str(upstream.make_url("/v1")), redis_url,
+        users({"bob": {"keys": [BOB_KEY], "max_concurrent_requests": 1, "daily_tokens": 100_000,
+                       "max_output_tokens": 400}}),
+        lease_seconds=1,
+    )
+    async with supervised(tmp_path, config, "--workers", "2") as workers, \
+            aiohttp.ClientSession() as session:
+        before = workers.pids()
+        stream, _ = await _open_stream(session, workers.url, BOB_KEY, 300, 20)  # 15 s
+        busy: list[int] = []
+
+        def one_relaying() -> bool:
+            busy[:] = [pid for pid, n in _relaying(workers).items() if n == 1]
+            return len(busy) == 1
+
+        await until(one_relaying, deadline=10)
+        victim = busy[0]
+        # bob holds his one concurrent request: a second is refused while it runs.
+        client = workers.sdk(BOB_KEY)
+        with pytest.raises(openai.RateLimitError):
+            await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
+
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(aiohttp.ClientError):  # the stream is cut, never finished
+            async with asyncio.timeout(10):
+                async for _ in stream.content.iter_any():
+                    pass
+                raise aiohttp.ClientPayloadError("EOF")  # no [DONE] check needed: cut short
+        stream.release()
+
+        # Started again, under a new pid, and serving.
+        def restarted() -> bool:
+            now = workers.pids()
+            return set(now.values()) - set(before.values()) <= workers.serving() and (
+                len(set(now.values()) - set(before.values())) == 1)
+
+        await until(restarted, deadline=START_S, every=0.05)
+        assert any("died (signal SIGKILL)" in m for m in workers.messages())
+        # The dead worker's reservation stays until its lease (1 s) runs out; then bob's next
+        # request reaps it and is served. No other worker renews it: it was not theirs.
+        served: list[Served] = []
+
+        async def bob_served() -> bool:
+            try:
+                served.append(await ask(client, stream=False))
+            except openai.RateLimitError:
+                return False
+            return True
+
+        await until(bob_served, deadline=15, every=0.1)
+        await client.close()
+        r = aioredis.Redis.from_url(redis_url)
+        try:
+            slot = lim.user_slot(workers.config, "bob")
+            assert await r.zcard(f"{slot}:inflight") == 0
+            assert await r.hlen(f"{slot}:reserved") == 0
+        finally:
+            await r.aclose()
+        # Released, not charged: only the request that finished counts.
+        assert await counter(redis_url, workers.config, "bob", "daily_tokens") == (
+            served[0].tokens)
+        m = await workers.scrape()
+        assert sample(m, "tokenmeter_worker_restarts_total") == 1
+        assert sample(m, "tokenmeter_active_requests") == 0  # the dead worker's gauge is gone
+
+
+# --- signals ------------------------------------------------------------------------------------
+def _refuses(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return False
+    except OSError:
+        return True
+
+
+async def test_sighup_reaches_every_worker_and_sigterm_drains_them(
+    upstream: TestServer, tmp_path: Path
+) -> None:
+    config = (f"server:\n  drain_seconds: 20\nupstreams:\n  mock:\n    base_url: "
+              f"{upstream.make_url('/v1')}\nmetrics:\n  discover_models: false\n")
+    async with supervised(tmp_path, config, "--workers", "2") as workers:
+        # The file is unchanged, so only the forwarded signal makes each worker reload.
+        workers.proc.send_signal(signal.SIGHUP)
+
+        async def reloaded_twice() -> bool:
+            return sample(await workers.scrape(), "tokenmeter_config_reloads_total",
+                          result="ok") == 2
+
+        await until(reloaded_twice, deadline=10, every=0.05)
+
+        # A stream on each worker (the kernel picks who accepts: open until both have one).
+        async with aiohttp.ClientSession() as session:
+            streams: list[tuple[aiohttp.ClientResponse, bytes]] = []
+
+            def all_counted() -> bool:
+                return sum(_relaying(workers).values()) == len(streams)
+
+            while not all(_relaying(workers).values()):
+                assert len(streams) < 16, _relaying(workers)
+                streams.append(await _open_stream(session, workers.url, "none", 60, 30))
+                await until(all_counted, deadline=5)
+            metrics_dir = workers.metrics_dir()
+            workers.proc.send_signal(signal.SIGTERM)
+            await until(lambda: asyncio.to_thread(_refuses, workers.port), deadline=10)
+            for resp, first in streams:  # each running stream finishes whole (2 s at 30 tok/s)
+                body = first + await resp.content.read()
+                assert body.rstrip().endswith(b"data: [DONE]")
+                assert body.count(b'"content":" ') == 60
+        assert await asyncio.to_thread(workers.proc.wait, 30) == 0
+        assert not metrics_dir.exists()  # the supervisor's private directory is gone
+        access = [x for x in workers.lines() if x.get("event") == "request"]
+        assert len(access) == len(streams)
+        assert all(x["output_tokens"] == 60 and x["error_class"] == "none" for x in access)
+
+
+# --- what cannot be shared ----------------------------------------------------------------------
+def test_workers_with_the_memory_store_and_limits_refuse_to_start(
+    upstream: TestServer, tmp_path: Path
+) -> None:
+    cfg = tmp_path / "tm.yaml"
+    cfg.write_text(budget_yaml(str(upstream.make_url("/v1")), "memory",
+                               users({"alice": {"keys": [ALICE_KEY], "daily_tokens": 1000}}),
+                               extra="server:\n  workers: 2\n"))
+    done = subprocess.run(
+        [sys.executable, "-m", "proxy", "serve", "--config", str(cfg), "--port",
+         str(free_port())], capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert done.returncode == 2
+    assert "server.workers is 2 but the budget store is the in-process one" in done.stderr
+    assert "users.alice.daily_tokens" in done.stderr
+    assert "store.url: redis://" in done.stderr
+
+
+def test_which_configurations_need_a_shared_store() -> None:
+    def policy(**data: Any) -> Policy:
+        return Policy.model_validate(data)
+
+    # Open and pass-through modes enforce nothing; an output cap is per request.
+    assert configured_limits(policy()) == []
+    assert configured_limits(policy(mode="open", defaults={"daily_tokens": 5})) == []
+    plain = {"keys": [ALICE_KEY], "max_output_tokens": 100}
+    assert configured_limits(policy(users={"alice": plain})) == []
+    assert configured_limits(policy(users={"alice": {
+        "keys": [{"key": ALICE_KEY, "name": "ci", "requests_per_minute": 5}],
+        "model_limits": {"o1*": {"daily_tokens": 5}},
+    }}, teams={"t": {"monthly_usd": 1.0}})) == [
+        "users.alice.model_limits.o1*.daily_tokens", "users.alice.keys[0].requests_per_minute",
+        "teams.t.monthly_usd",
+    ]
+    base = {"upstreams": {"u": {"base_url": "http://127.0.0.1:1/v1"}},
+            "users": {"alice": {"keys": [ALICE_KEY], "max_concurrent_requests": 1}}}
+    limited = Config.model_validate(base)
+    assert budget_sharing_problem(limited, 1) is None
+    assert "max_concurrent_requests" in (budget_sharing_problem(limited, 2) or "")
+    shared = Config.model_validate({**base, "store": {"url": "redis://127.0.0.1:1/0"}})
+    assert budget_sharing_problem(shared, 8) is None
+    assert parse_workers("auto") == "auto" and parse_workers("3") == 3
+    for bad in ("0", "x"):
+        with pytest.raises(ValueError):
+            parse_workers(bad)
+
+
+# --- the SQLite ledger written by several processes ----------------------------------------------
+_WRITER = """
+import asyncio, sys
+from pathlib import Path
+from proxy.ledger.row import COLUMNS
+from proxy.ledger.sink_sqlite import SqliteSink
+
+async def main(path, me, batches):
+    sink = SqliteSink(Path(path))
+    await sink.open()
+    for b in range(batches):
+        rows = []
+        for i in range(20):
+            row = dict.fromkeys(COLUMNS, 0)
+            row.update(request_id=f"{me}-{b}-{i}", replica=me, user_name="u",
+                       operation="chat", requested_model="m", error_class="none",
+                       token_source="reported", windows="", status=200, stream=False)
+            rows.append(SqliteSink.prepare([row[c] for c in COLUMNS]))
+        assert await sink.write(rows) == 20
+    await sink.close()
+    sink.shutdown()
+
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+"""
+
+
+def test_sqlite_ledger_takes_concurrent_writers_from_several_processes(tmp_path: Path) -> None:
+    """Four processes open one fresh file at once (WAL switch, migration) and commit batches
+    over each other: the busy timeout makes them wait their turn, none fails."""
+    db = tmp_path / "ledger.sqlite3"
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(db), f"w{k}", "25"],
+                              stderr=subprocess.PIPE, text=True) for k in range(4)]
+    for p in procs:
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        assert conn.execute("SELECT count(*) FROM tokenmeter_requests").fetchone()[0] == 4 * 25 * 20
