@@ -13,10 +13,16 @@ any size included:
 Both dialects give the same report from the same rows (the tests check it).
 
 Tokens: `total` is input + output; cached input is part of input, reasoning part of output, as
-the upstreams count them. Cost is the sum of the rows' `cost_nanousd`, printed as an exact
-decimal (never through a float); `unpriced` counts requests whose model had no price, whose cost
-is therefore not in `cost_usd`. `refused` counts requests the budget refused (429), `failed`
-those that ended in any other error (the client's, the proxy's or the upstream's).
+the upstreams count them. The Anthropic Messages API's prompt cache adds two types, both part of
+input, as `tokenmeter_tokens_total` counts them: `cache_read` (the cached input of Messages
+requests: what Anthropic reports as cache reads) and `cache_write` (prompt tokens written to the
+cache). Their columns appear only in a report whose period has some, so a report of OpenAI-style
+traffic alone is what it always was.
+
+Cost is the sum of the rows' `cost_nanousd`, printed as an exact decimal (never through a
+float); `unpriced` counts requests whose model had no price, whose cost is therefore not in
+`cost_usd`. `refused` counts requests the budget refused (429), `failed` those that ended in any
+other error (the client's, the proxy's or the upstream's).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from zoneinfo import ZoneInfo
 from proxy.errors import ErrorClass
 from proxy.ledger.query import Dialect, LedgerReader, Sql, as_int
 from proxy.ledger.schema import TABLE
+from proxy.protocol.anthropic import MessagesTranslator
 
 SLICE_S = 900  # SQLite's UTC slice: every offset in use is a multiple of 15 minutes
 
@@ -83,6 +90,12 @@ _AGGREGATES = (
     "sum(reasoning_tokens)",
     "sum(cost_nanousd)",
     "count(*) - count(cost_nanousd)",
+    # An operation name of ours (a closed set), safe inline: the rows of the Messages API,
+    # whose cached input is Anthropic's cache reads (tokenmeter_tokens_total's
+    # cache_read_input).
+    f"sum(CASE WHEN operation = '{MessagesTranslator.operation}' THEN cached_input_tokens "
+    "ELSE 0 END)",
+    "sum(cache_creation_input_tokens)",
 )
 
 
@@ -115,6 +128,8 @@ class Totals:
     reasoning_tokens: int = 0
     cost_nanousd: int = 0
     unpriced: int = 0
+    cache_read_input_tokens: int = 0
+    cache_creation_input_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -132,6 +147,8 @@ class Totals:
             self.output_tokens + other.output_tokens,
             self.reasoning_tokens + other.reasoning_tokens,
             self.cost_nanousd + other.cost_nanousd, self.unpriced + other.unpriced,
+            self.cache_read_input_tokens + other.cache_read_input_tokens,
+            self.cache_creation_input_tokens + other.cache_creation_input_tokens,
         )
 
     @staticmethod
@@ -272,53 +289,77 @@ COLUMNS = ("requests", "refused", "failed", "input_tokens", "cached_input_tokens
            "output_tokens", "reasoning_tokens", "total_tokens", "cost_usd", "unpriced")
 _HEADINGS = ("requests", "refused", "failed", "input", "cached", "output", "reasoning",
              "total", "cost_usd", "unpriced")
+# The prompt cache's columns, after `cached`, in a report that has any.
+CACHE_COLUMNS = ("cache_read_input_tokens", "cache_creation_input_tokens")
+_CACHE_HEADINGS = ("cache_read", "cache_write")
+_CACHE_AT = COLUMNS.index("cached_input_tokens") + 1
+
+
+def _with_cache(report: Report) -> bool:
+    t = report.totals
+    return bool(t.cache_read_input_tokens or t.cache_creation_input_tokens)
+
+
+def _columns(report: Report, names: tuple[str, ...], cache: tuple[str, ...]) -> tuple[str, ...]:
+    if not _with_cache(report):
+        return names
+    return (*names[:_CACHE_AT], *cache, *names[_CACHE_AT:])
 
 
 def _usd(t: Totals) -> str:
     return f"{t.cost_usd:f}"  # always nine decimals, exact
 
 
-def _values(t: Totals) -> tuple[int | str, ...]:
-    return (t.requests, t.refused, t.failed, t.input_tokens, t.cached_input_tokens,
-            t.output_tokens, t.reasoning_tokens, t.total_tokens, _usd(t), t.unpriced)
+def _values(t: Totals, cache: bool = False) -> tuple[int | str, ...]:
+    plain = (t.requests, t.refused, t.failed, t.input_tokens, t.cached_input_tokens,
+             t.output_tokens, t.reasoning_tokens, t.total_tokens, _usd(t), t.unpriced)
+    if not cache:
+        return plain
+    return (*plain[:_CACHE_AT], t.cache_read_input_tokens, t.cache_creation_input_tokens,
+            *plain[_CACHE_AT:])
 
 
 def render_csv(report: Report) -> str:
     """One line per group, then `total` in the first group column with the sums."""
     out = io.StringIO()
     w = csv.writer(out, lineterminator="\n")
-    w.writerow([*report.by, *COLUMNS])
+    cache = _with_cache(report)
+    w.writerow([*report.by, *_columns(report, COLUMNS, CACHE_COLUMNS)])
     for keys, t in report.rows:
-        w.writerow([*("" if k is None else k for k in keys), *_values(t)])
-    w.writerow(["total", *[""] * (len(report.by) - 1), *_values(report.totals)])
+        w.writerow([*("" if k is None else k for k in keys), *_values(t, cache)])
+    w.writerow(["total", *[""] * (len(report.by) - 1), *_values(report.totals, cache)])
     return out.getvalue()
 
 
-def _json_totals(t: Totals) -> dict[str, object]:
-    return {**dict(zip(COLUMNS, _values(t), strict=True)), "cost_nanousd": t.cost_nanousd}
+def _json_totals(t: Totals, columns: tuple[str, ...]) -> dict[str, object]:
+    values = _values(t, len(columns) > len(COLUMNS))
+    return {**dict(zip(columns, values, strict=True)), "cost_nanousd": t.cost_nanousd}
 
 
 def render_json(report: Report) -> str:
     """`{"timezone", "from", "to", "by", "rows": [...], "totals": {...}}`; `cost_usd` is a
     decimal string (exact), `cost_nanousd` the same as an integer."""
     p = report.period
+    columns = _columns(report, COLUMNS, CACHE_COLUMNS)
     doc = {
         "timezone": p.tz.key,
         "from": None if p.start is None else p.start.isoformat(),
         "to": None if p.end is None else p.end.isoformat(),
         "by": list(report.by),
-        "rows": [{**dict(zip(report.by, keys, strict=True)), **_json_totals(t)}
+        "rows": [{**dict(zip(report.by, keys, strict=True)), **_json_totals(t, columns)}
                  for keys, t in report.rows],
-        "totals": _json_totals(report.totals),
+        "totals": _json_totals(report.totals, columns),
     }
     return json.dumps(doc, indent=2)
 
 
 def render_table(report: Report, caption: str | None = None) -> str:
-    def cells(t: Totals) -> list[str]:
-        return [v if isinstance(v, str) else f"{v:,}" for v in _values(t)]
+    cache = _with_cache(report)
 
-    header = [*report.by, *_HEADINGS]
+    def cells(t: Totals) -> list[str]:
+        return [v if isinstance(v, str) else f"{v:,}" for v in _values(t, cache)]
+
+    header = [*report.by, *_columns(report, _HEADINGS, _CACHE_HEADINGS)]
     body = [[*("-" if k is None else k for k in keys), *cells(t)] for keys, t in report.rows]
     body.append(["total", *[""] * (len(report.by) - 1), *cells(report.totals)])
     table = [header, *body]
