@@ -54,6 +54,7 @@ from proxy.server.workers import (
     supervise,
     watch_supervisor,
 )
+from proxy.telemetry.metrics import Metrics
 from proxy.telemetry.usage_report import UserUsage, read_usage, render, today
 
 log = logging.getLogger("tokenmeter")
@@ -152,6 +153,8 @@ async def _serve(
     the sockets its supervisor bound."""
     runners: list[web.AppRunner] = []
     chores: list[asyncio.Task[None]] = []
+    shared: Metrics | None = None  # a worker's metrics, summed with the other workers'
+
     fd_limit = raise_fd_limit()
     try:
         if config is None:
@@ -204,6 +207,7 @@ async def _serve(
         if inherited is not None:
             chores.append(asyncio.create_task(watch_supervisor(stop)))
         if metrics.shared:
+            shared = metrics
             chores.append(asyncio.create_task(metrics.keep_fresh()))
         await stop.wait()
         log.info("shutting down: draining for up to %.0f s", config.server.drain_seconds)
@@ -212,6 +216,8 @@ async def _serve(
             task.cancel()
         for r in reversed(runners):
             await r.cleanup()
+        if shared is not None:
+            shared.publish()  # what the last requests counted, before the process ends
 
 
 _USAGE_HELP = """\

@@ -232,11 +232,18 @@ async def race(workers: Workers, key: str, n: int, stream_every: int
     return served, refused
 
 
-def both_served(workers: Workers) -> None:
-    """Each worker counted requests of its own (its pid's file), so the port was shared."""
-    per_worker = {pid: workers.written("counter", pid, "tokenmeter_requests_total")
-                  for pid in workers.pids().values()}
-    assert len(per_worker) == 2 and all(per_worker.values()), per_worker
+async def both_served(workers: Workers) -> None:
+    """Each worker counted requests of its own (in its pid's file, written within a second),
+    so the port was shared."""
+
+    def per_worker() -> dict[int, float]:
+        return {pid: workers.written("counter", pid, "tokenmeter_requests_total")
+                for pid in workers.pids().values()}
+
+    try:
+        await until(lambda: len(per_worker()) == 2 and all(per_worker().values()), deadline=5)
+    except TimeoutError:
+        raise AssertionError(f"requests per worker pid: {per_worker()}") from None
 
 
 # --- budgets and metrics ------------------------------------------------------------------------
@@ -259,7 +266,7 @@ async def test_concurrent_streams_never_exceed_quota_across_workers(
         for exc in refused:
             assert exc.status_code == 429 and exc.code == "daily_quota_exceeded"
         assert await counter(redis_url, workers.config, "alice", "daily_tokens") == used
-        both_served(workers)
+        await both_served(workers)
 
         expected = {
             ("tokenmeter_requests_total", "200"): len(served),
@@ -328,7 +335,7 @@ async def test_cost_budgets_hold_to_the_nanodollar_across_workers(
             assert "cost budget reached for user 'alice'" in exc.message
         # Settled at the real cost (cached input at its price), not the reserved worst case.
         assert await counter(redis_url, workers.config, "alice", "daily_usd") == spent
-        both_served(workers)
+        await both_served(workers)
 
 
 # --- a worker that dies -------------------------------------------------------------------------

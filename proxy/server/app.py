@@ -132,9 +132,11 @@ def _metrics_handler(main: web.Application) -> Callable[[web.Request], Awaitable
                     "/metrics needs `Authorization: Bearer <metrics.token>`.", code="invalid_token"
                 )
         metrics = main[st.SERVICES].metrics
-        # A worker reads every worker's files: disk I/O, off the loop. One process: in memory.
-        body = await asyncio.to_thread(metrics.exposition) if metrics.shared else (
-            metrics.exposition())
+        if metrics.shared:  # a worker: its own figures out, then every worker's files read
+            metrics.publish()  # off the loop, as they are disk I/O
+            body = await asyncio.to_thread(metrics.exposition)
+        else:
+            body = metrics.exposition()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     return metrics
