@@ -560,3 +560,39 @@ def test_sqlite_ledger_takes_concurrent_writers_from_several_processes(tmp_path:
         assert p.returncode == 0, err
     with contextlib.closing(sqlite3.connect(db)) as conn:
         assert conn.execute("SELECT count(*) FROM tokenmeter_requests").fetchone()[0] == 4 * 25 * 20
+
+
+# --- the deploy files ---------------------------------------------------------------------------
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+
+
+def test_deploy_files_expose_the_workers_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """compose and the Kubernetes ConfigMap read server.workers from TOKENMETER_WORKERS, which
+    docker-compose.yml and the Deployment set (to 1: replicas first); both use Redis, so any
+    count starts."""
+    import yaml
+
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    assert compose["services"]["tokenmeter"]["environment"]["TOKENMETER_WORKERS"] == (
+        "${TOKENMETER_WORKERS:-1}")
+    (deployment,) = yaml.safe_load_all((DEPLOY / "kubernetes" / "deployment.yaml").read_text())
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert int(env["TOKENMETER_WORKERS"]) <= int(container["resources"]["limits"]["cpu"])
+    configmap = yaml.safe_load((DEPLOY / "kubernetes" / "configmap.yaml").read_text())
+    texts = {"compose": (DEPLOY / "compose" / "tokenmeter.yaml").read_text(),
+             "k8s": configmap["data"]["tokenmeter.yaml"]}
+    for name in ("REDIS_URL", "LEDGER_URL", "OPENAI_API_KEY", "ALICE_API_KEY",
+                 "LEDGER_DB_PASSWORD"):
+        monkeypatch.setenv(name, {"REDIS_URL": "redis://r:6379/0",
+                                  "LEDGER_URL": "postgresql://u@db:5432/tm"}.get(name, "x" * 12))
+    for where, text in texts.items():
+        assert "workers: ${TOKENMETER_WORKERS:-1}" in text, where
+        monkeypatch.delenv("TOKENMETER_WORKERS", raising=False)
+        assert parse_config(text, where).server.workers == 1
+        monkeypatch.setenv("TOKENMETER_WORKERS", "auto")
+        config = parse_config(text, where)
+        assert config.server.workers == "auto"
+        assert budget_sharing_problem(config, 4) is None
+    assert "TOKENMETER_WORKERS" in (DEPLOY / "README.md").read_text()
+    assert "server.workers" in (DEPLOY / "Dockerfile").read_text()

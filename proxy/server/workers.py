@@ -176,6 +176,7 @@ class WorkerSockets:
     """What a worker was handed by its supervisor."""
 
     index: int
+    count: int  # workers the supervisor runs
     api: tuple[socket.socket, ...]
     metrics: tuple[socket.socket, ...]  # empty: /metrics is served on the API port
 
@@ -190,7 +191,8 @@ def inherited_sockets() -> WorkerSockets | None:
     def adopt(fds: list[int]) -> tuple[socket.socket, ...]:
         return tuple(socket.socket(fileno=fd) for fd in fds)
 
-    return WorkerSockets(int(spec["index"]), adopt(spec["api"]), adopt(spec["metrics"]))
+    return WorkerSockets(int(spec["index"]), int(spec["count"]), adopt(spec["api"]),
+                         adopt(spec["metrics"]))
 
 
 async def watch_supervisor(stop: asyncio.Event) -> None:
@@ -265,7 +267,7 @@ class Supervisor:
 
     async def _start(self, index: int) -> asyncio.subprocess.Process:
         fds = [s.fileno() for s in (*self._api, *self._metrics)]
-        spec = {"index": index, "api": [s.fileno() for s in self._api],
+        spec = {"index": index, "count": self._count, "api": [s.fileno() for s in self._api],
                 "metrics": [s.fileno() for s in self._metrics]}
         env = {**os.environ, WORKER_ENV: json.dumps(spec), MULTIPROC_ENV: self._dir}
         proc = await asyncio.create_subprocess_exec(
