@@ -27,18 +27,21 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import asyncpg
 import openai
 import pytest
 import yaml
 from aiohttp.test_utils import TestServer
+from anthropic.types import MessageParam
 
-from proxy.budget.cost import cost_nanousd
+from proxy.budget.cost import cost_nanousd, usage_cost
 from proxy.config.policy import Price
 from proxy.errors import ErrorClass
 from proxy.ledger.migrate import migrate_postgres
 from proxy.ledger.row import COLUMNS, LedgerRow
 from proxy.ledger.schema import TABLE
+from proxy.protocol.usage import Usage
 from proxy.server import state as st
 from proxy.server.app import create_app
 from tests.helpers import ALICE_KEY, BOB_KEY, MESSAGES, ServerFactory, make_config, sdk
@@ -59,7 +62,11 @@ PRICES = {
     "gpt-4o": Price(input=2.5, cached_input=1.25, output=10.0),
     "gpt-4o-mini": Price(input=0.15, cached_input=0.075, output=0.6),
     "gpt-4.1": Price(input=2.0, cached_input=0.5, output=8.0),
+    # Anthropic's: cache writes above input (5-minute; the ledger has no 1-hour column).
+    "claude-sonnet-4": Price(input=3.0, output=15.0, cached_input=0.30, cache_write_5m=3.75,
+                             cache_write_1h=6.0),
 }
+MESSAGES_OPERATION = "messages"  # the Anthropic Messages API's rows
 REFUSED_CLASSES = {ErrorClass.BUDGET_EXCEEDED, ErrorClass.SERVICE_UNAVAILABLE,
                    ErrorClass.RATE_LIMIT}
 
@@ -75,25 +82,30 @@ def ledger_row(
     when: datetime, user: str, team: str | None, key: str | None, model: str | None,
     requested: str | None = None, *, status: int = 200, error: ErrorClass = ErrorClass.NONE,
     tokens: tuple[int, int, int, int] = (0, 0, 0, 0), ttft_ms: float | None = None,
-    tokens_per_s: float | None = None,
+    tokens_per_s: float | None = None, cache_write: int | None = None,
 ) -> LedgerRow:
     """`tokens`: input, cached input, output, reasoning. The cost from the price table, as
-    settle computes it (None for a model without a price)."""
+    settle computes it (None for a model without a price). `cache_write`: an Anthropic
+    Messages API row, with that many prompt tokens written to the cache (its cached input is
+    its cache reads)."""
     input_tokens, cached, output, reasoning = tokens
     price = PRICES.get(model or "")
-    cost = None if price is None else cost_nanousd(price, input_tokens, cached, output)
+    usage = Usage(input_tokens=input_tokens, output_tokens=output, cached_input_tokens=cached,
+                  cache_creation_input_tokens=cache_write or 0)
+    cost = None if price is None else usage_cost(price, usage)
     return LedgerRow(
         request_id=uuid.uuid4().hex, started_at=when.timestamp(),
         ended_at=when.timestamp() + 1.5, replica="test-replica", user_name=user, key_name=key,
-        team=team, operation="chat.completions", requested_model=requested or model or "",
-        model=model, response_model=model, upstream=None if model is None else "openai",
+        team=team, operation="chat.completions" if cache_write is None else MESSAGES_OPERATION,
+        requested_model=requested or model or "", model=model, response_model=model,
+        upstream=None if model is None else "openai" if cache_write is None else "anthropic",
         fallback_from=None, attempts=1, status=status, error_class=error.value,
         stream=ttft_ms is not None, input_tokens=input_tokens, output_tokens=output,
         cached_input_tokens=cached, reasoning_tokens=reasoning, token_source="reported",
         ttft_ms=ttft_ms, upstream_ttft_ms=None if ttft_ms is None else ttft_ms - 2,
         overhead_ms=None if ttft_ms is None else 2.0, duration_ms=1500.0,
         output_tokens_per_s=tokens_per_s, cost_nanousd=cost, price_version="v1",
-        windows="user:alice:daily_tokens:20261102",
+        windows="user:alice:daily_tokens:20261102", cache_creation_input_tokens=cache_write or 0,
     )
 
 
@@ -127,6 +139,12 @@ ROWS: tuple[LedgerRow, ...] = (
     ledger_row(at(4, 12), "dave", None, None, "llama-local", tokens=(100, 0, 10, 0)),
     ledger_row(at(4, 13), "dave", None, None, "gpt-4o", status=502,
                error=ErrorClass.UPSTREAM_5XX),
+    # agents: frank's coding agent on the Anthropic API, its prompt cache read and written.
+    ledger_row(at(3, 10), "frank", "agents", "frank-agent", "claude-sonnet-4",
+               tokens=(13_000, 10_000, 700, 0), cache_write=2_000, ttft_ms=900.0,
+               tokens_per_s=60.0),
+    ledger_row(at(4, 11), "frank", "agents", "frank-agent", "claude-sonnet-4",
+               tokens=(5_000, 0, 300, 0), cache_write=5_000),
     # Names that need SQL quoting (the config's names cannot, but the SQL must not rely on it).
     ledger_row(at(5, 16), "o'hara", "r'n'd", "o'hara-key", "gpt-4o-mini",
                tokens=(10_000, 5000, 2000, 1000)),
@@ -436,6 +454,12 @@ def bucket(r: LedgerRow, interval: str) -> int:
     return int(r.started_at // secs * secs)
 
 
+def cache_read(r: LedgerRow) -> int:
+    """Anthropic's cache reads: the cached input of a Messages API row (what
+    tokenmeter_tokens_total{type="cache_read_input"} counts)."""
+    return r.cached_input_tokens if r.operation == MESSAGES_OPERATION else 0
+
+
 def refused(r: LedgerRow) -> bool:
     return r.status == 429 or r.error_class in REFUSED_CLASSES
 
@@ -497,11 +521,12 @@ def check_panels(run: Run, sel: Selection) -> None:
     # The chargeback table: per team and user, tokens by type and cost.
     want_users = [
         (team, user, len(g), sum(r.input_tokens for r in g),
-         sum(r.cached_input_tokens for r in g), sum(r.output_tokens for r in g),
+         sum(r.cached_input_tokens for r in g), sum(map(cache_read, g)),
+         sum(r.cache_creation_input_tokens for r in g), sum(r.output_tokens for r in g),
          sum(r.reasoning_tokens for r in g), usd(r.cost_nanousd for r in g))
         for (team, user), g in by(rows, lambda r: (team_of(r), r.user_name)).items()
     ]
-    ranked([tuple(r.values()) for r in run["Spend by user and team"]], want_users, 7,
+    ranked([tuple(r.values()) for r in run["Spend by user and team"]], want_users, 9,
            "Spend by user and team")
 
     # Top keys.
@@ -517,10 +542,12 @@ def check_panels(run: Run, sel: Selection) -> None:
     # Tokens by type per interval.
     want_tokens = sorted(
         (b, sum(r.input_tokens for r in g), sum(r.cached_input_tokens for r in g),
+         sum(map(cache_read, g)), sum(r.cache_creation_input_tokens for r in g),
          sum(r.output_tokens for r in g), sum(r.reasoning_tokens for r in g))
         for b, g in by(rows, lambda r: bucket(r, INTERVAL)).items()
     )
-    got_tokens = [(int(r["time"]), r["input"], r["cached input"], r["output"], r["reasoning"])
+    got_tokens = [(int(r["time"]), r["input"], r["cached input"], r["cache read"],
+                   r["cache write"], r["output"], r["reasoning"])
                   for r in run["Tokens by type"]]
     assert got_tokens == want_tokens
 
@@ -581,7 +608,10 @@ async def test_every_query_answers_the_rows_exactly(reader_url: str) -> None:
 
     # The figures themselves, not only their agreement with the Python sums.
     spend = {r["team"]: r["spend"] for r in run["Spend by team (time range)"]}
-    assert set(spend) == {"research", "apps", "r'n'd", NONE}
+    assert set(spend) == {"research", "apps", "r'n'd", "agents", NONE}
+    # frank: 1,000 fresh x $3 + 10,000 read x $0.30 + 2,000 written x $3.75 + 700 out x $15,
+    # then 5,000 written x $3.75 + 300 out x $15 (per million): every prompt token once.
+    assert spend["agents"] == Decimal("0.024") + Decimal("0.02325")
     assert spend[NONE] == Decimal(0)  # dave: an unpriced model and a failure
     # alice-laptop: 1000 in (200 cached), 500 out; then 2000 in (1000 cached), 800 out, gpt-4o.
     laptop = next(r for r in run["Top keys"] if r["key"] == "alice-laptop")
@@ -595,7 +625,9 @@ async def test_every_query_answers_the_rows_exactly(reader_url: str) -> None:
     assert by_class == {"budget_exceeded": 3, "service_unavailable": 1, "rate_limit": 1}
     tokens = run["Tokens by type"]
     assert sum(r["reasoning"] for r in tokens) == 1300
-    assert sum(r["cached input"] for r in tokens) == 6300
+    assert sum(r["cached input"] for r in tokens) == 16_300
+    assert sum(r["cache read"] for r in tokens) == 10_000
+    assert sum(r["cache write"] for r in tokens) == 7_000
 
 
 async def test_variables_filter_every_panel(reader_url: str) -> None:
@@ -722,6 +754,61 @@ async def test_rows_the_proxy_wrote(
     assert run["Refused requests (time range)"][0]["refused"] == refusals
     assert {(r["metric"], r["refused"]) for r in run["Refused requests by class"]} == {
         ("budget_exceeded", refusals)}
+
+
+async def test_anthropic_rows_the_proxy_wrote(
+    aiohttp_server: ServerFactory, upstream: TestServer, reader_url: str, pg_url: str
+) -> None:
+    """Rows the real proxy books for the Anthropic SDK, prompt cache read and written: the
+    cache panels show them, and the spend is every prompt token at its own price."""
+    config = make_config(
+        str(upstream.make_url("/v1")), store="memory", api="anthropic",
+        users={"frank": {"keys": [ALICE_KEY], "team": "agents"}},
+        extra={"ledger": {"url": pg_url},
+               "prices": {"mock-gpt": PRICES["claude-sonnet-4"].model_dump(exclude_none=True)}},
+    )
+    proxy = await aiohttp_server(create_app(config))
+    started = datetime.now(UTC)
+    cache = {"x-mock-cache-read-tokens": "4", "x-mock-cache-creation-tokens": "3"}
+    prompt: list[MessageParam] = [{"role": "user", "content": " ".join(["tokens"] * 20)}]
+    expected_nanos = 0
+    async with anthropic.AsyncAnthropic(base_url=str(proxy.make_url("")).rstrip("/"),
+                                        api_key=ALICE_KEY, max_retries=0) as client:
+        message = await client.messages.create(model="mock-gpt", max_tokens=8, messages=prompt,
+                                               extra_headers=cache)
+        async with client.messages.stream(model="mock-gpt", max_tokens=6, messages=prompt,
+                                          extra_headers=cache) as stream:
+            final = await stream.get_final_message()
+    for u in (message.usage, final.usage):
+        assert u.input_tokens > 0
+        # USD per million x 1,000 per token: fresh input, 4 reads, 3 (5-minute) writes, output.
+        expected_nanos += u.input_tokens * 3_000 + 4 * 300 + 3 * 3_750 + u.output_tokens * 15_000
+    services = proxy.app[st.SERVICES]
+    await asyncio.wait_for(services.settling.wait_for(2), 30)
+    assert services.ledger is not None
+    assert await services.ledger.flush(30), services.ledger.health()
+    owner = await asyncpg.connect(pg_url)
+    try:
+        mine = await owner.fetch(
+            f"SELECT {', '.join(COLUMNS)} FROM {TABLE} WHERE started_at >= $1", started)
+    finally:
+        await owner.close()
+    written = tuple(from_db(r) for r in mine)
+    assert [(r.operation, r.cached_input_tokens, r.cache_creation_input_tokens)
+            for r in written] == [(MESSAGES_OPERATION, 4, 3)] * 2
+    sel = Selection(started - timedelta(minutes=5), datetime.now(UTC) + timedelta(minutes=5),
+                    source=ROWS + written)
+    conn = await asyncpg.connect(reader_url)
+    try:
+        run = await run_dashboard(conn, sel)
+    finally:
+        await conn.close()
+    check_panels(run, sel)
+    assert run["Spend (time range)"][0]["spend"] == usd([expected_nanos])
+    (frank,) = run["Spend by user and team"]
+    assert (frank["team"], frank["cache read"], frank["cache write"]) == ("agents", 8, 6)
+    tokens = run["Tokens by type"]
+    assert (sum(r["cache read"] for r in tokens), sum(r["cache write"] for r in tokens)) == (8, 6)
 
 
 def from_db(record: asyncpg.Record) -> LedgerRow:
