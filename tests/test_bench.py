@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp.test_utils import TestServer
 
 from proxy.bench import BenchConfig, Endpoint, RequestSpec, run_bench
+from proxy.bench.client import Api
 from proxy.bench.plot import write_plot
 from proxy.bench.report import render, to_csv, to_json
 from proxy.bench.stats import parse_slo
@@ -21,7 +23,14 @@ from proxy.bench.workload import PromptsFileError, load_prompts
 from proxy.cli import main
 from proxy.testing import mock_tokens
 from proxy.testing.mock_upstream import MockSettings, create_mock_app
-from tests.helpers import ServerFactory, Stack
+from tests.helpers import (
+    ALICE_KEY,
+    ServerFactory,
+    Stack,
+    StackFactory,
+    make_config,
+    sample,
+)
 from tests.servers import free_port
 
 MODEL = "mock-gpt"
@@ -286,3 +295,74 @@ def test_progress_bar_draws_one_line_and_clears_it() -> None:
     text = out.getvalue()
     assert "[#####.....] 5/10, 1 errors" in text and "6/10" not in text
     assert "[##########] 10/10" in text and text.endswith("\r\033[K")
+
+
+# --- --api anthropic: the Messages API ---------------------------------------------------------
+
+ANTHROPIC = RequestSpec(model=MODEL, max_tokens=64, api=Api.ANTHROPIC)
+
+
+async def test_anthropic_ttft_on_the_first_content_delta(aiohttp_server: ServerFactory) -> None:
+    """The mock sends message_start at once and its first text_delta after ttft_ms: the TTFT is
+    the delta's. Output tokens from message_delta's usage, the prompt with its cache parts."""
+    url = await mock_url(aiohttp_server, ttft_ms=50, tokens_per_second=750, output_tokens=100)
+    cache = {"x-mock-cache-read-tokens": "5", "x-mock-cache-creation-tokens": "3"}
+    result = await run_bench(config(url, spec=ANTHROPIC, headers=cache, concurrency=[1],
+                                    requests=4, prompt_tokens=[32], lag_warn_ms=1e9))
+    (st,) = result.levels
+    assert (st.ok, st.errors) == (4, 0)
+    assert 0.049 <= st.ttft.p50 < 1.0
+    assert 1 / 750 * 0.9 <= st.tpot.p50 < 0.1
+    # max_tokens 64 of the mock's 100: what message_delta reports, and what arrived.
+    assert st.output_tokens.min == st.output_tokens.max == 64
+    assert st.usage_output_tokens == st.local_output_tokens == 4 * 64
+    assert st.itl.n == 4 * 63
+    # The whole prompt (the mock's count), though Anthropic's input_tokens leaves out the 8
+    # cache tokens: the bench adds them back.
+    framing = mock_tokens.count_anthropic({"messages": [{"role": "user", "content": ""}]})
+    assert {r.usage_prompt_tokens for r in result.results} == {32 + framing}
+    # Not streamed: TTFT is the whole answer's latency, the output the message's usage.
+    spec = RequestSpec(model=MODEL, max_tokens=10, api=Api.ANTHROPIC, stream=False)
+    (st,) = (await run_bench(config(url, spec=spec, requests=2, prompt_tokens=[8]))).levels
+    assert (st.ok, st.output_tokens.p50, st.usage_diff_tokens) == (2, 10, 0)
+    assert st.ttft.p50 == st.e2e.p50
+
+
+async def test_anthropic_errors_and_cut_streams(aiohttp_server: ServerFactory) -> None:
+    url = await mock_url(aiohttp_server, ttft_ms=0, tokens_per_second=0, output_tokens=16)
+    for headers, cls in (({"x-mock-status": "529"}, "server_error"),
+                         ({"x-mock-status": "429"}, "rate_limit"),
+                         ({"x-mock-reset-after": "3"}, "stream_reset"),
+                         ({"x-mock-end-after": "3"}, "incomplete")):
+        result = await run_bench(config(url, spec=ANTHROPIC, headers=headers, requests=2,
+                                        warmup=0))
+        assert result.levels[0].errors_by_class == {cls: 2}, headers
+
+
+async def test_anthropic_proxy_and_direct_interleaved(
+    make_stack: StackFactory, upstream: TestServer
+) -> None:
+    """Through the proxy (its key as x-api-key, as the Anthropic SDKs send it) and direct."""
+    users = {"alice": {"keys": [ALICE_KEY]}}
+    stack = await make_stack(make_config(str(upstream.make_url("/v1")), store="memory",
+                                         users=users, api="anthropic"))
+    cfg = BenchConfig(
+        endpoints=[Endpoint(stack.base_url, "proxy", ALICE_KEY),
+                   Endpoint(stack.upstream_url, "direct")],
+        spec=RequestSpec(model=MODEL, max_tokens=20, api=Api.ANTHROPIC), concurrency=[2],
+        requests=8, prompt_tokens=[16], warmup=1, rounds=2)
+    result = await run_bench(cfg)
+    assert [(s.endpoint, s.ok, s.errors) for s in result.levels] == [
+        ("proxy", 8, 0), ("direct", 8, 0)]
+    assert all(s.output_tokens.p50 == 20 and s.usage_diff_tokens == 0 for s in result.levels)
+    sent = [r for r in stack.mock.requests if r.path.endswith("/messages")]
+    assert len(sent) == 18 and not any(ALICE_KEY in str(r.headers) for r in sent)
+    await stack.settled(9)
+    assert sample(await stack.metrics(), "tokenmeter_tokens_total", type="output",
+                  user="alice") == 9 * 20
+
+
+def test_cli_anthropic_needs_max_tokens(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["bench", "--base-url", "http://127.0.0.1:9/v1", "--model", MODEL]
+    assert main([*base, "--api", "anthropic", "--max-tokens", "0"]) == 2
+    assert "requires max_tokens" in capsys.readouterr().err

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from proxy.bench.client import ERROR_CLASSES, Endpoint, RequestSpec
+from proxy.bench.client import ERROR_CLASSES, Api, Endpoint, RequestSpec
 from proxy.bench.plot import PlotFormatError, write_plot
 from proxy.bench.report import ProgressBar, render, to_csv, to_json, write_text
 from proxy.bench.runner import BenchConfig, BenchResult, run_bench
@@ -40,6 +40,11 @@ metrics (per level = endpoint x load x prompt size):
   goodput      with --slo: requests/s that succeeded and met every SLO, and their fraction
   lag          the load generator's own event-loop lag (p99, max); above --lag-warn-ms the
                TTFT and ITL figures are flagged as unreliable
+
+--api anthropic speaks Anthropic's Messages API instead: POST <base-url>/messages with
+max_tokens (required), the key as x-api-key (from ANTHROPIC_API_KEY unless --api-key-env says),
+TTFT on the first content delta (text, thinking or a tool's input), output tokens from the
+usage of message_delta, prompt tokens the input plus cache writes and reads.
 
 --compare URL2 runs the same load against both endpoints, interleaved in blocks (A B B A ...)
 within each level, and reports base/compare ratios and base - compare latency differences.
@@ -70,6 +75,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     b.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8080/v1")
     b.add_argument("--model", required=True)
     b.add_argument("--compare", metavar="URL2", help="a second base URL, run interleaved")
+    b.add_argument("--api", choices=[a.value for a in Api], default=Api.OPENAI.value,
+                   help="wire format: openai (chat completions, default) or anthropic "
+                        "(the Messages API)")
     b.add_argument("--label", help="name of --base-url in the report (default: host:port)")
     b.add_argument("--compare-label", help="name of --compare in the report")
     load = b.add_mutually_exclusive_group()
@@ -92,9 +100,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="max output tokens per request (default 256; 0: do not send)")
     b.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
                    help="stream responses (default on)")
-    b.add_argument("--api-key-env", default="OPENAI_API_KEY", metavar="NAME",
-                   help="environment variable holding the API key (default OPENAI_API_KEY); "
-                        "the key is sent as a bearer token and never printed")
+    b.add_argument("--api-key-env", metavar="NAME",
+                   help="environment variable holding the API key (default OPENAI_API_KEY, "
+                        "ANTHROPIC_API_KEY with --api anthropic); the key is sent as a bearer "
+                        "token (x-api-key to Anthropic) and never printed")
     b.add_argument("--header", action="append", default=[], metavar="'NAME: VALUE'",
                    help="extra request header, repeatable")
     b.add_argument("--extra-body", metavar="JSON", help='merged into each body, e.g. '
@@ -151,6 +160,9 @@ def build_config(args: argparse.Namespace) -> tuple[BenchConfig, dict[str, Any]]
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
     if args.warmup < 0 or args.max_tokens < 0:
         raise UsageError("--warmup and --max-tokens must not be negative")
+    api = Api(args.api)
+    if api is Api.ANTHROPIC and not args.max_tokens:
+        raise UsageError("--max-tokens: the Anthropic Messages API requires max_tokens")
     if args.plot:
         suffix = Path(args.plot).suffix.lower()
         if suffix not in (".svg", ".html", ".htm"):
@@ -169,7 +181,9 @@ def build_config(args: argparse.Namespace) -> tuple[BenchConfig, dict[str, Any]]
         if not isinstance(extra, dict):
             raise UsageError("--extra-body must be a JSON object")
     headers = _headers(args.header)
-    key = os.environ.get(args.api_key_env) or None
+    key_env = args.api_key_env or (
+        "ANTHROPIC_API_KEY" if api is Api.ANTHROPIC else "OPENAI_API_KEY")
+    key = os.environ.get(key_env) or None
     tok_model = args.tokenizer_model or args.model
     prompts = None
     if args.prompts:
@@ -184,7 +198,8 @@ def build_config(args: argparse.Namespace) -> tuple[BenchConfig, dict[str, Any]]
             other += " (compare)"
         endpoints.append(Endpoint(args.compare, other, key, headers))
     spec = RequestSpec(model=args.model, stream=args.stream, max_tokens=args.max_tokens or None,
-                       extra_body=extra, timeout_s=args.timeout, tokenizer_model=tok_model)
+                       extra_body=extra, timeout_s=args.timeout, tokenizer_model=tok_model,
+                       api=api)
     requests = None if args.duration else (args.requests or 32)
     config = BenchConfig(
         endpoints=endpoints, spec=spec, concurrency=args.concurrency or [1],
@@ -199,7 +214,8 @@ def build_config(args: argparse.Namespace) -> tuple[BenchConfig, dict[str, Any]]
         "prompts_file": args.prompts, "requests_per_level": requests,
         "duration_per_level_s": args.duration, "max_tokens": spec.max_tokens,
         "stream": spec.stream, "warmup": args.warmup, "rounds": config.blocks, "slo_s": slo,
-        "seed": args.seed, "api_key_env": args.api_key_env, "api_key_set": key is not None,
+        "seed": args.seed, "api": api.value, "api_key_env": key_env,
+        "api_key_set": key is not None,
         "headers": {k: ("<redacted>" if any(s in k.lower() for s in _SECRET) else v)
                     for k, v in headers.items()},
         "extra_body": extra,

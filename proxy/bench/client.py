@@ -1,4 +1,5 @@
-"""One chat-completions request over a long-lived aiohttp session, timed chunk by chunk.
+"""One chat-completions request (or, with `Api.ANTHROPIC`, one Anthropic Messages request)
+over a long-lived aiohttp session, timed chunk by chunk.
 
 The hot loop per network read is: one perf_counter, the sans-I/O SSE decoder, and per event one
 `json.loads` (a few microseconds for a chunk of this size). Timestamps use `time.perf_counter`,
@@ -47,6 +48,17 @@ class BenchError(enum.StrEnum):
 
 ERROR_CLASSES = tuple(BenchError)
 
+
+class Api(enum.StrEnum):
+    """The wire format spoken: OpenAI's chat completions, or Anthropic's Messages API
+    (`POST .../messages`, key as `x-api-key`, `max_tokens` required, named stream events)."""
+
+    OPENAI = "openai"
+    ANTHROPIC = "anthropic"
+
+
+ANTHROPIC_VERSION = "2023-06-01"
+
 _FROM_ANSWER: Mapping[ErrorClass, BenchError] = {
     ErrorClass.RATE_LIMIT: BenchError.RATE_LIMIT,
     ErrorClass.AUTH: BenchError.AUTH,
@@ -66,11 +78,20 @@ class Endpoint:
 
     @property
     def url(self) -> str:
-        return self.base_url.rstrip("/") + "/chat/completions"
+        return self.url_for(Api.OPENAI)
 
-    def request_headers(self) -> dict[str, str]:
+    def url_for(self, api: Api) -> str:
+        path = "/messages" if api is Api.ANTHROPIC else "/chat/completions"
+        return self.base_url.rstrip("/") + path
+
+    def request_headers(self, api: Api = Api.OPENAI) -> dict[str, str]:
         out = {"Content-Type": "application/json", **self.headers}
-        if self.api_key:
+        if api is Api.ANTHROPIC:
+            if not any(k.lower() == "anthropic-version" for k in out):
+                out["anthropic-version"] = ANTHROPIC_VERSION
+            if self.api_key:
+                out["x-api-key"] = self.api_key
+        elif self.api_key:
             out["Authorization"] = f"Bearer {self.api_key}"
         return out
 
@@ -83,15 +104,19 @@ class RequestSpec:
     extra_body: Mapping[str, Any] = field(default_factory=dict)
     timeout_s: float = 600.0
     tokenizer_model: str | None = None  # whose encoding counts the output (default: model)
+    api: Api = Api.OPENAI
 
     def body(self, prompt: Prompt) -> bytes:
         body: dict[str, Any] = {"model": self.model, "messages": list(prompt.messages)}
         limit = prompt.max_tokens or self.max_tokens
         if limit is not None:
             body["max_tokens"] = limit
+        elif self.api is Api.ANTHROPIC:
+            raise ValueError("the Anthropic Messages API requires max_tokens")
         if self.stream:
             body["stream"] = True
-            body["stream_options"] = {"include_usage": True}
+            if self.api is Api.OPENAI:  # Anthropic's stream always carries its usage
+                body["stream_options"] = {"include_usage": True}
         body.update(self.extra_body)
         return json.dumps(body, separators=(",", ":")).encode()
 
@@ -119,9 +144,44 @@ def _content(obj: Any) -> tuple[str, Any]:
     return text, obj.get("usage")
 
 
+def _anthropic_content(obj: Any) -> tuple[str, Any]:
+    """The text of an Anthropic stream event (a content delta: text, thinking or a tool's
+    input JSON) or non-streamed message, and the usage it carries (message_start's, a
+    message_delta's cumulative one, the message's)."""
+    if not isinstance(obj, dict):
+        return "", None
+    kind = obj.get("type")
+    if kind == "content_block_delta":
+        delta = obj.get("delta")
+        if isinstance(delta, dict):
+            for key in ("text", "thinking", "partial_json"):
+                if isinstance(v := delta.get(key), str) and v:
+                    return v, None
+        return "", None
+    if kind == "message_start":
+        message = obj.get("message")
+        return "", message.get("usage") if isinstance(message, dict) else None
+    if kind == "message_delta":
+        return "", obj.get("usage")
+    if kind == "message":
+        blocks = obj.get("content")
+        text = "".join(
+            v for b in (blocks if isinstance(blocks, list) else ()) if isinstance(b, dict)
+            for v in (b.get("text"), b.get("thinking")) if isinstance(v, str))
+        return text, obj.get("usage")
+    return "", None
+
+
 def _usage_counts(usage: Any) -> tuple[int | None, int | None]:
     if not isinstance(usage, dict):
         return None, None
+    if "prompt_tokens" not in usage and "input_tokens" in usage:
+        # Anthropic's: input_tokens is only the prompt's uncached part.
+        out = usage.get("output_tokens")
+        parts = [usage.get(k) for k in ("input_tokens", "cache_creation_input_tokens",
+                                        "cache_read_input_tokens")]
+        whole = sum(v for v in parts if isinstance(v, int))
+        return (out if isinstance(out, int) else None), whole
     out, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
     return (out if isinstance(out, int) else None), (prompt if isinstance(prompt, int) else None)
 
@@ -138,7 +198,9 @@ async def send(
 ) -> RequestResult:
     """Send one request and time it. `t_origin` (perf_counter) is the level's start."""
     body = spec.body(prompt)
-    headers = endpoint.request_headers()
+    headers = endpoint.request_headers(spec.api)
+    anthropic = spec.api is Api.ANTHROPIC
+    content = _anthropic_content if anthropic else _content
     base: dict[str, Any] = dict(endpoint=endpoint.label, load=load, prompt_tokens=prompt_tokens,
                                 stream=spec.stream)
     t0 = time.perf_counter()
@@ -153,7 +215,8 @@ async def send(
     finished = False
     t_end = t0
     try:
-        async with session.post(endpoint.url, data=body, headers=headers, timeout=timeout) as resp:
+        async with session.post(endpoint.url_for(spec.api), data=body, headers=headers,
+                                timeout=timeout) as resp:
             status = resp.status
             if status != 200:
                 raw = await resp.read()
@@ -162,7 +225,7 @@ async def send(
                 raw = await resp.read()
                 t_end = time.perf_counter()
                 try:
-                    text, usage = _content(json.loads(raw))
+                    text, usage = content(json.loads(raw))
                 except ValueError:
                     text, usage = "", None
                     error_class, error = BenchError.INCOMPLETE, "response body is not JSON"
@@ -189,15 +252,20 @@ async def send(
                             err = obj["error"]
                             error = str(err.get("message") if isinstance(err, dict) else err)
                             continue
-                        text, u = _content(obj)
+                        text, u = content(obj)
                         if text:
                             chunks.append(text)
                             times.append(t)
                         if u:
-                            usage = u
+                            # Anthropic's usage comes in parts (message_start's input, the
+                            # cumulative message_delta): the latest value of each field wins.
+                            usage = {**usage, **u} if anthropic and usage else u
+                        if anthropic and isinstance(obj, dict):
+                            finished = finished or obj.get("type") == "message_stop"
                 t_end = time.perf_counter()
                 if not finished and error_class is None:
-                    error_class, error = BenchError.INCOMPLETE, "stream ended without data: [DONE]"
+                    end = "event: message_stop" if anthropic else "data: [DONE]"
+                    error_class, error = BenchError.INCOMPLETE, f"stream ended without {end}"
     except TimeoutError:
         error_class, error = BenchError.TIMEOUT, f"no complete answer within {spec.timeout_s:g} s"
     except aiohttp.ClientConnectorError as exc:
