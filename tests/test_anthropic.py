@@ -12,7 +12,7 @@ import aiohttp
 import anthropic
 import pytest
 from aiohttp.test_utils import TestServer
-from anthropic.types import MessageParam, ToolParam
+from anthropic.types import MessageParam, ThinkingConfigEnabledParam, ToolParam
 
 from proxy.budget import limits as lim
 from proxy.ledger.schema import TABLE
@@ -322,3 +322,46 @@ async def test_cached_prompt_cost_in_ledger_and_budget(priced: Stack) -> None:
     (window,) = [w for w in lim.windows_at(config, "alice", budget.clock())
                  if w.name == "daily_usd"]
     assert tuple(await budget.store.read([window.key])) == (sum(c for _, c in costs),)
+
+
+THINKING: ThinkingConfigEnabledParam = {"type": "enabled", "budget_tokens": 10}
+
+
+async def test_thinking_equals_direct(
+    stack: Stack, clients: tuple[anthropic.AsyncAnthropic, anthropic.AsyncAnthropic]
+) -> None:
+    finals = []
+    for c in clients:
+        async with c.messages.stream(model=MODEL, max_tokens=30, messages=MESSAGES,
+                                     thinking=THINKING) as stream:
+            final = await stream.get_final_message()
+        assert [b.type for b in final.content] == ["thinking", "text"]
+        finals.append(final.model_dump(exclude={"id"}))
+    assert finals[0] == finals[1]
+    assert finals[0]["usage"]["output_tokens"] == 10 + 16  # thinking, then the mock's answer
+    await stack.settled(1)
+    assert sample(await stack.metrics(), "tokenmeter_tokens_total", type="output", model=MODEL,
+                  user="alice", source="reported") == 26
+
+
+async def test_ttft_on_the_first_thinking_delta(
+    stack: Stack, clients: tuple[anthropic.AsyncAnthropic, anthropic.AsyncAnthropic]
+) -> None:
+    """A stream cut while it is still thinking has a first token (its first thinking delta)
+    and its thinking as output, counted here."""
+    via, _ = clients
+    thought = ""
+    with pytest.raises(anthropic.APIStatusError):
+        async with via.messages.stream(model=MODEL, max_tokens=30, messages=MESSAGES,
+                                       thinking=THINKING,
+                                       extra_headers={"x-mock-reset-after": "5"}) as stream:
+            request_id = stream.response.headers[REQUEST_ID_HEADER]
+            async for event in stream:
+                if event.type == "thinking":
+                    thought += event.thinking
+    assert thought == generated_text(5)
+    ttft, output, source = await ledger_row(request_id, "ttft_ms, output_tokens, token_source")
+    assert isinstance(ttft, float) and ttft > 0
+    assert (output, source) == (5, "estimated")
+    metrics = await stack.metrics()
+    assert sample(metrics, "gen_ai_server_time_to_first_token_seconds_count", model=MODEL) == 1

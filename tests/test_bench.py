@@ -366,3 +366,16 @@ def test_cli_anthropic_needs_max_tokens(capsys: pytest.CaptureFixture[str]) -> N
     base = ["bench", "--base-url", "http://127.0.0.1:9/v1", "--model", MODEL]
     assert main([*base, "--api", "anthropic", "--max-tokens", "0"]) == 2
     assert "requires max_tokens" in capsys.readouterr().err
+
+
+async def test_anthropic_thinking_is_content(aiohttp_server: ServerFactory) -> None:
+    """TTFT on the first thinking delta: thinking deltas are content chunks (each gap an ITL
+    sample), and the thinking is output (counted locally as the usage says)."""
+    url = await mock_url(aiohttp_server, ttft_ms=0, tokens_per_second=0, output_tokens=12,
+                         thinking_tokens=8)
+    spec = RequestSpec(model=MODEL, max_tokens=64, api=Api.ANTHROPIC,
+                       extra_body={"thinking": {"type": "enabled", "budget_tokens": 32}})
+    (st,) = (await run_bench(config(url, spec=spec, requests=3, prompt_tokens=[8]))).levels
+    assert (st.ok, st.output_tokens.p50) == (3, 8 + 12)
+    assert st.usage_output_tokens == st.local_output_tokens == 3 * 20
+    assert st.itl.n == 3 * 19

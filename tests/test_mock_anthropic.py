@@ -10,7 +10,7 @@ import httpx2
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
-from anthropic.types import MessageParam
+from anthropic.types import MessageParam, ThinkingConfigEnabledParam
 
 from proxy.testing import mock_tokens
 from proxy.testing.mock_upstream import (
@@ -178,3 +178,49 @@ async def test_reset_mid_stream(sdk: anthropic.AsyncAnthropic, mock: Client) -> 
     assert text == generated_text(4)
     await asyncio.wait_for(state(mock).requests[-1].closed.wait(), 5)
     assert state(mock).reported["requests"] == 0
+
+
+async def test_extended_thinking_streamed(sdk: anthropic.AsyncAnthropic) -> None:
+    """A thinking block (thinking_delta events, then its signature) before the answer; its
+    tokens are output tokens, at most the budget."""
+    kinds: list[str] = []
+    async with sdk.messages.stream(
+        model="claude-mock", max_tokens=100, messages=MESSAGES,
+        thinking={"type": "enabled", "budget_tokens": 10},
+    ) as stream:
+        async for event in stream:
+            if event.type == "content_block_delta":
+                kinds.append(event.delta.type)
+        final = await stream.get_final_message()
+    assert kinds == ["thinking_delta"] * 10 + ["signature_delta"] + ["text_delta"] * 12
+    thinking, text = final.content
+    assert thinking.type == "thinking" and thinking.thinking == generated_text(10)
+    assert thinking.signature
+    assert text.type == "text" and text.text == generated_text(12)
+    assert (final.stop_reason, final.usage.output_tokens) == ("end_turn", 22)
+
+
+async def test_thinking_and_answer_share_max_tokens(sdk: anthropic.AsyncAnthropic) -> None:
+    thinking: ThinkingConfigEnabledParam = {"type": "enabled", "budget_tokens": 50}
+    # The mock's 16 thinking tokens, then 4 of its 12 answer tokens: 20 in all.
+    message = await sdk.messages.create(model="claude-mock", max_tokens=20, messages=MESSAGES,
+                                        thinking=thinking)
+    assert [b.type for b in message.content] == ["thinking", "text"]
+    assert message.content[1].type == "text" and message.content[1].text == generated_text(4)
+    assert (message.stop_reason, message.usage.output_tokens) == ("max_tokens", 20)
+    # All thinking: the answer never starts, the thinking block still closes.
+    async with sdk.messages.stream(model="claude-mock", max_tokens=3, messages=MESSAGES,
+                                   thinking=thinking,
+                                   extra_headers={"x-mock-thinking-tokens": "5"}) as stream:
+        final = await stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking"]
+    assert final.content[0].type == "thinking" and final.content[0].thinking == generated_text(3)
+    assert (final.stop_reason, final.usage.output_tokens) == ("max_tokens", 3)
+
+
+async def test_thinking_needs_a_budget(mock: Client) -> None:
+    response = await mock.post("/v1/messages", json={
+        "model": "claude-mock", "max_tokens": 10, "messages": MESSAGES,
+        "thinking": {"type": "enabled"}})
+    assert response.status == 400
+    assert "budget_tokens" in (await response.json())["error"]["message"]

@@ -63,6 +63,10 @@ class MockSettings:
     # Of the cache writes, those reported as 1-hour ones (usage.cache_creation's
     # ephemeral_1h_input_tokens; the rest are ephemeral_5m_input_tokens).
     cache_creation_1h_tokens: int = 0
+    # Anthropic Messages only: tokens of the thinking block answered to a request that enables
+    # extended thinking (`thinking: {type: enabled, budget_tokens: N}`), at most N; streamed
+    # as thinking_delta events before the answer, counted in output_tokens, within max_tokens.
+    thinking_tokens: int = 16
 
     def __post_init__(self) -> None:
         # Checked here so that header overrides, applied with dataclasses.replace, obey the same
@@ -72,7 +76,7 @@ class MockSettings:
         times = (self.ttft_ms, self.delay_ms)
         counts = (self.output_tokens, self.cached_tokens, self.reasoning_tokens,
                   self.cache_creation_tokens, self.cache_read_tokens,
-                  self.cache_creation_1h_tokens)
+                  self.cache_creation_1h_tokens, self.thinking_tokens)
         faults = (self.stall_after, self.reset_after, self.garbage_after, self.fail_first,
                   self.retry_after_ms, self.end_after)
         if min(*times, *counts, *(f or 0 for f in faults)) < 0:
@@ -149,6 +153,7 @@ _OVERRIDES: tuple[tuple[str, str, Callable[[str], object]], ...] = (
     ("x-mock-cache-creation-tokens", "cache_creation_tokens", int),
     ("x-mock-cache-read-tokens", "cache_read_tokens", int),
     ("x-mock-cache-creation-1h-tokens", "cache_creation_1h_tokens", int),
+    ("x-mock-thinking-tokens", "thinking_tokens", int),
 )
 
 GARBAGE = b"\x00\xff\xfenot an event {{{\r\n: \xc3\x28 half-utf8\n\n"

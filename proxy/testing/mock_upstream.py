@@ -553,14 +553,49 @@ def _forced_tool(body: dict[str, Any]) -> str | None:
     return None
 
 
+_SIGNATURE = "bW9jay10aGlua2luZy1zaWduYXR1cmU="  # a thinking block's (opaque) signature
+
+
+def _thinking_count(call: _Call) -> int:
+    """Thinking tokens for a request that enables extended thinking (`thinking: {type:
+    enabled, budget_tokens}`): the mock's `thinking_tokens`, at most the budget."""
+    thinking = call.body.get("thinking")
+    if not isinstance(thinking, dict) or thinking.get("type") != "enabled":
+        return 0
+    budget = thinking.get("budget_tokens")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise _ApiError(400, "thinking.budget_tokens: Field required", "thinking.budget_tokens")
+    return min(call.cfg.thinking_tokens, budget)
+
+
+def _then(first: int, before: Callable[[int], bytes], switch: bytes,
+          after: Callable[[int], bytes]) -> Callable[[int], bytes]:
+    """Token events: `first` of `before`'s, then `switch` and `after`'s from its token 0."""
+
+    def token(i: int) -> bytes:
+        if i < first:
+            return before(i)
+        return (switch + after(0)) if i == first else after(i - first)
+
+    return token
+
+
 async def _messages(call: _Call) -> web.StreamResponse:
     """Anthropic's Messages API: one text block of generated words, or, when `tool_choice`
-    forces a tool, one tool_use block whose input is {"q": the generated words}."""
+    forces a tool, one tool_use block whose input is {"q": the generated words}; with extended
+    thinking enabled, a thinking block of generated words first (its tokens are output tokens
+    too, within max_tokens)."""
     if "max_tokens" not in call.body:
         raise _ApiError(400, "max_tokens: Field required", "max_tokens")
     n, cut = _output_count(call, ("max_tokens",))
+    think = _thinking_count(call)
+    if think:  # max_tokens bounds thinking and answer together
+        limit = int(call.body["max_tokens"])
+        think = min(think, limit)
+        n = min(call.cfg.output_tokens, limit - think)
+        cut = n < call.cfg.output_tokens
     tool = _forced_tool(call.body)
-    stop_reason, usage = ("max_tokens" if cut else "end_turn"), _anthropic_usage(call, n)
+    stop_reason, usage = ("max_tokens" if cut else "end_turn"), _anthropic_usage(call, think + n)
     split = {"cache_creation": _cache_creation(call.cfg)}
     if tool is not None and not cut:
         stop_reason = "tool_use"
@@ -574,6 +609,9 @@ async def _messages(call: _Call) -> web.StreamResponse:
         if tool is not None:
             input_ = {"q": generated_text(n)}
             content = [{"type": "tool_use", "id": tool_id, "name": tool, "input": input_}]
+        if think:
+            content.insert(0, {"type": "thinking", "thinking": generated_text(think),
+                               "signature": _SIGNATURE})
         final = {**message, "content": content, "stop_reason": stop_reason,
                  "usage": {**usage, **split}}
         return await _json_response(call, final)
@@ -582,28 +620,42 @@ async def _messages(call: _Call) -> web.StreamResponse:
     preamble = _anthropic_event({"type": "message_start",
                                  "message": {**message,
                                              "usage": {**usage, **split, "output_tokens": 1}}})
-    def delta(payload: dict[str, Any]) -> bytes:
-        return _anthropic_event({"type": "content_block_delta", "index": 0, "delta": payload})
+    answer = 1 if think else 0  # the answer block's index: after the thinking block, if any
 
-    block: dict[str, Any] = {"type": "text", "text": ""}
-    if tool is not None:
-        block = {"type": "tool_use", "id": tool_id, "name": tool, "input": {}}
-    head = _anthropic_event({"type": "content_block_start", "index": 0, "content_block": block})
-    head += _anthropic_event({"type": "ping"})
-    tail = b""
+    def delta(payload: dict[str, Any], index: int = answer) -> bytes:
+        return _anthropic_event({"type": "content_block_delta", "index": index,
+                                 "delta": payload})
+
+    def block(index: int, content_block: dict[str, Any]) -> bytes:
+        return _anthropic_event({"type": "content_block_start", "index": index,
+                                 "content_block": content_block})
+
+    opening, extra, tail = block(answer, {"type": "text", "text": ""}), b"", b""
     if tool is None:
-        token = _word_events(lambda word: delta({"type": "text_delta", "text": word}))
+        word = _word_events(lambda w: delta({"type": "text_delta", "text": w}))
     else:
         # The input's JSON in pieces: its opening, a piece per word, its close.
-        head += delta({"type": "input_json_delta", "partial_json": '{"q": "'})
-        token = _word_events(lambda word: delta({"type": "input_json_delta", "partial_json": word}))
+        opening = block(answer, {"type": "tool_use", "id": tool_id, "name": tool, "input": {}})
+        extra = delta({"type": "input_json_delta", "partial_json": '{"q": "'})
+        word = _word_events(lambda w: delta({"type": "input_json_delta", "partial_json": w}))
         tail = delta({"type": "input_json_delta", "partial_json": '"}'})
-    tail += _anthropic_event({"type": "content_block_stop", "index": 0})
+    ping = _anthropic_event({"type": "ping"})
+    token, head = word, opening + ping + extra
+    if think:
+        close = (delta({"type": "signature_delta", "signature": _SIGNATURE}, 0)
+                 + _anthropic_event({"type": "content_block_stop", "index": 0}))
+        thought = _word_events(lambda w: delta({"type": "thinking_delta", "thinking": w}, 0))
+        token = _then(think, thought, close + opening + extra, word)
+        head = block(0, {"type": "thinking", "thinking": "", "signature": ""}) + ping
+        if not n:  # all thinking, no answer: only the thinking block, closed
+            tail = close
+    if n or not think:
+        tail += _anthropic_event({"type": "content_block_stop", "index": answer})
     tail += _anthropic_event({"type": "message_delta",
                               "delta": {"stop_reason": stop_reason, "stop_sequence": None},
                               "usage": usage})
     tail += _anthropic_event({"type": "message_stop"})
-    return await _stream(call, n, token=token, head=head, tail=tail, preamble=preamble,
+    return await _stream(call, think + n, token=token, head=head, tail=tail, preamble=preamble,
                          usage=usage)
 
 
