@@ -118,7 +118,9 @@ class Workers:
     async def scrape(self) -> Samples:
         from prometheus_client.parser import text_string_to_metric_families
 
-        async with aiohttp.ClientSession() as s, s.get(self.url + "/metrics") as r:
+        port = self.config.metrics.port or self.port
+        async with aiohttp.ClientSession() as s, s.get(
+                f"http://127.0.0.1:{port}/metrics") as r:
             assert r.status == 200
             text = await r.text()
         out: Samples = {}
@@ -351,10 +353,24 @@ async def _open_stream(session: aiohttp.ClientSession, url: str, key: str, token
     return resp, await resp.content.readany()  # under way: reserved, first bytes relayed
 
 
-def _relaying(workers: Workers) -> dict[int, float]:
-    """Worker pid -> its streams in flight, from its own live gauge file."""
-    return {pid: workers.written("gauge_livesum", pid, "tokenmeter_active_requests")
-            for pid in workers.pids().values()}
+def _server_of(workers: Workers, resp: aiohttp.ClientResponse) -> int:
+    """The worker pid holding the server end of `resp`'s connection: its TCP socket's inode
+    (/proc/net/tcp, by the client's port) among the workers' file descriptors."""
+    assert resp.connection is not None and resp.connection.transport is not None
+    client_port = resp.connection.transport.get_extra_info("sockname")[1]
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, remote = (int(f.rsplit(":", 1)[1], 16) for f in fields[1:3])
+            if (local, remote) == (workers.port, client_port):
+                inodes.add(f"socket:[{fields[9]}]")
+    for pid in workers.pids().values():
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                if os.readlink(fd) in inodes:
+                    return pid
+    raise AssertionError(f"no worker holds the connection from port {client_port}")
 
 
 async def test_a_killed_worker_is_restarted_and_its_reservation_released_by_lease(
@@ -370,19 +386,18 @@ async def test_a_killed_worker_is_restarted_and_its_reservation_released_by_leas
             aiohttp.ClientSession() as session:
         before = workers.pids()
         stream, _ = await _open_stream(session, workers.url, BOB_KEY, 300, 20)  # 15 s
-        busy: list[int] = []
-
-        def one_relaying() -> bool:
-            busy[:] = [pid for pid, n in _relaying(workers).items() if n == 1]
-            return len(busy) == 1
-
-        await until(one_relaying, deadline=10)
-        victim = busy[0]
+        victim = _server_of(workers, stream)
         # bob holds his one concurrent request: a second is refused while it runs.
         client = workers.sdk(BOB_KEY)
         with pytest.raises(openai.RateLimitError):
             await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
 
+        r = aioredis.Redis.from_url(redis_url)
+        slot = lim.user_slot(workers.config, "bob")
+        try:
+            assert await r.zcard(f"{slot}:inflight") == 1  # the stream's reservation
+        finally:
+            await r.aclose()
         os.kill(victim, signal.SIGKILL)
         with pytest.raises(aiohttp.ClientError):  # the stream is cut, never finished
             async with asyncio.timeout(10):
@@ -391,14 +406,6 @@ async def test_a_killed_worker_is_restarted_and_its_reservation_released_by_leas
                 raise aiohttp.ClientPayloadError("EOF")  # no [DONE] check needed: cut short
         stream.release()
 
-        # Started again, under a new pid, and serving.
-        def restarted() -> bool:
-            now = workers.pids()
-            return set(now.values()) - set(before.values()) <= workers.serving() and (
-                len(set(now.values()) - set(before.values())) == 1)
-
-        await until(restarted, deadline=START_S, every=0.05)
-        assert any("died (signal SIGKILL)" in m for m in workers.messages())
         # The dead worker's reservation stays until its lease (1 s) runs out; then bob's next
         # request reaps it and is served. No other worker renews it: it was not theirs.
         served: list[Served] = []
@@ -414,7 +421,6 @@ async def test_a_killed_worker_is_restarted_and_its_reservation_released_by_leas
         await client.close()
         r = aioredis.Redis.from_url(redis_url)
         try:
-            slot = lim.user_slot(workers.config, "bob")
             assert await r.zcard(f"{slot}:inflight") == 0
             assert await r.hlen(f"{slot}:reserved") == 0
         finally:
@@ -422,6 +428,15 @@ async def test_a_killed_worker_is_restarted_and_its_reservation_released_by_leas
         # Released, not charged: only the request that finished counts.
         assert await counter(redis_url, workers.config, "bob", "daily_tokens") == (
             served[0].tokens)
+
+        # Meanwhile the dead worker was started again, under a new pid, and serves.
+        def restarted() -> bool:
+            now = workers.pids()
+            return set(now.values()) - set(before.values()) <= workers.serving() and (
+                len(set(now.values()) - set(before.values())) == 1)
+
+        await until(restarted, deadline=START_S, every=0.05)
+        assert any("died (signal SIGKILL)" in m for m in workers.messages())
         m = await workers.scrape()
         assert sample(m, "tokenmeter_worker_restarts_total") == 1
         assert sample(m, "tokenmeter_active_requests") == 0  # the dead worker's gauge is gone
@@ -439,8 +454,10 @@ def _refuses(port: int) -> bool:
 async def test_sighup_reaches_every_worker_and_sigterm_drains_them(
     upstream: TestServer, tmp_path: Path
 ) -> None:
+    metrics_port = free_port()  # its own port: bound by the supervisor too
     config = (f"server:\n  drain_seconds: 20\nupstreams:\n  mock:\n    base_url: "
-              f"{upstream.make_url('/v1')}\nmetrics:\n  discover_models: false\n")
+              f"{upstream.make_url('/v1')}\nmetrics:\n  discover_models: false\n"
+              f"  port: {metrics_port}\n")
     async with supervised(tmp_path, config, "--workers", "2") as workers:
         # The file is unchanged, so only the forwarded signal makes each worker reload.
         workers.proc.send_signal(signal.SIGHUP)
@@ -454,17 +471,15 @@ async def test_sighup_reaches_every_worker_and_sigterm_drains_them(
         # A stream on each worker (the kernel picks who accepts: open until both have one).
         async with aiohttp.ClientSession() as session:
             streams: list[tuple[aiohttp.ClientResponse, bytes]] = []
-
-            def all_counted() -> bool:
-                return sum(_relaying(workers).values()) == len(streams)
-
-            while not all(_relaying(workers).values()):
-                assert len(streams) < 16, _relaying(workers)
+            holders: set[int] = set()
+            while len(holders) < 2:
+                assert len(streams) < 24, "the kernel gave every connection to one worker"
                 streams.append(await _open_stream(session, workers.url, "none", 60, 30))
-                await until(all_counted, deadline=5)
+                holders.add(_server_of(workers, streams[-1][0]))
             metrics_dir = workers.metrics_dir()
             workers.proc.send_signal(signal.SIGTERM)
-            await until(lambda: asyncio.to_thread(_refuses, workers.port), deadline=10)
+            await until(lambda: asyncio.to_thread(lambda: all(
+                _refuses(p) for p in (workers.port, metrics_port))), deadline=10)
             for resp, first in streams:  # each running stream finishes whole (2 s at 30 tok/s)
                 body = first + await resp.content.read()
                 assert body.rstrip().endswith(b"data: [DONE]")
@@ -474,6 +489,30 @@ async def test_sighup_reaches_every_worker_and_sigterm_drains_them(
         access = [x for x in workers.lines() if x.get("event") == "request"]
         assert len(access) == len(streams)
         assert all(x["output_tokens"] == 60 and x["error_class"] == "none" for x in access)
+
+
+async def test_workers_drain_and_exit_when_their_supervisor_is_killed(
+    upstream: TestServer, tmp_path: Path
+) -> None:
+    """SIGKILL leaves no supervisor to forward SIGTERM: each worker notices and exits."""
+    config = (f"upstreams:\n  mock:\n    base_url: {upstream.make_url('/v1')}\n"
+              "metrics:\n  discover_models: false\n")
+    async with supervised(tmp_path, config, "--workers", "2") as workers:
+        pids = list(workers.pids().values())
+        workers.proc.kill()
+        workers.proc.wait(10)
+
+        def gone() -> bool:
+            # A worker reparented to init and exited is reaped by it; one in the zombie state
+            # (reparented to a subreaper that has not reaped yet) has exited too.
+            for pid in pids:
+                with contextlib.suppress(FileNotFoundError):
+                    if Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
+                        return False
+            return True
+
+        await until(gone, deadline=20, every=0.1)
+        await until(lambda: asyncio.to_thread(_refuses, workers.port), deadline=5)
 
 
 # --- what cannot be shared ----------------------------------------------------------------------
