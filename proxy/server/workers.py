@@ -283,11 +283,15 @@ class Supervisor:
         while not self._stopping.is_set():
             started = time.monotonic()
             proc = await self._start(index)
+            if self._stopping.is_set():  # the stop came while it was being started
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
             code = await proc.wait()
             # Its live gauges (in flight, connections open...) leave the sums now.
             multiprocess.mark_process_dead(proc.pid, self._dir)  # type: ignore[no-untyped-call]
             if self._stopping.is_set():
-                if code != 0:
+                # -SIGTERM: it was still starting (no handler yet), so it had nothing to drain.
+                if code not in (0, -signal.SIGTERM):
                     log.error("worker %d (pid %d) exited with %s while stopping", index,
                               proc.pid, _describe(code))
                     self._failed = True
