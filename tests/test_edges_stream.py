@@ -109,6 +109,13 @@ class _Recording(ChatTranslator):
             self.peak = max(self.peak, self.retained_bytes())
         return flags
 
+    def on_content_run(self, chunk: bytes, events: list[bytes]) -> bool:
+        taken = super().on_content_run(chunk, events)
+        if taken:  # many events per read: taken in one step
+            self.events += len(events)
+            self.peak = max(self.peak, self.retained_bytes())
+        return taken
+
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("asked", [False, True], ids=["usage-not-asked", "usage-asked-never-sent"])

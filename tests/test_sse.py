@@ -182,3 +182,32 @@ def test_fast_path_yields_what_the_general_decoder_yields(case: tuple[bytes, lis
     assert by_fast == by_feed
     # And the same events as the stream fed whole: the cuts change nothing but the offsets.
     assert [e[:2] for e in by_feed] == [e[:2] for e in decode([stream])]
+
+
+@given(_streams())
+@example((b"data: a\n\ndata: b\n\n", []))
+@example((b"data: a\n\n\n\ndata: b\n\n", []))  # a blank line more: not the fast path's
+@example((b"data: a\n\ndata: b\nid: 1\n\n", []))
+@example((b"data: a\n\ndata:b\n\n", []))
+def test_many_events_fast_path_yields_what_the_general_decoder_yields(
+    case: tuple[bytes, list[int]],
+) -> None:
+    stream, cuts = case
+    general, fast = SSEDecoder(), SSEDecoder()
+    for piece in _pieces(stream, cuts):
+        expected = [(e.data, e.event) for e in general.feed(piece)]
+        datas = fast.whole_events(piece)
+        if datas is not None:
+            assert [(d, None) for d in datas] == expected
+        else:
+            assert [(e.data, e.event) for e in fast.feed(piece)] == expected
+        assert fast.has_pending == general.has_pending
+    assert fast.flush() == general.flush()
+
+
+def test_many_events_fast_path_takes_whole_data_events_only() -> None:
+    d = SSEDecoder()
+    assert d.whole_events(b"data: a\n\ndata: {}\n\ndata: \n\n") == [b"a", b"{}", b""]
+    for chunk in (b"data: a\n\ndata: b\n", b"data: a\n\nevent: x\ndata: b\n\n",
+                  b"data: a\r\n\r\n", b": ping\n\ndata: a\n\n", b"data: a\ndata: b\n\n"):
+        assert d.whole_events(chunk) is None, chunk

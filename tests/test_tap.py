@@ -178,3 +178,56 @@ def test_usage_in_content_events_is_seen_at_any_cuts(cuts: list[int]) -> None:
     out = _drive(tap, _cut(CONTINUOUS, cuts))
     assert out.endswith(b"data: [DONE]\n\n")
     assert reported[:3] == [1, 2, 3]
+
+
+# A fast upstream: many content events per read (the tap takes a run of plain content events
+# in one step; see `Translator.on_content_run`). Words with a JSON escape, a non-ASCII one.
+WORDS = ["one", " two", ' "three"', " f\u00f6ur", "\n", " six"] * 9
+FAST = (
+    _chunk({"role": "assistant", "content": ""})
+    + b"".join(_chunk({"content": w}) for w in WORDS)
+    + _chunk({}, "stop") + USAGE_EVENT + b"data: [DONE]\n\n"
+)
+
+
+def _metered(parts: list[bytes], fast: bool) -> tuple[bytes, RequestMeter, ChatTranslator]:
+    body = json.dumps({"model": "m", "messages": [], "stream": True}).encode()
+    tr = ChatTranslator(parse_body(body))
+    if not fast:
+        tr.on_content_run = lambda chunk, events: False  # type: ignore[method-assign]
+    meter = RequestMeter(received=0.0)
+    return _drive(StreamTap(tr, meter), parts), meter, tr
+
+
+@given(st.lists(st.integers(0, len(FAST)), max_size=6), st.integers(0, len(FAST)))
+def test_a_run_of_content_events_meters_as_event_by_event(cuts: list[int], end: int) -> None:
+    # Cut anywhere, and the stream itself maybe cut short (its output then estimated).
+    stream = FAST[:end] if end < len(FAST) - 20 else FAST
+    parts = _cut(stream, [c for c in cuts if c < len(stream)])
+    out_fast, m_fast, tr_fast = _metered(parts, fast=True)
+    out_slow, m_slow, tr_slow = _metered(parts, fast=False)
+    assert out_fast == out_slow
+    assert (m_fast.chunks, m_fast.gap_buckets(), m_fast.first_token_received) == (
+        m_slow.chunks, m_slow.gap_buckets(), m_slow.first_token_received)
+    assert tr_fast.usage() == tr_slow.usage()
+
+
+def test_a_run_of_content_events_is_taken_in_one_step() -> None:
+    head = _chunk({"role": "assistant", "content": ""}) + _chunk({"content": "a"})
+    run = b"".join(_chunk({"content": w}) for w in WORDS)
+    rest = _chunk({}, "stop") + USAGE_EVENT + b"data: [DONE]\n\n"
+    body = json.dumps({"model": "m", "messages": [], "stream": True}).encode()
+    tr = ChatTranslator(parse_body(body))
+    calls: list[bytes] = []
+    original = tr.on_event
+
+    def spy(data: bytes, name: str | None, marked: bool | None = None) -> EventFlag:
+        calls.append(data)
+        return original(data, name, marked)
+
+    tr.on_event = spy  # type: ignore[method-assign]
+    meter = RequestMeter()
+    _drive(StreamTap(tr, meter), [head, run, rest])
+    assert meter.chunks == 1 + len(WORDS)
+    assert len(calls) == 2 + 3  # the head's two events and the rest's three, not the run's
+    assert tr.usage().output_tokens == 3  # as reported

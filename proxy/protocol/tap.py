@@ -52,7 +52,7 @@ _USAGE_ONLY = int(EventFlag.USAGE_ONLY)
 
 class StreamTap:
     __slots__ = ("_broken", "_decoder", "_held", "_holding", "_meter", "_next", "_next_at",
-                 "_on_error", "_on_event", "_strip", "_tainted")
+                 "_on_error", "_on_event", "_on_run", "_strip", "_tainted")
 
     def __init__(self, translator: Translator, meter: RequestMeter,
                  on_error: Callable[[], None] = lambda: None) -> None:
@@ -60,6 +60,7 @@ class StreamTap:
         self._on_error = on_error
         self._decoder = SSEDecoder()
         self._on_event = translator.on_event
+        self._on_run = translator.on_content_run
         self._meter = meter
         self._strip = translator.strips_usage
         self._holding = False  # a choice finished: relay event by event from here on
@@ -109,6 +110,11 @@ class StreamTap:
                 self._tainted = False
                 return
             now = self._next_at
+            events = self._decoder.whole_events(chunk)
+            if events is not None and self._on_run(chunk, events):
+                self._meter.content_run(now, len(events))
+                self._tainted = False
+                return
             # The first event may have begun in an earlier chunk, outside the sniff; the others
             # lie wholly in this one.
             marked, known = None, False if self._strip else None

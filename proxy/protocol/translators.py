@@ -287,6 +287,14 @@ class Translator:
         the caller already knows it (the tap sniffed the chunk this event filled), else None."""
         return _NOTHING
 
+    def on_content_run(self, chunk: bytes, events: list[bytes]) -> bool:
+        """`events`, the data of every event in `chunk` (whole `data:` events, nothing else),
+        taken in one step if each of them is plain content `on_event` would hold without
+        looking further: True, and the meter counts them as content; else False, nothing
+        changed, and the caller goes event by event. What fast upstreams send, many events per
+        read, then costs a few scans of the chunk at C speed instead of Python per event."""
+        return False
+
     # The model the upstream says answered (OTel's gen_ai.response.model), from the JSON the
     # translator parses anyway: the body, the first events, the final Responses event.
     response_model: str | None = None
@@ -500,6 +508,26 @@ class _ChoicesTranslator(Translator):
         if self._held > HOLD_BYTES:
             self._fold()
         return _CONTENT
+
+    def on_content_run(self, chunk: bytes, events: list[bytes]) -> bool:
+        # Exactly the events on_event takes by its last branch: after the first content, JSON
+        # objects (each event's data starts with `{`: every boundary is followed by one, and
+        # JSON text holds no raw newline), no usage, no finish_reason, no empty content.
+        if (
+            not self.seen_content
+            or chunk[6:7] != b"{"
+            or chunk.count(b"\n\ndata: {") != len(events) - 1
+            or carries_usage(chunk)
+            or b'"finish_reason":"' in chunk
+            or b'"finish_reason": "' in chunk
+            or b'"content":""' in chunk
+        ):
+            return False
+        self._content += events
+        self._held += len(chunk) - 8 * len(events)  # each event: b"data: " + data + b"\n\n"
+        if self._held > HOLD_BYTES:
+            self._fold()
+        return True
 
     def _event_texts(self, events: list[bytes]) -> Iterable[str]:
         for obj in _loads_all(events):

@@ -28,6 +28,8 @@ class Figures:
     mean_inter_chunk: float | None
 
 
+_ZERO_GAP = bisect_left(TPOT_BUCKETS, 0.0)  # the bucket of a gap of 0 s
+
 class RequestMeter:
     __slots__ = (
         "_gaps",
@@ -68,6 +70,14 @@ class RequestMeter:
             self.first_token_sent = time.perf_counter()
         self._last = now
         self.chunks += 1
+
+    def content_run(self, now: float, count: int) -> None:
+        """`count` content chunks arrived together at `now`: exactly `count` calls of
+        `content(now)`, in constant time (the gaps between them are 0)."""
+        self.content(now)
+        if count > 1:
+            self._gaps[_ZERO_GAP] += count - 1
+            self.chunks += count - 1
 
     def finish(self) -> None:
         if self.end is None:
