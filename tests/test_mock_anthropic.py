@@ -75,7 +75,8 @@ async def test_max_tokens_cuts_the_generation(sdk: anthropic.AsyncAnthropic) -> 
     assert message.content[0].type == "text" and message.content[0].text == generated_text(5)
 
 
-async def test_streamed_message_with_cache_usage(sdk: anthropic.AsyncAnthropic) -> None:
+async def test_streamed_message_with_cache_usage(sdk: anthropic.AsyncAnthropic,
+                                                  mock: Client) -> None:
     headers = {"x-mock-cache-read-tokens": "7", "x-mock-cache-creation-tokens": "3"}
     kinds: list[str] = []
     async with sdk.messages.stream(
@@ -100,6 +101,9 @@ async def test_streamed_message_with_cache_usage(sdk: anthropic.AsyncAnthropic) 
     usage = final.usage
     assert (usage.input_tokens, usage.output_tokens) == (prompt_tokens() - 10, 12)
     assert (usage.cache_creation_input_tokens, usage.cache_read_input_tokens) == (3, 7)
+    # What the soak checks compare with the proxy's books: the whole prompt, cache included.
+    assert state(mock).reported == {"requests": 1, "prompt_tokens": prompt_tokens(),
+                                    "completion_tokens": 12}
 
 
 async def test_stream_wire_format_has_pings(sdk: anthropic.AsyncAnthropic) -> None:

@@ -110,6 +110,10 @@ class MockState:
             return
         self.reported["requests"] += 1
         prompt = usage.get("prompt_tokens", usage.get("input_tokens", 0))
+        # Anthropic's input_tokens leaves out the prompt's cache reads and writes: the whole
+        # prompt, as the proxy meters it, has them back.
+        prompt += usage.get("cache_creation_input_tokens", 0)
+        prompt += usage.get("cache_read_input_tokens", 0)
         self.reported["prompt_tokens"] += int(prompt)
         self.reported["completion_tokens"] += int(
             usage.get("completion_tokens", usage.get("output_tokens", 0))
