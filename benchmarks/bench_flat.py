@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Flat cost: CPU per request and RSS of one proxy process, per 20,000 requests, for 200,000.
+"""Flat cost: CPU per request and RSS of one proxy process, every 20,000 requests, for 200,000.
 
-    .venv/bin/python benchmarks/bench_flat.py [--requests 200000] [--segment 20000]
-        [--modes upstream,memory-users,redis-users]
+    .venv/bin/python benchmarks/bench_flat.py [--requests 200000] [--segment 16000]
+        [--calibrate 2000] [--modes upstream,memory-users,redis-users]
 
-For each mode a fresh mock upstream (non-streamed answers of 8 tokens, no delay) and a fresh
-`tokenmeter serve` (one process; the ledger on, as shipped: an SQLite file in a temp state
-directory) are started on free 127.0.0.1 ports:
+For each mode a fresh mock upstream (non-streamed answers of 8 tokens, no delay) and two
+`tokenmeter serve` processes with the same command line (the ledger on, as shipped: an SQLite
+file in a temp state directory of each) are started on free 127.0.0.1 ports: the *soaked* one,
+which serves the load, and a *fresh* one, which serves only calibration batches:
 
 | mode | proxy |
 | --- | --- |
@@ -14,13 +15,18 @@ directory) are started on free 127.0.0.1 ports:
 | `memory-users` | a config with 8 users with keys and daily token limits, the in-process store |
 | `redis-users` | the same users, `store.url` a private redis-server (reserve + settle in Lua) |
 
-A closed-loop aiohttp client in this process (a different process from the proxy) sends small
-non-streamed chat requests at concurrency 16 (keys rotated over the users) until `--requests`
-have been answered 200, and after every `--segment` requests reads from /proc the proxy's
-utime + stime and VmRSS (and redis-server's, in `redis-users`). Reported per segment: CPU ms per
-request, RSS MB, requests/s; and the verdict per mode: the median of the last three segments over
-the median of segments 2-4 (segment 1 is warm-up), for CPU per request and for RSS. "Flat"
-means within noise on this shared 2-core VM: a CPU ratio up to 1.25 and RSS growth under 10 MB.
+A closed-loop aiohttp client in this process (not the proxy's) sends small non-streamed chat
+requests at concurrency 16 (keys rotated over the users). Each row of the curve is `--segment`
+requests to the soaked process, then four calibration batches of `--calibrate` requests, soaked,
+fresh, fresh, soaked (20,000 requests to the soaked process per row by default). Per row, from
+/proc: the soaked process's CPU ms per request over the segment (utime + stime), requests/s, its
+VmRSS, and the calibration ratio: the soaked process's CPU per request over the fresh one's,
+measured back to back. On this shared 2-core VM the raw CPU per request moves 2x with what else
+runs (a neighbour's test suite), and both processes alike: the ratio does not, so it is the
+figure that says whether cost grows with the requests served. Verdict per mode: the median of
+the last three rows over that of rows 2-4 (row 1 is warm-up): flat when the calibration ratio
+moved at most 1.25x and RSS grew less than 10 MB; exit 1 otherwise. Results:
+`benchmarks/results/flat-latest.json`.
 
 A growth found here is chased with py-spy (CPU) or tracemalloc snapshots (memory) on a proxy
 started by hand; this benchmark only measures.
@@ -103,38 +109,81 @@ class Procs:
         self.procs.clear()
 
 
-async def drive(url: str, headers: list[dict[str, str]], total: int, segment: int,
-                on_segment: Any) -> None:
-    sent = [0]
-    done = [0]
-    failures = [0]
-    mark = asyncio.Event()
+class Load:
+    """Closed-loop load at CONCURRENCY over one keep-alive session; counts non-200 answers."""
 
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        async def worker(w: int) -> None:
-            while sent[0] < total:
-                sent[0] += 1
-                i = sent[0]
-                async with session.post(url, data=BODY, headers=headers[i % len(headers)]) as r:
+    def __init__(self, session: aiohttp.ClientSession, headers: list[dict[str, str]]) -> None:
+        self.session, self.headers = session, headers
+        self.failures = 0
+
+    async def batch(self, url: str, n: int) -> None:
+        left = [n]
+
+        async def worker() -> None:
+            while left[0] > 0:
+                left[0] -= 1
+                h = self.headers[left[0] % len(self.headers)]
+                async with self.session.post(url, data=BODY, headers=h) as r:
                     await r.read()
                     if r.status != 200:
-                        failures[0] += 1
-                        if failures[0] > 100:
+                        self.failures += 1
+                        if self.failures > 100:
                             raise RuntimeError(f"answer {r.status}: {await r.text()}")
-                done[0] += 1
-                if done[0] % segment == 0:
-                    mark.set()
 
-        async def watcher() -> None:
-            seen = 0
-            while seen < total // segment:
-                await mark.wait()
-                mark.clear()
-                while done[0] // segment > seen:
-                    seen += 1
-                    on_segment(seen, failures[0])
+        await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
 
-        await asyncio.gather(watcher(), *(worker(w) for w in range(CONCURRENCY)))
+
+async def measure(load: Load, url: str, pid: int, n: int) -> float:
+    """CPU ms per request of `pid` over a batch of `n` requests to `url`."""
+    c0 = cpu_s(pid)
+    await load.batch(url, n)
+    await asyncio.sleep(0.1)  # settle work after the last byte is counted
+    return (cpu_s(pid) - c0) / n * 1000
+
+
+async def soak(args: argparse.Namespace, mode: str, headers: list[dict[str, str]],
+               soaked: tuple[str, int], fresh: tuple[str, int], redis_pid: int | None,
+               mock_pid: int) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    served = 0
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        load = Load(session, headers)
+        await load.batch(fresh[0], 500)  # the reference's warm-up (the soaked process warms up
+        # in its first segment, which the verdict leaves out)
+        while served < args.requests:
+            t0, c0 = time.monotonic(), cpu_s(soaked[1])
+            r0 = cpu_s(redis_pid) if redis_pid else 0.0
+            await load.batch(soaked[0], args.segment)
+            wall, cpu = time.monotonic() - t0, cpu_s(soaked[1]) - c0
+            rcpu = (cpu_s(redis_pid) - r0) if redis_pid else 0.0
+            served += args.segment
+            # Calibration: the soaked process and a fresh one (it only ever serves these
+            # batches) in turn, A B B A, so contention from the rest of the box hits both alike.
+            cal: dict[str, list[float]] = {"soaked": [], "fresh": []}
+            for which in ("soaked", "fresh", "fresh", "soaked"):
+                url, pid = soaked if which == "soaked" else fresh
+                cal[which].append(await measure(load, url, pid, args.calibrate))
+            served += 2 * args.calibrate
+            soaked_ms, fresh_ms = statistics.mean(cal["soaked"]), statistics.mean(cal["fresh"])
+            row: dict[str, Any] = {
+                "requests": served, "cpu_ms_per_req": cpu / args.segment * 1000,
+                "req_per_s": args.segment / wall,
+                "calib_soaked_ms": soaked_ms, "calib_fresh_ms": fresh_ms,
+                "ratio_to_fresh": soaked_ms / fresh_ms,
+                "rss_mb": rss_mb(soaked[1]), "fresh_rss_mb": rss_mb(fresh[1]),
+                "mock_rss_mb": rss_mb(mock_pid), "failures": load.failures}
+            extra = ""
+            if redis_pid:
+                row["redis_cpu_ms_per_req"] = rcpu / args.segment * 1000
+                row["redis_rss_mb"] = rss_mb(redis_pid)
+                extra = (f"  redis {row['redis_cpu_ms_per_req']:.3f} ms/req "
+                         f"{row['redis_rss_mb']:.1f} MB")
+            rows.append(row)
+            print(f"{mode:13s} {served:>8,}  cpu {row['cpu_ms_per_req']:.3f} ms/req  "
+                  f"{row['req_per_s']:5.0f} req/s  calib soaked/fresh {soaked_ms:.3f}/"
+                  f"{fresh_ms:.3f} = {row['ratio_to_fresh']:.2f}x  rss {row['rss_mb']:6.1f} MB "
+                  f"(fresh {row['fresh_rss_mb']:.1f}){extra}", flush=True)
+    return rows
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -142,8 +191,8 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     procs = Procs(tmp)
     tm = str(VENV_BIN / "tokenmeter")
     try:
-        mock_port, proxy_port = free_port(), free_port()
-        procs.start("mock", [tm, "mock-upstream", "--port", str(mock_port), "--ttft-ms", "0",
+        mock_port = free_port()
+        mock = procs.start("mock", [tm, "mock-upstream", "--port", str(mock_port), "--ttft-ms", "0",
                              "--output-tokens", "8"])
         wait_port(mock_port)
         redis_pid = None
@@ -155,8 +204,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
                                           "--appendonly", "no"])
             redis_pid = redis.pid
             wait_port(redis_port)
-        env = dict(os.environ, TOKENMETER_STATE_DIR=str(tmp / "state"))
-        argv = [tm, "serve", "--port", str(proxy_port), "--log-level", "WARNING"]
+        argv = [tm, "serve", "--log-level", "WARNING"]
         if mode == "upstream":
             argv += ["--upstream", f"http://127.0.0.1:{mock_port}/v1"]
             headers = [{"Content-Type": "application/json"}]
@@ -166,56 +214,49 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             argv += ["--config", str(conf)]
             headers = [{"Content-Type": "application/json", "Authorization": f"Bearer {key(i)}"}
                        for i in range(USERS)]
-        proxy = procs.start("proxy", argv, env)
-        wait_port(proxy_port)
-        rows: list[dict[str, Any]] = []
-        last = {"t": time.monotonic(), "cpu": cpu_s(proxy.pid),
-                "rcpu": cpu_s(redis_pid) if redis_pid else 0.0}
-
-        def on_segment(n: int, failures: int) -> None:
-            now, cpu = time.monotonic(), cpu_s(proxy.pid)
-            rcpu = cpu_s(redis_pid) if redis_pid else 0.0
-            row = {"requests": n * args.segment,
-                   "cpu_ms_per_req": (cpu - last["cpu"]) / args.segment * 1000,
-                   "rss_mb": rss_mb(proxy.pid),
-                   "req_per_s": args.segment / (now - last["t"]),
-                   "failures": failures}
-            if redis_pid:
-                row["redis_cpu_ms_per_req"] = (rcpu - last["rcpu"]) / args.segment * 1000
-                row["redis_rss_mb"] = rss_mb(redis_pid)
-            last.update(t=now, cpu=cpu, rcpu=rcpu)
-            rows.append(row)
-            extra = (f"  redis {row['redis_cpu_ms_per_req']:.3f} ms/req "
-                     f"{row['redis_rss_mb']:.1f} MB") if redis_pid else ""
-            print(f"{mode:13s} {row['requests']:>8,}  cpu {row['cpu_ms_per_req']:.3f} ms/req  "
-                  f"rss {row['rss_mb']:6.1f} MB  {row['req_per_s']:6.0f} req/s{extra}",
-                  flush=True)
-
-        url = f"http://127.0.0.1:{proxy_port}/v1/chat/completions"
-        asyncio.run(drive(url, headers, args.requests, args.segment, on_segment))
-    finally:
+        proxies: list[tuple[str, int]] = []
+        for name in ("soaked", "fresh"):
+            port = free_port()
+            env = dict(os.environ, TOKENMETER_STATE_DIR=str(tmp / f"state-{name}"))
+            pid = procs.start(name, [*argv, "--port", str(port)], env).pid
+            wait_port(port)
+            proxies.append((f"http://127.0.0.1:{port}/v1/chat/completions", pid))
+        rows = asyncio.run(soak(args, mode, headers, proxies[0], proxies[1], redis_pid,
+                                mock.pid))
+    except BaseException:
+        print(f"{mode}: failed; the services' logs are kept in {tmp}", flush=True)
         procs.stop_all()
-        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    procs.stop_all()
+    shutil.rmtree(tmp, ignore_errors=True)
     return {"mode": mode, "segments": rows, **verdict(rows)}
 
 
 def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Late (last three rows) against early (rows 2-4; row 1 is warm-up), medians."""
     if len(rows) < 7:
         return {}
-    early = rows[1:4]
-    late = rows[-3:]
-    cpu_ratio = (statistics.median(r["cpu_ms_per_req"] for r in late)
-                 / statistics.median(r["cpu_ms_per_req"] for r in early))
-    rss_growth = (statistics.median(r["rss_mb"] for r in late)
-                  - statistics.median(r["rss_mb"] for r in early))
-    flat = cpu_ratio <= 1.25 and rss_growth < 10
-    return {"cpu_ratio_late_early": cpu_ratio, "rss_growth_mb": rss_growth, "flat": flat}
+
+    def change(key: str) -> float:
+        late: float = statistics.median(r[key] for r in rows[-3:])
+        early: float = statistics.median(r[key] for r in rows[1:4])
+        return late / early
+
+    rss_growth = (statistics.median(r["rss_mb"] for r in rows[-3:])
+                  - statistics.median(r["rss_mb"] for r in rows[1:4]))
+    calib = change("ratio_to_fresh")
+    flat = calib <= 1.25 and rss_growth < 10
+    return {"cpu_ratio_late_early": change("cpu_ms_per_req"), "calib_ratio_late_early": calib,
+            "rss_growth_mb": rss_growth, "flat": flat}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=200_000)
-    parser.add_argument("--segment", type=int, default=20_000)
+    parser.add_argument("--segment", type=int, default=16_000,
+                        help="requests of the soak load per row (plus 2 x --calibrate)")
+    parser.add_argument("--calibrate", type=int, default=2_000,
+                        help="requests per calibration block (4 per row: 2 soaked, 2 fresh)")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--redis-server", default=shutil.which("redis-server") or "redis-server")
     parser.add_argument("--output", type=Path,
@@ -231,8 +272,9 @@ def main() -> int:
     for r in results:
         if "flat" in r:
             ok &= r["flat"]
-            print(f"{r['mode']:13s} CPU/request last 3 / segments 2-4: "
-                  f"{r['cpu_ratio_late_early']:.2f} x   RSS growth {r['rss_growth_mb']:+.1f} MB"
+            print(f"{r['mode']:13s} late / early: CPU/request {r['cpu_ratio_late_early']:.2f} x,"
+                  f" soaked/fresh {r['calib_ratio_late_early']:.2f} x;"
+                  f" RSS growth {r['rss_growth_mb']:+.1f} MB"
                   f"   {'FLAT' if r['flat'] else 'GROWS'}")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({
