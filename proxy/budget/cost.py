@@ -7,6 +7,7 @@ the ledger sums them exactly; prices are USD per million tokens, so a token at $
 from __future__ import annotations
 
 import fnmatch
+import functools
 import hashlib
 import json
 import math
@@ -32,9 +33,15 @@ def price_for(prices: Mapping[str, Price], model: str) -> Price | None:
     return None
 
 
+@functools.lru_cache(maxsize=1024)
+def _per_token(usd_per_million: float) -> Decimal:
+    """Nano-dollars per token. str(): the price as written in the YAML, not its binary
+    approximation. Cached: a price table has few prices, and this is on every request's path."""
+    return Decimal(str(usd_per_million)) * 1000
+
+
 def _nanos(tokens: int, usd_per_million: float) -> Decimal:
-    # str(): the price as written in the YAML, not its binary approximation.
-    return Decimal(tokens) * Decimal(str(usd_per_million)) * 1000
+    return tokens * _per_token(usd_per_million)
 
 
 def cost_nanousd(price: Price, input_tokens: int, cached_input_tokens: int,
@@ -53,8 +60,11 @@ class CostLine(NamedTuple):
     usd_per_million: float
 
 
-def cost_lines(price: Price, usage: Usage) -> tuple[CostLine, ...]:
-    """`usage`'s tokens by the price they pay, each token in exactly one line.
+KINDS = ("input", "cached_input", "cache_write_5m", "cache_write_1h", "output")
+
+
+def _split(usage: Usage) -> tuple[int, int, int, int, int]:
+    """`usage`'s tokens by the price they pay (KINDS' order), each token in exactly one.
 
     The prompt (`input_tokens`, the whole of it) splits into cache reads, cache writes (1-hour
     ones, the rest 5-minute) and the plain rest: a cache write is billed at its write price
@@ -65,32 +75,38 @@ def cost_lines(price: Price, usage: Usage) -> tuple[CostLine, ...]:
     reads = min(usage.cached_input_tokens, inp)
     writes = min(usage.cache_creation_input_tokens, inp - reads)
     hour = min(usage.cache_creation_1h_input_tokens, writes)
-    return (
-        CostLine("input", inp - reads - writes, price.input),
-        CostLine("cached_input", reads, _or_input(price, price.cached_input)),
-        CostLine("cache_write_5m", writes - hour, _or_input(price, price.cache_write_5m)),
-        CostLine("cache_write_1h", hour, _or_input(price, price.cache_write_1h)),
-        CostLine("output", usage.output_tokens, price.output),
-    )
+    return inp - reads - writes, reads, writes - hour, hour, usage.output_tokens
 
 
-def _or_input(price: Price, usd_per_million: float | None) -> float:
-    return price.input if usd_per_million is None else usd_per_million
+def _prices(price: Price) -> tuple[float, float, float, float, float]:
+    """USD per million tokens, KINDS' order: an unset price is the input price."""
+    inp = price.input
+    return (inp, inp if price.cached_input is None else price.cached_input,
+            inp if price.cache_write_5m is None else price.cache_write_5m,
+            inp if price.cache_write_1h is None else price.cache_write_1h, price.output)
+
+
+def cost_lines(price: Price, usage: Usage) -> tuple[CostLine, ...]:
+    """`usage`'s tokens by the price they pay, each token in exactly one line (see `_split`):
+    what usage_cost sums, and the cost metric's types."""
+    return tuple(map(CostLine, KINDS, _split(usage), _prices(price)))
 
 
 def usage_cost(price: Price, usage: Usage) -> int:
     """What `usage` costs at `price`: the one place settle and the books price a request.
     Rounded up to a whole nano-dollar once, for the whole request."""
-    return math.ceil(sum((_nanos(line.tokens, line.usd_per_million)
-                          for line in cost_lines(price, usage) if line.tokens), Decimal(0)))
+    total = Decimal(0)
+    for tokens, usd_per_million in zip(_split(usage), _prices(price), strict=True):
+        if tokens:
+            total += tokens * _per_token(usd_per_million)
+    return math.ceil(total)
 
 
 def worst_case_nanousd(price: Price, prompt_tokens: int, output_tokens: int) -> int:
     """The most a request of `prompt_tokens` and up to `output_tokens` can cost: every prompt
     token at the dearest price a prompt token can pay (plain input, a cache read or either cache
     write), so a reservation of it is never below `usage_cost` of what the request used."""
-    dearest = max(p for p in (price.input, price.cached_input, price.cache_write_5m,
-                              price.cache_write_1h) if p is not None)
+    dearest = max(_prices(price)[:4])
     return math.ceil(_nanos(prompt_tokens, dearest) + _nanos(output_tokens, price.output))
 
 
