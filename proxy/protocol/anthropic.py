@@ -88,7 +88,10 @@ class MessagesTranslator(Translator):
         for field in _USAGE_FIELDS:
             if field in obj:
                 value = obj[field]
-                self._fields[field] = value if isinstance(value, dict) else usage_int(value)
+                if isinstance(value, dict):
+                    self._fields[field] = value
+                elif field != "cache_creation":  # a null split says nothing: keep the last
+                    self._fields[field] = usage_int(value)
         if final:
             self._reported = anthropic_usage(self._fields)
 

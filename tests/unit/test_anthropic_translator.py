@@ -91,6 +91,8 @@ def test_cache_writes_by_lifetime() -> None:
         "cache_creation": {"ephemeral_5m_input_tokens": 12, "ephemeral_1h_input_tokens": 8},
         "output_tokens": 1}}}))
     t.on_event(*delta("text_delta", text="Hello"))
+    t.on_event(*event({"type": "message_delta", "delta": {"stop_reason": None},
+                       "usage": {"output_tokens": 2, "cache_creation": None}}))
     t.on_event(*event({"type": "message_delta", "delta": {"stop_reason": "end_turn"},
                        "usage": {"output_tokens": 4, "cache_creation_input_tokens": 20}}))
     assert t.usage() == Usage(input_tokens=125, output_tokens=4, cached_input_tokens=100,
