@@ -109,12 +109,13 @@ class _Recording(ChatTranslator):
             self.peak = max(self.peak, self.retained_bytes())
         return flags
 
-    def on_content_run(self, chunk: bytes, events: list[bytes]) -> bool:
-        taken = super().on_content_run(chunk, events)
-        if taken:  # many events per read: taken in one step
-            self.events += len(events)
+    def take_content_run(self, chunk: bytes, start: int, events: list[bytes],
+                         first: int) -> tuple[int, int]:
+        count, end = super().take_content_run(chunk, start, events, first)
+        if count:  # many events per read: taken in one step
+            self.events += count
             self.peak = max(self.peak, self.retained_bytes())
-        return taken
+        return count, end
 
 
 @pytest.mark.timeout(120)

@@ -181,7 +181,7 @@ def test_usage_in_content_events_is_seen_at_any_cuts(cuts: list[int]) -> None:
 
 
 # A fast upstream: many content events per read (the tap takes a run of plain content events
-# in one step; see `Translator.on_content_run`). Words with a JSON escape, a non-ASCII one.
+# in one step; see `Translator.take_content_run`). Words with a JSON escape, a non-ASCII one.
 WORDS = ["one", " two", ' "three"', " f\u00f6ur", "\n", " six"] * 9
 FAST = (
     _chunk({"role": "assistant", "content": ""})
@@ -190,32 +190,36 @@ FAST = (
 )
 
 
-def _metered(parts: list[bytes], fast: bool) -> tuple[bytes, RequestMeter, ChatTranslator]:
-    body = json.dumps({"model": "m", "messages": [], "stream": True}).encode()
-    tr = ChatTranslator(parse_body(body))
+def _metered(parts: list[bytes], fast: bool,
+             asked: bool) -> tuple[bytes, RequestMeter, ChatTranslator]:
+    body: dict[str, object] = {"model": "m", "messages": [], "stream": True}
+    if asked:
+        body["stream_options"] = {"include_usage": True}
+    tr = ChatTranslator(parse_body(json.dumps(body).encode()))
     if not fast:
-        tr.on_content_run = lambda chunk, events: False  # type: ignore[method-assign]
+        tr.take_content_run = (  # type: ignore[method-assign]
+            lambda chunk, start, events, first: (0, start))
     meter = RequestMeter(received=0.0)
     return _drive(StreamTap(tr, meter), parts), meter, tr
 
 
-@given(st.lists(st.integers(0, len(FAST)), max_size=6), st.integers(0, len(FAST)))
-def test_a_run_of_content_events_meters_as_event_by_event(cuts: list[int], end: int) -> None:
+@given(st.lists(st.integers(0, len(FAST)), max_size=6), st.integers(0, len(FAST)),
+       st.booleans())
+def test_a_run_of_content_events_meters_as_event_by_event(cuts: list[int], end: int,
+                                                          asked: bool) -> None:
     # Cut anywhere, and the stream itself maybe cut short (its output then estimated).
     stream = FAST[:end] if end < len(FAST) - 20 else FAST
     parts = _cut(stream, [c for c in cuts if c < len(stream)])
-    out_fast, m_fast, tr_fast = _metered(parts, fast=True)
-    out_slow, m_slow, tr_slow = _metered(parts, fast=False)
+    out_fast, m_fast, tr_fast = _metered(parts, fast=True, asked=asked)
+    out_slow, m_slow, tr_slow = _metered(parts, fast=False, asked=asked)
     assert out_fast == out_slow
     assert (m_fast.chunks, m_fast.gap_buckets(), m_fast.first_token_received) == (
         m_slow.chunks, m_slow.gap_buckets(), m_slow.first_token_received)
     assert tr_fast.usage() == tr_slow.usage()
 
 
-def test_a_run_of_content_events_is_taken_in_one_step() -> None:
-    head = _chunk({"role": "assistant", "content": ""}) + _chunk({"content": "a"})
-    run = b"".join(_chunk({"content": w}) for w in WORDS)
-    rest = _chunk({}, "stop") + USAGE_EVENT + b"data: [DONE]\n\n"
+def _spied() -> tuple[ChatTranslator, list[bytes]]:
+    """A chat translator (the client did not ask for usage) noting each event `on_event` saw."""
     body = json.dumps({"model": "m", "messages": [], "stream": True}).encode()
     tr = ChatTranslator(parse_body(body))
     calls: list[bytes] = []
@@ -226,8 +230,24 @@ def test_a_run_of_content_events_is_taken_in_one_step() -> None:
         return original(data, name, marked)
 
     tr.on_event = spy  # type: ignore[method-assign]
+    return tr, calls
+
+
+def test_a_run_of_content_events_is_taken_in_one_step() -> None:
+    head = _chunk({"role": "assistant", "content": ""}) + _chunk({"content": "a"})
+    run = b"".join(_chunk({"content": w}) for w in WORDS)
+    rest = _chunk({}, "stop") + USAGE_EVENT + b"data: [DONE]\n\n"
+    tr, calls = _spied()
     meter = RequestMeter()
     _drive(StreamTap(tr, meter), [head, run, rest])
     assert meter.chunks == 1 + len(WORDS)
     assert len(calls) == 2 + 3  # the head's two events and the rest's three, not the run's
     assert tr.usage().output_tokens == 3  # as reported
+    # All in one read: only the events before the first content and after the last go alone.
+    tr, calls = _spied()
+    whole = RequestMeter()
+    out = _drive(StreamTap(tr, whole), [head + run + rest])
+    assert whole.chunks == 1 + len(WORDS)
+    assert out == head + run + rest.replace(USAGE_EVENT, b"")  # the usage we asked for: ours
+    assert len(calls) == 2 + 3
+    assert tr.usage().output_tokens == 3

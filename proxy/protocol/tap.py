@@ -52,7 +52,8 @@ _USAGE_ONLY = int(EventFlag.USAGE_ONLY)
 
 class StreamTap:
     __slots__ = ("_broken", "_decoder", "_held", "_holding", "_meter", "_next", "_next_at",
-                 "_on_error", "_on_event", "_on_run", "_strip", "_tainted")
+                 "_on_error", "_on_event", "_strip", "_tainted", "_take_run",
+                 "_translator")
 
     def __init__(self, translator: Translator, meter: RequestMeter,
                  on_error: Callable[[], None] = lambda: None) -> None:
@@ -60,7 +61,8 @@ class StreamTap:
         self._on_error = on_error
         self._decoder = SSEDecoder()
         self._on_event = translator.on_event
-        self._on_run = translator.on_content_run
+        self._take_run = translator.take_content_run
+        self._translator = translator
         self._meter = meter
         self._strip = translator.strips_usage
         self._holding = False  # a choice finished: relay event by event from here on
@@ -111,8 +113,8 @@ class StreamTap:
                 return
             now = self._next_at
             events = self._decoder.whole_events(chunk)
-            if events is not None and self._on_run(chunk, events):
-                self._meter.content_run(now, len(events))
+            if events is not None:
+                self._runs(chunk, events, now, None)
                 self._tainted = False
                 return
             # The first event may have begun in an earlier chunk, outside the sniff; the others
@@ -145,7 +147,45 @@ class StreamTap:
             self._holding = True
         return bits
 
+    def _runs(self, chunk: bytes, events: list[bytes], now: float,
+              out: list[bytes] | None) -> None:
+        """`chunk` is whole one-line data events (`events`, their data), nothing pending:
+        runs of plain content are taken in one step (`Translator.take_content_run`), the other
+        events one by one. With `out`, the bytes to forward are appended to it: all but a
+        usage-only event of a stripping stream. Once an event a run could have taken but did
+        not turns out to be content (a kind the run does not know, or vLLM's usage in every
+        event), the rest of the chunk goes event by event, as before runs: no scan per event."""
+        pos = i = 0
+        runs = True
+        translator = self._translator
+        while i < len(events):
+            could = False
+            if runs:
+                could = translator.seen_content
+                count, end = self._take_run(chunk, pos, events, i)
+                if count:
+                    self._meter.content_run(now, count)
+                    if out is not None:
+                        out.append(chunk[pos:end])
+                    pos, i = end, i + count
+                    continue
+            data = events[i]
+            end = pos + len(data) + 8
+            flags = self._event(data, None, now, None)
+            if could and flags & _CONTENT:
+                runs = False
+            if out is not None and not flags & _USAGE_ONLY:
+                out.append(chunk[pos:end])
+            pos, i = end, i + 1
+
     def _filter(self, chunk: bytes, now: float) -> bytes:
+        if not self._held:
+            events = self._decoder.whole_events(chunk)
+            if events is not None:
+                forward: list[bytes] = []
+                self._runs(chunk, events, now, forward)
+                self._tainted = False
+                return b"".join(forward)
         buf = self._held + chunk
         shift = len(self._held)
         out: list[bytes] = []

@@ -56,6 +56,12 @@ def carries_usage(data: bytes) -> bool:
     return b'"usage":{' in data or b'"usage": {' in data
 
 
+# What ends a run of plain content events (`take_content_run`): a usage object, a finish, an
+# empty content, and any event whose data is not a JSON object (`[DONE]`, say).
+_RUN_ENDS = (b'"usage":{', b'"usage": {', b'"finish_reason":"', b'"finish_reason": "',
+             b'"content":""', b"\n\ndata: [")
+
+
 class _BaseBody(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str = Field(min_length=1, max_length=256)
@@ -287,13 +293,15 @@ class Translator:
         the caller already knows it (the tap sniffed the chunk this event filled), else None."""
         return _NOTHING
 
-    def on_content_run(self, chunk: bytes, events: list[bytes]) -> bool:
-        """`events`, the data of every event in `chunk` (whole `data:` events, nothing else),
-        taken in one step if each of them is plain content `on_event` would hold without
-        looking further: True, and the meter counts them as content; else False, nothing
-        changed, and the caller goes event by event. What fast upstreams send, many events per
-        read, then costs a few scans of the chunk at C speed instead of Python per event."""
-        return False
+    def take_content_run(self, chunk: bytes, start: int, events: list[bytes],
+                         first: int) -> tuple[int, int]:
+        """`chunk[start:]` is whole one-line `data: ` events, `events[first:]` their data: the
+        leading ones that are plain content `on_event` would hold without looking further,
+        taken in one step. Returns how many, and where in `chunk` they end; (0, start): none,
+        nothing changed, and the caller takes the next event by `on_event`. What fast
+        upstreams send, many events per read, then costs a few scans of the chunk at C speed
+        instead of Python per event."""
+        return 0, start
 
     # The model the upstream says answered (OTel's gen_ai.response.model), from the JSON the
     # translator parses anyway: the body, the first events, the final Responses event.
@@ -509,25 +517,32 @@ class _ChoicesTranslator(Translator):
             self._fold()
         return _CONTENT
 
-    def on_content_run(self, chunk: bytes, events: list[bytes]) -> bool:
+    def take_content_run(self, chunk: bytes, start: int, events: list[bytes],
+                         first: int) -> tuple[int, int]:
         # Exactly the events on_event takes by its last branch: after the first content, JSON
-        # objects (each event's data starts with `{`: every boundary is followed by one, and
-        # JSON text holds no raw newline), no usage, no finish_reason, no empty content.
-        if (
-            not self.seen_content
-            or chunk[6:7] != b"{"
-            or chunk.count(b"\n\ndata: {") != len(events) - 1
-            or carries_usage(chunk)
-            or b'"finish_reason":"' in chunk
-            or b'"finish_reason": "' in chunk
-            or b'"content":""' in chunk
-        ):
-            return False
-        self._content += events
-        self._held += len(chunk) - 8 * len(events)  # each event: b"data: " + data + b"\n\n"
+        # objects with no usage, no finish_reason, no empty content. The run ends at the event
+        # holding the first of those marks (found by C-speed scans; JSON text has no raw
+        # newline, so `\n\ndata: ` is only ever an event boundary).
+        if not self.seen_content or chunk[start + 6 : start + 7] != b"{":
+            return 0, start
+        stop = len(chunk)
+        for mark in _RUN_ENDS:
+            at = chunk.find(mark, start, stop)
+            if at >= 0:
+                stop = at
+        if stop < len(chunk):
+            stop = chunk.rfind(b"\n\ndata: ", start, stop) + 2  # that event's start
+            if stop < start + 2:
+                return 0, start  # the first event is the marked one
+        count = chunk.count(b"\n\n", start, stop)
+        if chunk.count(b"\n\ndata: {", start, stop) != count - 1:
+            return 0, start  # an event in it is not a JSON object: event by event
+        taken = events[first : first + count]
+        self._content += taken
+        self._held += stop - start - 8 * count  # each event: b"data: " + data + b"\n\n"
         if self._held > HOLD_BYTES:
             self._fold()
-        return True
+        return count, stop
 
     def _event_texts(self, events: list[bytes]) -> Iterable[str]:
         for obj in _loads_all(events):
