@@ -365,3 +365,16 @@ async def test_ttft_on_the_first_thinking_delta(
     assert (output, source) == (5, "estimated")
     metrics = await stack.metrics()
     assert sample(metrics, "gen_ai_server_time_to_first_token_seconds_count", model=MODEL) == 1
+
+
+async def test_cached_prompt_cost_in_metrics(priced: Stack) -> None:
+    """tokenmeter_cost_usd agrees with the ledger: cache writes at their write prices."""
+    costs = await cached_requests(priced)
+    metrics = await priced.metrics()
+    cost = "tokenmeter_cost_usd_total"
+    assert sample(metrics, cost, model=MODEL, user="alice") == pytest.approx(
+        sum(c for _, c in costs) / 1e9, rel=1e-12)
+    for kind, usd in (("cache_write_1h", 2 * 12 * 6.0), ("cache_write_5m", 2 * 18 * 3.75),
+                      ("cached_input", 2 * 40 * 0.30)):
+        assert sample(metrics, cost, model=MODEL, user="alice", type=kind) == pytest.approx(
+            usd / 1e6, rel=1e-12)

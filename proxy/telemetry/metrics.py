@@ -24,13 +24,14 @@ import enum
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
 from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from proxy.budget.cost import cost_lines
 from proxy.config.policy import AdmissionPolicy, Price
 from proxy.protocol.usage import Usage
 
@@ -61,6 +62,41 @@ TOKENS_PER_SECOND_BUCKETS: tuple[float, ...] = (
     5.0, 10.0, 25.0, 50.0, 75.0, 100.0, 150.0, 200.0, 300.0, 500.0, 750.0, 1000.0, 1500.0,
     2000.0, 3000.0, 5000.0, 7500.0, 10000.0, 14000.0, 20000.0, 50000.0,
 )
+
+
+class _Memo:
+    """`labels()` that remembers its children: prometheus_client validates and joins the
+    values and takes a lock on every call (about 1.5 us), and a request makes a few dozen of
+    them. The memo holds what the metric's own table holds, so it grows with label
+    cardinality, not with requests; nothing here removes a child."""
+
+    _memo: dict[tuple[Any, ...], Self]
+
+    def labels(self, *values: Any, **by_name: Any) -> Self:
+        if by_name:
+            named: Self = super().labels(*values, **by_name)  # type: ignore[misc]
+            return named
+        try:
+            return self._memo[values]
+        except AttributeError:
+            self._memo = {}
+        except KeyError:
+            pass
+        child: Self = super().labels(*values)  # type: ignore[misc]
+        self._memo[values] = child
+        return child
+
+
+class _Counter(_Memo, Counter):
+    pass
+
+
+class _Gauge(_Memo, Gauge):
+    pass
+
+
+class _Histogram(_Memo, Histogram):
+    pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +161,7 @@ class _SharedGapHistogram:
 
     def __init__(self, name: str, doc: str, buckets: tuple[float, ...]) -> None:
         # Not registered: in multiprocess mode /metrics reads the files, not a registry.
-        self._histogram = Histogram(name, doc, ("model", "upstream", "operation"),
+        self._histogram = _Histogram(name, doc, ("model", "upstream", "operation"),
                                     buckets=buckets, registry=None)
 
     def merge(self, labels: tuple[str, str, str], counts: list[int], total: float) -> None:
@@ -234,32 +270,32 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         hist_labels = ("model", "upstream", "operation")
-        self._ttft = Histogram(
+        self._ttft = _Histogram(
             "gen_ai_server_time_to_first_token_seconds",
             "Request received to first content token forwarded to the client (streaming).",
             hist_labels, buckets=TTFT_BUCKETS, registry=r,
         )
-        self._tpot = Histogram(
+        self._tpot = _Histogram(
             "gen_ai_server_time_per_output_token_seconds",
             "Decode time per output token after the first one (streaming).",
             hist_labels, buckets=TPOT_BUCKETS, registry=r,
         )
-        self._duration = Histogram(
+        self._duration = _Histogram(
             "gen_ai_server_request_duration_seconds",
             "End-to-end request duration as seen by the proxy.",
             hist_labels, buckets=DURATION_BUCKETS, registry=r,
         )
-        self._upstream_ttft = Histogram(
+        self._upstream_ttft = _Histogram(
             "tokenmeter_upstream_time_to_first_token_seconds",
             "Upstream call started to first content token received: the upstream's part of TTFT.",
             hist_labels, buckets=TTFT_BUCKETS, registry=r,
         )
-        self._overhead = Histogram(
+        self._overhead = _Histogram(
             "tokenmeter_proxy_overhead_seconds",
             "Proxy's own time from request received to upstream call started.",
             ("operation",), buckets=OVERHEAD_BUCKETS, registry=r,
         )
-        self._tokens_per_second = Histogram(
+        self._tokens_per_second = _Histogram(
             "tokenmeter_output_tokens_per_second",
             "Output tokens per second of one stream over its decode phase.",
             hist_labels, buckets=TOKENS_PER_SECOND_BUCKETS, registry=r,
@@ -278,193 +314,193 @@ class Metrics:
                                              TPOT_BUCKETS)
         # Gauges read from a callback at scrape time (a worker writes them every REFRESH_S).
         self._callbacks: list[tuple[Gauge, Callable[[], float]]] = []
-        self._tokens = Counter(
+        self._tokens = _Counter(
             "tokenmeter_tokens",
             "Tokens by type (input, output, cached_input, reasoning, cache_creation_input, "
             "cache_read_input) and source.",
             ("type", "model", "user", "source"), registry=r,
         )
-        self._requests = Counter(
+        self._requests = _Counter(
             "tokenmeter_requests",
             "Requests by HTTP status and error class.",
             ("model", "user", "status", "error_class"), registry=r,
         )
-        self._active = Gauge(
+        self._active = _Gauge(
             "tokenmeter_active_requests", "Requests in flight.", ("upstream",), registry=r,
             multiprocess_mode="livesum",
         )
-        self._retries = Counter(
+        self._retries = _Counter(
             "tokenmeter_upstream_retries",
             "Upstream calls retried (before any byte reached the client), by the reason.",
             ("upstream", "reason"), registry=r,
         )
-        self._fallbacks = Counter(
+        self._fallbacks = _Counter(
             "tokenmeter_fallbacks",
             "Requests handed from a route to its next fallback model, by the reason "
             "(an error class, or slow: recent TTFT p95 over the threshold).",
             ("route", "to_model", "reason"), registry=r,
         )
-        self._metering_errors = Counter(
+        self._metering_errors = _Counter(
             "tokenmeter_metering_errors",
             "Failures while metering or settling a request (usage may be missing).",
             ("stage",), registry=r,
         )
         budget = ("user", "window")
-        self._budget_limit = Gauge(
+        self._budget_limit = _Gauge(
             "tokenmeter_budget_limit_tokens", "Configured limit of a budget window.", budget,
             registry=r, multiprocess_mode="mostrecent",
         )
-        self._budget_used = Gauge(
+        self._budget_used = _Gauge(
             "tokenmeter_budget_used_tokens",
             "Used (settled plus in-flight reservations) in the current window.", budget,
             registry=r, multiprocess_mode="mostrecent",
         )
-        self._budget_remaining = Gauge(
+        self._budget_remaining = _Gauge(
             "tokenmeter_budget_remaining_tokens", "Limit minus used in the current window.",
             budget, registry=r, multiprocess_mode="mostrecent",
         )
-        self._budget_refusals = Counter(
+        self._budget_refusals = _Counter(
             "tokenmeter_budget_refusals", "Requests refused by a budget limit.",
             ("user", "limit"), registry=r,
         )
-        self._budget_reserved = Counter(
+        self._budget_reserved = _Counter(
             "tokenmeter_budget_reserved_tokens",
             "Tokens reserved before requests went upstream (top-ups included), by admission "
             "policy.", ("user", "policy"), registry=r,
         )
-        self._budget_overreserved = Counter(
+        self._budget_overreserved = _Counter(
             "tokenmeter_budget_overreserved_tokens",
             "Reserved minus actual tokens, released at settlement, by admission policy.",
             ("user", "policy"), registry=r,
         )
-        self._budget_clamped = Counter(
+        self._budget_clamped = _Counter(
             "tokenmeter_budget_clamped_requests",
             "Requests admitted with a lower output cap (admission: clamp), by the window that "
             "left the least room.", budget, registry=r,
         )
-        self._budget_clamped_tokens = Counter(
+        self._budget_clamped_tokens = _Counter(
             "tokenmeter_budget_clamped_tokens",
             "Output tokens cut from requests' caps by clamping (asked for minus granted).",
             budget, registry=r,
         )
-        self._budget_topups = Counter(
+        self._budget_topups = _Counter(
             "tokenmeter_budget_topups",
             "Reservation top-ups of streams under admission: estimate, by outcome (granted, "
             "refused: no room left in a window, gone: the reservation had been reaped).",
             ("user", "outcome"), registry=r,
         )
-        self._budget_topup_tokens = Counter(
+        self._budget_topup_tokens = _Counter(
             "tokenmeter_budget_topup_tokens",
             "Output tokens added to streams' reservations by top-ups.", ("user",), registry=r,
         )
-        self._budget_streams_ended = Counter(
+        self._budget_streams_ended = _Counter(
             "tokenmeter_budget_streams_ended",
             "Streams ended mid-way because their quota could not be topped up, by window.",
             budget, registry=r,
         )
-        self._threshold_crossings = Counter(
+        self._threshold_crossings = _Counter(
             "tokenmeter_budget_threshold_crossings",
             "Users crossing a notice threshold of their daily quota.", ("user", "threshold"),
             registry=r,
         )
-        self._store_errors = Counter(
+        self._store_errors = _Counter(
             "tokenmeter_store_errors", "Budget store operations that failed.", ("op",),
             registry=r,
         )
-        self._store_latency = Histogram(
+        self._store_latency = _Histogram(
             "tokenmeter_store_latency_seconds", "Budget store round trip.", ("op",),
             buckets=OVERHEAD_BUCKETS, registry=r,
         )
-        self._store_up = Gauge(
+        self._store_up = _Gauge(
             "tokenmeter_store_up",
             "1 if the budget store answered its last operation or probe (probed every second).",
             registry=r, multiprocess_mode="livemin",
         )
-        self._settle_backlog = Gauge(
+        self._settle_backlog = _Gauge(
             "tokenmeter_settle_backlog",
             "Settlements in the local spool, waiting for the store to come back (each user's "
             "usage while the store was down counts as one).", registry=r,
             multiprocess_mode="livesum",
         )
-        self._settle_backlog_tokens = Gauge(
+        self._settle_backlog_tokens = _Gauge(
             "tokenmeter_settle_backlog_tokens",
             "Tokens in the local spool, owed to the store.", registry=r,
             multiprocess_mode="livesum",
         )
-        self._settlements_spooled = Counter(
+        self._settlements_spooled = _Counter(
             "tokenmeter_settlements_spooled",
             "Settlements written to the local spool because the store could not take them.",
             registry=r,
         )
-        self._settlements_lost = Counter(
+        self._settlements_lost = _Counter(
             "tokenmeter_settlements_lost",
             "Settlements lost: the store was down and the spool could not be written.",
             registry=r,
         )
-        self._settlement_tokens_lost = Counter(
+        self._settlement_tokens_lost = _Counter(
             "tokenmeter_settlement_tokens_lost", "Tokens of the settlements lost.", registry=r,
         )
-        self._connections_closed = Counter(
+        self._connections_closed = _Counter(
             "tokenmeter_client_connections_closed",
             "Client connections the proxy refused (max_connections) or cut (header or body "
             "deadline).", ("reason",), registry=r,
         )
-        self._connections_open = Gauge(
+        self._connections_open = _Gauge(
             "tokenmeter_client_connections_open", "Client connections open now.", registry=r,
             multiprocess_mode="livesum",
         )
-        self._config_reloads = Counter(
+        self._config_reloads = _Counter(
             "tokenmeter_config_reloads", "Configuration reloads by result.", ("result",),
             registry=r,
         )
-        self._cost = Counter(
+        self._cost = _Counter(
             "tokenmeter_cost_usd", "Estimated cost from the configured price table.",
             ("model", "user", "type"), registry=r,
         )
-        self._ledger_rows = Counter(
+        self._ledger_rows = _Counter(
             "tokenmeter_ledger_rows_written", "Ledger rows stored in the database.", ("sink",),
             registry=r,
         )
-        self._ledger_spool_rows = Gauge(
+        self._ledger_spool_rows = _Gauge(
             "tokenmeter_ledger_spool_rows", "Ledger rows in the local spool not yet stored.",
             registry=r, multiprocess_mode="livesum",
         )
-        self._ledger_spool_bytes = Gauge(
+        self._ledger_spool_bytes = _Gauge(
             "tokenmeter_ledger_spool_bytes", "Disk taken by ledger rows not yet stored.",
             registry=r, multiprocess_mode="livesum",
         )
-        self._ledger_ship = Histogram(
+        self._ledger_ship = _Histogram(
             "tokenmeter_ledger_ship_seconds", "Time to store one batch of ledger rows.",
             buckets=DURATION_BUCKETS, registry=r,
         )
-        self._ledger_lag = Gauge(
+        self._ledger_lag = _Gauge(
             "tokenmeter_ledger_lag_seconds",
             "Age of the oldest ledger row not yet stored (0: nothing waits).", registry=r,
             multiprocess_mode="livemax",
         )
-        self._ledger_errors = Counter(
+        self._ledger_errors = _Counter(
             "tokenmeter_ledger_errors", "Ledger failures by stage.", ("stage",), registry=r,
         )
-        self._ledger_dropped = Counter(
+        self._ledger_dropped = _Counter(
             "tokenmeter_ledger_rows_dropped",
             "Ledger rows lost: the spool was full or could not be written.", registry=r,
         )
-        self._ledger_up = Gauge(
+        self._ledger_up = _Gauge(
             "tokenmeter_ledger_up", "1 when the last write to the ledger database succeeded.",
             registry=r, multiprocess_mode="livemin",
         )
-        self._reconcile_drift = Gauge(
+        self._reconcile_drift = _Gauge(
             "tokenmeter_reconcile_drift_tokens",
             "Ledger total minus the store's counter, beyond what requests in flight explain, "
             "at the last reconcile (by window).", ("window",), registry=r,
             multiprocess_mode="mostrecent",
         )
-        self._reconcile_orphans = Gauge(
+        self._reconcile_orphans = _Gauge(
             "tokenmeter_reconcile_orphans",
             "Reservations still held past their lease at the last reconcile.", registry=r,
             multiprocess_mode="mostrecent",
         )
-        self._info = Gauge(
+        self._info = _Gauge(
             "tokenmeter_open_mode", "1 when no users are configured and every request is accepted.",
             registry=r, multiprocess_mode="livemostrecent",
         )
@@ -477,7 +513,7 @@ class Metrics:
         """One finished request: latency, tokens, the request itself, its cost, its gaps."""
         self._observe(rec)
         if price is not None:
-            self._observe_cost(rec, price.input, price.cached_input, price.output)
+            self._observe_cost(rec, price)
         self._observe_gaps(rec, gaps)
 
     @contextlib.contextmanager
@@ -658,21 +694,13 @@ class Metrics:
                 self._tokens.labels(kind, rec.model_label, rec.user, u.source).inc(value)
         self._requests.labels(rec.model_label, rec.user, str(rec.status), rec.error_class).inc()
 
-    def _observe_cost(
-        self, rec: RequestRecord, input_price: float, cached_price: float | None,
-        output_price: float,
-    ) -> None:
-        """Prices are USD per million tokens; cached input costs the input price if unset."""
-        u = rec.usage
-        cached = min(u.cached_input_tokens, u.input_tokens)
+    def _observe_cost(self, rec: RequestRecord, price: Price) -> None:
+        """Prices are USD per million tokens; by the price the tokens paid (cost.cost_lines:
+        input, cached_input, cache_write_5m, cache_write_1h, output), as the ledger costs them."""
         labels = (rec.model_label, rec.user)
-        for kind, tokens, price in (
-            ("input", u.input_tokens - cached, input_price),
-            ("cached_input", cached, input_price if cached_price is None else cached_price),
-            ("output", u.output_tokens, output_price),
-        ):
-            if tokens and price:
-                self._cost.labels(*labels, kind).inc(tokens * price / 1_000_000)
+        for kind, tokens, usd_per_million in cost_lines(price, rec.usage):
+            if tokens and usd_per_million:
+                self._cost.labels(*labels, kind).inc(tokens * usd_per_million / 1_000_000)
 
     def _observe_gaps(self, rec: RequestRecord, counts: list[int]) -> None:
         f = rec.figures
