@@ -27,7 +27,6 @@ import collections
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -51,6 +50,7 @@ from proxy.budget.store import (
 from proxy.budget.store_health import StoreHealth
 from proxy.config.policy import AdmissionPolicy, Policy, Price
 from proxy.errors import ServiceUnavailable
+from proxy.ids import new_id
 from proxy.protocol.usage import Usage
 from proxy.telemetry.metrics import Metrics
 
@@ -196,7 +196,7 @@ class Budget:
         if (min_output is not None and min_output < output
                 and any(e.limit is not None for e in entries)):
             clamp = _clamp(plan, prompt, output, min_output)
-        res_id = uuid.uuid4().hex
+        res_id = new_id()
         if self.store.in_process:  # never fails, never yields: nothing can cut it short
             result = await self.store.reserve(
                 plan.slot, res_id, entries, plan.in_flight, policy.store.lease_seconds, clamp
@@ -284,7 +284,7 @@ class Budget:
                 headers={"Retry-After": "1"},
             )
         self.health.skipped("admitted")
-        return Reservation(uuid.uuid4().hex, user, plan, prompt, output,
+        return Reservation(new_id(), user, plan, prompt, output,
                            (0,) * len(plan.windows), False, plan.price, cost,
                            topup_cap=topup_cap, estimate_key=estimate_key,
                            admission=admission)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -36,6 +35,7 @@ from proxy.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from proxy.ids import new_id
 from proxy.pipeline.context import Attempt, Candidacy, Outcome, RequestContext
 from proxy.pipeline.relay import client_gone, relay
 from proxy.pipeline.settle import settle
@@ -69,7 +69,7 @@ def make_handler(shape: type[Translator]) -> Handler:
 
 async def handle(request: web.Request, svc: Services, shape: type[Translator]
                  ) -> web.StreamResponse:
-    outcome = Outcome(uuid.uuid4().hex, shape.operation, RequestMeter())
+    outcome = Outcome(new_id(), shape.operation, RequestMeter())
     try:
         ctx = await admit(request, svc, shape, outcome)
         attempt = await forward(request, ctx, svc, shape, outcome)
