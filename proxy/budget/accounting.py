@@ -98,14 +98,38 @@ class Budget:
         self._active: dict[str, Reservation] = {}
         self._topped: dict[str, int] = {}  # res_id -> output tokens added by top-ups
         self._background: set[asyncio.Task[None]] = set()
+        # Plans of this minute: (user, key, model) -> (policy, limits, enforce, plan).
+        self._plans: dict[tuple[str, str | None, str], tuple[Policy, object, bool, lim.Plan]] = {}
+        self._plans_minute = -1
 
     # --- reserve ------------------------------------------------------------------------
     def plan(self, principal: Principal, model: str, policy: Policy) -> lim.Plan:
         """The windows, concurrency limits and output cap that apply to a request now. Open
         and pass-through modes meter without limiting: no cap, only unlimited windows. A cost
         window needs the model's price: without one the request is refused (`BudgetExceeded`),
-        since a budget that cannot be counted cannot be kept."""
-        plan = lim.plan(policy, principal.user, principal.limits, model, self.clock())
+        since a budget that cannot be counted cannot be kept.
+
+        A plan is the same all minute long (every window's stamp and reset are minutes or
+        longer, and a day in any time zone starts on a minute), so it is made once a minute per
+        user, key and model and kept while the configuration is the same objects; only a
+        counter's time to live, set when the counter is made, may come out up to a minute
+        longer."""
+        now = self.clock()
+        minute = int(now // 60)
+        if minute != self._plans_minute:
+            self._plans.clear()
+            self._plans_minute = minute
+        key = (principal.user, principal.key_id, model)
+        kept = self._plans.get(key)
+        if (kept is not None and kept[0] is policy and kept[1] is principal.limits
+                and kept[2] == principal.enforce):
+            return kept[3]
+        made = self._plan(principal, model, policy, now)
+        self._plans[key] = (policy, principal.limits, principal.enforce, made)
+        return made
+
+    def _plan(self, principal: Principal, model: str, policy: Policy, now: float) -> lim.Plan:
+        plan = lim.plan(policy, principal.user, principal.limits, model, now)
         if not principal.enforce:
             return plan.unenforced()
         price = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import email.utils
+import functools
 import math
 import random
 import time
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import aiohttp
 from multidict import CIMultiDict
+from yarl import URL
 
 from proxy.config.load import LatencyFallback, RetryConfig
 from proxy.errors import ConnectTimeout, ErrorClass, ProxyError, UpstreamUnreachable
@@ -144,6 +146,13 @@ def _nothing() -> None:
     pass
 
 
+
+@functools.lru_cache(maxsize=1024)
+def _url(text: str) -> URL:
+    """An upstream URL parsed once, not on every request (aiohttp parses a string each time).
+    Upstreams and their paths are a handful: the cache is their number."""
+    return URL(text)
+
 async def call_upstream(
     session: aiohttp.ClientSession,
     upstream: Upstream,
@@ -164,7 +173,7 @@ async def call_upstream(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + retry.deadline_s
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=upstream.connect_timeout_s)
-    url = upstream.base_url + path
+    url = _url(upstream.base_url + path)
     attempt = 0
     while True:
         attempt += 1
