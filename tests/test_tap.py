@@ -251,3 +251,29 @@ def test_a_run_of_content_events_is_taken_in_one_step() -> None:
     assert out == head + run + rest.replace(USAGE_EVENT, b"")  # the usage we asked for: ours
     assert len(calls) == 2 + 3
     assert tr.usage().output_tokens == 3
+
+
+def _spaced(delta: dict[str, object], finish: str | None = None) -> bytes:
+    obj = {"id": "c1", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+           "usage": None}
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"  # `": ` and `, ` as Python writes
+
+
+SPACED = (
+    _spaced({"role": "assistant", "content": ""})
+    + b"".join(_spaced({"content": w}) for w in WORDS[:12])
+    + _spaced({}, "stop")
+    + b'data: {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 12}}\n\n'
+    + b"data: [DONE]\n\n"
+)
+
+
+@given(st.lists(st.integers(0, len(SPACED)), max_size=4), st.booleans())
+def test_runs_end_at_marks_written_with_spaces_too(cuts: list[int], asked: bool) -> None:
+    parts = _cut(SPACED, cuts)
+    out_fast, m_fast, tr_fast = _metered(parts, fast=True, asked=asked)
+    out_slow, m_slow, tr_slow = _metered(parts, fast=False, asked=asked)
+    assert out_fast == out_slow
+    assert (m_fast.chunks, m_fast.gap_buckets()) == (m_slow.chunks, m_slow.gap_buckets())
+    assert tr_fast.usage() == tr_slow.usage()
+    assert tr_fast.usage().output_tokens == 12 and m_fast.chunks == 12

@@ -58,8 +58,8 @@ def carries_usage(data: bytes) -> bool:
 
 # What ends a run of plain content events (`take_content_run`): a usage object, a finish, an
 # empty content, and any event whose data is not a JSON object (`[DONE]`, say).
-_RUN_ENDS = (b'"usage":{', b'"usage": {', b'"finish_reason":"', b'"finish_reason": "',
-             b'"content":""', b"\n\ndata: [")
+_RUN_ENDS_COMPACT = (b'"usage":{', b'"finish_reason":"', b'"content":""', b"\n\ndata: [")
+_RUN_ENDS = (*_RUN_ENDS_COMPACT, b'"usage": {', b'"finish_reason": "')
 
 
 class _BaseBody(BaseModel):
@@ -525,16 +525,20 @@ class _ChoicesTranslator(Translator):
         # newline, so `\n\ndata: ` is only ever an event boundary).
         if not self.seen_content or chunk[start + 6 : start + 7] != b"{":
             return 0, start
-        stop = len(chunk)
-        for mark in _RUN_ENDS:
+        end = stop = len(chunk)
+        # Each scan reads the bytes again: the marks written with a space after the colon
+        # (pretty-printing servers) are looked for only where such a colon is.
+        for mark in _RUN_ENDS if chunk.find(b'": ', start) >= 0 else _RUN_ENDS_COMPACT:
             at = chunk.find(mark, start, stop)
             if at >= 0:
                 stop = at
-        if stop < len(chunk):
+        if stop < end:
             stop = chunk.rfind(b"\n\ndata: ", start, stop) + 2  # that event's start
             if stop < start + 2:
                 return 0, start  # the first event is the marked one
-        count = chunk.count(b"\n\n", start, stop)
+            count = chunk.count(b"\n\n", start, stop)
+        else:
+            count = len(events) - first
         if chunk.count(b"\n\ndata: {", start, stop) != count - 1:
             return 0, start  # an event in it is not a JSON object: event by event
         taken = events[first : first + count]
