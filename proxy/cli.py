@@ -165,7 +165,11 @@ async def _serve(
             config = single_upstream_config(url, None)
         host = host or config.server.host
         port = config.server.port if port is None else port
-        app = create_app(config, config_path=config_path)
+        app = create_app(
+            config, config_path=config_path,
+            workers=inherited.count if inherited is not None else 1,
+            audit=inherited is None or inherited.index == 0,
+        )
         # One guard for the API and metrics ports: one connection count, one fd budget.
         metrics = app[st.SERVICES].metrics
         guard = ConnectionGuard(

@@ -234,3 +234,21 @@ async def test_sighup_on_a_missing_file_is_refused_and_said(
         assert await _reloads(proxy, "error") == 1  # SIGHUP was asked for: it is counted
         assert proxy.app[st.SERVICES].runtime.current is before
         assert await _works(proxy, ALICE_KEY)
+
+
+async def test_a_worker_refuses_a_reload_that_adds_limits_on_the_in_process_store(
+    aiohttp_server: ServerFactory, upstream: TestServer, tmp_path: Path,
+) -> None:
+    """Under `serve --workers 2` each worker's in-process store is its own: a limit added by a
+    reload would be kept twice over. The reload is refused; the running version serves on."""
+    url = str(upstream.make_url("/v1"))
+    path = tmp_path / "tm.yaml"
+    path.write_text(budget_yaml(url, "memory", _users(("alice", ALICE_KEY))))
+    app = create_app(load_config(path), config_path=path, workers=2, audit=False)
+    proxy = await aiohttp_server(app)
+    path.write_text(budget_yaml(url, "memory", _users(("alice", ALICE_KEY))
+                                + "    daily_tokens: 10\n"))
+    watcher = app[st.WATCHER]
+    assert not watcher.reload()
+    assert sample(await scrape(proxy), "tokenmeter_config_reloads_total", result="error") == 1
+    assert await _works(proxy, ALICE_KEY)  # no limit: the previous version serves

@@ -25,7 +25,7 @@ from proxy.budget.notify import Notifier
 from proxy.budget.spool import Spool, default_dir
 from proxy.budget.store import Store
 from proxy.budget.store_factory import make_store
-from proxy.config.load import Config
+from proxy.config.load import Config, ConfigError
 from proxy.errors import (
     AuthenticationFailed,
     MethodNotAllowed,
@@ -45,6 +45,7 @@ from proxy.routing.attempts import LatencyTracker
 from proxy.routing.upstream import Router, client_response_headers, upstream_request_headers
 from proxy.server import state as st
 from proxy.server.reload import ConfigWatcher
+from proxy.server.workers import budget_sharing_problem
 from proxy.telemetry.metrics import Metrics
 
 log = logging.getLogger("tokenmeter")
@@ -314,7 +315,7 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
                         budget.spool.directory)
 
 
-def _watch_ctx(path: Path) -> Callable[[web.Application], AsyncIterator[None]]:
+def _watch_ctx(path: Path, workers: int) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         holder = app[st.SERVICES].runtime
 
@@ -323,6 +324,9 @@ def _watch_ctx(path: Path) -> Callable[[web.Application], AsyncIterator[None]]:
         def apply(config: Config) -> None:
             # The store is set up once at start: a changed prefix must not reset every budget.
             config = keep_running_store(config, holder.current.config)
+            # Limits added on the in-process store would be kept by each worker on its own.
+            if workers > 1 and (problem := budget_sharing_problem(config, workers)):
+                raise ConfigError(problem)
             previous = holder.current
             holder.current = build_runtime(config)
             # Names learned from the upstreams at start stay allowed as labels.
@@ -344,8 +348,12 @@ def create_app(
     config_path: Path | None = None,
     clock: Callable[[], float] = time.time,
     store: Store | None = None,
+    workers: int = 1,
+    audit: bool = True,
 ) -> web.Application:
-    """`clock` (epoch seconds) decides budget days and minutes; tests inject one."""
+    """`clock` (epoch seconds) decides budget days and minutes; tests inject one. `workers`:
+    how many processes serve this configuration (`serve --workers`); `audit`: whether this
+    one runs the ledger's reconciliation (one per supervisor: worker 0)."""
     app = web.Application(
         middlewares=[_errors], client_max_size=int(config.server.max_body_mb * 1024 * 1024)
     )
@@ -369,11 +377,11 @@ def create_app(
         ledger=make_ledger(config.ledger, metrics, clock=clock),
     )
     app.cleanup_ctx.extend(
-        [_ledger_ctx, _session_ctx, _store_ctx, _audit_ctx, _watchdog_ctx, _discover_models,
-         _drain_settling]
+        [_ledger_ctx, _session_ctx, _store_ctx, *([_audit_ctx] if audit else []), _watchdog_ctx,
+         _discover_models, _drain_settling]
     )
     if config_path is not None:
-        app.cleanup_ctx.append(_watch_ctx(config_path))
+        app.cleanup_ctx.append(_watch_ctx(config_path, workers))
     shapes: tuple[type[Translator], ...] = (*TRANSLATORS, MessagesTranslator,
                                             CountTokensTranslator)
     for translator in shapes:

@@ -131,11 +131,11 @@ class ConfigWatcher:
             except UnicodeDecodeError as exc:
                 raise ConfigError(f"{self.path}: not UTF-8: {exc.reason}") from None
             config = parse_config(text, str(self.path))
+            self._apply(config)  # may refuse it too (a limit N workers cannot share)
         except ConfigError as exc:
             self._metrics.config_reloaded(ok=False)
             log.error("configuration reload refused, the previous version keeps serving: %s", exc)
             return False
-        self._apply(config)
         self._metrics.config_reloaded(ok=True)
         log.info("configuration reloaded from %s", self.path)
         return True
