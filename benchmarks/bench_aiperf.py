@@ -21,7 +21,9 @@ requests open connections). The bench's come from its JSON (it warms up itself).
 Both clients define TTFT alike: from just before the request is handed to aiohttp to the first
 network read holding a non-empty content delta (AIPerf: `content_responses[0]`; the role-only
 first chunk, content "", counts for neither). Both keep connections alive (AIPerf's default
-`--connection-reuse-strategy pooled`).
+`--connection-reuse-strategy pooled`). AIPerf costs ~48 ms of CPU a request (~1.3 cores at
+concurrency 4) against ~0.1 core for the bench: on a 2-core box it competes with the proxy it
+measures, which shows as a worse AIPerf tail through the proxy; see benchmarks/README.md.
 """
 
 from __future__ import annotations
