@@ -50,4 +50,42 @@ def request_fields(rec: RequestRecord) -> dict[str, object]:
 
 def log_request(rec: RequestRecord) -> None:
     if access_log.isEnabledFor(logging.INFO):
-        access_log.info(json.dumps(request_fields(rec), separators=(",", ":")))
+        access_log.info(request_line(rec))
+
+
+_str = json.encoder.encode_basestring_ascii  # C: quoted and escaped, as json.dumps writes
+
+
+def _s(value: str | None) -> str:
+    return "null" if value is None else _str(value)
+
+
+def _n(value: float | None) -> str:
+    return "null" if value is None else repr(value)
+
+
+def request_line(rec: RequestRecord) -> str:
+    """`json.dumps(request_fields(rec), separators=(",", ":"))`, the same bytes (a test checks
+    that), written out field by field: a line per request is on every request's path, and the
+    dict and the generic encoder cost four times as much."""
+    u, f = rec.usage, rec.figures
+    tps = f.output_tokens_per_second
+    return (
+        f'{{"event":"request","request_id":{_str(rec.request_id)},'
+        f'"operation":{_str(rec.operation)},"user":{_str(rec.user)},"key":{_s(rec.key)},'
+        f'"model":{_str(rec.model[:200])},'
+        f'"fallback_from":{_s(None if rec.fallback_from is None else rec.fallback_from[:200])},'
+        f'"response_model":'
+        f'{_s(None if rec.response_model is None else rec.response_model[:200])},'
+        f'"attempts":{rec.attempts},"upstream":{_str(rec.upstream)},"status":{rec.status},'
+        f'"error_class":{_str(rec.error_class)},"stream":{"true" if rec.stream else "false"},'
+        f'"input_tokens":{u.input_tokens},"output_tokens":{u.output_tokens},'
+        f'"cached_input_tokens":{u.cached_input_tokens},'
+        f'"reasoning_tokens":{u.reasoning_tokens},"total_tokens":{u.total_tokens},'
+        f'"token_source":{_str(u.source)},"ttft_ms":{_n(_ms(f.ttft))},'
+        f'"upstream_ttft_ms":{_n(_ms(f.upstream_ttft))},'
+        f'"overhead_ms":{_n(_ms(f.overhead))},"duration_ms":{_n(_ms(f.duration))},'
+        f'"tpot_ms":{_n(_ms(f.time_per_output_token))},'
+        f'"tokens_per_second":{_n(None if tps is None else round(tps, 1))},'
+        f'"content_chunks":{f.content_chunks}}}'
+    )
