@@ -276,6 +276,9 @@ def main() -> int:
     parser.add_argument("--redis-server", default=shutil.which("redis-server") or "redis-server")
     parser.add_argument("--no-workers", action="store_true",
                         help="skip the 2-worker targets (a tokenmeter without --workers)")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="another checkout of tokenmeter: its `serve --upstream` runs as "
+                             "target tm-1-base (before/after in one run)")
     parser.add_argument("--output", type=Path,
                         default=ROOT / "benchmarks" / "results" / "scaling-latest.json")
     args = parser.parse_args()
@@ -319,6 +322,14 @@ def main() -> int:
             if n > 1:
                 argv += ["--workers", str(n)]
             targets.append(Target(f"tm-{n}", port, procs.start(f"tm{n}", argv, env)))
+        if args.baseline is not None:
+            # The same interpreter and venv, the baseline tree's own `proxy` package first.
+            port = free_port()
+            env = dict(os.environ, TOKENMETER_STATE_DIR=str(tmp / "state-base"),
+                       PYTHONPATH=str(args.baseline.resolve()))
+            targets.append(Target("tm-1-base", port, procs.start("tm-base", [
+                sys.executable, "-m", "proxy", "serve", "--port", str(port),
+                "--upstream", upstream_url], env)))
         if workers:
             rport, port = free_port(), free_port()
             redis_pid = procs.start("redis", [args.redis_server, "--port", str(rport), "--bind",
