@@ -206,10 +206,11 @@ class Procs:
         self.tmp = tmp
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> int:
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+              cwd: Path | None = None) -> int:
         with (self.tmp / f"{name}.log").open("wb") as log:
             p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True, env=env)
+                                 start_new_session=True, env=env, cwd=cwd)
         self.procs.append(p)
         return p.pid
 
@@ -323,13 +324,16 @@ def main() -> int:
                 argv += ["--workers", str(n)]
             targets.append(Target(f"tm-{n}", port, procs.start(f"tm{n}", argv, env)))
         if args.baseline is not None:
-            # The same interpreter and venv, the baseline tree's own `proxy` package first.
+            # The same interpreter and venv, the baseline tree's own `proxy` package first:
+            # `python -m` puts the working directory ahead of everything, the editable
+            # install's finder included, so it runs in the baseline tree.
             port = free_port()
+            base = args.baseline.resolve()
             env = dict(os.environ, TOKENMETER_STATE_DIR=str(tmp / "state-base"),
-                       PYTHONPATH=str(args.baseline.resolve()))
+                       PYTHONPATH=str(base))
             targets.append(Target("tm-1-base", port, procs.start("tm-base", [
                 sys.executable, "-m", "proxy", "serve", "--port", str(port),
-                "--upstream", upstream_url], env)))
+                "--upstream", upstream_url], env, cwd=base)))
         if workers:
             rport, port = free_port(), free_port()
             redis_pid = procs.start("redis", [args.redis_server, "--port", str(rport), "--bind",
