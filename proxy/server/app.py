@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import hashlib
 import hmac
@@ -221,12 +220,27 @@ async def _discover_models(app: web.Application) -> AsyncIterator[None]:
     task.cancel()
 
 
+async def stop_task(task: asyncio.Task[None]) -> None:
+    """Cancel a background task and wait until it has ended, cancelling it again while it has
+    not: a cancellation can be lost (Python 3.11's `asyncio.timeout` may turn one that arrives
+    as its deadline passes into a TimeoutError, which a store call then handles as an outage),
+    and one lost cancellation of a loop that runs forever would hang the shutdown."""
+    for attempt in range(1, 1_000):
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=1.0)
+        if done:
+            if attempt > 1:
+                log.warning("a background task ended only at cancellation %d", attempt)
+            if not task.cancelled() and (exc := task.exception()) is not None:
+                log.error("background task failed", exc_info=exc)
+            return
+    log.error("a background task would not end: left running")
+
+
 async def _watchdog_ctx(app: web.Application) -> AsyncIterator[None]:
     task = asyncio.create_task(app[st.SERVICES].watchdog.run())
     yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    await stop_task(task)
 
 
 async def _ledger_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -251,9 +265,7 @@ async def _audit_ctx(app: web.Application) -> AsyncIterator[None]:
     auditor = Auditor(svc.budget.store, svc.metrics)
     task = asyncio.create_task(auditor.run(lambda: svc.runtime.current.config))
     yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    await stop_task(task)
     await auditor.close()
 
 
@@ -298,9 +310,7 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
         await budget.replay()
     task = asyncio.create_task(maintain())
     yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    await stop_task(task)
     await budget.drain_background()
     if budget.health.up:
         await budget.replay()
