@@ -140,6 +140,25 @@ def budget_config(upstream_url: str, store: str, users: str, extra: str = "") ->
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
+async def ask_usage(client: openai.AsyncOpenAI, stream: bool) -> tuple[int, int, int]:
+    """One chat request (streamed or not): the usage the SDK parsed, as (prompt, cached prompt,
+    completion) tokens."""
+    if stream:
+        chunks = await client.chat.completions.create(
+            model="mock-gpt", messages=MESSAGES, stream=True,
+            stream_options={"include_usage": True},
+        )
+        usage = None
+        async for chunk in chunks:
+            usage = chunk.usage or usage
+    else:
+        usage = (await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)).usage
+    assert usage is not None
+    details = usage.prompt_tokens_details
+    cached = details.cached_tokens or 0 if details is not None else 0
+    return usage.prompt_tokens, cached, usage.completion_tokens
+
+
 async def scrape(server: TestServer, headers: dict[str, str] | None = None) -> Samples:
     """Every sample of a proxy's /metrics over real HTTP, keyed by (name, sorted labels)."""
     async with aiohttp.ClientSession() as s, s.get(server.make_url("/metrics"),

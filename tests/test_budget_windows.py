@@ -29,6 +29,7 @@ from tests.helpers import (
     MESSAGES,
     FakeClock,
     ServerFactory,
+    ask_usage,
     make_config,
     sample,
     scrape,
@@ -83,20 +84,8 @@ class Served:
 
 
 async def _ask(client: openai.AsyncOpenAI, key: str, stream: bool) -> Served:
-    if stream:
-        chunks = await client.chat.completions.create(
-            model="mock-gpt", messages=MESSAGES, stream=True,
-            stream_options={"include_usage": True},
-        )
-        usage = None
-        async for chunk in chunks:
-            usage = chunk.usage or usage
-    else:
-        usage = (await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)).usage
-    assert usage is not None
-    details = usage.prompt_tokens_details
-    cached = details.cached_tokens or 0 if details is not None else 0
-    return Served(key, usage.prompt_tokens, cached, usage.completion_tokens)
+    prompt, cached, completion = await ask_usage(client, stream)
+    return Served(key, prompt, cached, completion)
 
 
 async def _race(proxies: list[TestServer], keys: list[str], n: int

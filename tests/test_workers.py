@@ -34,7 +34,16 @@ from proxy.config.load import Config, parse_config
 from proxy.config.policy import Policy, Price
 from proxy.server.workers import budget_sharing_problem, configured_limits, parse_workers
 from proxy.testing.mock_upstream import MockSettings
-from tests.helpers import ALICE_KEY, BOB_KEY, MESSAGES, Samples, budget_yaml, sample, until
+from tests.helpers import (
+    ALICE_KEY,
+    BOB_KEY,
+    MESSAGES,
+    Samples,
+    ask_usage,
+    budget_yaml,
+    sample,
+    until,
+)
 from tests.servers import free_port
 
 pytestmark = pytest.mark.timeout(90)
@@ -198,20 +207,8 @@ class Served:
 
 
 async def ask(client: openai.AsyncOpenAI, stream: bool) -> Served:
-    if stream:
-        chunks = await client.chat.completions.create(
-            model="mock-gpt", messages=MESSAGES, stream=True,
-            stream_options={"include_usage": True},
-        )
-        usage = None
-        async for chunk in chunks:
-            usage = chunk.usage or usage
-    else:
-        usage = (await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)).usage
-    assert usage is not None
-    details = usage.prompt_tokens_details
-    cached = details.cached_tokens or 0 if details is not None else 0
-    return Served(usage.prompt_tokens, cached, usage.completion_tokens, stream)
+    prompt, cached, completion = await ask_usage(client, stream)
+    return Served(prompt, cached, completion, stream)
 
 
 async def race(workers: Workers, key: str, n: int, stream_every: int
