@@ -118,6 +118,7 @@ from bench_proxy import (
     tokenmeter_argv,
     wait_ready,
 )
+from soak_hostile import MALLORY_KEY, Hostile, HostileTally
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "soak-latest.json"
@@ -135,7 +136,7 @@ PROMPTS = ("Say hi.", "Write a short paragraph about soak tests and memory leaks
            "Summarise: " + "the proxy meters every token it relays, " * 12,
            "List three reasons why accounting must be exact, and explain each one briefly.")
 KEYS = {"alice": ("sk-soak-alice-000", "sk-soak-alice-ci0"), "bob": ("sk-soak-bob-000",),
-        "carol": ("sk-soak-carol-000",)}
+        "carol": ("sk-soak-carol-000",), "mallory": (MALLORY_KEY,)}
 CAROL_DAILY = 4000
 DISCONNECT_AFTER = 3  # content chunks, of a 400-token stream at 200 tokens/s
 # 2 s from its first token to its tail: a stall of the client, proxy or mock (the mock keeps every
@@ -190,6 +191,7 @@ def request_for(kind: Kind, rng: random.Random, seq: int, prompt: int | None = N
     """(prompt index, JSON body, x-mock-* headers) of one request of this kind."""
     p = rng.randrange(len(PROMPTS)) if prompt is None else prompt
     tokens = 32 if kind.user == "carol" else rng.choice((8, 32, 64, 128, 256))
+    tokens = 8 if kind.name == "probe" else tokens
     tokens = max(tokens, 32) if kind.fault == "reset" else tokens
     tokens, rate = (400, DISCONNECT_RATE) if kind.fault == "disconnect" else (tokens, 3000)
     h = {"x-mock-output-tokens": str(tokens), "x-mock-tokens-per-second": str(rate),
@@ -304,7 +306,7 @@ def stream_usage(kind: Kind, data: bytes) -> tuple[tuple[int, int] | None, int]:
 
 async def one(session: aiohttp.ClientSession, url: str, key: str, kind: Kind, user: str,
               rng: random.Random, seq: int, tally: Tally, prompt: int | None = None,
-              router: Router | None = None, replica: int = 0) -> None:
+              router: Router | None = None, replica: int = 0) -> int | None:
     p, body, headers = request_for(kind, rng, seq, prompt)
     headers.update({"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
     status: int | None = None
@@ -378,6 +380,7 @@ async def one(session: aiohttp.ClientSession, url: str, key: str, kind: Kind, us
         elif calib is not None and usage[0] != calib:
             tally.anomaly("prompt_tokens_differ", f"{kind.name}: {usage[0]} != {calib}")
     tally.add(kind, user, status, result, usage, started)
+    return status
 
 
 async def load(session: aiohttp.ClientSession, urls: list[str], router: Router, tally: Tally,
@@ -664,7 +667,8 @@ def check(name: str, ok: bool, **figures: Any) -> dict[str, Any]:
 def accounting(tally: Tally, texts: list[str], finals: dict[str, str], mock: dict[str, int],
                redis: dict[str, dict[str, int]], leftovers: dict[str, int],
                logs: dict[str, ProcLog], alive: bool, drill: Drill | None,
-               spools_end: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+               spools_end: dict[str, dict[str, Any]], hostile: HostileTally
+               ) -> list[dict[str, Any]]:
     """`texts`: every process's counters (scrapes, and the first process of a restarted replica
     from its access log); `finals`: the scrapes of the processes alive at the end."""
     tok = "tokenmeter_tokens_total"
@@ -697,12 +701,20 @@ def accounting(tally: Tally, texts: list[str], finals: dict[str, str], mock: dic
                             "checked_by_the_store": carol - carol_down}))
     proxy_status = by_label(texts, "tokenmeter_requests_total", "status")
     client_status = {s: n for s, n in sorted(tally.statuses.items()) if s != "None"}
+    # The hostile client's requests the proxy answered count too; one whose client got no
+    # status (its write of a large body cut by the proxy's early answer) may or may not have
+    # been counted: at most that many more, never fewer.
+    expected = Counter(client_status) + hostile.by_status()
+    more, fewer = Counter(proxy_status) - expected, expected - Counter(proxy_status)
     refusals = msum(texts, "tokenmeter_budget_refusals_total")
-    out.append(check("3. requests: proxy counted = client sent, per status; refusals",
-                     sum(proxy_status.values()) == tally.sent - tally.no_response
-                     and proxy_status == client_status and refusals == tally.refused,
+    out.append(check("3. requests: proxy counted = client sent (+ the hostile client's), per "
+                     "status; refusals",
+                     not fewer and sum(more.values()) <= hostile.no_status
+                     and refusals == tally.refused,
                      client_sent=tally.sent, client_no_response=tally.no_response,
                      proxy_counted=sum(proxy_status.values()), client_status=client_status,
+                     hostile_status=dict(sorted(hostile.by_status().items())),
+                     hostile_no_status=hostile.no_status,
                      proxy_status=proxy_status, client_refused=tally.refused,
                      proxy_refusals=refusals))
     fin = {n: scalars(t) for n, t in finals.items()}
@@ -869,6 +881,8 @@ def proxy_config(mock_port: int, redis_port: int, spool_dir: Path) -> dict[str, 
             "bob": {"keys": list(KEYS["bob"]), **big},
             "carol": {"keys": list(KEYS["carol"]), "daily_tokens": CAROL_DAILY,
                       "max_output_tokens": 64},
+            # The hostile client's valid key (soak_hostile): huge prompts, gzip bombs.
+            "mallory": {"keys": list(KEYS["mallory"]), **big},
         },
     }
 
@@ -1095,6 +1109,7 @@ async def run(args: argparse.Namespace, plan: str, services: Services, workdir: 
     pids = {**{rep.svc.name: rep.svc.proc.pid for rep in replicas}, "mock": mock.proc.pid,
             "redis": redis.proc.pid}
     tally, samples, router = Tally(), list[dict[str, Any]](), Router(len(urls))
+    hostile_tally = HostileTally()
     drill = Drill(args.outage_at, args.outage, args.outage_mode) if args.outage else None
     warm_s = max(5.0, args.duration * 0.1)
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
@@ -1112,6 +1127,18 @@ async def run(args: argparse.Namespace, plan: str, services: Services, workdir: 
                           random.Random(i), -1, tally, prompt=p)
             if len(tally.calib) != 3 * len(PROMPTS):
                 raise BenchError(f"calibration failed: {tally.calib}; {tally.samples}")
+            hostile = None
+            if args.hostile:
+                hostile = Hostile(
+                    urls=lambda: [urls[i] for i in range(len(urls)) if i not in router.out],
+                    pids=lambda: [r.svc.proc.pid for r in replicas
+                                  if r.index not in router.out],
+                    configs=[r.conf for r in replicas], tally=hostile_tally,
+                    record=lambda name, status, usage: tally.add(
+                        Kind(name, "chat", 0, user="mallory"), "mallory", status,
+                        "complete" if usage is not None else f"http_{status}", usage))
+                progress("building the hostile client's bodies (gzip bombs, 28 MB JSON)")
+                await hostile.prepare()
             t_load = cluster.t_load = time.monotonic()
             sampler = asyncio.ensure_future(sample_memory(pids, tally, samples, args.sample_s,
                                                           t_load))
@@ -1123,6 +1150,13 @@ async def run(args: argparse.Namespace, plan: str, services: Services, workdir: 
             tasks = [asyncio.ensure_future(load(session, urls, router, tally,
                                                 t_load + args.duration, args.concurrency,
                                                 args.seed))]
+            if hostile is not None:
+                every = 8.0 if args.quick else 30.0
+                tasks.append(asyncio.ensure_future(hostile.run(
+                    session, t_load + warm_s, t_load + args.duration - every, every)))
+                tasks.append(asyncio.ensure_future(hostile.probe(
+                    session, lambda url: probe_one(session, url, tally),
+                    t_load + args.duration)))
             if drill is not None:
                 background.append(asyncio.ensure_future(cluster.monitor(drill)))
                 tasks.append(asyncio.ensure_future(cluster.drill(drill)))
@@ -1168,7 +1202,13 @@ async def run(args: argparse.Namespace, plan: str, services: Services, workdir: 
     texts = [*([first.as_metrics()] if first is not None else []), *final_texts]
     spools_end = {f"replica-{rep.index}": spool_on_disk(rep.spool_dir) for rep in replicas}
     checks = accounting(tally, texts, finals, mock_stats, redis_usage, leftovers, logs, alive,
-                        drill, spools_end)
+                        drill, spools_end, hostile_tally)
+    peaks = {n: max((s.get(n, 0.0) for s in samples), default=0.0) for n in pids
+             if n.startswith("tokenmeter")}
+    checks.append(check(f"8. every replica's RSS stayed under the shipped pod's "
+                        f"{POD_MEMORY_MB} MB limit (gzip bombs, huge prompts, large bodies)",
+                        all(v < POD_MEMORY_MB for v in peaks.values()),
+                        peak_rss_mb={n: round(v, 1) for n, v in peaks.items()}))
     names = [*(f"tokenmeter-{rep.index}" for rep in replicas), "mock", "redis"]
     starts = {}
     if drill is not None and drill.restart:
@@ -1195,6 +1235,7 @@ async def run(args: argparse.Namespace, plan: str, services: Services, workdir: 
                  "anomaly_samples": tally.samples, "prompt_tokens_by_template":
                      {f"{e}/{p}": n for (e, p), n in sorted(tally.calib.items())}},
         "outage": outage_results(drill, cluster, logs, tally, finals) if drill else None,
+        "hostile": hostile_tally.summary() if args.hostile else None,
         "logs": {n: lg.summary() for n, lg in logs.items()},
         "checks": checks,
         "memory": {"summary": memory_summary(samples, names, warm_s, starts),
@@ -1202,6 +1243,15 @@ async def run(args: argparse.Namespace, plan: str, services: Services, workdir: 
     }
     return results
 
+
+async def probe_one(session: aiohttp.ClientSession, url: str, tally: Tally) -> bool:
+    """The hostile phase's probe: one small chat request of bob's, tallied like the rest."""
+    status = await one(session, url, KEYS["bob"][0], PROBE, "bob", random.Random(), -1, tally)
+    return status == 200
+
+
+PROBE = Kind("probe", "chat", 0)
+POD_MEMORY_MB = 1024  # deploy/kubernetes/deployment.yaml's memory limit
 
 OLD_QUEUE_BOUND = 100_000  # entries: the in-memory settle queue before the spool
 
@@ -1287,6 +1337,8 @@ def main() -> int:
     parser.add_argument("--proxy-log-level", default="INFO",
                         help="INFO or DEBUG: the access lines are needed with --outage")
     parser.add_argument("--keep-tmp", action="store_true", help="keep configs and service logs")
+    parser.add_argument("--no-hostile", dest="hostile", action="store_false",
+                        help="without the hostile client's bursts (soak_hostile.py)")
     args = parser.parse_args()
     if args.quick:
         args.duration, args.sample_s = 30.0, 1.0

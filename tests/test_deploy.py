@@ -363,6 +363,9 @@ async def test_dashboards_and_rules_against_real_prometheus(
     await prometheus.wait_for(
         "sum(rate(gen_ai_server_time_to_first_token_seconds_count[1m])) > 0"
     )
+    # Every histogram a panel takes a rate of needs two scrapes around an increase: one
+    # scrape can land between the TTFT's observation and this one's (seen in CI on a busy box).
+    await prometheus.wait_for("sum(rate(tokenmeter_output_tokens_per_second_count[1m])) > 0")
 
     scraped = {
         s["metric"]["__name__"]
