@@ -55,11 +55,14 @@ log = logging.getLogger("tokenmeter.relay")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-# Bodies larger than this are parsed off the event loop: json.loads of a 28 MB body takes about
-# half a second, which would stall every other request of the replica.
+# Bodies larger than this are parsed in a thread, not on the event loop. The C JSON decoder
+# holds the GIL while it scans, so the loop still waits out a scan; it runs again whenever
+# parse_body calls back into Python (per object, for its checks) and for validation, instead
+# of after the whole body. What bounds a body's cost is who may send one: only an
+# authenticated client's body is read at all.
 PARSE_ON_LOOP_BYTES = 256 * 1024
-# How many large bodies are parsed at once (per process): each parse holds the GIL while it
-# runs and makes its body's objects, so more at once would only add latency and memory.
+# How many large bodies are parsed at once (per process): each makes its body's objects (a
+# 28 MB body can become hundreds of MB), and more at once would only add memory.
 BODY_PARSERS = web.AppKey("tokenmeter_body_parsers", asyncio.Semaphore)
 BODY_PARSER_SLOTS = 2
 # The id of the request's ledger row, for the error middleware's answer to an unhandled error.
@@ -93,10 +96,12 @@ async def handle(request: web.Request, svc: Services, shape: type[Translator]
         response = exc.to_response(shape.error_shape)
         # The proxy's own answers name the request's row too: a refused client can quote it.
         response.headers[REQUEST_ID_HEADER] = outcome.request_id
-        if isinstance(exc, AuthenticationFailed):
+        if isinstance(exc, AuthenticationFailed) or not request.content.is_eof():
             # A client without a valid key gets no kept-alive connection: it would hold one of
-            # server.max_connections for keepalive_timeout_s. (Authentication is admission's
-            # first step, so this is every answer to an unauthenticated request.)
+            # server.max_connections for keepalive_timeout_s (authentication is admission's
+            # first step, so this is every answer to an unauthenticated request). Nor does a
+            # request whose body was refused unread (413, 415): aiohttp discards what still
+            # arrives of it for a moment, so the client can read the answer, then closes.
             response.force_close()
         return response
     except asyncio.CancelledError:
