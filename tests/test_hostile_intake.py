@@ -199,10 +199,15 @@ async def _legit_while(port: int, hostile: Callable[[], object]) -> list[float]:
 
 
 def _in_threads(count: int, work: Callable[[int], object]) -> list[object]:
+    """`work(i)` for i in range(count), each in a thread; an exception is its result (the
+    answers' assertions then name it)."""
     results: list[object] = [None] * count
 
     def run(i: int) -> None:
-        results[i] = work(i)
+        try:
+            results[i] = work(i)
+        except Exception as exc:
+            results[i] = exc
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
     for t in threads:
@@ -260,16 +265,18 @@ async def test_gzip_bombs_are_refused_unread_memory_stays_flat_and_others_are_se
         sampler.join()
     peak_after = proxy.kb("VmHWM")
     growth_mb = (max([*sampled, peak_after if peak_after > peak_before else 0]) - rss_before) / 1024
+    print(f"RSS growth {growth_mb:.1f} MB; legitimate latencies (s): max {max(latencies):.3f}, "
+          f"n {len(latencies)}")
+    assert growth_mb < 64, f"the proxy's RSS grew by {growth_mb:.0f} MB"
+    assert max(latencies) < LATENCY_BOUND_S, sorted(latencies)[-5:]
     for i, raw in enumerate(answers):
-        assert isinstance(raw, bytes)
+        assert isinstance(raw, bytes), raw
         if i % 2:
             headers = _assert_openai_error(raw, 415, "unsupported_content_encoding")
             assert headers["accept-encoding"] == "identity"
         else:
             headers = _assert_openai_error(raw, 401, "invalid_api_key")
         assert headers["connection"] == "close"
-    assert growth_mb < 64, f"the proxy's RSS grew by {growth_mb:.0f} MB"
-    assert max(latencies) < LATENCY_BOUND_S, sorted(latencies)[-5:]
 
 
 async def test_a_valid_gzip_request_is_refused_415_in_each_apis_shape_never_forwarded(
@@ -361,10 +368,11 @@ async def test_two_28mb_bodies_without_a_key_do_not_slow_other_clients(
             )))
 
     latencies = await _legit_while(proxy.port, hostile)
-    for raw in answers:
-        assert isinstance(raw, bytes)
-        assert _assert_openai_error(raw, 401, "invalid_api_key")["connection"] == "close"
+    print(f"legitimate latencies (s): max {max(latencies):.3f}, n {len(latencies)}")
     assert max(latencies) < LATENCY_BOUND_S, sorted(latencies)[-5:]
+    for raw in answers:
+        assert isinstance(raw, bytes), raw
+        assert _assert_openai_error(raw, 401, "invalid_api_key")["connection"] == "close"
 
 
 # --- item 5: connection slots ------------------------------------------------------------------
@@ -375,7 +383,7 @@ async def test_unauthenticated_connections_are_closed_after_their_401_and_others
 ) -> None:
     """300 wrong-key connections that would stay open (old: each held a slot for
     keepalive_timeout_s, and with max_connections 200 the legitimate client got 503s)."""
-    proxy = await start_proxy("  max_connections: 200\n  max_connections_per_source: 200")
+    proxy = await start_proxy("  max_connections: 200")
     request = _head("/v1/chat/completions", len(SMALL), "sk-wrong-key-000") + SMALL
     answers: list[object] = []
 
@@ -395,11 +403,12 @@ async def test_unauthenticated_connections_are_closed_after_their_401_and_others
                 s.close()
 
     latencies = await _legit_while(proxy.port, flood)
+    print(f"legitimate latencies (s): max {max(latencies):.3f}, n {len(latencies)}")
+    assert max(latencies) < LATENCY_BOUND_S, sorted(latencies)[-5:]
     assert len(answers) == 300
     for raw in answers:
         assert isinstance(raw, bytes)
         assert _assert_openai_error(raw, 401, "invalid_api_key")["connection"] == "close"
-    assert max(latencies) < LATENCY_BOUND_S, sorted(latencies)[-5:]
 
 
 async def test_one_address_cannot_take_every_connection(start_proxy: StartProxy) -> None:
