@@ -542,3 +542,25 @@ async def test_two_different_keys_in_one_request_are_refused(
         }) as r:
             assert r.status == 200, await r.text()
     assert len(stack.mock.requests) == 1
+
+
+async def test_a_large_body_is_parsed_in_a_thread_with_the_same_answers(
+    make_stack: StackFactory, upstream: TestServer,
+) -> None:
+    """Bodies over 256 KB go through the thread: a valid one is served, a malformed one gets the
+    same clean 400 as on the loop."""
+    stack = await make_stack(make_config(str(upstream.make_url("/v1")), store="memory",
+                                         users={"alice": {"keys": [ALICE_KEY]}}))
+    prompt = "word " * 80_000  # 400 KB
+    good = json.dumps({"model": "mock-gpt", "max_tokens": 4,
+                       "messages": [{"role": "user", "content": prompt}]}).encode()
+    headers = {"Authorization": f"Bearer {ALICE_KEY}", "Content-Type": "application/json"}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(stack.proxy.make_url("/v1/chat/completions"), data=good,
+                             headers=headers) as r:
+            assert r.status == 200, await r.text()
+        async with http.post(stack.proxy.make_url("/v1/chat/completions"), data=good[:-1],
+                             headers=headers) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["code"] == "invalid_request"
+    assert len(stack.mock.requests) == 1
