@@ -87,11 +87,31 @@ class UserIndex:
         )
 
 
+# Where clients send their key: OpenAI's SDKs as a bearer token, Azure-style SDKs in `api-key`,
+# Anthropic's in `x-api-key` (or as a bearer token with `auth_token`).
+KEY_HEADERS = ("Authorization", "api-key", "x-api-key")
+
+
 def client_key(request: web.Request) -> str | None:
+    """The client's key, from whichever of KEY_HEADERS carries it.
+
+    Two headers carrying different keys are refused (401), not settled by a precedence rule:
+    a client (or a gateway in front of it that adds a header) that sends two keys cannot know
+    which one is billed, and a silent choice would bill the other principal. The same key twice
+    is accepted. The message never names a key."""
+    found: dict[str, str] = {}
     auth = request.headers.get("Authorization", "")
     scheme, _, value = auth.partition(" ")
     if scheme.lower() == "bearer" and value.strip():
-        return value.strip()
-    # Azure-style SDKs send the key in `api-key`, Anthropic's (before 2.x) in `x-api-key`.
-    value = request.headers.get("api-key", "").strip() or request.headers.get("x-api-key", "")
-    return value.strip() or None
+        found["Authorization"] = value.strip()
+    for name in KEY_HEADERS[1:]:
+        value = request.headers.get(name, "").strip()
+        if value:
+            found[name] = value
+    keys = set(found.values())
+    if len(keys) > 1:
+        raise AuthenticationFailed(
+            f"The request carries different API keys in {' and '.join(found)}; "
+            "send one key, in one header."
+        )
+    return keys.pop() if keys else None

@@ -47,6 +47,7 @@ class ErrorClass(enum.StrEnum):
     INVALID_API_KEY = "invalid_api_key"
     INVALID_TOKEN = "invalid_token"  # /metrics without its bearer token
     REQUEST_TOO_LARGE = "request_too_large"
+    UNSUPPORTED_CONTENT_ENCODING = "unsupported_content_encoding"  # a compressed body (415)
     REQUEST_TIMEOUT = "request_timeout"  # headers or body too slow (the listener's 408)
     TOO_MANY_CONNECTIONS = "too_many_connections"
     # any quota/rate/concurrency limit (429), and a stream under `admission: estimate` ended
@@ -143,7 +144,8 @@ class ErrorShape(enum.Enum):
 # Anthropic's error type per status (its "Errors" reference); other statuses are `api_error`.
 ANTHROPIC_ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+    404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
+    429: "rate_limit_error",
     529: "overloaded_error",
 }
 
@@ -192,6 +194,14 @@ class RequestTooLarge(ProxyError):
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+
+
+class UnsupportedContentEncoding(ProxyError):
+    """A request body sent compressed (`Content-Encoding` other than identity)."""
+
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_content_encoding"
 
 
 class UpstreamUnavailable(ProxyError):

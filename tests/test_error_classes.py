@@ -143,6 +143,7 @@ def test_error_class_is_a_str_enum_of_todays_labels() -> None:
         "invalid_value", "unknown_url", "method_not_allowed", "invalid_api_key",
         "invalid_token", "request_too_large", "service_unavailable", "model_not_found",
         "request_timeout", "too_many_connections", "server_error",
+        "unsupported_content_encoding",
     } == {m.value for m in ErrorClass}
 
 

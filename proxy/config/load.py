@@ -134,6 +134,10 @@ class ServerConfig(_Model):
     # at once. Lowered at start to what the open-file limit carries (each may need an upstream
     # socket too).
     max_connections: int = Field(default=4096, ge=1)
+    # Of those, at most this many from one client address: one more from it gets a 429 at once.
+    # Behind a reverse proxy or NAT every client shares its address: raise this to
+    # max_connections there and limit per client in the reverse proxy. None: no such limit.
+    max_connections_per_source: int | None = Field(default=256, ge=1)
     # A stream whose client reads nothing for this long while the proxy has bytes for it is
     # ended (error class client_timeout), like nginx's send_timeout; the upstream's own silence
     # is idle_timeout_s, which a slow client no longer trips. None: wait as long as it takes.

@@ -2,13 +2,14 @@
 
     admit -> attempt(s) -> relay + meter -> settle -> books and metrics
 
-`admit` reads, parses and authenticates the request and routes its model: a frozen
-`RequestContext`. `forward` tries the route's candidates in order (the model asked for, then its
-fallbacks), each one reserved in the budget and called with retries (`attempts`), and returns
-the `Attempt` whose answer is relayed. `relay` streams or returns that answer while the tap
-meters it. Whatever happens, the request's `Outcome` is frozen into a `Settlement` and settled in
-`finally`, shielded from the cancellation a client's disconnect causes, so a request that dies
-half-way is still accounted for. Only the `Outcome` is written to along the way.
+`admit` authenticates the request (from its headers alone), then reads and parses its body and
+routes its model: a frozen `RequestContext`. `forward` tries the route's candidates in order
+(the model asked for, then its fallbacks), each one reserved in the budget and called with
+retries (`attempts`), and returns the `Attempt` whose answer is relayed. `relay` streams or
+returns that answer while the tap meters it. Whatever happens, the request's `Outcome` is frozen
+into a `Settlement` and settled in `finally`, shielded from the cancellation a client's
+disconnect causes, so a request that dies half-way is still accounted for. Only the `Outcome`
+is written to along the way.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from proxy.auth import client_key
 from proxy.budget import refusals
@@ -27,20 +28,22 @@ from proxy.budget.estimate import sample_key
 from proxy.budget.refusals import Refused
 from proxy.budget.store import ScopeKind
 from proxy.errors import (
+    AuthenticationFailed,
     ErrorClass,
     InvalidRequest,
     NotFound,
     ProxyError,
     RequestTooLarge,
+    UnsupportedContentEncoding,
     UpstreamTimeout,
     UpstreamUnavailable,
 )
 from proxy.ids import new_id
 from proxy.pipeline.context import Attempt, Candidacy, Outcome, RequestContext
-from proxy.pipeline.relay import client_gone, relay
+from proxy.pipeline.relay import REQUEST_ID_HEADER, client_gone, relay
 from proxy.pipeline.settle import settle
 from proxy.protocol import upstream_errors
-from proxy.protocol.translators import Translator, parse_body
+from proxy.protocol.translators import ParsedRequest, Translator, parse_body
 from proxy.routing import attempts
 from proxy.routing.exceptions_map import Phase, map_upstream_exceptions
 from proxy.routing.upstream import Upstream, upstream_request_headers
@@ -51,6 +54,19 @@ from proxy.telemetry.meter import RequestMeter
 log = logging.getLogger("tokenmeter.relay")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# Bodies larger than this are parsed in a thread, not on the event loop. The C JSON decoder
+# holds the GIL while it scans, so the loop still waits out a scan; it runs again whenever
+# parse_body calls back into Python (per object, for its checks) and for validation, instead
+# of after the whole body. What bounds a body's cost is who may send one: only an
+# authenticated client's body is read at all.
+PARSE_ON_LOOP_BYTES = 256 * 1024
+# How many large bodies are parsed at once (per process): each makes its body's objects (a
+# 28 MB body can become hundreds of MB), and more at once would only add memory.
+BODY_PARSERS = web.AppKey("tokenmeter_body_parsers", asyncio.Semaphore)
+BODY_PARSER_SLOTS = 2
+# The id of the request's ledger row, for the error middleware's answer to an unhandled error.
+REQUEST_ID = web.RequestKey("tokenmeter_request_id", str)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,13 +86,24 @@ def make_handler(shape: type[Translator]) -> Handler:
 async def handle(request: web.Request, svc: Services, shape: type[Translator]
                  ) -> web.StreamResponse:
     outcome = Outcome(new_id(), shape.operation, RequestMeter())
+    request[REQUEST_ID] = outcome.request_id
     try:
         ctx = await admit(request, svc, shape, outcome)
         attempt = await forward(request, ctx, svc, shape, outcome)
         return await relay(request, attempt, svc, outcome)
     except ProxyError as exc:
         outcome.fail(exc.error_class, exc.status)
-        return exc.to_response(shape.error_shape)
+        response = exc.to_response(shape.error_shape)
+        # The proxy's own answers name the request's row too: a refused client can quote it.
+        response.headers[REQUEST_ID_HEADER] = outcome.request_id
+        if isinstance(exc, AuthenticationFailed) or not request.content.is_eof():
+            # A client without a valid key gets no kept-alive connection: it would hold one of
+            # server.max_connections for keepalive_timeout_s (authentication is admission's
+            # first step, so this is every answer to an unauthenticated request). Nor does a
+            # request whose body was refused unread (413, 415): aiohttp discards what still
+            # arrives of it for a moment, so the client can read the answer, then closes.
+            response.force_close()
+        return response
     except asyncio.CancelledError:
         # aiohttp cancels the handler when the client disconnects, and the listener when the
         # body missed its deadline (it answered 408 itself).
@@ -106,22 +133,18 @@ async def handle(request: web.Request, svc: Services, shape: type[Translator]
 
 async def admit(request: web.Request, svc: Services, shape: type[Translator],
                 outcome: Outcome) -> RequestContext:
-    """Read, parse, authenticate and route: what the rest of the request runs on."""
+    """Authenticate, read, parse and route: what the rest of the request runs on.
+
+    The key is checked from the headers before anything of the body is read: a client
+    without a valid key never makes the proxy read, parse or inflate a body."""
     runtime = svc.runtime.current
     outcome.configured(runtime)  # the version this request runs under, start to end
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise RequestTooLarge(
-            f"The request body is larger than the proxy accepts "
-            f"({runtime.config.server.max_body_mb:g} MB, server.max_body_mb)."
-        ) from None
-    parsed = parse_body(raw)
+    principal = runtime.users.authenticate(request)
+    outcome.authenticated(principal)
+    parsed = await _parse(request, await _read(request, runtime.config.server.max_body_mb))
     outcome.read(parsed)
     if parsed.stream and not shape.streams:
         raise InvalidRequest(f"{shape.path} does not support streaming", param="stream")
-    principal = runtime.users.authenticate(request)
-    outcome.authenticated(principal)
     route = runtime.router.resolve(parsed.model)
     if route is None:
         raise NotFound(
@@ -137,6 +160,49 @@ async def admit(request: web.Request, svc: Services, shape: type[Translator],
     ctx = RequestContext(outcome.request_id, shape.operation, runtime, principal, parsed, route)
     outcome.admitted(ctx)
     return ctx
+
+
+async def _read(request: web.Request, max_body_mb: float) -> bytes:
+    """The body as sent, at most server.max_body_mb of it.
+
+    A compressed body is refused (415), never inflated: no SDK of either API compresses its
+    requests, it would only spare the hop from the client to the proxy, and inflating is where
+    a 1 MB request becomes a gigabyte (the listener turns aiohttp's own inflation off, too)."""
+    for value in request.headers.getall(hdrs.CONTENT_ENCODING, ()):
+        if any(c.strip().lower() not in ("", "identity") for c in value.split(",")):
+            raise UnsupportedContentEncoding(
+                "Compressed request bodies are not accepted; send the body without "
+                "Content-Encoding.", headers={hdrs.ACCEPT_ENCODING: "identity"},
+            )
+    too_large = RequestTooLarge(
+        f"The request body is larger than the proxy accepts ({max_body_mb:g} MB, "
+        "server.max_body_mb)."
+    )
+    length = request.content_length
+    if length is not None and length > request.client_max_size:
+        raise too_large  # known from the headers: nothing of it is read
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large from None
+
+
+async def _parse(request: web.Request, raw: bytes) -> ParsedRequest:
+    if len(raw) <= PARSE_ON_LOOP_BYTES:
+        return parse_body(raw)
+    slots = request.app[BODY_PARSERS]
+    await slots.acquire()
+    job = asyncio.ensure_future(asyncio.to_thread(parse_body, raw))
+
+    def done(job: asyncio.Future[ParsedRequest]) -> None:
+        # The slot is held until the thread ends, also when the request is cancelled while it
+        # runs (a thread cannot be stopped): the bound is on threads, not on waiting requests.
+        slots.release()
+        if not job.cancelled():
+            job.exception()  # retrieved: a cancelled request's parse error is not logged
+
+    job.add_done_callback(done)
+    return await asyncio.shield(job)
 
 
 async def forward(request: web.Request, ctx: RequestContext, svc: Services,

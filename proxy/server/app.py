@@ -35,7 +35,8 @@ from proxy.errors import (
 )
 from proxy.ledger.audit import Auditor
 from proxy.ledger.ledger import make_ledger
-from proxy.pipeline.handler import make_handler
+from proxy.pipeline.handler import BODY_PARSER_SLOTS, BODY_PARSERS, REQUEST_ID, make_handler
+from proxy.pipeline.relay import REQUEST_ID_HEADER
 from proxy.pipeline.watchdog import Watchdog
 from proxy.protocol import tokenizer
 from proxy.protocol.anthropic import CountTokensTranslator, MessagesTranslator
@@ -67,7 +68,10 @@ async def _errors(
     try:
         return await handler(request)
     except ProxyError as exc:
-        return exc.to_response()
+        response = exc.to_response()
+        if isinstance(exc, AuthenticationFailed):
+            response.force_close()  # as on the metered routes (proxy.pipeline.handler.handle)
+        return response
     except web.HTTPNotFound:
         return NotFound(f"Unknown request URL: {request.method} {request.path}.").to_response()
     except web.HTTPMethodNotAllowed:
@@ -78,7 +82,10 @@ async def _errors(
         raise
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return ProxyError("The proxy failed to handle the request.").to_response()
+        response = ProxyError("The proxy failed to handle the request.").to_response()
+        if (request_id := request.get(REQUEST_ID)) is not None:  # a metered request's row
+            response.headers[REQUEST_ID_HEADER] = request_id
+        return response
 
 
 async def _models(request: web.Request) -> web.StreamResponse:
@@ -386,6 +393,7 @@ def create_app(
         rng=random.Random(), settling=st.Settling(), watchdog=Watchdog(),
         ledger=make_ledger(config.ledger, metrics, clock=clock),
     )
+    app[BODY_PARSERS] = asyncio.Semaphore(BODY_PARSER_SLOTS)
     app.cleanup_ctx.extend(
         [_ledger_ctx, _session_ctx, _store_ctx, *([_audit_ctx] if audit else []), _watchdog_ctx,
          _discover_models, _drain_settling]

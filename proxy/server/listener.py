@@ -9,7 +9,11 @@ the process runs out of file descriptors and cannot open upstream sockets any mo
   kept-alive connection (the idle wait before that byte is aiohttp's `keepalive_timeout`);
 - the body must arrive whole within `body_timeout_s` of the headers being parsed;
 - at most `max_connections` client connections are open at once; one more is answered at once
-  with a 503 in OpenAI's error shape and closed.
+  with a 503 in OpenAI's error shape and closed;
+- at most `max_connections_per_source` of them come from one client address (one source cannot
+  take every slot); one more from that address is answered at once with a 429 and closed;
+- request bodies are never inflated by aiohttp (`auto_decompress` off): a compressed body is
+  refused by the handler (415) before it is read, so a gzip bomb costs its compressed bytes.
 
 A late request is answered 408 (when nothing of a response was sent yet) and the connection is
 closed. Each deadline is one timer per request head, armed and checked outside the per-chunk
@@ -63,8 +67,15 @@ class RequestTimeout(ProxyError):
     code = "request_timeout"
 
 
+class SourceLimited(ProxyError):
+    status = 429
+    type = "rate_limit_error"
+    code = "too_many_connections"
+
+
 class ListenerEvent(enum.Enum):
     REFUSED = "refused"  # max_connections reached: 503 and closed
+    SOURCE_LIMIT = "source_limit"  # max_connections_per_source reached: 429 and closed
     HEADER_TIMEOUT = "header_timeout"  # headers not whole in header_timeout_s: 408 and closed
     BODY_TIMEOUT = "body_timeout"  # body not whole in body_timeout_s: 408 and closed
 
@@ -75,6 +86,7 @@ class ListenerLimits:
     body_timeout_s: float = 60.0
     keepalive_timeout_s: float = 75.0
     max_connections: int = 4096
+    max_connections_per_source: int | None = None  # None: no limit per source
 
     @classmethod
     def from_config(cls, server: ServerConfig, fd_limit: int | None = None) -> ListenerLimits:
@@ -90,7 +102,7 @@ class ListenerLimits:
                 )
                 max_connections = budget
         return cls(server.header_timeout_s, server.body_timeout_s, server.keepalive_timeout_s,
-                   max_connections)
+                   max_connections, server.max_connections_per_source)
 
 
 def connection_budget(fd_limit: int) -> int:
@@ -145,6 +157,8 @@ class ConnectionGuard:
     ) -> None:
         self.limits = limits or ListenerLimits()
         self.open = 0
+        # Open connections per client address; an address leaves the map with its last one.
+        self.by_source: dict[str, int] = {}
         self.events = dict.fromkeys(ListenerEvent, 0)
         self._on_event = on_event
         self._unlogged = dict.fromkeys(ListenerEvent, 0)
@@ -152,6 +166,10 @@ class ConnectionGuard:
         self.refusal = _raw_response(503, "Service Unavailable", ServiceUnavailable(
             "The proxy has too many open connections (server.max_connections); retry shortly.",
             code="too_many_connections",
+        ))
+        self.source_refusal = _raw_response(429, "Too Many Requests", SourceLimited(
+            "Too many connections are open from your address "
+            "(server.max_connections_per_source); close some, or retry shortly."
         ))
         self.header_late = _raw_response(408, "Request Timeout", RequestTimeout(
             f"The request headers did not arrive within {self.limits.header_timeout_s:g} s "
@@ -161,6 +179,26 @@ class ConnectionGuard:
             f"The request body did not arrive within {self.limits.body_timeout_s:g} s "
             "(server.body_timeout_s)."
         ))
+
+    def admit(self, source: str | None) -> ListenerEvent | None:
+        """Count a new connection in, or say why it is refused."""
+        if self.open >= self.limits.max_connections:
+            return ListenerEvent.REFUSED
+        per_source = self.limits.max_connections_per_source
+        if source is not None:
+            held = self.by_source.get(source, 0)
+            if per_source is not None and held >= per_source:
+                return ListenerEvent.SOURCE_LIMIT
+            self.by_source[source] = held + 1
+        self.open += 1
+        return None
+
+    def release(self, source: str | None) -> None:
+        self.open -= 1
+        if source is not None:
+            held = self.by_source.pop(source) - 1
+            if held:
+                self.by_source[source] = held
 
     def note(self, event: ListenerEvent, now: float) -> None:
         self.events[event] += 1
@@ -196,7 +234,7 @@ class _Refusal(asyncio.Protocol):
 
 
 class _GuardedHandler(RequestHandler):
-    __slots__ = ("_body_timer", "_counted", "_guard", "_head_timer", "_make_request")
+    __slots__ = ("_body_timer", "_counted", "_guard", "_head_timer", "_make_request", "_source")
 
     def __init__(self, manager: Server, guard: ConnectionGuard, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -204,6 +242,7 @@ class _GuardedHandler(RequestHandler):
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._counted = False
+        self._source: str | None = None
         # start() calls the request factory once per request head it takes off the queue: the
         # hook for "the head is whole", outside the per-chunk path.
         factory = self._request_factory
@@ -213,13 +252,16 @@ class _GuardedHandler(RequestHandler):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         guard = self._guard
-        if guard.open >= guard.limits.max_connections:
+        source = _peer_address(transport)
+        refused = guard.admit(source)
+        if refused is not None:
             # (uvloop's transports are not asyncio.Transport subclasses, hence no isinstance)
             tcp = cast(asyncio.Transport, transport)
-            tcp.set_protocol(_Refusal(tcp, guard.refusal))
-            guard.note(ListenerEvent.REFUSED, self._loop.time())
+            tcp.set_protocol(_Refusal(tcp, guard.refusal if refused is ListenerEvent.REFUSED
+                                      else guard.source_refusal))
+            guard.note(refused, self._loop.time())
             return
-        guard.open += 1
+        self._source = source
         self._counted = True
         super().connection_made(transport)
         self._arm_head()
@@ -232,7 +274,7 @@ class _GuardedHandler(RequestHandler):
     def _release(self) -> None:
         if self._counted:
             self._counted = False
-            self._guard.open -= 1
+            self._guard.release(self._source)
 
     def data_received(self, data: bytes) -> None:
         # `_waiter` is set only while start() waits for the next request head: the first byte
@@ -305,6 +347,14 @@ class _GuardedHandler(RequestHandler):
         self.force_close()
 
 
+def _peer_address(transport: asyncio.BaseTransport) -> str | None:
+    """The client's address (IPv4 or IPv6, without the port); None for a Unix socket."""
+    peer = transport.get_extra_info("peername")
+    if isinstance(peer, tuple) and peer:
+        return str(peer[0])
+    return None
+
+
 class GuardedSite(web.BaseSite):
     """`web.TCPSite` whose connections are `_GuardedHandler`s sharing one `ConnectionGuard`.
 
@@ -332,7 +382,9 @@ class GuardedSite(web.BaseSite):
         loop = asyncio.get_running_loop()
         # The keyword arguments aiohttp's Server gives each RequestHandler it makes (access log,
         # keepalive_timeout, debug...), so ours are configured exactly as the stock ones.
-        kwargs: dict[str, Any] = server._kwargs
+        # auto_decompress off: aiohttp would inflate a compressed body as it arrives, without
+        # a cap on the inflated size and before any handler could refuse it.
+        kwargs: dict[str, Any] = {**server._kwargs, "auto_decompress": False}
         guard = self._guard
 
         def factory() -> _GuardedHandler:
