@@ -8,21 +8,42 @@ Real parts only: the machine's PostgreSQL and SQLite files for the ledger, real 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
+import os
+import signal
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import asyncpg
 import openai
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from proxy.config.ledger import LedgerConfig
+from proxy.ledger.ledger import Ledger
 from proxy.ledger.schema import TABLE
+from proxy.pipeline.relay import REQUEST_ID_HEADER
 from proxy.server import state as st
-from tests.helpers import MESSAGES, ServerFactory, StackFactory, make_config
+from proxy.telemetry.metrics import Metrics
+from tests.helpers import (
+    ALICE_KEY,
+    MESSAGES,
+    ServerFactory,
+    StackFactory,
+    budget_yaml,
+    make_config,
+    read_until,
+    until,
+)
+from tests.servers import RedisServer, free_port, wait_for_port
 
 # --- item 9: a value no database can store -----------------------------------------------------
 
@@ -109,3 +130,119 @@ async def test_a_control_character_in_the_model_is_refused_before_the_books(
     assert await ledger.flush(20), ledger.health()
     rows = await _fetch(pg_url, f"SELECT status, error_class FROM {TABLE}")
     assert rows == [(400, "invalid_value")]
+
+
+# --- item 10: a stream read to [DONE], then SIGKILL while the store is slow ---------------------
+
+
+def _event(delta: dict[str, Any], finish: str | None = None,
+           usage: dict[str, int] | None = None) -> bytes:
+    chunk: dict[str, Any] = {
+        "id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+        "choices": [] if usage else [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
+    if usage is not None:
+        chunk["usage"] = usage
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+class HeldStream:
+    """An upstream whose stream sends one token, then waits for the test before it ends."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(_event({"role": "assistant", "content": "one"}))
+        await self.release.wait()
+        await resp.write(_event({"content": " two"}, finish="stop"))
+        await resp.write(_event({}, usage={"prompt_tokens": 9, "completion_tokens": 2,
+                                           "total_tokens": 11}))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+
+def _serve(config: Path, port: int) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "serve", "--config", str(config), "--port", str(port),
+         "--log-level", "WARNING"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy(),
+    )
+    wait_for_port(port, timeout=30)
+    return proc
+
+
+def _booked(state: Path) -> set[str]:
+    """Request ids with a row in the ledger spool or already in the SQLite ledger."""
+    ids: set[str] = set()
+    for segment in state.glob("ledger-*.jsonl"):
+        for line in segment.read_bytes().splitlines():
+            with contextlib.suppress(ValueError):
+                ids.add(json.loads(line)[0])
+    database = state / "ledger.sqlite3"
+    with contextlib.suppress(sqlite3.Error), \
+            sqlite3.connect(f"file:{database}?mode=ro", uri=True) as db:
+        ids |= {r for (r,) in db.execute(f"SELECT request_id FROM {TABLE}")}
+    return ids
+
+
+@pytest.mark.timeout(120)
+async def test_a_stream_read_to_done_keeps_its_row_through_a_sigkill_while_redis_stalls(
+    aiohttp_server: ServerFactory, tmp_path: Path
+) -> None:
+    # Before: settle awaited the store's settle and only then appended the row, so with Redis
+    # stalled the row waited (here up to the store's 30 s timeout) and a SIGKILL then lost it:
+    # the client had its whole answer, the books had nothing.
+    held = HeldStream()
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", held.handle)
+    upstream = await aiohttp_server(app)
+    redis_server = RedisServer()
+    redis_server.start()
+    state = Path(os.environ["TOKENMETER_STATE_DIR"])
+    config = tmp_path / "tokenmeter.yaml"
+    config.write_text(budget_yaml(str(upstream.make_url("/v1")), redis_server.url,
+                                  f"  alice:\n    keys: [{ALICE_KEY}]\n    daily_tokens: 100000",
+                                  timeout_ms=30_000))
+    port = free_port()
+    proxy = _serve(config, port)
+    assert redis_server.proc is not None
+    redis_pid = redis_server.proc.pid
+    try:
+        async with aiohttp.ClientSession() as session, session.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            json={"model": "mock-gpt", "messages": [{"role": "user", "content": "hi"}],
+                  "stream": True, "max_tokens": 50},
+            headers={"Authorization": f"Bearer {ALICE_KEY}"},
+        ) as resp:
+            assert resp.status == 200
+            request_id = resp.headers[REQUEST_ID_HEADER]
+            await read_until(resp.content, lambda seen: b'"one"' in seen)
+            os.kill(redis_pid, signal.SIGSTOP)  # admitted and reserved; now the store stalls
+            held.release.set()
+            await read_until(resp.content, lambda seen: b"data: [DONE]" in seen)
+            # The client has its whole answer. The row must be on disk now, not once the
+            # store answers (it will not for 30 s).
+            await until(lambda: request_id in _booked(state), deadline=10, every=0.05)
+            proxy.send_signal(signal.SIGKILL)
+            assert proxy.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        os.kill(redis_pid, signal.SIGCONT)
+        if proxy.poll() is None:
+            proxy.kill()
+            proxy.wait(timeout=10)
+        redis_server.stop()
+    # The next start adopts the dead process's spool and stores its row, once.
+    ledger = Ledger(LedgerConfig(), Metrics(), state_dir=state)
+    await ledger.start()
+    try:
+        assert await ledger.flush(20), ledger.health()
+    finally:
+        await ledger.stop(5)
+    with sqlite3.connect(f"file:{state / 'ledger.sqlite3'}?mode=ro", uri=True) as db:
+        rows = db.execute(f"SELECT status, input_tokens, output_tokens, user_name FROM {TABLE} "
+                          "WHERE request_id = ?", (request_id,)).fetchall()
+    assert rows == [(200, 9, 2, "alice")]
