@@ -17,6 +17,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from proxy.ledger.ledger import Ledger
 from proxy.ledger.schema import TABLE
 from proxy.pipeline.relay import REQUEST_ID_HEADER
 from proxy.server import state as st
+from proxy.telemetry.accesslog import AUTH_LOG_EVERY_S
 from proxy.telemetry.metrics import Metrics
 from tests.helpers import (
     ALICE_KEY,
@@ -41,6 +43,7 @@ from tests.helpers import (
     budget_yaml,
     make_config,
     read_until,
+    sample,
     until,
 )
 from tests.servers import RedisServer, free_port, wait_for_port
@@ -130,6 +133,63 @@ async def test_a_control_character_in_the_model_is_refused_before_the_books(
     assert await ledger.flush(20), ledger.health()
     rows = await _fetch(pg_url, f"SELECT status, error_class FROM {TABLE}")
     assert rows == [(400, "invalid_value")]
+
+
+# --- item 6: a wrong-key flood -------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+async def test_a_wrong_key_flood_books_no_row_and_displaces_none(
+    make_stack: StackFactory, upstream: TestServer
+) -> None:
+    # Before: each 401 was a ledger row and an access-log line; with the database unreachable
+    # the flood filled the spool (ledger.spool_max_mb) and the real rows after it were dropped.
+    unreachable = f"postgresql://postgres@127.0.0.1:{free_port()}/books"
+    config = make_config(
+        str(upstream.make_url("/v1")),
+        users={"alice": {"keys": [ALICE_KEY], "daily_tokens": 1_000_000}},
+        # About 110 rows fit the spool; at shutdown nothing waits for the absent database.
+        extra={"ledger": {"url": unreachable, "spool_max_mb": 0.05},
+               "server": {"drain_seconds": 0}},
+    )
+    stack = await make_stack(config)
+    started = time.monotonic()
+    url = stack.base_url + "/chat/completions"
+    body = {"model": "mock-gpt", "messages": [{"role": "user", "content": "hi"}]}
+    async with aiohttp.ClientSession() as session:
+
+        async def wrong(i: int) -> int:
+            headers = {"Authorization": f"Bearer sk-guess-{i:06d}"} if i else {}
+            async with session.post(url, json=body, headers=headers) as r:
+                await r.read()
+                return r.status
+
+        for batch in range(6):
+            statuses = await asyncio.gather(*(wrong(batch * 50 + i) for i in range(50)))
+            assert statuses == [401] * 50
+    client = stack.client(ALICE_KEY)
+    for _ in range(5):
+        await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
+    await stack.settled(305)
+    elapsed = time.monotonic() - started
+
+    m = await stack.metrics()
+    assert sample(m, "tokenmeter_ledger_rows_dropped_total") == 0
+    ledger = stack.app[st.SERVICES].ledger
+    assert ledger is not None
+    assert ledger.health().pending_rows == 5  # alice's, waiting for the database
+    assert sample(m, "tokenmeter_auth_failures_total") == 300
+    assert sample(m, "tokenmeter_requests_total", status="401",
+                  error_class="invalid_api_key") == 300
+
+    lines = stack.access_lines()
+    assert [line["status"] for line in lines if line["event"] == "request"] == [200] * 5
+    sampled = [line for line in lines if line["event"] == "auth_failed"]
+    assert 1 <= len(sampled) <= 1 + elapsed / AUTH_LOG_EVERY_S
+    assert sampled[0]["failures"] == 1  # the first failure is logged at once
+    assert sum(line["failures"] for line in sampled) <= 300
+    assert all(line["status"] == 401 and line["request_id"] for line in sampled)
+    assert not any("sk-guess" in r.getMessage() for r in stack.caplog.records)
 
 
 # --- item 10: a stream read to [DONE], then SIGKILL while the store is slow ---------------------
