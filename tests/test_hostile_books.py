@@ -33,7 +33,7 @@ from proxy.ledger.ledger import Ledger
 from proxy.ledger.schema import TABLE
 from proxy.pipeline.relay import REQUEST_ID_HEADER
 from proxy.server import state as st
-from proxy.telemetry.accesslog import AUTH_LOG_EVERY_S
+from proxy.telemetry.accesslog import AUTH_LOG_EVERY_S, AuthFailureLog
 from proxy.telemetry.metrics import Metrics
 from tests.helpers import (
     ALICE_KEY,
@@ -190,6 +190,25 @@ async def test_a_wrong_key_flood_books_no_row_and_displaces_none(
     assert sum(line["failures"] for line in sampled) <= 300
     assert all(line["status"] == 401 and line["request_id"] for line in sampled)
     assert not any("sk-guess" in r.getMessage() for r in stack.caplog.records)
+
+
+def test_failed_authentications_are_logged_once_per_window(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    # The sampling itself, on a clock the test moves: the first at once, then one line per
+    # window, each counting the failures since the line before.
+    now = [1000.0]
+    log = AuthFailureLog(clock=lambda: now[0])
+    caplog.set_level(logging.WARNING, logger="tokenmeter.access")
+    for i in range(5):
+        log.failed(f"r{i}", "chat.completions")
+        now[0] += 1.0
+    now[0] += AUTH_LOG_EVERY_S
+    log.failed("r5", "messages")
+    lines = [json.loads(r.getMessage()) for r in caplog.records]
+    assert [(x["request_id"], x["operation"], x["failures"], x["seconds"]) for x in lines] == [
+        ("r0", "chat.completions", 1, None), ("r5", "messages", 5, 5.0 + AUTH_LOG_EVERY_S)]
+    assert all(r.levelno == logging.WARNING for r in caplog.records)
 
 
 # --- item 10: a stream read to [DONE], then SIGKILL while the store is slow ---------------------
