@@ -83,7 +83,7 @@ _texts = itemgetter(*_TEXT)
 def storable(values: list[Any]) -> list[Any]:
     """A spool line's values with every text column made storable (see `_UNSTORABLE`), in
     place: what each sink's `prepare` starts with. The usual row (ASCII, no NUL) is told apart
-    in one pass over its text, a third of what parsing its line costs."""
+    in one pass over its joined text (about 1 us, a sixth of what parsing its line costs)."""
     try:
         joined = "".join(filter(None, _texts(values)))
     except TypeError:  # a text column holding another type: looked at one by one below
