@@ -12,8 +12,10 @@ tuple costs 1, and a tuple is already the JSON array the spool writes.
 from __future__ import annotations
 
 import json
+import re
 from decimal import Decimal
-from typing import Any, NamedTuple
+from operator import itemgetter
+from typing import Any, NamedTuple, get_args, get_type_hints
 
 
 class LedgerRow(NamedTuple):
@@ -66,3 +68,30 @@ class LedgerRow(NamedTuple):
 
 
 COLUMNS: tuple[str, ...] = LedgerRow._fields
+
+# Text a ledger database cannot keep as it is: NUL (PostgreSQL's text cannot hold it; SQLite
+# keeps it, but its own functions end the string there) and lone surrogates (no UTF-8 form:
+# neither driver can send them). JSON carries both, so an upstream's echo of a model name can (the
+# proxy refuses control characters in the model a client sends, not in what upstreams answer).
+# A row must never be lost for such a value: each is stored as U+FFFD, which says where it was.
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+_TEXT = tuple(i for i, hint in enumerate(get_type_hints(LedgerRow).values())
+              if hint is str or str in get_args(hint))
+_texts = itemgetter(*_TEXT)
+
+
+def storable(values: list[Any]) -> list[Any]:
+    """A spool line's values with every text column made storable (see `_UNSTORABLE`), in
+    place: what each sink's `prepare` starts with. The usual row (ASCII, no NUL) is told apart
+    in one pass over its joined text (about 1 us, a sixth of what parsing its line costs)."""
+    try:
+        joined = "".join(filter(None, _texts(values)))
+    except TypeError:  # a text column holding another type: looked at one by one below
+        joined = "\x00"
+    if "\x00" not in joined and joined.isascii():
+        return values
+    for i in _TEXT:
+        value = values[i]
+        if value.__class__ is str and _UNSTORABLE.search(value):
+            values[i] = _UNSTORABLE.sub("\ufffd", value)
+    return values

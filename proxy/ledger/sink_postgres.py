@@ -18,7 +18,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import asyncpg
 
 from proxy.ledger.migrate import migrate_postgres
-from proxy.ledger.row import COLUMNS
+from proxy.ledger.row import COLUMNS, storable
 from proxy.ledger.schema import TABLE
 
 CONNECT_TIMEOUT_S = 5.0
@@ -89,6 +89,7 @@ class PostgresSink:
 
     @staticmethod
     def prepare(values: list[Any]) -> tuple[Any, ...]:
+        storable(values)
         values[_STARTED] = datetime.fromtimestamp(values[_STARTED], UTC)
         values[_ENDED] = datetime.fromtimestamp(values[_ENDED], UTC)
         return tuple(values)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from proxy.ledger.migrate import migrate_sqlite
-from proxy.ledger.row import COLUMNS
+from proxy.ledger.row import COLUMNS, storable
 from proxy.ledger.schema import TABLE
 
 T = TypeVar("T")
@@ -72,12 +72,13 @@ class SqliteSink:
 
     @staticmethod
     def prepare(values: list[Any]) -> tuple[Any, ...]:
-        return tuple(values)  # JSON's types are SQLite's (a bool is stored as 0/1)
+        return tuple(storable(values))  # JSON's types are SQLite's (a bool is stored as 0/1)
 
     def is_poison(self, exc: BaseException) -> bool:
-        """A row this database will never take (a constraint, a value it cannot bind)."""
+        """A row this database will never take (a constraint, a value it cannot bind: a
+        ValueError such as a string with no UTF-8 form; retried, it would stop the books)."""
         return isinstance(exc, (sqlite3.IntegrityError, sqlite3.InterfaceError,
-                                sqlite3.ProgrammingError, OverflowError, TypeError))
+                                sqlite3.ProgrammingError, OverflowError, TypeError, ValueError))
 
     async def write(self, records: list[tuple[Any, ...]]) -> int:
         return await self._run(lambda: self._write(records))

@@ -2,7 +2,8 @@
 
 It runs once per request, from the relay's `finally`, shielded from the client's disconnect. It
 never raises: a failure here is a billing hole, so it is logged at error level and counted. The
-ledger row is handed over whatever else fails (the metrics, the log line), and before them.
+ledger row is handed over first, before the store is charged and whatever else fails (the
+metrics, the log line): it is a local append, the charge a round trip that may stall.
 """
 
 from __future__ import annotations
@@ -29,6 +30,16 @@ async def settle(done: Settlement, svc: Services) -> None:
     runtime = done.runtime or svc.runtime.current
     try:
         usage = done.usage
+        figures = done.meter.figures(usage.output_tokens)
+        # A request refused for its key names no one and cost nothing: no row (anyone can send
+        # them, and a flood of them would fill the spool and push real rows out), no log line
+        # each; counted, and sampled into the access log, below.
+        unauthenticated = done.error_class is ErrorClass.INVALID_API_KEY
+        # The row first, before any await: one append to the local spool. The client may
+        # already have its whole answer (the relay forwards `[DONE]` before settling), so a
+        # process killed while the store is slow to take the charge must not take the row too.
+        if svc.ledger is not None and not unauthenticated:
+            _book(svc.ledger, done, runtime, usage, figures, metrics)
         if done.candidacy is not None:
             reservation = done.candidacy.reservation
             await svc.budget.settle(reservation, usage)
@@ -37,9 +48,6 @@ async def settle(done: Settlement, svc: Services) -> None:
             if (reservation.estimate_key is not None and done.status == 200
                     and done.error_class is ErrorClass.NONE and usage.output_tokens > 0):
                 await svc.budget.learn(reservation, usage.output_tokens)
-        figures = done.meter.figures(usage.output_tokens)
-        if svc.ledger is not None:
-            _book(svc.ledger, done, runtime, usage, figures, metrics)
         route, model, principal = done.route, done.model, done.principal
         record = RequestRecord(
             request_id=done.request_id,
@@ -61,7 +69,11 @@ async def settle(done: Settlement, svc: Services) -> None:
         metrics.record_request(record, runtime.price_for(model), done.meter.gap_buckets())
         if route is not None and route.latency is not None and figures.upstream_ttft is not None:
             svc.latency.observe(route, figures.upstream_ttft)
-        log_request(record)
+        if unauthenticated:
+            metrics.auth_failed()
+            svc.auth_failures.failed(done.request_id, done.operation)
+        else:
+            log_request(record)
     except Exception:
         # Loud, never silent: a request whose usage we could not record is a billing hole.
         metrics.metering_failed(MeteringStage.SETTLE)

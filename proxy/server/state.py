@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
@@ -19,6 +19,7 @@ from proxy.pipeline.watchdog import Watchdog
 from proxy.routing.attempts import LatencyTracker
 from proxy.routing.upstream import Router
 from proxy.server.reload import ConfigWatcher
+from proxy.telemetry.accesslog import AuthFailureLog
 from proxy.telemetry.metrics import Metrics
 
 
@@ -112,6 +113,7 @@ class Services:
     settling: Settling
     watchdog: Watchdog
     ledger: Ledger | None  # None: ledger.enabled is false
+    auth_failures: AuthFailureLog = field(default_factory=AuthFailureLog)
 
 
 SERVICES = web.AppKey("services", Services)

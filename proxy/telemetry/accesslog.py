@@ -1,13 +1,23 @@
-"""One structured JSON line per request. Never prompt text, never keys."""
+"""One structured JSON line per request. Never prompt text, never keys.
+
+Requests refused for a missing or unknown key are the exception: anyone can send them, as fast
+as they like, so they get no line each (a wrong-key flood wrote 23 MB of log in 15 s). The
+first is logged at once, then at most one line per AUTH_LOG_EVERY_S, each saying how many
+failed since the line before (`AuthFailureLog`); tokenmeter_auth_failures_total counts each.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import time
+from collections.abc import Callable
 
 from proxy.telemetry.metrics import RequestRecord
 
 access_log = logging.getLogger("tokenmeter.access")
+
+AUTH_LOG_EVERY_S = 10.0
 
 
 def _ms(value: float | None) -> float | None:
@@ -89,3 +99,32 @@ def request_line(rec: RequestRecord) -> str:
         f'"tokens_per_second":{_n(None if tps is None else round(tps, 1))},'
         f'"content_chunks":{f.content_chunks}}}'
     )
+
+
+class AuthFailureLog:
+    """The sampled access-log line of failed authentications: the first at once, then at most
+    one per AUTH_LOG_EVERY_S, when a failure comes (a flood that stops leaves its last count
+    to the metric). Each names one request (its id, to find it) and counts the failures since
+    the previous line, this one included. At warning level: it is about the gateway being
+    probed or a client misconfigured, not about traffic served."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._next = float("-inf")
+        self._since: float | None = None
+        self._count = 0
+
+    def failed(self, request_id: str, operation: str) -> None:
+        self._count += 1
+        now = self._clock()
+        if now < self._next:
+            return
+        since = None if self._since is None else round(now - self._since, 1)
+        access_log.warning(
+            f'{{"event":"auth_failed","request_id":{_str(request_id)},'
+            f'"operation":{_str(operation)},"status":401,"failures":{self._count},'
+            f'"seconds":{_n(since)}}}'
+        )
+        self._count = 0
+        self._since = now
+        self._next = now + AUTH_LOG_EVERY_S

@@ -340,6 +340,11 @@ class Metrics:
             "(an error class, or slow: recent TTFT p95 over the threshold).",
             ("route", "to_model", "reason"), registry=r,
         )
+        self._auth_failures = _Counter(
+            "tokenmeter_auth_failures",
+            "Requests refused for a missing or unknown API key (401). They have no ledger row "
+            "and no access-log line each (a sampled line says how many).", registry=r,
+        )
         self._metering_errors = _Counter(
             "tokenmeter_metering_errors",
             "Failures while metering or settling a request (usage may be missing).",
@@ -531,6 +536,9 @@ class Metrics:
 
     def fell_back(self, route: str, to_model: str, reason: str) -> None:
         self._fallbacks.labels(route, to_model, reason).inc()
+
+    def auth_failed(self) -> None:
+        self._auth_failures.inc()
 
     def metering_failed(self, stage: MeteringStage) -> None:
         self._metering_errors.labels(stage.value).inc()
