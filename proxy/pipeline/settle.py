@@ -28,7 +28,7 @@ async def settle(done: Settlement, svc: Services) -> None:
     metrics = svc.metrics
     runtime = done.runtime or svc.runtime.current
     try:
-        usage = done.usage
+        usage = await done.usage()
         if done.candidacy is not None:
             reservation = done.candidacy.reservation
             await svc.budget.settle(reservation, usage)

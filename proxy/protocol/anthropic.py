@@ -166,19 +166,22 @@ class MessagesTranslator(Translator):
     def estimate_prompt_tokens(self) -> int:
         body = self.request.body
         messages = body.get("messages")
-        count = tokenizer.count_messages(self.model, messages if isinstance(messages, list) else [])
-        return count + tokenizer.count_texts(self.model, _all_strings(body.get("system"),
-                                                                     body.get("tools")))
+        return tokenizer.count_messages(self.model, messages if isinstance(messages, list) else [],
+                                        _all_strings(body.get("system"), body.get("tools")))
 
 
 def _all_strings(*values: Any) -> Iterable[str]:
-    for value in values:
+    """Every string in `values`, at any depth. A loop, not recursion: a client's JSON can be
+    nested as deep as the parser allows, past what recursion here would."""
+    stack = list(reversed(values))
+    while stack:
+        value = stack.pop()
         if isinstance(value, str):
             yield value
         elif isinstance(value, dict):
-            yield from _all_strings(*value.values())
+            stack.extend(reversed(value.values()))
         elif isinstance(value, list):
-            yield from _all_strings(*value)
+            stack.extend(reversed(value))
 
 
 class CountTokensTranslator(MessagesTranslator):
@@ -197,6 +200,9 @@ class CountTokensTranslator(MessagesTranslator):
 
     def usage(self) -> Usage:
         return Usage()
+
+    def counts_usage(self) -> bool:
+        return False
 
     def prompt_usage(self) -> Usage:
         return Usage()
