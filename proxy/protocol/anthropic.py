@@ -171,17 +171,13 @@ class MessagesTranslator(Translator):
 
 
 def _all_strings(*values: Any) -> Iterable[str]:
-    """Every string in `values`, at any depth. A loop, not recursion: a client's JSON can be
-    nested as deep as the parser allows, past what recursion here would."""
-    stack = list(reversed(values))
-    while stack:
-        value = stack.pop()
+    for value in values:
         if isinstance(value, str):
             yield value
         elif isinstance(value, dict):
-            stack.extend(reversed(value.values()))
+            yield from _all_strings(*value.values())
         elif isinstance(value, list):
-            stack.extend(reversed(value))
+            yield from _all_strings(*value)
 
 
 class CountTokensTranslator(MessagesTranslator):
