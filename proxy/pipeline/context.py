@@ -85,7 +85,7 @@ class Attempt:
 class Charge(enum.Enum):
     """What a request is charged."""
 
-    NOTHING = "nothing"  # no attempt, or none the upstream worked on for anyone
+    NOTHING = "nothing"  # no attempt, an error answer, or a call that never reached the model
     ANSWER = "answer"  # an answer read, whole or in part: its usage, reported or counted
     PROMPT = "prompt"  # abandoned by its client while the upstream had it: its prompt
 
