@@ -197,6 +197,23 @@ async def test_a_megabyte_of_spaces_is_counted_not_a_500(
     assert not [r for r in caplog.records if r.exc_info]  # no traceback
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("spaces_config", ["limited"], indirect=True)
+@pytest.mark.parametrize("calls", [5, True, 1.5], ids=["int", "bool", "float"])
+async def test_tool_calls_of_any_type_are_counted_not_a_500(
+    aiohttp_server: ServerFactory, spaces_config: Config, calls: Any,
+) -> None:
+    """`tool_calls` is the client's JSON: a number there made the prompt count raise a
+    TypeError, a 500 with a traceback before anything went upstream."""
+    proxy = await aiohttp_server(create_app(spaces_config))
+    async with aiohttp.ClientSession() as s:
+        body = {"model": "gpt-4o",
+                "messages": [{"role": "assistant", "content": "hi", "tool_calls": calls}]}
+        async with s.post(proxy.make_url("/v1/chat/completions"), json=body,
+                          headers={"authorization": f"Bearer {CLIENT_KEY}"}) as resp:
+            assert resp.status == 200, await resp.text()
+
+
 def test_tiktoken_refusing_a_long_run_is_counted_by_halves() -> None:
     assert tokenizer.count_text("gpt-4o", " " * SPACES) == pytest.approx(SPACE_TOKENS - 7,
                                                                          abs=2)

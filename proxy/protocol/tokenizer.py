@@ -278,7 +278,8 @@ def count_messages(model: str, messages: Sequence[Any], extra: Iterable[str] = (
         if message.get("name"):
             framing += 1
         texts.extend(_content_texts(message.get("content")))
-        for call in message.get("tool_calls") or ():
+        calls = message.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():  # the client's JSON: any type
             if isinstance(call, dict):
                 fn = call.get("function") or {}
                 if isinstance(fn, dict):
