@@ -516,7 +516,7 @@ PROFILE_FUNCTIONS: tuple[tuple[str, str], ...] = (
     ("UserIndex.authenticate", "UserIndex.authenticate (proxy/auth.py"),
     ("Budget.reserve (sync part)", "Budget.reserve (proxy/budget/accounting.py"),
     ("  limits.plan", "plan (proxy/budget/limits.py"),
-    ("  prompt estimate (tiktoken)", "_estimate (proxy/pipeline/handler.py"),
+    ("  prompt estimate (tiktoken)", "prompt_tokens (proxy/pipeline/counting.py"),
     ("    tiktoken encode_batch", "Encoding.encode_batch (tiktoken"),
     ("  store.reserve (sync part)", "Store.reserve (proxy/budget/store"),
     ("redis-py (reserve + settle)", "(redis/"),

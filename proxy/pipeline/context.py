@@ -7,7 +7,8 @@
 - `Outcome`: the one mutable object of a request, owned by its handler: the facts that accumulate
   (status, error class, attempts made, whether the upstream has the request) and which attempt
   is current. Each step records into it through a method; `finish()` freezes it into the
-  `Settlement` that settle reads.
+  `Settlement` that settle reads. What the request is charged is decided there (a `Charge`);
+  the tokens are counted by settle, off the loop when they must be counted at all.
 
 Models are named as the OpenTelemetry GenAI conventions do: `request_model` (asked by the
 client), `attempt.model` (sent upstream, a fallback's when one serves) and the upstream's own
@@ -16,6 +17,7 @@ answer, which travels in the response body untouched.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import aiohttp
@@ -23,6 +25,7 @@ import aiohttp
 from proxy.auth import Principal
 from proxy.budget.accounting import Reservation
 from proxy.errors import ErrorClass
+from proxy.pipeline import counting
 from proxy.protocol.translators import ParsedRequest, Translator
 from proxy.protocol.usage import ZERO, Usage
 from proxy.routing.upstream import Route
@@ -79,6 +82,14 @@ class Attempt:
         return self.candidacy.route
 
 
+class Charge(enum.Enum):
+    """What a request is charged."""
+
+    NOTHING = "nothing"  # no attempt, an error answer, or a call that never reached the model
+    ANSWER = "answer"  # an answer read, whole or in part: its usage, reported or counted
+    PROMPT = "prompt"  # abandoned by its client while the upstream had it: its prompt
+
+
 @dataclass(frozen=True, slots=True)
 class Settlement:
     """Everything settle needs, frozen once the request is over."""
@@ -92,7 +103,7 @@ class Settlement:
     candidacy: Candidacy | None
     status: int
     error_class: ErrorClass
-    usage: Usage
+    charge: Charge
     meter: RequestMeter
     fallback_from: str | None
     attempts: int
@@ -110,6 +121,16 @@ class Settlement:
     def response_model(self) -> str | None:
         """The model the upstream's answer names, when it named one."""
         return self.candidacy.translator.response_model if self.candidacy is not None else None
+
+    async def usage(self) -> Usage:
+        """What the request is charged (see `Charge`): the upstream's usage, else an estimate
+        counted off the loop (the prompt reuses admission's count if it made one)."""
+        if self.candidacy is None or self.charge is Charge.NOTHING:
+            return ZERO
+        translator = self.candidacy.translator
+        if self.charge is Charge.ANSWER:
+            return await counting.answer_usage(translator)
+        return await counting.prompt_usage(translator)
 
 
 class Outcome:
@@ -199,19 +220,18 @@ class Outcome:
     def fallback_from(self) -> str | None:
         return self._fallback_from
 
-    def usage(self) -> Usage:
+    def charge(self) -> Charge:
         """What the request is charged. An answer read, whole or in part, is charged by its
         translator: the upstream's usage, else an estimate of what was streamed. A request its
         client abandoned while the upstream had it is charged its prompt, estimated: the
         upstream has read it, and whatever it generated never reached anyone."""
         if self._candidacy is None:
-            return ZERO
-        translator = self._candidacy.translator
+            return Charge.NOTHING
         if self._answered and self._status < 300:
-            return translator.usage()
+            return Charge.ANSWER
         if self._in_flight and self._error_class in CLIENT_GONE:
-            return translator.prompt_usage()
-        return ZERO
+            return Charge.PROMPT
+        return Charge.NOTHING
 
     def finish(self) -> Settlement:
         self.meter.finish()
@@ -226,7 +246,7 @@ class Outcome:
             candidacy=self._candidacy,
             status=self._status,
             error_class=self._error_class,
-            usage=self.usage(),
+            charge=self.charge(),
             meter=self.meter,
             fallback_from=self._fallback_from,
             attempts=self._attempts,

@@ -39,6 +39,7 @@ from proxy.errors import (
     UpstreamUnavailable,
 )
 from proxy.ids import new_id
+from proxy.pipeline import counting
 from proxy.pipeline.context import Attempt, Candidacy, Outcome, RequestContext
 from proxy.pipeline.relay import REQUEST_ID_HEADER, client_gone, relay
 from proxy.pipeline.settle import settle
@@ -241,7 +242,7 @@ async def _try(
     # The API shape writes the output cap into the body it returns, and says how many output
     # tokens that body can produce: that, and the prompt when a limit counts it, is reserved.
     outgoing = translator.upstream_request(plan.output_cap)
-    prompt = await _estimate(translator) if plan.needs_prompt_estimate else 0
+    prompt = await counting.prompt_tokens(translator) if plan.needs_prompt_estimate else 0
     # Under `clamp` the store may grant fewer output tokens than the body allows, down to the
     # rule's minimum (never below one per choice, never above what was asked); the body is
     # then built again with the granted cap, before anything goes upstream.
@@ -348,11 +349,3 @@ def _response_headers(candidacy: Candidacy, fallback_from: str | None,
 
 def _header_safe(value: str) -> bool:
     return value.isascii() and value.isprintable()
-
-
-async def _estimate(translator: Translator) -> int:
-    # tiktoken is native code that releases the GIL; a large prompt is counted off the loop so
-    # one long request does not stall every stream on this replica.
-    if len(translator.request.raw) > 32_768:
-        return await asyncio.to_thread(translator.estimate_prompt_tokens)
-    return translator.estimate_prompt_tokens()

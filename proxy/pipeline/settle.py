@@ -29,13 +29,15 @@ async def settle(done: Settlement, svc: Services) -> None:
     metrics = svc.metrics
     runtime = done.runtime or svc.runtime.current
     try:
-        usage = done.usage
+        # Reported usage is at hand; an estimate is counted in a thread (proxy.pipeline.
+        # counting), the one wait that can come before the row.
+        usage = await done.usage()
         figures = done.meter.figures(usage.output_tokens)
         # A request refused for its key names no one and cost nothing: no row (anyone can send
         # them, and a flood of them would fill the spool and push real rows out), no log line
         # each; counted, and sampled into the access log, below.
         unauthenticated = done.error_class is ErrorClass.INVALID_API_KEY
-        # The row first, before any await: one append to the local spool. The client may
+        # The row first, before the store is charged: one append to the local spool. The client may
         # already have its whole answer (the relay forwards `[DONE]` before settling), so a
         # process killed while the store is slow to take the charge must not take the row too.
         if svc.ledger is not None and not unauthenticated:

@@ -166,9 +166,8 @@ class MessagesTranslator(Translator):
     def estimate_prompt_tokens(self) -> int:
         body = self.request.body
         messages = body.get("messages")
-        count = tokenizer.count_messages(self.model, messages if isinstance(messages, list) else [])
-        return count + tokenizer.count_texts(self.model, _all_strings(body.get("system"),
-                                                                     body.get("tools")))
+        return tokenizer.count_messages(self.model, messages if isinstance(messages, list) else [],
+                                        _all_strings(body.get("system"), body.get("tools")))
 
 
 def _all_strings(*values: Any) -> Iterable[str]:
@@ -197,6 +196,9 @@ class CountTokensTranslator(MessagesTranslator):
 
     def usage(self) -> Usage:
         return Usage()
+
+    def counts_usage(self) -> bool:
+        return False
 
     def prompt_usage(self) -> Usage:
         return Usage()

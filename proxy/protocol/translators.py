@@ -16,6 +16,7 @@ stays bounded however long it runs.
 from __future__ import annotations
 
 import enum
+import itertools
 import json
 import math
 import random
@@ -436,13 +437,16 @@ class Translator:
         rated at the sample's tokens per event (one token or so per event, steady over a
         stream). Random, not every nth: a stream with a period of its own would skew that."""
         events = self._content
+        # On the loop, in the relay: a count bounded for the loop (see tokenizer.LOOP_BUDGET).
         if self._expects_usage():
             sample = _SAMPLER.sample(events, -(-len(events) // self._SAMPLE))
             self._sampled_events += len(sample)
-            self._sampled_tokens += tokenizer.count_texts(self.model, self._event_texts(sample))
+            self._sampled_tokens += tokenizer.count_texts(self.model, self._event_texts(sample),
+                                                          tokenizer.LOOP_BUDGET)
             self._rated_events += len(events)
         else:
-            self._folded += tokenizer.count_texts(self.model, self._event_texts(events))
+            self._folded += tokenizer.count_texts(self.model, self._event_texts(events),
+                                                  tokenizer.LOOP_BUDGET)
         self._content = []
         self._held = 0
 
@@ -480,7 +484,8 @@ class Translator:
             if k:
                 sample = _SAMPLER.sample(events[self._seen_at:], k)
                 self._rate_events += k
-                self._rate_tokens += tokenizer.count_texts(self.model, self._event_texts(sample))
+                self._rate_tokens += tokenizer.count_texts(
+                    self.model, self._event_texts(sample), tokenizer.LOOP_BUDGET)
             self._seen_at = len(events)
         held = 0
         if self._rate_events:
@@ -506,6 +511,11 @@ class Translator:
             self._ended_empty = True
         return self.complete
 
+    def counts_usage(self) -> bool:
+        """`usage()` counts tokens: the upstream reported none. The count is bounded (see
+        `tokenizer.PROMPT_BUDGET`) but can take a fifth of a second: off the loop, then."""
+        return self._reported is None and not self._ended_empty
+
     def usage(self) -> Usage:
         """Latest cumulative usage the upstream reported, else a tiktoken estimate of what was
         sent so far (prompt plus the output actually streamed)."""
@@ -516,16 +526,32 @@ class Translator:
             # nothing was produced, and nothing says that the prompt was read.
             return Usage(source="estimated")
         return Usage(
-            input_tokens=self.estimate_prompt_tokens(),
+            input_tokens=self.prompt_tokens(),
             output_tokens=self._folded_tokens()
             + tokenizer.count_texts(self.model, self._output_texts()),
             source="estimated",
         )
 
+    # The prompt's tokens as `estimate_prompt_tokens` counted them, once (see `prompt_tokens`).
+    _prompt_tokens: int | None = None
+
+    def prompt_tokens(self) -> int:
+        """The prompt's estimated tokens, counted on first use and kept: admission's reservation
+        and settle's charge use one count. Bounded, but up to a fifth of a second for a large
+        prompt: off the loop unless `prompt_counted` or the body is small."""
+        count = self._prompt_tokens
+        if count is None:
+            count = self._prompt_tokens = self.estimate_prompt_tokens()
+        return count
+
+    @property
+    def prompt_counted(self) -> bool:
+        return self._prompt_tokens is not None
+
     def prompt_usage(self) -> Usage:
         """The prompt alone, estimated: the charge of a request that its client abandoned
         while the upstream had it (read, but its output unknown)."""
-        return Usage(input_tokens=self.estimate_prompt_tokens(), source="estimated")
+        return Usage(input_tokens=self.prompt_tokens(), source="estimated")
 
 
 class _ChoicesTranslator(Translator):
@@ -687,14 +713,19 @@ class ChatTranslator(_ChoicesTranslator):
 
 
 def _count_prompt_input(model: str, value: Any) -> int:
-    """`prompt` / `input` as a string, a list of strings, a token array or a list of those."""
+    """`prompt` / `input` as a string, a list of strings, a token array or a list of those, in
+    one bounded count. The type of a list is its first item's: a mixed list is refused upstream
+    (and charged nothing), and checking every item of a huge token array would cost more than
+    the estimate is worth."""
     if isinstance(value, str):
-        return tokenizer.count_text(model, value)
-    if isinstance(value, list):
-        if all(isinstance(v, int) for v in value):
-            return len(value)
-        return sum(_count_prompt_input(model, v) for v in value)
-    return 0
+        return tokenizer.count_texts(model, (value,))
+    if not isinstance(value, list) or not value:
+        return 0
+    if isinstance(value[0], int):
+        return len(value)
+    if isinstance(value[0], list):  # token arrays
+        return sum(len(v) for v in value if isinstance(v, list))
+    return tokenizer.count_texts(model, (v for v in value if isinstance(v, str)))
 
 
 class CompletionsTranslator(_ChoicesTranslator):
@@ -786,15 +817,10 @@ class ResponsesTranslator(Translator):
     def estimate_prompt_tokens(self) -> int:
         body = self.request.body
         value = body.get("input")
-        count = 0
-        if isinstance(value, str):
-            count = tokenizer.count_text(self.model, value)
-        elif isinstance(value, list):
-            count = tokenizer.count_messages(self.model, value)
-        instructions = body.get("instructions")
-        if isinstance(instructions, str):
-            count += tokenizer.count_text(self.model, instructions)
-        return count
+        instructions = _strings(body.get("instructions"))
+        if isinstance(value, list):
+            return tokenizer.count_messages(self.model, value, instructions)
+        return tokenizer.count_texts(self.model, itertools.chain(_strings(value), instructions))
 
 
 class EmbeddingsTranslator(Translator):
