@@ -15,6 +15,7 @@ events into each network chunk."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import subprocess
 import sys
@@ -30,10 +31,13 @@ import redis.asyncio as aioredis
 import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from proxy.budget import limits as lim
 from proxy.budget.estimate import hides_output
 from proxy.config.load import Config
+from proxy.protocol.sse import SSEDecoder, events_at_most
 from proxy.protocol.translators import ChatTranslator, parse_body
 from proxy.server.app import create_app
 from tests.helpers import (
@@ -350,6 +354,58 @@ async def test_a_crlf_framed_stream_is_cut_at_the_quota_like_an_lf_framed_one(
     # or take the event a top-up's answer lands on.
     assert abs(crlf - lf) <= 2, (lf, crlf)
     assert abs(crlf_used - lf_used) <= 2, (lf_used, crlf_used)
+
+
+_LINE = st.one_of(
+    st.binary(min_size=1, max_size=12).filter(lambda b: b"\r" not in b and b"\n" not in b)
+    .map(lambda v: b"data: " + v),
+    st.sampled_from([b"event: delta", b": keep-alive", b"data", b"id: 7"]),
+)
+
+
+@st.composite
+def _framed(draw: st.DrawFn) -> tuple[bytes, list[int]]:
+    """Events with LF, CRLF or mixed (lone CR too) line ends, maybe a last one cut short, and
+    where the network cuts the stream into chunks."""
+    ending = draw(st.sampled_from([b"\n", b"\r\n", None]))
+    stream = b""
+    for lines in draw(st.lists(st.lists(_LINE, min_size=1, max_size=3), max_size=8)):
+        for line in [*lines, b""]:
+            stream += line + (ending or draw(st.sampled_from([b"\n", b"\r\n", b"\r"])))
+    if draw(st.booleans()):
+        stream += b"data: cut"
+    cuts = draw(st.lists(st.integers(0, len(stream)), max_size=10))
+    return stream, sorted(set(cuts))
+
+
+@given(_framed())
+@example((b"data: a\r\n\r\ndata: b\r\n\r\n", []))
+@example((b"data: a\r\n\r\ndata: b\r\n\r\n", [8, 9]))  # a CRLF cut between CR and LF
+@example((b"data: a\n\ndata: b\n\n", [8]))  # a blank line that opens the next chunk
+def test_pieces_cut_chunks_where_the_decoder_ends_events(case: tuple[bytes, list[int]]) -> None:
+    """Item 16's framing: `pieces` cuts a chunk where the decoder's own framing ends events
+    (any line ends), feeding the pieces is feeding the chunk, each event ends a piece, and
+    `events_at_most` never counts fewer events than a chunk completes."""
+    stream, cuts = case
+    whole, cut = SSEDecoder(), SSEDecoder()
+    edges = [0, *cuts, len(stream)]
+    for a, b in itertools.pairwise(edges):
+        chunk = stream[a:b]
+        if not chunk:
+            continue
+        pieces = cut.pieces(chunk)
+        assert b"".join(pieces) == chunk
+        expected = [(e.data, e.event) for e in whole.feed(chunk)]
+        assert events_at_most(chunk) >= len(expected), chunk
+        got = []
+        for piece in pieces:
+            events = cut.feed(piece)
+            assert len(events) <= 1, (piece, events)  # event by event
+            got += [(e.data, e.event) for e in events]
+            if events:
+                assert events[0].end == len(piece)
+        assert got == expected
+    assert [(e.data, e.event) for e in cut.flush()] == [(e.data, e.event) for e in whole.flush()]
 
 
 # --- 14b. a top-up that meets a stalled store under fail_closed -------------------------------

@@ -12,12 +12,16 @@ translator's `output_tokens_so_far`: the new events rated by a sample) and:
 - when a top-up was refused (no room left in a window), lets the stream run to what it holds
   and ends it a couple of events short of the line: `QuotaEnded`, which the relay sends as the
   final error event. What the stream produced is charged exactly at settle.
-A network chunk whose events may reach the next check (counted by their blank lines, one
-`bytes.count` per chunk) is split into its events, forwarded and checked one at a time, so a
-chunk that bunches many events (a fast upstream, a busy proxy) cannot carry the stream past its
-reservation; from the first top-up on, every chunk is. Other chunks go whole, as any stream's.
-Between checks nothing runs per chunk but one integer comparison in the relay: the next check is
-placed, from the tokens per event seen so far, at half the distance to the next threshold.
+A network chunk whose events may reach the next check (bounded from above by its blank lines,
+`proxy.protocol.sse.events_at_most`: a `bytes.count` or three per chunk) is cut into its events
+by the tap's own SSE framing (LF, CRLF or CR line ends alike), forwarded and checked one at a
+time, so a chunk that bunches many events (a fast upstream, a busy proxy) cannot carry the
+stream past its reservation; from the first top-up on, every chunk is. Other chunks go whole,
+as any stream's. A top-up the store fails to answer under `store.on_error: fail_closed` ends
+the stream the same way, as the store outage it is (`StoreFailed`, `service_unavailable`).
+Between checks nothing runs per chunk but that bound and one integer comparison in the relay:
+the next check is placed, from the tokens per event seen so far, at half the distance to the
+next threshold.
 """
 
 from __future__ import annotations
