@@ -292,6 +292,8 @@ def test_which_requests_hide_output() -> None:
     assert hides_output("any", {"reasoning": {"summary": "auto"}}, None)  # the model's default
     assert hides_output("claude-sonnet-4-5",
                         {"thinking": {"type": "enabled", "budget_tokens": 4096}}, None)
+    assert hides_output("gpt-4o-audio-preview", {"modalities": ["text", "audio"]}, None)
+    assert hides_output("gpt-4o-audio-preview", {"audio": {"voice": "alloy"}}, None)
     assert hides_output("gpt-4o", {}, True)
     assert not hides_output("o3", {"reasoning_effort": "high"}, False)
     assert not hides_output("gpt-4o", {}, None)

@@ -58,16 +58,20 @@ def hides_output(model: str, body: Mapping[str, Any], configured: bool | None) -
     models above and for a request that asks any model to reason: `reasoning_effort` (chat
     completions), `reasoning` (the Responses API, and some gateways' chat), or Anthropic's
     extended `thinking` (Claude 4 models stream a summary of the thinking they bill whole;
-    redacted thinking is not streamed at all). In doubt, yes: reserving the cap costs room,
-    never the quota."""
+    redacted thinking is not streamed at all); and for chat's audio output (`audio`, or
+    `audio` in `modalities`), billed as audio tokens the relay does not count as text. In
+    doubt, yes: reserving the cap costs room, never the quota."""
     if configured is not None:
         return configured
     name = model.rsplit("/", 1)[-1].lower()
     if any(fnmatch.fnmatchcase(name, glob) for glob in HIDDEN_OUTPUT_MODELS):
         return True
+    modalities = body.get("modalities")
     return (_asks(body.get("reasoning_effort"), None)
             or _asks(body.get("reasoning"), "effort")
-            or _asks(body.get("thinking"), "type"))
+            or _asks(body.get("thinking"), "type")
+            or _asks(body.get("audio"), None)
+            or (isinstance(modalities, list) and "audio" in modalities))
 
 
 def _asks(value: object, field: str | None) -> bool:
