@@ -103,11 +103,13 @@ class LineSplitter:
         self._partial = buf[start:]
         return lines
 
-    def copy(self) -> LineSplitter:
-        """A splitter in this one's state: what it would make of the next bytes, without them
-        reaching this one."""
+    def shadow(self) -> LineSplitter:
+        """A splitter that ends the next bytes' lines where this one would, without them
+        reaching this one. A pending partial line is stood for by one byte: where lines end
+        and which are blank do not depend on its text, and a long one is not copied."""
         other = LineSplitter()
-        other._partial, other._pending_cr = self._partial, self._pending_cr
+        other._partial = b"-" if self._partial else b""
+        other._pending_cr = self._pending_cr
         return other
 
     def flush(self) -> bytes:
@@ -216,7 +218,7 @@ class SSEDecoder:
         (proxy.pipeline.relay)."""
         pieces: list[bytes] = []
         start = 0
-        for text, end in self._splitter.copy().split(chunk):
+        for text, end in self._splitter.shadow().split(chunk):
             if not text and end > start:
                 pieces.append(chunk[start:end])
                 start = end
