@@ -25,18 +25,21 @@ from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
 
+import anthropic
 import openai
 import pytest
 import redis.asyncio as aioredis
 import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from anthropic.types import MessageParam
 from hypothesis import example, given
 from hypothesis import strategies as st
 
 from proxy.budget import limits as lim
 from proxy.budget.estimate import hides_output
 from proxy.config.load import Config
+from proxy.protocol.anthropic import MessagesTranslator
 from proxy.protocol.sse import SSEDecoder, events_at_most
 from proxy.protocol.translators import ChatTranslator, parse_body
 from proxy.server.app import create_app
@@ -56,6 +59,7 @@ GATE = web.AppKey("gate", asyncio.Event)
 QUOTA = 20_000
 CAP = 8_000  # max_completion_tokens of the reasoning streams
 STREAMS = 10
+MESSAGES_ANTHROPIC: list[MessageParam] = [{"role": "user", "content": "count to three"}]
 
 
 # --- the upstream -----------------------------------------------------------------------------
@@ -107,11 +111,60 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+def _named(name: str, obj: object) -> bytes:
+    return f"event: {name}\ndata: ".encode() + json.dumps(obj).encode() + b"\n\n"
+
+
+async def _messages(request: web.Request) -> web.StreamResponse:
+    """Anthropic's Messages stream with extended thinking as Claude 4 models send it: a short
+    summary of the thinking streamed, the whole thinking billed in `output_tokens`
+    (`x-test-reasoning` tokens of it), within `max_tokens`."""
+    raw = await request.read()
+    body = json.loads(raw)
+    model, cap = body["model"], body["max_tokens"]
+    visible = min(int(request.headers.get("x-test-visible", "50")), cap)
+    thinking = min(int(request.headers.get("x-test-reasoning", "0")), cap - visible)
+    prompt = MessagesTranslator(parse_body(raw)).estimate_prompt_tokens()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await request.app[GATE].wait()
+    out = [_named("message_start", {
+        "type": "message_start",
+        "message": {"id": "msg_t", "type": "message", "role": "assistant", "model": model,
+                    "content": [], "stop_reason": None, "stop_sequence": None,
+                    "usage": {"input_tokens": prompt, "output_tokens": 1}}})]
+    out.append(_named("content_block_start", {
+        "type": "content_block_start", "index": 0,
+        "content_block": {"type": "thinking", "thinking": "", "signature": ""}}))
+    out.append(_named("content_block_delta", {
+        "type": "content_block_delta", "index": 0,
+        "delta": {"type": "thinking_delta", "thinking": " summary"}}))
+    out.append(_named("content_block_delta", {
+        "type": "content_block_delta", "index": 0,
+        "delta": {"type": "signature_delta", "signature": "c2ln"}}))
+    out.append(_named("content_block_stop", {"type": "content_block_stop", "index": 0}))
+    out.append(_named("content_block_start", {
+        "type": "content_block_start", "index": 1,
+        "content_block": {"type": "text", "text": ""}}))
+    out += [_named("content_block_delta", {
+        "type": "content_block_delta", "index": 1,
+        "delta": {"type": "text_delta", "text": " tok"}}) for _ in range(visible)]
+    out.append(_named("content_block_stop", {"type": "content_block_stop", "index": 1}))
+    stop = "max_tokens" if visible + thinking >= cap else "end_turn"
+    out.append(_named("message_delta", {
+        "type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None},
+        "usage": {"output_tokens": visible + thinking}}))
+    out.append(_named("message_stop", {"type": "message_stop"}))
+    await resp.write(b"".join(out))
+    return resp
+
+
 @pytest.fixture
 async def hiding_upstream(aiohttp_server: ServerFactory) -> TestServer:
     app = web.Application()
     app[GATE] = asyncio.Event()
     app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_post("/v1/messages", _messages)
     return await aiohttp_server(app)
 
 
@@ -120,11 +173,16 @@ async def hiding_upstream(aiohttp_server: ServerFactory) -> TestServer:
 
 def _config(upstream: TestServer, store: dict[str, Any], admission: dict[str, Any],
             quota: int = QUOTA, routes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Alice under `estimate`; `claude-*` to the upstream as an Anthropic one, the rest as an
+    OpenAI one."""
+    url = str(upstream.make_url("/v1"))
     return {
         "store": {**STORE_DEFAULTS, **store},
-        "upstreams": {"up": {"base_url": str(upstream.make_url("/v1")),
-                             "retry": dict(FAST_RETRY)}},
-        "models": [*(routes or []), {"match": "*", "upstream": "up"}],
+        "upstreams": {"up": {"base_url": url, "retry": dict(FAST_RETRY)},
+                      "anthropic": {"base_url": url, "retry": dict(FAST_RETRY),
+                                    "api": "anthropic"}},
+        "models": [*(routes or []), {"match": "claude-*", "upstream": "anthropic"},
+                   {"match": "*", "upstream": "up"}],
         "metrics": {"discover_models": False},
         "users": {"alice": {"keys": [ALICE_KEY], "daily_tokens": quota,
                             "max_output_tokens": 64_000,
@@ -278,6 +336,53 @@ async def test_hidden_output_is_told_by_the_request_or_the_route(
         # Each reserved its prompt plus the initial estimate (1,024), not its cap (8,000):
         # all ten fit where `clamp` would have served three.
         assert refused == 0 and len(totals) == STREAMS
+
+
+@pytest.mark.timeout(60)
+async def test_claude_streams_with_extended_thinking_never_settle_past_the_quota(
+    hiding_upstream: TestServer, redis_url: str, redis: aioredis.Redis,
+    aiohttp_server: ServerFactory,
+) -> None:
+    """Item 8 on the Messages API: ten concurrent Claude streams with extended thinking over
+    two replicas, each streaming a thinking summary and 50 words and billing 5,000 thinking
+    tokens in its final `output_tokens`: they reserve their `max_tokens`, and the day's counter
+    ends at most at the quota."""
+    config = Config.model_validate(_config(hiding_upstream, {"url": redis_url}, {}))
+    proxies = [await aiohttp_server(create_app(config)) for _ in range(2)]
+    clients = [anthropic.AsyncAnthropic(base_url=str(p.make_url("")).rstrip("/"),
+                                        api_key=ALICE_KEY, max_retries=0) for p in proxies]
+
+    async def start(i: int) -> anthropic.AsyncStream[Any] | None:
+        try:
+            return await clients[i % 2].messages.create(
+                model="claude-sonnet-4-5", max_tokens=CAP, messages=MESSAGES_ANTHROPIC,
+                stream=True, thinking={"type": "enabled", "budget_tokens": 6_000},
+                extra_headers={"x-test-visible": "50", "x-test-reasoning": "5000"},
+            )
+        except anthropic.RateLimitError:
+            return None
+
+    async def finish(stream: anthropic.AsyncStream[Any]) -> int:
+        total = 0
+        async for event in stream:
+            if event.type == "message_start":
+                total += event.message.usage.input_tokens
+            elif event.type == "message_delta":
+                total += event.usage.output_tokens
+        return total
+
+    try:
+        started = await asyncio.gather(*(start(i) for i in range(STREAMS)))
+        hiding_upstream.app[GATE].set()
+        admitted = [s for s in started if s is not None]
+        totals = await asyncio.gather(*(finish(s) for s in admitted))
+    finally:
+        for c in clients:
+            await c.close()
+    used = await _settled(redis)
+    assert used == sum(totals)
+    assert used <= QUOTA, f"{len(totals)} streams settled {used} tokens, quota {QUOTA}"
+    assert len(admitted) < STREAMS
 
 
 def test_which_requests_hide_output() -> None:
