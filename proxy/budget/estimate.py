@@ -75,7 +75,7 @@ def hides_output(model: str, body: Mapping[str, Any], configured: bool | None) -
 
 
 def _asks(value: object, field: str | None) -> bool:
-    """A reasoning parameter that turns reasoning on: present, and neither `false`, `none`
+    """A request parameter that turns its feature on: present, and neither `false`, `none`
     nor `disabled` (itself, or its `field` for an object)."""
     if isinstance(value, Mapping) and field is not None:
         value = value.get(field, True)
