@@ -169,11 +169,11 @@ class Budget:
         """Add up to `step` output tokens to a stream's reservation in every window, all or
         nothing (the last room left is granted when it is less than a step). Never raises: a
         store that fails follows `store.on_error` (fail_open grants the step unrecorded, and
-        the settle counts what was used; fail_closed refuses)."""
+        the settle counts what was used; fail_closed refuses, naming no window)."""
         plan = reservation.plan
         if not reservation.stored or not self.health.up:
             if policy.store.on_error == "fail_closed" and reservation.stored:
-                return TopUpResult(0, refused_entry=None)
+                return TopUpResult(0, refused_entry=None)  # no window's: the store's
             return self._topped_up(reservation, step)
         rates = _clamp(plan, reservation.prompt_tokens, 0, 0).rates
         entries = tuple(Entry(w.key, w.limit, r, w.ttl_s)

@@ -10,12 +10,20 @@ a top-up, bounded by the request's cap; before any history, `admission.initial_e
 
 Only completed requests teach it: a stream cut short (by its client, an upstream failure or the
 quota) says nothing about how long its answer would have been, and would drag the estimate down.
+
+Top-ups follow the output a stream shows, so they cannot protect a stream whose upstream bills
+output it never streams: a reasoning model's hidden reasoning tokens arrive only as a count in
+the final usage (OpenAI's `completion_tokens_details.reasoning_tokens`), too late to top up or
+end the stream for. Such a stream (`hides_output`) reserves its whole cap instead, clamped as
+under `clamp`, so its bill can never pass what it holds.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 SAMPLES = 32  # output lengths kept per (user, key, model): enough for a stable p90
 PERCENTILE = 0.9
@@ -36,6 +44,42 @@ def step(estimate: int, left: int) -> int:
     """The next top-up: half the estimate, at least `MIN_STEP`, never past the cap (`left`:
     the output tokens the cap allows beyond what is reserved)."""
     return max(0, min(left, max(estimate // 2, MIN_STEP)))
+
+
+# Models that bill reasoning tokens they do not stream: OpenAI's o-series and GPT-5 families
+# (chat completions and the Responses API stream a summary at most). Matched on the name after
+# the last `/` too, for gateways that prefix a provider ("openai/o3").
+HIDDEN_OUTPUT_MODELS = ("o1*", "o3*", "o4*", "gpt-5*")
+
+
+def hides_output(model: str, body: Mapping[str, Any], configured: bool | None) -> bool:
+    """Whether a request for `model` with `body` can bill output tokens it does not stream.
+    `configured`: its route's `hidden_output`, which decides when set. Otherwise yes for the
+    models above and for a request that asks any model to reason: `reasoning_effort` (chat
+    completions), `reasoning` (the Responses API, and some gateways' chat), or Anthropic's
+    extended `thinking` (Claude 4 models stream a summary of the thinking they bill whole;
+    redacted thinking is not streamed at all); and for chat's audio output (`audio`, or
+    `audio` in `modalities`), billed as audio tokens the relay does not count as text. In
+    doubt, yes: reserving the cap costs room, never the quota."""
+    if configured is not None:
+        return configured
+    name = model.rsplit("/", 1)[-1].lower()
+    if any(fnmatch.fnmatchcase(name, glob) for glob in HIDDEN_OUTPUT_MODELS):
+        return True
+    modalities = body.get("modalities")
+    return (_asks(body.get("reasoning_effort"), None)
+            or _asks(body.get("reasoning"), "effort")
+            or _asks(body.get("thinking"), "type")
+            or _asks(body.get("audio"), None)
+            or (isinstance(modalities, list) and "audio" in modalities))
+
+
+def _asks(value: object, field: str | None) -> bool:
+    """A request parameter that turns its feature on: present, and neither `false`, `none`
+    nor `disabled` (itself, or its `field` for an object)."""
+    if isinstance(value, Mapping) and field is not None:
+        value = value.get(field, True)
+    return value not in (None, False, "none", "disabled")
 
 
 def sample_key(slot: str, user: str, key_id: str, model: str) -> str:

@@ -214,16 +214,10 @@ class QuotaEnded(BudgetExceeded):
     `tokenmeter_budget_streams_ended_total` tell the two apart."""
 
 
-def ended(user: str, window: lim.Window | None, output_tokens: int, now: float,
+def ended(user: str, window: lim.Window, output_tokens: int, now: float,
           tz: str) -> QuotaEnded:
-    """The stream ended by its quota after `output_tokens` (about, as counted)."""
-    if window is None:  # the store could not be asked and the proxy fails closed
-        return QuotaEnded(
-            f"This stream was ended after {output_tokens} output tokens: the budget store is "
-            "unavailable and this proxy fails closed, so its reservation could not grow.",
-            type_="insufficient_quota", code="service_unavailable",
-            limit="store", headers={},
-        )
+    """The stream ended by its quota after `output_tokens` (about, as counted). (One ended
+    because the store failed is not: proxy.pipeline.topup.)"""
     reset_at = datetime.fromtimestamp(window.resets_at, ZoneInfo(tz)).isoformat()
     if window.measure is lim.Measure.COST:
         what = f"{_PERIOD_WORDS[window.name.period]} cost budget"

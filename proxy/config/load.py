@@ -114,6 +114,11 @@ class ModelRoute(_Model):
     # retries: unreachable, timed out before any byte, 429 or 5xx.
     fallbacks: list[str] = Field(default_factory=list)
     latency_fallback: LatencyFallback | None = None
+    # Whether these models can bill output tokens they do not stream (reasoning tokens):
+    # such a stream cannot be topped up on what it streams, so under `admission: estimate`
+    # it reserves its cap as under `clamp`. None: told by the model's name and the request
+    # (proxy.budget.estimate.hides_output).
+    hidden_output: bool | None = None
 
 
 class ServerConfig(_Model):

@@ -24,7 +24,7 @@ from aiohttp import hdrs, web
 
 from proxy.auth import client_key
 from proxy.budget import refusals
-from proxy.budget.estimate import sample_key
+from proxy.budget.estimate import hides_output, sample_key
 from proxy.budget.refusals import Refused
 from proxy.budget.store import ScopeKind
 from proxy.errors import (
@@ -253,13 +253,17 @@ async def _try(
                          max(rule.min_output_tokens, translator.choices()))
     # Under `estimate` a stream reserves its learned output estimate (clamped like the cap
     # would be, if less is left) and keeps its own cap upstream: the relay tops it up as it
-    # runs. Every request under `estimate`, streamed or not, teaches the estimate.
+    # runs. Every request under `estimate`, streamed or not, teaches the estimate. A stream
+    # that can bill output it does not stream (reasoning tokens) could not be topped up for
+    # it: it reserves its cap, as under `clamp`.
     output, topup_cap, estimate_key = outgoing.output_tokens, None, None
     if rule.estimates and outgoing.output_tokens > 0:
         principal = ctx.principal
         estimate_key = sample_key(plan.slot, principal.user, principal.key_id or "-",
                                   cand.model)
-        if ctx.stream and principal.enforce and any(w.limit is not None for w in plan.windows):
+        if (ctx.stream and principal.enforce
+                and any(w.limit is not None for w in plan.windows)
+                and not hides_output(cand.model, ctx.request.body, cand.route.hidden_output)):
             guess = await svc.budget.output_estimate(estimate_key, outgoing.output_tokens,
                                                      rule.initial_estimate)
             if min_output is not None:

@@ -26,9 +26,10 @@ from proxy.errors import (
     stream_error_event,
 )
 from proxy.pipeline.context import Attempt, Outcome
-from proxy.pipeline.topup import TopUps
+from proxy.pipeline.topup import StoreFailed, TopUps
 from proxy.pipeline.watchdog import Watch
 from proxy.protocol import upstream_errors
+from proxy.protocol.sse import events_at_most
 from proxy.protocol.tap import StreamTap
 from proxy.protocol.translators import Translator
 from proxy.routing.exceptions_map import Phase, map_upstream_exceptions
@@ -132,7 +133,7 @@ async def _relay_stream(
             async for chunk in up.content.iter_any():
                 # A chunk that may reach the next top-up check goes event by event.
                 if (topups is not None
-                        and meter.chunks + chunk.count(b"\n\n") >= topups.next_at):
+                        and meter.chunks + events_at_most(chunk) >= topups.next_at):
                     await _relay_carefully(chunk, resp, tap, topups, meter, watch)
                     continue
                 now = watch.last = perf()
@@ -177,6 +178,11 @@ async def _relay_stream(
         # release of a response not read to its end) and the client told why.
         log.info("request %s: stream ended by its quota (%s)", outcome.request_id, ended.limit)
         await _fail_stream(request, resp, tap, translator, outcome, watch, ended)
+    except StoreFailed as lost:
+        # The same end, for a top-up the store did not answer under `fail_closed`.
+        log.warning("request %s: stream ended: its top-up failed on the budget store and the "
+                    "proxy fails closed", outcome.request_id)
+        await _fail_stream(request, resp, tap, translator, outcome, watch, lost)
     except Exception:
         # Headers are out: no error response is possible any more, only an error event.
         log.exception("relaying stream %s failed", outcome.request_id)
@@ -194,13 +200,9 @@ async def _relay_carefully(chunk: bytes, resp: web.StreamResponse, tap: StreamTa
     """The relay's loop body for a chunk of a topped-up stream that may reach its next check:
     event by event, each forwarded and looked at before the next, and checked when due, so the
     stream can be ended between any two events (see proxy.pipeline.topup)."""
-    pieces = chunk.split(b"\n\n")  # (an upstream with CRLF line ends: one piece, whole)
-    last = len(pieces) - 1
-    for i, piece in enumerate(pieces):
-        if i == last and not piece:
-            break
+    for piece in tap.pieces(chunk):  # cut by the tap's own framing: CRLF streams too
         now = watch.last = time.perf_counter()
-        out = tap.feed(piece + b"\n\n" if i < last else piece, now)
+        out = tap.feed(piece, now)
         if out:
             watch.writing = now
             await resp.write(out)
@@ -208,7 +210,6 @@ async def _relay_carefully(chunk: bytes, resp: web.StreamResponse, tap: StreamTa
         tap.look()
         if meter.chunks >= topups.next_at:
             await topups.check(meter.chunks)
-
 
 
 async def _fail_stream(

@@ -12,12 +12,16 @@ translator's `output_tokens_so_far`: the new events rated by a sample) and:
 - when a top-up was refused (no room left in a window), lets the stream run to what it holds
   and ends it a couple of events short of the line: `QuotaEnded`, which the relay sends as the
   final error event. What the stream produced is charged exactly at settle.
-A network chunk whose events may reach the next check (counted by their blank lines, one
-`bytes.count` per chunk) is split into its events, forwarded and checked one at a time, so a
-chunk that bunches many events (a fast upstream, a busy proxy) cannot carry the stream past its
-reservation; from the first top-up on, every chunk is. Other chunks go whole, as any stream's.
-Between checks nothing runs per chunk but one integer comparison in the relay: the next check is
-placed, from the tokens per event seen so far, at half the distance to the next threshold.
+A network chunk whose events may reach the next check (bounded from above by its blank lines,
+`proxy.protocol.sse.events_at_most`: a `bytes.count` or three per chunk) is cut into its events
+by the tap's own SSE framing (LF, CRLF or CR line ends alike), forwarded and checked one at a
+time, so a chunk that bunches many events (a fast upstream, a busy proxy) cannot carry the
+stream past its reservation; from the first top-up on, every chunk is. Other chunks go whole,
+as any stream's. A top-up the store fails to answer under `store.on_error: fail_closed` ends
+the stream the same way, as the store outage it is (`StoreFailed`, `service_unavailable`).
+Between checks nothing runs per chunk but that bound and one integer comparison in the relay:
+the next check is placed, from the tokens per event seen so far, at half the distance to the
+next threshold.
 """
 
 from __future__ import annotations
@@ -32,9 +36,16 @@ from proxy.budget.accounting import Budget, Reservation
 from proxy.budget.refusals import QuotaEnded
 from proxy.budget.store import TopUpResult
 from proxy.config.policy import Policy
+from proxy.errors import ServiceUnavailable
 from proxy.protocol.translators import Translator
 
 NEVER = sys.maxsize
+
+
+class StoreFailed(ServiceUnavailable):
+    """The error event that ends a stream under `admission: estimate` whose top-up the store
+    failed to answer while `store.on_error` is `fail_closed`: OpenAI's shape, type
+    `server_error`, code and error class `service_unavailable` (status 200, as it streamed)."""
 
 
 class TopUps:
@@ -114,18 +125,29 @@ class TopUps:
         if result.granted:
             self.reserved += result.granted
             self._budget.metrics.budget_topped_up(user, "granted", result.granted)
+            return
+        self._refused = result
+        if result.gone:
+            outcome = "gone"
+        elif result.refused_entry is None:  # no window refused it: the store failed
+            outcome = "unavailable"
         else:
-            self._refused = result
-            self._budget.metrics.budget_topped_up(user, "gone" if result.gone else "refused", 0)
+            outcome = "refused"
+        self._budget.metrics.budget_topped_up(user, outcome, 0)
 
     def _end(self, tokens: int) -> None:
         refused = self._refused
         assert refused is not None
-        plan = self._reservation.plan
-        window = (plan.windows[refused.refused_entry]
-                  if refused.refused_entry is not None else None)
-        self._budget.metrics.budget_stream_ended(
-            self._reservation.user, window.name if window is not None else "")
+        if refused.refused_entry is None:
+            # Not the quota: the store failed (or is known down) and the proxy fails closed.
+            # A store outage, booked as one (error class service_unavailable), never as a
+            # user out of quota; the store's own failure is counted where it happened.
+            raise StoreFailed(
+                f"This stream was ended after {tokens} output tokens: the budget store is "
+                "unavailable and this proxy fails closed, so its reservation could not grow."
+            )
+        window = self._reservation.plan.windows[refused.refused_entry]
+        self._budget.metrics.budget_stream_ended(self._reservation.user, window.name)
         raise refusals.ended(self._reservation.user, window, tokens, self._budget.clock(),
                              self._policy.timezone)
 
@@ -137,4 +159,4 @@ class TopUps:
             self._apply(await task)
 
 
-__all__ = ["QuotaEnded", "TopUps"]
+__all__ = ["QuotaEnded", "StoreFailed", "TopUps"]

@@ -23,6 +23,17 @@ from __future__ import annotations
 from typing import NamedTuple
 
 
+def events_at_most(chunk: bytes) -> int:
+    """No fewer than the events `chunk` can complete, whatever came before it: one bytes scan
+    or a few, no parse. Each event ends at a blank line, whose line end lies in the chunk that
+    completes it. With LF line ends alone that is a `\\n\\n` in the chunk, or its first byte
+    after a line that ended the chunk before; with CRs (CRLF-framed upstreams) every line end
+    is counted, which is at most twice the events of a stream of one-line events."""
+    if b"\r" not in chunk:
+        return chunk.count(b"\n\n") + (chunk[:1] == b"\n")
+    return chunk.count(b"\n") + chunk.count(b"\r") - chunk.count(b"\r\n")
+
+
 class Event(NamedTuple):
     """One dispatched event. A NamedTuple, not a frozen dataclass: as immutable, and built in
     a third of the time (0.2 us against 0.36 us), once per event on the relay's path."""
@@ -91,6 +102,15 @@ class LineSplitter:
             lines.append((text, start - shift))
         self._partial = buf[start:]
         return lines
+
+    def shadow(self) -> LineSplitter:
+        """A splitter that ends the next bytes' lines where this one would, without them
+        reaching this one. A pending partial line is stood for by one byte: where lines end
+        and which are blank do not depend on its text, and a long one is not copied."""
+        other = LineSplitter()
+        other._partial = b"-" if self._partial else b""
+        other._pending_cr = self._pending_cr
+        return other
 
     def flush(self) -> bytes:
         """End of stream: the unterminated last line (b"" if none)."""
@@ -189,6 +209,22 @@ class SSEDecoder:
         if chunk.count(b"\n") != 2 * len(parts):
             return None
         return parts
+
+    def pieces(self, chunk: bytes) -> list[bytes]:
+        """`chunk` cut just past each blank line in it, where events end, by the same framing
+        as `feed` (LF, CRLF or CR line ends, a CRLF split across chunks), without feeding it:
+        feeding the pieces one by one is feeding the chunk. The relay forwards a chunk piece by
+        piece where it must look at every event before the next is sent
+        (proxy.pipeline.relay)."""
+        pieces: list[bytes] = []
+        start = 0
+        for text, end in self._splitter.shadow().split(chunk):
+            if not text and end > start:
+                pieces.append(chunk[start:end])
+                start = end
+        if start < len(chunk):
+            pieces.append(chunk[start:])
+        return pieces
 
     def feed(self, chunk: bytes) -> list[Event]:
         line = self._assembler.line

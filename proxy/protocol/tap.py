@@ -83,6 +83,11 @@ class StreamTap:
             return not self._tainted
         return not self._decoder.has_pending
 
+    def pieces(self, chunk: bytes) -> list[bytes]:
+        """`chunk` cut where its events end, by the decoder's framing (any line ends): `feed`
+        and `look` them one at a time to relay the chunk event by event."""
+        return self._decoder.pieces(chunk)
+
     def feed(self, chunk: bytes, now: float) -> bytes:
         """The bytes to forward for `chunk`, which arrived at `now`. Call `look` after writing
         them (whether or not they were empty)."""

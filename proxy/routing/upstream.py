@@ -54,6 +54,7 @@ class Route:
     pattern: str
     fallbacks: tuple[str, ...] = ()
     latency: LatencyFallback | None = None
+    hidden_output: bool | None = None  # see ModelRoute.hidden_output
 
 
 class Router:
@@ -69,7 +70,8 @@ class Router:
         self._routes = [
             (
                 re.compile(fnmatch.translate(r.match)),
-                Route(self.upstreams[r.upstream], r.match, tuple(r.fallbacks), r.latency_fallback),
+                Route(self.upstreams[r.upstream], r.match, tuple(r.fallbacks), r.latency_fallback,
+                      r.hidden_output),
             )
             for r in config.models
         ]

@@ -391,7 +391,8 @@ class Metrics:
         self._budget_topups = _Counter(
             "tokenmeter_budget_topups",
             "Reservation top-ups of streams under admission: estimate, by outcome (granted, "
-            "refused: no room left in a window, gone: the reservation had been reaped).",
+            "refused: no room left in a window, gone: the reservation had been reaped, "
+            "unavailable: the store failed and the proxy fails closed).",
             ("user", "outcome"), registry=r,
         )
         self._budget_topup_tokens = _Counter(
