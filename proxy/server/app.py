@@ -31,6 +31,7 @@ from proxy.errors import (
     NotFound,
     ProxyError,
     RequestTooLarge,
+    UpstreamRedirect,
     UpstreamUnavailable,
 )
 from proxy.ledger.audit import Auditor
@@ -41,7 +42,12 @@ from proxy.protocol import tokenizer
 from proxy.protocol.anthropic import CountTokensTranslator, MessagesTranslator
 from proxy.protocol.translators import TRANSLATORS, Translator
 from proxy.routing.attempts import LatencyTracker
-from proxy.routing.upstream import Router, client_response_headers, upstream_request_headers
+from proxy.routing.upstream import (
+    Router,
+    client_response_headers,
+    redirect_refused,
+    upstream_request_headers,
+)
 from proxy.server import state as st
 from proxy.server.reload import ConfigWatcher
 from proxy.server.workers import budget_sharing_problem
@@ -98,9 +104,14 @@ async def _models(request: web.Request) -> web.StreamResponse:
             total=upstream.first_byte_timeout_s, sock_connect=upstream.connect_timeout_s
         )
         try:
+            # Never followed: a redirect would carry the key to another origin (see
+            # redirect_refused), and a 3xx passed on would send the client there with its own.
             async with session.get(
-                upstream.base_url + "/models", headers=headers, timeout=timeout
+                upstream.base_url + "/models", headers=headers, timeout=timeout,
+                allow_redirects=False,
             ) as up:
+                if (refused := redirect_refused(upstream, up.status)) is not None:
+                    raise refused
                 body = await up.read()
                 if len(upstreams) == 1:
                     return web.Response(
@@ -110,6 +121,11 @@ async def _models(request: web.Request) -> web.StreamResponse:
                     merged.extend(json.loads(body).get("data") or [])
                 else:
                     failures += 1
+        except UpstreamRedirect as exc:
+            if len(upstreams) == 1:
+                raise
+            failures += 1
+            log.warning("listing models of upstream %s failed: %s", upstream.name, exc)
         except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
             failures += 1
             log.warning("listing models of upstream %s failed: %s", upstream.name, exc)
@@ -206,13 +222,17 @@ async def _discover_models(app: web.Application) -> AsyncIterator[None]:
                     upstream.base_url + "/models",
                     headers=upstream_request_headers({}, upstream),
                     timeout=aiohttp.ClientTimeout(total=10),
+                    allow_redirects=False,  # the operator's key stays with its upstream
                 ) as up:
+                    if (refused := redirect_refused(upstream, up.status)) is not None:
+                        raise refused
                     if up.status == 200:
                         data = (await up.json(content_type=None)).get("data") or []
                         runtime.router.add_model_labels(
                             str(m["id"]) for m in data if isinstance(m, dict) and "id" in m
                         )
-            except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
+            except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError,
+                    UpstreamRedirect) as exc:
                 log.warning("could not list models of upstream %s: %s", upstream.name, exc)
 
     task = asyncio.create_task(discover())
