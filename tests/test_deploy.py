@@ -26,18 +26,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 import yaml
 from aiohttp.test_utils import TestServer
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from yarl import URL
 
 from proxy.config.load import parse_config
 from proxy.config.policy import hash_key
 from proxy.server.app import create_app
 from proxy.testing.mock_upstream import MockSettings, create_mock_app
-from tests.servers import Prometheus, running_prometheus
+from tests.servers import Prometheus, running_prometheus, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -621,7 +623,8 @@ def test_compose() -> None:
     job = next(j for j in load_yaml(PROM_CONFIG)["scrape_configs"]
                if j["job_name"] == "tokenmeter")
     dns = job["dns_sd_configs"][0]
-    assert dns["names"] == ["tokenmeter"] and dns["type"] == "A" and dns["port"] == 8080
+    # The replicas' metrics.port (9464), not the API port the gateway publishes.
+    assert dns["names"] == ["tokenmeter"] and dns["type"] == "A" and dns["port"] == 9464
 
     graf = services["grafana"]
     graf_mounts = {v.split(":")[1]: (DEPLOY / v.split(":")[0]).resolve() for v in graf["volumes"]
@@ -772,7 +775,7 @@ def test_kubernetes_manifests(monkeypatch: pytest.MonkeyPatch) -> None:
     assert listed == on_disk, "every manifest is in kustomization.yaml"
     objs = k8s_objects()
     assert {"Deployment", "Service", "ConfigMap", "Secret", "HorizontalPodAutoscaler",
-            "ServiceMonitor"} <= set(objs)
+            "PodMonitor"} <= set(objs)
 
     dep = objs["Deployment"]
     pod = dep["spec"]["template"]
@@ -781,7 +784,7 @@ def test_kubernetes_manifests(monkeypatch: pytest.MonkeyPatch) -> None:
     assert dep["spec"]["replicas"] == 2
     assert dep["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"http": 8080}
+    assert ports == {"http": 8080, "metrics": 9464}
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
     assert spec["securityContext"]["runAsNonRoot"] is True
@@ -793,7 +796,7 @@ def test_kubernetes_manifests(monkeypatch: pytest.MonkeyPatch) -> None:
     # Scrape annotations (the plain-Prometheus way).
     ann = pod["metadata"]["annotations"]
     assert ann["prometheus.io/scrape"] == "true"
-    assert int(ann["prometheus.io/port"]) == ports["http"]
+    assert int(ann["prometheus.io/port"]) == ports["metrics"]
     assert ann["prometheus.io/path"] == "/metrics"
 
     # Graceful shutdown: preStop sleep, then SIGTERM and drain_seconds, all within the grace.
@@ -820,7 +823,7 @@ def test_kubernetes_manifests(monkeypatch: pytest.MonkeyPatch) -> None:
     grace = spec["terminationGracePeriodSeconds"]
     assert grace > config.server.drain_seconds + float(pre_stop[1])
 
-    # Wiring: config volume, secret env, service, HPA, ServiceMonitor.
+    # Wiring: config volume, secret env, service, HPA, PodMonitor.
     volumes = {v["name"]: v for v in spec["volumes"]}
     mount = next(m for m in container["volumeMounts"] if m["mountPath"] == "/etc/tokenmeter")
     assert "subPath" not in mount, "a subPath mount never sees ConfigMap updates"
@@ -835,13 +838,13 @@ def test_kubernetes_manifests(monkeypatch: pytest.MonkeyPatch) -> None:
     assert hpa["spec"]["scaleTargetRef"]["name"] == dep["metadata"]["name"]
     assert hpa["spec"]["minReplicas"] >= 2
     assert hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
-    sm = objs["ServiceMonitor"]
-    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
-    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
-    assert sm["spec"]["endpoints"][0]["port"] == svc_port["name"]
-    assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
+    pm = objs["PodMonitor"]
+    assert pm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert pm["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    assert pm["spec"]["podMetricsEndpoints"][0]["path"] == "/metrics"
     # The job label the alert rules expect.
-    assert svc["metadata"]["labels"][sm["spec"]["jobLabel"]] == "tokenmeter"
+    assert pod["metadata"]["labels"][pm["spec"]["jobLabel"]] == "tokenmeter"
 
 
 def test_kustomize_build(tmp_path: Path) -> None:
@@ -852,7 +855,7 @@ def test_kustomize_build(tmp_path: Path) -> None:
                           timeout=60, check=False)
     assert base.returncode == 0, base.stderr
     kinds = {d["kind"] for d in yaml.safe_load_all(base.stdout) if d}
-    assert "ServiceMonitor" not in kinds and {"Deployment", "Service"} <= kinds
+    assert "PodMonitor" not in kinds and {"Deployment", "Service"} <= kinds
     assert "Secret" not in kinds, "apply -k would overwrite the real Secret"
     # The operator component, used from an overlay (kustomize wants relative paths).
     overlay = tmp_path / "overlay"
@@ -865,7 +868,7 @@ def test_kustomize_build(tmp_path: Path) -> None:
                         timeout=60, check=False)
     assert op.returncode == 0, op.stderr
     docs = {d["kind"]: d for d in yaml.safe_load_all(op.stdout) if d}
-    assert "ServiceMonitor" in docs
+    assert "PodMonitor" in docs
     annotations = docs["Deployment"]["spec"]["template"]["metadata"].get("annotations") or {}
     assert not any(k.startswith("prometheus.io/") for k in annotations)
 
@@ -1052,3 +1055,136 @@ def test_kubernetes_grafana_ledger_datasource_example() -> None:
     # Not applied by `kubectl apply -k`: it holds a password and belongs to Grafana.
     kustomization = load_yaml(K8S / "kustomization.yaml")
     assert not any("grafana" in r for r in kustomization["resources"])
+
+
+# ------------------------------------------------------------------ /metrics stays private
+
+
+def _compose_config(monkeypatch: pytest.MonkeyPatch) -> Any:
+    for name, value in load_yaml(COMPOSE)["services"]["tokenmeter"]["environment"].items():
+        monkeypatch.setenv(name, _compose_default(str(value)))
+    return parse_config(COMPOSE_PROXY_CONFIG.read_text(encoding="utf-8"), "compose")
+
+
+def _routes(config: Any) -> set[str]:
+    app = create_app(config)
+    return {r.canonical for r in app.router.resources()}
+
+
+def test_compose_metrics_are_on_their_own_port_the_gateway_never_forwards(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """/metrics names every user: in compose it is on metrics.port, which Prometheus scrapes
+    on the compose network and the gateway (the only published API port) never reaches."""
+    config = _compose_config(monkeypatch)
+    port = config.metrics.port
+    assert port is not None and port != config.server.port
+    assert "/metrics" not in _routes(config) and "/v1/models" in _routes(config)
+    services = load_yaml(COMPOSE)["services"]
+    assert str(port) in [str(p) for p in services["tokenmeter"]["expose"]]
+    assert not any(str(port) in str(p) for s in services.values() for p in s.get("ports", []))
+    job = next(j for j in load_yaml(PROM_CONFIG)["scrape_configs"]
+               if j["job_name"] == "tokenmeter")
+    assert job["dns_sd_configs"][0]["port"] == port
+    # The gateway forwards to the API port only, and refuses /metrics itself.
+    text = NGINX_TEMPLATE.read_text(encoding="utf-8")
+    directives = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
+    assert set(re.findall(r"http://tokenmeter:(\d+)", directives)) == {str(config.server.port)}
+    assert re.search(r"location \^~ /metrics \{\s*return 404;\s*\}", directives), directives
+
+
+def test_kubernetes_service_does_not_expose_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
+    objs = k8s_objects()
+    for name, value in objs["Secret"]["stringData"].items():
+        monkeypatch.setenv(name, value)
+    config = parse_config(objs["ConfigMap"]["data"]["tokenmeter.yaml"], "configmap.yaml")
+    (container,) = objs["Deployment"]["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert config.metrics.port == ports["metrics"] != config.server.port == ports["http"]
+    assert "/metrics" not in _routes(config)
+    # The Service (and whatever routes to it) carries the API port only.
+    targets = {p["targetPort"] for p in objs["Service"]["spec"]["ports"]}
+    assert targets == {"http"}
+    assert {p["port"] for p in objs["Service"]["spec"]["ports"]} == {ports["http"]}
+
+
+def test_kubernetes_networkpolicy_example() -> None:
+    """Port 8080 from the ingress controller's namespace, the metrics port from Prometheus
+    only, and nothing else, on exactly the tokenmeter pods."""
+    (policy,) = load_yaml_docs(K8S / "examples" / "networkpolicy.yaml")
+    assert policy["kind"] == "NetworkPolicy" and policy["apiVersion"] == "networking.k8s.io/v1"
+    assert "namespace" not in policy["metadata"]
+    pod = next(d for d in load_yaml_docs(K8S / "deployment.yaml")
+               if d["kind"] == "Deployment")["spec"]["template"]
+    spec = policy["spec"]
+    assert spec["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert "Ingress" in spec["policyTypes"]
+    (container,) = pod["spec"]["containers"]
+    names = {p["name"] for p in container["ports"]}
+    by_port: dict[str, list[dict[str, Any]]] = {}
+    for rule in spec["ingress"]:
+        assert rule.get("from"), "no rule may admit every source"
+        for p in rule["ports"]:
+            assert p["port"] in names
+            by_port.setdefault(p["port"], []).extend(rule["from"])
+    assert set(by_port) == {"http", "metrics"}
+    # Metrics: one peer, Prometheus' pods in the monitoring namespace (both selectors in one
+    # element, which ANDs them).
+    (peer,) = by_port["metrics"]
+    assert peer["podSelector"]["matchLabels"] and peer["namespaceSelector"]["matchLabels"]
+    assert "ipBlock" not in peer
+    assert by_port["metrics"] != by_port["http"]
+    kustomization = load_yaml(K8S / "kustomization.yaml")
+    assert "examples" not in " ".join(kustomization["resources"])
+
+
+@pytest.mark.timeout(60)
+async def test_compose_gateway_answers_metrics_404_with_a_real_nginx(
+    tmp_path: Path, aiohttp_server: ServerFactory
+) -> None:
+    """The rendered gateway config in a real nginx, in front of a real proxy that still
+    serves /metrics on its API port (a config without metrics.port): the gateway refuses it
+    however the path is spelt, and forwards the API."""
+    nginx = shutil.which("nginx")
+    if nginx is None:
+        pytest.skip("nginx is not installed (Debian package nginx-light)")
+    upstream = await aiohttp_server(create_mock_app(MockSettings(tokens_per_second=0)))
+    proxy = await aiohttp_server(create_app(parse_config(f"""
+upstreams:
+  mock:
+    base_url: {upstream.make_url("/v1")}
+metrics:
+  discover_models: false
+""", "test-deploy.yaml")))
+    port = free_port()
+    env = {k: str(v) for k, v in load_yaml(COMPOSE)["services"]["gateway"]["environment"].items()}
+    rendered = render_nginx_template({**env, "NGINX_LOCAL_RESOLVERS": "127.0.0.1"})
+    assert "listen 8080;" in rendered and "http://tokenmeter:8080" in rendered
+    conf = tmp_path / "nginx.conf"
+    conf.write_text(rendered.replace("listen 8080;", f"listen 127.0.0.1:{port};")
+                    .replace("http://tokenmeter:8080", f"http://127.0.0.1:{proxy.port}")
+                    .replace("worker_processes auto;", "worker_processes 1;"))
+    (tmp_path / "logs").mkdir()
+    proc = await asyncio.create_subprocess_exec(
+        nginx, "-e", "stderr", "-p", str(tmp_path), "-c", str(conf),
+        "-g", f"daemon off; pid {tmp_path / 'nginx.pid'}; user root;",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        await asyncio.to_thread(wait_for_port, port)
+        async with aiohttp.ClientSession() as session:
+            async with session.get(proxy.make_url("/metrics")) as direct:
+                assert direct.status == 200  # the proxy itself serves it, the gateway not
+            base = f"http://127.0.0.1:{port}"
+            for path in ("/metrics", "//metrics", "/%6Detrics", "/metrics/", "/./metrics",
+                         "/v1/../metrics", "/metrics?x=1"):
+                # encoded=True: sent as spelt, not normalised by the client first
+                async with session.get(URL(base + path, encoded=True)) as r:
+                    assert r.status == 404, path
+                    assert "tokenmeter_" not in await r.text(), path
+            async with session.get(base + "/healthz") as r:
+                assert r.status == 200
+    finally:
+        proc.terminate()
+        await proc.wait()
+
