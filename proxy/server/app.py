@@ -8,6 +8,7 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -170,12 +171,41 @@ async def _healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+def _writable(directory: Path) -> bool:
+    """Whether this process may create files in `directory`, or create it: access(2) answers
+    for this process's uid and knows read-only mounts, so a volume the image's uid cannot
+    write says no even while nothing has tried to write yet."""
+    for candidate in (directory, *directory.parents):
+        if candidate.exists():
+            return candidate.is_dir() and os.access(candidate, os.W_OK | os.X_OK)
+    return False
+
+
+def _state_problem(svc: st.Services) -> str | None:
+    """Why usage could not be kept on disk here: the ledger's spool (every row goes through
+    it) or the settlement spool (what the store is owed during an outage) cannot be written.
+    None when both can."""
+    if svc.budget.spool is None:
+        return "the settlement spool could not be opened (see the error log)"
+    dirs = [svc.budget.spool.directory, *([svc.ledger.spool_dir] if svc.ledger else [])]
+    for directory in dict.fromkeys(dirs):
+        if not _writable(directory):
+            return f"{directory} is not writable by uid {os.getuid()}"
+    return None
+
+
 async def _readyz(request: web.Request) -> web.Response:
-    """Readiness: a configuration is loaded and the store answers, or the policy is fail_open
-    (requests are then served without budgets, which beats refusing them all)."""
+    """Readiness: a configuration is loaded, the store answers (or the policy is fail_open:
+    requests are then served without budgets, which beats refusing them all), and the state
+    directory can be written. A replica that cannot write it would drop every ledger row and
+    any settlement owed to the store: it is not ready, so that a misconfigured volume shows
+    at the rollout instead of as missing books."""
     runtime = request.app[st.SERVICES].runtime.current
     policy = runtime.config.store.on_error
     svc = request.app[st.SERVICES]
+    # Off the loop: a stat of a network volume can hang.
+    if (problem := await asyncio.to_thread(_state_problem, svc)) is not None:
+        return web.json_response({"status": "unavailable", "state_dir": problem}, status=503)
     # A broken ledger is reported, never a reason to stop serving: rows wait in its spool.
     ledger = svc.ledger.health() if svc.ledger is not None else None
     books: dict[str, object] = {} if ledger is None else {
