@@ -1263,3 +1263,88 @@ metrics:
         proc.terminate()
         await proc.wait()
 
+
+
+# ------------------------------------------------------------------ what an operator types
+
+
+def _kubectl_secret_keys(text: str) -> set[str]:
+    """The keys of every `kubectl ... create secret generic` command in `text` (a shell block,
+    or comment lines with `#` and line continuations)."""
+    lines = [line.lstrip("# ").rstrip() for line in text.splitlines()]
+    joined = "\n".join(lines).replace("\\\n", " ")
+    keys: set[str] = set()
+    found = False
+    for line in joined.splitlines():
+        if "create secret generic" in line:
+            found = True
+            words = shlex.split(line)
+            keys |= {w.split("=", 2)[1] for w in words if w.startswith("--from-literal=")}
+    assert found, "no kubectl create secret command"
+    return keys
+
+
+def test_every_documented_kubectl_create_secret_gives_every_key() -> None:
+    """Pods built from the documented command must start: it gives every ${VAR} the ConfigMap
+    reads without a default, as the example Secret does (LEDGER_URL was missing: exit 2)."""
+    (secret,) = load_yaml_docs(SECRET_EXAMPLE)
+    wanted = set(secret["stringData"])
+    cm = next(d for d in load_yaml_docs(K8S / "configmap.yaml") if d["kind"] == "ConfigMap")
+    needed = set(re.findall(r"\$\{(\w+)\}", cm["data"]["tokenmeter.yaml"]))
+    assert needed <= wanted, needed - wanted
+    assert _kubectl_secret_keys(SECRET_EXAMPLE.read_text(encoding="utf-8")) == wanted
+    readme = (DEPLOY / "README.md").read_text(encoding="utf-8")
+    assert _kubectl_secret_keys(readme) == wanted
+
+
+# What the nginx image's 15-local-resolvers.envsh (1.27) exports from /etc/resolv.conf.
+IMAGE_LOCAL_RESOLVERS = r"""
+NGINX_LOCAL_RESOLVERS=$(awk 'BEGIN{ORS=" "} $1=="nameserver" {if ($2 ~ ":") {print "["$2"]"} else {print $2}}' "$RESOLV_CONF")
+NGINX_LOCAL_RESOLVERS="${NGINX_LOCAL_RESOLVERS% }"
+export NGINX_LOCAL_RESOLVERS
+"""
+
+
+@pytest.mark.parametrize(("resolv", "first"), [
+    # podman before 4.5: aardvark-dns, then the host's nameserver
+    ("search dns.podman\nnameserver 10.89.0.1\nnameserver 192.168.1.1\n", "10.89.0.1"),
+    ("nameserver fd00::1\nnameserver 10.89.0.1\n", "[fd00::1]"),
+    ("nameserver 127.0.0.11\noptions ndots:0\n", "127.0.0.11"),  # Docker's embedded DNS
+])
+def test_compose_gateway_resolves_through_the_first_nameserver_only(
+    tmp_path: Path, resolv: str, first: str
+) -> None:
+    """The gateway's entrypoint, as the image runs it: its 15-local-resolvers.envsh, then ours
+    (sourced by a real sh, in the order the entrypoint sorts them), then the template rendered
+    with what they exported, checked by a real `nginx -t`."""
+    gateway = load_yaml(COMPOSE)["services"]["gateway"]
+    mounts = {v.split(":")[1]: (DEPLOY / v.split(":")[0]).resolve() for v in gateway["volumes"]}
+    scripts = sorted(m for m in mounts if m.startswith("/docker-entrypoint.d/"))
+    assert [Path(s).name for s in scripts] == ["16-first-local-resolver.envsh"]
+    ours = mounts[scripts[0]]
+    # The entrypoint sources *.envsh in name order and skips those not executable.
+    assert "15-local-resolvers.envsh" < ours.name < "20-envsubst-on-templates.sh"
+    assert ours.stat().st_mode & 0o111
+    (tmp_path / "resolv.conf").write_text(resolv)
+    done = subprocess.run(
+        ["sh", "-c", f'set -eu; {IMAGE_LOCAL_RESOLVERS}. "$OURS"; printf %s "$NGINX_LOCAL_RESOLVERS"'],
+        env={"PATH": "/usr/bin:/bin", "RESOLV_CONF": str(tmp_path / "resolv.conf"),
+             "OURS": str(ours)},
+        capture_output=True, text=True, timeout=30, check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == first
+    env = {k: str(v) for k, v in gateway["environment"].items()}
+    rendered = render_nginx_template({**env, "NGINX_LOCAL_RESOLVERS": done.stdout})
+    assert f"resolver {first} valid=10s" in rendered
+    nginx = shutil.which("nginx")
+    if nginx is None:
+        pytest.skip("nginx is not installed (Debian package nginx-light)")
+    conf = tmp_path / "nginx.conf"
+    conf.write_text(rendered)
+    r = subprocess.run(
+        [nginx, "-t", "-e", "stderr", "-p", str(tmp_path), "-c", str(conf),
+         "-g", f"pid {tmp_path / 'nginx.pid'};"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert r.returncode == 0, r.stderr
