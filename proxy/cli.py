@@ -25,6 +25,7 @@ from proxy.bench.cli import add_parser as add_bench_parser
 from proxy.bench.cli import run as run_bench
 from proxy.budget.store import StoreError
 from proxy.budget.store_redis import RedisStore
+from proxy.config.exposure import exposure_warning
 from proxy.config.ledger import LedgerConfig
 from proxy.config.load import Config, ConfigError, load_config, single_upstream_config
 from proxy.ledger.query import LedgerUnavailable, locate, open_reader
@@ -380,7 +381,10 @@ def _resolve_config(args: argparse.Namespace) -> Config | None:
     if args.config and args.upstream:
         raise ConfigError("give either --config or --upstream, not both")
     if args.config:
-        return load_config(args.config)
+        config = load_config(args.config)
+        if (warning := exposure_warning(Path(args.config))) is not None:
+            log.warning(warning)
+        return config
     if args.upstream:
         return single_upstream_config(args.upstream, os.environ.get("OPENAI_API_KEY"))
     return None
@@ -438,6 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as exc:
             print(exc, file=sys.stderr)
             return 1
+        if (warning := exposure_warning(Path(args.file))) is not None:
+            print(f"warning: {warning}", file=sys.stderr)
         print(f"{args.file}: OK ({len(cfg.upstreams)} upstreams, {len(cfg.models)} model routes)")
         return 0
     if args.command == "usage":

@@ -72,6 +72,7 @@ class ErrorClass(enum.StrEnum):
     UPSTREAM_UNREACHABLE = "upstream_unreachable"
     UPSTREAM_RESET = "upstream_reset"
     UPSTREAM_INCOMPLETE = "upstream_incomplete"
+    UPSTREAM_REDIRECT = "upstream_redirect"  # it answered 3xx, which is never followed
 
 
 class ProxyError(Exception):
@@ -230,6 +231,14 @@ class UpstreamIncomplete(UpstreamUnavailable):
     """The stream ended cleanly but without its final event."""
 
     code = "upstream_incomplete"
+
+
+class UpstreamRedirect(UpstreamUnavailable):
+    """The upstream answered with a redirect (3xx). Never followed: the request carries the
+    operator's key and the client's prompt, which must not go to an origin the configuration
+    does not name. Never retried either (it would redirect again); a fallback may be tried."""
+
+    code = "upstream_redirect"
 
 
 class UpstreamTimeout(ProxyError):

@@ -31,6 +31,7 @@ from proxy.errors import (
     ProxyError,
     TotalTimeout,
     UpstreamIncomplete,
+    UpstreamRedirect,
     UpstreamReset,
     UpstreamTimeout,
     UpstreamUnavailable,
@@ -142,7 +143,7 @@ def test_error_class_is_a_str_enum_of_todays_labels() -> None:
         "upstream_timeout", "invalid_request", "invalid_type", "integer_below_min_value",
         "invalid_value", "unknown_url", "method_not_allowed", "invalid_api_key",
         "invalid_token", "request_too_large", "service_unavailable", "model_not_found",
-        "request_timeout", "too_many_connections", "server_error",
+        "request_timeout", "too_many_connections", "server_error", "upstream_redirect",
         "unsupported_content_encoding",
     } == {m.value for m in ErrorClass}
 
@@ -206,6 +207,7 @@ def test_every_code_the_proxy_raises_is_a_class() -> None:
         (UpstreamUnreachable("m"), 502, "upstream_unreachable", ErrorClass.UPSTREAM_UNREACHABLE),
         (UpstreamReset("m"), 502, "upstream_reset", ErrorClass.UPSTREAM_RESET),
         (UpstreamIncomplete("m"), 502, "upstream_incomplete", ErrorClass.UPSTREAM_INCOMPLETE),
+        (UpstreamRedirect("m"), 502, "upstream_redirect", ErrorClass.UPSTREAM_REDIRECT),
         (ProxyError("m"), 500, None, ErrorClass.SERVER_ERROR),
         (ProxyError("m", code="internal"), 500, "internal", ErrorClass.INTERNAL),
     ],

@@ -8,6 +8,7 @@ import os
 import re
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
@@ -91,6 +92,12 @@ class UpstreamConfig(_Model):
     def _url(cls, v: str) -> str:
         if not re.match(r"^https?://[^/\s]+", v):
             raise ValueError("must be an http:// or https:// URL, e.g. https://api.openai.com/v1")
+        # Credentials in the URL would fail every request (aiohttp will not send them beside
+        # the upstream's own Authorization) and sit in the config and in error messages. The
+        # message never repeats the URL: it holds the password.
+        if "@" in urlsplit(v).netloc:
+            raise ValueError("must not carry credentials (user:password@host): give the "
+                             "upstream's key as `api_key` (or its `${ENV}`)")
         return v.rstrip("/")
 
     @field_validator("api_key")

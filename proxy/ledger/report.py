@@ -23,6 +23,10 @@ Cost is the sum of the rows' `cost_nanousd`, printed as an exact decimal (never 
 float); `unpriced` counts requests whose model had no price, whose cost is therefore not in
 `cost_usd`. `refused` counts requests the budget refused (429), `failed` those that ended in any
 other error (the client's, the proxy's or the upstream's).
+
+Group keys such as the model are the clients' text: the table shows them escaped for the
+terminal and CSV cells are neutralised against formulas (`proxy.telemetry.shown_text`); JSON
+carries them exactly, as its encoder escapes every control character.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from proxy.errors import ErrorClass
 from proxy.ledger.query import Dialect, LedgerReader, Sql, as_int
 from proxy.ledger.schema import TABLE
 from proxy.protocol.anthropic import MessagesTranslator
+from proxy.telemetry.shown_text import csv_cell, for_terminal
 
 SLICE_S = 900  # SQLite's UTC slice: every offset in use is a multiple of 15 minutes
 
@@ -320,13 +325,14 @@ def _values(t: Totals, cache: bool = False) -> tuple[int | str, ...]:
 
 
 def render_csv(report: Report) -> str:
-    """One line per group, then `total` in the first group column with the sums."""
+    """One line per group, then `total` in the first group column with the sums. The group
+    keys are the clients' text (a model name): each is made a safe cell (`csv_cell`)."""
     out = io.StringIO()
     w = csv.writer(out, lineterminator="\n")
     cache = _with_cache(report)
     w.writerow([*report.by, *_columns(report, COLUMNS, CACHE_COLUMNS)])
     for keys, t in report.rows:
-        w.writerow([*("" if k is None else k for k in keys), *_values(t, cache)])
+        w.writerow([*("" if k is None else csv_cell(k) for k in keys), *_values(t, cache)])
     w.writerow(["total", *[""] * (len(report.by) - 1), *_values(report.totals, cache)])
     return out.getvalue()
 
@@ -360,7 +366,9 @@ def render_table(report: Report, caption: str | None = None) -> str:
         return [v if isinstance(v, str) else f"{v:,}" for v in _values(t, cache)]
 
     header = [*report.by, *_columns(report, _HEADINGS, _CACHE_HEADINGS)]
-    body = [[*("-" if k is None else k for k in keys), *cells(t)] for keys, t in report.rows]
+    # Group keys are the clients' text (a model name): shown escaped, never acted on.
+    body = [[*("-" if k is None else for_terminal(k) for k in keys), *cells(t)]
+            for keys, t in report.rows]
     body.append(["total", *[""] * (len(report.by) - 1), *cells(report.totals)])
     table = [header, *body]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]

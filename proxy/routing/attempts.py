@@ -16,6 +16,7 @@ import asyncio
 import collections
 import email.utils
 import functools
+import logging
 import math
 import random
 import time
@@ -30,7 +31,9 @@ from proxy.config.load import LatencyFallback, RetryConfig
 from proxy.errors import ConnectTimeout, ErrorClass, ProxyError, UpstreamUnreachable
 from proxy.protocol import upstream_errors
 from proxy.routing.exceptions_map import Phase, map_upstream_exceptions
-from proxy.routing.upstream import Route, Router, Upstream
+from proxy.routing.upstream import Route, Router, Upstream, redirect_refused
+
+log = logging.getLogger("tokenmeter")
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,8 +169,9 @@ async def call_upstream(
 ) -> aiohttp.ClientResponse:
     """POST to `upstream` until it answers with something not worth retrying, the attempts are
     spent, or the next wait would end past the retry deadline. Returns the last response (any
-    status); raises UpstreamTimeout / UpstreamUnavailable kinds (ConnectTimeout,
-    FirstByteTimeout, UpstreamUnreachable) when no response came at all.
+    status but a redirect); raises UpstreamTimeout / UpstreamUnavailable kinds (ConnectTimeout,
+    FirstByteTimeout, UpstreamUnreachable) when no response came at all, and UpstreamRedirect
+    at once, never retried or followed, when the upstream answered 3xx.
     `on_attempt` runs as each request goes out, `on_retry` once its failure is given up on."""
     retry = upstream.retry
     loop = asyncio.get_running_loop()
@@ -185,10 +189,15 @@ async def call_upstream(
             with map_upstream_exceptions(upstream, Phase.CONNECT):
                 async with asyncio.timeout(upstream.first_byte_timeout_s):
                     response = await session.post(url, data=body, headers=headers,
-                                                  timeout=timeout)
+                                                  timeout=timeout, allow_redirects=False)
         except (ConnectTimeout, UpstreamUnreachable) as exc:
             failure = exc  # no response came: worth another try
         else:
+            if (refused := redirect_refused(upstream, response.status)) is not None:
+                log.warning("upstream %s answered %d: redirects are not followed",
+                            upstream.name, response.status)
+                await _discard(response)
+                raise refused
             if (
                 response.status not in retry.on_status
                 or attempt >= retry.max_attempts

@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 from multidict import CIMultiDict
 
 from proxy.config.load import Config, LatencyFallback, RetryConfig, UpstreamApi, UpstreamConfig
+from proxy.errors import UpstreamRedirect
 
 # RFC 9110 7.6.1 hop-by-hop fields, plus what the proxy itself must own: the client's credentials
 # (never forwarded), framing (recomputed), Host, and Accept-Encoding (we ask for identity so the
@@ -114,6 +115,20 @@ def upstream_request_headers(
     elif key:
         out["Authorization"] = f"Bearer {key}"
     return out
+
+
+def redirect_refused(upstream: Upstream, status: int) -> UpstreamRedirect | None:
+    """The error for an upstream answer that is a redirect (any 3xx), else None. Every call to
+    an upstream is made with `allow_redirects=False` (aiohttp follows them by default): a
+    followed redirect would send the operator's key and the client's prompt to an origin the
+    configuration does not name, and hand the client that origin's answer. The message names
+    the upstream and the status only; the `Location` is the upstream's text."""
+    if not 300 <= status < 400:
+        return None
+    return UpstreamRedirect(
+        f"Upstream `{upstream.name}` answered {status}, a redirect; the proxy does not follow "
+        "redirects to upstreams (check its base_url)."
+    )
 
 
 def client_response_headers(upstream: Mapping[str, str]) -> CIMultiDict[str]:

@@ -8,6 +8,7 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,6 +32,7 @@ from proxy.errors import (
     NotFound,
     ProxyError,
     RequestTooLarge,
+    UpstreamRedirect,
     UpstreamUnavailable,
 )
 from proxy.ledger.audit import Auditor
@@ -42,7 +44,12 @@ from proxy.protocol import tokenizer
 from proxy.protocol.anthropic import CountTokensTranslator, MessagesTranslator
 from proxy.protocol.translators import TRANSLATORS, Translator
 from proxy.routing.attempts import LatencyTracker
-from proxy.routing.upstream import Router, client_response_headers, upstream_request_headers
+from proxy.routing.upstream import (
+    Router,
+    client_response_headers,
+    redirect_refused,
+    upstream_request_headers,
+)
 from proxy.server import state as st
 from proxy.server.reload import ConfigWatcher
 from proxy.server.workers import budget_sharing_problem
@@ -105,9 +112,14 @@ async def _models(request: web.Request) -> web.StreamResponse:
             total=upstream.first_byte_timeout_s, sock_connect=upstream.connect_timeout_s
         )
         try:
+            # Never followed: a redirect would carry the key to another origin (see
+            # redirect_refused), and a 3xx passed on would send the client there with its own.
             async with session.get(
-                upstream.base_url + "/models", headers=headers, timeout=timeout
+                upstream.base_url + "/models", headers=headers, timeout=timeout,
+                allow_redirects=False,
             ) as up:
+                if (refused := redirect_refused(upstream, up.status)) is not None:
+                    raise refused
                 body = await up.read()
                 if len(upstreams) == 1:
                     return web.Response(
@@ -117,6 +129,11 @@ async def _models(request: web.Request) -> web.StreamResponse:
                     merged.extend(json.loads(body).get("data") or [])
                 else:
                     failures += 1
+        except UpstreamRedirect as exc:
+            if len(upstreams) == 1:
+                raise
+            failures += 1
+            log.warning("listing models of upstream %s failed: %s", upstream.name, exc)
         except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
             failures += 1
             log.warning("listing models of upstream %s failed: %s", upstream.name, exc)
@@ -161,12 +178,41 @@ async def _healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+def _writable(directory: Path) -> bool:
+    """Whether this process may create files in `directory`, or create it: access(2) answers
+    for this process's uid and knows read-only mounts, so a volume the image's uid cannot
+    write says no even while nothing has tried to write yet."""
+    for candidate in (directory, *directory.parents):
+        if candidate.exists():
+            return candidate.is_dir() and os.access(candidate, os.W_OK | os.X_OK)
+    return False
+
+
+def _state_problem(svc: st.Services) -> str | None:
+    """Why usage could not be kept on disk here: the ledger's spool (every row goes through
+    it) or the settlement spool (what the store is owed during an outage) cannot be written.
+    None when both can."""
+    if svc.budget.spool is None:
+        return "the settlement spool could not be opened (see the error log)"
+    dirs = [svc.budget.spool.directory, *([svc.ledger.spool_dir] if svc.ledger else [])]
+    for directory in dict.fromkeys(dirs):
+        if not _writable(directory):
+            return f"{directory} is not writable by uid {os.getuid()}"
+    return None
+
+
 async def _readyz(request: web.Request) -> web.Response:
-    """Readiness: a configuration is loaded and the store answers, or the policy is fail_open
-    (requests are then served without budgets, which beats refusing them all)."""
+    """Readiness: a configuration is loaded, the store answers (or the policy is fail_open:
+    requests are then served without budgets, which beats refusing them all), and the state
+    directory can be written. A replica that cannot write it would drop every ledger row and
+    any settlement owed to the store: it is not ready, so that a misconfigured volume shows
+    at the rollout instead of as missing books."""
     runtime = request.app[st.SERVICES].runtime.current
     policy = runtime.config.store.on_error
     svc = request.app[st.SERVICES]
+    # Off the loop: a stat of a network volume can hang.
+    if (problem := await asyncio.to_thread(_state_problem, svc)) is not None:
+        return web.json_response({"status": "unavailable", "state_dir": problem}, status=503)
     # A broken ledger is reported, never a reason to stop serving: rows wait in its spool.
     ledger = svc.ledger.health() if svc.ledger is not None else None
     books: dict[str, object] = {} if ledger is None else {
@@ -213,13 +259,17 @@ async def _discover_models(app: web.Application) -> AsyncIterator[None]:
                     upstream.base_url + "/models",
                     headers=upstream_request_headers({}, upstream),
                     timeout=aiohttp.ClientTimeout(total=10),
+                    allow_redirects=False,  # the operator's key stays with its upstream
                 ) as up:
+                    if (refused := redirect_refused(upstream, up.status)) is not None:
+                        raise refused
                     if up.status == 200:
                         data = (await up.json(content_type=None)).get("data") or []
                         runtime.router.add_model_labels(
                             str(m["id"]) for m in data if isinstance(m, dict) and "id" in m
                         )
-            except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
+            except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError,
+                    UpstreamRedirect) as exc:
                 log.warning("could not list models of upstream %s: %s", upstream.name, exc)
 
     task = asyncio.create_task(discover())

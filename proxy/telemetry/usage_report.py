@@ -10,6 +10,7 @@ from zoneinfo import ZoneInfo
 from proxy.budget.limits import daily_key, team_of
 from proxy.budget.store import Store
 from proxy.config.load import Config
+from proxy.telemetry.shown_text import for_terminal
 
 _FIELDS = ("daily_tokens", "daily_input_tokens", "daily_output_tokens")
 
@@ -55,7 +56,9 @@ def render(rows: list[UserUsage], as_json: bool) -> str:
         return json.dumps([{**asdict(r), "remaining": r.remaining} for r in rows], indent=2)
     header = ("user", "day", "tokens", "input", "output", "daily limit", "remaining")
     table = [header] + [
-        (r.user, r.day, f"{r.tokens:,}", f"{r.input_tokens:,}", f"{r.output_tokens:,}",
+        # User names come from the configuration; escaped all the same, as every shown name.
+        (for_terminal(r.user), r.day, f"{r.tokens:,}", f"{r.input_tokens:,}",
+         f"{r.output_tokens:,}",
          "-" if r.daily_limit is None else f"{r.daily_limit:,}",
          "-" if r.remaining is None else f"{r.remaining:,}")
         for r in rows

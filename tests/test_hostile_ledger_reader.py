@@ -1,0 +1,142 @@
+"""The ledger's read-only role (deploy/compose/ledger-reader.sql) on the machine's PostgreSQL 15
+(issue 20, item 22): `grafana_reader` could `SET statement_timeout = 0` and run as long as it
+liked. PostgreSQL lets every role set its own statement_timeout (and even ALTER ROLE itself),
+so the limit it cannot lift is enforced from outside: `tokenmeter_cancel_slow_queries`, run
+by an administrator (the compose stack's `ledger-guard`), and a connection limit the role
+cannot raise. The test creates its own database and role and drops both."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncpg
+import pytest
+import yaml
+
+from tests.helpers import until
+
+pytestmark = pytest.mark.timeout(90)
+
+ROOT = Path(__file__).resolve().parents[1]
+READER_SQL = ROOT / "deploy" / "compose" / "ledger-reader.sql"
+COMPOSE = ROOT / "deploy" / "docker-compose.yml"
+
+
+@dataclass(frozen=True)
+class Ledger:
+    admin_url: str
+    reader_url: str
+    reader: str
+
+
+@pytest.fixture
+async def ledger(pg_url: str) -> AsyncIterator[Ledger]:
+    db = pg_url.rsplit("/", 1)[1]
+    reader = f"tm_reader_{uuid.uuid4().hex[:12]}"
+    run = await asyncio.to_thread(
+        subprocess.run,
+        ["psql", "-X", "-q", "-h", "127.0.0.1", "-U", "postgres", "-d", db,
+         "-v", "owner=postgres", "-v", f"reader={reader}", "-v", "reader_password=test",
+         "-f", str(READER_SQL)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    try:
+        yield Ledger(pg_url, f"postgresql://{reader}@127.0.0.1:5432/{db}", reader)
+    finally:
+        conn = await asyncpg.connect(pg_url)
+        try:
+            await conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1",
+                reader)
+            await conn.execute(f'DROP OWNED BY "{reader}"')
+            await conn.execute(f'DROP ROLE "{reader}"')
+        finally:
+            await conn.close()
+
+
+async def _running(admin: asyncpg.Connection, reader: str) -> None:
+    """Until the reader's query is running: state in another server, so a poll."""
+
+    async def active() -> bool:
+        return bool(await admin.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE usename = $1 AND state = 'active'",
+            reader))
+
+    await until(active)
+
+
+async def test_the_reader_cannot_outrun_the_guard(ledger: Ledger) -> None:
+    reader = await asyncpg.connect(ledger.reader_url)
+    admin = await asyncpg.connect(ledger.admin_url)
+    try:
+        assert await reader.fetchval("SHOW statement_timeout") == "1min"
+        assert await reader.fetchval("SHOW default_transaction_read_only") == "on"
+        # What PostgreSQL allows and the guard exists for: the role lifts its own default.
+        await reader.execute("SET statement_timeout = 0")
+        slow = asyncio.create_task(reader.fetchval("SELECT pg_sleep(60)"))
+        await _running(admin, ledger.reader)
+        # A limit of 0 s: anything running is past it, so the test need not wait a minute.
+        cancelled = await admin.fetchval(
+            "SELECT tokenmeter_cancel_slow_queries($1, interval '0 seconds')", ledger.reader)
+        assert cancelled == 1
+        async with asyncio.timeout(10):
+            with pytest.raises(asyncpg.QueryCanceledError):
+                await slow
+        # Below the limit, nothing is touched.
+        assert await admin.fetchval(
+            "SELECT tokenmeter_cancel_slow_queries($1)", ledger.reader) == 0
+        assert await reader.fetchval("SELECT 1") == 1  # the session itself lives on
+    finally:
+        await reader.close()
+        await admin.close()
+
+
+async def test_the_reader_cannot_lift_its_limits_or_write(ledger: Ledger) -> None:
+    reader = await asyncpg.connect(ledger.reader_url)
+    try:
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await reader.fetchval("SELECT tokenmeter_cancel_slow_queries($1)", ledger.reader)
+        # Read-only is a default it can SET off; the grants hold all the same.
+        await reader.execute("SET default_transaction_read_only = off")
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await reader.execute(f'ALTER ROLE "{ledger.reader}" CONNECTION LIMIT -1')
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await reader.execute("CREATE TABLE t (x int)")
+        limit = await reader.fetchval(
+            "SELECT rolconnlimit FROM pg_roles WHERE rolname = $1", ledger.reader)
+        assert limit == 4
+        more = [await asyncpg.connect(ledger.reader_url) for _ in range(limit - 1)]
+        try:
+            with pytest.raises(asyncpg.TooManyConnectionsError):
+                await asyncpg.connect(ledger.reader_url)
+        finally:
+            for conn in more:
+                await conn.close()
+    finally:
+        await reader.close()
+
+
+def test_compose_runs_the_guard_for_the_reader_grafana_uses() -> None:
+    services = yaml.safe_load(COMPOSE.read_text(encoding="utf-8"))["services"]
+    guard, db, grafana = services["ledger-guard"], services["ledger-db"], services["grafana"]
+    assert guard["image"] == db["image"]
+    env = {k: str(v) for k, v in guard["environment"].items()}
+    assert env["LEDGER_READER_USER"] == str(db["environment"]["LEDGER_READER_USER"]) == str(
+        grafana["environment"]["TOKENMETER_LEDGER_DB_USER"])
+    assert env["PGHOST"] == "ledger-db" and env["PGUSER"] == db["environment"]["POSTGRES_USER"]
+    assert env["PGPASSWORD"] == str(db["environment"]["POSTGRES_PASSWORD"])
+    script = " ".join(guard["entrypoint"])
+    # `$$` is compose's escape: the shell sees $LEDGER_READER_USER.
+    assert "tokenmeter_cancel_slow_queries('$$LEDGER_READER_USER'" in script
+    # The guard's limit is the role's own default.
+    sql = READER_SQL.read_text(encoding="utf-8")
+    (timeout,) = re.findall(r"SET statement_timeout = '(\d+)s'", sql)
+    assert f"interval '{timeout} seconds'" in script
+    assert guard["depends_on"]["ledger-db"]["condition"] == "service_healthy"
