@@ -31,7 +31,7 @@ import math
 import os
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -44,6 +44,7 @@ log = logging.getLogger("tokenmeter.spool")
 # by the store if it already took it.
 REPLAY_DONE_TTL_S = 9 * 86400
 _COMPACT_EVERY = 20_000  # appended records between rewrites of the file
+_BAD_LINES_SHOWN = 20  # line numbers named in the log line about an unreadable file
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,14 +98,16 @@ class Spool:
         self._file: IO[str] | None = None
         self._lock: IO[str] | None = None
         self._appended = 0
+        self.bad_lines = 0  # lines of adopted files that could not be read (see `open`)
 
     @property
     def path(self) -> Path:
         return self.directory / f"spool-{self._id}.jsonl"
 
     # --- lifecycle ------------------------------------------------------------------------
-    def open(self) -> None:
-        """Create this process's file and adopt the files of processes that are gone."""
+    def open(self) -> int:
+        """Create this process's file and adopt the files of processes that are gone. Returns
+        how many of their lines were unreadable (skipped, logged with their file and number)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock = (self.directory / f"spool-{self._id}.lock").open("w")
         fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -112,6 +115,7 @@ class Spool:
         for data in sorted(self.directory.glob("spool-*.jsonl")):
             if data != self.path:
                 self._adopt(data.with_suffix(".lock"))
+        return self.bad_lines
 
     def close(self) -> None:
         """Write the current state durably; an empty spool leaves no file behind."""
@@ -234,21 +238,40 @@ class Spool:
             except OSError:
                 return  # a live process holds it
             data = lock_path.with_suffix(".jsonl")
-            owed, sums, sum_tokens, notices = _load(data)
+            loaded = _load(data)
+            owed, sum_tokens = loaded.owed, loaded.tokens
             batch = hashlib.sha256(f"adopted:{data.name}".encode()).hexdigest()[:32]
-            for o in [*owed.values(), *_seal(sums, sum_tokens, notices, batch).values()]:
+            sealed = _seal(loaded.sums, sum_tokens, loaded.notices, batch)
+            for o in [*owed.values(), *sealed.values()]:
                 self._owed[o.res_id] = o
                 self._append(_owed_record(o))
             if self._file is not None:
                 os.fsync(self._file.fileno())
-            if owed or sums:
+            if owed or sealed:
                 count, tokens = len(owed) + len(sum_tokens), sum(o.tokens for o in owed.values())
                 log.warning("adopted %d settlements (%d tokens) owed by a previous run from %s",
                             count, tokens + sum(sum_tokens.values()), data)
+            if loaded.bad:
+                # Their usage cannot be read back: lost to the budgets (the ledger still has
+                # the requests' rows). Loud, with where to look; the file is kept aside.
+                self.bad_lines += len(loaded.bad)
+                shown = ", ".join(map(str, loaded.bad[:_BAD_LINES_SHOWN]))
+                more = len(loaded.bad) - _BAD_LINES_SHOWN
+                log.error("skipped %d unreadable lines of the settlement spool %s (line %s%s): "
+                          "the settlements they held are lost to the budgets; the file is kept "
+                          "as %s", len(loaded.bad), data, shown,
+                          f" and {more} more" if more > 0 else "", _kept_name(data))
+                data.replace(_kept_name(data))
             data.unlink(missing_ok=True)
             lock_path.unlink(missing_ok=True)
         finally:
             lock.close()
+
+
+def _kept_name(data: Path) -> Path:
+    """Where an adopted file with unreadable lines is kept for an operator to look at (a name
+    no process adopts: it does not end in `.jsonl`)."""
+    return data.with_name(data.name + ".bad")
 
 
 def _debts(entries: tuple[Entry, ...], now: float) -> tuple[Debt, ...]:
@@ -266,7 +289,14 @@ def _notice_json(notice: Window | None) -> dict[str, Any] | None:
 
 
 def _notice(obj: Any) -> Window | None:
-    return Window.from_json(obj) if isinstance(obj, dict) else None
+    """The threshold notice a record carries. A malformed one is dropped, not its record: the
+    usage is what must reach the store; a notice is a courtesy."""
+    if not isinstance(obj, dict):
+        return None
+    try:
+        return Window.from_json(obj)
+    except (KeyError, ValueError, TypeError):
+        return None
 
 
 def _seal(sums: dict[tuple[str, str], list[float]], tokens: dict[str, int],
@@ -293,33 +323,80 @@ def _notice_of(notices: dict[str, tuple[str, Window]], slot: str) -> tuple[Windo
     return notice, user
 
 
-def _load(path: Path) -> tuple[dict[str, Owed], dict[tuple[str, str], list[float]],
-                               dict[str, int], dict[str, tuple[str, Window]]]:
-    owed: dict[str, Owed] = {}
-    sums: dict[tuple[str, str], list[float]] = {}
-    tokens: dict[str, int] = {}
-    notices: dict[str, tuple[str, Window]] = {}
-    with contextlib.suppress(FileNotFoundError), path.open(encoding="utf-8") as f:
-        for line in f:
+@dataclass(slots=True)
+class _Loaded:
+    """A spool file's state, replayed from its lines."""
+
+    owed: dict[str, Owed] = field(default_factory=dict)
+    sums: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+    notices: dict[str, tuple[str, Window]] = field(default_factory=dict)
+    bad: list[int] = field(default_factory=list)  # numbers (from 1) of the lines skipped
+
+
+def _load(path: Path) -> _Loaded:
+    """Replay a spool file. A line that is not a whole, valid record (garbled on disk, edited,
+    cut by a crash mid-write) is skipped and its number kept: one bad line must not keep the
+    file's other settlements, or the process, from starting."""
+    loaded = _Loaded()
+    with contextlib.suppress(FileNotFoundError), path.open("rb") as f:
+        for number, line in enumerate(f, 1):
             try:
-                rec = json.loads(line)
-            except ValueError:
-                continue  # a line cut by a crash mid-write: it was never flushed whole
-            if "o" in rec:
-                debts = tuple(Debt(k, int(a), float(x)) for k, a, x in rec["e"])
-                owed[rec["i"]] = Owed(rec["o"], rec["i"], debts, int(rec.get("t", 0)),
-                                      _notice(rec.get("n")), str(rec.get("u", "")),
-                                      _kind(rec.get("k")))
-            elif "a" in rec:
-                slot = rec["a"]
-                for k, a, x in rec["e"]:
-                    acc = sums.setdefault((slot, k), [0, 0.0])
-                    acc[0] += int(a)
-                    acc[1] = max(acc[1], float(x))
-                tokens[slot] = tokens.get(slot, 0) + int(rec.get("t", 0))
-                notice = _notice(rec.get("n"))
-                if notice is not None:
-                    notices[slot] = (str(rec.get("u", "")), notice)
-            elif "d" in rec:
-                owed.pop(rec["d"], None)
-    return owed, sums, tokens, notices
+                _apply_line(loaded, json.loads(line))
+            except (ValueError, TypeError, KeyError, OverflowError):
+                loaded.bad.append(number)
+    return loaded
+
+
+def _apply_line(loaded: _Loaded, rec: Any) -> None:
+    """One record into `loaded`, all or nothing; raises ValueError (or TypeError) when it is not
+    a record this module writes."""
+    if not isinstance(rec, dict):
+        raise ValueError("not a record")
+    if "o" in rec:
+        owed = Owed(_text(rec["o"]), _text(rec["i"]), _debts_of(rec["e"]), _int(rec.get("t", 0)),
+                    _notice(rec.get("n")), str(rec.get("u", "")), _kind(rec.get("k")))
+        loaded.owed[owed.res_id] = owed
+    elif "a" in rec:
+        slot = _text(rec["a"])
+        debts = _debts_of(rec["e"])
+        tokens = _int(rec.get("t", 0))
+        for d in debts:
+            acc = loaded.sums.setdefault((slot, d.key), [0, 0.0])
+            acc[0] += d.amount
+            acc[1] = max(acc[1], d.expires_at)
+        loaded.tokens[slot] = loaded.tokens.get(slot, 0) + tokens
+        notice = _notice(rec.get("n"))
+        if notice is not None:
+            loaded.notices[slot] = (str(rec.get("u", "")), notice)
+    elif "d" in rec:
+        loaded.owed.pop(_text(rec["d"]), None)
+    else:
+        raise ValueError("no record kind")
+
+
+def _debts_of(value: Any) -> tuple[Debt, ...]:
+    if not isinstance(value, list):
+        raise ValueError("entries are not a list")
+    debts = []
+    for item in value:
+        if not isinstance(item, list) or len(item) != 3:
+            raise ValueError("an entry is not [key, amount, expires_at]")
+        key, amount, expires = item
+        if isinstance(expires, bool) or not isinstance(expires, int | float) \
+                or not math.isfinite(expires):
+            raise ValueError("an entry's expiry is not a time")
+        debts.append(Debt(_text(key), _int(amount), float(expires)))
+    return tuple(debts)
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError("not a name")
+    return value
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError("not an integer")
+    return value

@@ -296,7 +296,8 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
 
     if budget.spool is not None:
         try:
-            budget.spool.open()
+            if skipped := budget.spool.open():
+                budget.metrics.settle_spool_bad_lines(skipped)
         except OSError as exc:
             log.error("the settlement spool cannot be opened in %s (%s): usage owed to the "
                       "store during an outage will be lost", budget.spool.directory, exc)
