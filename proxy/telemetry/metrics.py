@@ -434,7 +434,8 @@ class Metrics:
         )
         self._settlements_lost = _Counter(
             "tokenmeter_settlements_lost",
-            "Settlements lost: the store was down and the spool could not be written.",
+            "Settlements lost for good: the store did not take them and no spool holds them "
+            "(none is open, or the process stopped while the spool could not be written).",
             registry=r,
         )
         self._settlement_tokens_lost = _Counter(
