@@ -45,16 +45,15 @@ class Auditor:
             if self._reader is None:
                 self._reader = await open_reader(locate(config.ledger))
             day = datetime.fromtimestamp(self._clock(), ZoneInfo(config.timezone)).date()
-            reading = await reconcile(config, view, self._reader, day)
+            previous = self._previous if self._previous and self._previous.day == day \
+                else None
+            judged = await reconcile(config, view, self._reader, day, earlier=previous)
         except (StoreError, LedgerUnavailable, OSError) as exc:
             log.warning("reconcile skipped: %s", exc)
             return None
-        previous = self._previous if self._previous and self._previous.day == reading.day \
-            else None
-        self._previous = reading
-        judged = reading.confirmed_by(previous) if previous is not None else None
-        if judged is None:
-            return reading
+        self._previous = judged  # its figures are the reading's own, whatever its verdicts
+        if previous is None:
+            return judged
         self._metrics.reconciled(judged.drift_by_window(), len(judged.orphans))
         if not judged.agrees:
             log.error("the ledger and the store disagree beyond requests in flight: %s",

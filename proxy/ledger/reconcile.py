@@ -64,6 +64,11 @@ from proxy.ledger.schema import TABLE
 
 DEFAULT_USER = "default"  # open mode's one user (proxy.auth.DEFAULT_USER)
 _EXPIRY_MARGIN_S = 60  # a counter this close to its expiry may be gone by the time it is read
+# A row's end is stamped by its proxy's clock just after the store settled it, the snapshot by
+# the store's: rows ending this long after a snapshot still count as settled before it (clocks
+# kept by NTP are well within it). A loss smaller than what one window's rows bring in this
+# long can hide behind them in one pair of readings, not in the next quiet one.
+CUT_MARGIN_S = 1.0
 
 
 # --- the store's side: counters and reservations, one atomic snapshot per slot -------------------
@@ -160,8 +165,11 @@ def store_view(store: Store) -> StoreView:
 
 class Verdict(enum.StrEnum):
     AGREES = "agrees"  # the ledger's total is the store's counter
-    IN_FLIGHT = "in flight"  # they differ by no more than reservations hold
-    DRIFT = "drift"  # they differ beyond it
+    IN_FLIGHT = "in flight"  # the ledger's total is the counter less what reservations hold
+    # The store settled more than the ledger holds yet: rows on their way to it (one reading
+    # cannot tell them from lost rows; the next reading does, see `confirmed_by`).
+    BEHIND = "on its way"
+    DRIFT = "drift"  # they differ beyond that
     PENDING = "pending"  # drift in a second reading only: rows may be on their way
     EXPIRED = "expired"  # the store no longer holds the window: not judged
 
@@ -180,6 +188,9 @@ class Check:
     store: int
     in_flight: int
     verdict: Verdict
+    # The difference nothing explains, signed like `difference`: ledger over what the store
+    # settled (> 0), or short of what an earlier reading's store had settled (< 0).
+    unexplained: int = 0
 
     @property
     def scope(self) -> str:
@@ -195,12 +206,17 @@ class Check:
         return self.ledger - self.store
 
     @property
-    def unexplained(self) -> int:
-        """The difference beyond what reservations explain, signed like it."""
-        d = self.difference
-        if abs(d) <= self.in_flight:
-            return 0
-        return d - self.in_flight if d > 0 else d + self.in_flight
+    def settled(self) -> int:
+        """What the store's counter holds for settled requests: the counter less what the
+        reservations in it hold (their amounts are in the counter until they settle)."""
+        return self.store - self.in_flight
+
+    @property
+    def gap(self) -> int:
+        """Ledger minus what the store settled: never above 0 when the books are right (the
+        ledger is read before the store, and a row is written after its settle); below 0 by
+        the rows on their way."""
+        return self.ledger - self.settled
 
     @property
     def judged(self) -> bool:
@@ -242,10 +258,24 @@ class Reconciliation:
     checks: tuple[Check, ...]
     orphans: tuple[Orphan, ...]
     ledger_newest: float | None  # the newest row's end, epoch seconds; None: no rows at all
+    # Rows that ended by this time (epoch seconds) include every row the store had settled
+    # when it was read: its clock at the last snapshot, plus `CUT_MARGIN_S`.
+    cut: float = 0.0
 
     @property
     def agrees(self) -> bool:
         return not any(c.verdict is Verdict.DRIFT for c in self.checks)
+
+    @property
+    def behind(self) -> bool:
+        """Some window waits for rows on their way: a later reading is needed to judge it."""
+        return any(c.verdict is Verdict.BEHIND for c in self.checks)
+
+    def single(self) -> Reconciliation:
+        """This reading judged alone: a store ahead of the ledger is drift (`--recheck 0`)."""
+        checks = tuple(replace(c, verdict=Verdict.DRIFT, unexplained=c.gap)
+                       if c.verdict is Verdict.BEHIND else c for c in self.checks)
+        return replace(self, checks=checks)
 
     def drift_by_window(self) -> dict[str, int]:
         """Per window name (every calendar one, 0 included so a gauge clears): the unexplained
@@ -265,15 +295,19 @@ class Reconciliation:
                 out[name.value] = plus if plus >= -minus else minus
         return out
 
-    def confirmed_by(self, earlier: Reconciliation) -> Reconciliation:
-        """This (second) reading, its drift kept only where `earlier` showed drift too."""
-        before = {c.key for c in earlier.checks if c.verdict is Verdict.DRIFT}
-        checks = tuple(
-            replace(c, verdict=Verdict.PENDING)
-            if c.verdict is Verdict.DRIFT and c.key not in before else c
-            for c in self.checks
-        )
-        return replace(self, checks=checks)
+    def confirmed_by(self, earlier: Reconciliation,
+                     reached: Mapping[str, int]) -> Reconciliation:
+        """This (later) reading judged with `earlier`. `reached`: per window, this reading's
+        ledger total over the rows that ended by `earlier.cut`.
+
+        - Books over the store: drift only where `earlier` showed it too (else pending).
+        - The store ahead of the books: every row the store had settled at `earlier` ended
+          before it was read, so by now those rows are in the ledger unless they are lost.
+          Still short of what `earlier`'s store had settled (and still behind now): drift, by
+          what is missing. Rows that ended later are not counted, so they cannot hide it."""
+        before = {c.key: c for c in earlier.checks}
+        return replace(self, checks=tuple(_judged(c, before.get(c.key), reached.get(c.key, 0))
+                                          for c in self.checks))
 
     def to_json(self) -> dict[str, object]:
         shown = [c for c in self.checks if not c.quiet]
@@ -348,14 +382,17 @@ def _span(day: date, tz: ZoneInfo) -> tuple[float, float]:
 
 
 async def _ledger(reader: LedgerReader, config: Config, span: tuple[float, float],
-                  calendar: Mapping[str, tuple[str, float]]
+                  calendar: Mapping[str, tuple[str, float]], ended_by: float | None = None
                   ) -> dict[str, tuple[_Target, _Tally]]:
-    """The ledger's totals per counter key, for the windows of the day."""
+    """The ledger's totals per counter key, for the windows of the day (of the rows that ended
+    by `ended_by`, when given)."""
     q = reader.sql()
-    text = (
+    text = (  # (placeholders are numbered as they are made: in the text's order)
         "SELECT user_name, team, windows, count(*), sum(input_tokens), sum(output_tokens), "
         f"sum(cost_nanousd) FROM {TABLE} WHERE started_at < {q.ts(span[1])} "
-        f"AND ended_at >= {q.ts(span[0])} AND windows <> '' GROUP BY user_name, team, windows"
+        f"AND ended_at >= {q.ts(span[0])} "
+        + (f"AND ended_at <= {q.ts(ended_by)} " if ended_by is not None else "")
+        + "AND windows <> '' GROUP BY user_name, team, windows"
     )
     prefix = config.store.prefix
     out: dict[str, tuple[_Target, _Tally]] = {}
@@ -394,9 +431,10 @@ async def _newest(reader: LedgerReader) -> float | None:
     return newest.timestamp() if isinstance(newest, datetime) else float(newest)
 
 
-async def reconcile(config: Config, view: StoreView, reader: LedgerReader,
-                    day: date) -> Reconciliation:
-    """One reading: the store's snapshot first, then the ledger (see the module's docstring).
+async def reconcile(config: Config, view: StoreView, reader: LedgerReader, day: date,
+                    earlier: Reconciliation | None = None) -> Reconciliation:
+    """One reading: the ledger first, then the store's snapshot (see the module's docstring).
+    With `earlier` (a previous reading of the same day), judged against it (`confirmed_by`).
     `view`: `store_view(store)`. Raises StoreError or LedgerUnavailable when either cannot be
     read."""
     tz = ZoneInfo(config.timezone)
@@ -411,9 +449,14 @@ async def reconcile(config: Config, view: StoreView, reader: LedgerReader,
             targets.setdefault(w.key, _Target(
                 w.key, None if is_team else user, w.scope.name if is_team else team, w.label,
                 w.name, calendar[w.name.value][1]))
-    # Users and windows only the ledger knows (a pass-through key, a user no longer
-    # configured, a key's limits since removed): read before the store, so it reads them too.
-    for key, (target, _) in (await _ledger(reader, config, span, calendar)).items():
+    # The ledger before the store: every row in it was settled before the store is read, so
+    # the books can never rightly exceed what the store settled. (Read after, it could hold
+    # rows of requests admitted after the snapshot.) Users and windows only the ledger knows
+    # (a pass-through key, a user no longer configured, a key's limits since removed) are
+    # read from the store too.
+    ledger = await _ledger(reader, config, span, calendar)
+    newest = await _newest(reader)
+    for key, (target, _) in ledger.items():
         targets.setdefault(key, target)
     by_slot: dict[str, list[str]] = defaultdict(list)
     for key in targets:
@@ -421,8 +464,6 @@ async def reconcile(config: Config, view: StoreView, reader: LedgerReader,
     slots = sorted(by_slot)
     states = dict(zip(slots, await asyncio.gather(
         *(view.snapshot(slot, by_slot[slot]) for slot in slots)), strict=True))
-    ledger = await _ledger(reader, config, span, calendar)
-    newest = await _newest(reader)
 
     checks = []
     orphans = []
@@ -441,20 +482,47 @@ async def reconcile(config: Config, view: StoreView, reader: LedgerReader,
             found = ledger.get(key)
             total = found[1].amount(measure) if found is not None else 0
             stored, in_flight = state.counters[key], held[key]
-            d = total - stored
-            if state.now >= t.expires_at - _EXPIRY_MARGIN_S:
-                verdict = Verdict.EXPIRED
-            elif d == 0:
-                verdict = Verdict.AGREES
-            elif abs(d) <= in_flight:
-                verdict = Verdict.IN_FLIGHT
-            else:
-                verdict = Verdict.DRIFT
+            expired = state.now >= t.expires_at - _EXPIRY_MARGIN_S
+            verdict, unexplained = _verdict(total, stored, in_flight, expired)
             checks.append(Check(key, t.user, t.team, t.label, t.name.value, measure.value,
-                                total, stored, in_flight, verdict))
+                                total, stored, in_flight, verdict, unexplained))
     checks.sort(key=lambda c: (c.user is None, c.user or "", c.team or "", c.label))
     at_store = min((s.now for s in states.values()), default=time.time())
-    return Reconciliation(day, config.timezone, at_store, tuple(checks), tuple(orphans), newest)
+    last = max((s.now for s in states.values()), default=at_store)
+    reading = Reconciliation(day, config.timezone, at_store, tuple(checks), tuple(orphans),
+                             newest, last + CUT_MARGIN_S)
+    if earlier is None or earlier.day != day:
+        return reading
+    reached: dict[str, int] = {}
+    if earlier.behind:
+        for key, (target, tally) in (await _ledger(reader, config, span, calendar,
+                                                   ended_by=earlier.cut)).items():
+            reached[key] = tally.amount(target.name.measure)
+    return reading.confirmed_by(earlier, reached)
+
+
+def _judged(c: Check, e: Check | None, reached: int) -> Check:
+    """`c` judged with the same window's earlier check `e` (see `confirmed_by`)."""
+    if c.verdict is Verdict.DRIFT and (e is None or e.gap <= 0):
+        return replace(c, verdict=Verdict.PENDING)
+    if c.verdict is Verdict.BEHIND and e is not None and e.gap < 0 and reached < e.settled:
+        return replace(c, verdict=Verdict.DRIFT, unexplained=reached - e.settled)
+    return c
+
+
+def _verdict(ledger: int, store: int, in_flight: int, expired: bool) -> tuple[Verdict, int]:
+    """One reading's verdict on a window, and the difference nothing explains. The tolerance
+    is one-sided: reservations explain a store above the books by what they hold, and rows on
+    their way a store further above (until the next reading); nothing explains books above
+    what the store settled (the budgets under-count)."""
+    gap = ledger - (store - in_flight)
+    if expired:
+        return Verdict.EXPIRED, 0
+    if gap > 0:
+        return Verdict.DRIFT, gap
+    if gap < 0:
+        return Verdict.BEHIND, 0
+    return (Verdict.IN_FLIGHT if in_flight else Verdict.AGREES), 0
 
 
 # --- output -------------------------------------------------------------------------------------
@@ -564,10 +632,12 @@ def run(args: argparse.Namespace) -> int:
             async with await open_reader(location) as reader:
                 view = store_view(store)
                 first = await reconcile(config, view, reader, day)
-                if first.agrees or args.recheck <= 0:
+                if args.recheck <= 0:
+                    return first.single()
+                if first.agrees and not first.behind:
                     return first
                 await asyncio.sleep(args.recheck)  # rows on their way get the time to land
-                return (await reconcile(config, view, reader, day)).confirmed_by(first)
+                return await reconcile(config, view, reader, day, earlier=first)
         finally:
             await store.close()
 
