@@ -2,8 +2,9 @@
 `ledger.reconcile_every_s` inside the proxy, so drift and orphans reach Prometheus (and the
 `TokenmeterReconcileDrift` / `TokenmeterReconcileOrphans` alerts) without a cron job.
 
-A difference counts as drift only when two readings in a row show it (as the CLI's `--recheck`
-does): the ledger trails the store by the shipper's lag, and one reading cannot tell lag from loss.
+Each reading is judged against the one before (as the CLI's `--recheck` does; see
+`proxy.ledger.reconcile`): the ledger trails the store by the shipper's lag, and one reading
+cannot tell lag from loss. Nothing is exported before a second reading of the day.
 """
 
 from __future__ import annotations

@@ -13,25 +13,35 @@ rows (the row's team says which slot its counters were in, so a user who changed
 attributed right); a team's window takes every row naming it. Per-minute windows are not
 compared (their counters live two minutes).
 
-What may legitimately differ, and how it is treated:
+What may legitimately differ, and how it is treated. A reading reads the ledger first, then
+the store's counters and reservation records in one atomic snapshot per slot (one read-only
+script). The counter less what the reservations in it hold is what the store settled.
+- Books above what the store settled: never right. A row reaches the ledger after its settle
+  (the shipper writes it a quarter second or more after it is spooled), so before the store was
+  read: the budgets under-count. Drift, however much reservations hold (the tolerance is
+  one-sided: in-flight requests explain a counter above the books by what they hold, never
+  books above the counter); confirmed by two readings, so a row shipped while its settle still
+  waits on a slow store is `pending` for one reading only.
 - Requests in flight: their reservation (their worst case) is in the counter, their row is not
-  in the ledger yet. The store's counters and its reservation records are read in one atomic
-  snapshot per slot (one read-only script), then the ledger is read, so each window's reserved
-  amount bounds the difference: a window agrees when |ledger - store| <= held (a request that
-  settles between the two reads moves the difference within that bound). Reservations past their
-  lease (their proxy died) are listed as orphans; what they hold still explains the difference,
-  since the next reservation in their slot gives it back. Orphans alone do not fail the run:
-  they heal by themselves, and the metric and alert report them.
+  in the ledger yet; subtracted exactly. Reservations past their lease (their proxy died) are
+  listed as orphans; what they hold is subtracted too, since the next reservation in their slot
+  gives it back. Orphans alone do not fail the run: they heal by themselves, and the metric and
+  alert report them.
 - Rows on their way: a settled request's row waits in its replica's ledger spool until the
-  shipper writes it (well under a second normally; longer while the database is down), and
-  usage settled while the store was down waits in the budget spool. Reconcile flushes nothing
-  (it cannot reach other replicas' spools). The command therefore reads twice: a difference
-  in the first reading is read again `--recheck` seconds later, and only windows that disagree
-  in both are drift (exit 1); one that disagrees only in the second is `pending`. The current
-  day is judged like any other: with the shipper caught up, the books match the store while
-  the day runs, not only after it. `ledger_newest` (the newest row's end) shows how far the
-  ledger is behind. The in-process `reconcile()` is one reading: its `drift_by_window()` feeds
-  `tokenmeter_reconcile_drift_tokens`, whose alert waits 15 minutes before it fires.
+  shipper writes it (a quarter of a second under load; longer while the database is down), so
+  under traffic the store leads the books at every reading (`BEHIND`, "on its way"). Reconcile
+  reaches no replica's spool; the next reading judges it instead: every row the store had
+  settled at the earlier snapshot ended before it, so the rows that ended by then (plus
+  `CUT_MARGIN_S` for clocks) must by now reach what the store had settled; short of it is drift
+  (rows lost, or not shipped in all that time). Rows that ended later are not counted, so new
+  traffic cannot hide a loss, and steady traffic is not drift. The command reads twice,
+  `--recheck` seconds apart; the in-process `Auditor` judges each reading against the one
+  before and feeds `tokenmeter_reconcile_drift_tokens`, whose alert waits 15 minutes before it
+  fires. Books above the store in one reading only are `pending` (a row shipped before its
+  settle finished, say), drift when both readings show it. Usage settled while the store was
+  down waits in the budget spool: until it is replayed the books lead the store, which is
+  drift, truthfully (the budgets under-count until then). The current day is judged like any
+  other. `ledger_newest` (the newest row's end) shows how far the ledger is behind.
 - Windows the store no longer holds (past their retention: a day's counters for eight days
   after it, a week's fifteen, a month's forty) are listed as `expired` and not judged.
 """
@@ -587,10 +597,12 @@ Compare the ledger's totals with the budget store's counters, per user, key, mod
 team, for every calendar window (day, week, month; tokens and cost) a day is in, and list the
 reservations held past their lease (orphans).
 
-A row counts towards the windows its settle charged (the ledger's `windows` column). A window
-agrees when |ledger - store| is at most what reservations (requests in flight, orphans) hold in
-it. A difference may be rows still on their way to the ledger: one seen in the first reading is
-read again after --recheck seconds, and only one seen in both is drift.
+A row counts towards the windows its settle charged (the ledger's `windows` column). The
+ledger is read first, then the store: what the store settled is its counter less what
+reservations (requests in flight, orphans) hold in it. Books above that are drift (the budgets
+under-count). A store above the books is rows on their way to the ledger ("on its way"): after
+--recheck seconds the rows that ended by the first reading must reach what the store had
+settled then, else it is drift. --recheck 0 judges one reading alone.
 
 Exit status: 0 agree (orphans are listed, they do not fail the run), 1 drift, 2 could not
 reconcile (configuration, store or ledger unreadable).
