@@ -168,3 +168,65 @@ async def test_a_full_disk_and_a_store_outage_report_a_loss_only_when_it_is_fina
     finally:
         await r.aclose()
         server.stop()
+
+
+@pytest.mark.timeout(90)
+async def test_sums_on_disk_wait_for_the_disk_and_are_applied_once(
+    make_stack: StackFactory, upstream: TestServer, full_disk: Path,
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """Usage summed during an outage: what reached the file waits for the disk (sealed under an
+    id the file does not know, an adopter would apply it again); what only memory holds is
+    replayed at once. Every token reaches the store exactly once, none is reported lost."""
+    server = RedisServer(persistent=True)
+    server.start()
+    r = aioredis.Redis.from_url(server.url)
+    config = make_config(
+        str(upstream.make_url("/v1")),
+        store={"url": server.url, "on_error": "fail_open", "timeout_ms": 500},
+        users={"alice": {"keys": [ALICE_KEY], "daily_tokens": 10_000_000}},
+        extra={"ledger": {"enabled": False}},
+    )
+    key = daily_key("tokenmeter", "alice", "daily_tokens",
+                    today(config, time.time()).strftime("%Y%m%d"))
+    try:
+        stack = await make_stack(config)
+        url = str(stack.proxy.make_url("/v1/chat/completions"))
+        metrics = stack.app[st.SERVICES].metrics.registry
+        async with aiohttp.ClientSession() as s:
+            total = await _ask(s, url)
+            server.stop()
+            on_disk = 0
+            for _ in range(5):  # spooled to the file
+                on_disk += await _ask(s, url)
+            _fill(full_disk)
+            in_memory = 0
+            for _ in range(5):  # the disk is full: memory only
+                in_memory += await _ask(s, url)
+            server.start()
+            await r.aclose()
+            r = aioredis.Redis.from_url(server.url)
+
+            owed = on_disk + in_memory
+
+            async def split() -> bool:
+                # Memory's share replayed; the file's waits, owed (a record or two may still
+                # have fit in the file's last page after the disk filled).
+                applied = int(await r.get(key) or 0) - total
+                waiting = metrics.get_sample_value("tokenmeter_settle_backlog_tokens") or 0
+                return applied > 0 and waiting > 0 and applied + waiting == owed
+
+            await until(split, deadline=30)
+            (full_disk / "filler").unlink()  # the disk has room again
+
+            async def replayed() -> bool:
+                return int(await r.get(key) or 0) == total + owed
+
+            await until(replayed, deadline=30)
+        await stack.proxy.close()
+        assert int(await r.get(key) or 0) == total + owed  # once each
+        assert metrics.get_sample_value("tokenmeter_settlement_tokens_lost_total") == 0
+        assert not list(full_disk.glob("spool-*.jsonl"))  # nothing owed any more
+    finally:
+        await r.aclose()
+        server.stop()
