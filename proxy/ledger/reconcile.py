@@ -579,14 +579,17 @@ def render_table(r: Reconciliation, caption: str) -> str:
                      "before the store was read")
     drift = [c for c in r.checks if c.verdict is Verdict.DRIFT]
     pending = [c for c in r.checks if c.verdict is Verdict.PENDING]
+    behind = [c for c in r.checks if c.verdict is Verdict.BEHIND]
     judged = sum(1 for c in r.checks if c.judged)
     if drift:
         lines.append(f"DRIFT: {len(drift)} of {judged} windows disagree beyond the requests in "
-                     "flight")
+                     "flight and the rows on their way")
     else:
         lines.append(f"agree: {judged} windows checked"
                      + (f"; {len(pending)} differ in the second reading only (pending)"
-                        if pending else ""))
+                        if pending else "")
+                     + (f"; {len(behind)} wait for rows on their way to the ledger"
+                        if behind else ""))
     return "\n".join(lines)
 
 
