@@ -13,11 +13,15 @@ between replays an id the store will skip: a reservation's settle is recognised 
 itself (the reservation's record is gone once settled; see `proxy.budget.store`), a batch of
 additions by a done-marker kept `REPLAY_DONE_TTL_S`.
 
-On disk: one append-only JSON-lines file per process (`spool-<id>.jsonl`), flushed after every
-record (a killed process loses nothing the OS has), compacted to its current state now and then,
-and guarded by an flock on `spool-<id>.lock`. A starting process adopts the files of processes
-that are gone (their lock is free): a restart replays what the previous run owed. No count bound:
-the disk is the bound. Nothing here touches the network.
+On disk: one append-only JSON-lines file per process (`spool-<id>.jsonl`), one `write` per
+record (a killed process loses nothing the OS has; a short write is cut off again, so a line is
+whole or absent), compacted to its current state now and then, and guarded by an flock on
+`spool-<id>.lock`. A starting process adopts the files of processes that are gone (their lock is
+free): a restart replays what the previous run owed; a line it cannot read is skipped and named
+(file and line number), never fatal. No count bound: the disk is the bound. When the disk fails
+(full, read-only), what it cannot take is kept in memory and replayed from there like the rest;
+it is lost only if the process stops first with the disk still failing (`close` says which).
+Nothing here touches the network.
 """
 
 from __future__ import annotations
