@@ -509,7 +509,12 @@ class Budget:
                 log.info("replayed a settlement of %d tokens for %s owed since a store failure",
                          owed.tokens, owed.slot)
         self._backlog()
-        return self.spool.pending()[0]
+        left = self.spool.pending()[0]
+        if self._spool_failing and not left:
+            self._spool_failing = False  # the next failure of the disk is said again
+            log.warning("the settlements kept in memory while the spool could not be written "
+                        "have reached the store")
+        return left
 
     async def drain_background(self) -> None:
         while self._background:
