@@ -19,7 +19,8 @@ On disk, in the spool directory:
 
 The shipper reads complete lines only. A segment's last line without its newline (the process
 was killed inside the write of a row whose `append` never returned) is skipped once the
-segment can no longer grow, and counted as dropped.
+segment can no longer grow, and counted as dropped. A short write (a full disk) is cut off again
+at once: its row is counted when its `append` fails, once.
 
 The bound: rows not yet stored may take `max_bytes`; past it `append` refuses new rows (the
 caller counts them as dropped). Shipped rows of the segment being written still take disk until
