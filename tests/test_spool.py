@@ -61,9 +61,9 @@ def test_a_dead_processes_spool_is_adopted_with_the_same_ids(tmp_path: Path) -> 
     dead.add(SLOT, _entries(5), tokens=5, now=1000.0)
     dead.add(SLOT, _entries(6), tokens=6, now=1000.0)
     # Killed: no close(), its lock goes with its file descriptors.
-    assert dead._lock is not None and dead._file is not None
+    assert dead._lock is not None and dead._fd >= 0
     dead._lock.close()
-    dead._file.close()
+    os.close(dead._fd)
 
     def adopt() -> dict[str, int]:
         heir = Spool(tmp_path)
@@ -71,7 +71,7 @@ def test_a_dead_processes_spool_is_adopted_with_the_same_ids(tmp_path: Path) -> 
         owed = {o.res_id: sum(e.amount for e in o.entries(1000.0) if "daily" in e.key)
                 for o in heir.take()}
         heir._lock.close()  # type: ignore[union-attr]  # dies too, before replaying anything
-        heir._file.close()  # type: ignore[union-attr]
+        os.close(heir._fd)
         return owed
 
     first = adopt()

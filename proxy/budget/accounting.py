@@ -95,6 +95,7 @@ class Budget:
         self.clock = clock
         self.health = StoreHealth(metrics)
         self.spool = spool
+        self._spool_failing = False  # the last spool write failed (said once per episode)
         self._active: dict[str, Reservation] = {}
         self._topped: dict[str, int] = {}  # res_id -> output tokens added by top-ups
         self._background: set[asyncio.Task[None]] = set()
@@ -430,22 +431,51 @@ class Budget:
         additions of the outage (applied later as one batch)."""
         now = self.clock()
         slot, entries, tokens = charge.slot, charge.entries, charge.tokens
+        if self.spool is None:
+            # No store and no spool: nothing will ever deliver it. Loud, with what was lost.
+            self._lost([tokens], f"the store is down and no spool is open (slot {slot})")
+            return
         try:
-            if self.spool is None:
-                raise OSError("no spool is configured")
             if per_id:
                 self.spool.owe(slot, charge.res_id, entries, tokens, now, charge.notice,
                                charge.user, charge.kind)
             else:
                 self.spool.add(slot, entries, tokens, now, charge.notice, charge.user)
         except OSError as exc:
-            # The one loss left: no store and no disk. Loud, with what was lost.
-            self.metrics.settlement_lost(tokens)
-            log.error("LOST a settlement of %d tokens for %s: the store is down and the spool "
-                      "cannot be written (%s)", tokens, slot, exc)
-            return
+            # Not lost: memory holds it and a replay delivers it when the store is back. Only a
+            # stop before that, with the disk still failing, loses it (counted then: `close`).
+            if not self._spool_failing:
+                self._spool_failing = True
+                log.error("the settlement spool cannot be written (%s): settlements the store "
+                          "cannot take are kept in memory until it is back; a stop before then "
+                          "loses them", exc)
+        else:
+            if self._spool_failing:
+                self._spool_failing = False
+                log.warning("the settlement spool is written again")
         self.metrics.settlement_spooled()
         self._backlog()
+
+    def _lost(self, tokens: list[int], why: str) -> None:
+        """Settlements nothing will deliver any more: the one loss left."""
+        for t in tokens:
+            self.metrics.settlement_lost(t)
+        log.error("LOST %d settlements (%d tokens): %s", len(tokens), sum(tokens), why)
+
+    def close_spool(self) -> None:
+        """At stop: what the spool still owes stays on disk for the next start; what only
+        memory held (its write failed) and still cannot be written is lost now, loudly."""
+        if self.spool is None:
+            return
+        count, tokens = self.spool.pending()
+        lost = self.spool.close()
+        if lost:
+            self._lost(lost, "the store did not take them before this stop, and the spool "
+                             "could not be written")
+        if count > len(lost):
+            log.warning("%d settlements (%d tokens) are owed to the budget store; they stay in "
+                        "%s and are replayed at the next start", count - len(lost),
+                        tokens - sum(lost), self.spool.directory)
 
     def _backlog(self) -> None:
         count, tokens = self.spool.pending() if self.spool is not None else (0, 0)
@@ -479,7 +509,12 @@ class Budget:
                 log.info("replayed a settlement of %d tokens for %s owed since a store failure",
                          owed.tokens, owed.slot)
         self._backlog()
-        return self.spool.pending()[0]
+        left = self.spool.pending()[0]
+        if self._spool_failing and not left:
+            self._spool_failing = False  # the next failure of the disk is said again
+            log.warning("the settlements kept in memory while the spool could not be written "
+                        "have reached the store")
+        return left
 
     async def drain_background(self) -> None:
         while self._background:

@@ -2,8 +2,9 @@
 `ledger.reconcile_every_s` inside the proxy, so drift and orphans reach Prometheus (and the
 `TokenmeterReconcileDrift` / `TokenmeterReconcileOrphans` alerts) without a cron job.
 
-A difference counts as drift only when two readings in a row show it (as the CLI's `--recheck`
-does): the ledger trails the store by the shipper's lag, and one reading cannot tell lag from loss.
+Each reading is judged against the one before (as the CLI's `--recheck` does; see
+`proxy.ledger.reconcile`): the ledger trails the store by the shipper's lag, and one reading
+cannot tell lag from loss. Nothing is exported before a second reading of the day.
 """
 
 from __future__ import annotations
@@ -45,16 +46,15 @@ class Auditor:
             if self._reader is None:
                 self._reader = await open_reader(locate(config.ledger))
             day = datetime.fromtimestamp(self._clock(), ZoneInfo(config.timezone)).date()
-            reading = await reconcile(config, view, self._reader, day)
+            previous = self._previous if self._previous and self._previous.day == day \
+                else None
+            judged = await reconcile(config, view, self._reader, day, earlier=previous)
         except (StoreError, LedgerUnavailable, OSError) as exc:
             log.warning("reconcile skipped: %s", exc)
             return None
-        previous = self._previous if self._previous and self._previous.day == reading.day \
-            else None
-        self._previous = reading
-        judged = reading.confirmed_by(previous) if previous is not None else None
-        if judged is None:
-            return reading
+        self._previous = judged  # its figures are the reading's own, whatever its verdicts
+        if previous is None:
+            return judged
         self._metrics.reconciled(judged.drift_by_window(), len(judged.orphans))
         if not judged.agrees:
             log.error("the ledger and the store disagree beyond requests in flight: %s",

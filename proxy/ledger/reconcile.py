@@ -13,25 +13,35 @@ rows (the row's team says which slot its counters were in, so a user who changed
 attributed right); a team's window takes every row naming it. Per-minute windows are not
 compared (their counters live two minutes).
 
-What may legitimately differ, and how it is treated:
+What may legitimately differ, and how it is treated. A reading reads the ledger first, then
+the store's counters and reservation records in one atomic snapshot per slot (one read-only
+script). The counter less what the reservations in it hold is what the store settled.
+- Books above what the store settled: never right. A row reaches the ledger after its settle
+  (the shipper writes it a quarter second or more after it is spooled), so before the store was
+  read: the budgets under-count. Drift, however much reservations hold (the tolerance is
+  one-sided: in-flight requests explain a counter above the books by what they hold, never
+  books above the counter); confirmed by two readings, so a row shipped while its settle still
+  waits on a slow store is `pending` for one reading only.
 - Requests in flight: their reservation (their worst case) is in the counter, their row is not
-  in the ledger yet. The store's counters and its reservation records are read in one atomic
-  snapshot per slot (one read-only script), then the ledger is read, so each window's reserved
-  amount bounds the difference: a window agrees when |ledger - store| <= held (a request that
-  settles between the two reads moves the difference within that bound). Reservations past their
-  lease (their proxy died) are listed as orphans; what they hold still explains the difference,
-  since the next reservation in their slot gives it back. Orphans alone do not fail the run:
-  they heal by themselves, and the metric and alert report them.
+  in the ledger yet; subtracted exactly. Reservations past their lease (their proxy died) are
+  listed as orphans; what they hold is subtracted too, since the next reservation in their slot
+  gives it back. Orphans alone do not fail the run: they heal by themselves, and the metric and
+  alert report them.
 - Rows on their way: a settled request's row waits in its replica's ledger spool until the
-  shipper writes it (well under a second normally; longer while the database is down), and
-  usage settled while the store was down waits in the budget spool. Reconcile flushes nothing
-  (it cannot reach other replicas' spools). The command therefore reads twice: a difference
-  in the first reading is read again `--recheck` seconds later, and only windows that disagree
-  in both are drift (exit 1); one that disagrees only in the second is `pending`. The current
-  day is judged like any other: with the shipper caught up, the books match the store while
-  the day runs, not only after it. `ledger_newest` (the newest row's end) shows how far the
-  ledger is behind. The in-process `reconcile()` is one reading: its `drift_by_window()` feeds
-  `tokenmeter_reconcile_drift_tokens`, whose alert waits 15 minutes before it fires.
+  shipper writes it (a quarter of a second under load; longer while the database is down), so
+  under traffic the store leads the books at every reading (`BEHIND`, "on its way"). Reconcile
+  reaches no replica's spool; the next reading judges it instead: every row the store had
+  settled at the earlier snapshot ended before it, so the rows that ended by then (plus
+  `CUT_MARGIN_S` for clocks) must by now reach what the store had settled; short of it is drift
+  (rows lost, or not shipped in all that time). Rows that ended later are not counted, so new
+  traffic cannot hide a loss, and steady traffic is not drift. The command reads twice,
+  `--recheck` seconds apart; the in-process `Auditor` judges each reading against the one
+  before and feeds `tokenmeter_reconcile_drift_tokens`, whose alert waits 15 minutes before it
+  fires. Books above the store in one reading only are `pending` (a row shipped before its
+  settle finished, say), drift when both readings show it. Usage settled while the store was
+  down waits in the budget spool: until it is replayed the books lead the store, which is
+  drift, truthfully (the budgets under-count until then). The current day is judged like any
+  other. `ledger_newest` (the newest row's end) shows how far the ledger is behind.
 - Windows the store no longer holds (past their retention: a day's counters for eight days
   after it, a week's fifteen, a month's forty) are listed as `expired` and not judged.
 """
@@ -64,6 +74,11 @@ from proxy.ledger.schema import TABLE
 
 DEFAULT_USER = "default"  # open mode's one user (proxy.auth.DEFAULT_USER)
 _EXPIRY_MARGIN_S = 60  # a counter this close to its expiry may be gone by the time it is read
+# A row's end is stamped by its proxy's clock just after the store settled it, the snapshot by
+# the store's: rows ending this long after a snapshot still count as settled before it (clocks
+# kept by NTP are well within it). A loss smaller than what one window's rows bring in this
+# long can hide behind them in one pair of readings, not in the next quiet one.
+CUT_MARGIN_S = 1.0
 
 
 # --- the store's side: counters and reservations, one atomic snapshot per slot -------------------
@@ -160,8 +175,11 @@ def store_view(store: Store) -> StoreView:
 
 class Verdict(enum.StrEnum):
     AGREES = "agrees"  # the ledger's total is the store's counter
-    IN_FLIGHT = "in flight"  # they differ by no more than reservations hold
-    DRIFT = "drift"  # they differ beyond it
+    IN_FLIGHT = "in flight"  # the ledger's total is the counter less what reservations hold
+    # The store settled more than the ledger holds yet: rows on their way to it (one reading
+    # cannot tell them from lost rows; the next reading does, see `confirmed_by`).
+    BEHIND = "on its way"
+    DRIFT = "drift"  # they differ beyond that
     PENDING = "pending"  # drift in a second reading only: rows may be on their way
     EXPIRED = "expired"  # the store no longer holds the window: not judged
 
@@ -180,6 +198,9 @@ class Check:
     store: int
     in_flight: int
     verdict: Verdict
+    # The difference nothing explains, signed like `difference`: ledger over what the store
+    # settled (> 0), or short of what an earlier reading's store had settled (< 0).
+    unexplained: int = 0
 
     @property
     def scope(self) -> str:
@@ -195,12 +216,17 @@ class Check:
         return self.ledger - self.store
 
     @property
-    def unexplained(self) -> int:
-        """The difference beyond what reservations explain, signed like it."""
-        d = self.difference
-        if abs(d) <= self.in_flight:
-            return 0
-        return d - self.in_flight if d > 0 else d + self.in_flight
+    def settled(self) -> int:
+        """What the store's counter holds for settled requests: the counter less what the
+        reservations in it hold (their amounts are in the counter until they settle)."""
+        return self.store - self.in_flight
+
+    @property
+    def gap(self) -> int:
+        """Ledger minus what the store settled: never above 0 when the books are right (the
+        ledger is read before the store, and a row is written after its settle); below 0 by
+        the rows on their way."""
+        return self.ledger - self.settled
 
     @property
     def judged(self) -> bool:
@@ -242,10 +268,24 @@ class Reconciliation:
     checks: tuple[Check, ...]
     orphans: tuple[Orphan, ...]
     ledger_newest: float | None  # the newest row's end, epoch seconds; None: no rows at all
+    # Rows that ended by this time (epoch seconds) include every row the store had settled
+    # when it was read: its clock at the last snapshot, plus `CUT_MARGIN_S`.
+    cut: float = 0.0
 
     @property
     def agrees(self) -> bool:
         return not any(c.verdict is Verdict.DRIFT for c in self.checks)
+
+    @property
+    def behind(self) -> bool:
+        """Some window waits for rows on their way: a later reading is needed to judge it."""
+        return any(c.verdict is Verdict.BEHIND for c in self.checks)
+
+    def single(self) -> Reconciliation:
+        """This reading judged alone: a store ahead of the ledger is drift (`--recheck 0`)."""
+        checks = tuple(replace(c, verdict=Verdict.DRIFT, unexplained=c.gap)
+                       if c.verdict is Verdict.BEHIND else c for c in self.checks)
+        return replace(self, checks=checks)
 
     def drift_by_window(self) -> dict[str, int]:
         """Per window name (every calendar one, 0 included so a gauge clears): the unexplained
@@ -265,15 +305,19 @@ class Reconciliation:
                 out[name.value] = plus if plus >= -minus else minus
         return out
 
-    def confirmed_by(self, earlier: Reconciliation) -> Reconciliation:
-        """This (second) reading, its drift kept only where `earlier` showed drift too."""
-        before = {c.key for c in earlier.checks if c.verdict is Verdict.DRIFT}
-        checks = tuple(
-            replace(c, verdict=Verdict.PENDING)
-            if c.verdict is Verdict.DRIFT and c.key not in before else c
-            for c in self.checks
-        )
-        return replace(self, checks=checks)
+    def confirmed_by(self, earlier: Reconciliation,
+                     reached: Mapping[str, int]) -> Reconciliation:
+        """This (later) reading judged with `earlier`. `reached`: per window, this reading's
+        ledger total over the rows that ended by `earlier.cut`.
+
+        - Books over the store: drift only where `earlier` showed it too (else pending).
+        - The store ahead of the books: every row the store had settled at `earlier` ended
+          before it was read, so by now those rows are in the ledger unless they are lost.
+          Still short of what `earlier`'s store had settled (and still behind now): drift, by
+          what is missing. Rows that ended later are not counted, so they cannot hide it."""
+        before = {c.key: c for c in earlier.checks}
+        return replace(self, checks=tuple(_judged(c, before.get(c.key), reached.get(c.key, 0))
+                                          for c in self.checks))
 
     def to_json(self) -> dict[str, object]:
         shown = [c for c in self.checks if not c.quiet]
@@ -348,14 +392,17 @@ def _span(day: date, tz: ZoneInfo) -> tuple[float, float]:
 
 
 async def _ledger(reader: LedgerReader, config: Config, span: tuple[float, float],
-                  calendar: Mapping[str, tuple[str, float]]
+                  calendar: Mapping[str, tuple[str, float]], ended_by: float | None = None
                   ) -> dict[str, tuple[_Target, _Tally]]:
-    """The ledger's totals per counter key, for the windows of the day."""
+    """The ledger's totals per counter key, for the windows of the day (of the rows that ended
+    by `ended_by`, when given)."""
     q = reader.sql()
-    text = (
+    text = (  # (placeholders are numbered as they are made: in the text's order)
         "SELECT user_name, team, windows, count(*), sum(input_tokens), sum(output_tokens), "
         f"sum(cost_nanousd) FROM {TABLE} WHERE started_at < {q.ts(span[1])} "
-        f"AND ended_at >= {q.ts(span[0])} AND windows <> '' GROUP BY user_name, team, windows"
+        f"AND ended_at >= {q.ts(span[0])} "
+        + (f"AND ended_at <= {q.ts(ended_by)} " if ended_by is not None else "")
+        + "AND windows <> '' GROUP BY user_name, team, windows"
     )
     prefix = config.store.prefix
     out: dict[str, tuple[_Target, _Tally]] = {}
@@ -394,9 +441,10 @@ async def _newest(reader: LedgerReader) -> float | None:
     return newest.timestamp() if isinstance(newest, datetime) else float(newest)
 
 
-async def reconcile(config: Config, view: StoreView, reader: LedgerReader,
-                    day: date) -> Reconciliation:
-    """One reading: the store's snapshot first, then the ledger (see the module's docstring).
+async def reconcile(config: Config, view: StoreView, reader: LedgerReader, day: date,
+                    earlier: Reconciliation | None = None) -> Reconciliation:
+    """One reading: the ledger first, then the store's snapshot (see the module's docstring).
+    With `earlier` (a previous reading of the same day), judged against it (`confirmed_by`).
     `view`: `store_view(store)`. Raises StoreError or LedgerUnavailable when either cannot be
     read."""
     tz = ZoneInfo(config.timezone)
@@ -411,9 +459,14 @@ async def reconcile(config: Config, view: StoreView, reader: LedgerReader,
             targets.setdefault(w.key, _Target(
                 w.key, None if is_team else user, w.scope.name if is_team else team, w.label,
                 w.name, calendar[w.name.value][1]))
-    # Users and windows only the ledger knows (a pass-through key, a user no longer
-    # configured, a key's limits since removed): read before the store, so it reads them too.
-    for key, (target, _) in (await _ledger(reader, config, span, calendar)).items():
+    # The ledger before the store: every row in it was settled before the store is read, so
+    # the books can never rightly exceed what the store settled. (Read after, it could hold
+    # rows of requests admitted after the snapshot.) Users and windows only the ledger knows
+    # (a pass-through key, a user no longer configured, a key's limits since removed) are
+    # read from the store too.
+    ledger = await _ledger(reader, config, span, calendar)
+    newest = await _newest(reader)
+    for key, (target, _) in ledger.items():
         targets.setdefault(key, target)
     by_slot: dict[str, list[str]] = defaultdict(list)
     for key in targets:
@@ -421,8 +474,6 @@ async def reconcile(config: Config, view: StoreView, reader: LedgerReader,
     slots = sorted(by_slot)
     states = dict(zip(slots, await asyncio.gather(
         *(view.snapshot(slot, by_slot[slot]) for slot in slots)), strict=True))
-    ledger = await _ledger(reader, config, span, calendar)
-    newest = await _newest(reader)
 
     checks = []
     orphans = []
@@ -441,20 +492,47 @@ async def reconcile(config: Config, view: StoreView, reader: LedgerReader,
             found = ledger.get(key)
             total = found[1].amount(measure) if found is not None else 0
             stored, in_flight = state.counters[key], held[key]
-            d = total - stored
-            if state.now >= t.expires_at - _EXPIRY_MARGIN_S:
-                verdict = Verdict.EXPIRED
-            elif d == 0:
-                verdict = Verdict.AGREES
-            elif abs(d) <= in_flight:
-                verdict = Verdict.IN_FLIGHT
-            else:
-                verdict = Verdict.DRIFT
+            expired = state.now >= t.expires_at - _EXPIRY_MARGIN_S
+            verdict, unexplained = _verdict(total, stored, in_flight, expired)
             checks.append(Check(key, t.user, t.team, t.label, t.name.value, measure.value,
-                                total, stored, in_flight, verdict))
+                                total, stored, in_flight, verdict, unexplained))
     checks.sort(key=lambda c: (c.user is None, c.user or "", c.team or "", c.label))
     at_store = min((s.now for s in states.values()), default=time.time())
-    return Reconciliation(day, config.timezone, at_store, tuple(checks), tuple(orphans), newest)
+    last = max((s.now for s in states.values()), default=at_store)
+    reading = Reconciliation(day, config.timezone, at_store, tuple(checks), tuple(orphans),
+                             newest, last + CUT_MARGIN_S)
+    if earlier is None or earlier.day != day:
+        return reading
+    reached: dict[str, int] = {}
+    if earlier.behind:
+        for key, (target, tally) in (await _ledger(reader, config, span, calendar,
+                                                   ended_by=earlier.cut)).items():
+            reached[key] = tally.amount(target.name.measure)
+    return reading.confirmed_by(earlier, reached)
+
+
+def _judged(c: Check, e: Check | None, reached: int) -> Check:
+    """`c` judged with the same window's earlier check `e` (see `confirmed_by`)."""
+    if c.verdict is Verdict.DRIFT and (e is None or e.gap <= 0):
+        return replace(c, verdict=Verdict.PENDING)
+    if c.verdict is Verdict.BEHIND and e is not None and e.gap < 0 and reached < e.settled:
+        return replace(c, verdict=Verdict.DRIFT, unexplained=reached - e.settled)
+    return c
+
+
+def _verdict(ledger: int, store: int, in_flight: int, expired: bool) -> tuple[Verdict, int]:
+    """One reading's verdict on a window, and the difference nothing explains. The tolerance
+    is one-sided: reservations explain a store above the books by what they hold, and rows on
+    their way a store further above (until the next reading); nothing explains books above
+    what the store settled (the budgets under-count)."""
+    gap = ledger - (store - in_flight)
+    if expired:
+        return Verdict.EXPIRED, 0
+    if gap > 0:
+        return Verdict.DRIFT, gap
+    if gap < 0:
+        return Verdict.BEHIND, 0
+    return (Verdict.IN_FLIGHT if in_flight else Verdict.AGREES), 0
 
 
 # --- output -------------------------------------------------------------------------------------
@@ -501,14 +579,17 @@ def render_table(r: Reconciliation, caption: str) -> str:
                      "before the store was read")
     drift = [c for c in r.checks if c.verdict is Verdict.DRIFT]
     pending = [c for c in r.checks if c.verdict is Verdict.PENDING]
+    behind = [c for c in r.checks if c.verdict is Verdict.BEHIND]
     judged = sum(1 for c in r.checks if c.judged)
     if drift:
         lines.append(f"DRIFT: {len(drift)} of {judged} windows disagree beyond the requests in "
-                     "flight")
+                     "flight and the rows on their way")
     else:
         lines.append(f"agree: {judged} windows checked"
                      + (f"; {len(pending)} differ in the second reading only (pending)"
-                        if pending else ""))
+                        if pending else "")
+                     + (f"; {len(behind)} wait for rows on their way to the ledger"
+                        if behind else ""))
     return "\n".join(lines)
 
 
@@ -519,10 +600,12 @@ Compare the ledger's totals with the budget store's counters, per user, key, mod
 team, for every calendar window (day, week, month; tokens and cost) a day is in, and list the
 reservations held past their lease (orphans).
 
-A row counts towards the windows its settle charged (the ledger's `windows` column). A window
-agrees when |ledger - store| is at most what reservations (requests in flight, orphans) hold in
-it. A difference may be rows still on their way to the ledger: one seen in the first reading is
-read again after --recheck seconds, and only one seen in both is drift.
+A row counts towards the windows its settle charged (the ledger's `windows` column). The
+ledger is read first, then the store: what the store settled is its counter less what
+reservations (requests in flight, orphans) hold in it. Books above that are drift (the budgets
+under-count). A store above the books is rows on their way to the ledger ("on its way"): after
+--recheck seconds the rows that ended by the first reading must reach what the store had
+settled then, else it is drift. --recheck 0 judges one reading alone.
 
 Exit status: 0 agree (orphans are listed, they do not fail the run), 1 drift, 2 could not
 reconcile (configuration, store or ledger unreadable).
@@ -564,10 +647,12 @@ def run(args: argparse.Namespace) -> int:
             async with await open_reader(location) as reader:
                 view = store_view(store)
                 first = await reconcile(config, view, reader, day)
-                if first.agrees or args.recheck <= 0:
+                if args.recheck <= 0:
+                    return first.single()
+                if first.agrees and not first.behind:
                     return first
                 await asyncio.sleep(args.recheck)  # rows on their way get the time to land
-                return (await reconcile(config, view, reader, day)).confirmed_by(first)
+                return await reconcile(config, view, reader, day, earlier=first)
         finally:
             await store.close()
 

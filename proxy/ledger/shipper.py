@@ -228,7 +228,9 @@ class Shipper:
         self._back()
         self._batch = None
         self.spool.advance(batch)
-        lost = batch.bad + poisoned + (1 if batch.torn else 0)
+        # A torn tail is one row; one this process already counted (a short write) is not
+        # counted again.
+        lost = batch.bad + poisoned + (1 if batch.torn and not batch.torn_counted else 0)
         if lost:
             self._metrics.ledger_dropped(lost)
             log.error("ledger: dropped %d rows of %s (%d unreadable lines, %d refused by the "

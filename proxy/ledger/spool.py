@@ -19,7 +19,8 @@ On disk, in the spool directory:
 
 The shipper reads complete lines only. A segment's last line without its newline (the process
 was killed inside the write of a row whose `append` never returned) is skipped once the
-segment can no longer grow, and counted as dropped.
+segment can no longer grow, and counted as dropped. A short write (a full disk) is cut off again
+at once: its row is counted when its `append` fails, once.
 
 The bound: rows not yet stored may take `max_bytes`; past it `append` refuses new rows (the
 caller counts them as dropped). Shipped rows of the segment being written still take disk until
@@ -75,6 +76,8 @@ class Segment:
     rows: int  # complete rows in [start, end)
     live: bool  # this process still appends to it
     gone: bool = False  # stored completely and deleted
+    # Its torn tail is a row `append` already reported dropped (a short write it could not cut).
+    torn_counted: bool = False
 
     @property
     def cursor_path(self) -> Path:
@@ -91,6 +94,7 @@ class Batch:
     bad: int  # lines that did not parse as a row (counted as dropped)
     next_start: int  # the segment's cursor once this batch is stored
     torn: int  # bytes of a torn last line skipped (the segment can no longer grow)
+    torn_counted: bool  # that line's row was counted as dropped when its write failed
     oldest_ended_at: float | None  # the oldest row's end time, for the lag gauge
 
 
@@ -150,11 +154,18 @@ class Spool:
         return True
 
     def _short_write(self, seg: Segment, written: int) -> None:
-        """A partial line (a full disk): it ends this segment as a torn tail, so the next row
-        starts a line of its own in a new segment."""
-        seg.end += written
-        self.pending_bytes += written
+        """A partial line (a full disk). The caller counts the row as dropped when this raises,
+        so its bytes are cut off again: a torn tail left in the file would be counted a second
+        time when the shipper (or an adopter after a restart) skips it. Should the cut fail, the
+        bytes stay as a torn tail that `read_batch` skips without counting. Either way the
+        segment ends here, so that once it is stored it can be deleted and free the disk."""
         self.dropping = True
+        try:
+            os.ftruncate(self._fd, seg.end)
+        except OSError:
+            seg.end += written
+            seg.torn_counted = True
+            self.pending_bytes += written
         self._roll()
         raise OSError(f"short write to {seg.path}: {written} bytes")
 
@@ -391,7 +402,8 @@ def read_batch(seg: Segment, end: int, max_rows: int,
             continue
         if oldest is None or ended < oldest:
             oldest = ended
-    return Batch(seg, records, len(lines), bad, start + cut + torn, torn, oldest)
+    return Batch(seg, records, len(lines), bad, start + cut + torn, torn, seg.torn_counted,
+                 oldest)
 
 
 def read_size(max_rows: int) -> int:

@@ -151,6 +151,8 @@ async def _relay_stream(
                 raise TimeoutError
         at_boundary = tap.client_at_boundary
         rest = tap.close()
+        if translator.stream_error is not None:  # the upstream's error event ended it
+            outcome.fail(translator.stream_error)
         if not (tap.broken or translator.end_of_stream()):
             # Closed without its final event (`[DONE]`, `response.completed`, ...): the upstream
             # gave up, as a reset would have, without saying so.

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 from proxy.errors import ErrorShape, InvalidRequest
-from proxy.protocol import tokenizer
+from proxy.protocol import tokenizer, upstream_errors
 from proxy.protocol.translators import (
     HOLD_BYTES,
     EventFlag,
@@ -130,9 +130,16 @@ class MessagesTranslator(Translator):
             obj = _loads(data)
             self._merge_usage(obj.get("usage"), final=True)
             return _FINISH
-        if name in ("message_stop", "error"):  # `error`: the upstream told the client itself
+        if name == "message_stop":
             self.terminated = True
-            return _FINISH if name == "message_stop" else _NOTHING
+            return _FINISH
+        if name == "error":
+            # The upstream ended the stream with an error (forwarded: it told the client
+            # itself). The request failed, whatever the stream's 200 said: booked as the class
+            # of that error (`overloaded_error`: upstream_5xx, as its 529 would have been).
+            self.terminated = True
+            self.stream_error = upstream_errors.stream_error(data)
+            return _NOTHING
         if name is not None and name != "ping":
             self._started = True
         return _NOTHING

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from proxy.errors import ErrorShape, InvalidRequest
+from proxy.errors import ErrorClass, ErrorShape, InvalidRequest
 from proxy.protocol import tokenizer
 from proxy.protocol.usage import Usage, parse_usage
 
@@ -377,6 +377,7 @@ class Translator:
     _sampled_tokens: int = 0
     _SAMPLE: ClassVar[int] = 16  # one event in this many rates the rest (see `_fold`)
     terminated = False  # the stream's final event came: `[DONE]`, `response.completed`, ...
+    stream_error: ErrorClass | None = None  # the stream ended with the upstream's error event
     _started = False  # an event of the API came (content or not)
     _ended_empty = False  # the upstream ended a 200 stream without sending a single event
     _finished: frozenset[int] = frozenset()  # indices of the choices that have finished

@@ -83,6 +83,30 @@ def request_fault(body: bytes) -> ErrorClass | None:
     return None
 
 
+# The status Anthropic answers each of its error types with (docs.anthropic.com, "Errors"): an
+# error that ends a stream mid-way names its type only, the stream's status being 200.
+_ANTHROPIC_STATUS = {
+    "invalid_request_error": 400, "authentication_error": 401, "billing_error": 402,
+    "permission_error": 403, "not_found_error": 404, "request_too_large": 413,
+    "rate_limit_error": 429, "api_error": 500, "timeout_error": 504, "overloaded_error": 529,
+}
+
+
+def stream_error(data: bytes) -> ErrorClass:
+    """The class of an `error` event that ended a stream (Anthropic's `{"type": "error",
+    "error": {"type": ..., "message": ...}}`): what the same error would have been as an answer
+    with its status. An error of a type not listed (or unreadable) is the upstream's failure,
+    `upstream_5xx`: the stream did not end as it should, and nothing says the request did it."""
+    try:
+        obj = json.loads(data)
+    except ValueError:  # UnicodeDecodeError included
+        obj = None
+    err = obj.get("error") if isinstance(obj, dict) else None
+    kind = err.get("type") if isinstance(err, dict) else None
+    status = _ANTHROPIC_STATUS.get(kind, 500) if isinstance(kind, str) else 500
+    return classify(status, data)
+
+
 def blames_request(status: int, cls: ErrorClass) -> bool:
     """A 5xx that is really the request's fault: not retried, even when its status is in
     `retry.on_status`, and not handed on. (A 4xx is the request's fault by its status; 408 and

@@ -353,7 +353,8 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
 
     if budget.spool is not None:
         try:
-            budget.spool.open()
+            if skipped := budget.spool.open():
+                budget.metrics.settle_spool_bad_lines(skipped)
         except OSError as exc:
             log.error("the settlement spool cannot be opened in %s (%s): usage owed to the "
                       "store during an outage will be lost", budget.spool.directory, exc)
@@ -373,13 +374,7 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
         await budget.replay()
     budget.health.tick(final=True)
     await budget.store.close()
-    if budget.spool is not None:
-        count, tokens = budget.spool.pending()
-        budget.spool.close()
-        if count:
-            log.warning("%d settlements (%d tokens) are owed to the budget store; they stay in "
-                        "%s and are replayed at the next start", count, tokens,
-                        budget.spool.directory)
+    budget.close_spool()
 
 
 def _watch_ctx(path: Path, workers: int) -> Callable[[web.Application], AsyncIterator[None]]:

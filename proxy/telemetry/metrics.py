@@ -440,11 +440,17 @@ class Metrics:
         )
         self._settlements_lost = _Counter(
             "tokenmeter_settlements_lost",
-            "Settlements lost: the store was down and the spool could not be written.",
+            "Settlements lost for good: the store did not take them and no spool holds them "
+            "(none is open, or the process stopped while the spool could not be written).",
             registry=r,
         )
         self._settlement_tokens_lost = _Counter(
             "tokenmeter_settlement_tokens_lost", "Tokens of the settlements lost.", registry=r,
+        )
+        self._settle_spool_bad_lines = _Counter(
+            "tokenmeter_settle_spool_bad_lines",
+            "Lines of adopted settlement spool files that could not be read (skipped, logged "
+            "with their file and line number; their usage is lost to the budgets).", registry=r,
         )
         self._connections_closed = _Counter(
             "tokenmeter_client_connections_closed",
@@ -595,6 +601,9 @@ class Metrics:
     def settlement_lost(self, tokens: int) -> None:
         self._settlements_lost.inc()
         self._settlement_tokens_lost.inc(tokens)
+
+    def settle_spool_bad_lines(self, lines: int) -> None:
+        self._settle_spool_bad_lines.inc(lines)
 
     def settle_backlog(self, settlements: int, tokens: int) -> None:
         self._settle_backlog.set(settlements)
