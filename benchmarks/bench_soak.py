@@ -636,9 +636,13 @@ def counters_of(text: str) -> tuple[Counter[tuple[str, str, str]], Counter[tuple
         if v:
             tokens[(labels["user"], labels["type"], labels["source"])] += round(v)
     for labels, v in series(text, "tokenmeter_requests_total"):
-        if v:
+        # A failed authentication has no access-log line (it is sampled): not compared here.
+        if v and labels["error_class"] != AUTH_FAILED:
             requests[(labels["user"], labels["status"], labels["error_class"])] += round(v)
     return tokens, requests
+
+
+AUTH_FAILED = "invalid_api_key"
 
 
 async def tokenmeter_usage(conf: Path, days: list[str]) -> dict[str, dict[str, int]]:
@@ -699,21 +703,33 @@ def accounting(tally: Tally, texts: list[str], finals: dict[str, str], mock: dic
                      carol={"used": carol, "daily_limit": CAROL_DAILY,
                             "admitted_while_store_down": carol_down,
                             "checked_by_the_store": carol - carol_down}))
-    proxy_status = by_label(texts, "tokenmeter_requests_total", "status")
+    # Failed authentications (only the hostile client's) are compared with their own counter,
+    # which every process's scrape has (the first process of a restarted replica: its last
+    # one, taken when nothing of anyone's was in flight to it); the rest per status.
+    proxy_status = dict(Counter(by_label(texts, "tokenmeter_requests_total", "status"))
+                        - Counter({"401": msum(texts, "tokenmeter_requests_total",
+                                               error_class=AUTH_FAILED)}))
+    auth_scrapes = [*finals.values(), *([drill.pre_term_scrape] if drill is not None
+                                        and drill.pre_term_scrape else [])]
+    proxy_auth = msum(auth_scrapes, "tokenmeter_auth_failures_total")
     client_status = {s: n for s, n in sorted(tally.statuses.items()) if s != "None"}
+    hostile_status = hostile.by_status()
+    hostile_auth = hostile_status.pop("401", 0)
     # The hostile client's requests the proxy answered count too; one whose client got no
     # status (its write of a large body cut by the proxy's early answer) may or may not have
     # been counted: at most that many more, never fewer.
-    expected = Counter(client_status) + hostile.by_status()
+    expected = Counter(client_status) + hostile_status
     more, fewer = Counter(proxy_status) - expected, expected - Counter(proxy_status)
     refusals = msum(texts, "tokenmeter_budget_refusals_total")
     out.append(check("3. requests: proxy counted = client sent (+ the hostile client's), per "
-                     "status; refusals",
-                     not fewer and sum(more.values()) <= hostile.no_status
+                     "status; failed authentications = tokenmeter_auth_failures_total; refusals",
+                     not fewer and hostile_auth <= proxy_auth
+                     and sum(more.values()) + proxy_auth - hostile_auth <= hostile.no_status
                      and refusals == tally.refused,
+                     hostile_auth_failures=hostile_auth, proxy_auth_failures=proxy_auth,
                      client_sent=tally.sent, client_no_response=tally.no_response,
                      proxy_counted=sum(proxy_status.values()), client_status=client_status,
-                     hostile_status=dict(sorted(hostile.by_status().items())),
+                     hostile_status=dict(sorted(hostile_status.items())),
                      hostile_no_status=hostile.no_status,
                      proxy_status=proxy_status, client_refused=tally.refused,
                      proxy_refusals=refusals))
@@ -941,6 +957,8 @@ class Cluster:
         self.tally, self.pids, self.ctl, self.progress = tally, pids, ctl, progress
         self.redis_stopped = False
         self.t_load = 0.0
+        # The hostile client's requests in flight to a replica (soak_hostile.Hostile.busy).
+        self.hostile_busy: Callable[[str], int] = lambda url: 0
 
     def rel(self, t: float | None) -> float | None:
         return None if t is None else round(t - self.t_load, 2)
@@ -995,11 +1013,12 @@ class Cluster:
         r, i = self.router, rep.index
         r.out.add(i)
         for _ in range(4000):  # 20 s
-            if not r.waiting[i]:
+            if not r.waiting[i] and not self.hostile_busy(rep.url):
                 break
             await asyncio.sleep(0.005)
-        if r.waiting[i]:
-            raise BenchError(f"{r.waiting[i]} requests to {rep.svc.name} got no status in 20 s")
+        if r.waiting[i] or self.hostile_busy(rep.url):
+            raise BenchError(f"{r.waiting[i]} requests (and {self.hostile_busy(rep.url)} of the "
+                             f"hostile client's) to {rep.svc.name} got no status in 20 s")
         drill.pre_term_scrape = await fetch(self.ctl, rep.url + "/metrics")
         old = drill.first_life = rep.svc
         in_flight = r.body[i]
@@ -1139,6 +1158,7 @@ async def run(args: argparse.Namespace, plan: str, services: Services, workdir: 
                         "complete" if usage is not None else f"http_{status}", usage))
                 progress("building the hostile client's bodies (gzip bombs, 28 MB JSON)")
                 await hostile.prepare()
+                cluster.hostile_busy = hostile.busy.__getitem__
             t_load = cluster.t_load = time.monotonic()
             sampler = asyncio.ensure_future(sample_memory(pids, tally, samples, args.sample_s,
                                                           t_load))

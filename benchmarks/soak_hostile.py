@@ -17,10 +17,13 @@ A probe client sends one small chat request every 50 ms through the whole load a
 long each took, inside a burst and outside: the figures are reported, not judged (a shared,
 noisy machine), but a replica that stalls for a burst shows here at once.
 
-What the hostile client saw is tallied apart (`HostileTally`) by kind and status: requests the
-proxy answered are compared with its counters in the soak's check 3; a request whose client
-got no status (a server that answers 401 and closes before a 28 MB body is sent may end the
-client's write with a reset) cannot be placed there exactly and is counted as `no_status`.
+A failed authentication has no access-log line of its own (issue 20, item 6), so the soak
+compares the hostile client's 401s with `tokenmeter_auth_failures_total` instead, and leaves
+them out of the access log = metrics check. What the hostile client saw is tallied apart
+(`HostileTally`) by kind and status: requests the proxy answered are compared with its
+counters in the soak's check 3; a request whose client got no status (a server that answers
+401 and closes before a 28 MB body is sent may end the client's write with a reset) cannot be
+placed there exactly and is counted as `no_status`.
 """
 
 from __future__ import annotations
@@ -129,6 +132,7 @@ class Hostile:
     record: Record
     bomb: bytes = b""
     big: bytes = b""
+    busy: Counter[str] = field(default_factory=Counter)  # requests in flight, by replica URL
 
     async def prepare(self) -> None:
         self.bomb, self.big = await asyncio.gather(asyncio.to_thread(gzip_bomb),
@@ -138,12 +142,15 @@ class Hostile:
                     headers: dict[str, str], *, hang_up_s: float | None = None
                     ) -> tuple[int | None, bytes]:
         timeout = TIMEOUT if hang_up_s is None else aiohttp.ClientTimeout(total=hang_up_s)
+        self.busy[url] += 1
         try:
             async with session.post(url + CHAT, data=body, headers=headers,
                                     timeout=timeout) as resp:
                 return resp.status, await resp.read()
         except (aiohttp.ClientError, TimeoutError):
             return None, b""
+        finally:
+            self.busy[url] -= 1
 
     async def _unkeyed(self, session: aiohttp.ClientSession, url: str, kind: str,
                        body: bytes, headers: dict[str, str]) -> None:
