@@ -43,7 +43,7 @@ from proxy.protocol.translators import TRANSLATORS, Translator
 from proxy.routing.attempts import LatencyTracker
 from proxy.routing.upstream import Router, client_response_headers, upstream_request_headers
 from proxy.server import state as st
-from proxy.server.reload import ConfigWatcher
+from proxy.server.reload import ConfigWatcher, keep_running_store
 from proxy.server.workers import budget_sharing_problem
 from proxy.telemetry.metrics import Metrics
 
@@ -329,21 +329,28 @@ def _watch_ctx(path: Path, workers: int) -> Callable[[web.Application], AsyncIte
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         holder = app[st.SERVICES].runtime
 
-        from proxy.server.reload import keep_running_store
-
-        def apply(config: Config) -> None:
+        def prepare(config: Config) -> st.Runtime:
+            """In the watcher's worker thread: everything but the swap. Builds run one at a
+            time and only `install` (after this) swaps, so `holder.current` is stable here."""
             # The store is set up once at start: a changed prefix must not reset every budget.
             config = keep_running_store(config, holder.current.config)
             # Limits added on the in-process store would be kept by each worker on its own.
             if workers > 1 and (problem := budget_sharing_problem(config, workers)):
                 raise ConfigError(problem)
-            previous = holder.current
-            holder.current = build_runtime(config)
-            # Names learned from the upstreams at start stay allowed as labels.
-            holder.current.router.add_model_labels(previous.router.discovered)
-            app[st.SERVICES].metrics.open_mode(holder.current.open_mode)
+            return build_runtime(config)
 
-        watcher = ConfigWatcher(path, apply, app[st.SERVICES].metrics)
+        def install(runtime: st.Runtime) -> None:
+            # Names learned from the upstreams at start stay allowed as labels.
+            runtime.router.add_model_labels(holder.current.router.discovered)
+            holder.current = runtime
+            app[st.SERVICES].metrics.open_mode(runtime.open_mode)
+            # As at start (_settle_heap): the new version's objects (about a million for
+            # 10,000 users) out of the collector's sight, or each full collection would walk
+            # them again, holding the loop for 200 ms or more. The old version has no cycles:
+            # it is freed as its last request lets go of it, frozen or not.
+            gc.freeze()
+
+        watcher = ConfigWatcher(path, prepare, install, app[st.SERVICES].metrics)
         app[st.WATCHER] = watcher
         task = asyncio.create_task(watcher.run())
         yield

@@ -47,8 +47,6 @@ class RuntimeHolder:
         self.current = runtime
 
 
-
-
 class Settling:
     """Settle tasks still running: kept referenced, and awaited at shutdown."""
 
@@ -74,7 +72,7 @@ class Settling:
             await self._changed.wait()
 
 
-WATCHER = web.AppKey("watcher", ConfigWatcher)
+WATCHER = web.AppKey("watcher", ConfigWatcher[Runtime])
 
 
 class HttpClient:
