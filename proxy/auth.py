@@ -68,6 +68,11 @@ class UserIndex:
                 )
         self._passthrough_labels: set[str] = set()
 
+    def release(self) -> None:
+        """Empty the index entry by entry (a replaced version's, which no request holds)."""
+        while self._by_hash:
+            self._by_hash.popitem()
+
     def authenticate(self, request: web.Request) -> Principal:
         if self.mode == "open":
             return self._open

@@ -137,12 +137,14 @@ _LIMIT_FIELDS: tuple[str, ...] = tuple(Limits.model_fields)
 
 def counts(limits: Limits | None) -> Counts:
     """A `Limits` as plain numbers, cost budgets in nano-dollars: what `plan` reads."""
-    out: Counts = {}
-    for name in _LIMIT_FIELDS:
-        value = getattr(limits, name) if limits is not None else None
-        if value is not None and name in _USD_FIELDS:
-            value = usd_to_nanos(value)
-        out[name] = value
+    if limits is None:
+        return dict.fromkeys(_LIMIT_FIELDS)
+    # The model's own field values (its __dict__): built 80,000 times for 30,000 keys.
+    values = vars(limits)
+    out: Counts = {name: values[name] for name in _LIMIT_FIELDS}
+    for name in _USD_FIELDS:
+        if (usd := out[name]) is not None:
+            out[name] = usd_to_nanos(usd)
     return out
 
 

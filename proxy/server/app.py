@@ -194,13 +194,13 @@ async def _discover_models(app: web.Application) -> AsyncIterator[None]:
     """Learn model names the upstreams serve, so `model` labels can name them (a bounded set
     that clients cannot grow). Best effort and in the background: startup never waits on it."""
     runtime = app[st.SERVICES].runtime.current
-    if not runtime.config.metrics.discover_models:
-        yield
-        return
+    router = runtime.router if runtime.config.metrics.discover_models else None
+    # Not held while the app runs: a reload frees the version it replaces once nothing does.
+    del runtime
 
-    async def discover() -> None:
+    async def discover(router: Router) -> None:
         session = app[st.SERVICES].http.session
-        for upstream in runtime.router.upstreams.values():
+        for upstream in router.upstreams.values():
             try:
                 async with session.get(
                     upstream.base_url + "/models",
@@ -209,13 +209,17 @@ async def _discover_models(app: web.Application) -> AsyncIterator[None]:
                 ) as up:
                     if up.status == 200:
                         data = (await up.json(content_type=None)).get("data") or []
-                        runtime.router.add_model_labels(
+                        router.add_model_labels(
                             str(m["id"]) for m in data if isinstance(m, dict) and "id" in m
                         )
             except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
                 log.warning("could not list models of upstream %s: %s", upstream.name, exc)
 
-    task = asyncio.create_task(discover())
+    if router is None:
+        yield
+        return
+    task = asyncio.create_task(discover(router))
+    del router
     yield
     task.cancel()
 
@@ -339,18 +343,16 @@ def _watch_ctx(path: Path, workers: int) -> Callable[[web.Application], AsyncIte
                 raise ConfigError(problem)
             return build_runtime(config)
 
-        def install(runtime: st.Runtime) -> None:
+        def install(runtime: st.Runtime) -> st.Runtime:
+            previous = holder.current
             # Names learned from the upstreams at start stay allowed as labels.
-            runtime.router.add_model_labels(holder.current.router.discovered)
+            runtime.router.add_model_labels(previous.router.discovered)
             holder.current = runtime
             app[st.SERVICES].metrics.open_mode(runtime.open_mode)
-            # As at start (_settle_heap): the new version's objects (about a million for
-            # 10,000 users) out of the collector's sight, or each full collection would walk
-            # them again, holding the loop for 200 ms or more. The old version has no cycles:
-            # it is freed as its last request lets go of it, frozen or not.
-            gc.freeze()
+            return previous
 
-        watcher = ConfigWatcher(path, prepare, install, app[st.SERVICES].metrics)
+        watcher = ConfigWatcher(path, prepare, install, st.release_runtime,
+                                app[st.SERVICES].metrics)
         app[st.WATCHER] = watcher
         task = asyncio.create_task(watcher.run())
         yield
