@@ -9,10 +9,12 @@ from aiohttp import web
 
 from proxy.budget.clamp import WORST_CASE, AdmissionRule, resolve
 from proxy.budget.limits import EffectiveLimits, limits_for, unlimited
-from proxy.config.policy import Policy
+from proxy.config.policy import KeyConfig, Policy
 from proxy.errors import AuthenticationFailed
 
 DEFAULT_USER = "default"
+# A key's own limits: a key that sets any is counted on counters of its own too.
+_KEY_LIMITS = tuple(f for f in KeyConfig.model_fields if f not in ("key", "name", "admission"))
 PASSTHROUGH_LABEL_LIMIT = 1000
 
 
@@ -38,23 +40,38 @@ class UserIndex:
         self._open = Principal(DEFAULT_USER, unlimited(policy.defaults), enforce=False)
         self._by_hash: dict[str, Principal] = {}
         for user, cfg in policy.users.items():
-            for key in cfg.key_configs():
-                key_id = key.key.removeprefix("sha256:")[:12]
-                overrides = any(getattr(key, f) is not None for f in type(key).model_fields
-                                if f not in ("key", "name", "admission"))
-                team = policy.teams.get(cfg.team) if cfg.team is not None else None
-                scope = (key.name or key_id) if overrides else None
-                self._by_hash[key.key] = Principal(
+            team = policy.teams.get(cfg.team) if cfg.team is not None else None
+            # Worked out once per user, not per key: the limits of keys without their own, and
+            # the admission rule of keys that set none (30,000 keys: seconds otherwise).
+            user_limits: EffectiveLimits | None = None
+            user_admission = (cfg.admission, team.admission if team is not None else None,
+                              policy.defaults.admission)
+            for entry in cfg.keys:
+                # A plain key string: no limits, name or admission of its own.
+                key = entry if isinstance(entry, KeyConfig) else None
+                key_hash = entry if isinstance(entry, str) else entry.key
+                key_id = key_hash.removeprefix("sha256:")[:12]
+                if key is not None and any(getattr(key, f) is not None for f in _KEY_LIMITS):
+                    limits = limits_for(policy, user, key, key.name or key_id)
+                else:
+                    if user_limits is None:
+                        user_limits = limits_for(policy, user)
+                    limits = user_limits
+                self._by_hash[key_hash] = Principal(
                     user=user,
-                    limits=limits_for(policy, user, key, scope),
+                    limits=limits,
                     key_id=key_id,
-                    key_name=key.name,
+                    key_name=key.name if key is not None else None,
                     team=cfg.team,
-                    admission=resolve(key.admission, cfg.admission,
-                                      team.admission if team is not None else None,
-                                      policy.defaults.admission),
+                    admission=resolve(key.admission if key is not None else None,
+                                      *user_admission),
                 )
         self._passthrough_labels: set[str] = set()
+
+    def release(self) -> None:
+        """Empty the index entry by entry (a replaced version's, which no request holds)."""
+        while self._by_hash:
+            self._by_hash.popitem()
 
     def authenticate(self, request: web.Request) -> Principal:
         if self.mode == "open":

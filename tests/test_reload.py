@@ -98,7 +98,7 @@ async def test_invalid_file_is_refused_and_old_config_serves(
     await until(refused, deadline=10.0)
     assert proxy.app[st.SERVICES].runtime.current is before
     assert await _works(proxy, ALICE_KEY)
-    assert not watcher.reload()  # and it says so when asked directly
+    assert not await watcher.reload()  # and it says so when asked directly
 
 
 # Deterministic polls: the background poller is parked (an hour between looks) and the test
@@ -122,7 +122,7 @@ async def test_half_written_file_is_never_applied(
         path.write_text(budget_yaml(url, "memory", _users(("alice", ALICE_KEY), ("bob", BOB_KEY))))
         proxy = await aiohttp_server(create_app(load_config(path), config_path=path))
         watcher = proxy.app[st.WATCHER]
-        assert watcher.poll_once() is Poll.UNCHANGED
+        assert await watcher.poll_once() is Poll.UNCHANGED
 
         # A two-step write: truncate, then the users section cut after alice (valid YAML and a
         # valid config, without bob), then the rest. Each step is seen by one poll only.
@@ -132,14 +132,14 @@ async def test_half_written_file_is_never_applied(
         partial = full[: full.index("  bob:")]
         assert parse_config(partial).users.keys() == {"alice"}
         path.write_text("")
-        assert watcher.poll_once() is Poll.SETTLING
+        assert await watcher.poll_once() is Poll.SETTLING
         path.write_text(partial)
-        assert watcher.poll_once() is Poll.SETTLING
+        assert await watcher.poll_once() is Poll.SETTLING
         assert await _works(proxy, BOB_KEY)  # the partial version was not applied
         path.write_text(full)
-        assert watcher.poll_once() is Poll.SETTLING  # new again: wait one more poll
-        assert watcher.poll_once() is Poll.APPLIED  # the same bytes twice: complete
-        assert watcher.poll_once() is Poll.UNCHANGED
+        assert await watcher.poll_once() is Poll.SETTLING  # new again: wait one more poll
+        assert await watcher.poll_once() is Poll.APPLIED  # the same bytes twice: complete
+        assert await watcher.poll_once() is Poll.UNCHANGED
         assert await _works(proxy, CAROL_KEY) and await _works(proxy, BOB_KEY)
         assert await _reloads(proxy, "ok") == 1  # only the complete version was loaded
         assert await _reloads(proxy, "error") == 0  # and the empty file was never tried
@@ -157,16 +157,16 @@ async def test_sighup_loads_at_once_and_refused_file_is_not_retried(
             budget_yaml(url, "memory", _users(("alice", ALICE_KEY), ("bob", BOB_KEY)))
         )
         watcher.request_reload()  # SIGHUP: no waiting for a second poll
-        assert watcher.poll_once() is Poll.APPLIED
+        assert await watcher.poll_once() is Poll.APPLIED
         assert await _works(proxy, BOB_KEY)
         watcher.request_reload()  # even unchanged bytes (an env var it names may have changed)
-        assert watcher.poll_once() is Poll.APPLIED
+        assert await watcher.poll_once() is Poll.APPLIED
         assert await _reloads(proxy, "ok") == 2
 
         config_file.write_text(config_file.read_text() + "\nusers: {}\n")  # `users` twice
-        assert watcher.poll_once() is Poll.SETTLING
-        assert watcher.poll_once() is Poll.REFUSED
-        assert watcher.poll_once() is Poll.UNCHANGED  # logged and counted once, not per poll
+        assert await watcher.poll_once() is Poll.SETTLING
+        assert await watcher.poll_once() is Poll.REFUSED
+        assert await watcher.poll_once() is Poll.UNCHANGED  # logged and counted once, not per poll
         assert await _reloads(proxy, "error") == 1
         assert await _works(proxy, BOB_KEY)
 
@@ -206,7 +206,7 @@ async def test_store_prefix_change_waits_for_restart(
         caplog.set_level(logging.WARNING, logger="tokenmeter")
         watcher = proxy.app[st.WATCHER]
         watcher.request_reload()
-        assert watcher.poll_once() is Poll.APPLIED
+        assert await watcher.poll_once() is Poll.APPLIED
         assert await _works(proxy, BOB_KEY)  # the rest of the new version is live
         assert proxy.app[st.SERVICES].runtime.current.config.store.prefix == "tokenmeter"
         with pytest.raises(openai.RateLimitError) as err:  # and alice's day is not reset
@@ -227,10 +227,10 @@ async def test_sighup_on_a_missing_file_is_refused_and_said(
         before = proxy.app[st.SERVICES].runtime.current
         watcher = proxy.app[st.WATCHER]
         config_file.unlink()  # mid-replace, or a wrong path after a deploy
-        assert watcher.poll_once() is Poll.MISSING
+        assert await watcher.poll_once() is Poll.MISSING
         assert await _reloads(proxy, "error") == 0  # a poll that finds no file waits quietly
         watcher.request_reload()
-        assert watcher.poll_once() is Poll.MISSING
+        assert await watcher.poll_once() is Poll.MISSING
         assert await _reloads(proxy, "error") == 1  # SIGHUP was asked for: it is counted
         assert proxy.app[st.SERVICES].runtime.current is before
         assert await _works(proxy, ALICE_KEY)
@@ -249,6 +249,6 @@ async def test_a_worker_refuses_a_reload_that_adds_limits_on_the_in_process_stor
     path.write_text(budget_yaml(url, "memory", _users(("alice", ALICE_KEY))
                                 + "    daily_tokens: 10\n"))
     watcher = app[st.WATCHER]
-    assert not watcher.reload()
+    assert not await watcher.reload()
     assert sample(await scrape(proxy), "tokenmeter_config_reloads_total", result="error") == 1
     assert await _works(proxy, ALICE_KEY)  # no limit: the previous version serves

@@ -130,14 +130,21 @@ def usd_to_nanos(usd: float) -> int:
     return int(Decimal(str(usd)) * NANOS_PER_USD)
 
 
+# The field names, read once: pydantic's `model_fields` is a computed class property, and
+# reading it per call was most of building the key index of 30,000 keys.
+_LIMIT_FIELDS: tuple[str, ...] = tuple(Limits.model_fields)
+
+
 def counts(limits: Limits | None) -> Counts:
     """A `Limits` as plain numbers, cost budgets in nano-dollars: what `plan` reads."""
-    out: Counts = {}
-    for name in Limits.model_fields:
-        value = getattr(limits, name) if limits is not None else None
-        if value is not None and name in _USD_FIELDS:
-            value = usd_to_nanos(value)
-        out[name] = value
+    if limits is None:
+        return dict.fromkeys(_LIMIT_FIELDS)
+    # The model's own field values (its __dict__): built 80,000 times for 30,000 keys.
+    values = vars(limits)
+    out: Counts = {name: values[name] for name in _LIMIT_FIELDS}
+    for name in _USD_FIELDS:
+        if (usd := out[name]) is not None:
+            out[name] = usd_to_nanos(usd)
     return out
 
 
@@ -229,7 +236,7 @@ def effective_limits(
     own: Counts = {}
     default_counts = counts(defaults)
     user_counts = counts(user)
-    for name in Limits.model_fields:
+    for name in _LIMIT_FIELDS:
         u = user_counts[name]
         own[name] = u if u is not None else default_counts[name]
     key_values: Counts = {}
@@ -256,7 +263,7 @@ def limits_for(policy: Policy, user: str, key: KeyConfig | None = None,
 
 def unlimited(defaults: Limits) -> EffectiveLimits:
     """Open and pass-through modes: metered, never limited (but the output cap still applies)."""
-    values: Counts = dict.fromkeys(Limits.model_fields)
+    values: Counts = dict.fromkeys(_LIMIT_FIELDS)
     values["max_output_tokens"] = defaults.max_output_tokens
     return EffectiveLimits(values, {}, None, ())
 

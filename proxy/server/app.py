@@ -51,7 +51,7 @@ from proxy.routing.upstream import (
     upstream_request_headers,
 )
 from proxy.server import state as st
-from proxy.server.reload import ConfigWatcher
+from proxy.server.reload import ConfigWatcher, keep_running_store
 from proxy.server.workers import budget_sharing_problem
 from proxy.telemetry.metrics import Metrics
 
@@ -247,13 +247,13 @@ async def _discover_models(app: web.Application) -> AsyncIterator[None]:
     """Learn model names the upstreams serve, so `model` labels can name them (a bounded set
     that clients cannot grow). Best effort and in the background: startup never waits on it."""
     runtime = app[st.SERVICES].runtime.current
-    if not runtime.config.metrics.discover_models:
-        yield
-        return
+    router = runtime.router if runtime.config.metrics.discover_models else None
+    # Not held while the app runs: a reload frees the version it replaces once nothing does.
+    del runtime
 
-    async def discover() -> None:
+    async def discover(router: Router) -> None:
         session = app[st.SERVICES].http.session
-        for upstream in runtime.router.upstreams.values():
+        for upstream in router.upstreams.values():
             try:
                 async with session.get(
                     upstream.base_url + "/models",
@@ -265,14 +265,18 @@ async def _discover_models(app: web.Application) -> AsyncIterator[None]:
                         raise refused
                     if up.status == 200:
                         data = (await up.json(content_type=None)).get("data") or []
-                        runtime.router.add_model_labels(
+                        router.add_model_labels(
                             str(m["id"]) for m in data if isinstance(m, dict) and "id" in m
                         )
             except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError,
                     UpstreamRedirect) as exc:
                 log.warning("could not list models of upstream %s: %s", upstream.name, exc)
 
-    task = asyncio.create_task(discover())
+    if router is None:
+        yield
+        return
+    task = asyncio.create_task(discover(router))
+    del router
     yield
     task.cancel()
 
@@ -381,21 +385,26 @@ def _watch_ctx(path: Path, workers: int) -> Callable[[web.Application], AsyncIte
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         holder = app[st.SERVICES].runtime
 
-        from proxy.server.reload import keep_running_store
-
-        def apply(config: Config) -> None:
+        def prepare(config: Config) -> st.Runtime:
+            """In the watcher's worker thread: everything but the swap. Builds run one at a
+            time and only `install` (after this) swaps, so `holder.current` is stable here."""
             # The store is set up once at start: a changed prefix must not reset every budget.
             config = keep_running_store(config, holder.current.config)
             # Limits added on the in-process store would be kept by each worker on its own.
             if workers > 1 and (problem := budget_sharing_problem(config, workers)):
                 raise ConfigError(problem)
-            previous = holder.current
-            holder.current = build_runtime(config)
-            # Names learned from the upstreams at start stay allowed as labels.
-            holder.current.router.add_model_labels(previous.router.discovered)
-            app[st.SERVICES].metrics.open_mode(holder.current.open_mode)
+            return build_runtime(config)
 
-        watcher = ConfigWatcher(path, apply, app[st.SERVICES].metrics)
+        def install(runtime: st.Runtime) -> st.Runtime:
+            previous = holder.current
+            # Names learned from the upstreams at start stay allowed as labels.
+            runtime.router.add_model_labels(previous.router.discovered)
+            holder.current = runtime
+            app[st.SERVICES].metrics.open_mode(runtime.open_mode)
+            return previous
+
+        watcher = ConfigWatcher(path, prepare, install, st.release_runtime,
+                                app[st.SERVICES].metrics)
         app[st.WATCHER] = watcher
         task = asyncio.create_task(watcher.run())
         yield
