@@ -118,7 +118,7 @@ from bench_proxy import (
     tokenmeter_argv,
     wait_ready,
 )
-from soak_hostile import MALLORY_KEY, Hostile, HostileTally
+from soak_hostile import MALLORY_KEY, Hostile, HostileTally, probe_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "soak-latest.json"
@@ -191,7 +191,6 @@ def request_for(kind: Kind, rng: random.Random, seq: int, prompt: int | None = N
     """(prompt index, JSON body, x-mock-* headers) of one request of this kind."""
     p = rng.randrange(len(PROMPTS)) if prompt is None else prompt
     tokens = 32 if kind.user == "carol" else rng.choice((8, 32, 64, 128, 256))
-    tokens = 8 if kind.name == "probe" else tokens
     tokens = max(tokens, 32) if kind.fault == "reset" else tokens
     tokens, rate = (400, DISCONNECT_RATE) if kind.fault == "disconnect" else (tokens, 3000)
     h = {"x-mock-output-tokens": str(tokens), "x-mock-tokens-per-second": str(rate),
@@ -883,10 +882,16 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def proxy_config(mock_port: int, redis_port: int, spool_dir: Path) -> dict[str, Any]:
+def proxy_config(mock_port: int, redis_port: int, spool_dir: Path,
+                 probe_mock_port: int) -> dict[str, Any]:
     big = {"daily_tokens": 10**12}
     return {
-        "upstreams": {"mock": {"base_url": f"http://{HOST}:{mock_port}/v1"}},
+        "upstreams": {"mock": {"base_url": f"http://{HOST}:{mock_port}/v1"},
+                      # The probe's model has a simulated upstream of its own: the mock counts
+                      # a huge prompt on its loop, and the probe times the proxy, not that.
+                      "probe-mock": {"base_url": f"http://{HOST}:{probe_mock_port}/v1"}},
+        "models": [{"match": PROBE_MODEL, "upstream": "probe-mock"},
+                   {"match": "*", "upstream": "mock"}],
         "metrics": {"discover_models": False},
         "store": {"url": f"redis://{HOST}:{redis_port}/0", "on_error": "fail_open",
                   "spool_dir": str(spool_dir)},
@@ -1101,10 +1106,12 @@ async def run(args: argparse.Namespace, plan: str, services: Services, workdir: 
               t_start: float) -> dict[str, Any]:
     progress = progress_printer(t_start)
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
-    mock_port, redis_port, *ports = free_ports(2 + args.replicas)
+    mock_port, probe_mock_port, redis_port, *ports = free_ports(3 + args.replicas)
     tm = tokenmeter_argv()
     mock = services.start("mock", [*tm, "mock-upstream", "--host", HOST, "--port",
                                    str(mock_port)])
+    probe_mock = services.start("probe-mock", [*tm, "mock-upstream", "--host", HOST, "--port",
+                                               str(probe_mock_port)])
     # A Redis killed mid-run must come back with its counters: append-only, fsync per write.
     aof = (["--appendonly", "yes", "--appendfsync", "always"]
            if args.outage and args.outage_mode == "restart" else ["--appendonly", "no"])
@@ -1113,10 +1120,12 @@ async def run(args: argparse.Namespace, plan: str, services: Services, workdir: 
     redis = services.start("redis", redis_argv)
     await wait_redis(redis, redis_port)
     await wait_ready(mock, f"http://{HOST}:{mock_port}/v1/models")
+    await wait_ready(probe_mock, f"http://{HOST}:{probe_mock_port}/v1/models")
     replicas: list[Replica] = []
     for i, port in enumerate(ports):
         spool, conf = workdir / f"spool-{i}", workdir / f"soak-{i}.yaml"
-        conf.write_text(yaml.safe_dump(proxy_config(mock_port, redis_port, spool)))
+        conf.write_text(yaml.safe_dump(proxy_config(mock_port, redis_port, spool,
+                                                    probe_mock_port)))
         argv = [*tm, "serve", "--config", str(conf), "--host", HOST, "--port", str(port),
                 "--log-level", args.proxy_log_level]
         svc = services.start(f"tokenmeter-{i}", argv)
@@ -1174,9 +1183,10 @@ async def run(args: argparse.Namespace, plan: str, services: Services, workdir: 
                 every = 8.0 if args.quick else 30.0
                 tasks.append(asyncio.ensure_future(hostile.run(
                     session, t_load + warm_s, t_load + args.duration - every, every)))
-                tasks.append(asyncio.ensure_future(hostile.probe(
-                    session, lambda url: probe_one(session, url, tally),
-                    t_load + args.duration)))
+                probe = await asyncio.create_subprocess_exec(
+                    *probe_argv(urls[-1], KEYS["bob"][0], t_load + args.duration),
+                    stdout=asyncio.subprocess.PIPE)
+                tasks.append(asyncio.ensure_future(collect_probe(probe, tally, hostile_tally)))
             if drill is not None:
                 background.append(asyncio.ensure_future(cluster.monitor(drill)))
                 tasks.append(asyncio.ensure_future(cluster.drill(drill)))
@@ -1198,6 +1208,11 @@ async def run(args: argparse.Namespace, plan: str, services: Services, workdir: 
                                         - counted_before)
             sampler.cancel()
             mock_stats = json.loads(await fetch(ctl, f"http://{HOST}:{mock_port}/_mock/stats"))
+            # Both simulated upstreams are "the mock" of check 1: their usage is summed.
+            probe_stats = json.loads(await fetch(
+                ctl, f"http://{HOST}:{probe_mock_port}/_mock/stats"))
+            mock_stats = {k: v + probe_stats.get(k, 0) if isinstance(v, int) else v
+                          for k, v in mock_stats.items()}
         finally:
             cluster.resume_redis()
     days = sorted({*days, utc_day()})
@@ -1210,7 +1225,8 @@ async def run(args: argparse.Namespace, plan: str, services: Services, workdir: 
                                           2)}
     leftovers = {u: int(await redis_command(redis_port, "HLEN", f"tokenmeter:{{{u}}}:reserved"))
                  for u in KEYS}
-    alive = all(s.proc.poll() is None for s in (mock, redis, *(r.svc for r in replicas)))
+    alive = all(s.proc.poll() is None
+                for s in (mock, probe_mock, redis, *(r.svc for r in replicas)))
     logs: dict[str, ProcLog] = {}
     if first is not None:
         logs[first.name] = first
@@ -1264,13 +1280,24 @@ async def run(args: argparse.Namespace, plan: str, services: Services, workdir: 
     return results
 
 
-async def probe_one(session: aiohttp.ClientSession, url: str, tally: Tally) -> bool:
-    """The hostile phase's probe: one small chat request of bob's, tallied like the rest."""
-    status = await one(session, url, KEYS["bob"][0], PROBE, "bob", random.Random(), -1, tally)
-    return status == 200
+async def collect_probe(proc: asyncio.subprocess.Process, tally: Tally,
+                        hostile: HostileTally) -> None:
+    """The probe process's requests (soak_hostile): timed, and tallied like the rest."""
+    out, _ = await proc.communicate()
+    for line in out.decode().splitlines():
+        r = json.loads(line)
+        usage = tuple(r["usage"]) if r["usage"] is not None else None
+        status = r["status"]
+        result = "complete" if usage is not None else (
+            "no_response" if status is None else f"http_{status}")
+        if status is None:
+            tally.anomaly("no_response", "probe")
+        tally.add(PROBE, "bob", status, result, usage)
+        hostile.probed(r["t0"], r["took"], status == 200)
 
 
 PROBE = Kind("probe", "chat", 0)
+PROBE_MODEL = "probe-gpt"  # soak_hostile's probe asks for it
 POD_MEMORY_MB = 1024  # deploy/kubernetes/deployment.yaml's memory limit
 
 OLD_QUEUE_BOUND = 100_000  # entries: the in-memory settle queue before the spool

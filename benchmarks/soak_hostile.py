@@ -13,9 +13,14 @@ Each burst sends, at once, to every replica:
   them (charged their prompt, estimated);
 - a reload storm: SIGHUP to every replica, twenty times, with the config file rewritten.
 
-A probe client sends one small chat request every 50 ms through the whole load and records how
-long each took, inside a burst and outside: the figures are reported, not judged (a shared,
-noisy machine), but a replica that stalls for a burst shows here at once.
+A probe client, a process of its own (so the hostile client's work in this one cannot delay
+it), sends one small chat request every 50 ms to the last replica (never restarted by the
+drill), for a model served by a simulated upstream of its own (the mock counts a huge
+prompt on its event loop; the probe times the proxy, not that), through the whole load and
+records how long each took; each is then placed inside a
+burst or outside by its start (CLOCK_MONOTONIC is one clock for every process). The figures
+are reported, not judged (a shared, noisy machine), but a replica that stalls for a burst
+shows at once. Its requests join the soak's tally like any other.
 
 A failed authentication has no access-log line of its own (issue 20, item 6), so the soak
 compares the hostile client's 401s with `tokenmeter_auth_failures_total` instead, and leaves
@@ -28,11 +33,13 @@ placed there exactly and is counted as `no_status`.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
 import signal
 import statistics
+import sys
 import time
 import zlib
 from collections import Counter
@@ -80,10 +87,16 @@ class HostileTally:
     statuses: Counter[tuple[str, str]] = field(default_factory=Counter)  # (kind, status)
     bursts: int = 0
     sighups: int = 0
+    windows: list[tuple[float, float]] = field(default_factory=list)  # bursts (monotonic)
     probe_quiet: list[float] = field(default_factory=list)  # seconds
     probe_burst: list[float] = field(default_factory=list)
     probe_failed: int = 0
-    in_burst: bool = False
+
+    def probed(self, started: float, took: float, ok: bool) -> None:
+        self.probe_failed += not ok
+        end = started + took
+        busy = any(a <= end and started <= b for a, b in self.windows)
+        (self.probe_burst if busy else self.probe_quiet).append(took)
 
     def add(self, kind: str, status: int | None) -> None:
         self.statuses[(kind, "no_status" if status is None else str(status))] += 1
@@ -196,7 +209,7 @@ class Hostile:
 
     async def burst(self, session: aiohttp.ClientSession, n: int) -> None:
         self.tally.bursts += 1
-        self.tally.in_burst = True
+        begun = time.monotonic()
         try:
             jobs: list[Any] = [self._reload_storm()]
             gz = {"Content-Encoding": "gzip"}
@@ -217,7 +230,7 @@ class Hostile:
                                             body, slow, hang_up_s=2.0))
             await asyncio.gather(*jobs)
         finally:
-            self.tally.in_burst = False
+            self.tally.windows.append((begun, time.monotonic()))
 
     async def run(self, session: aiohttp.ClientSession, start_at: float, stop_at: float,
                   every_s: float) -> None:
@@ -230,20 +243,49 @@ class Hostile:
             n += 1
             at = max(at + every_s, time.monotonic() + 1.0)
 
-    async def probe(self, session: aiohttp.ClientSession, probe_one: Callable[[str], Any],
-                    stop_at: float) -> None:
-        """One small request every PROBE_EVERY_S to the replicas in turn, timed."""
-        i = 0
+
+PROBE_BODY = json.dumps({"model": "probe-gpt", "messages": [{"role": "user", "content": "Say hi."}]}
+                        ).encode()
+PROBE_HEADERS = {"Content-Type": "application/json", "x-mock-output-tokens": "8",
+                 "x-mock-tokens-per-second": "3000", "x-mock-ttft-ms": "10"}
+
+
+async def _probe(url: str, key: str, stop_at: float) -> None:
+    """One small request every PROBE_EVERY_S until `stop_at` (monotonic); a JSON line each:
+    start, seconds taken, status, the usage read."""
+    headers = {**PROBE_HEADERS, "Authorization": f"Bearer {key}"}
+    async with aiohttp.ClientSession() as session:
         while time.monotonic() < stop_at:
-            urls = self.urls()
-            url = urls[i % len(urls)]
-            i += 1
-            busy = self.tally.in_burst
             t0 = time.monotonic()
-            ok = await probe_one(url)
+            status, usage = None, None
+            try:
+                async with session.post(url + CHAT, data=PROBE_BODY, headers=headers,
+                                        timeout=TIMEOUT) as resp:
+                    status, raw = resp.status, await resp.read()
+                    if status == 200:
+                        u = json.loads(raw)["usage"]
+                        usage = [u["prompt_tokens"], u["completion_tokens"]]
+            except (aiohttp.ClientError, TimeoutError):
+                pass
             took = time.monotonic() - t0
-            if not ok:
-                self.tally.probe_failed += 1
-            (self.tally.probe_burst if busy or self.tally.in_burst
-             else self.tally.probe_quiet).append(took)
+            print(json.dumps({"t0": t0, "took": took, "status": status, "usage": usage}),
+                  flush=True)
             await asyncio.sleep(max(0.0, PROBE_EVERY_S - took))
+
+
+def probe_argv(url: str, key: str, stop_at: float) -> list[str]:
+    return [sys.executable, __file__, "probe", url, key, repr(stop_at)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="the soak's probe client (a process)")
+    parser.add_argument("what", choices=("probe",))
+    parser.add_argument("url")
+    parser.add_argument("key")
+    parser.add_argument("stop_at", type=float, help="time.monotonic() to stop at")
+    args = parser.parse_args()
+    asyncio.run(_probe(args.url, args.key, args.stop_at))
+
+
+if __name__ == "__main__":
+    main()
