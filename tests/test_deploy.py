@@ -100,6 +100,8 @@ ADDED_METRICS = frozenset({
     "tokenmeter_settle_backlog_tokens",
     "tokenmeter_settle_backlog",
     "tokenmeter_settlement_tokens_lost_total",
+    "tokenmeter_auth_failures_total",
+    "tokenmeter_settle_spool_bad_lines_total",
 })
 # Exported, but with no series until something goes wrong.
 MAY_BE_EMPTY = frozenset({"tokenmeter_metering_errors_total"})
