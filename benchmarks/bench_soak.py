@@ -118,7 +118,7 @@ from bench_proxy import (
     tokenmeter_argv,
     wait_ready,
 )
-from soak_hostile import MALLORY_KEY, Hostile, HostileTally, probe_argv
+from soak_hostile import HOSTILE_MODEL, MALLORY_KEY, Hostile, HostileTally, probe_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "soak-latest.json"
@@ -883,14 +883,16 @@ def report(results: dict[str, Any]) -> str:
 
 
 def proxy_config(mock_port: int, redis_port: int, spool_dir: Path,
-                 probe_mock_port: int) -> dict[str, Any]:
+                 side_mocks: dict[str, int]) -> dict[str, Any]:
     big = {"daily_tokens": 10**12}
     return {
+        # The hostile client's huge prompts and the probe each have a simulated upstream of
+        # their own (soak_hostile): a mock counts a huge prompt on its loop, which would stall
+        # the ordinary load's upstream and the probe's timings.
         "upstreams": {"mock": {"base_url": f"http://{HOST}:{mock_port}/v1"},
-                      # The probe's model has a simulated upstream of its own: the mock counts
-                      # a huge prompt on its loop, and the probe times the proxy, not that.
-                      "probe-mock": {"base_url": f"http://{HOST}:{probe_mock_port}/v1"}},
-        "models": [{"match": PROBE_MODEL, "upstream": "probe-mock"},
+                      **{f"{m}-mock": {"base_url": f"http://{HOST}:{port}/v1"}
+                         for m, port in side_mocks.items()}},
+        "models": [*({"match": m, "upstream": f"{m}-mock"} for m in side_mocks),
                    {"match": "*", "upstream": "mock"}],
         "metrics": {"discover_models": False},
         "store": {"url": f"redis://{HOST}:{redis_port}/0", "on_error": "fail_open",
@@ -1106,12 +1108,13 @@ async def run(args: argparse.Namespace, plan: str, services: Services, workdir: 
               t_start: float) -> dict[str, Any]:
     progress = progress_printer(t_start)
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
-    mock_port, probe_mock_port, redis_port, *ports = free_ports(3 + args.replicas)
+    mock_port, probe_port, hostile_port, redis_port, *ports = free_ports(4 + args.replicas)
+    side_ports = {PROBE_MODEL: probe_port, HOSTILE_MODEL: hostile_port}
     tm = tokenmeter_argv()
     mock = services.start("mock", [*tm, "mock-upstream", "--host", HOST, "--port",
                                    str(mock_port)])
-    probe_mock = services.start("probe-mock", [*tm, "mock-upstream", "--host", HOST, "--port",
-                                               str(probe_mock_port)])
+    side_mocks = [services.start(f"{m}-mock", [*tm, "mock-upstream", "--host", HOST, "--port",
+                                               str(port)]) for m, port in side_ports.items()]
     # A Redis killed mid-run must come back with its counters: append-only, fsync per write.
     aof = (["--appendonly", "yes", "--appendfsync", "always"]
            if args.outage and args.outage_mode == "restart" else ["--appendonly", "no"])
@@ -1120,12 +1123,13 @@ async def run(args: argparse.Namespace, plan: str, services: Services, workdir: 
     redis = services.start("redis", redis_argv)
     await wait_redis(redis, redis_port)
     await wait_ready(mock, f"http://{HOST}:{mock_port}/v1/models")
-    await wait_ready(probe_mock, f"http://{HOST}:{probe_mock_port}/v1/models")
+    for side, port in zip(side_mocks, side_ports.values(), strict=True):
+        await wait_ready(side, f"http://{HOST}:{port}/v1/models")
     replicas: list[Replica] = []
     for i, port in enumerate(ports):
         spool, conf = workdir / f"spool-{i}", workdir / f"soak-{i}.yaml"
         conf.write_text(yaml.safe_dump(proxy_config(mock_port, redis_port, spool,
-                                                    probe_mock_port)))
+                                                    side_ports)))
         argv = [*tm, "serve", "--config", str(conf), "--host", HOST, "--port", str(port),
                 "--log-level", args.proxy_log_level]
         svc = services.start(f"tokenmeter-{i}", argv)
@@ -1208,11 +1212,11 @@ async def run(args: argparse.Namespace, plan: str, services: Services, workdir: 
                                         - counted_before)
             sampler.cancel()
             mock_stats = json.loads(await fetch(ctl, f"http://{HOST}:{mock_port}/_mock/stats"))
-            # Both simulated upstreams are "the mock" of check 1: their usage is summed.
-            probe_stats = json.loads(await fetch(
-                ctl, f"http://{HOST}:{probe_mock_port}/_mock/stats"))
-            mock_stats = {k: v + probe_stats.get(k, 0) if isinstance(v, int) else v
-                          for k, v in mock_stats.items()}
+            # Every simulated upstream is "the mock" of check 1: their usage is summed.
+            for port in side_ports.values():
+                side_stats = json.loads(await fetch(ctl, f"http://{HOST}:{port}/_mock/stats"))
+                mock_stats = {k: v + side_stats.get(k, 0) if isinstance(v, int) else v
+                              for k, v in mock_stats.items()}
         finally:
             cluster.resume_redis()
     days = sorted({*days, utc_day()})
@@ -1226,7 +1230,7 @@ async def run(args: argparse.Namespace, plan: str, services: Services, workdir: 
     leftovers = {u: int(await redis_command(redis_port, "HLEN", f"tokenmeter:{{{u}}}:reserved"))
                  for u in KEYS}
     alive = all(s.proc.poll() is None
-                for s in (mock, probe_mock, redis, *(r.svc for r in replicas)))
+                for s in (mock, *side_mocks, redis, *(r.svc for r in replicas)))
     logs: dict[str, ProcLog] = {}
     if first is not None:
         logs[first.name] = first

@@ -7,8 +7,9 @@ Each burst sends, at once, to every replica:
   key and with a valid one;
 - large JSON bodies (28 MB, under `server.max_body_mb`) without a key;
 - a wrong-key flood: small requests with keys no one has;
-- huge prompts with a valid key (user `mallory`, a quota no one reaches): prompts of 2 MB of
-  words and of `!`, answered whole (the upstream reports their usage: they join the client =
+- huge prompts with a valid key (user `mallory`, a quota no one reaches), for a model served
+  by a simulated upstream of its own (`HOSTILE_MODEL`): prompts of 2 MB of words and of `!`,
+  answered whole (the upstream reports their usage: they join the client =
   proxy = mock check), and the same prompts from a client that hangs up while the upstream has
   them (charged their prompt, estimated);
 - a reload storm: SIGHUP to every replica, twenty times, with the config file rewritten.
@@ -53,6 +54,10 @@ import aiohttp
 HOST = "127.0.0.1"
 CHAT = "/v1/chat/completions"
 MALLORY_KEY = "sk-soak-mallory-000"
+# The huge prompts' model, served by a simulated upstream of their own: the mock counts a prompt
+# on its event loop (a second or more for 2 MB of `!`), and streams paced by the clock catch up
+# after such a stall, which would let the ordinary load's disconnect slice finish upstream.
+HOSTILE_MODEL = "hostile-gpt"
 BOMB_INFLATED_MB = 1024
 BIG_BODY_MB = 28
 HUGE_PROMPT_MB = 2
@@ -221,7 +226,7 @@ class Hostile:
                          for _ in range(2)]
                 jobs += [self._wrong_keys(session, url, n * 100 + i * 10 + j) for j in range(8)]
                 for shape in ("words", "bang"):
-                    body = json.dumps({"model": "mock-gpt", "messages": [
+                    body = json.dumps({"model": HOSTILE_MODEL, "messages": [
                         {"role": "user", "content": huge_prompt(shape)}]}).encode()
                     quick = {"x-mock-output-tokens": "8", "x-mock-ttft-ms": "10"}
                     jobs.append(self._keyed(session, url, f"huge-prompt-{shape}", body, quick))
