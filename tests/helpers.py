@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
@@ -293,3 +295,57 @@ class Stack:  # made by the `stack` and `make_stack` fixtures (conftest.py)
 StackFactory = Callable[[Config], Awaitable[Stack]]
 # `make_proxies` (conftest.py): users (and further top-level sections) -> the replicas made.
 ProxiesFactory = Callable[..., Awaitable[list[TestServer]]]
+
+
+# --- issue 20's latency guard: another client of a replica under attack -------------------
+
+LATENCY_BOUND_S = 0.3  # each of the ordinary client's requests while a hostile one acts
+
+
+@dataclass
+class Latencies:
+    """What `timed_client` saw: each request's seconds, when it started, and the statuses that
+    were not 200."""
+
+    seen: list[float] = field(default_factory=list)
+    at: list[float] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+
+    def check(self, at_least: int = 1) -> None:
+        """Every request a 200, at least `at_least` of them, each within LATENCY_BOUND_S."""
+        assert not self.failed, f"statuses other than 200: {self.failed[:5]}"
+        assert len(self.seen) >= at_least, (
+            f"{len(self.seen)} requests answered while the hostile client ran, fewer than "
+            f"{at_least}")
+        slowest = sorted(range(len(self.seen)), key=self.seen.__getitem__)[-5:]
+        assert self.seen[slowest[-1]] < LATENCY_BOUND_S, (
+            f"{sum(s >= LATENCY_BOUND_S for s in self.seen)} of {len(self.seen)} requests took "
+            f"{LATENCY_BOUND_S * 1000:.0f} ms or more; slowest: " + ", ".join(
+                f"{self.seen[i] * 1000:.0f} ms at +{self.at[i] - self.at[0]:.1f} s"
+                for i in reversed(slowest)
+            )
+        )
+
+
+@asynccontextmanager
+async def timed_client(ask: Callable[[], Awaitable[int]]) -> AsyncIterator[Latencies]:
+    """`ask` (one small request; its status) one after another for as long as the block runs,
+    each one timed. The request under way when the block ends is waited for and counted."""
+    latencies = Latencies()
+    stop = asyncio.Event()
+
+    async def client() -> None:
+        while not stop.is_set():
+            started = time.monotonic()
+            status = await ask()
+            latencies.seen.append(time.monotonic() - started)
+            latencies.at.append(started)
+            if status != 200:
+                latencies.failed.append(status)
+
+    task = asyncio.create_task(client())
+    try:
+        yield latencies
+    finally:
+        stop.set()
+        await task

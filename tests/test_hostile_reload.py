@@ -16,10 +16,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -27,11 +26,10 @@ import pytest
 from aiohttp.test_utils import TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import until
+from tests.helpers import timed_client, until
 from tests.servers import free_port, wait_for_port
 
 USERS = 10_000
-LATENCY_BOUND_S = 0.3
 STABLE_KEY = "sk-user00000-key0-abcdefghijkl"  # in every version
 
 
@@ -137,48 +135,6 @@ async def big_proxy(upstream: TestServer, tmp_path: Path) -> AsyncIterator[tuple
             raise
 
 
-@dataclass
-class Latencies:
-    seen: list[float] = field(default_factory=list)
-    failed: list[int] = field(default_factory=list)
-    at: list[float] = field(default_factory=list)
-
-    def check(self) -> None:
-        assert not self.failed, f"statuses other than 200: {self.failed[:5]}"
-        assert self.seen, "no request was answered"
-        slowest = sorted(range(len(self.seen)), key=self.seen.__getitem__)[-5:]
-        assert self.seen[slowest[-1]] < LATENCY_BOUND_S, (
-            f"{sum(s >= LATENCY_BOUND_S for s in self.seen)} of {len(self.seen)} requests took "
-            f"{LATENCY_BOUND_S * 1000:.0f} ms or more; slowest: " + ", ".join(
-                f"{self.seen[i] * 1000:.0f} ms at +{self.at[i] - self.at[0]:.1f} s"
-                for i in reversed(slowest)
-            )
-        )
-
-
-@asynccontextmanager
-async def _client_timed(proxy: Proxy, session: aiohttp.ClientSession) -> AsyncIterator[Latencies]:
-    """Small requests one after another for as long as the block runs, each one timed."""
-    latencies = Latencies()
-    stop = asyncio.Event()
-
-    async def client() -> None:
-        while not stop.is_set():
-            started = time.monotonic()
-            status = await proxy.ask(session, STABLE_KEY)
-            latencies.seen.append(time.monotonic() - started)
-            latencies.at.append(started)
-            if status != 200:
-                latencies.failed.append(status)
-
-    task = asyncio.create_task(client())
-    try:
-        yield latencies
-    finally:
-        stop.set()
-        await task
-
-
 @contextmanager
 def _fail_with_log(proxy: Proxy) -> Iterator[None]:
     try:
@@ -211,7 +167,7 @@ async def test_a_sighup_storm_of_a_big_config_keeps_requests_fast_and_the_last_f
         with _fail_with_log(proxy):
             assert await proxy.ask(session, STABLE_KEY) == 200
             assert await proxy.ask(session, _marker_key("v0")) == 200
-            async with _client_timed(proxy, session) as latencies:
+            async with timed_client(lambda: proxy.ask(session, STABLE_KEY)) as latencies:
                 await _storm(proxy, session, texts)
 
                 async def last_in_force() -> bool:
@@ -239,7 +195,7 @@ async def test_a_bad_file_during_a_sighup_storm_keeps_the_running_version(
     bad = _version(base, "bad") + "    daily_tokens: lots\n"
     async with aiohttp.ClientSession() as session:
         with _fail_with_log(proxy):
-            async with _client_timed(proxy, session) as latencies:
+            async with timed_client(lambda: proxy.ask(session, STABLE_KEY)) as latencies:
                 await _storm(proxy, session, [bad] * 5)
 
                 async def refused() -> bool:
