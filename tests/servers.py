@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import random
 import shutil
 import socket
 import subprocess
@@ -19,10 +20,32 @@ import aiohttp
 import yaml
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_PORTS = random.Random()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free loopback port for a process we start, drawn from below the kernel's ephemeral
+    range: a port the kernel hands out (an `aiohttp_server` on port 0, a client connection's
+    local end) can then never take it in the second or so before that process binds it. Once a
+    parallel test's mock upstream got the port first, and the test read the mock's answers as the
+    proxy's."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = _PORTS.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def wait_for_port(port: int, timeout: float = 10.0) -> None:

@@ -17,7 +17,6 @@ import json
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import time
 import tomllib
@@ -39,7 +38,7 @@ from proxy.config.load import parse_config
 from proxy.config.policy import hash_key
 from proxy.server.app import create_app
 from proxy.testing.mock_upstream import MockSettings, create_mock_app
-from tests.servers import Prometheus, running_prometheus, wait_for_port
+from tests.servers import Prometheus, free_port, running_prometheus, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -274,10 +273,6 @@ def test_every_alert_is_unit_tested_and_annotated() -> None:
 # ---------------------------------------------------- a real Prometheus, a real proxy
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import re
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -177,10 +176,6 @@ def test_rules_and_their_tests_use_exported_names_labels_and_stages() -> None:
 # ----------------------------------------------------- a real Prometheus, the real exporter
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
