@@ -27,6 +27,7 @@ from prometheus_client import generate_latest
 from proxy.auth import Principal
 from proxy.budget import limits as lim
 from proxy.budget.accounting import Budget, Reservation
+from proxy.budget.admission import Ask
 from proxy.budget.cost import cost_nanousd, price_for
 from proxy.budget.notify import Notifier
 from proxy.budget.store import MemoryStore, Store
@@ -173,8 +174,10 @@ class World:
                       book: bool = True) -> Reservation:
         """Reserve, settle and write the row, as admission, settle and the ledger do."""
         usage = usage or Usage(input_tokens=prompt, output_tokens=7, cached_input_tokens=4)
-        plan = self.budget.plan(self.principal(user, key), model, self.config)
-        reservation = await self.budget.reserve(user, plan, prompt, 64, self.config)
+        principal = self.principal(user, key)
+        plan = self.budget.plan(principal, model, self.config)
+        ask = Ask(principal, model, plan, prompt, 64, 1, stream=False, hidden_output=False)
+        reservation = await self.budget.reserve(ask, self.config)
         if settle:
             await self.budget.settle(reservation, usage)
         if book:

@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from aiohttp.test_utils import TestServer
 
 from proxy.budget.accounting import Budget
+from proxy.budget.admission import Ask
 from proxy.budget.limits import daily_key
 from proxy.budget.notify import Notifier
 from proxy.budget.spool import Spool
@@ -120,8 +121,10 @@ async def test_the_in_process_store_stays_bounded_over_30000_requests() -> None:
     for i in range(30_000):
         principal = principals[i % len(principals)]
         plan = budget.plan(principal, translator.model, config)
-        output = translator.upstream_request(plan.output_cap).output_tokens
-        reservation = await budget.reserve(principal.user, plan, 3, output, config)
+        output = translator.max_output(plan.output_cap)
+        ask = Ask(principal, translator.model, plan, 3, output, 1, stream=False,
+                  hidden_output=False)
+        reservation = await budget.reserve(ask, config)
         await budget.settle(reservation, Usage(3, 5))
         now[0] += 0.05
         if i >= 20_000:

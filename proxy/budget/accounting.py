@@ -31,9 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from proxy.auth import Principal
+from proxy.budget import admission as adm
 from proxy.budget import estimate as est
 from proxy.budget import limits as lim
-from proxy.budget.clamp import Clamp, grant, output_rate
 from proxy.budget.cost import price_for, usage_cost
 from proxy.budget.notify import Notifier
 from proxy.budget.refusals import Refusal, Refused, unpriced
@@ -48,15 +48,13 @@ from proxy.budget.store import (
     TopUpResult,
 )
 from proxy.budget.store_health import StoreHealth
-from proxy.config.policy import AdmissionPolicy, Policy, Price
+from proxy.config.policy import DEFAULT_MAX_OUTPUT_TOKENS, AdmissionPolicy, Policy, Price
 from proxy.errors import ServiceUnavailable
 from proxy.ids import new_id
 from proxy.protocol.usage import Usage
 from proxy.telemetry.metrics import Metrics
 
 log = logging.getLogger("tokenmeter.budget")
-
-DEFAULT_OUTPUT_CAP = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +78,8 @@ class Reservation:
     estimate_key: str | None = None
     # The policy it was admitted under (a label of the reserved / over-reserved counters).
     admission: AdmissionPolicy = AdmissionPolicy.WORST_CASE
+    # The output cap written into the body sent upstream (`proxy.budget.admission.Grant`).
+    upstream_cap: int | None = None
 
     @property
     def clamped(self) -> bool:
@@ -142,7 +142,7 @@ class Budget:
                 self.metrics.budget_refused(principal.user, window.name)
                 raise unpriced(principal.user, model, window)
         return lim.Plan(plan.slot, plan.windows, plan.in_flight,
-                        plan.output_cap or DEFAULT_OUTPUT_CAP, plan.costed, price)
+                        plan.output_cap or DEFAULT_MAX_OUTPUT_TOKENS, plan.costed, price)
 
     async def output_estimate(self, key: str, cap: int, initial: int) -> int:
         """The output tokens a request under `estimate` reserves (see `proxy.budget.estimate`);
@@ -176,7 +176,7 @@ class Budget:
             if policy.store.on_error == "fail_closed" and reservation.stored:
                 return TopUpResult(0, refused_entry=None)  # no window's: the store's
             return self._topped_up(reservation, step)
-        rates = _clamp(plan, reservation.prompt_tokens, 0, 0).rates
+        rates = adm.clamp_of(plan, reservation.prompt_tokens, 0, 0).rates
         entries = tuple(Entry(w.key, w.limit, r, w.ttl_s)
                         for w, r in zip(plan.windows, rates, strict=True))
         started = time.perf_counter()
@@ -198,53 +198,60 @@ class Budget:
         self.metrics.budget_reserved(reservation.user, reservation.admission, granted)
         return TopUpResult(granted)
 
-    async def reserve(self, user: str, plan: lim.Plan, prompt: int, output: int,
-                      policy: Policy, min_output: int | None = None,
-                      topup_cap: int | None = None,
-                      estimate_key: str | None = None,
-                      admission: AdmissionPolicy = AdmissionPolicy.WORST_CASE) -> Reservation:
-        """Hold `prompt + output` tokens (and the request) in every window of `plan`, or raise
-        `Refused` with what refused it. The store's failures follow `policy.store.on_error`.
-        `min_output` (the `clamp` policy): the output may be lowered to what fits, down to
-        this many tokens; the reservation's `output_cap` is what was granted. `topup_cap`
-        (`estimate` streams): `output` is an estimate, the request keeps this cap upstream and
-        its reservation may be topped up to it; a grant below the estimate is then not a
-        clamp of the request."""
-        price = plan.price
-        cost = lim.reserve_cost(price, prompt, output) if price is not None else 0
-        entries = tuple(
-            Entry(w.key, w.limit, lim.amount(w, prompt, output, cost), w.ttl_s)
-            for w in plan.windows
-        )
-        clamp = None
-        # Nothing to clamp against without a limit: the plain reservation, at no extra cost.
-        if (min_output is not None and min_output < output
-                and any(e.limit is not None for e in entries)):
-            clamp = _clamp(plan, prompt, output, min_output)
+    async def reserve(self, ask: adm.Ask, policy: Policy) -> Reservation:
+        """Hold what `ask` claims (see `proxy.budget.admission`) in every window of its plan,
+        and the request in its in-flight sets, or raise `Refused` with what refused it. The
+        reservation's `upstream_cap` is the output cap its body is built with. The store's
+        failures follow `policy.store.on_error`."""
+        estimate = await self._estimate(ask) if ask.estimates else None
+        claim = adm.claim_for(ask, estimate)
         res_id = new_id()
+        answer = await self._ask_store(ask, claim, res_id, policy)
+        if answer is None:
+            return self._unchecked(ask, claim, policy)
+        decision = adm.decide(ask, claim, answer)
+        if isinstance(decision, Refusal):
+            self.metrics.budget_refused(ask.user, adm.refused_limit(decision))
+            raise Refused(decision)
+        if decision.clamped_from is not None:
+            binding = decision.binding
+            self.metrics.budget_clamped(ask.user, binding.name if binding is not None else "",
+                                        decision.clamped_from - decision.output)
+        reservation = _reservation(ask, decision, res_id, answer.used, stored=True)
+        self._active[res_id] = reservation
+        self.metrics.budget_reserved(ask.user, ask.rule.policy,
+                                     ask.prompt_tokens + decision.output)
+        self._update_gauges(ask.user, ask.plan.windows, answer.used)
+        return reservation
+
+    async def _estimate(self, ask: adm.Ask) -> int:
+        """The output estimate `ask` holds instead of its cap (`Ask.estimates`)."""
+        key = ask.estimate_key
+        assert key is not None
+        return await self.output_estimate(key, ask.asked_output, ask.rule.initial_estimate)
+
+    async def _ask_store(self, ask: adm.Ask, claim: adm.Claim, res_id: str,
+                         policy: Policy) -> ReserveResult | None:
+        """The store's answer to `claim`, or None when it did not give one (down, or failing
+        now): the policy then decides without it (`_unchecked`)."""
+        plan, lease_s = ask.plan, policy.store.lease_seconds
         if self.store.in_process:  # never fails, never yields: nothing can cut it short
-            result = await self.store.reserve(
-                plan.slot, res_id, entries, plan.in_flight, policy.store.lease_seconds, clamp
-            )
-            return self._admitted(user, plan, entries, result, res_id, prompt, output, cost,
-                                  clamp, topup_cap, estimate_key, admission=admission)
+            return await self.store.reserve(plan.slot, res_id, claim.entries, plan.in_flight,
+                                            lease_s, claim.clamp)
         # While the store is down, one request at a time tries it (and brings it back at once
         # when it answers); the others go on without waiting for a timeout.
         trial = not self.health.up
         if trial and not self.health.begin_trial():
-            return self._unchecked(user, plan, prompt, output, policy, cost, topup_cap,
-                                   estimate_key, admission=admission)
+            return None
         started = time.perf_counter()
-        reserving = self.store.reserve(
-            plan.slot, res_id, entries, plan.in_flight, policy.store.lease_seconds, clamp
-        )
         # Shielded: a client that hangs up must not leave a reservation behind whose reply
         # nobody reads (it would block the user until its lease ran out); `_abandoned` gives
         # back whatever the call turns out to have reserved. (A task costs a turn of the event
         # loop, which is why the in-process store goes without.)
-        call = asyncio.ensure_future(reserving)
+        call = asyncio.ensure_future(self.store.reserve(
+            plan.slot, res_id, claim.entries, plan.in_flight, lease_s, claim.clamp))
         try:
-            result = await asyncio.shield(call)
+            answer = await asyncio.shield(call)
         except asyncio.CancelledError:
             call.add_done_callback(lambda t: self._abandoned(t, plan, res_id))
             raise
@@ -253,54 +260,14 @@ class Budget:
             # The script may have run before the reply was lost: release its id when the
             # store answers again; this request is settled under an id of its own.
             self._settle_later(plan, res_id, _zero(plan), tokens=0)
-            return self._unchecked(user, plan, prompt, output, policy, cost, topup_cap,
-                                   estimate_key, admission=admission)
+            return None
         finally:
             if trial:
                 self.health.end_trial()
         self.health.ok("reserve", started)
-        return self._admitted(user, plan, entries, result, res_id, prompt, output, cost, clamp,
-                              topup_cap, estimate_key, admission=admission)
+        return answer
 
-    def _admitted(self, user: str, plan: lim.Plan, entries: tuple[Entry, ...],
-                  result: ReserveResult, res_id: str, prompt: int, output: int,
-                  cost: int, clamp: Clamp | None = None, topup_cap: int | None = None,
-                  estimate_key: str | None = None,
-                  admission: AdmissionPolicy = AdmissionPolicy.WORST_CASE) -> Reservation:
-        if not result.ok:
-            raise self._refusal(user, plan, entries, result, clamp)
-        requested, clamped_by = None, None
-        granted = result.granted
-        if topup_cap is not None and clamp is not None and granted is not None:
-            if granted < output and plan.price is not None:
-                cost = max((a for w, a in zip(plan.windows, clamp.amounts(granted), strict=True)
-                            if w.measure is lim.Measure.COST), default=0)
-            output = min(output, granted)
-        elif clamp is not None and granted is not None and granted < output:
-            amounts = clamp.amounts(granted)
-            # The window that left the least room, as the store saw it before this request.
-            before = tuple(u - a for u, a in zip(result.used, amounts, strict=True))
-            binding = grant(clamp, tuple(w.limit for w in plan.windows), before).binding
-            clamped_by = plan.windows[binding] if binding is not None else None
-            requested, output = output, granted
-            if plan.price is not None:
-                cost = max((a for w, a in zip(plan.windows, amounts, strict=True)
-                            if w.measure is lim.Measure.COST), default=0)
-            self.metrics.budget_clamped(
-                user, clamped_by.name if clamped_by is not None else "", requested - granted
-            )
-        reservation = Reservation(res_id, user, plan, prompt, output, result.used, True,
-                                  plan.price, cost, requested, clamped_by, topup_cap,
-                                  estimate_key, admission)
-        self._active[res_id] = reservation
-        self.metrics.budget_reserved(user, admission, prompt + output)
-        self._update_gauges(user, plan.windows, result.used)
-        return reservation
-
-    def _unchecked(self, user: str, plan: lim.Plan, prompt: int, output: int,
-                   policy: Policy, cost: int, topup_cap: int | None = None,
-                   estimate_key: str | None = None,
-                   admission: AdmissionPolicy = AdmissionPolicy.WORST_CASE) -> Reservation:
+    def _unchecked(self, ask: adm.Ask, claim: adm.Claim, policy: Policy) -> Reservation:
         """The store is down: the policy decides at once."""
         if policy.store.on_error == "fail_closed":
             self.health.skipped("refused")
@@ -309,10 +276,8 @@ class Budget:
                 headers={"Retry-After": "1"},
             )
         self.health.skipped("admitted")
-        return Reservation(new_id(), user, plan, prompt, output,
-                           (0,) * len(plan.windows), False, plan.price, cost,
-                           topup_cap=topup_cap, estimate_key=estimate_key,
-                           admission=admission)
+        return _reservation(ask, adm.whole(ask, claim), new_id(),
+                            (0,) * len(ask.plan.windows), stored=False)
 
     def _abandoned(self, call: asyncio.Future[ReserveResult], plan: lim.Plan,
                    res_id: str) -> None:
@@ -324,22 +289,6 @@ class Budget:
             self.health.failed("reserve", exc)
         if exc is not None or call.result().ok:
             self._settle_later(plan, res_id, _zero(plan), tokens=0)
-
-    def _refusal(self, user: str, plan: lim.Plan, entries: tuple[Entry, ...],
-                 result: ReserveResult, clamp: Clamp | None = None) -> Refused:
-        if result.refused_in_flight is not None:
-            self.metrics.budget_refused(user, "max_concurrent_requests")
-            return Refused(Refusal(user, plan.windows, result.used, None, 0,
-                                   plan.in_flight[result.refused_in_flight]))
-        refused = result.refused_entry
-        assert refused is not None
-        window = plan.windows[refused]
-        self.metrics.budget_refused(user, window.name)
-        if clamp is not None:  # what it needed at least: the prompt and the fewest outputs
-            return Refused(Refusal(user, plan.windows, result.used, window,
-                                   clamp.amounts(clamp.minimum)[refused], None, at_least=True))
-        return Refused(Refusal(user, plan.windows, result.used, window, entries[refused].amount,
-                               None))
 
     # --- settle -------------------------------------------------------------------------
     async def settle(self, reservation: Reservation, usage: Usage) -> None:
@@ -559,32 +508,11 @@ class Charge:
     windows: tuple[lim.Window, ...] | None  # parallel to entries, for the gauges
 
 
-def _clamp(plan: lim.Plan, prompt: int, output: int, minimum: int) -> Clamp:
-    """Each window's amount as `base + rate * output` (see `proxy.budget.clamp`)."""
-    bases: list[int] = []
-    rates: list[int] = []
-    price = plan.price
-    for w in plan.windows:
-        measure = w.measure
-        if measure is lim.Measure.TOTAL:
-            bases.append(prompt)
-            rates.append(1)
-        elif measure is lim.Measure.INPUT:
-            bases.append(prompt)
-            rates.append(0)
-        elif measure is lim.Measure.OUTPUT:
-            bases.append(0)
-            rates.append(1)
-        elif measure is lim.Measure.COST and price is not None:
-            bases.append(lim.reserve_cost(price, prompt, 0))
-            rates.append(output_rate(price))
-        elif measure is lim.Measure.COST:  # unlimited and unpriced: counted as free
-            bases.append(0)
-            rates.append(0)
-        else:  # REQUESTS
-            bases.append(1)
-            rates.append(0)
-    return Clamp(output, minimum, tuple(bases), tuple(rates))
+def _reservation(ask: adm.Ask, grant: adm.Grant, res_id: str, used: tuple[int, ...],
+                 stored: bool) -> Reservation:
+    return Reservation(res_id, ask.user, ask.plan, ask.prompt_tokens, grant.output, used, stored,
+                       ask.plan.price, grant.cost_nanousd, grant.clamped_from, grant.binding,
+                       grant.topup_cap, ask.estimate_key, ask.rule.policy, grant.output_cap)
 
 
 def _notice_window(plan: lim.Plan) -> lim.Window | None:

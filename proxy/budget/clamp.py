@@ -23,17 +23,22 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal
+from typing import Any
 
 from proxy.config.policy import Admission, AdmissionPolicy, Price
+
+# The configuration's defaults, taken from its schema: a rule no level sets anything of.
+_SCHEMA = Admission()
 
 
 @dataclass(frozen=True, slots=True)
 class AdmissionRule:
     """A principal's admission policy, resolved from the configuration once per key."""
 
-    policy: AdmissionPolicy = AdmissionPolicy.WORST_CASE
-    min_output_tokens: int = 256
-    initial_estimate: int = 1024  # `estimate`: what a stream reserves before any history
+    policy: AdmissionPolicy = _SCHEMA.policy
+    min_output_tokens: int = _SCHEMA.min_output_tokens
+    # `estimate`: what a stream reserves before any history
+    initial_estimate: int = _SCHEMA.initial_estimate
 
     @property
     def clamps(self) -> bool:
@@ -51,8 +56,8 @@ WORST_CASE = AdmissionRule()
 
 def resolve(*levels: Admission | None) -> AdmissionRule:
     """Field by field, the first level (most specific first: key, user, team, defaults) that
-    sets a field gives it; a field set nowhere keeps its default."""
-    values: dict[str, object] = {}
+    sets a field gives it; a field set nowhere keeps the schema's default."""
+    values: dict[str, Any] = {}
     for level in levels:
         if level is None:
             continue
@@ -60,13 +65,8 @@ def resolve(*levels: Admission | None) -> AdmissionRule:
             values.setdefault(name, getattr(level, name))
     if not values:
         return WORST_CASE
-    rule = AdmissionRule()
-    policy = values.get("policy", rule.policy)
-    minimum = values.get("min_output_tokens", rule.min_output_tokens)
-    initial = values.get("initial_estimate", rule.initial_estimate)
-    assert isinstance(policy, AdmissionPolicy) and isinstance(minimum, int)
-    assert isinstance(initial, int)
-    return AdmissionRule(policy, minimum, initial)
+    merged = Admission.model_construct(**values)  # the levels' values, validated already
+    return AdmissionRule(merged.policy, merged.min_output_tokens, merged.initial_estimate)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +86,11 @@ class Clamp:
 
 
 @dataclass(frozen=True, slots=True)
-class Grant:
-    output: int  # output tokens granted (below `minimum`: refused)
+class Fit:
+    """The output tokens that fit the windows (not `proxy.budget.admission.Grant`, what an
+    attempt is granted, which this is a step of)."""
+
+    output: int  # output tokens that fit, at most those asked (below `minimum`: refused)
     binding: int | None  # the entry that allowed the fewest, when below what was asked
 
 
@@ -104,7 +107,7 @@ def room_for_output(limit: int | None, used: int, base: int, rate: int) -> int |
     return room // rate
 
 
-def grant(clamp: Clamp, limits: Sequence[int | None], used: Sequence[int]) -> Grant:
+def grant(clamp: Clamp, limits: Sequence[int | None], used: Sequence[int]) -> Fit:
     """The output tokens a request gets given each window's limit and use (see the module)."""
     granted, binding = clamp.requested, None
     for i, (limit, u, base, rate) in enumerate(
@@ -113,7 +116,7 @@ def grant(clamp: Clamp, limits: Sequence[int | None], used: Sequence[int]) -> Gr
         fits = room_for_output(limit, u, base, rate)
         if fits is not None and fits < granted:
             granted, binding = fits, i
-    return Grant(max(granted, -1), binding)
+    return Fit(max(granted, -1), binding)
 
 
 def output_rate(price: Price) -> int:

@@ -296,6 +296,12 @@ class Price(_Model):
     cache_write_1h: float | None = Field(default=None, ge=0)
 
 
+# The output cap of an enforced request when no level (defaults, team, user, key, model
+# group) sets `max_output_tokens`: the default of `defaults`, and what applies when a
+# configuration's own `defaults` leaves it out.
+DEFAULT_MAX_OUTPUT_TOKENS = 4096
+
+
 class Policy(_Model):
     """The budget-related part of the top-level config."""
 
@@ -303,7 +309,7 @@ class Policy(_Model):
     store: StoreConfig = Field(default_factory=StoreConfig)
     timezone: str = "UTC"
     defaults: AdmittedLimits = Field(
-        default_factory=lambda: AdmittedLimits(max_output_tokens=4096)
+        default_factory=lambda: AdmittedLimits(max_output_tokens=DEFAULT_MAX_OUTPUT_TOKENS)
     )
     users: dict[str, UserConfig] = Field(default_factory=dict)
     # Limits a team's users share (the same fields as a user's): `teams.<name>`, where a user

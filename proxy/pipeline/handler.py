@@ -20,11 +20,13 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from aiohttp import hdrs, web
+from aiohttp import ClientResponse, hdrs, web
 
 from proxy.auth import client_key
 from proxy.budget import refusals
-from proxy.budget.estimate import hides_output, sample_key
+from proxy.budget.accounting import Reservation
+from proxy.budget.admission import Ask
+from proxy.budget.estimate import hides_output
 from proxy.budget.refusals import Refused
 from proxy.budget.store import ScopeKind
 from proxy.errors import (
@@ -206,6 +208,17 @@ async def _parse(request: web.Request, raw: bytes) -> ParsedRequest:
     return await asyncio.shield(job)
 
 
+@dataclass(frozen=True, slots=True)
+class _Turn:
+    """One candidate's turn: its route and model, the API shape's translator for it, the
+    model it stands in for (a fallback's), and whether its failure is the request's."""
+
+    candidate: attempts.Candidate
+    translator: Translator
+    fallback_from: str | None
+    last: bool
+
+
 async def forward(request: web.Request, ctx: RequestContext, svc: Services,
                   shape: type[Translator], outcome: Outcome) -> Attempt:
     """Try the candidates in order; the first answer worth relaying is returned (the last
@@ -220,66 +233,71 @@ async def forward(request: web.Request, ctx: RequestContext, svc: Services,
         elif cand.model != ctx.request_model:  # the primary is slow: its fallback goes first
             fallback_from = ctx.request_model
             svc.metrics.fell_back(ctx.route.pattern, cand.model, cand.reason)
-        result = await _try(request, ctx, svc, shape, cand, fallback_from, outcome,
-                            last=index == len(plan) - 1)
+        upstream = cand.route.upstream
+        translator = shape(ctx.request, upstream.stream_usage, cand.model,
+                           write_all_caps=upstream.write_all_caps)
+        turn = _Turn(cand, translator, fallback_from, last=index == len(plan) - 1)
+        result = await _try(request, ctx, svc, outcome, turn)
         if isinstance(result, Attempt):
             return result
         reason = result.reason
     raise AssertionError("the last candidate answers or raises")
 
 
-async def _try(
-    request: web.Request, ctx: RequestContext, svc: Services, shape: type[Translator],
-    cand: attempts.Candidate, fallback_from: str | None, outcome: Outcome, *, last: bool,
-) -> Attempt | Failed:
-    """One candidate: reserve its budget and call its upstream (with retries). Returns the
+async def _try(request: web.Request, ctx: RequestContext, svc: Services, outcome: Outcome,
+               turn: _Turn) -> Attempt | Failed:
+    """One candidate: reserve its budget, then call its upstream (with retries). Returns the
     attempt to relay, or, when it failed in a way the next candidate may do better with, the
     failure's class (its reservation is then given back whole)."""
-    upstream, policy = cand.route.upstream, ctx.runtime.config
-    translator = shape(ctx.request, upstream.stream_usage, cand.model,
-                       write_all_caps=upstream.write_all_caps)
-    plan = svc.budget.plan(ctx.principal, cand.model, policy)
-    # The API shape writes the output cap into the body it returns, and says how many output
-    # tokens that body can produce: that, and the prompt when a limit counts it, is reserved.
-    outgoing = translator.upstream_request(plan.output_cap)
-    prompt = await counting.prompt_tokens(translator) if plan.needs_prompt_estimate else 0
-    # Under `clamp` the store may grant fewer output tokens than the body allows, down to the
-    # rule's minimum (never below one per choice, never above what was asked); the body is
-    # then built again with the granted cap, before anything goes upstream.
-    rule = ctx.principal.admission
-    min_output = None
-    if rule.clamps and outgoing.output_tokens > 0:
-        min_output = min(outgoing.output_tokens,
-                         max(rule.min_output_tokens, translator.choices()))
-    # Under `estimate` a stream reserves its learned output estimate (clamped like the cap
-    # would be, if less is left) and keeps its own cap upstream: the relay tops it up as it
-    # runs. Every request under `estimate`, streamed or not, teaches the estimate. A stream
-    # that can bill output it does not stream (reasoning tokens) could not be topped up for
-    # it: it reserves its cap, as under `clamp`.
-    output, topup_cap, estimate_key = outgoing.output_tokens, None, None
-    if rule.estimates and outgoing.output_tokens > 0:
-        principal = ctx.principal
-        estimate_key = sample_key(plan.slot, principal.user, principal.key_id or "-",
-                                  cand.model)
-        if (ctx.stream and principal.enforce
-                and any(w.limit is not None for w in plan.windows)
-                and not hides_output(cand.model, ctx.request.body, cand.route.hidden_output)):
-            guess = await svc.budget.output_estimate(estimate_key, outgoing.output_tokens,
-                                                     rule.initial_estimate)
-            if min_output is not None:
-                guess = max(guess, min_output)
-            if guess < outgoing.output_tokens:
-                output, topup_cap = guess, outgoing.output_tokens
+    cand = turn.candidate
+    reservation = await _reserve(ctx, svc, turn)
+    candidacy = Candidacy(cand.route, cand.model, turn.translator, reservation)
+    outcome.candidate(candidacy, turn.fallback_from)
     try:
-        reservation = await svc.budget.reserve(ctx.principal.user, plan, prompt, output,
-                                               policy, min_output, topup_cap, estimate_key,
-                                               rule.policy)
+        up, deadline = await _call(request, ctx, svc, outcome, candidacy)
+    except (UpstreamTimeout, UpstreamUnavailable) as exc:
+        if turn.last:
+            raise
+        failure = exc.error_class
+    else:
+        worthy = None if turn.last else await _fallback_worthy(up)
+        if worthy is None:
+            outcome.answered(up.status)
+            return Attempt(candidacy, up, deadline,
+                           _response_headers(candidacy, turn.fallback_from, svc))
+        failure = worthy
+    log.warning("request %s: model %s failed (%s), trying its next fallback",
+                ctx.request_id, cand.model, failure)
+    outcome.released()
+    await svc.budget.release(reservation)
+    return Failed(failure)
+
+
+async def _reserve(ctx: RequestContext, svc: Services, turn: _Turn) -> Reservation:
+    """Admission of one candidate: its plan, what its request asks for, and the budget's
+    grant of it (a 429 when the budget refuses it)."""
+    cand, translator, policy = turn.candidate, turn.translator, ctx.runtime.config
+    plan = svc.budget.plan(ctx.principal, cand.model, policy)
+    # Checks the client's output limits too (a 400) before anything is counted or reserved.
+    asked = translator.max_output(plan.output_cap)
+    prompt = await counting.prompt_tokens(translator) if plan.needs_prompt_estimate else 0
+    ask = Ask(ctx.principal, cand.model, plan, prompt, asked, translator.choices(), ctx.stream,
+              hidden_output=hides_output(cand.model, ctx.request.body,
+                                         cand.route.hidden_output))
+    try:
+        return await svc.budget.reserve(ask, policy)
     except Refused as exc:
         raise refusals.render(exc.refusal, svc.budget.clock(), policy.timezone) from None
-    if reservation.clamped:
-        outgoing = translator.upstream_request(reservation.output_cap)
-    candidacy = Candidacy(cand.route, cand.model, translator, reservation)
-    outcome.candidate(candidacy, fallback_from)
+
+
+async def _call(request: web.Request, ctx: RequestContext, svc: Services, outcome: Outcome,
+                candidacy: Candidacy) -> tuple[ClientResponse, float | None]:
+    """Send the candidate its body, built once with the output cap its reservation was
+    granted, with retries: its response and the deadline of the whole answer (loop time; None
+    for a stream, whose idle time is watched instead). Raises `UpstreamTimeout` and
+    `UpstreamUnavailable` when no answer came."""
+    upstream, translator = candidacy.route.upstream, candidacy.translator
+    body = translator.upstream_body(candidacy.reservation.upstream_cap)
     headers = upstream_request_headers(
         request.headers, upstream,
         client_key=client_key(request) if ctx.principal.forward_client_key else None,
@@ -290,36 +308,30 @@ async def _try(
         svc.metrics.retried(u.name, reason)
 
     outcome.meter.mark_upstream_start()
-    # Streams have no total cap (idle time is watched instead); a JSON answer has one.
     deadline = None if ctx.stream else asyncio.get_running_loop().time() + upstream.total_timeout_s
     try:
         with map_upstream_exceptions(upstream, Phase.TOTAL):
             async with asyncio.timeout_at(deadline):
                 up = await attempts.call_upstream(
-                    svc.http.session, upstream, translator.path, outgoing.body, headers,
+                    svc.http.session, upstream, translator.path, body, headers,
                     on_retry=on_retry, rng=svc.rng, on_attempt=outcome.sent,
                 )
-    except (UpstreamTimeout, UpstreamUnavailable) as exc:
+    except (UpstreamTimeout, UpstreamUnavailable):
         outcome.call_failed()
-        if last:
-            raise
-        failure = exc.error_class
-    else:
-        if last or up.status == 200:
-            outcome.answered(up.status)
-            return Attempt(candidacy, up, deadline,
-                           _response_headers(candidacy, fallback_from, svc))
-        failure = await attempts.answer_class(up)
-        if not upstream_errors.fallback_worthy(failure):
-            outcome.answered(up.status)
-            return Attempt(candidacy, up, deadline,
-                           _response_headers(candidacy, fallback_from, svc))
-        up.close()
-    log.warning("request %s: model %s failed (%s), trying its next fallback",
-                ctx.request_id, cand.model, failure)
-    outcome.released()
-    await svc.budget.release(reservation)
-    return Failed(failure)
+        raise
+    return up, deadline
+
+
+async def _fallback_worthy(up: ClientResponse) -> ErrorClass | None:
+    """The class of an answer the next candidate may do better with (it is closed), or None
+    when it is relayed: a 200, or a failure a fallback would not mend."""
+    if up.status == 200:
+        return None
+    failure = await attempts.answer_class(up)
+    if not upstream_errors.fallback_worthy(failure):
+        return None
+    up.close()
+    return failure
 
 
 def _response_headers(candidacy: Candidacy, fallback_from: str | None,

@@ -72,12 +72,6 @@ class _BaseBody(BaseModel):
 
 
 @dataclass(frozen=True, slots=True)
-class UpstreamRequest:
-    body: bytes
-    output_tokens: int  # the most output tokens it can produce, all choices (0: unbounded)
-
-
-@dataclass(frozen=True, slots=True)
 class ParsedRequest:
     model: str
     stream: bool
@@ -268,7 +262,7 @@ class Translator:
         *, write_all_caps: bool = True,
     ) -> None:
         """`model`: a fallback model that serves the request instead of the one asked for.
-        `write_all_caps`: the upstream's `cap_fields` policy (see `cap_output`)."""
+        `write_all_caps`: the upstream's `cap_fields` policy (see `_capped`)."""
         self.request = request
         self.write_all_caps = write_all_caps
         self.model = model or request.model
@@ -294,16 +288,21 @@ class Translator:
     # Fields that ask for several generations, each billed (`n`, `best_of`).
     choice_fields: ClassVar[tuple[str, ...]] = ()
 
-    def upstream_request(self, cap: int | None) -> UpstreamRequest:
+    def max_output(self, cap: int | None) -> int:
+        """The most output tokens the request can produce under `cap`, all choices together
+        (0: unbounded): what admission asks for, without building the body (see `_capped`,
+        whose 400s it raises)."""
+        return self._capped(cap)[1]
+
+    def upstream_body(self, cap: int | None) -> bytes:
         """What goes upstream for this attempt, with `cap` enforced (see `_capped`): the
         client's own bytes when nothing changes, else its JSON with the changes, serialized
-        once. The body change is a return value; the translator keeps no trace of it."""
-        changes, output = self._capped(cap)
-        changes = {**self._changes, **changes}
+        once. The body change is a return value; the translator keeps no trace of it. A cap of
+        `max_output(c)` writes the same body as `c` (the same per-choice limits)."""
+        changes = {**self._changes, **self._capped(cap)[0]}
         if not changes:
-            return UpstreamRequest(self.request.raw, output)
-        body = json.dumps({**self.request.body, **changes}, separators=(",", ":")).encode()
-        return UpstreamRequest(body, output)
+            return self.request.raw
+        return json.dumps({**self.request.body, **changes}, separators=(",", ":")).encode()
 
     def choices(self) -> int:
         """How many generations the upstream runs (and bills) for this request."""
@@ -313,10 +312,6 @@ class Translator:
             if value is not None:
                 count = max(count, value)
         return count
-
-    def cap_output(self, cap: int | None) -> int:
-        """The most output tokens the request can produce under `cap` (see `_capped`)."""
-        return self._capped(cap)[1]
 
     def _capped(self, cap: int | None) -> tuple[dict[str, Any], int]:
         """Enforce `cap`, the most output tokens the whole request may produce (all choices

@@ -70,14 +70,14 @@ def test_max_tokens_is_required_and_capped() -> None:
     with pytest.raises(InvalidRequest) as caught:
         translator(max_tokens=None)
     assert caught.value.param == "max_tokens"
-    outgoing = translator(max_tokens=5000).upstream_request(300)
-    assert json.loads(outgoing.body)["max_tokens"] == 300 and outgoing.output_tokens == 300
+    t = translator(max_tokens=5000)
+    assert json.loads(t.upstream_body(300))["max_tokens"] == 300 and t.max_output(300) == 300
 
 
 def test_count_tokens_charges_nothing() -> None:
     body = {"model": "claude-x", "messages": BODY["messages"]}
     t = CountTokensTranslator(parse_body(json.dumps(body).encode()))
-    assert t.upstream_request(300).output_tokens == 0
+    assert t.max_output(300) == 0
     t.on_body(b'{"input_tokens": 12}')
     assert t.usage() == Usage() and t.prompt_usage() == Usage()
 

@@ -13,7 +13,7 @@ from proxy.budget.clamp import (
     WORST_CASE,
     AdmissionRule,
     Clamp,
-    Grant,
+    Fit,
     grant,
     output_rate,
     resolve,
@@ -40,20 +40,20 @@ def test_room_for_output_per_window() -> None:
 def test_grant_takes_the_least_room_and_names_its_window() -> None:
     # TOTAL (prompt 100), INPUT, OUTPUT, REQUESTS, COST (base 500, 4 per token)
     clamp = Clamp(32_000, 256, (100, 100, 0, 1, 500), (1, 0, 1, 0, 4))
-    assert grant(clamp, (None,) * 5, (0,) * 5) == Grant(32_000, None)
-    assert grant(clamp, (20_000, None, None, None, None), (0,) * 5) == Grant(19_900, 0)
-    assert grant(clamp, (20_000, None, 5_000, None, None), (0, 0, 1_000, 0, 0)) == Grant(4_000, 2)
-    assert grant(clamp, (20_000, None, None, None, 40_500), (0,) * 5) == Grant(10_000, 4)
+    assert grant(clamp, (None,) * 5, (0,) * 5) == Fit(32_000, None)
+    assert grant(clamp, (20_000, None, None, None, None), (0,) * 5) == Fit(19_900, 0)
+    assert grant(clamp, (20_000, None, 5_000, None, None), (0, 0, 1_000, 0, 0)) == Fit(4_000, 2)
+    assert grant(clamp, (20_000, None, None, None, 40_500), (0,) * 5) == Fit(10_000, 4)
     # The input window has room for the prompt: output is not limited by it.
-    assert grant(clamp, (None, 150, None, None, None), (0, 50, 0, 0, 0)) == Grant(32_000, None)
+    assert grant(clamp, (None, 150, None, None, None), (0, 50, 0, 0, 0)) == Fit(32_000, None)
     # ... and has not: refused there (below any minimum), whatever the other windows hold.
     assert grant(clamp, (None, 150, None, 3, None), (0, 51, 0, 0, 0)).output == -1
-    assert grant(clamp, (None, None, None, 3, None), (0, 0, 0, 3, 0)) == Grant(-1, 3)
+    assert grant(clamp, (None, None, None, 3, None), (0, 0, 0, 3, 0)) == Fit(-1, 3)
     # Enough room for all of it: nothing is clamped.
     assert grant(clamp, (40_000, None, None, None, None), (8_000,) + (0,) * 4) == (
-        Grant(31_900, 0))
+        Fit(31_900, 0))
     assert grant(clamp, (40_000, None, None, None, None), (7_900,) + (0,) * 4) == (
-        Grant(32_000, None))
+        Fit(32_000, None))
 
 
 def test_amounts_are_the_prompt_plus_the_granted_output() -> None:

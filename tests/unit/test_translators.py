@@ -24,8 +24,7 @@ def _req(body: dict[str, Any]) -> ParsedRequest:
 
 def _sent(t: Translator, cap: int | None) -> tuple[dict[str, Any], int]:
     """The body that goes upstream and the most output tokens it can produce."""
-    up = t.upstream_request(cap)
-    return json.loads(up.body), up.output_tokens
+    return json.loads(t.upstream_body(cap)), t.max_output(cap)
 
 
 def test_chat_sets_every_cap_field_when_the_client_sent_none() -> None:
@@ -57,7 +56,6 @@ def test_n_shares_the_cap() -> None:
     t = ChatTranslator(_req({"messages": [], "n": 3}), ask_usage=False)
     body, most = _sent(t, 100)
     assert body["max_tokens"] == 33 and most == 99
-    assert t.cap_output(100) == 99
 
 
 def test_best_of_counts_as_generations() -> None:
@@ -74,18 +72,20 @@ def test_best_of_counts_as_generations() -> None:
 def test_more_choices_than_the_cap_is_a_400_naming_the_parameter() -> None:
     t = ChatTranslator(_req({"messages": [], "n": 5}), ask_usage=False)
     with pytest.raises(InvalidRequest) as err:
-        t.upstream_request(4)
+        t.max_output(4)
+    with pytest.raises(InvalidRequest):
+        t.upstream_body(4)
     assert err.value.param == "n"
 
 
 def test_no_cap_changes_nothing_and_reports_the_bound() -> None:
     raw = _req({"messages": [], "max_tokens": 9})
     t = ChatTranslator(raw, ask_usage=False)
-    assert t.upstream_request(None).body == raw.raw  # the client's own bytes
-    assert t.cap_output(None) == 9
-    assert ChatTranslator(_req({"messages": []}), ask_usage=False).cap_output(None) == 0
+    assert t.upstream_body(None) == raw.raw  # the client's own bytes
+    assert t.max_output(None) == 9
+    assert ChatTranslator(_req({"messages": []}), ask_usage=False).max_output(None) == 0
     # The legacy API's documented default of 16 bounds it even without a cap field.
-    assert CompletionsTranslator(_req({"prompt": "x"}), ask_usage=False).cap_output(None) == 16
+    assert CompletionsTranslator(_req({"prompt": "x"}), ask_usage=False).max_output(None) == 16
 
 
 def test_completions_implicit_cap_is_kept_under_a_larger_cap() -> None:
@@ -107,6 +107,6 @@ def test_responses_cap_field() -> None:
 def test_bad_limits_are_refused_with_the_parameter(field: str, value: Any, code: str) -> None:
     t = ChatTranslator(_req({"messages": [], field: value}), ask_usage=False)
     with pytest.raises(InvalidRequest) as err:
-        t.cap_output(100)
+        t.max_output(100)
     assert err.value.param == field
     assert err.value.code == code
