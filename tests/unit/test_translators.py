@@ -6,6 +6,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from proxy.errors import InvalidRequest
 from proxy.protocol.translators import (
@@ -110,3 +112,29 @@ def test_bad_limits_are_refused_with_the_parameter(field: str, value: Any, code:
         t.max_output(100)
     assert err.value.param == field
     assert err.value.code == code
+
+
+_LIMIT = st.none() | st.integers(1, 5000)
+
+
+@given(shape=st.sampled_from([ChatTranslator, CompletionsTranslator, ResponsesTranslator]),
+       limits=st.tuples(_LIMIT, _LIMIT, _LIMIT), choices=st.tuples(_LIMIT, _LIMIT),
+       cap=st.integers(1, 20_000), write_all_caps=st.booleans())
+def test_the_body_is_the_same_under_the_output_it_allows(
+    shape: type[Translator], limits: tuple[int | None, ...], choices: tuple[int | None, ...],
+    cap: int, write_all_caps: bool,
+) -> None:
+    """Admission asks for `max_output(cap)` and the body is built with what it is granted: when
+    that is all of it, the body is the one `cap` itself writes, byte for byte."""
+    fields = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+    body: dict[str, Any] = {"prompt": "x", "input": "x", "messages": []}
+    body |= {f: v for f, v in zip(fields, limits, strict=True) if v is not None}
+    body |= {f: v for f, v in zip(("n", "best_of"), choices, strict=True) if v is not None}
+    t = shape(_req(body), ask_usage=False, write_all_caps=write_all_caps)
+    try:
+        asked = t.max_output(cap)
+    except InvalidRequest:  # more choices than the cap serves: refused before any body
+        return
+    assert 1 <= asked <= cap
+    assert t.upstream_body(asked) == t.upstream_body(cap)
+    assert t.max_output(asked) == asked
