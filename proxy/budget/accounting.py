@@ -10,14 +10,14 @@ follow the configured policy (`fail_open` admits and meters, `fail_closed` refus
 settlements the store cannot take go to the local spool and are replayed exactly once when it is
 back (`proxy.budget.spool`), so usage is not lost to an outage, a shutdown or a restart.
 
-Under the `clamp` admission policy (`proxy.budget.clamp`) a request whose worst case does not
-fit is admitted with fewer output tokens, if its minimum fits: the store grants and reserves
-them in the same atomic step, and the caller sends the granted cap upstream.
-
-Under `estimate` (`proxy.budget.estimate`) a stream reserves a learned estimate of its output,
-clamped the same way, and keeps its own cap upstream: `top_up` adds to the live reservation in
-steps while it runs (`proxy.pipeline.topup`), each step checked and added in one atomic store
-step like a reserve, so the windows are never promised past their limits.
+What a request claims and what it is granted is decided by `proxy.budget.admission`, pure; this
+runs it around the store. Under the `clamp` policy a request whose worst case does not fit is
+admitted with fewer output tokens, if its minimum fits: the store grants and reserves them in
+the same atomic step, and the caller builds its body with the granted cap
+(`Reservation.upstream_cap`). Under `estimate` a stream reserves a learned estimate of its
+output, clamped the same way, and keeps its own cap upstream: `top_up` adds to the live
+reservation in steps while it runs (`proxy.pipeline.topup`), each step checked and added in one
+atomic store step like a reserve, so the windows are never promised past their limits.
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ class Reservation:
     user: str
     plan: lim.Plan
     prompt_tokens: int
+    # Output tokens held: the cap granted, or under `estimate` the estimate (topped up from
+    # there); the cap written into the body is `upstream_cap`.
     output_cap: int
     used: tuple[int, ...]  # per window, after reserving; None-store admission: all zero
     stored: bool  # False: admitted while the store was unreachable (fail_open)

@@ -3,13 +3,17 @@
     admit -> attempt(s) -> relay + meter -> settle -> books and metrics
 
 `admit` authenticates the request (from its headers alone), then reads and parses its body and
-routes its model: a frozen `RequestContext`. `forward` tries the route's candidates in order
-(the model asked for, then its fallbacks), each one reserved in the budget and called with
-retries (`attempts`), and returns the `Attempt` whose answer is relayed. `relay` streams or
+routes its model: a frozen `RequestContext`. `forward` tries the route's candidates in turn
+(the model asked for, then its fallbacks; a primary that is slow goes last) and returns the
+`Attempt` whose answer is relayed. Each candidate is admitted by the budget first
+(`proxy.budget.admission`: an `Ask` reserved whole, clamped or refused), then its body is built
+once with the output cap it was granted and sent, with retries (`attempts`). `relay` streams or
 returns that answer while the tap meters it. Whatever happens, the request's `Outcome` is frozen
 into a `Settlement` and settled in `finally`, shielded from the cancellation a client's
-disconnect causes, so a request that dies half-way is still accounted for. Only the `Outcome`
-is written to along the way.
+disconnect causes, so a request that dies half-way is still accounted for. Of the request's own
+state only the `Outcome` changes along the way (the context, candidacies and attempts are
+frozen); the shared services do too: the budget holds and gives back reservations, and the
+metrics count fallbacks and retries as they happen.
 """
 
 from __future__ import annotations
