@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -50,6 +51,8 @@ def step(estimate: int, left: int) -> int:
 # (chat completions and the Responses API stream a summary at most). Matched on the name after
 # the last `/` too, for gateways that prefix a provider ("openai/o3").
 HIDDEN_OUTPUT_MODELS = ("o1*", "o3*", "o4*", "gpt-5*")
+# One regex for all of them: admission asks this of every attempt.
+_HIDDEN_OUTPUT = re.compile("|".join(fnmatch.translate(g) for g in HIDDEN_OUTPUT_MODELS))
 
 
 def hides_output(model: str, body: Mapping[str, Any], configured: bool | None) -> bool:
@@ -63,8 +66,7 @@ def hides_output(model: str, body: Mapping[str, Any], configured: bool | None) -
     doubt, yes: reserving the cap costs room, never the quota."""
     if configured is not None:
         return configured
-    name = model.rsplit("/", 1)[-1].lower()
-    if any(fnmatch.fnmatchcase(name, glob) for glob in HIDDEN_OUTPUT_MODELS):
+    if _HIDDEN_OUTPUT.match(model.rsplit("/", 1)[-1].lower()):
         return True
     modalities = body.get("modalities")
     return (_asks(body.get("reasoning_effort"), None)
