@@ -17,11 +17,12 @@ from aiohttp.test_utils import TestServer
 
 from proxy.budget import limits as lim
 from proxy.budget.clamp import Clamp
-from proxy.budget.cost import cost_nanousd
+from proxy.budget.cost import CostLines
 from proxy.budget.store import USER, Entry, InFlightLimit, MemoryStore
 from proxy.budget.store_redis import RedisStore
 from proxy.config.policy import Price
 from proxy.protocol.translators import ChatTranslator, ResponsesTranslator, parse_body
+from proxy.protocol.usage import Usage
 from proxy.server import state as st
 from proxy.testing.mock_upstream import MOCK_STATE, MockSettings
 from tests.helpers import ALICE_KEY, MESSAGES, sample, scrape, sdk
@@ -186,7 +187,8 @@ async def test_cost_budget_clamps_at_the_output_price(make_proxies: Factory) -> 
     assert raw.headers["x-tokenmeter-clamp-reason"] == "daily_usd"
     usage = raw.parse().usage
     assert usage is not None and usage.completion_tokens == granted
-    spent = cost_nanousd(Price(input=1.0, output=2.0), usage.prompt_tokens, 0, granted)
+    spent = CostLines.of(Price(input=1.0, output=2.0),
+                         Usage(input_tokens=usage.prompt_tokens, output_tokens=granted)).nanousd
     assert await _counter(proxies[0], "u", "daily_usd") == spent <= 20_000_000
     await client.close()
 

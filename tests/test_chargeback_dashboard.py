@@ -35,7 +35,7 @@ import yaml
 from aiohttp.test_utils import TestServer
 from anthropic.types import MessageParam
 
-from proxy.budget.cost import cost_nanousd, usage_cost
+from proxy.budget.cost import CostLines
 from proxy.config.policy import Price
 from proxy.errors import ErrorClass
 from proxy.ledger.migrate import migrate_postgres
@@ -92,11 +92,11 @@ def ledger_row(
     price = PRICES.get(model or "")
     usage = Usage(input_tokens=input_tokens, output_tokens=output, cached_input_tokens=cached,
                   cache_creation_input_tokens=cache_write or 0)
-    cost = None if price is None else usage_cost(price, usage)
+    cost = None if price is None else CostLines.of(price, usage).nanousd
     return LedgerRow(
         request_id=uuid.uuid4().hex, started_at=when.timestamp(),
         ended_at=when.timestamp() + 1.5, replica="test-replica", user_name=user, key_name=key,
-        team=team, operation="chat.completions" if cache_write is None else MESSAGES_OPERATION,
+        team=team, operation="chat" if cache_write is None else MESSAGES_OPERATION,
         requested_model=requested or model or "", model=model, response_model=model,
         upstream=None if model is None else "openai" if cache_write is None else "anthropic",
         fallback_from=None, attempts=1, status=status, error_class=error.value,
@@ -724,8 +724,9 @@ async def test_rows_the_proxy_wrote(
                 refusals += 1
                 continue
             assert r.usage is not None
-            expected_nanos += cost_nanousd(price, r.usage.prompt_tokens, 0,
-                                           r.usage.completion_tokens)
+            used = Usage(input_tokens=r.usage.prompt_tokens,
+                         output_tokens=r.usage.completion_tokens)
+            expected_nanos += CostLines.of(price, used).nanousd
         await client.close()
     assert refusals >= 1, "bob ran out of his quota"
     services = proxy.app[st.SERVICES]

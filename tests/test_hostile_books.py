@@ -201,13 +201,13 @@ def test_failed_authentications_are_logged_once_per_window(
     log = AuthFailureLog(clock=lambda: now[0])
     caplog.set_level(logging.WARNING, logger="tokenmeter.access")
     for i in range(5):
-        log.failed(f"r{i}", "chat.completions")
+        log.failed(f"r{i}", "chat")
         now[0] += 1.0
     now[0] += AUTH_LOG_EVERY_S
     log.failed("r5", "messages")
     lines = [json.loads(r.getMessage()) for r in caplog.records]
     assert [(x["request_id"], x["operation"], x["failures"], x["seconds"]) for x in lines] == [
-        ("r0", "chat.completions", 1, None), ("r5", "messages", 5, 5.0 + AUTH_LOG_EVERY_S)]
+        ("r0", "chat", 1, None), ("r5", "messages", 5, 5.0 + AUTH_LOG_EVERY_S)]
     assert all(r.levelno == logging.WARNING for r in caplog.records)
 
 

@@ -27,7 +27,7 @@ from prometheus_client import generate_latest
 from proxy.auth import Principal
 from proxy.budget import limits as lim
 from proxy.budget.accounting import Budget, Reservation
-from proxy.budget.cost import cost_nanousd, price_for
+from proxy.budget.cost import CostLines, price_for
 from proxy.budget.notify import Notifier
 from proxy.budget.store import MemoryStore, Store
 from proxy.budget.store_redis import RedisStore
@@ -176,7 +176,8 @@ class World:
         plan = self.budget.plan(self.principal(user, key), model, self.config)
         reservation = await self.budget.reserve(user, plan, prompt, 64, self.config)
         if settle:
-            await self.budget.settle(reservation, usage)
+            cost = None if plan.price is None else CostLines.of(plan.price, usage)
+            await self.budget.settle(reservation, usage, cost)
         if book:
             await self.book(user, plan, usage, key=key, model=model)
         return reservation
@@ -189,14 +190,13 @@ class World:
         await self.books.write([LedgerRow(
             request_id=uuid.uuid4().hex, started_at=end - 0.2, ended_at=end, replica="r1",
             user_name=user, key_name=key, team=self.config.users[user].team,
-            operation="chat.completions", requested_model=model, model=model,
+            operation="chat", requested_model=model, model=model,
             response_model=model, upstream="mock", fallback_from=None, attempts=1,
             status=200, error_class="none", stream=True, input_tokens=usage.input_tokens,
             output_tokens=usage.output_tokens, cached_input_tokens=usage.cached_input_tokens,
             reasoning_tokens=0, token_source="reported", ttft_ms=1.0, upstream_ttft_ms=1.0,
             overhead_ms=0.1, duration_ms=200.0, output_tokens_per_s=35.0,
-            cost_nanousd=None if price is None else cost_nanousd(
-                price, usage.input_tokens, usage.cached_input_tokens, usage.output_tokens),
+            cost_nanousd=None if price is None else CostLines.of(price, usage).nanousd,
             price_version="p1" if price is not None else None,
             windows=" ".join(w.label for w in plan.windows),
         )])
@@ -270,7 +270,8 @@ async def test_ledger_and_store_agree(world: World, capsys: pytest.CaptureFixtur
     (cost,) = by_label(r, "dave", "u:daily_usd")
     price = world.config.prices["gpt-4o"]
     assert cost.measure == "cost"
-    assert cost.ledger == cost.store == cost_nanousd(price, 1000, 500, 2000) > 0
+    assert cost.ledger == cost.store == CostLines.of(price, Usage(
+        input_tokens=1000, output_tokens=2000, cached_input_tokens=500)).nanousd > 0
     (monthly,) = by_label(r, "dave", "u:monthly_tokens")
     assert monthly.ledger == monthly.store == 3000
     assert set(r.drift_by_window().values()) == {0}
@@ -297,7 +298,7 @@ async def test_requests_in_flight_explain_the_difference(
     assert (await run_command(world, capsys))[0] == 0
     # Settled, its row never written: in one reading, a row that may be on its way; still
     # missing a reading later, drift.
-    await world.budget.settle(held, Usage(input_tokens=30, output_tokens=9))
+    await world.budget.settle(held, Usage(input_tokens=30, output_tokens=9), None)
     first = await world.reconcile()
     (alice,) = by_label(first, "alice", "u:daily_tokens")
     assert alice.store == 27 + 39 and alice.verdict is Verdict.BEHIND and first.agrees

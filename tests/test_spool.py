@@ -122,7 +122,7 @@ async def test_the_in_process_store_stays_bounded_over_30000_requests() -> None:
         plan = budget.plan(principal, translator.model, config)
         output = translator.upstream_request(plan.output_cap).output_tokens
         reservation = await budget.reserve(principal.user, plan, 3, output, config)
-        await budget.settle(reservation, Usage(3, 5))
+        await budget.settle(reservation, Usage(3, 5), None)
         now[0] += 0.05
         if i >= 20_000:
             for name, size in store.sizes().items():

@@ -34,7 +34,7 @@ from proxy.auth import Principal
 from proxy.budget import estimate as est
 from proxy.budget import limits as lim
 from proxy.budget.clamp import Clamp, grant, output_rate
-from proxy.budget.cost import price_for, usage_cost
+from proxy.budget.cost import CostLines, price_for
 from proxy.budget.notify import Notifier
 from proxy.budget.refusals import Refusal, Refused, unpriced
 from proxy.budget.spool import REPLAY_DONE_TTL_S, Spool
@@ -342,14 +342,16 @@ class Budget:
                                None))
 
     # --- settle -------------------------------------------------------------------------
-    async def settle(self, reservation: Reservation, usage: Usage) -> None:
-        """Never raises: what the store cannot take now goes to the spool."""
+    async def settle(self, reservation: Reservation, usage: Usage,
+                     priced: CostLines | None) -> None:
+        """Never raises: what the store cannot take now goes to the spool. `priced`: the
+        request's, at the reservation's price (settle prices a request once, for the books
+        too); counted only when the reservation was priced for cost windows."""
         self._active.pop(reservation.res_id, None)
         topped = self._topped.pop(reservation.res_id, 0)
         plan = reservation.plan
-        price = reservation.price
         inp, out = usage.input_tokens, usage.output_tokens
-        cost = usage_cost(price, usage) if price is not None else 0
+        cost = priced.nanousd if priced is not None and reservation.price is not None else 0
         entries = tuple(
             Entry(w.key, w.limit, lim.amount(w, inp, out, cost), w.ttl_s) for w in plan.windows
         )

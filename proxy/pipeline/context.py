@@ -11,8 +11,9 @@
   the tokens are counted by settle, off the loop when they must be counted at all.
 
 Models are named as the OpenTelemetry GenAI conventions do: `request_model` (asked by the
-client), `attempt.model` (sent upstream, a fallback's when one serves) and the upstream's own
-answer, which travels in the response body untouched.
+client), `Candidacy.model` (sent upstream, a fallback's when one serves) and `response_model`
+(the model the upstream's answer names, read by its translator; logged and booked, while the
+answer's body reaches the client untouched).
 """
 
 from __future__ import annotations

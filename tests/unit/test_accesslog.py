@@ -7,6 +7,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
+from proxy.errors import ErrorClass
 from proxy.protocol.usage import Usage
 from proxy.telemetry.accesslog import request_fields, request_line
 from proxy.telemetry.meter import Figures
@@ -28,11 +29,16 @@ def _records(draw: st.DrawFn) -> RequestRecord:
     usage = Usage(draw(counts), draw(counts), draw(counts), draw(counts),
                   draw(st.sampled_from(["reported", "estimated"])))
     return RequestRecord(
-        draw(st.text("0123456789abcdef", min_size=32, max_size=32)), "chat", draw(_text),
-        draw(_text), draw(_text), draw(_text), draw(st.none() | _text),
-        draw(st.integers(100, 599)), draw(st.sampled_from(["none", "upstream_timeout"])),
-        draw(st.booleans()), usage, figures, draw(st.none() | _text), draw(st.none() | _text),
-        draw(st.integers(1, 9)),
+        request_id=draw(st.text("0123456789abcdef", min_size=32, max_size=32)),
+        operation="chat", requested_model=draw(_text), sent_model=draw(st.none() | _text),
+        model_label=draw(_text), upstream=draw(st.none() | _text), user=draw(_text),
+        key=draw(st.none() | _text), team=draw(st.none() | _text),
+        status=draw(st.integers(100, 599)),
+        error_class=draw(st.sampled_from([ErrorClass.NONE, ErrorClass.UPSTREAM_TIMEOUT])),
+        stream=draw(st.booleans()), usage=usage, figures=figures,
+        fallback_from=draw(st.none() | _text), response_model=draw(st.none() | _text),
+        attempts=draw(st.integers(1, 9)), cost=None, price_version=None, windows="",
+        ended_at=draw(st.floats(0, 2e9, allow_nan=False)),
     )
 
 

@@ -19,10 +19,11 @@ from proxy.budget.clamp import (
     resolve,
     room_for_output,
 )
-from proxy.budget.cost import cost_nanousd
+from proxy.budget.cost import CostLines
 from proxy.budget.limits import reserve_cost
 from proxy.budget.store import USER, Entry, InFlightLimit, MemoryStore
 from proxy.config.policy import Admission, AdmissionPolicy, Policy, Price, hash_key
+from proxy.protocol.usage import Usage
 
 CLAMP = AdmissionPolicy.CLAMP
 
@@ -72,7 +73,9 @@ def test_clamped_cost_never_below_the_real_cost() -> None:
         clamped = reserve_cost(price, prompt, 0) + output_rate(price) * out
         for cached in (0, prompt):
             for used in (0, out // 2, out):
-                assert clamped >= cost_nanousd(price, prompt, cached, used)
+                usage = Usage(input_tokens=prompt, output_tokens=used,
+                              cached_input_tokens=cached)
+                assert clamped >= CostLines.of(price, usage).nanousd
 
 
 def test_output_rate_is_whole_nanos_rounded_up() -> None:
