@@ -21,7 +21,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.bench.client import BenchError, classify_status
-from proxy.config.load import RetryConfig
+from proxy.config.load import RetryConfig, UpstreamConfig
 from proxy.errors import (
     BudgetExceeded,
     ConnectTimeout,
@@ -369,11 +369,11 @@ def test_bench_reads_answers_with_the_same_classifier(
 
 
 def _upstream(base_url: str = "http://127.0.0.1:9", **retry: Any) -> Upstream:
-    return Upstream(
-        name="u", base_url=base_url, api_key=None, connect_timeout_s=1.5,
-        first_byte_timeout_s=2.5, idle_timeout_s=3.5, total_timeout_s=4.5, stream_usage=True,
-        retry=RetryConfig(**{"initial_backoff_ms": 1, "max_backoff_ms": 2, **retry}),
-    )
+    return Upstream.of("u", UpstreamConfig(
+        base_url=base_url, connect_timeout_s=1.5, first_byte_timeout_s=2.5, idle_timeout_s=3.5,
+        total_timeout_s=4.5, retry=RetryConfig(**{"initial_backoff_ms": 1, "max_backoff_ms": 2,
+                                                   **retry}),
+    ))
 
 
 @pytest.mark.parametrize(
@@ -478,9 +478,9 @@ async def test_call_upstream_maps_silence_to_first_byte_timeout_without_retry() 
 
     server = await asyncio.start_server(hold, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    up = Upstream(name="u", base_url=f"http://127.0.0.1:{port}", api_key=None,
-                  connect_timeout_s=5, first_byte_timeout_s=0.2, idle_timeout_s=5,
-                  total_timeout_s=5, stream_usage=True, retry=RetryConfig(max_attempts=3))
+    up = Upstream.of("u", UpstreamConfig(
+        base_url=f"http://127.0.0.1:{port}", connect_timeout_s=5, first_byte_timeout_s=0.2,
+        idle_timeout_s=5, total_timeout_s=5, retry=RetryConfig(max_attempts=3)))
     reasons: list[str] = []
     try:
         async with asyncio.timeout(30):
