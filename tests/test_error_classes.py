@@ -436,14 +436,14 @@ def test_the_map_raises_the_proxy_error_without_chaining() -> None:
 # --- call_upstream and answer_class over real sockets ---------------------------------------------
 
 
-async def _call(upstream: Upstream, reasons: list[str]) -> aiohttp.ClientResponse:
+async def _call(upstream: Upstream, reasons: list[str]) -> attempts.Answer:
     async with aiohttp.ClientSession() as session:
-        response = await attempts.call_upstream(
+        answer = await attempts.call_upstream(
             session, upstream, "/chat/completions", b"{}", CIMultiDict(),
             on_retry=lambda _u, reason: reasons.append(reason), rng=random.Random(1),
         )
-        await response.read()
-        return response
+        await answer.response.read()
+        return answer
 
 
 async def test_call_upstream_maps_a_dropped_connection_and_retries_it() -> None:
@@ -516,20 +516,25 @@ async def test_retry_reasons_are_classes_and_a_blaming_500_is_not_retried(
                    on_status=[408, 500, 503])
     reasons: list[str] = []
     async with asyncio.timeout(30):
-        response = await _call(up, reasons)
-    # 408 and 503 were retried under their classes; the 500 blaming the request came back.
-    assert served == [408, 503, 500] and response.status == 500
+        answer = await _call(up, reasons)
+    # 408 and 503 were retried under their classes; the 500 blaming the request came back,
+    # with the class that decided it (the relay and the record read that one).
+    assert served == [408, 503, 500] and answer.response.status == 500
+    assert answer.error_class is ErrorClass.BAD_REQUEST
     assert reasons == ["upstream_timeout", "upstream_5xx"]
     assert all(type(r) is ErrorClass for r in reasons)
 
 
-async def test_answer_class_reads_a_5xx_body_and_leaves_it_for_the_relay(
-    aiohttp_server: Any,
+@pytest.mark.parametrize("status", [500, 400])
+async def test_answer_class_reads_an_error_body_and_leaves_it_for_the_relay(
+    aiohttp_server: Any, status: int,
 ) -> None:
+    """Some servers answer a bad request with a 500; a 400's body tells `context_length` from
+    `bad_request`. The class is decided here, once, and the body is still there to relay."""
     body = _openai("invalid_request_error", "context_length_exceeded")
 
     async def handler(_request: web.Request) -> web.Response:
-        return web.Response(status=500, body=body, content_type="application/json")
+        return web.Response(status=status, body=body, content_type="application/json")
 
     app = web.Application()
     app.router.add_post("/x", handler)

@@ -193,9 +193,11 @@ class Outcome:
     def call_failed(self) -> None:
         self._in_flight = False
 
-    def answered(self, status: int) -> None:
+    def answered(self, status: int, error_class: ErrorClass) -> None:
+        """The answer to relay came, its class decided once as it did (`attempts.Answer`)."""
         self._answered = True
         self._status = status
+        self._error_class = error_class
         # An error answer means the upstream is done with the request.
         self._in_flight = status < 300
 

@@ -295,7 +295,7 @@ async def _try(
     try:
         with map_upstream_exceptions(upstream, Phase.TOTAL):
             async with asyncio.timeout_at(deadline):
-                up = await attempts.call_upstream(
+                answer = await attempts.call_upstream(
                     svc.http.session, upstream, translator.path, outgoing.body, headers,
                     on_retry=on_retry, rng=svc.rng, on_attempt=outcome.sent,
                 )
@@ -305,13 +305,9 @@ async def _try(
             raise
         failure = exc.error_class
     else:
-        if last or up.status == 200:
-            outcome.answered(up.status)
-            return Attempt(candidacy, up, deadline,
-                           _response_headers(candidacy, fallback_from, svc))
-        failure = await attempts.answer_class(up)
-        if not upstream_errors.fallback_worthy(failure):
-            outcome.answered(up.status)
+        up, failure = answer.response, answer.error_class
+        if last or up.status == 200 or not upstream_errors.fallback_worthy(failure):
+            outcome.answered(up.status, failure)
             return Attempt(candidacy, up, deadline,
                            _response_headers(candidacy, fallback_from, svc))
         up.close()

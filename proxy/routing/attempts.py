@@ -6,8 +6,9 @@ lists, and handed to the route's fallbacks (other models, routed by their own en
 retries are spent. Once a stream has started nothing is retried; the relay reports the failure
 in the stream instead. A 5xx whose body blames the request (some servers answer a validation
 error with a 500) is neither retried nor handed on: it would fail the same way every time.
-What an answer means is `proxy.protocol.upstream_errors.classify`'s to say; what an aiohttp
-exception means, `proxy.routing.exceptions_map`'s.
+What an answer means is `proxy.protocol.upstream_errors.classify`'s to say, asked once per
+answer, as it arrives (`answer_class`): the retry, the fallback and the request's record all read
+that one class (`Answer`). What an aiohttp exception means is `proxy.routing.exceptions_map`'s.
 """
 
 from __future__ import annotations
@@ -74,19 +75,27 @@ def backoff_s(retry: RetryConfig, n: int, rng: random.Random) -> float:
     return base * (0.5 + rng.random() / 2)
 
 
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """An upstream's answer and its class, decided once as it arrived (`answer_class`)."""
+
+    response: aiohttp.ClientResponse
+    error_class: ErrorClass  # `none` for a success
+
+
 async def answer_class(response: aiohttp.ClientResponse) -> ErrorClass:
-    """The class of an upstream's answer, for retries and fallbacks. A 5xx's body is read (some
-    servers answer a bad request with a 500; aiohttp keeps the body for the relay), within a
-    second: a body that does not come by then blames nothing. Other bodies are not read here:
-    a 4xx is final whatever it says, so telling `context_length` from `bad_request` is left to
-    the relay, which reads it anyway."""
-    body: bytes | None = None
-    if response.status >= 500:
-        try:
-            async with asyncio.timeout(1.0):
-                body = await response.read()
-        except (TimeoutError, aiohttp.ClientError):
-            body = None
+    """The class of an upstream's answer: the one decision retries, fallbacks and the request's
+    record read. An error's body is read (some servers answer a bad request with a 500, and a
+    4xx's says `context_length` from `bad_request`; aiohttp keeps it for the relay), within a
+    second: a body that does not come by then blames nothing, and its status decides."""
+    if response.status < 300:
+        return ErrorClass.NONE
+    body: bytes | None
+    try:
+        async with asyncio.timeout(1.0):
+            body = await response.read()
+    except (TimeoutError, aiohttp.ClientError):
+        body = None
     return upstream_errors.classify(response.status, body)
 
 
@@ -166,12 +175,12 @@ async def call_upstream(
     on_retry: RetryHook,
     rng: random.Random,
     on_attempt: Callable[[], None] = _nothing,
-) -> aiohttp.ClientResponse:
+) -> Answer:
     """POST to `upstream` until it answers with something not worth retrying, the attempts are
-    spent, or the next wait would end past the retry deadline. Returns the last response (any
-    status but a redirect); raises UpstreamTimeout / UpstreamUnavailable kinds (ConnectTimeout,
-    FirstByteTimeout, UpstreamUnreachable) when no response came at all, and UpstreamRedirect
-    at once, never retried or followed, when the upstream answered 3xx.
+    spent, or the next wait would end past the retry deadline. Returns the last answer (any
+    status but a redirect) with its class; raises UpstreamTimeout / UpstreamUnavailable kinds
+    (ConnectTimeout, FirstByteTimeout, UpstreamUnreachable) when no response came at all, and
+    UpstreamRedirect at once, never retried or followed, when the upstream answered 3xx.
     `on_attempt` runs as each request goes out, `on_retry` once its failure is given up on."""
     retry = upstream.retry
     loop = asyncio.get_running_loop()
@@ -198,20 +207,19 @@ async def call_upstream(
                             upstream.name, response.status)
                 await _discard(response)
                 raise refused
+            cls = ErrorClass.NONE if response.status < 300 else await answer_class(response)
             if (
                 response.status not in retry.on_status
                 or attempt >= retry.max_attempts
                 or response.headers.get("x-should-retry", "").lower() == "false"
+                or upstream_errors.blames_request(response.status, cls)
             ):
-                return response
-            cls = await answer_class(response)
-            if upstream_errors.blames_request(response.status, cls):
-                return response
+                return Answer(response, cls)
             wait = retry_after_s(response.headers)
             if wait is None:
                 wait = backoff_s(retry, attempt, rng)
             if loop.time() + wait > deadline:
-                return response  # the client (or a fallback) gets the answer now, not later
+                return Answer(response, cls)  # the client (or a fallback) gets it now
             on_retry(upstream, cls)
             await _discard(response)
             await asyncio.sleep(wait)
