@@ -439,8 +439,8 @@ def test_the_map_raises_the_proxy_error_without_chaining() -> None:
 async def _call(upstream: Upstream, reasons: list[str]) -> attempts.Answer:
     async with aiohttp.ClientSession() as session:
         answer = await attempts.call_upstream(
-            session, upstream, "/chat/completions", b"{}", CIMultiDict(),
-            on_retry=lambda _u, reason: reasons.append(reason), rng=random.Random(1),
+            session, upstream, attempts.Call("/chat/completions", b"{}", CIMultiDict()),
+            attempts.Retrying(lambda _u, reason: reasons.append(reason), random.Random(1)),
         )
         await answer.response.read()
         return answer

@@ -296,8 +296,9 @@ async def _try(
         with map_upstream_exceptions(upstream, Phase.TOTAL):
             async with asyncio.timeout_at(deadline):
                 answer = await attempts.call_upstream(
-                    svc.http.session, upstream, translator.path, outgoing.body, headers,
-                    on_retry=on_retry, rng=svc.rng, on_attempt=outcome.sent,
+                    svc.http.session, upstream,
+                    attempts.Call(translator.path, outgoing.body, headers),
+                    attempts.Retrying(on_retry, svc.rng, outcome.sent),
                 )
     except (UpstreamTimeout, UpstreamUnavailable) as exc:
         outcome.call_failed()

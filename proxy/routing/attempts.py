@@ -158,6 +158,23 @@ def _nothing() -> None:
     pass
 
 
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One request to an upstream, sent again as it is when retried."""
+
+    path: str
+    body: bytes
+    headers: CIMultiDict[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Retrying:
+    """Whom a call's attempts report to, and the jitter of their waits."""
+
+    on_retry: RetryHook  # once a failure is given up on, with its class: the retry's reason
+    rng: random.Random
+    on_attempt: Callable[[], None] = _nothing  # as each request goes out
+
 
 @functools.lru_cache(maxsize=1024)
 def _url(text: str) -> URL:
@@ -165,70 +182,75 @@ def _url(text: str) -> URL:
     Upstreams and their paths are a handful: the cache is their number."""
     return URL(text)
 
-async def call_upstream(
-    session: aiohttp.ClientSession,
-    upstream: Upstream,
-    path: str,
-    body: bytes,
-    headers: CIMultiDict[str],
-    *,
-    on_retry: RetryHook,
-    rng: random.Random,
-    on_attempt: Callable[[], None] = _nothing,
-) -> Answer:
+
+async def call_upstream(session: aiohttp.ClientSession, upstream: Upstream, call: Call,
+                        retrying: Retrying) -> Answer:
     """POST to `upstream` until it answers with something not worth retrying, the attempts are
     spent, or the next wait would end past the retry deadline. Returns the last answer (any
     status but a redirect) with its class; raises UpstreamTimeout / UpstreamUnavailable kinds
     (ConnectTimeout, FirstByteTimeout, UpstreamUnreachable) when no response came at all, and
-    UpstreamRedirect at once, never retried or followed, when the upstream answered 3xx.
-    `on_attempt` runs as each request goes out, `on_retry` once its failure is given up on."""
+    UpstreamRedirect at once, never retried or followed, when the upstream answered 3xx."""
     retry = upstream.retry
     loop = asyncio.get_running_loop()
     deadline = loop.time() + retry.deadline_s
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=upstream.connect_timeout_s)
-    url = _url(upstream.base_url + path)
+    url = _url(upstream.base_url + call.path)
     attempt = 0
     while True:
         attempt += 1
         failure: ProxyError
-        on_attempt()
+        retrying.on_attempt()
         try:
-            # A first-byte timeout is raised as it is, never retried: the request may be
-            # running upstream, and a second copy would double its cost.
-            with map_upstream_exceptions(upstream, Phase.CONNECT):
-                async with asyncio.timeout(upstream.first_byte_timeout_s):
-                    response = await session.post(url, data=body, headers=headers,
-                                                  timeout=timeout, allow_redirects=False)
+            response = await _send(session, upstream, url, call)
         except (ConnectTimeout, UpstreamUnreachable) as exc:
             failure = exc  # no response came: worth another try
         else:
-            if (refused := redirect_refused(upstream, response.status)) is not None:
-                log.warning("upstream %s answered %d: redirects are not followed",
-                            upstream.name, response.status)
-                await _discard(response)
-                raise refused
             cls = ErrorClass.NONE if response.status < 300 else await answer_class(response)
-            if (
-                response.status not in retry.on_status
-                or attempt >= retry.max_attempts
-                or response.headers.get("x-should-retry", "").lower() == "false"
-                or upstream_errors.blames_request(response.status, cls)
-            ):
-                return Answer(response, cls)
-            wait = retry_after_s(response.headers)
-            if wait is None:
-                wait = backoff_s(retry, attempt, rng)
-            if loop.time() + wait > deadline:
+            wait = _retry_wait(retry, response, cls, attempt, retrying.rng)
+            if wait is None or loop.time() + wait > deadline:
                 return Answer(response, cls)  # the client (or a fallback) gets it now
-            on_retry(upstream, cls)
+            retrying.on_retry(upstream, cls)
             await _discard(response)
             await asyncio.sleep(wait)
             continue
-        wait = backoff_s(retry, attempt, rng)
+        wait = backoff_s(retry, attempt, retrying.rng)
         if attempt >= retry.max_attempts or loop.time() + wait > deadline:
             raise failure
-        on_retry(upstream, failure.error_class)
+        retrying.on_retry(upstream, failure.error_class)
         await asyncio.sleep(wait)
+
+
+async def _send(session: aiohttp.ClientSession, upstream: Upstream, url: URL,
+                call: Call) -> aiohttp.ClientResponse:
+    """One POST: its response, else the error of none (raised as `map_upstream_exceptions`
+    names it); a redirect is refused."""
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=upstream.connect_timeout_s)
+    # A first-byte timeout is raised as it is, never retried: the request may be running
+    # upstream, and a second copy would double its cost.
+    with map_upstream_exceptions(upstream, Phase.CONNECT):
+        async with asyncio.timeout(upstream.first_byte_timeout_s):
+            response = await session.post(url, data=call.body, headers=call.headers,
+                                          timeout=timeout, allow_redirects=False)
+    if (refused := redirect_refused(upstream, response.status)) is not None:
+        log.warning("upstream %s answered %d: redirects are not followed",
+                    upstream.name, response.status)
+        await _discard(response)
+        raise refused
+    return response
+
+
+def _retry_wait(retry: RetryConfig, response: aiohttp.ClientResponse, cls: ErrorClass,
+                attempt: int, rng: random.Random) -> float | None:
+    """How long to wait before trying an answer again (the upstream's word, else the
+    backoff), or None: it is final. A 5xx that blames the request would fail the same way."""
+    if (
+        response.status not in retry.on_status
+        or attempt >= retry.max_attempts
+        or response.headers.get("x-should-retry", "").lower() == "false"
+        or upstream_errors.blames_request(response.status, cls)
+    ):
+        return None
+    wait = retry_after_s(response.headers)
+    return backoff_s(retry, attempt, rng) if wait is None else wait
 
 
 async def _discard(response: aiohttp.ClientResponse) -> None:
