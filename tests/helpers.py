@@ -311,16 +311,16 @@ class Latencies:
     at: list[float] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)
 
-    def check(self, at_least: int = 1) -> None:
-        """Every request a 200, at least `at_least` of them, each within LATENCY_BOUND_S."""
+    def check(self, at_least: int = 1, bound_s: float = LATENCY_BOUND_S) -> None:
+        """Every request a 200, at least `at_least` of them, each within `bound_s`."""
         assert not self.failed, f"statuses other than 200: {self.failed[:5]}"
         assert len(self.seen) >= at_least, (
             f"{len(self.seen)} requests answered while the hostile client ran, fewer than "
             f"{at_least}")
         slowest = sorted(range(len(self.seen)), key=self.seen.__getitem__)[-5:]
-        assert self.seen[slowest[-1]] < LATENCY_BOUND_S, (
-            f"{sum(s >= LATENCY_BOUND_S for s in self.seen)} of {len(self.seen)} requests took "
-            f"{LATENCY_BOUND_S * 1000:.0f} ms or more; slowest: " + ", ".join(
+        assert self.seen[slowest[-1]] < bound_s, (
+            f"{sum(s >= bound_s for s in self.seen)} of {len(self.seen)} requests took "
+            f"{bound_s * 1000:.0f} ms or more; slowest: " + ", ".join(
                 f"{self.seen[i] * 1000:.0f} ms at +{self.at[i] - self.at[0]:.1f} s"
                 for i in reversed(slowest)
             )

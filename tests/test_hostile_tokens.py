@@ -96,8 +96,9 @@ async def test_huge_prompts_without_usage_do_not_stall_other_clients(
 ) -> None:
     """Open mode (no limits, so admission counts nothing). While one client sends a 5 MB prompt
     of `!` answered without usage, then another that it abandons while the upstream has it,
-    another client's small requests to the same proxy process are each answered within 300 ms.
-    Before: settle counted each prompt on the loop, about 6 s each on a 2-core VM."""
+    another client's small requests to the same proxy process are each answered within 200 ms
+    (issue 21's bound; 72-133 ms measured on the 2-core CI machine). Before: settle counted
+    each prompt on the loop, about 6 s each on a 2-core VM."""
     held, gone = asyncio.Event(), asyncio.Event()
     upstream = await aiohttp_server(_upstream_app(held, gone))
     cfg = tmp_path / "tm.yaml"
@@ -151,7 +152,7 @@ async def test_huge_prompts_without_usage_do_not_stall_other_clients(
     for line in (answered, abandoned_line):  # charged an estimate of the prompt, close
         assert line["token_source"] == "estimated"
         assert line["input_tokens"] == pytest.approx(BANG_TOKENS, rel=0.01)
-    latencies.check(at_least=5)
+    latencies.check(at_least=5, bound_s=0.2)
 
 
 # --- a run of spaces tiktoken refuses: counted, never a 500 ----------------------------------
