@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,7 +24,7 @@ from proxy.protocol.usage import Usage
 from proxy.telemetry.metrics import Metrics
 from proxy.telemetry.usage_report import today
 from tests.helpers import ALICE_KEY, BOB_KEY, MESSAGES, budget_yaml
-from tests.servers import RedisServer, free_port, wait_for_port
+from tests.servers import RedisServer, ServedProxy
 
 SLOT = "tokenmeter:{alice}"
 
@@ -141,15 +139,6 @@ async def _redis_daily(r: aioredis.Redis, text: str) -> int:
     return int(await r.get(key) or 0)
 
 
-def _serve(cfg: Path, port: int, state: Path, log: Path) -> subprocess.Popen[str]:
-    # The log goes to a file: a pipe nobody reads until the end would fill up and stall it.
-    return subprocess.Popen(
-        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg), "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=log.open("w"), text=True,
-        env={**os.environ, "TOKENMETER_STATE_DIR": str(state)},
-    )
-
-
 async def test_usage_owed_during_an_outage_survives_sigterm_and_restart(
     upstream: TestServer, tmp_path: Path
 ) -> None:
@@ -160,14 +149,14 @@ async def test_usage_owed_during_an_outage_survives_sigterm_and_restart(
     cfg = tmp_path / "tm.yaml"
     cfg.write_text(text)
     state = tmp_path / "state"
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    env = {"TOKENMETER_STATE_DIR": str(state)}
+    first = ServedProxy(cfg, tmp_path / "first.log", env=env)
+    second = ServedProxy(cfg, tmp_path / "second.log", env=env, port=first.port)
+    url = f"{first.url}/v1/chat/completions"
     auth = {"Authorization": f"Bearer {ALICE_KEY}"}
     r = aioredis.Redis.from_url(redis_server.url)
-    proc = _serve(cfg, port, state, tmp_path / "first.log")
-    second: subprocess.Popen[str] | None = None
     try:
-        await asyncio.to_thread(wait_for_port, port, 20.0)
+        await first.started()
         total: int = 0  # declared: the closure below would see the Any of resp.json()
         async with aiohttp.ClientSession() as s:
             async with s.post(url, json={"model": "mock-gpt", "messages": MESSAGES},
@@ -180,18 +169,16 @@ async def test_usage_owed_during_an_outage_survives_sigterm_and_restart(
                                   headers=auth) as resp:
                     assert resp.status == 200
                     total += (await resp.json())["usage"]["total_tokens"]
-        proc.send_signal(signal.SIGTERM)  # a rolling restart during the outage
-        await asyncio.to_thread(proc.wait, timeout=30)
-        err = (tmp_path / "first.log").read_text()
-        assert proc.returncode == 0, err
+        code = await first.stopped(signal.SIGTERM)  # a rolling restart during the outage
+        err = first.log_text()
+        assert code == 0, err
         assert "owed to the budget store" in err  # and it says where they wait
         assert list(state.glob("spool-*.jsonl"))  # on main: nothing kept, 7,500 tokens lost
 
         redis_server.start()
         await r.aclose()
         r = aioredis.Redis.from_url(redis_server.url)  # the old connection died with the server
-        second = _serve(cfg, port, state, tmp_path / "second.log")
-        await asyncio.to_thread(wait_for_port, port, 20.0)
+        await second.started()
 
         async def replayed() -> bool:
             return await _redis_daily(r, text) >= total
@@ -200,12 +187,10 @@ async def test_usage_owed_during_an_outage_survives_sigterm_and_restart(
             while not await replayed():  # noqa: ASYNC110 (the counter lives in Redis)
                 await asyncio.sleep(0.05)
         assert await _redis_daily(r, text) == total  # exactly once
-        second.send_signal(signal.SIGTERM)
-        await asyncio.to_thread(second.wait, timeout=30)
+        assert await second.stopped(signal.SIGTERM) == 0
         assert list(state.glob("spool-*")) == []  # nothing owed any more
     finally:
-        for p in (proc, second):
-            if p is not None and p.poll() is None:
-                p.kill()
+        first.kill()
+        second.kill()
         await r.aclose()
         redis_server.stop()
