@@ -14,8 +14,6 @@ import asyncio
 import glob
 import json
 import logging
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -39,7 +37,7 @@ from tests.helpers import (
     timed_client,
     until,
 )
-from tests.servers import free_port, wait_for_port
+from tests.servers import ServedProxy
 
 BANGS = 5_000_000  # characters of `!`: 312,500 tokens of o200k (16 a token)
 # o200k counts `!` 16 to a token; a chat message costs 3, its role ("user") 1, the reply 3.
@@ -108,18 +106,12 @@ async def test_huge_prompts_without_usage_do_not_stall_other_clients(
         "metrics:\n  discover_models: false\n"
     )
     log = tmp_path / "proxy.log"
-    port = free_port()
-    with log.open("w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg),
-             "--port", str(port)],
-            stdout=subprocess.DEVNULL, stderr=err,
-        )
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    proxy = ServedProxy(cfg, log)
+    url = f"{proxy.url}/v1/chat/completions"
     big = json.dumps(_chat("!" * BANGS)).encode()
     json_type = {"content-type": "application/json"}
     try:
-        await asyncio.to_thread(wait_for_port, port, 20.0)
+        await proxy.started()
         async with aiohttp.ClientSession() as ordinary:
 
             async def ask() -> int:
@@ -143,8 +135,7 @@ async def test_huge_prompts_without_usage_do_not_stall_other_clients(
                 await asyncio.wait_for(gone.wait(), 30)  # the proxy let go of the upstream
                 await until(lambda: len(_hostile_lines(log)) == 2, deadline=60)
     finally:
-        proc.terminate()
-        await asyncio.to_thread(proc.wait, 30)
+        await proxy.stopped()
     answered, abandoned_line = sorted(_hostile_lines(log), key=lambda x: x["status"])
     assert (answered["status"], answered["error_class"]) == (200, "none")
     assert abandoned_line["status"] == 499
