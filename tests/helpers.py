@@ -16,6 +16,7 @@ import aiohttp
 import openai
 import pytest
 import redis.asyncio as aioredis
+import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 from openai.types.chat import ChatCompletionMessageParam
@@ -61,7 +62,7 @@ STORE_DEFAULTS: Mapping[str, Any] = {"lease_seconds": 30, "timeout_ms": 5000}
 FAST_RETRY: Mapping[str, Any] = {"initial_backoff_ms": 1, "max_backoff_ms": 5}
 
 
-def make_config(
+def config_data(
     upstream_url: str,
     *,
     store: str | Mapping[str, Any] | None = None,
@@ -69,8 +70,9 @@ def make_config(
     api_key: str | None = None,
     extra: Mapping[str, Any] | None = None,
     **upstream_opts: Any,
-) -> Config:
-    """One upstream `mock` at `upstream_url` serving every model, as a validated Config.
+) -> dict[str, Any]:
+    """The tests' one config builder: one upstream `mock` at `upstream_url` serving every
+    model, as data (`make_config` validates it, `budget_yaml` writes it as a file's text).
 
     store: a URL ("memory", "redis://...") or a mapping of store options (its `url` included);
     STORE_DEFAULTS fill what it leaves out. users: the `users:` section as Python data.
@@ -92,7 +94,12 @@ def make_config(
     if users is not None:
         data["users"] = {name: dict(u) for name, u in users.items()}
     data.update(extra or {})
-    return Config.model_validate(data)
+    return data
+
+
+def make_config(upstream_url: str, **options: Any) -> Config:
+    """`config_data(upstream_url, **options)` as a validated Config."""
+    return Config.model_validate(config_data(upstream_url, **options))
 
 
 def config_for(upstream_url: str, **upstream_opts: Any) -> Config:
@@ -108,29 +115,12 @@ def config_for(upstream_url: str, **upstream_opts: Any) -> Config:
 def budget_yaml(
     upstream_url: str, store: str, users: str, extra: str = "", **store_opts: Any
 ) -> str:
-    """The budget config as YAML text, for the tests about files (load, reload, `usage --config`,
-    a subprocess's `--config`) and `${ENV}` keys; `users` is the indented body of the `users:`
-    section, `store_opts` override STORE_DEFAULTS (on_error=..., timeout_ms=...)."""
-    store_lines = "".join(
-        f"\n  {k}: {v}" for k, v in {**STORE_DEFAULTS, **store_opts}.items()
-    )
-    return f"""
-store:
-  url: {store}{store_lines}
-upstreams:
-  mock:
-    base_url: {upstream_url}
-    retry: {{initial_backoff_ms: 1, max_backoff_ms: 5}}
-models:
-  - match: "*"
-    upstream: mock
-metrics:
-  model_labels: [mock-gpt]
-  discover_models: false
-{extra}
-users:
-{users}
-"""
+    """`config_data`'s config as YAML text, for the tests about files (load, reload, `usage
+    --config`, a subprocess's `--config`) and `${ENV}` keys; `users` is the indented body of the
+    `users:` section and `extra` more top-level YAML, both as text; `store_opts` override
+    STORE_DEFAULTS (on_error=..., timeout_ms=...)."""
+    data = config_data(upstream_url, store={"url": store, **store_opts})
+    return f"{yaml.safe_dump(data, sort_keys=False)}{extra}\nusers:\n{users}\n"
 
 
 def budget_config(upstream_url: str, store: str, users: str, extra: str = "") -> Config:
