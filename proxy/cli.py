@@ -43,6 +43,7 @@ from proxy.ledger.report import (
     render_json,
     render_table,
 )
+from proxy.pipeline.services import SERVICES
 from proxy.server import state as st
 from proxy.server.app import create_app, create_metrics_app
 from proxy.server.listener import ConnectionGuard, GuardedSite, ListenerLimits, raise_fd_limit
@@ -172,7 +173,7 @@ async def _serve(
             audit=inherited is None or inherited.index == 0,
         )
         # One guard for the API and metrics ports: one connection count, one fd budget.
-        metrics = app[st.SERVICES].metrics
+        metrics = app[SERVICES].metrics
         guard = ConnectionGuard(
             ListenerLimits.from_config(config.server, fd_limit),
             on_event=lambda event: metrics.connection_closed(event.value),

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.typing import KeyT
 
 from proxy.config.load import Config, parse_config
-from proxy.server import state as st
+from proxy.pipeline import services as st
 from proxy.testing.mock_upstream import MOCK_STATE, MockState
 
 ServerFactory = Callable[..., Coroutine[Any, Any, TestServer]]

@@ -21,8 +21,8 @@ from proxy.budget.cost import cost_nanousd
 from proxy.budget.store import USER, Entry, InFlightLimit, MemoryStore
 from proxy.budget.store_redis import RedisStore
 from proxy.config.policy import Price
+from proxy.pipeline import services as st
 from proxy.protocol.translators import ChatTranslator, ResponsesTranslator, parse_body
-from proxy.server import state as st
 from proxy.testing.mock_upstream import MOCK_STATE, MockSettings
 from tests.helpers import ALICE_KEY, MESSAGES, sample, scrape, sdk
 from tests.helpers import ProxiesFactory as Factory

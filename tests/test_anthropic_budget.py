@@ -21,8 +21,8 @@ from anthropic.types import MessageParam, Usage
 from proxy.budget import limits as lim
 from proxy.budget.store import ScopeKind
 from proxy.ledger.schema import TABLE
+from proxy.pipeline import services as st
 from proxy.pipeline.relay import REQUEST_ID_HEADER
-from proxy.server import state as st
 from proxy.server.app import create_app
 from proxy.testing import mock_tokens
 from proxy.testing.mock_upstream import MOCK_STATE, MockSettings, generated_text

@@ -15,7 +15,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from proxy.budget import limits as lim
-from proxy.server import state as st
+from proxy.pipeline import services as st
 from proxy.server.app import create_app
 from proxy.testing.mock_upstream import MockSettings
 from tests.helpers import (

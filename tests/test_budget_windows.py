@@ -18,7 +18,7 @@ from proxy.budget import limits as lim
 from proxy.budget.cost import cost_nanousd
 from proxy.budget.store import ScopeKind
 from proxy.config.policy import Price
-from proxy.server import state as st
+from proxy.pipeline import services as st
 from proxy.server.app import create_app
 from proxy.telemetry.usage_report import read_usage, today
 from proxy.testing.mock_upstream import MOCK_STATE, MockSettings

@@ -41,8 +41,8 @@ from proxy.errors import ErrorClass
 from proxy.ledger.migrate import migrate_postgres
 from proxy.ledger.row import COLUMNS, LedgerRow
 from proxy.ledger.schema import TABLE
+from proxy.pipeline import services as st
 from proxy.protocol.usage import Usage
-from proxy.server import state as st
 from proxy.server.app import create_app
 from tests.helpers import ALICE_KEY, BOB_KEY, MESSAGES, ServerFactory, make_config, sdk
 

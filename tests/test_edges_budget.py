@@ -23,7 +23,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from proxy.config.load import parse_config
-from proxy.server import state as st
+from proxy.pipeline import services as st
 from proxy.server.app import create_app
 from tests.helpers import (
     ALICE_KEY,

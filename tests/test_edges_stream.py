@@ -26,6 +26,7 @@ from aiohttp.test_utils import TestServer
 from openai.types.chat import ChatCompletionMessageParam
 
 from proxy.config.load import Config, parse_config
+from proxy.pipeline import services as st
 from proxy.protocol import tokenizer
 from proxy.protocol.tap import StreamTap
 from proxy.protocol.translators import (
@@ -37,7 +38,6 @@ from proxy.protocol.translators import (
     Translator,
     parse_body,
 )
-from proxy.server import state as st
 from proxy.server.app import create_app
 from proxy.telemetry.meter import RequestMeter
 from proxy.testing.mock_upstream import (

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from proxy.budget.store import Store
 from proxy.cli import ClientErrorFilter
 from proxy.config.load import Config, parse_config
-from proxy.server import state as pst
+from proxy.pipeline import services as pst
 from proxy.server.app import create_app
 from proxy.telemetry.usage_report import read_usage, today
 from proxy.testing.mock_upstream import MOCK_STATE, MockSettings, create_mock_app

@@ -29,8 +29,8 @@ from aiohttp.test_utils import TestServer
 from proxy.config.ledger import LedgerConfig
 from proxy.ledger.ledger import Ledger
 from proxy.ledger.schema import TABLE
+from proxy.pipeline import services as st
 from proxy.pipeline.relay import REQUEST_ID_HEADER
-from proxy.server import state as st
 from proxy.telemetry.accesslog import AUTH_LOG_EVERY_S, AuthFailureLog
 from proxy.telemetry.metrics import Metrics
 from tests.helpers import (

@@ -21,7 +21,7 @@ from aiohttp.test_utils import TestServer
 from proxy.budget.limits import daily_key
 from proxy.cli import main
 from proxy.config.load import Config
-from proxy.server import state as st
+from proxy.pipeline import services as st
 from proxy.telemetry.usage_report import today
 from tests.helpers import ALICE_KEY, MESSAGES, StackFactory, make_config, until
 

@@ -21,7 +21,7 @@ from aiohttp.test_utils import TestServer
 from proxy.budget.limits import daily_key
 from proxy.budget.spool import Spool
 from proxy.budget.store import Entry, Settlement
-from proxy.server import state as st
+from proxy.pipeline import services as st
 from proxy.telemetry.usage_report import today
 from tests.helpers import (
     ALICE_KEY,

@@ -25,9 +25,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from proxy.config.load import Config
+from proxy.pipeline import services as st
 from proxy.protocol import tokenizer
 from proxy.protocol.translators import HOLD_BYTES, ChatTranslator, parse_body
-from proxy.server import state as st
 from proxy.server.app import create_app
 from tests.helpers import (
     CLIENT_KEY,

@@ -39,8 +39,8 @@ from proxy.ledger.query import LedgerReader, LedgerUnavailable, Location, locate
 from proxy.ledger.reconcile import Reconciliation, Verdict, reconcile, store_view
 from proxy.ledger.row import COLUMNS, LedgerRow
 from proxy.ledger.schema import MIGRATIONS, TABLE
+from proxy.pipeline import services as st
 from proxy.protocol.usage import Usage
-from proxy.server import state as st
 from proxy.server.app import create_app
 from proxy.telemetry.metrics import Metrics
 from tests.helpers import (

@@ -21,7 +21,7 @@ from aiohttp.test_utils import TestServer
 from openai.types.chat import ChatCompletionMessageParam
 
 from proxy.config.load import parse_config
-from proxy.server import state as st
+from proxy.pipeline import services as st
 from proxy.server.app import create_app
 from proxy.testing.mock_upstream import (
     MOCK_STATE,

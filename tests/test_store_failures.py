@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestServer
 
 from proxy.budget.limits import daily_key
 from proxy.config.load import parse_config
-from proxy.server import state as st
+from proxy.pipeline import services as st
 from proxy.server.app import create_app
 from proxy.telemetry.usage_report import read_usage, today
 from tests.helpers import (
