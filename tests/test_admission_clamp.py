@@ -17,10 +17,10 @@ from aiohttp.test_utils import TestServer
 
 from proxy.budget import limits as lim
 from proxy.budget.clamp import Clamp
-from proxy.budget.cost import cost_nanousd
 from proxy.budget.store import USER, Entry, InFlightLimit, MemoryStore
 from proxy.budget.store_redis import RedisStore
 from proxy.config.policy import Price
+from proxy.cost import cost_nanousd
 from proxy.pipeline import services as st
 from proxy.protocol.translators import ChatTranslator, ResponsesTranslator, parse_body
 from proxy.testing.mock_upstream import MOCK_STATE, MockSettings

@@ -15,9 +15,9 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from proxy.budget import limits as lim
-from proxy.budget.cost import cost_nanousd
 from proxy.budget.store import ScopeKind
 from proxy.config.policy import Price
+from proxy.cost import cost_nanousd
 from proxy.pipeline import services as st
 from proxy.server.app import create_app
 from proxy.telemetry.usage_report import read_usage, today

@@ -35,8 +35,8 @@ import yaml
 from aiohttp.test_utils import TestServer
 from anthropic.types import MessageParam
 
-from proxy.budget.cost import cost_nanousd, usage_cost
 from proxy.config.policy import Price
+from proxy.cost import cost_nanousd, usage_cost
 from proxy.errors import ErrorClass
 from proxy.ledger.migrate import migrate_postgres
 from proxy.ledger.row import COLUMNS, LedgerRow

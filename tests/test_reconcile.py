@@ -27,13 +27,13 @@ from prometheus_client import generate_latest
 from proxy.auth import Principal
 from proxy.budget import limits as lim
 from proxy.budget.accounting import Budget, Reservation
-from proxy.budget.cost import cost_nanousd, price_for
 from proxy.budget.notify import Notifier
 from proxy.budget.store import MemoryStore, Store
 from proxy.budget.store_redis import RedisStore
 from proxy.cli import main
 from proxy.config.ledger import LedgerConfig
 from proxy.config.load import Config
+from proxy.cost import cost_nanousd, price_for
 from proxy.ledger.migrate import migrate_sqlite
 from proxy.ledger.query import LedgerReader, LedgerUnavailable, Location, locate, open_reader
 from proxy.ledger.reconcile import Reconciliation, Verdict, reconcile, store_view

@@ -34,7 +34,6 @@ from proxy.auth import Principal
 from proxy.budget import estimate as est
 from proxy.budget import limits as lim
 from proxy.budget.clamp import Clamp, grant, output_rate
-from proxy.budget.cost import price_for, usage_cost
 from proxy.budget.notify import Notifier
 from proxy.budget.refusals import Refusal, Refused, unpriced
 from proxy.budget.spool import REPLAY_DONE_TTL_S, Spool
@@ -49,6 +48,7 @@ from proxy.budget.store import (
 )
 from proxy.budget.store_health import StoreHealth
 from proxy.config.policy import AdmissionPolicy, Policy, Price
+from proxy.cost import price_for, usage_cost
 from proxy.errors import ServiceUnavailable
 from proxy.ids import new_id
 from proxy.protocol.usage import Usage

@@ -16,9 +16,9 @@ from aiohttp import web
 
 from proxy.auth import UserIndex
 from proxy.budget.accounting import Budget
-from proxy.budget.cost import price_for
 from proxy.config.load import Config
 from proxy.config.policy import Price
+from proxy.cost import price_for
 from proxy.ledger.ledger import Ledger
 from proxy.pipeline.watchdog import Watchdog
 from proxy.routing.attempts import LatencyTracker

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
-from proxy.budget.cost import usage_cost
+from proxy.cost import usage_cost
 from proxy.errors import ErrorClass
 from proxy.ledger.ledger import Ledger
 from proxy.ledger.row import LedgerRow

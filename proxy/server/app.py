@@ -20,12 +20,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from proxy.auth import UserIndex, client_key
 from proxy.budget.accounting import Budget
-from proxy.budget.cost import price_version
 from proxy.budget.notify import Notifier
 from proxy.budget.spool import Spool, default_dir
 from proxy.budget.store import Store
 from proxy.budget.store_factory import make_store
 from proxy.config.load import Config, ConfigError
+from proxy.cost import price_version
 from proxy.errors import (
     AuthenticationFailed,
     MethodNotAllowed,

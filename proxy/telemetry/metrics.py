@@ -31,8 +31,8 @@ from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from proxy.budget.cost import cost_lines
 from proxy.config.policy import AdmissionPolicy, Price
+from proxy.cost import cost_lines
 from proxy.protocol.usage import Usage
 
 if TYPE_CHECKING:

@@ -11,11 +11,11 @@ import pytest
 from redis.crc import key_slot
 
 from proxy.budget import limits as lim
-from proxy.budget.cost import cost_nanousd
 from proxy.budget.refusals import Refusal, RefusalKind, render, unpriced, usd
 from proxy.budget.store import Entry, MemoryStore, ScopeKind
 from proxy.budget.store_redis import cluster_url
 from proxy.config.policy import KeyConfig, Limits, Policy, Price, StoreConfig, UserConfig
+from proxy.cost import cost_nanousd
 from tests.helpers import FakeClock
 
 BERLIN = ZoneInfo("Europe/Berlin")
