@@ -25,6 +25,7 @@ from proxy.bench.cli import add_parser as add_bench_parser
 from proxy.bench.cli import run as run_bench
 from proxy.budget.store import StoreError
 from proxy.budget.store_redis import RedisStore
+from proxy.budget.usage_report import UserUsage, read_usage, render, today
 from proxy.config.exposure import exposure_warning
 from proxy.config.ledger import LedgerConfig
 from proxy.config.load import Config, ConfigError, load_config, single_upstream_config
@@ -57,7 +58,6 @@ from proxy.server.workers import (
     watch_supervisor,
 )
 from proxy.telemetry.metrics import Metrics
-from proxy.telemetry.usage_report import UserUsage, read_usage, render, today
 
 log = logging.getLogger("tokenmeter")
 

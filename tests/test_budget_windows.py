@@ -16,11 +16,11 @@ from aiohttp.test_utils import TestServer
 
 from proxy.budget import limits as lim
 from proxy.budget.store import ScopeKind
+from proxy.budget.usage_report import read_usage, today
 from proxy.config.policy import Price
 from proxy.cost import cost_nanousd
 from proxy.pipeline import services as st
 from proxy.server.app import create_app
-from proxy.telemetry.usage_report import read_usage, today
 from proxy.testing.mock_upstream import MOCK_STATE, MockSettings
 from tests.helpers import (
     ALICE_KEY,

@@ -32,11 +32,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy.budget.store import Store
+from proxy.budget.usage_report import read_usage, today
 from proxy.cli import ClientErrorFilter
 from proxy.config.load import Config, parse_config
 from proxy.pipeline import services as pst
 from proxy.server.app import create_app
-from proxy.telemetry.usage_report import read_usage, today
 from proxy.testing.mock_upstream import MOCK_STATE, MockSettings, create_mock_app
 
 T = TypeVar("T")

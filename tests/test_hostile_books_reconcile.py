@@ -19,10 +19,10 @@ import redis.asyncio as aioredis
 from aiohttp.test_utils import TestServer
 
 from proxy.budget.limits import daily_key
+from proxy.budget.usage_report import today
 from proxy.cli import main
 from proxy.config.load import Config
 from proxy.pipeline import services as st
-from proxy.telemetry.usage_report import today
 from tests.helpers import ALICE_KEY, MESSAGES, StackFactory, make_config, until
 
 URL = "/v1/chat/completions"

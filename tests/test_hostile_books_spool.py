@@ -21,8 +21,8 @@ from aiohttp.test_utils import TestServer
 from proxy.budget.limits import daily_key
 from proxy.budget.spool import Spool
 from proxy.budget.store import Entry, Settlement
+from proxy.budget.usage_report import today
 from proxy.pipeline import services as st
-from proxy.telemetry.usage_report import today
 from tests.helpers import (
     ALICE_KEY,
     MESSAGES,

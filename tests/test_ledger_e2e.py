@@ -26,12 +26,12 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from proxy.budget.store_redis import RedisStore
+from proxy.budget.usage_report import read_usage
 from proxy.config.load import Config
 from proxy.ledger.schema import TABLE
 from proxy.pipeline import services as st
 from proxy.pipeline.relay import REQUEST_ID_HEADER
 from proxy.server.app import create_app
-from proxy.telemetry.usage_report import read_usage
 from proxy.testing.mock_upstream import MOCK_STATE, MockSettings, create_mock_app
 from tests.helpers import (
     ALICE_KEY,

@@ -18,11 +18,11 @@ from proxy.budget.limits import daily_key
 from proxy.budget.notify import Notifier
 from proxy.budget.spool import Spool
 from proxy.budget.store import Entry, MemoryStore
+from proxy.budget.usage_report import today
 from proxy.config.load import parse_config
 from proxy.protocol.translators import ChatTranslator, parse_body
 from proxy.protocol.usage import Usage
 from proxy.telemetry.metrics import Metrics
-from proxy.telemetry.usage_report import today
 from tests.helpers import ALICE_KEY, BOB_KEY, MESSAGES, budget_yaml
 from tests.servers import RedisServer, ServedProxy
 

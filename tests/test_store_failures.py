@@ -15,10 +15,10 @@ import redis.asyncio as aioredis
 from aiohttp.test_utils import TestServer
 
 from proxy.budget.limits import daily_key
+from proxy.budget.usage_report import read_usage, today
 from proxy.config.load import parse_config
 from proxy.pipeline import services as st
 from proxy.server.app import create_app
-from proxy.telemetry.usage_report import read_usage, today
 from tests.helpers import (
     ALICE_KEY,
     MESSAGES,
