@@ -24,10 +24,10 @@ import pytest
 from aiohttp.test_utils import TestServer
 from prometheus_client import generate_latest
 
-from proxy.auth import Principal
 from proxy.budget import limits as lim
 from proxy.budget.accounting import Budget, Reservation
 from proxy.budget.notify import Notifier
+from proxy.budget.principal import Principal
 from proxy.budget.store import MemoryStore, Store
 from proxy.budget.store_redis import RedisStore
 from proxy.cli import main

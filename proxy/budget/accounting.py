@@ -30,11 +30,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from proxy.auth import Principal
 from proxy.budget import estimate as est
 from proxy.budget import limits as lim
 from proxy.budget.clamp import Clamp, grant, output_rate
 from proxy.budget.notify import Notifier
+from proxy.budget.principal import Principal
 from proxy.budget.refusals import Refusal, Refused, unpriced
 from proxy.budget.spool import REPLAY_DONE_TTL_S, Spool
 from proxy.budget.store import (

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from proxy.auth import Principal
 from proxy.budget.accounting import Reservation
+from proxy.budget.principal import Principal
 from proxy.errors import ErrorClass
 from proxy.pipeline import counting
 from proxy.pipeline.services import Runtime
