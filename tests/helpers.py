@@ -220,6 +220,27 @@ async def until(
             await asyncio.sleep(every)
 
 
+def settled_count(app: web.Application) -> int:
+    """Requests the app has settled since it started, as its own metrics count them: settle
+    records each in tokenmeter_requests_total as its last step (nothing is awaited after it),
+    or, when it fails, counts the failure (tokenmeter_metering_errors_total{stage="settle"})."""
+    count = 0.0
+    for family in app[st.SERVICES].metrics.registry.collect():
+        for smp in family.samples:
+            if smp.name == "tokenmeter_requests_total" or (
+                    smp.name == "tokenmeter_metering_errors_total"
+                    and smp.labels.get("stage") == "settle"):
+                count += smp.value
+    return int(count)
+
+
+async def settled(app: web.Application, count: int, deadline: float = 10.0) -> None:
+    """Until `count` requests have settled since the app started. A client can be ahead of
+    its request's settle: a stream's last event reaches it before the proxy settles, and a
+    client that left early is gone before the proxy has noticed."""
+    await until(lambda: settled_count(app) >= count, deadline)
+
+
 # --- redis -------------------------------------------------------------------------------------
 
 
@@ -269,7 +290,7 @@ class Stack:  # made by the `stack` and `make_stack` fixtures (conftest.py)
         return c
 
     async def settled(self, count: int) -> None:
-        await self.app[st.SERVICES].settling.wait_for(count)
+        await settled(self.app, count)
 
     async def metrics(self) -> Samples:
         return await scrape(self.proxy)

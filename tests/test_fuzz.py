@@ -38,6 +38,7 @@ from proxy.config.load import Config, parse_config
 from proxy.pipeline import services as pst
 from proxy.server.app import create_app
 from proxy.testing.mock_upstream import MOCK_STATE, MockSettings, create_mock_app
+from tests.helpers import settled, settled_count
 
 T = TypeVar("T")
 KEY = "sk-fuzz-alice-0001"
@@ -125,7 +126,7 @@ users:
         )
         mock = self.mock[MOCK_STATE]
         return Snapshot(
-            settled=self.app[pst.SERVICES].settling.completed,
+            settled=settled_count(self.app),
             upstream_requests=len(mock.requests),
             upstream_usage=mock.reported["prompt_tokens"] + mock.reported["completion_tokens"],
             recorded_reported=int(reported),
@@ -138,7 +139,7 @@ users:
         return self.run(self._snapshot())
 
     def wait_settled(self, count: int) -> None:
-        self.run(asyncio.wait_for(self.app[pst.SERVICES].settling.wait_for(count), 5))
+        self.run(settled(self.app, count, deadline=5))
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from proxy.config.load import Config
-from proxy.pipeline import services as st
 from proxy.protocol import tokenizer
 from proxy.protocol.translators import HOLD_BYTES, ChatTranslator, parse_body
 from proxy.server.app import create_app
@@ -34,6 +33,7 @@ from tests.helpers import (
     ServerFactory,
     config_for,
     make_config,
+    settled,
     timed_client,
     until,
 )
@@ -175,7 +175,7 @@ async def test_a_megabyte_of_spaces_is_counted_not_a_500(
             extra_headers={"x-mock-usage": "off"},
         )
     assert answer.status_code == 200
-    await proxy.app[st.SERVICES].settling.wait_for(1)
+    await settled(proxy.app, 1)
     (line,) = [json.loads(r.getMessage()) for r in caplog.records
                if r.name == "tokenmeter.access"]
     assert line["token_source"] == "estimated"
@@ -312,5 +312,5 @@ async def test_the_prompt_is_counted_once_for_admission_and_settle(
             model="gpt-4o", messages=[{"role": "user", "content": "word " * 3000}],
             extra_headers={"x-mock-usage": "off"},
         )
-    await proxy.app[st.SERVICES].settling.wait_for(1)
+    await settled(proxy.app, 1)
     assert _Counting.counted == 1

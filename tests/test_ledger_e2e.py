@@ -41,6 +41,7 @@ from tests.helpers import (
     make_config,
     sample,
     scrape,
+    settled,
     until,
 )
 from tests.servers import PostgresServer, ServedProxy
@@ -56,7 +57,7 @@ PACED = {"x-mock-tokens-per-second": "400", "x-mock-output-tokens": "200",
 
 
 async def _served(app_server: TestServer, count: int) -> None:
-    await asyncio.wait_for(app_server.app[st.SERVICES].settling.wait_for(count), 30)
+    await settled(app_server.app, count, deadline=30)
 
 
 async def _flush(app_server: TestServer) -> None:

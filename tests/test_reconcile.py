@@ -51,6 +51,7 @@ from tests.helpers import (
     ServerFactory,
     make_config,
     sdk,
+    settled,
     until,
 )
 
@@ -494,8 +495,8 @@ async def test_the_real_proxy_books_agree_with_its_store(
         model="mock-gpt", messages=MESSAGES, stream=True)
     async for _ in stream:
         pass
+    await settled(proxy.app, 4, deadline=30)
     svc = proxy.app[st.SERVICES]
-    await asyncio.wait_for(svc.settling.wait_for(4), 30)
     assert svc.ledger is not None and await svc.ledger.flush(30)
     path = tmp_path / "tm.json"
     path.write_text(config.model_dump_json(exclude_none=True))

@@ -53,28 +53,16 @@ class RuntimeHolder:
 
 
 class Settling:
-    """Settle tasks still running: kept referenced, and awaited at shutdown."""
+    """Settle tasks still running: referenced here so none is collected mid-way, and awaited
+    at shutdown (proxy.server.app's _drain_settling)."""
 
-    __slots__ = ("_changed", "completed", "tasks")
+    __slots__ = ("tasks",)
 
     def __init__(self) -> None:
         self.tasks: set[asyncio.Task[None]] = set()
-        self.completed = 0
-        self._changed: asyncio.Event | None = None
 
     def finished(self, task: asyncio.Task[None]) -> None:
         self.tasks.discard(task)
-        self.completed += 1
-        if self._changed is not None:
-            self._changed.set()
-            self._changed = None
-
-    async def wait_for(self, count: int) -> None:
-        """Until `count` requests have settled since start (tests and shutdown use this)."""
-        while self.completed < count:
-            if self._changed is None:
-                self._changed = asyncio.Event()
-            await self._changed.wait()
 
 
 class HttpClient:
