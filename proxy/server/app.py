@@ -279,7 +279,9 @@ async def _discover_models(app: web.Application) -> AsyncIterator[None]:
     task = asyncio.create_task(discover(router))
     del router
     yield
-    task.cancel()
+    # Awaited, not only cancelled: the discovery has ended before the session it uses closes,
+    # and a failure of it is logged, not left to the loop ("exception never retrieved").
+    await stop_task(task)
 
 
 async def stop_task(task: asyncio.Task[None]) -> None:
@@ -409,7 +411,9 @@ def _watch_ctx(path: Path, workers: int) -> Callable[[web.Application], AsyncIte
         app[st.WATCHER] = watcher
         task = asyncio.create_task(watcher.run())
         yield
-        task.cancel()
+        # Awaited, not only cancelled: the watcher (a reload in flight included) has ended
+        # before the services it installs into shut down, and a failure of it is logged.
+        await stop_task(task)
 
     return ctx
 
