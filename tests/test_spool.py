@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestServer
 from proxy.budget.accounting import Budget
 from proxy.budget.limits import daily_key
 from proxy.budget.notify import Notifier
-from proxy.budget.spool import Spool
+from proxy.budget.spool import SettleSpool
 from proxy.budget.store import Entry, MemoryStore
 from proxy.budget.usage_report import today
 from proxy.config.load import parse_config
@@ -34,7 +34,7 @@ def _entries(amount: int, key: str = f"{SLOT}:u:daily_tokens:20261203") -> tuple
 
 
 def test_an_outage_longer_than_any_count_bound_is_summed_exactly(tmp_path: Path) -> None:
-    spool = Spool(tmp_path)
+    spool = SettleSpool(tmp_path)
     spool.open()
     for i in range(150_000):  # the old in-memory queue dropped everything past 100,000
         spool.add(SLOT, _entries(1 + i % 7), tokens=1 + i % 7, now=1000.0)
@@ -53,7 +53,7 @@ def test_an_outage_longer_than_any_count_bound_is_summed_exactly(tmp_path: Path)
 
 
 def test_a_dead_processes_spool_is_adopted_with_the_same_ids(tmp_path: Path) -> None:
-    dead = Spool(tmp_path)
+    dead = SettleSpool(tmp_path)
     dead.open()
     dead.owe(SLOT, "res-1", _entries(40), tokens=40, now=1000.0)
     dead.add(SLOT, _entries(5), tokens=5, now=1000.0)
@@ -64,7 +64,7 @@ def test_a_dead_processes_spool_is_adopted_with_the_same_ids(tmp_path: Path) -> 
     os.close(dead._fd)
 
     def adopt() -> dict[str, int]:
-        heir = Spool(tmp_path)
+        heir = SettleSpool(tmp_path)
         heir.open()
         owed = {o.res_id: sum(e.amount for e in o.entries(1000.0) if "daily" in e.key)
                 for o in heir.take()}
@@ -79,10 +79,10 @@ def test_a_dead_processes_spool_is_adopted_with_the_same_ids(tmp_path: Path) -> 
 
 
 def test_a_live_processes_spool_is_not_adopted(tmp_path: Path) -> None:
-    live = Spool(tmp_path)
+    live = SettleSpool(tmp_path)
     live.open()
     live.add(SLOT, _entries(5), tokens=5, now=1000.0)
-    other = Spool(tmp_path)
+    other = SettleSpool(tmp_path)
     other.open()
     assert other.pending() == (0, 0)
     assert live.pending() == (1, 5)

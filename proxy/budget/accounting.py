@@ -36,7 +36,7 @@ from proxy.budget.clamp import Clamp, grant, output_rate
 from proxy.budget.notify import Notifier
 from proxy.budget.principal import Principal
 from proxy.budget.refusals import Refusal, Refused, unpriced
-from proxy.budget.spool import REPLAY_DONE_TTL_S, Spool
+from proxy.budget.spool import REPLAY_DONE_TTL_S, SettleSpool
 from proxy.budget.store import (
     Entry,
     ReserveResult,
@@ -88,7 +88,7 @@ class Reservation:
 
 class Budget:
     def __init__(self, store: Store, metrics: Metrics, notifier: Notifier,
-                 clock: Callable[[], float] = time.time, spool: Spool | None = None) -> None:
+                 clock: Callable[[], float] = time.time, spool: SettleSpool | None = None) -> None:
         self.store = store
         self.metrics = metrics
         self.notifier = notifier

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from proxy.auth import UserIndex, client_key
 from proxy.budget.accounting import Budget
 from proxy.budget.notify import Notifier
-from proxy.budget.spool import Spool, default_dir
+from proxy.budget.spool import SettleSpool, default_dir
 from proxy.budget.store import Store
 from proxy.budget.store_factory import make_store
 from proxy.config.load import Config, ConfigError
@@ -446,7 +446,7 @@ def create_app(
     )
     spool_dir = Path(config.store.spool_dir) if config.store.spool_dir else default_dir()
     budget = Budget(store or make_store(config.store, clock), metrics, notifier, clock,
-                    Spool(spool_dir))
+                    SettleSpool(spool_dir))
     app[SERVICES] = Services(
         runtime=holder, metrics=metrics, budget=budget, http=http, latency=LatencyTracker(),
         rng=random.Random(), settling=Settling(), watchdog=Watchdog(),
