@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +62,100 @@ def wait_for_port(port: int, timeout: float = 10.0) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.02)
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """The socket inodes listening on 127.0.0.1:`port` (or any address), from /proc/net/tcp."""
+    found: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    found.add(inode)
+    return found
+
+
+def _holds(pid: int, inodes: set[str]) -> bool:
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                link = os.readlink(fd)
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    return True
+    return False
+
+
+def wait_until_listening(proc: subprocess.Popen[Any], port: int, timeout: float = 30.0) -> None:
+    """`proc` itself listens on `port`: not merely someone (a parallel test's server could have
+    taken a port before the process we started bound it). Raises if it exits first."""
+    deadline = time.monotonic() + timeout
+    while not _holds(proc.pid, _listening_inodes(port)):
+        if proc.poll() is not None:
+            raise RuntimeError(f"the process exited ({proc.returncode}) before it listened "
+                               f"on port {port}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nothing of pid {proc.pid} listens on port {port}")
+        time.sleep(0.02)
+
+
+@dataclass
+class ServedProxy:
+    """`tokenmeter serve` in a process of its own, as deployed: on a free port, its log (stderr)
+    in a file, since a pipe nobody reads until the end would fill up and stall it."""
+
+    config: Path | None
+    log: Path
+    extra: tuple[str, ...] = ()  # more `serve` arguments
+    env: dict[str, str] = field(default_factory=dict)  # added to this process's environment
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> ServedProxy:
+        args = [sys.executable, "-m", "proxy", "serve", "--port", str(self.port), *self.extra]
+        if self.config is not None:
+            args += ["--config", str(self.config)]
+        with self.log.open("ab") as err:
+            self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=err,
+                                         env={**os.environ, **self.env})
+        try:
+            wait_until_listening(self.proc, self.port, timeout)
+        except Exception:
+            self.kill()
+            raise
+        return self
+
+    async def started(self, within_s: float = 30.0) -> ServedProxy:
+        return await asyncio.to_thread(self.start, within_s)
+
+    def send(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    async def stopped(self, sig: int = signal.SIGTERM, within_s: float = 60.0) -> int:
+        """Signalled (SIGTERM: drain and exit) and waited for: its exit code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.send(sig)
+        return await asyncio.to_thread(self.wait, within_s)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
 class RedisServer:

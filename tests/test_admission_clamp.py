@@ -17,13 +17,13 @@ from aiohttp.test_utils import TestServer
 
 from proxy.budget import limits as lim
 from proxy.budget.clamp import Clamp
-from proxy.budget.cost import CostLines
 from proxy.budget.store import USER, Entry, InFlightLimit, MemoryStore
 from proxy.budget.store_redis import RedisStore
 from proxy.config.policy import Price
+from proxy.cost import CostLines
+from proxy.pipeline import services as st
 from proxy.protocol.translators import ChatTranslator, ResponsesTranslator, parse_body
 from proxy.protocol.usage import Usage
-from proxy.server import state as st
 from proxy.testing.mock_upstream import MOCK_STATE, MockSettings
 from tests.helpers import ALICE_KEY, MESSAGES, sample, scrape, sdk
 from tests.helpers import ProxiesFactory as Factory

@@ -24,8 +24,8 @@ from aiohttp.test_utils import TestServer
 from proxy.budget import limits as lim
 from proxy.budget.store import USER, Entry, InFlightLimit, MemoryStore, Store, TopUpResult
 from proxy.budget.store_redis import RedisStore
+from proxy.pipeline import services as st
 from proxy.protocol.translators import ChatTranslator, parse_body
-from proxy.server import state as st
 from proxy.server.app import create_app
 from proxy.testing.mock_upstream import MOCK_STATE, MockSettings
 from tests.helpers import (

@@ -15,13 +15,13 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from proxy.budget import limits as lim
-from proxy.budget.cost import CostLines
 from proxy.budget.store import ScopeKind
+from proxy.budget.usage_report import read_usage, today
 from proxy.config.policy import Price
+from proxy.cost import CostLines
+from proxy.pipeline import services as st
 from proxy.protocol.usage import Usage
-from proxy.server import state as st
 from proxy.server.app import create_app
-from proxy.telemetry.usage_report import read_usage, today
 from proxy.testing.mock_upstream import MOCK_STATE, MockSettings
 from tests.helpers import (
     ALICE_KEY,

@@ -35,16 +35,16 @@ import yaml
 from aiohttp.test_utils import TestServer
 from anthropic.types import MessageParam
 
-from proxy.budget.cost import CostLines
 from proxy.config.policy import Price
+from proxy.cost import CostLines
 from proxy.errors import ErrorClass
 from proxy.ledger.migrate import migrate_postgres
 from proxy.ledger.row import COLUMNS, LedgerRow
 from proxy.ledger.schema import TABLE
+from proxy.pipeline import services as st
 from proxy.protocol.usage import Usage
-from proxy.server import state as st
 from proxy.server.app import create_app
-from tests.helpers import ALICE_KEY, BOB_KEY, MESSAGES, ServerFactory, make_config, sdk
+from tests.helpers import ALICE_KEY, BOB_KEY, MESSAGES, ServerFactory, make_config, sdk, settled
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "grafana" / "dashboards" / "chargeback.json"
@@ -729,8 +729,8 @@ async def test_rows_the_proxy_wrote(
             expected_nanos += CostLines.of(price, used).nanousd
         await client.close()
     assert refusals >= 1, "bob ran out of his quota"
+    await settled(proxy.app, 7, deadline=30)
     services = proxy.app[st.SERVICES]
-    await asyncio.wait_for(services.settling.wait_for(7), 30)
     assert services.ledger is not None
     assert await services.ledger.flush(30), services.ledger.health()
 
@@ -784,8 +784,8 @@ async def test_anthropic_rows_the_proxy_wrote(
         assert u.input_tokens > 0
         # USD per million x 1,000 per token: fresh input, 4 reads, 3 (5-minute) writes, output.
         expected_nanos += u.input_tokens * 3_000 + 4 * 300 + 3 * 3_750 + u.output_tokens * 15_000
+    await settled(proxy.app, 2, deadline=30)
     services = proxy.app[st.SERVICES]
-    await asyncio.wait_for(services.settling.wait_for(2), 30)
     assert services.ledger is not None
     assert await services.ledger.flush(30), services.ledger.health()
     owner = await asyncpg.connect(pg_url)

@@ -24,23 +24,23 @@ import pytest
 from aiohttp.test_utils import TestServer
 from prometheus_client import generate_latest
 
-from proxy.auth import Principal
 from proxy.budget import limits as lim
 from proxy.budget.accounting import Budget, Reservation
-from proxy.budget.cost import CostLines, price_for
 from proxy.budget.notify import Notifier
+from proxy.budget.principal import Principal
 from proxy.budget.store import MemoryStore, Store
 from proxy.budget.store_redis import RedisStore
 from proxy.cli import main
 from proxy.config.ledger import LedgerConfig
 from proxy.config.load import Config
+from proxy.cost import CostLines, price_for
 from proxy.ledger.migrate import migrate_sqlite
 from proxy.ledger.query import LedgerReader, LedgerUnavailable, Location, locate, open_reader
 from proxy.ledger.reconcile import Reconciliation, Verdict, reconcile, store_view
 from proxy.ledger.row import COLUMNS, LedgerRow
 from proxy.ledger.schema import MIGRATIONS, TABLE
+from proxy.pipeline import services as st
 from proxy.protocol.usage import Usage
-from proxy.server import state as st
 from proxy.server.app import create_app
 from proxy.telemetry.metrics import Metrics
 from tests.helpers import (
@@ -51,6 +51,7 @@ from tests.helpers import (
     ServerFactory,
     make_config,
     sdk,
+    settled,
     until,
 )
 
@@ -495,8 +496,8 @@ async def test_the_real_proxy_books_agree_with_its_store(
         model="mock-gpt", messages=MESSAGES, stream=True)
     async for _ in stream:
         pass
+    await settled(proxy.app, 4, deadline=30)
     svc = proxy.app[st.SERVICES]
-    await asyncio.wait_for(svc.settling.wait_for(4), 30)
     assert svc.ledger is not None and await svc.ledger.flush(30)
     path = tmp_path / "tm.json"
     path.write_text(config.model_dump_json(exclude_none=True))

@@ -22,10 +22,10 @@ from redis.crc import key_slot
 from proxy.budget import limits as lim
 from proxy.budget.store import Entry, InFlightLimit, ScopeKind, StoreError
 from proxy.budget.store_redis import RedisStore
+from proxy.budget.usage_report import read_usage, today
 from proxy.config.policy import KeyConfig, Policy, Price
-from proxy.server import state as st
+from proxy.pipeline import services as st
 from proxy.server.app import create_app
-from proxy.telemetry.usage_report import read_usage, today
 from proxy.testing.mock_upstream import MockSettings
 from tests.helpers import (
     ALICE_KEY,

@@ -29,9 +29,9 @@ from aiohttp.test_utils import TestServer
 from prometheus_client.mmap_dict import MmapedDict
 
 from proxy.budget import limits as lim
-from proxy.budget.cost import CostLines
 from proxy.config.load import Config, parse_config
 from proxy.config.policy import Policy, Price
+from proxy.cost import CostLines
 from proxy.protocol.usage import Usage
 from proxy.server.workers import budget_sharing_problem, configured_limits, parse_workers
 from proxy.testing.mock_upstream import MockSettings

@@ -30,14 +30,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from proxy.auth import Principal
 from proxy.budget import estimate as est
 from proxy.budget import limits as lim
 from proxy.budget.clamp import Clamp, grant, output_rate
-from proxy.budget.cost import CostLines, price_for
 from proxy.budget.notify import Notifier
+from proxy.budget.principal import Principal
 from proxy.budget.refusals import Refusal, Refused, unpriced
-from proxy.budget.spool import REPLAY_DONE_TTL_S, Spool
+from proxy.budget.spool import REPLAY_DONE_TTL_S, SettleSpool
 from proxy.budget.store import (
     Entry,
     ReserveResult,
@@ -49,6 +48,7 @@ from proxy.budget.store import (
 )
 from proxy.budget.store_health import StoreHealth
 from proxy.config.policy import AdmissionPolicy, Policy, Price
+from proxy.cost import CostLines, price_for
 from proxy.errors import ServiceUnavailable
 from proxy.ids import new_id
 from proxy.protocol.usage import Usage
@@ -88,7 +88,7 @@ class Reservation:
 
 class Budget:
     def __init__(self, store: Store, metrics: Metrics, notifier: Notifier,
-                 clock: Callable[[], float] = time.time, spool: Spool | None = None) -> None:
+                 clock: Callable[[], float] = time.time, spool: SettleSpool | None = None) -> None:
         self.store = store
         self.metrics = metrics
         self.notifier = notifier

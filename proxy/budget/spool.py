@@ -91,7 +91,10 @@ def default_dir() -> Path:
     return Path(base) / "tokenmeter"
 
 
-class Spool:
+class SettleSpool:
+    """The budget's spool: settlements and usage the store could not take yet (not the
+    ledger's rows: that is proxy.ledger.spool.RowSpool)."""
+
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._id = uuid.uuid4().hex[:16]

@@ -23,14 +23,14 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from proxy.auth import Principal
 from proxy.budget.accounting import Reservation
+from proxy.budget.principal import Principal
 from proxy.errors import ErrorClass
 from proxy.pipeline import counting
+from proxy.pipeline.services import Runtime
 from proxy.protocol.translators import ParsedRequest, Translator
 from proxy.protocol.usage import ZERO, Usage
 from proxy.routing.upstream import Route
-from proxy.server.state import Runtime
 from proxy.telemetry.meter import RequestMeter
 
 # A request whose client left: it cannot have read an answer, whatever the upstream did.

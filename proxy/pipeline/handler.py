@@ -42,14 +42,13 @@ from proxy.ids import new_id
 from proxy.pipeline import counting
 from proxy.pipeline.context import Attempt, Candidacy, Outcome, RequestContext
 from proxy.pipeline.relay import REQUEST_ID_HEADER, client_gone, relay
+from proxy.pipeline.services import BODY_TIMED_OUT, SERVICES, Services
 from proxy.pipeline.settle import settle
 from proxy.protocol import upstream_errors
 from proxy.protocol.translators import ParsedRequest, Translator, parse_body
 from proxy.routing import attempts
 from proxy.routing.exceptions_map import Phase, map_upstream_exceptions
 from proxy.routing.upstream import Upstream, upstream_request_headers
-from proxy.server.listener import BODY_TIMED_OUT
-from proxy.server.state import SERVICES, Services
 from proxy.telemetry.meter import RequestMeter
 
 log = logging.getLogger("tokenmeter.relay")

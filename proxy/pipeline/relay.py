@@ -26,6 +26,7 @@ from proxy.errors import (
     stream_error_event,
 )
 from proxy.pipeline.context import Attempt, Outcome
+from proxy.pipeline.services import Services
 from proxy.pipeline.topup import StoreFailed, TopUps
 from proxy.pipeline.watchdog import Watch
 from proxy.protocol.sse import events_at_most
@@ -33,7 +34,6 @@ from proxy.protocol.tap import StreamTap
 from proxy.protocol.translators import Translator
 from proxy.routing.exceptions_map import Phase, map_upstream_exceptions
 from proxy.routing.upstream import client_response_headers
-from proxy.server.state import Services
 from proxy.telemetry.meter import RequestMeter
 from proxy.telemetry.metrics import MeteringStage
 

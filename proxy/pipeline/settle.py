@@ -16,14 +16,14 @@ from __future__ import annotations
 import logging
 import time
 
-from proxy.budget.cost import CostLines
 from proxy.config.policy import Price
+from proxy.cost import CostLines
 from proxy.errors import ErrorClass
 from proxy.ledger.ledger import Ledger
 from proxy.ledger.row import LedgerRow
 from proxy.pipeline.context import Settlement
+from proxy.pipeline.services import Runtime, Services
 from proxy.protocol.usage import Usage
-from proxy.server.state import Runtime, Services
 from proxy.telemetry.accesslog import log_request
 from proxy.telemetry.metrics import MeteringStage, Metrics, RequestRecord
 

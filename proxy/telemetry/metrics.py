@@ -31,8 +31,8 @@ from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from proxy.budget.cost import CostLines
 from proxy.config.policy import AdmissionPolicy
+from proxy.cost import CostLines
 from proxy.errors import ErrorClass
 from proxy.protocol.usage import Usage
 

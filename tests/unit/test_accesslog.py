@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.budget.cost import CostLines
 from proxy.config.policy import Price
+from proxy.cost import CostLines
 from proxy.errors import ErrorClass
 from proxy.ledger.row import LedgerRow
 from proxy.protocol.usage import Usage

@@ -19,10 +19,10 @@ from proxy.budget.clamp import (
     resolve,
     room_for_output,
 )
-from proxy.budget.cost import CostLines
 from proxy.budget.limits import reserve_cost
 from proxy.budget.store import USER, Entry, InFlightLimit, MemoryStore
 from proxy.config.policy import Admission, AdmissionPolicy, Policy, Price, hash_key
+from proxy.cost import CostLines
 from proxy.protocol.usage import Usage
 
 CLAMP = AdmissionPolicy.CLAMP

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 
-from proxy.auth import Principal
 from proxy.budget.accounting import Budget
 from proxy.budget.limits import unlimited
 from proxy.budget.notify import Notifier
+from proxy.budget.principal import Principal
 from proxy.budget.store import MemoryStore
 from proxy.config.load import Config
 from proxy.errors import ErrorClass

@@ -1,4 +1,4 @@
-"""What a request costs (proxy.budget.cost), to the nano-dollar: cache reads and writes each at
+"""What a request costs (proxy.cost), to the nano-dollar: cache reads and writes each at
 their own price, each prompt token billed once, and a worst case no real usage can pass."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import hashlib
 import json
 import random
 
-from proxy.budget.cost import CostLines, price_version, worst_case_nanousd
 from proxy.budget.limits import reserve_cost
 from proxy.config.policy import Price
+from proxy.cost import CostLines, price_version, worst_case_nanousd
 from proxy.protocol.usage import Usage
 
 # Claude Sonnet 4's list prices (USD per million tokens).

@@ -11,11 +11,11 @@ import pytest
 from redis.crc import key_slot
 
 from proxy.budget import limits as lim
-from proxy.budget.cost import CostLines
 from proxy.budget.refusals import Refusal, RefusalKind, render, unpriced, usd
 from proxy.budget.store import Entry, MemoryStore, ScopeKind
 from proxy.budget.store_redis import cluster_url
 from proxy.config.policy import KeyConfig, Limits, Policy, Price, StoreConfig, UserConfig
+from proxy.cost import CostLines
 from proxy.protocol.usage import Usage
 from tests.helpers import FakeClock
 

@@ -2,6 +2,8 @@
 
 Costs are whole nano-dollars (1e-9 USD): budgets count them in the store's integer counters and
 the ledger sums them exactly; prices are USD per million tokens, so a token at $0.075/M is 75.
+A layer of its own, below telemetry and the budget: the cost metric and the budget's windows
+price usage alike (docs/architecture.md).
 """
 
 from __future__ import annotations
