@@ -121,7 +121,7 @@ class RequestRecord:
     usage: Usage
     figures: Figures
     fallback_from: str | None  # the model asked for, when a fallback served instead
-    response_model: str | None  # the model the upstream's answer names (logged only)
+    response_model: str | None  # the model the upstream's answer names (logged and booked)
     attempts: int  # upstream calls made: retries and fallbacks included
     cost: CostLines | None  # None: the model has no price
     price_version: str | None  # of the price table that priced `cost`
