@@ -39,7 +39,7 @@ async def test_history_keeps_the_last_samples() -> None:
     for n in range(est.SAMPLES + 5):
         await store.record_output("k", n, est.SAMPLES, 60)
     held = await store.output_samples("k")
-    assert held == tuple(range(5, est.SAMPLES + 5))
+    assert sorted(held) == list(range(5, est.SAMPLES + 5))  # a ring: in no order
     assert await store.output_samples("other") == ()
 
 
