@@ -11,10 +11,16 @@ poll until it has passed.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import pytest
+import redis
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from proxy.budget.clamp import Clamp
 from proxy.budget.store import (
@@ -34,6 +40,7 @@ from proxy.budget.store_redis import RedisStore
 from tests.helpers import FakeClock, until
 from tests.servers import Cluster
 
+T = TypeVar("T")
 START = 1_800_000_000.0
 SLOT = "tm:{alice}"
 DAY = f"{SLOT}:u:daily_tokens:20270115"
@@ -274,3 +281,122 @@ async def test_a_thousand_settled_requests_leave_their_counters_alone(subject: S
 
 def _ok(used: tuple[int, ...]) -> ReserveResult:
     return ReserveResult(True, used)
+
+
+# --- one random sequence, two stores, step by step ------------------------------------------------
+
+SLOTS = ("tm:{alice}", "tm:{t:platform}")
+LONG = 86_400  # TTLs the machine's clock never reaches: Redis expires keys by its own clock
+IDS = st.sampled_from([f"r{i}" for i in range(6)])
+WINDOWS = ("u:daily_tokens:1", "u:daily_output:1", "k.ci:weekly_tokens:1")
+limits = st.one_of(st.none(), st.integers(0, 150))
+
+
+@st.composite
+def plans(draw: st.DrawFn) -> tuple[str, list[Entry], Clamp | None]:
+    """A slot, entries in it and, sometimes, a clamp whose requested output they reserve."""
+    slot = draw(st.sampled_from(SLOTS))
+    windows = draw(st.lists(st.sampled_from(WINDOWS), max_size=3, unique=True))
+    bases = [draw(st.integers(0, 20)) for _ in windows]
+    rates = [draw(st.integers(0, 3)) for _ in windows]
+    requested = draw(st.integers(1, 30))
+    entries = [Entry(f"{slot}:{w}", draw(limits), b + r * requested, LONG)
+               for w, b, r in zip(windows, bases, rates, strict=True)]
+    clamp = None
+    if draw(st.booleans()):
+        clamp = Clamp(requested, draw(st.integers(0, requested)), tuple(bases), tuple(rates))
+    return slot, entries, clamp
+
+
+@st.composite
+def usages(draw: st.DrawFn) -> tuple[str, list[Entry]]:
+    slot = draw(st.sampled_from(SLOTS))
+    windows = draw(st.lists(st.sampled_from(WINDOWS), max_size=3, unique=True))
+    return slot, [Entry(f"{slot}:{w}", draw(limits), draw(st.integers(0, 40)), LONG)
+                  for w in windows]
+
+
+in_flights = st.builds(
+    lambda user, key, with_key: [InFlightLimit(USER, user)] + (
+        [InFlightLimit(CI, key)] if with_key else []),
+    st.one_of(st.none(), st.integers(1, 3)), st.one_of(st.none(), st.integers(1, 2)),
+    st.booleans())
+leases = st.sampled_from([0.25, 1.0, 5.0, 30.0])
+
+
+class SideBySide(RuleBasedStateMachine):
+    """The in-process store and a Redis store, one clock, the same calls: the same answers."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        with redis.Redis.from_url(url) as r:
+            r.flushall()
+        self.loop = asyncio.new_event_loop()
+        self.clock = FakeClock(START)
+        self.stores: tuple[Store, Store] = (MemoryStore(self.clock),
+                                            RedisStore(url, 5_000, self.clock))
+
+    def both(self, call: Callable[[Store], Awaitable[T]]) -> T:
+        memory, in_redis = (self.loop.run_until_complete(call(s)) for s in self.stores)
+        assert memory == in_redis
+        return memory
+
+    @rule(plan=plans(), res_id=IDS, in_flight=in_flights, lease_s=leases)
+    def reserve(self, plan: tuple[str, list[Entry], Clamp | None], res_id: str,
+                in_flight: list[InFlightLimit], lease_s: float) -> None:
+        slot, entries, clamp = plan
+        self.both(lambda s: s.reserve(slot, res_id, entries, in_flight, lease_s, clamp))
+
+    @rule(usage=usages(), res_id=IDS)
+    def settle(self, usage: tuple[str, list[Entry]], res_id: str) -> None:
+        slot, entries = usage
+        self.both(lambda s: s.settle(slot, res_id, entries))
+
+    @rule(usage=usages(), batch=st.one_of(IDS, st.sampled_from(["b0", "b1"])))
+    def add_once(self, usage: tuple[str, list[Entry]], batch: str) -> None:
+        slot, entries = usage
+        self.both(lambda s: s.add_once(slot, batch, entries, LONG))
+
+    @rule(usage=usages(), res_id=IDS, step=st.integers(1, 20), minimum=st.integers(0, 20))
+    def top_up(self, usage: tuple[str, list[Entry]], res_id: str, step: int,
+               minimum: int) -> None:
+        slot, entries = usage
+        per_token = [Entry(e.key, e.limit, e.amount % 3, e.ttl_s) for e in entries]
+        self.both(lambda s: s.top_up(slot, res_id, per_token, step, min(minimum, step)))
+
+    @rule(slot=st.sampled_from(SLOTS), res_ids=st.lists(IDS, max_size=3), lease_s=leases)
+    def renew(self, slot: str, res_ids: list[str], lease_s: float) -> None:
+        self.both(lambda s: s.renew(slot, res_ids, lease_s))
+
+    @rule(model=st.sampled_from(["a", "b"]), tokens=st.integers(0, 99),
+          keep=st.sampled_from([2, 3]))
+    def record_output(self, model: str, tokens: int, keep: int) -> None:
+        key = f"{SLOTS[0]}:est:{model}"
+        self.both(lambda s: s.record_output(key, tokens, keep, LONG))
+        self.both(lambda s: s.output_samples(key))
+
+    @rule(name=st.sampled_from(["n1", "n2"]))
+    def mark_once(self, name: str) -> None:
+        self.both(lambda s: s.mark_once(f"{SLOTS[1]}:{name}", LONG))
+
+    @rule(quarters=st.integers(1, 160))
+    def advance(self, quarters: int) -> None:
+        self.clock.now += quarters / 4
+
+    @invariant()
+    def same_state(self) -> None:
+        for slot in SLOTS:
+            keys = [f"{slot}:{w}" for w in WINDOWS]
+            self.both(lambda s, slot=slot, keys=keys: s.snapshot(slot, keys))
+            self.both(lambda s, slot=slot: s.leases(slot))
+
+    def teardown(self) -> None:
+        for s in self.stores:
+            self.loop.run_until_complete(s.close())
+        self.loop.close()
+
+
+def test_the_stores_answer_alike_step_by_step(redis_url: str) -> None:
+    run_state_machine_as_test(lambda: SideBySide(redis_url), settings=settings(
+        max_examples=40, stateful_step_count=25, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow]))
