@@ -12,6 +12,7 @@ poll until it has passed.
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -33,6 +34,7 @@ from proxy.budget.store import (
     ReserveResult,
     Scope,
     ScopeKind,
+    Snapshot,
     Store,
     TopUpResult,
 )
@@ -218,6 +220,60 @@ async def test_a_reaped_reservation_gives_its_top_ups_back(subject: Subject) -> 
     assert (await s.reserve(SLOT, "r2", [Entry(DAY, 5_000, 10, 600)], ANY, 2)).used == (10,)
 
 
+async def test_requests_share_a_remainder_first_come_first_served(subject: Subject) -> None:
+    s = subject.store
+    clamp = Clamp(1_500, 256, (10,), (1,))
+    entry = [Entry(DAY, 5_000, 1_510, 60)]
+    got = [await s.reserve(SLOT, f"r{i}", entry, ANY, 30, clamp) for i in range(6)]
+    assert [r.ok for r in got] == [True, True, True, True, False, False]
+    assert [r.granted for r in got[:4]] == [1_500, 1_500, 1_500, 460]
+    assert got[3].used == (5_000,)
+    assert got[4].refused_entry == 0 and got[4].used == (5_000,)
+    # A settlement below the grant gives room back: the next request takes it.
+    await s.settle(SLOT, "r0", [Entry(DAY, 5_000, 1_000, 60)])
+    again = await s.reserve(SLOT, "r9", entry, ANY, 30, clamp)
+    assert again.ok and again.granted == 500
+
+
+async def test_the_stores_clamp_alike_on_windows_of_every_size(redis_url: str) -> None:
+    """Grant by grant on random windows of every measure, up to cost windows' nano-dollars
+    (the Lua division of integers held in doubles; the arithmetic itself:
+    tests/unit/test_clamp.py)."""
+    rng = random.Random(7)
+    stores: tuple[Store, Store] = (MemoryStore(), RedisStore(redis_url, 5000))
+    seen: set[str] = set()
+    try:
+        for case in range(150):
+            n = rng.randint(1, 4)
+            limits = [rng.choice([None, rng.randint(0, 60_000)]) for _ in range(n)]
+            prior = [rng.randint(0, 40_000) for _ in range(n)]
+            bases = tuple(rng.choice([0, 1, rng.randint(1, 3000)]) for _ in range(n))
+            rates = tuple(rng.choice([0, 1, rng.randint(1, 20_000)]) for _ in range(n))
+            requested = rng.randint(1, 40_000)
+            clamp = Clamp(requested, rng.randint(1, requested), bases, rates)
+            slot = f"tm:{{c{case}}}"
+            keys = [f"{slot}:w{i}" for i in range(n)]
+            worst = [b + r * requested for b, r in zip(bases, rates, strict=True)]
+            entries = [Entry(k, limit, w, 600) for k, limit, w in zip(keys, limits, worst,
+                                                                      strict=True)]
+            results = []
+            for store in stores:
+                # What is used already, added under an id of its own.
+                await store.add_once(slot, "prior", [Entry(k, None, u, 600)
+                                                   for k, u in zip(keys, prior, strict=True)])
+                results.append(await store.reserve(slot, "r", entries, ANY, 30, clamp))
+            assert results[0] == results[1], (case, limits, prior, clamp)
+            seen.add("refused" if not results[0].ok
+                     else "whole" if results[0].granted == requested else "clamped")
+            if results[0].ok:
+                for u, limit in zip(results[0].used, limits, strict=True):
+                    assert limit is None or u <= limit
+        assert seen == {"refused", "whole", "clamped"}
+    finally:
+        for store in stores:
+            await store.close()
+
+
 # --- additions, markers, histories ---------------------------------------------------------------
 
 async def test_an_addition_is_applied_once_and_replaces_a_reservation_under_its_id(
@@ -386,9 +442,7 @@ class SideBySide(RuleBasedStateMachine):
     @invariant()
     def same_state(self) -> None:
         for slot in SLOTS:
-            keys = [f"{slot}:{w}" for w in WINDOWS]
-            self.both(lambda s, slot=slot, keys=keys: s.snapshot(slot, keys))
-            self.both(lambda s, slot=slot: s.leases(slot))
+            self.both(_state_of(slot))
 
     def teardown(self) -> None:
         for s in self.stores:
@@ -396,7 +450,18 @@ class SideBySide(RuleBasedStateMachine):
         self.loop.close()
 
 
+def _state_of(slot: str) -> Callable[[Store], Awaitable[tuple[Snapshot, dict[str, float]]]]:
+    async def state(s: Store) -> tuple[Snapshot, dict[str, float]]:
+        return await s.snapshot(slot, [f"{slot}:{w}" for w in WINDOWS]), await s.leases(slot)
+
+    return state
+
+
 def test_the_stores_answer_alike_step_by_step(redis_url: str) -> None:
-    run_state_machine_as_test(lambda: SideBySide(redis_url), settings=settings(
+    class OnThisServer(SideBySide):
+        def __init__(self) -> None:
+            super().__init__(redis_url)
+
+    run_state_machine_as_test(OnThisServer, settings=settings(
         max_examples=40, stateful_step_count=25, deadline=None,
         suppress_health_check=[HealthCheck.too_slow]))
