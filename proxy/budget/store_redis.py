@@ -1,4 +1,5 @@
-"""The Redis store: each operation is one Lua script call, atomic across all replicas.
+"""The Redis store: each operation is one Lua script call (proxy/budget/lua), atomic across all
+replicas. `MemoryStore` keeps the same structures under the same names, with the same TTLs.
 
 Layout per slot (all keys share its hash tag, so Redis Cluster keeps them in one hash slot; the
 slot is the user's, `{alice}`, or for a team's users the team's, `{t:platform}`):
@@ -7,15 +8,20 @@ slot is the user's, `{alice}`, or for a team's users the team's, `{t:platform}`)
   prefix:{alice}:inflight:k.<key>  ZSET  the same, for a key with its own concurrency limit
   prefix:{alice}:sets            HASH  reservation id -> the other in-flight sets holding it
   prefix:{alice}:reaped          ZSET  reservation id -> when it was reaped (ms): a tombstone, so
-                                 its late settle adds its usage outright, once (kept 9 days)
+                                 its late settle adds its usage outright, once, if it is
+                                 younger than `REAPED_TTL_S` (9 days; the ZSET goes that long
+                                 after its last reap)
   prefix:{alice}:done:<id>       STRING marker of an addition without a reservation (a batch
                                  owed while the store was down), so it is applied once
   prefix:{alice}:<scope>:<window>:<stamp>   counters, each with its own TTL
 In a team's slot the first set holds the whole team's reservations, the users' own sets are
 `inflight:<user>:u` and `inflight:<user>:k.<key>`, and the counters are
 `prefix:{t:platform}:<user>:<scope>:<window>:<stamp>` and `prefix:{t:platform}:t.platform:...`
-(see proxy.budget.limits). The reap step touches counters named in reservation records rather
-than in KEYS; they carry the same hash tag, so they are in the slot the script runs on.
+(see proxy.budget.limits). The in-flight sets and records expire `HELD_TTL_S` after the slot's
+last reserve. Leases and tombstones are judged by Redis's clock (`TIME`), one for every replica,
+unless the store is given a clock of its own. The reap step touches counters named in
+reservation records rather than in KEYS; they carry the same hash tag, so they are in the slot
+the script runs on.
 
 Redis Cluster: `redis+cluster://host:port` (or `rediss+cluster://`) makes the client a
 `RedisCluster`, which sends each script call to the node of its keys' slot (and loads scripts
