@@ -12,6 +12,7 @@ poll until it has passed.
 from __future__ import annotations
 
 import asyncio
+import enum
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -52,17 +53,23 @@ ANY = [InFlightLimit(USER, None)]
 CI = Scope(ScopeKind.KEY, "ci")
 
 
-@dataclass
+class Kind(enum.Enum):
+    MEMORY = "memory"
+    REDIS = "redis"  # one redis-server
+    CLUSTER = "cluster"  # three primaries
+
+
+@dataclass(frozen=True)
 class Subject:
     store: Store
     clock: FakeClock
-    kind: str
+    kind: Kind
 
     async def expired(self, probe: Callable[[], Awaitable[object]], expected: object) -> None:
         """After TTLs of a second: the in-process store's clock is moved past them; Redis
         drops keys by its own clock, so poll until it has."""
         self.clock.now += 2
-        if self.kind == "memory":
+        if self.kind is Kind.MEMORY:
             assert await probe() == expected
             return
 
@@ -75,13 +82,13 @@ class Subject:
         return (await self.store.snapshot(SLOT, [])).size
 
 
-@pytest.fixture(params=["memory", "redis", "cluster"])
+@pytest.fixture(params=list(Kind), ids=lambda kind: kind.value)
 async def subject(request: pytest.FixtureRequest) -> AsyncIterator[Subject]:
     clock = FakeClock(START)
     store: Store
-    if request.param == "memory":
+    if request.param is Kind.MEMORY:
         store = MemoryStore(clock)
-    elif request.param == "redis":
+    elif request.param is Kind.REDIS:
         store = RedisStore(request.getfixturevalue("redis_url"), 5_000, clock)
     else:
         cluster: Cluster = request.getfixturevalue("redis_cluster")
