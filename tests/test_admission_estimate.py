@@ -22,7 +22,6 @@ import redis.asyncio as aioredis
 from aiohttp.test_utils import TestServer
 
 from proxy.budget import limits as lim
-from proxy.budget.store import USER, Entry, InFlightLimit, MemoryStore, Store, TopUpResult
 from proxy.budget.store_redis import RedisStore
 from proxy.pipeline import services as st
 from proxy.protocol.translators import ChatTranslator, parse_body
@@ -207,42 +206,6 @@ async def test_a_teams_monthly_window_ends_a_topped_up_stream(
 
     await until(team_used)
     await client.close()
-
-
-async def test_redis_top_up_and_history_match_the_memory_store(redis_url: str) -> None:
-    """The TOPUP and RECORD scripts against the in-process store, case by case."""
-    redis = RedisStore(redis_url, 5000)
-    slot = "tm:{alice}"
-    day, out = f"{slot}:day", f"{slot}:out"
-    try:
-        for store in (MemoryStore(), redis):
-            answers = await _top_up_cases(store, slot, day, out)
-            assert answers == [
-                TopUpResult(500), (1_600, 1_500), TopUpResult(400),
-                TopUpResult(0, refused_entry=0), (2_000, 1_900), (1_300, 1_200),
-                TopUpResult(0, gone=True),
-            ], store
-            for n in range(40):
-                await store.record_output(f"{slot}:est", n, 32, 60)
-            assert sorted(await store.output_samples(f"{slot}:est")) == list(range(8, 40))
-    finally:
-        await redis.close()
-
-
-async def _top_up_cases(store: Store, slot: str, day: str, out: str) -> list[object]:
-    flight = [InFlightLimit(USER, None)]
-    assert (await store.reserve(slot, "r1", [Entry(day, 2_000, 1_100, 60),
-                                             Entry(out, None, 1_000, 60)], flight, 30.0)).ok
-    per_token = [Entry(day, 2_000, 1, 60), Entry(out, None, 1, 60)]
-    answers: list[object] = [await store.top_up(slot, "r1", per_token, 500, 1),
-                             await store.read([day, out])]
-    answers.append(await store.top_up(slot, "r1", per_token, 500, 1))
-    answers.append(await store.top_up(slot, "r1", per_token, 500, 1))
-    answers.append(await store.read([day, out]))
-    await store.settle(slot, "r1", [Entry(day, 2_000, 1_300, 60), Entry(out, None, 1_200, 60)])
-    answers.append(await store.read([day, out]))
-    answers.append(await store.top_up(slot, "r1", per_token, 500, 1))
-    return answers
 
 
 async def test_race_for_the_last_tokens(make_proxies: Factory, store_url: str) -> None:

@@ -36,7 +36,7 @@ from proxy.config.load import Config
 from proxy.cost import CostLines, price_for
 from proxy.ledger.migrate import migrate_sqlite
 from proxy.ledger.query import LedgerReader, LedgerUnavailable, Location, locate, open_reader
-from proxy.ledger.reconcile import Reconciliation, Verdict, reconcile, store_view
+from proxy.ledger.reconcile import Reconciliation, Verdict, reconcile
 from proxy.ledger.row import COLUMNS, LedgerRow
 from proxy.ledger.schema import MIGRATIONS, TABLE
 from proxy.pipeline import services as st
@@ -205,7 +205,7 @@ class World:
     async def reconcile(self, day: date | None = None,
                         earlier: Reconciliation | None = None) -> Reconciliation:
         async with await open_reader(self.location) as reader:
-            return await reconcile(self.config, store_view(self.budget.store), reader,
+            return await reconcile(self.config, self.budget.store, reader,
                                    day or self.today, earlier)
 
     @property

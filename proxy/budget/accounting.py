@@ -41,7 +41,7 @@ from proxy.budget.store import (
     Entry,
     ReserveResult,
     ScopeKind,
-    Settlement,
+    SettleKind,
     Store,
     StoreError,
     TopUpResult,
@@ -375,12 +375,12 @@ class Budget:
     async def _settle(self, reservation: Reservation, entries: tuple[Entry, ...],
                       tokens: int) -> None:
         plan = reservation.plan
-        kind = Settlement.RESERVED if reservation.stored else Settlement.ADDITION
+        kind = SettleKind.RESERVED if reservation.stored else SettleKind.ADDITION
         charge = Charge(plan.slot, reservation.res_id, entries, tokens, kind,
                         reservation.user, _notice_window(plan), plan.windows)
         if not self.health.up:
             self.health.skipped("spooled")
-            self._spool(charge, per_id=kind is Settlement.RESERVED)
+            self._spool(charge, per_id=kind is SettleKind.RESERVED)
             return
         with contextlib.suppress(StoreError):  # spooled by _apply
             await self._apply(charge)
@@ -388,7 +388,7 @@ class Budget:
     def _settle_later(self, plan: lim.Plan, res_id: str, entries: tuple[Entry, ...],
                       tokens: int) -> None:
         """A settlement off the request's path (a release after an abandoned reserve)."""
-        charge = Charge(plan.slot, res_id, entries, tokens, Settlement.RESERVED, "", None, None)
+        charge = Charge(plan.slot, res_id, entries, tokens, SettleKind.RESERVED, "", None, None)
         if not self.health.up:
             self._spool(charge, per_id=True)
             return
@@ -408,7 +408,7 @@ class Budget:
         replay must be recognised; unless it came from the spool) and raises."""
         started = time.perf_counter()
         try:
-            if charge.kind is Settlement.RESERVED:
+            if charge.kind is SettleKind.RESERVED:
                 used = await self.store.settle(charge.slot, charge.res_id, charge.entries)
             else:
                 used = await self.store.add_once(charge.slot, charge.res_id, charge.entries,
@@ -555,7 +555,7 @@ class Charge:
     res_id: str
     entries: tuple[Entry, ...]
     tokens: int
-    kind: Settlement  # replaces a reservation the store granted, or adds usage without one
+    kind: SettleKind  # replaces a reservation the store granted, or adds usage without one
     user: str
     notice: lim.Window | None  # the user's limited daily quota, for threshold notices
     windows: tuple[lim.Window, ...] | None  # parallel to entries, for the gauges
