@@ -43,7 +43,7 @@ from proxy.telemetry.metrics import Metrics
 TARGET_ROWS_S = 5000.0
 _TEMPLATE = LedgerRow(
     request_id="", started_at=1_796_000_000.0, ended_at=1_796_000_001.25, replica="bench-1",
-    user_name="alice", key_name="ci", team="platform", operation="chat.completions",
+    user_name="alice", key_name="ci", team="platform", operation="chat",
     requested_model="gpt-4o-mini", model="gpt-4o-mini", response_model="gpt-4o-mini-2024-07-18",
     upstream="openai", fallback_from=None, attempts=1, status=200, error_class="none",
     stream=True, input_tokens=1234, output_tokens=256, cached_input_tokens=1024,

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 from aiohttp import web
 
-from proxy.budget.clamp import WORST_CASE, AdmissionRule, resolve
+from proxy.budget.clamp import resolve
 from proxy.budget.limits import EffectiveLimits, limits_for, unlimited
+from proxy.budget.principal import Principal
 from proxy.config.policy import KeyConfig, Policy
 from proxy.errors import AuthenticationFailed
 
@@ -16,19 +16,6 @@ DEFAULT_USER = "default"
 # A key's own limits: a key that sets any is counted on counters of its own too.
 _KEY_LIMITS = tuple(f for f in KeyConfig.model_fields if f not in ("key", "name", "admission"))
 PASSTHROUGH_LABEL_LIMIT = 1000
-
-
-@dataclass(frozen=True, slots=True)
-class Principal:
-    user: str
-    limits: EffectiveLimits
-    key_id: str | None = None  # first 12 hex digits of the key's hash: safe to log
-    key_name: str | None = None
-    team: str | None = None
-    enforce: bool = True  # False: metered only (open and pass-through modes)
-    forward_client_key: bool = False  # pass-through: the client's key is the upstream key
-    # How a request whose worst case does not fit is treated: key > user > team > defaults.
-    admission: AdmissionRule = WORST_CASE
 
 
 class UserIndex:

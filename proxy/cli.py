@@ -25,6 +25,7 @@ from proxy.bench.cli import add_parser as add_bench_parser
 from proxy.bench.cli import run as run_bench
 from proxy.budget.store import StoreError
 from proxy.budget.store_redis import RedisStore
+from proxy.budget.usage_report import UserUsage, read_usage, render, today
 from proxy.config.exposure import exposure_warning
 from proxy.config.ledger import LedgerConfig
 from proxy.config.load import Config, ConfigError, load_config, single_upstream_config
@@ -43,6 +44,7 @@ from proxy.ledger.report import (
     render_json,
     render_table,
 )
+from proxy.pipeline.services import SERVICES
 from proxy.server import state as st
 from proxy.server.app import create_app, create_metrics_app
 from proxy.server.listener import ConnectionGuard, GuardedSite, ListenerLimits, raise_fd_limit
@@ -56,7 +58,6 @@ from proxy.server.workers import (
     watch_supervisor,
 )
 from proxy.telemetry.metrics import Metrics
-from proxy.telemetry.usage_report import UserUsage, read_usage, render, today
 
 log = logging.getLogger("tokenmeter")
 
@@ -172,7 +173,7 @@ async def _serve(
             audit=inherited is None or inherited.index == 0,
         )
         # One guard for the API and metrics ports: one connection count, one fd budget.
-        metrics = app[st.SERVICES].metrics
+        metrics = app[SERVICES].metrics
         guard = ConnectionGuard(
             ListenerLimits.from_config(config.server, fd_limit),
             on_event=lambda event: metrics.connection_closed(event.value),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -27,7 +28,7 @@ from tests.helpers import (
     config_for,
     make_config,
 )
-from tests.servers import RedisServer
+from tests.servers import Cluster, RedisServer
 
 # Hypothesis profiles, chosen by HYPOTHESIS_PROFILE (default "ci"). Both check every invariant
 # after every example; they differ in how many examples and whether the run is reproducible.
@@ -56,6 +57,27 @@ def redis_server() -> Iterator[RedisServer]:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[Cluster]:
+    """A Redis Cluster of three primaries, started once per test process (flush it: `flush`)."""
+    # Six free ports are picked before six servers bind them: on a busy box (two xdist workers
+    # starting servers of their own) one may be taken in between. Fresh ports, up to 3 times.
+    for attempt in range(3):
+        c = Cluster()
+        try:
+            c.start()
+        except (subprocess.SubprocessError, OSError, AssertionError):
+            c.stop()
+            if attempt == 2:
+                raise
+            continue
+        try:
+            yield c
+        finally:
+            c.stop()
+        return
 
 
 @pytest.fixture

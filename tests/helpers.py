@@ -16,6 +16,7 @@ import aiohttp
 import openai
 import pytest
 import redis.asyncio as aioredis
+import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 from openai.types.chat import ChatCompletionMessageParam
@@ -23,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.typing import KeyT
 
 from proxy.config.load import Config, parse_config
-from proxy.server import state as st
+from proxy.pipeline import services as st
 from proxy.testing.mock_upstream import MOCK_STATE, MockState
 
 ServerFactory = Callable[..., Coroutine[Any, Any, TestServer]]
@@ -61,7 +62,7 @@ STORE_DEFAULTS: Mapping[str, Any] = {"lease_seconds": 30, "timeout_ms": 5000}
 FAST_RETRY: Mapping[str, Any] = {"initial_backoff_ms": 1, "max_backoff_ms": 5}
 
 
-def make_config(
+def config_data(
     upstream_url: str,
     *,
     store: str | Mapping[str, Any] | None = None,
@@ -69,8 +70,9 @@ def make_config(
     api_key: str | None = None,
     extra: Mapping[str, Any] | None = None,
     **upstream_opts: Any,
-) -> Config:
-    """One upstream `mock` at `upstream_url` serving every model, as a validated Config.
+) -> dict[str, Any]:
+    """The tests' one config builder: one upstream `mock` at `upstream_url` serving every
+    model, as data (`make_config` validates it, `budget_yaml` writes it as a file's text).
 
     store: a URL ("memory", "redis://...") or a mapping of store options (its `url` included);
     STORE_DEFAULTS fill what it leaves out. users: the `users:` section as Python data.
@@ -92,7 +94,12 @@ def make_config(
     if users is not None:
         data["users"] = {name: dict(u) for name, u in users.items()}
     data.update(extra or {})
-    return Config.model_validate(data)
+    return data
+
+
+def make_config(upstream_url: str, **options: Any) -> Config:
+    """`config_data(upstream_url, **options)` as a validated Config."""
+    return Config.model_validate(config_data(upstream_url, **options))
 
 
 def config_for(upstream_url: str, **upstream_opts: Any) -> Config:
@@ -108,29 +115,12 @@ def config_for(upstream_url: str, **upstream_opts: Any) -> Config:
 def budget_yaml(
     upstream_url: str, store: str, users: str, extra: str = "", **store_opts: Any
 ) -> str:
-    """The budget config as YAML text, for the tests about files (load, reload, `usage --config`,
-    a subprocess's `--config`) and `${ENV}` keys; `users` is the indented body of the `users:`
-    section, `store_opts` override STORE_DEFAULTS (on_error=..., timeout_ms=...)."""
-    store_lines = "".join(
-        f"\n  {k}: {v}" for k, v in {**STORE_DEFAULTS, **store_opts}.items()
-    )
-    return f"""
-store:
-  url: {store}{store_lines}
-upstreams:
-  mock:
-    base_url: {upstream_url}
-    retry: {{initial_backoff_ms: 1, max_backoff_ms: 5}}
-models:
-  - match: "*"
-    upstream: mock
-metrics:
-  model_labels: [mock-gpt]
-  discover_models: false
-{extra}
-users:
-{users}
-"""
+    """`config_data`'s config as YAML text, for the tests about files (load, reload, `usage
+    --config`, a subprocess's `--config`) and `${ENV}` keys; `users` is the indented body of the
+    `users:` section and `extra` more top-level YAML, both as text; `store_opts` override
+    STORE_DEFAULTS (on_error=..., timeout_ms=...)."""
+    data = config_data(upstream_url, store={"url": store, **store_opts})
+    return f"{yaml.safe_dump(data, sort_keys=False)}{extra}\nusers:\n{users}\n"
 
 
 def budget_config(upstream_url: str, store: str, users: str, extra: str = "") -> Config:
@@ -230,6 +220,27 @@ async def until(
             await asyncio.sleep(every)
 
 
+def settled_count(app: web.Application) -> int:
+    """Requests the app has settled since it started, as its own metrics count them: settle
+    records each in tokenmeter_requests_total as its last step (nothing is awaited after it),
+    or, when it fails, counts the failure (tokenmeter_metering_errors_total{stage="settle"})."""
+    count = 0.0
+    for family in app[st.SERVICES].metrics.registry.collect():
+        for smp in family.samples:
+            if smp.name == "tokenmeter_requests_total" or (
+                    smp.name == "tokenmeter_metering_errors_total"
+                    and smp.labels.get("stage") == "settle"):
+                count += smp.value
+    return int(count)
+
+
+async def settled(app: web.Application, count: int, deadline: float = 10.0) -> None:
+    """Until `count` requests have settled since the app started. A client can be ahead of
+    its request's settle: a stream's last event reaches it before the proxy settles, and a
+    client that left early is gone before the proxy has noticed."""
+    await until(lambda: settled_count(app) >= count, deadline)
+
+
 # --- redis -------------------------------------------------------------------------------------
 
 
@@ -279,7 +290,7 @@ class Stack:  # made by the `stack` and `make_stack` fixtures (conftest.py)
         return c
 
     async def settled(self, count: int) -> None:
-        await self.app[st.SERVICES].settling.wait_for(count)
+        await settled(self.app, count)
 
     async def metrics(self) -> Samples:
         return await scrape(self.proxy)
@@ -311,16 +322,16 @@ class Latencies:
     at: list[float] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)
 
-    def check(self, at_least: int = 1) -> None:
-        """Every request a 200, at least `at_least` of them, each within LATENCY_BOUND_S."""
+    def check(self, at_least: int = 1, bound_s: float = LATENCY_BOUND_S) -> None:
+        """Every request a 200, at least `at_least` of them, each within `bound_s`."""
         assert not self.failed, f"statuses other than 200: {self.failed[:5]}"
         assert len(self.seen) >= at_least, (
             f"{len(self.seen)} requests answered while the hostile client ran, fewer than "
             f"{at_least}")
         slowest = sorted(range(len(self.seen)), key=self.seen.__getitem__)[-5:]
-        assert self.seen[slowest[-1]] < LATENCY_BOUND_S, (
-            f"{sum(s >= LATENCY_BOUND_S for s in self.seen)} of {len(self.seen)} requests took "
-            f"{LATENCY_BOUND_S * 1000:.0f} ms or more; slowest: " + ", ".join(
+        assert self.seen[slowest[-1]] < bound_s, (
+            f"{sum(s >= bound_s for s in self.seen)} of {len(self.seen)} requests took "
+            f"{bound_s * 1000:.0f} ms or more; slowest: " + ", ".join(
                 f"{self.seen[i] * 1000:.0f} ms at +{self.at[i] - self.at[0]:.1f} s"
                 for i in reversed(slowest)
             )

@@ -5,18 +5,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import redis
 import yaml
 
 
@@ -59,6 +63,100 @@ def wait_for_port(port: int, timeout: float = 10.0) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.02)
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """The socket inodes listening on 127.0.0.1:`port` (or any address), from /proc/net/tcp."""
+    found: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    found.add(inode)
+    return found
+
+
+def _holds(pid: int, inodes: set[str]) -> bool:
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                link = os.readlink(fd)
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    return True
+    return False
+
+
+def wait_until_listening(proc: subprocess.Popen[Any], port: int, timeout: float = 30.0) -> None:
+    """`proc` itself listens on `port`: not merely someone (a parallel test's server could have
+    taken a port before the process we started bound it). Raises if it exits first."""
+    deadline = time.monotonic() + timeout
+    while not _holds(proc.pid, _listening_inodes(port)):
+        if proc.poll() is not None:
+            raise RuntimeError(f"the process exited ({proc.returncode}) before it listened "
+                               f"on port {port}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nothing of pid {proc.pid} listens on port {port}")
+        time.sleep(0.02)
+
+
+@dataclass
+class ServedProxy:
+    """`tokenmeter serve` in a process of its own, as deployed: on a free port, its log (stderr)
+    in a file, since a pipe nobody reads until the end would fill up and stall it."""
+
+    config: Path | None
+    log: Path
+    extra: tuple[str, ...] = ()  # more `serve` arguments
+    env: dict[str, str] = field(default_factory=dict)  # added to this process's environment
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> ServedProxy:
+        args = [sys.executable, "-m", "proxy", "serve", "--port", str(self.port), *self.extra]
+        if self.config is not None:
+            args += ["--config", str(self.config)]
+        with self.log.open("ab") as err:
+            self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=err,
+                                         env={**os.environ, **self.env})
+        try:
+            wait_until_listening(self.proc, self.port, timeout)
+        except Exception:
+            self.kill()
+            raise
+        return self
+
+    async def started(self, within_s: float = 30.0) -> ServedProxy:
+        return await asyncio.to_thread(self.start, within_s)
+
+    def send(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    async def stopped(self, sig: int = signal.SIGTERM, within_s: float = 60.0) -> int:
+        """Signalled (SIGTERM: drain and exit) and waited for: its exit code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.send(sig)
+        return await asyncio.to_thread(self.wait, within_s)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
 class RedisServer:
@@ -220,3 +318,57 @@ async def running_prometheus(config: dict[str, Any], workdir: Path) -> AsyncIter
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
+
+
+class Cluster:
+    """Three primaries, no replicas, each with its own cluster-bus port, in a temp dir."""
+
+    def __init__(self, nodes: int = 3) -> None:
+        self.dir = tempfile.mkdtemp(prefix="tm-redis-cluster-")
+        self.ports = [free_port() for _ in range(nodes)]
+        self.bus_ports = [free_port() for _ in range(nodes)]
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.ports[0]}"
+
+    def start(self) -> None:
+        exe, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+        assert exe and cli, "redis-server and redis-cli are needed (.ci/run installs them)"
+        for port, bus in zip(self.ports, self.bus_ports, strict=True):
+            self.procs.append(subprocess.Popen(
+                [exe, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                 "--cluster-config-file", f"{self.dir}/nodes-{port}.conf",
+                 "--cluster-port", str(bus), "--dir", self.dir, "--save", "",
+                 "--appendonly", "no", "--loglevel", "warning"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            ))
+        for port in self.ports:
+            wait_for_port(port)
+        subprocess.run(
+            [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
+             "--cluster-replicas", "0", "--cluster-yes"],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60,
+        )
+        deadline = time.monotonic() + 30
+        while not all(self._ok(p) for p in self.ports):
+            assert time.monotonic() < deadline, "the cluster never reached cluster_state:ok"
+            time.sleep(0.05)
+
+    @staticmethod
+    def _ok(port: int) -> bool:
+        with redis.Redis(port=port, decode_responses=True) as r:
+            info = r.cluster("INFO")  # parsed by redis-py into a dict
+        return isinstance(info, dict) and info.get("cluster_state") == "ok"
+
+    def flush(self) -> None:
+        for port in self.ports:
+            with redis.Redis(port=port) as r:
+                r.flushall()
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait(timeout=10)
+        shutil.rmtree(self.dir, ignore_errors=True)

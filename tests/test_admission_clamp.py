@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 from datetime import datetime
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -16,13 +15,11 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from proxy.budget import limits as lim
-from proxy.budget.clamp import Clamp
-from proxy.budget.cost import cost_nanousd
-from proxy.budget.store import USER, Entry, InFlightLimit, MemoryStore
-from proxy.budget.store_redis import RedisStore
 from proxy.config.policy import Price
+from proxy.cost import CostLines
+from proxy.pipeline import services as st
 from proxy.protocol.translators import ChatTranslator, ResponsesTranslator, parse_body
-from proxy.server import state as st
+from proxy.protocol.usage import Usage
 from proxy.testing.mock_upstream import MOCK_STATE, MockSettings
 from tests.helpers import ALICE_KEY, MESSAGES, sample, scrape, sdk
 from tests.helpers import ProxiesFactory as Factory
@@ -186,7 +183,8 @@ async def test_cost_budget_clamps_at_the_output_price(make_proxies: Factory) -> 
     assert raw.headers["x-tokenmeter-clamp-reason"] == "daily_usd"
     usage = raw.parse().usage
     assert usage is not None and usage.completion_tokens == granted
-    spent = cost_nanousd(Price(input=1.0, output=2.0), usage.prompt_tokens, 0, granted)
+    spent = CostLines.of(Price(input=1.0, output=2.0),
+                         Usage(input_tokens=usage.prompt_tokens, output_tokens=granted)).nanousd
     assert await _counter(proxies[0], "u", "daily_usd") == spent <= 20_000_000
     await client.close()
 
@@ -307,41 +305,3 @@ async def test_race_for_the_last_tokens_under_worst_case(
         await c.close()
 
 
-async def test_stores_grant_alike(redis_url: str) -> None:
-    """The Lua script and the in-process store agree, grant by grant, on random windows of
-    every measure (the arithmetic itself: tests/unit/test_clamp.py)."""
-    rng = random.Random(7)
-    redis_store = RedisStore(redis_url, 5000)
-    memory = MemoryStore()
-    seen: set[str] = set()
-    try:
-        for case in range(150):
-            n = rng.randint(1, 4)
-            limits = [rng.choice([None, rng.randint(0, 60_000)]) for _ in range(n)]
-            prior = [rng.randint(0, 40_000) for _ in range(n)]
-            bases = tuple(rng.choice([0, 1, rng.randint(1, 3000)]) for _ in range(n))
-            rates = tuple(rng.choice([0, 1, rng.randint(1, 20_000)]) for _ in range(n))
-            requested = rng.randint(1, 40_000)
-            clamp = Clamp(requested, rng.randint(1, requested), bases, rates)
-            keys = [f"tm:{{c{case}}}:w{i}" for i in range(n)]
-            worst = [b + r * requested for b, r in zip(bases, rates, strict=True)]
-            results = []
-            for store in (memory, redis_store):
-                slot = f"tm:{{c{case}}}"
-                # What is used already, added under an id of its own.
-                await store.add_once(slot, "prior", [Entry(k, None, u, 600)
-                                                   for k, u in zip(keys, prior, strict=True)])
-                entries = [Entry(k, lim_, w, 600)
-                           for k, lim_, w in zip(keys, limits, worst, strict=True)]
-                results.append(await store.reserve(
-                    slot, "r", entries, [InFlightLimit(USER, None)], 30, clamp))
-            assert results[0] == results[1], (case, limits, prior, clamp)
-            seen.add("refused" if not results[0].ok
-                     else "whole" if results[0].granted == requested else "clamped")
-            if results[0].ok:
-                assert results[0].granted is not None
-                for u, limit in zip(results[0].used, limits, strict=True):
-                    assert limit is None or u <= limit
-        assert seen == {"refused", "whole", "clamped"}
-    finally:
-        await redis_store.close()

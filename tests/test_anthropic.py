@@ -16,8 +16,8 @@ from anthropic.types import MessageParam, ThinkingConfigEnabledParam, ToolParam
 
 from proxy.budget import limits as lim
 from proxy.ledger.schema import TABLE
+from proxy.pipeline import services as st
 from proxy.pipeline.relay import REQUEST_ID_HEADER
-from proxy.server import state as st
 from proxy.testing import mock_tokens
 from proxy.testing.mock_upstream import generated_text
 from tests.helpers import (

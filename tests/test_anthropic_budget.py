@@ -21,8 +21,8 @@ from anthropic.types import MessageParam, Usage
 from proxy.budget import limits as lim
 from proxy.budget.store import ScopeKind
 from proxy.ledger.schema import TABLE
+from proxy.pipeline import services as st
 from proxy.pipeline.relay import REQUEST_ID_HEADER
-from proxy.server import state as st
 from proxy.server.app import create_app
 from proxy.testing import mock_tokens
 from proxy.testing.mock_upstream import MOCK_STATE, MockSettings, generated_text
@@ -33,6 +33,7 @@ from tests.helpers import (
     make_config,
     sample,
     scrape,
+    settled,
     until,
 )
 
@@ -117,7 +118,7 @@ async def assert_charged_estimated(proxy: TestServer, request_id: str, error_cla
                                    min_output: int, max_output: int) -> None:
     """The cut stream's charge, the same in the ledger, the store and the metrics: the prompt
     as message_start reported it (cache split included), the output counted by the proxy."""
-    await proxy.app[st.SERVICES].settling.wait_for(1)
+    await settled(proxy.app, 1)
     row = await ledger_row(request_id)
     output = row["output_tokens"]
     assert min_output <= output <= max_output

@@ -14,9 +14,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 from anthropic.types import MessageParam
 
-from proxy.budget.cost import cost_lines
-from proxy.config.policy import Price
-from proxy.protocol.usage import Usage
+from proxy.cost import KINDS
 from proxy.server.app import create_app
 from tests.helpers import UPSTREAM_KEY, ServerFactory, make_config
 from tests.servers import running_prometheus
@@ -27,8 +25,8 @@ PRICE = {"input": 3.0, "output": 15.0, "cached_input": 0.30, "cache_write_5m": 3
 CACHE = {"x-mock-cache-read-tokens": "40", "x-mock-cache-creation-tokens": "30",
          "x-mock-cache-creation-1h-tokens": "12"}
 PROMPT: list[MessageParam] = [{"role": "user", "content": " ".join(["tokens"] * 120)}]
-# What the cost metric's `type` may be: the price each token paid (proxy.budget.cost).
-COST_TYPES = {line.kind for line in cost_lines(Price(**PRICE), Usage())}
+# What the cost metric's `type` may be: the price each token paid (proxy.cost).
+COST_TYPES = set(KINDS)
 
 
 def panel_expr(title: str) -> str:

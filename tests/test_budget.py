@@ -15,7 +15,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from proxy.budget import limits as lim
-from proxy.server import state as st
+from proxy.pipeline import services as st
 from proxy.server.app import create_app
 from proxy.testing.mock_upstream import MockSettings
 from tests.helpers import (
@@ -30,6 +30,7 @@ from tests.helpers import (
     sample,
     scrape,
     sdk,
+    settled,
 )
 
 
@@ -172,7 +173,7 @@ async def test_concurrency_limit(make_proxy: Factory, upstream: TestServer) -> N
             err = (await second.json())["error"]
             assert err["code"] == "concurrency_limit_exceeded"
         first.close()
-        await proxy.app[st.SERVICES].settling.wait_for(2)
+        await settled(proxy.app, 2)
         async with s.post(url, json=body, headers=auth) as third:
             assert third.status == 200
             await third.read()

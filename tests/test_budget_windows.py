@@ -15,12 +15,13 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from proxy.budget import limits as lim
-from proxy.budget.cost import cost_nanousd
 from proxy.budget.store import ScopeKind
+from proxy.budget.usage_report import read_usage, today
 from proxy.config.policy import Price
-from proxy.server import state as st
+from proxy.cost import CostLines
+from proxy.pipeline import services as st
+from proxy.protocol.usage import Usage
 from proxy.server.app import create_app
-from proxy.telemetry.usage_report import read_usage, today
 from proxy.testing.mock_upstream import MOCK_STATE, MockSettings
 from tests.helpers import (
     ALICE_KEY,
@@ -80,7 +81,9 @@ class Served:
 
     @property
     def cost(self) -> int:
-        return cost_nanousd(PRICE, self.input, self.cached, self.output)
+        usage = Usage(input_tokens=self.input, output_tokens=self.output,
+                      cached_input_tokens=self.cached)
+        return CostLines.of(PRICE, usage).nanousd
 
 
 async def _ask(client: openai.AsyncOpenAI, key: str, stream: bool) -> Served:

@@ -35,16 +35,16 @@ import yaml
 from aiohttp.test_utils import TestServer
 from anthropic.types import MessageParam
 
-from proxy.budget.cost import cost_nanousd, usage_cost
 from proxy.config.policy import Price
+from proxy.cost import CostLines
 from proxy.errors import ErrorClass
 from proxy.ledger.migrate import migrate_postgres
 from proxy.ledger.row import COLUMNS, LedgerRow
 from proxy.ledger.schema import TABLE
+from proxy.pipeline import services as st
 from proxy.protocol.usage import Usage
-from proxy.server import state as st
 from proxy.server.app import create_app
-from tests.helpers import ALICE_KEY, BOB_KEY, MESSAGES, ServerFactory, make_config, sdk
+from tests.helpers import ALICE_KEY, BOB_KEY, MESSAGES, ServerFactory, make_config, sdk, settled
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "grafana" / "dashboards" / "chargeback.json"
@@ -92,11 +92,11 @@ def ledger_row(
     price = PRICES.get(model or "")
     usage = Usage(input_tokens=input_tokens, output_tokens=output, cached_input_tokens=cached,
                   cache_creation_input_tokens=cache_write or 0)
-    cost = None if price is None else usage_cost(price, usage)
+    cost = None if price is None else CostLines.of(price, usage).nanousd
     return LedgerRow(
         request_id=uuid.uuid4().hex, started_at=when.timestamp(),
         ended_at=when.timestamp() + 1.5, replica="test-replica", user_name=user, key_name=key,
-        team=team, operation="chat.completions" if cache_write is None else MESSAGES_OPERATION,
+        team=team, operation="chat" if cache_write is None else MESSAGES_OPERATION,
         requested_model=requested or model or "", model=model, response_model=model,
         upstream=None if model is None else "openai" if cache_write is None else "anthropic",
         fallback_from=None, attempts=1, status=status, error_class=error.value,
@@ -724,12 +724,13 @@ async def test_rows_the_proxy_wrote(
                 refusals += 1
                 continue
             assert r.usage is not None
-            expected_nanos += cost_nanousd(price, r.usage.prompt_tokens, 0,
-                                           r.usage.completion_tokens)
+            used = Usage(input_tokens=r.usage.prompt_tokens,
+                         output_tokens=r.usage.completion_tokens)
+            expected_nanos += CostLines.of(price, used).nanousd
         await client.close()
     assert refusals >= 1, "bob ran out of his quota"
+    await settled(proxy.app, 7, deadline=30)
     services = proxy.app[st.SERVICES]
-    await asyncio.wait_for(services.settling.wait_for(7), 30)
     assert services.ledger is not None
     assert await services.ledger.flush(30), services.ledger.health()
 
@@ -783,8 +784,8 @@ async def test_anthropic_rows_the_proxy_wrote(
         assert u.input_tokens > 0
         # USD per million x 1,000 per token: fresh input, 4 reads, 3 (5-minute) writes, output.
         expected_nanos += u.input_tokens * 3_000 + 4 * 300 + 3 * 3_750 + u.output_tokens * 15_000
+    await settled(proxy.app, 2, deadline=30)
     services = proxy.app[st.SERVICES]
-    await asyncio.wait_for(services.settling.wait_for(2), 30)
     assert services.ledger is not None
     assert await services.ledger.flush(30), services.ledger.health()
     owner = await asyncpg.connect(pg_url)

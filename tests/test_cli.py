@@ -6,16 +6,16 @@ import asyncio
 import csv
 import io
 import json
-import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import openai
 from aiohttp.test_utils import TestServer
 
 from proxy.testing.mock_upstream import generated_text
 from tests.helpers import MESSAGES
-from tests.servers import free_port, wait_for_port
+from tests.servers import ServedProxy
 
 
 def test_demo_quickstart_makes_a_metered_streaming_request() -> None:
@@ -33,25 +33,22 @@ def test_demo_quickstart_makes_a_metered_streaming_request() -> None:
     assert any("OPEN" in x.get("message", "") for x in lines)  # says loudly it is open
 
 
-async def test_usage_reads_the_books_a_served_proxy_kept(upstream: TestServer) -> None:
+async def test_usage_reads_the_books_a_served_proxy_kept(
+    upstream: TestServer, tmp_path: Path
+) -> None:
     """Zero set-up: `serve --upstream` keeps books in the state directory's SQLite file, and
     `usage` reads them from there (both find it through $TOKENMETER_STATE_DIR)."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "serve", "--upstream", str(upstream.make_url("/v1")),
-         "--port", str(port), "--log-level", "WARNING"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
+    proxy = ServedProxy(None, tmp_path / "proxy.log",
+                        ("--upstream", str(upstream.make_url("/v1")), "--log-level", "WARNING"))
     try:
-        await asyncio.to_thread(wait_for_port, port, 30)
-        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+        await proxy.started()
+        client = openai.AsyncOpenAI(base_url=f"{proxy.url}/v1", api_key="unused",
                                     max_retries=0)
         for _ in range(2):
             await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
     finally:
-        proc.send_signal(signal.SIGTERM)  # drains: the shipper writes what is spooled
-        _, err = await asyncio.to_thread(proc.communicate, None, 60)
-    assert proc.returncode == 0, err
+        code = await proxy.stopped()  # SIGTERM drains: the shipper writes what is spooled
+    assert code == 0, proxy.log_text()
 
     def usage(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "proxy.cli", "usage", *args],

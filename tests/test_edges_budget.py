@@ -23,7 +23,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from proxy.config.load import parse_config
-from proxy.server import state as st
+from proxy.pipeline import services as st
 from proxy.server.app import create_app
 from tests.helpers import (
     ALICE_KEY,
@@ -36,6 +36,7 @@ from tests.helpers import (
     sample,
     scrape,
     sdk,
+    settled,
 )
 
 OTHER_KEY = "sk-alice-other-0123456789"
@@ -309,7 +310,7 @@ async def test_a_keys_concurrency_counts_its_own_requests_within_its_users(
         assert await _hold(s, proxy, OTHER_KEY) == 429
     async with aiohttp.ClientSession() as s:
         # Closing the first session settled all three.
-        await proxy.app[st.SERVICES].settling.wait_for(4)
+        await settled(proxy.app, 4)
         assert await _hold(s, proxy, CI_KEY) == 200
         assert await _hold(s, proxy, CI_KEY) == 200
         assert await _hold(s, proxy, CI_KEY) == 429  # the key's own two
@@ -350,7 +351,7 @@ async def test_a_client_that_hangs_up_mid_reserve_leaves_nothing_in_flight(
             with pytest.raises(asyncio.CancelledError):
                 await task
         await r.client_unpause()
-        await proxy.app[st.SERVICES].settling.wait_for(1)
+        await settled(proxy.app, 1)
         budget = proxy.app[st.SERVICES].budget
 
         async def released() -> bool:

@@ -21,7 +21,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.bench.client import BenchError, classify_status
-from proxy.config.load import RetryConfig
+from proxy.config.load import RetryConfig, UpstreamConfig
 from proxy.errors import (
     BudgetExceeded,
     ConnectTimeout,
@@ -369,11 +369,11 @@ def test_bench_reads_answers_with_the_same_classifier(
 
 
 def _upstream(base_url: str = "http://127.0.0.1:9", **retry: Any) -> Upstream:
-    return Upstream(
-        name="u", base_url=base_url, api_key=None, connect_timeout_s=1.5,
-        first_byte_timeout_s=2.5, idle_timeout_s=3.5, total_timeout_s=4.5, stream_usage=True,
-        retry=RetryConfig(**{"initial_backoff_ms": 1, "max_backoff_ms": 2, **retry}),
-    )
+    return Upstream.of("u", UpstreamConfig(
+        base_url=base_url, connect_timeout_s=1.5, first_byte_timeout_s=2.5, idle_timeout_s=3.5,
+        total_timeout_s=4.5, retry=RetryConfig(**{"initial_backoff_ms": 1, "max_backoff_ms": 2,
+                                                   **retry}),
+    ))
 
 
 @pytest.mark.parametrize(
@@ -436,14 +436,14 @@ def test_the_map_raises_the_proxy_error_without_chaining() -> None:
 # --- call_upstream and answer_class over real sockets ---------------------------------------------
 
 
-async def _call(upstream: Upstream, reasons: list[str]) -> aiohttp.ClientResponse:
+async def _call(upstream: Upstream, reasons: list[str]) -> attempts.Answer:
     async with aiohttp.ClientSession() as session:
-        response = await attempts.call_upstream(
-            session, upstream, "/chat/completions", b"{}", CIMultiDict(),
-            on_retry=lambda _u, reason: reasons.append(reason), rng=random.Random(1),
+        answer = await attempts.call_upstream(
+            session, upstream, attempts.Call("/chat/completions", b"{}", CIMultiDict()),
+            attempts.Retrying(lambda _u, reason: reasons.append(reason), random.Random(1)),
         )
-        await response.read()
-        return response
+        await answer.response.read()
+        return answer
 
 
 async def test_call_upstream_maps_a_dropped_connection_and_retries_it() -> None:
@@ -478,9 +478,9 @@ async def test_call_upstream_maps_silence_to_first_byte_timeout_without_retry() 
 
     server = await asyncio.start_server(hold, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    up = Upstream(name="u", base_url=f"http://127.0.0.1:{port}", api_key=None,
-                  connect_timeout_s=5, first_byte_timeout_s=0.2, idle_timeout_s=5,
-                  total_timeout_s=5, stream_usage=True, retry=RetryConfig(max_attempts=3))
+    up = Upstream.of("u", UpstreamConfig(
+        base_url=f"http://127.0.0.1:{port}", connect_timeout_s=5, first_byte_timeout_s=0.2,
+        idle_timeout_s=5, total_timeout_s=5, retry=RetryConfig(max_attempts=3)))
     reasons: list[str] = []
     try:
         async with asyncio.timeout(30):
@@ -516,20 +516,25 @@ async def test_retry_reasons_are_classes_and_a_blaming_500_is_not_retried(
                    on_status=[408, 500, 503])
     reasons: list[str] = []
     async with asyncio.timeout(30):
-        response = await _call(up, reasons)
-    # 408 and 503 were retried under their classes; the 500 blaming the request came back.
-    assert served == [408, 503, 500] and response.status == 500
+        answer = await _call(up, reasons)
+    # 408 and 503 were retried under their classes; the 500 blaming the request came back,
+    # with the class that decided it (the relay and the record read that one).
+    assert served == [408, 503, 500] and answer.response.status == 500
+    assert answer.error_class is ErrorClass.BAD_REQUEST
     assert reasons == ["upstream_timeout", "upstream_5xx"]
     assert all(type(r) is ErrorClass for r in reasons)
 
 
-async def test_answer_class_reads_a_5xx_body_and_leaves_it_for_the_relay(
-    aiohttp_server: Any,
+@pytest.mark.parametrize("status", [500, 400])
+async def test_answer_class_reads_an_error_body_and_leaves_it_for_the_relay(
+    aiohttp_server: Any, status: int,
 ) -> None:
+    """Some servers answer a bad request with a 500; a 400's body tells `context_length` from
+    `bad_request`. The class is decided here, once, and the body is still there to relay."""
     body = _openai("invalid_request_error", "context_length_exceeded")
 
     async def handler(_request: web.Request) -> web.Response:
-        return web.Response(status=500, body=body, content_type="application/json")
+        return web.Response(status=status, body=body, content_type="application/json")
 
     app = web.Application()
     app.router.add_post("/x", handler)

@@ -32,12 +32,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy.budget.store import Store
+from proxy.budget.usage_report import read_usage, today
 from proxy.cli import ClientErrorFilter
 from proxy.config.load import Config, parse_config
-from proxy.server import state as pst
+from proxy.pipeline import services as pst
 from proxy.server.app import create_app
-from proxy.telemetry.usage_report import read_usage, today
 from proxy.testing.mock_upstream import MOCK_STATE, MockSettings, create_mock_app
+from tests.helpers import settled, settled_count
 
 T = TypeVar("T")
 KEY = "sk-fuzz-alice-0001"
@@ -125,7 +126,7 @@ users:
         )
         mock = self.mock[MOCK_STATE]
         return Snapshot(
-            settled=self.app[pst.SERVICES].settling.completed,
+            settled=settled_count(self.app),
             upstream_requests=len(mock.requests),
             upstream_usage=mock.reported["prompt_tokens"] + mock.reported["completion_tokens"],
             recorded_reported=int(reported),
@@ -138,7 +139,7 @@ users:
         return self.run(self._snapshot())
 
     def wait_settled(self, count: int) -> None:
-        self.run(asyncio.wait_for(self.app[pst.SERVICES].settling.wait_for(count), 5))
+        self.run(settled(self.app, count, deadline=5))
 
 
 @dataclass(frozen=True)

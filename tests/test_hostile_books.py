@@ -15,8 +15,6 @@ import logging
 import os
 import signal
 import sqlite3
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,8 +29,8 @@ from aiohttp.test_utils import TestServer
 from proxy.config.ledger import LedgerConfig
 from proxy.ledger.ledger import Ledger
 from proxy.ledger.schema import TABLE
+from proxy.pipeline import services as st
 from proxy.pipeline.relay import REQUEST_ID_HEADER
-from proxy.server import state as st
 from proxy.telemetry.accesslog import AUTH_LOG_EVERY_S, AuthFailureLog
 from proxy.telemetry.metrics import Metrics
 from tests.helpers import (
@@ -46,7 +44,7 @@ from tests.helpers import (
     sample,
     until,
 )
-from tests.servers import RedisServer, free_port, wait_for_port
+from tests.servers import RedisServer, ServedProxy, free_port
 
 # --- item 9: a value no database can store -----------------------------------------------------
 
@@ -201,13 +199,13 @@ def test_failed_authentications_are_logged_once_per_window(
     log = AuthFailureLog(clock=lambda: now[0])
     caplog.set_level(logging.WARNING, logger="tokenmeter.access")
     for i in range(5):
-        log.failed(f"r{i}", "chat.completions")
+        log.failed(f"r{i}", "chat")
         now[0] += 1.0
     now[0] += AUTH_LOG_EVERY_S
     log.failed("r5", "messages")
     lines = [json.loads(r.getMessage()) for r in caplog.records]
     assert [(x["request_id"], x["operation"], x["failures"], x["seconds"]) for x in lines] == [
-        ("r0", "chat.completions", 1, None), ("r5", "messages", 5, 5.0 + AUTH_LOG_EVERY_S)]
+        ("r0", "chat", 1, None), ("r5", "messages", 5, 5.0 + AUTH_LOG_EVERY_S)]
     assert all(r.levelno == logging.WARNING for r in caplog.records)
 
 
@@ -244,16 +242,6 @@ class HeldStream:
         return resp
 
 
-def _serve(config: Path, port: int) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "serve", "--config", str(config), "--port", str(port),
-         "--log-level", "WARNING"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy(),
-    )
-    wait_for_port(port, timeout=30)
-    return proc
-
-
 def _booked(state: Path) -> set[str]:
     """Request ids with a row in the ledger spool or already in the SQLite ledger."""
     ids: set[str] = set()
@@ -286,13 +274,12 @@ async def test_a_stream_read_to_done_keeps_its_row_through_a_sigkill_while_redis
     config.write_text(budget_yaml(str(upstream.make_url("/v1")), redis_server.url,
                                   f"  alice:\n    keys: [{ALICE_KEY}]\n    daily_tokens: 100000",
                                   timeout_ms=30_000))
-    port = free_port()
-    proxy = _serve(config, port)
+    proxy = await ServedProxy(config, tmp_path / "proxy.log").started()
     assert redis_server.proc is not None
     redis_pid = redis_server.proc.pid
     try:
         async with aiohttp.ClientSession() as session, session.post(
-            f"http://127.0.0.1:{port}/v1/chat/completions",
+            f"{proxy.url}/v1/chat/completions",
             json={"model": "mock-gpt", "messages": [{"role": "user", "content": "hi"}],
                   "stream": True, "max_tokens": 50},
             headers={"Authorization": f"Bearer {ALICE_KEY}"},
@@ -306,13 +293,10 @@ async def test_a_stream_read_to_done_keeps_its_row_through_a_sigkill_while_redis
             # The client has its whole answer. The row must be on disk now, not once the
             # store answers (it will not for 30 s).
             await until(lambda: request_id in _booked(state), deadline=10, every=0.05)
-            proxy.send_signal(signal.SIGKILL)
-            assert proxy.wait(timeout=10) == -signal.SIGKILL
+            assert await proxy.stopped(signal.SIGKILL) == -signal.SIGKILL
     finally:
         os.kill(redis_pid, signal.SIGCONT)
-        if proxy.poll() is None:
-            proxy.kill()
-            proxy.wait(timeout=10)
+        proxy.kill()
         redis_server.stop()
     # The next start adopts the dead process's spool and stores its row, once.
     ledger = Ledger(LedgerConfig(), Metrics(), state_dir=state)

@@ -4,11 +4,7 @@ overloads mid-stream, the anthropic SDK as the client, a PostgreSQL ledger."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +16,7 @@ from aiohttp.test_utils import TestServer
 
 from proxy.ledger.schema import TABLE
 from tests.helpers import ServerFactory, until
-from tests.servers import free_port, wait_for_port
+from tests.servers import ServedProxy
 
 
 def _event(name: str, payload: dict[str, Any]) -> bytes:
@@ -72,17 +68,12 @@ metrics:
 ledger:
   url: {pg_url}
 """)
-    port = free_port()
-    log = tmp_path / "proxy.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg), "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=log.open("w"),
-        env={**os.environ, "TOKENMETER_STATE_DIR": str(tmp_path / "state")},
-    )
+    proxy = ServedProxy(cfg, tmp_path / "proxy.log",
+                        env={"TOKENMETER_STATE_DIR": str(tmp_path / "state")})
     db = None
     try:
-        await asyncio.to_thread(wait_for_port, port, 20.0)
-        async with anthropic.AsyncAnthropic(base_url=f"http://127.0.0.1:{port}",
+        await proxy.started()
+        async with anthropic.AsyncAnthropic(base_url=proxy.url,
                                             api_key="sk-any", max_retries=0) as client:
             texts = []
             with pytest.raises(anthropic.APIStatusError, match="Overloaded"):
@@ -111,5 +102,4 @@ ledger:
     finally:
         if db is not None:
             await db.close()
-        proc.terminate()
-        await asyncio.to_thread(proc.wait, 30)
+        await proxy.stopped()

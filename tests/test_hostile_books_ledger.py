@@ -13,7 +13,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from proxy.ledger.schema import TABLE
-from proxy.server import state as st
+from proxy.pipeline import services as st
 from tests.helpers import MESSAGES, StackFactory, make_config, sample, scrape
 
 

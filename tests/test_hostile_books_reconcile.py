@@ -19,10 +19,10 @@ import redis.asyncio as aioredis
 from aiohttp.test_utils import TestServer
 
 from proxy.budget.limits import daily_key
+from proxy.budget.usage_report import today
 from proxy.cli import main
 from proxy.config.load import Config
-from proxy.server import state as st
-from proxy.telemetry.usage_report import today
+from proxy.pipeline import services as st
 from tests.helpers import ALICE_KEY, MESSAGES, StackFactory, make_config, until
 
 URL = "/v1/chat/completions"
@@ -91,7 +91,7 @@ async def test_rows_waiting_in_the_spool_under_load_are_not_drift(
     assert any(_alice_daily(doc)["verdict"] in ("on its way", "in flight")
                for _, doc in results), [_alice_daily(doc) for _, doc in results]
     # Once the spool is shipped, the books and the store agree exactly.
-    await stack.app[st.SERVICES].settling.wait_for(done)
+    await stack.settled(done)
     books = stack.app[st.SERVICES].ledger
     assert books is not None and await books.flush(30)
     code = await asyncio.to_thread(main, ["reconcile", "--config", str(path), "--recheck", "0",
@@ -116,7 +116,7 @@ async def test_a_counter_lowered_below_the_books_is_drift_whatever_is_in_flight(
         async with s.post(stack.proxy.make_url(URL), headers=AUTH,
                           json={"model": "mock-gpt", "messages": MESSAGES}) as resp:
             assert resp.status == 200
-        await stack.app[st.SERVICES].settling.wait_for(1)
+        await stack.settled(1)
         books = stack.app[st.SERVICES].ledger
         assert books is not None and await books.flush(30)
         settled = int(await r.get(key) or 0)

@@ -19,10 +19,10 @@ import redis.asyncio as aioredis
 from aiohttp.test_utils import TestServer
 
 from proxy.budget.limits import daily_key
-from proxy.budget.spool import Spool
-from proxy.budget.store import Entry, Settlement
-from proxy.server import state as st
-from proxy.telemetry.usage_report import today
+from proxy.budget.spool import SettleSpool
+from proxy.budget.store import Entry, SettleKind
+from proxy.budget.usage_report import today
+from proxy.pipeline import services as st
 from tests.helpers import (
     ALICE_KEY,
     MESSAGES,
@@ -49,10 +49,10 @@ async def test_malformed_spool_lines_are_skipped_counted_and_named_not_fatal(
 ) -> None:
     state = Path(os.environ["TOKENMETER_STATE_DIR"])
     # What a previous run left owed: one settlement under its id, one sum of the outage.
-    dead = Spool(state)
+    dead = SettleSpool(state)
     dead.open()
     dead.owe(SLOT, "res-good", _entries(40), tokens=40, now=10**10,
-             kind=Settlement.ADDITION)
+             kind=SettleKind.ADDITION)
     dead.add(SLOT, _entries(7), tokens=7, now=10**10)
     dead.close()  # a graceful stop: the file stays for the next start to adopt
     (path,) = state.glob("spool-*.jsonl")

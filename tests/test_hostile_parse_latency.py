@@ -6,10 +6,7 @@ within 300 ms. Before: the spaces were a 500 with a traceback, the nesting a Rec
 
 from __future__ import annotations
 
-import asyncio
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from tests.helpers import ServerFactory, timed_client
-from tests.servers import free_port, wait_for_port
+from tests.servers import ServedProxy
 
 SPACES = 1_000_000
 
@@ -55,14 +52,8 @@ async def test_tokenizer_and_parser_hostile_input_does_not_stall_other_clients(
         "models:\n  - {match: '*', upstream: mock}\n"
         "metrics:\n  discover_models: false\n"
     )
-    port = free_port()
-    with (tmp_path / "proxy.log").open("w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg),
-             "--port", str(port)],
-            stdout=subprocess.DEVNULL, stderr=err,
-        )
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    proxy = ServedProxy(cfg, tmp_path / "proxy.log")
+    url = f"{proxy.url}/v1/chat/completions"
     hostile_bodies = [
         ("spaces", json.dumps(_chat(" " * SPACES)).encode(), 200),
         ("spaces-and-words", json.dumps(_chat(("word " + " " * 4000) * 250)).encode(), 200),
@@ -72,7 +63,7 @@ async def test_tokenizer_and_parser_hostile_input_does_not_stall_other_clients(
     ]
     seen: dict[str, tuple[int, str]] = {}
     try:
-        await asyncio.to_thread(wait_for_port, port, 20.0)
+        await proxy.started()
         async with aiohttp.ClientSession() as ordinary, aiohttp.ClientSession() as hostile:
 
             async def ask() -> int:
@@ -89,8 +80,7 @@ async def test_tokenizer_and_parser_hostile_input_does_not_stall_other_clients(
                                 "content-type": "application/json"}) as r:
                             seen[name] = (r.status, (await r.text())[:300])
     finally:
-        proc.terminate()
-        await asyncio.to_thread(proc.wait, 30)
+        await proxy.stopped()
     for name, _body, status in hostile_bodies:
         assert seen[name][0] == status, (name, seen[name])
         assert "Traceback" not in seen[name][1]

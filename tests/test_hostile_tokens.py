@@ -14,8 +14,6 @@ import asyncio
 import glob
 import json
 import logging
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -29,17 +27,17 @@ from aiohttp.test_utils import TestServer
 from proxy.config.load import Config
 from proxy.protocol import tokenizer
 from proxy.protocol.translators import HOLD_BYTES, ChatTranslator, parse_body
-from proxy.server import state as st
 from proxy.server.app import create_app
 from tests.helpers import (
     CLIENT_KEY,
     ServerFactory,
     config_for,
     make_config,
+    settled,
     timed_client,
     until,
 )
-from tests.servers import free_port, wait_for_port
+from tests.servers import ServedProxy
 
 BANGS = 5_000_000  # characters of `!`: 312,500 tokens of o200k (16 a token)
 # o200k counts `!` 16 to a token; a chat message costs 3, its role ("user") 1, the reply 3.
@@ -96,8 +94,9 @@ async def test_huge_prompts_without_usage_do_not_stall_other_clients(
 ) -> None:
     """Open mode (no limits, so admission counts nothing). While one client sends a 5 MB prompt
     of `!` answered without usage, then another that it abandons while the upstream has it,
-    another client's small requests to the same proxy process are each answered within 300 ms.
-    Before: settle counted each prompt on the loop, about 6 s each on a 2-core VM."""
+    another client's small requests to the same proxy process are each answered within 200 ms
+    (issue 21's bound; 72-133 ms measured on the 2-core CI machine). Before: settle counted
+    each prompt on the loop, about 6 s each on a 2-core VM."""
     held, gone = asyncio.Event(), asyncio.Event()
     upstream = await aiohttp_server(_upstream_app(held, gone))
     cfg = tmp_path / "tm.yaml"
@@ -107,18 +106,12 @@ async def test_huge_prompts_without_usage_do_not_stall_other_clients(
         "metrics:\n  discover_models: false\n"
     )
     log = tmp_path / "proxy.log"
-    port = free_port()
-    with log.open("w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg),
-             "--port", str(port)],
-            stdout=subprocess.DEVNULL, stderr=err,
-        )
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    proxy = ServedProxy(cfg, log)
+    url = f"{proxy.url}/v1/chat/completions"
     big = json.dumps(_chat("!" * BANGS)).encode()
     json_type = {"content-type": "application/json"}
     try:
-        await asyncio.to_thread(wait_for_port, port, 20.0)
+        await proxy.started()
         async with aiohttp.ClientSession() as ordinary:
 
             async def ask() -> int:
@@ -142,8 +135,7 @@ async def test_huge_prompts_without_usage_do_not_stall_other_clients(
                 await asyncio.wait_for(gone.wait(), 30)  # the proxy let go of the upstream
                 await until(lambda: len(_hostile_lines(log)) == 2, deadline=60)
     finally:
-        proc.terminate()
-        await asyncio.to_thread(proc.wait, 30)
+        await proxy.stopped()
     answered, abandoned_line = sorted(_hostile_lines(log), key=lambda x: x["status"])
     assert (answered["status"], answered["error_class"]) == (200, "none")
     assert abandoned_line["status"] == 499
@@ -151,7 +143,7 @@ async def test_huge_prompts_without_usage_do_not_stall_other_clients(
     for line in (answered, abandoned_line):  # charged an estimate of the prompt, close
         assert line["token_source"] == "estimated"
         assert line["input_tokens"] == pytest.approx(BANG_TOKENS, rel=0.01)
-    latencies.check(at_least=5)
+    latencies.check(at_least=5, bound_s=0.2)
 
 
 # --- a run of spaces tiktoken refuses: counted, never a 500 ----------------------------------
@@ -183,7 +175,7 @@ async def test_a_megabyte_of_spaces_is_counted_not_a_500(
             extra_headers={"x-mock-usage": "off"},
         )
     assert answer.status_code == 200
-    await proxy.app[st.SERVICES].settling.wait_for(1)
+    await settled(proxy.app, 1)
     (line,) = [json.loads(r.getMessage()) for r in caplog.records
                if r.name == "tokenmeter.access"]
     assert line["token_source"] == "estimated"
@@ -320,5 +312,5 @@ async def test_the_prompt_is_counted_once_for_admission_and_settle(
             model="gpt-4o", messages=[{"role": "user", "content": "word " * 3000}],
             extra_headers={"x-mock-usage": "off"},
         )
-    await proxy.app[st.SERVICES].settling.wait_for(1)
+    await settled(proxy.app, 1)
     assert _Counting.counted == 1

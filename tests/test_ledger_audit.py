@@ -10,7 +10,7 @@ from aiohttp.test_utils import TestServer
 from proxy.budget import limits as lim
 from proxy.budget.store import USER, Entry
 from proxy.ledger.audit import Auditor
-from proxy.server import state as st
+from proxy.pipeline import services as st
 from tests.helpers import ALICE_KEY, MESSAGES, Stack, StackFactory, make_config, sample, scrape
 
 

@@ -14,8 +14,6 @@ import asyncio
 import os
 import signal
 import sqlite3
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from datetime import date
@@ -28,12 +26,12 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from proxy.budget.store_redis import RedisStore
+from proxy.budget.usage_report import read_usage
 from proxy.config.load import Config
 from proxy.ledger.schema import TABLE
+from proxy.pipeline import services as st
 from proxy.pipeline.relay import REQUEST_ID_HEADER
-from proxy.server import state as st
 from proxy.server.app import create_app
-from proxy.telemetry.usage_report import read_usage
 from proxy.testing.mock_upstream import MOCK_STATE, MockSettings, create_mock_app
 from tests.helpers import (
     ALICE_KEY,
@@ -43,9 +41,10 @@ from tests.helpers import (
     make_config,
     sample,
     scrape,
+    settled,
     until,
 )
-from tests.servers import PostgresServer, free_port, wait_for_port
+from tests.servers import PostgresServer, ServedProxy
 
 USERS = {
     "alice": {"keys": [ALICE_KEY], "daily_tokens": 50_000_000},
@@ -58,7 +57,7 @@ PACED = {"x-mock-tokens-per-second": "400", "x-mock-output-tokens": "200",
 
 
 async def _served(app_server: TestServer, count: int) -> None:
-    await asyncio.wait_for(app_server.app[st.SERVICES].settling.wait_for(count), 30)
+    await settled(app_server.app, count, deadline=30)
 
 
 async def _flush(app_server: TestServer) -> None:
@@ -172,16 +171,6 @@ async def paced_upstream(aiohttp_server: ServerFactory) -> TestServer:
         create_mock_app(MockSettings(tokens_per_second=2000, ttft_ms=0, output_tokens=40)))
 
 
-def _serve(config_path: Path, port: int) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "serve", "--config", str(config_path),
-         "--port", str(port), "--log-level", "WARNING"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy(),
-    )
-    wait_for_port(port, timeout=30)
-    return proc
-
-
 async def _read_whole(session: aiohttp.ClientSession, url: str, stream: bool) -> str | None:
     """A request whose answer is read to its very end (EOF): its ledger id, else None."""
     body = {"model": "mock-gpt", "messages": MESSAGES, "stream": stream}
@@ -204,9 +193,8 @@ upstreams:
   mock: {{base_url: "{paced_upstream.make_url('/v1')}"}}
 metrics: {{discover_models: false}}
 """)
-    port = free_port()
-    proxy = _serve(config, port)
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    proxy = await ServedProxy(config, tmp_path / "proxy.log").started()
+    url = f"{proxy.url}/v1/chat/completions"
     read: list[str] = []
     killed = asyncio.Event()
 
@@ -220,12 +208,11 @@ metrics: {{discover_models: false}}
     workers = [asyncio.create_task(client(n)) for n in range(6)]
     try:
         await until(lambda: len(read) >= 60, deadline=60)
-        proxy.send_signal(signal.SIGKILL)
-        proxy.wait(timeout=10)
+        proxy.kill()
         killed.set()
         await asyncio.gather(*workers)
         # Only answers read to their end before the kill count; later ones cannot have been.
-        proxy = _serve(config, port)
+        await proxy.started()  # again, on the same port
         ledger = Path(os.environ["TOKENMETER_STATE_DIR"]) / "ledger.sqlite3"
 
         def booked() -> dict[str, int]:
@@ -239,7 +226,6 @@ metrics: {{discover_models: false}}
         assert all(counts[r] == 1 for r in read)
     finally:
         proxy.kill()
-        proxy.wait(timeout=10)
 
 
 async def test_sigterm_ships_every_row_before_the_process_exits(
@@ -251,18 +237,15 @@ upstreams:
   mock: {{base_url: "{paced_upstream.make_url('/v1')}"}}
 metrics: {{discover_models: false}}
 """)
-    port = free_port()
-    proxy = _serve(config, port)
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    proxy = await ServedProxy(config, tmp_path / "proxy.log").started()
+    url = f"{proxy.url}/v1/chat/completions"
     try:
         async with aiohttp.ClientSession() as session:
             ids = await asyncio.gather(*(_read_whole(session, url, stream=i % 2 == 0)
                                          for i in range(40)))
-        proxy.send_signal(signal.SIGTERM)
-        assert proxy.wait(timeout=60) == 0
+        assert await proxy.stopped(signal.SIGTERM) == 0, proxy.log_text()
     finally:
-        if proxy.poll() is None:
-            proxy.kill()
+        proxy.kill()
     # No restart: the exiting process itself stored them (drain within server.drain_seconds).
     ledger = Path(os.environ["TOKENMETER_STATE_DIR"]) / "ledger.sqlite3"
     with sqlite3.connect(f"file:{ledger}?mode=ro", uri=True) as db:

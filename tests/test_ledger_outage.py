@@ -59,7 +59,7 @@ async def _accepts(url: str) -> bool:
 def make_row(i: int) -> LedgerRow:
     return LedgerRow(
         request_id=f"out-{i:06d}", started_at=NOW + i, ended_at=time.time(), replica="r1",
-        user_name=f"user{i % 5}", key_name=None, team="t", operation="chat.completions",
+        user_name=f"user{i % 5}", key_name=None, team="t", operation="chat",
         requested_model="m", model="m", response_model="m", upstream="u", fallback_from=None,
         attempts=1, status=200, error_class="none", stream=True, input_tokens=10 + i,
         output_tokens=5, cached_input_tokens=0, reasoning_tokens=0, token_source="reported",

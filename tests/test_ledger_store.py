@@ -45,7 +45,7 @@ def make_row(i: int, *, prefix: str = "req", started_at: float = NOW, **changes:
         request_id=f"{prefix}-{i:06d}", started_at=started_at + i * 0.001,
         ended_at=started_at + i * 0.001 + 1.25, replica="test-1", user_name=f"user{i % 7}",
         key_name="ci" if i % 2 else None, team="platform" if i % 3 else None,
-        operation="chat.completions", requested_model="gpt-4o-mini", model="gpt-4o-mini",
+        operation="chat", requested_model="gpt-4o-mini", model="gpt-4o-mini",
         response_model="gpt-4o-mini-2024-07-18", upstream="openai", fallback_from=None,
         attempts=1, status=200 if i % 5 else 429, error_class="none" if i % 5 else "quota",
         stream=bool(i % 2), input_tokens=100 + i, output_tokens=20 + i, cached_input_tokens=i % 4,

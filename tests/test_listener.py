@@ -24,9 +24,9 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from proxy.cli import _start_site
 from proxy.config.load import parse_config
+from proxy.pipeline.services import BODY_TIMED_OUT
 from proxy.server.app import create_app
 from proxy.server.listener import (
-    BODY_TIMED_OUT,
     ConnectionGuard,
     ListenerEvent,
     ListenerLimits,

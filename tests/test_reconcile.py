@@ -24,24 +24,24 @@ import pytest
 from aiohttp.test_utils import TestServer
 from prometheus_client import generate_latest
 
-from proxy.auth import Principal
 from proxy.budget import limits as lim
 from proxy.budget.accounting import Budget, Reservation
 from proxy.budget.admission import Ask
-from proxy.budget.cost import cost_nanousd, price_for
 from proxy.budget.notify import Notifier
+from proxy.budget.principal import Principal
 from proxy.budget.store import MemoryStore, Store
 from proxy.budget.store_redis import RedisStore
 from proxy.cli import main
 from proxy.config.ledger import LedgerConfig
 from proxy.config.load import Config
+from proxy.cost import CostLines, price_for
 from proxy.ledger.migrate import migrate_sqlite
 from proxy.ledger.query import LedgerReader, LedgerUnavailable, Location, locate, open_reader
-from proxy.ledger.reconcile import Reconciliation, Verdict, reconcile, store_view
+from proxy.ledger.reconcile import Reconciliation, Verdict, reconcile
 from proxy.ledger.row import COLUMNS, LedgerRow
 from proxy.ledger.schema import MIGRATIONS, TABLE
+from proxy.pipeline import services as st
 from proxy.protocol.usage import Usage
-from proxy.server import state as st
 from proxy.server.app import create_app
 from proxy.telemetry.metrics import Metrics
 from tests.helpers import (
@@ -52,6 +52,7 @@ from tests.helpers import (
     ServerFactory,
     make_config,
     sdk,
+    settled,
     until,
 )
 
@@ -179,7 +180,8 @@ class World:
         ask = Ask(principal, model, plan, prompt, 64, 1, stream=False, hidden_output=False)
         reservation = await self.budget.reserve(ask, self.config)
         if settle:
-            await self.budget.settle(reservation, usage)
+            cost = None if plan.price is None else CostLines.of(plan.price, usage)
+            await self.budget.settle(reservation, usage, cost)
         if book:
             await self.book(user, plan, usage, key=key, model=model)
         return reservation
@@ -192,14 +194,13 @@ class World:
         await self.books.write([LedgerRow(
             request_id=uuid.uuid4().hex, started_at=end - 0.2, ended_at=end, replica="r1",
             user_name=user, key_name=key, team=self.config.users[user].team,
-            operation="chat.completions", requested_model=model, model=model,
+            operation="chat", requested_model=model, model=model,
             response_model=model, upstream="mock", fallback_from=None, attempts=1,
             status=200, error_class="none", stream=True, input_tokens=usage.input_tokens,
             output_tokens=usage.output_tokens, cached_input_tokens=usage.cached_input_tokens,
             reasoning_tokens=0, token_source="reported", ttft_ms=1.0, upstream_ttft_ms=1.0,
             overhead_ms=0.1, duration_ms=200.0, output_tokens_per_s=35.0,
-            cost_nanousd=None if price is None else cost_nanousd(
-                price, usage.input_tokens, usage.cached_input_tokens, usage.output_tokens),
+            cost_nanousd=None if price is None else CostLines.of(price, usage).nanousd,
             price_version="p1" if price is not None else None,
             windows=" ".join(w.label for w in plan.windows),
         )])
@@ -207,7 +208,7 @@ class World:
     async def reconcile(self, day: date | None = None,
                         earlier: Reconciliation | None = None) -> Reconciliation:
         async with await open_reader(self.location) as reader:
-            return await reconcile(self.config, store_view(self.budget.store), reader,
+            return await reconcile(self.config, self.budget.store, reader,
                                    day or self.today, earlier)
 
     @property
@@ -273,7 +274,8 @@ async def test_ledger_and_store_agree(world: World, capsys: pytest.CaptureFixtur
     (cost,) = by_label(r, "dave", "u:daily_usd")
     price = world.config.prices["gpt-4o"]
     assert cost.measure == "cost"
-    assert cost.ledger == cost.store == cost_nanousd(price, 1000, 500, 2000) > 0
+    assert cost.ledger == cost.store == CostLines.of(price, Usage(
+        input_tokens=1000, output_tokens=2000, cached_input_tokens=500)).nanousd > 0
     (monthly,) = by_label(r, "dave", "u:monthly_tokens")
     assert monthly.ledger == monthly.store == 3000
     assert set(r.drift_by_window().values()) == {0}
@@ -300,7 +302,7 @@ async def test_requests_in_flight_explain_the_difference(
     assert (await run_command(world, capsys))[0] == 0
     # Settled, its row never written: in one reading, a row that may be on its way; still
     # missing a reading later, drift.
-    await world.budget.settle(held, Usage(input_tokens=30, output_tokens=9))
+    await world.budget.settle(held, Usage(input_tokens=30, output_tokens=9), None)
     first = await world.reconcile()
     (alice,) = by_label(first, "alice", "u:daily_tokens")
     assert alice.store == 27 + 39 and alice.verdict is Verdict.BEHIND and first.agrees
@@ -497,8 +499,8 @@ async def test_the_real_proxy_books_agree_with_its_store(
         model="mock-gpt", messages=MESSAGES, stream=True)
     async for _ in stream:
         pass
+    await settled(proxy.app, 4, deadline=30)
     svc = proxy.app[st.SERVICES]
-    await asyncio.wait_for(svc.settling.wait_for(4), 30)
     assert svc.ledger is not None and await svc.ledger.flush(30)
     path = tmp_path / "tm.json"
     path.write_text(config.model_dump_json(exclude_none=True))

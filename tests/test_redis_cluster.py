@@ -6,11 +6,8 @@ proxies sharing the cluster keep a team's quota under a race."""
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
-import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
@@ -22,10 +19,10 @@ from redis.crc import key_slot
 from proxy.budget import limits as lim
 from proxy.budget.store import Entry, InFlightLimit, ScopeKind, StoreError
 from proxy.budget.store_redis import RedisStore
+from proxy.budget.usage_report import read_usage, today
 from proxy.config.policy import KeyConfig, Policy, Price
-from proxy.server import state as st
+from proxy.pipeline import services as st
 from proxy.server.app import create_app
-from proxy.telemetry.usage_report import read_usage, today
 from proxy.testing.mock_upstream import MockSettings
 from tests.helpers import (
     ALICE_KEY,
@@ -39,81 +36,12 @@ from tests.helpers import (
     sdk,
     until,
 )
-from tests.servers import free_port, wait_for_port
+from tests.servers import Cluster
 
 
-class Cluster:
-    """Three primaries, no replicas, each with its own cluster-bus port, in a temp dir."""
-
-    def __init__(self, nodes: int = 3) -> None:
-        self.dir = tempfile.mkdtemp(prefix="tm-redis-cluster-")
-        self.ports = [free_port() for _ in range(nodes)]
-        self.bus_ports = [free_port() for _ in range(nodes)]
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    @property
-    def url(self) -> str:
-        return f"redis+cluster://127.0.0.1:{self.ports[0]}"
-
-    def start(self) -> None:
-        exe, cli = shutil.which("redis-server"), shutil.which("redis-cli")
-        assert exe and cli, "redis-server and redis-cli are needed (.ci/run installs them)"
-        for port, bus in zip(self.ports, self.bus_ports, strict=True):
-            self.procs.append(subprocess.Popen(
-                [exe, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-                 "--cluster-config-file", f"{self.dir}/nodes-{port}.conf",
-                 "--cluster-port", str(bus), "--dir", self.dir, "--save", "",
-                 "--appendonly", "no", "--loglevel", "warning"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            ))
-        for port in self.ports:
-            wait_for_port(port)
-        subprocess.run(
-            [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
-             "--cluster-replicas", "0", "--cluster-yes"],
-            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60,
-        )
-        deadline = time.monotonic() + 30
-        while not all(self._ok(p) for p in self.ports):
-            assert time.monotonic() < deadline, "the cluster never reached cluster_state:ok"
-            time.sleep(0.05)
-
-    @staticmethod
-    def _ok(port: int) -> bool:
-        with redis.Redis(port=port, decode_responses=True) as r:
-            info = r.cluster("INFO")  # parsed by redis-py into a dict
-        return isinstance(info, dict) and info.get("cluster_state") == "ok"
-
-    def flush(self) -> None:
-        for port in self.ports:
-            with redis.Redis(port=port) as r:
-                r.flushall()
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            proc.kill()
-            proc.wait(timeout=10)
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    # Six free ports are picked before six servers bind them: on a busy box (two xdist workers
-    # starting servers of their own) one may be taken in between. Fresh ports, up to 3 times.
-    for attempt in range(3):
-        c = Cluster()
-        try:
-            c.start()
-        except (subprocess.SubprocessError, OSError, AssertionError):
-            c.stop()
-            if attempt == 2:
-                raise
-            continue
-        try:
-            yield c
-        finally:
-            c.stop()
-        return
+@pytest.fixture
+def cluster(redis_cluster: Cluster) -> Cluster:
+    return redis_cluster
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from proxy.config.load import load_config, parse_config
+from proxy.pipeline.services import SERVICES
 from proxy.server import reload as reload_mod
 from proxy.server import state as st
 from proxy.server.app import create_app
@@ -86,7 +87,7 @@ async def test_invalid_file_is_refused_and_old_config_serves(
     aiohttp_server: ServerFactory, config_file: Path
 ) -> None:
     proxy = await aiohttp_server(create_app(load_config(config_file), config_path=config_file))
-    before = proxy.app[st.SERVICES].runtime.current
+    before = proxy.app[SERVICES].runtime.current
     config_file.write_text(config_file.read_text() + "\nusers: {bad user name!: {}}\n")
     watcher = proxy.app[st.WATCHER]
     watcher.request_reload()  # what SIGHUP does; the poller would also see the change
@@ -96,7 +97,7 @@ async def test_invalid_file_is_refused_and_old_config_serves(
                       result="error") >= 1
 
     await until(refused, deadline=10.0)
-    assert proxy.app[st.SERVICES].runtime.current is before
+    assert proxy.app[SERVICES].runtime.current is before
     assert await _works(proxy, ALICE_KEY)
     assert not await watcher.reload()  # and it says so when asked directly
 
@@ -208,7 +209,7 @@ async def test_store_prefix_change_waits_for_restart(
         watcher.request_reload()
         assert await watcher.poll_once() is Poll.APPLIED
         assert await _works(proxy, BOB_KEY)  # the rest of the new version is live
-        assert proxy.app[st.SERVICES].runtime.current.config.store.prefix == "tokenmeter"
+        assert proxy.app[SERVICES].runtime.current.config.store.prefix == "tokenmeter"
         with pytest.raises(openai.RateLimitError) as err:  # and alice's day is not reset
             await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
         assert err.value.code == "daily_quota_exceeded"
@@ -224,7 +225,7 @@ async def test_sighup_on_a_missing_file_is_refused_and_said(
 ) -> None:
     async with asyncio.timeout(30):
         proxy = await aiohttp_server(create_app(load_config(config_file), config_path=config_file))
-        before = proxy.app[st.SERVICES].runtime.current
+        before = proxy.app[SERVICES].runtime.current
         watcher = proxy.app[st.WATCHER]
         config_file.unlink()  # mid-replace, or a wrong path after a deploy
         assert await watcher.poll_once() is Poll.MISSING
@@ -232,7 +233,7 @@ async def test_sighup_on_a_missing_file_is_refused_and_said(
         watcher.request_reload()
         assert await watcher.poll_once() is Poll.MISSING
         assert await _reloads(proxy, "error") == 1  # SIGHUP was asked for: it is counted
-        assert proxy.app[st.SERVICES].runtime.current is before
+        assert proxy.app[SERVICES].runtime.current is before
         assert await _works(proxy, ALICE_KEY)
 
 

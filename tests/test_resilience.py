@@ -21,7 +21,6 @@ from aiohttp.test_utils import TestServer
 from openai.types.chat import ChatCompletionMessageParam
 
 from proxy.config.load import parse_config
-from proxy.server import state as st
 from proxy.server.app import create_app
 from proxy.testing.mock_upstream import (
     MOCK_STATE,
@@ -30,7 +29,7 @@ from proxy.testing.mock_upstream import (
     create_mock_app,
     generated_text,
 )
-from tests.helpers import ServerFactory, config_for, sample, scrape, until
+from tests.helpers import ServerFactory, config_for, sample, scrape, settled, until
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 FAST_RETRY = {"initial_backoff_ms": 1, "max_backoff_ms": 5}
@@ -43,10 +42,6 @@ def mock_of(server: TestServer) -> MockState:
 
 def sdk(server: TestServer, key: str = "sk-unused") -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key=key, max_retries=0)
-
-
-async def settled(server: TestServer, count: int) -> None:
-    await server.app[st.SERVICES].settling.wait_for(count)
 
 
 @pytest.fixture
@@ -75,7 +70,7 @@ async def test_5xx_is_retried_with_backoff_then_served(
         )
     assert r.choices[0].message.content == generated_text(12)
     assert len(mock_of(upstream).requests) == 3
-    await settled(proxy, 1)
+    await settled(proxy.app, 1)
     m = await scrape(proxy)
     assert sample(m, "tokenmeter_upstream_retries_total", reason="upstream_5xx") == 2
     assert sample(m, "tokenmeter_requests_total", status="200") == 1
@@ -132,7 +127,7 @@ async def test_attempts_are_bounded(aiohttp_server: ServerFactory, upstream: Tes
                 model="mock-gpt", messages=MESSAGES, extra_headers={"x-mock-status": "400"}
             )
     assert len(mock_of(upstream).requests) == 4 + 1
-    await settled(proxy, 2)
+    await settled(proxy.app, 2)
     m = await scrape(proxy)
     assert sample(m, "tokenmeter_requests_total", status="500", error_class="upstream_5xx") == 1
 
@@ -147,7 +142,7 @@ async def test_connect_errors_are_retried_then_502(aiohttp_server: ServerFactory
         with pytest.raises(openai.APIStatusError) as err:
             await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
     assert err.value.status_code == 502 and err.value.code == "upstream_unreachable"
-    await settled(proxy, 1)
+    await settled(proxy.app, 1)
     m = await scrape(proxy)
     assert sample(m, "tokenmeter_upstream_retries_total", reason="upstream_unreachable") == 2
     assert sample(m, "tokenmeter_requests_total", status="502",
@@ -170,7 +165,7 @@ async def test_a_stream_that_started_is_never_retried(
                 got += chunk.choices[0].delta.content or "" if chunk.choices else ""
     assert got == generated_text(3) and err.value.code == "upstream_reset"
     assert len(mock_of(upstream).requests) == 1
-    await settled(proxy, 1)
+    await settled(proxy.app, 1)
     m = await scrape(proxy)
     assert sample(m, "tokenmeter_upstream_retries_total") == 0
     assert sample(m, "tokenmeter_requests_total", status="200", error_class="upstream_reset") == 1
@@ -193,7 +188,7 @@ async def test_first_byte_timeout_is_504_and_not_retried(
             )
     assert err.value.status_code == 504 and err.value.code == "first_byte_timeout"
     assert len(mock_of(upstream).requests) == 1
-    await settled(proxy, 1)
+    await settled(proxy.app, 1)
     m = await scrape(proxy)
     assert sample(m, "tokenmeter_requests_total", status="504",
                   error_class="first_byte_timeout") == 1
@@ -264,7 +259,7 @@ async def test_connect_timeout_has_its_own_class(
         with pytest.raises(openai.APIStatusError) as err:
             await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
     assert err.value.status_code == 504 and err.value.code == "connect_timeout"
-    await settled(proxy, 1)
+    await settled(proxy.app, 1)
     m = await scrape(proxy)
     assert sample(m, "tokenmeter_upstream_retries_total", reason="connect_timeout") == 1
 
@@ -336,7 +331,7 @@ async def test_fallback_serves_and_is_charged_on_the_model_used(
     assert len(mock_of(backup).requests) == 2
     assert all(req.body is not None and req.body["model"] == "backup-model"
                for req in mock_of(backup).requests)
-    await settled(proxy, 3)
+    await settled(proxy.app, 3)
     m = await scrape(proxy)
     assert r.usage is not None and second.usage is not None
     served = r.usage.total_tokens + second.usage.total_tokens
@@ -361,7 +356,7 @@ async def test_fallback_on_unreachable_primary_streams_from_backup(
         )
         chunks = [c async for c in stream]
     assert {c.model for c in chunks} == {"backup-model"}
-    await settled(proxy, 1)
+    await settled(proxy.app, 1)
     m = await scrape(proxy)
     assert sample(m, "tokenmeter_fallbacks_total", reason="upstream_unreachable") == 1
     assert sample(m, "tokenmeter_requests_total", model="backup-model", status="200") == 1
@@ -386,7 +381,7 @@ async def test_slow_primary_is_skipped_while_its_ttft_p95_is_high(
             async for _chunk in raw.parse():
                 pass
             served.append(raw.headers["x-tokenmeter-model"])
-            await settled(proxy, len(served))  # the TTFT sample is taken when settling
+            await settled(proxy.app, len(served))  # the TTFT sample is taken when settling
     assert served == ["primary-model"] * 3 + ["backup-model"] * 2
     m = await scrape(proxy)
     assert sample(m, "tokenmeter_fallbacks_total", reason="slow") == 2
@@ -420,7 +415,7 @@ async def test_responses_stream_break_ends_with_an_error_event(
     last = raw.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
     assert last.startswith(b"event: error\ndata: ")
     assert b'"code": "upstream_reset"' in last and b'"error": {' in last
-    await settled(proxy, 1)
+    await settled(proxy.app, 1)
     m = await scrape(proxy)
     assert sample(m, "tokenmeter_tokens_total", type="output", source="estimated") == 4
 
@@ -441,7 +436,7 @@ async def test_garbage_and_random_chunking_pass_through_and_meter_exactly(
             via_proxy = await r.read()
     # Byte for byte the same bar the per-response ids and timestamps: same length, same junk.
     assert len(via_proxy) == len(direct) and b"\x00\xff\xfenot an event" in via_proxy
-    await settled(proxy, 1)
+    await settled(proxy.app, 1)
     m = await scrape(proxy)
     assert sample(m, "tokenmeter_tokens_total", type="output", source="reported") == 12
     assert sample(m, "tokenmeter_metering_errors_total") == 0
@@ -462,7 +457,7 @@ async def test_client_disconnect_mid_retry_wait_settles(
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-    await settled(proxy, 1)
+    await settled(proxy.app, 1)
     m = await scrape(proxy)
     assert sample(m, "tokenmeter_requests_total", error_class="client_disconnect") == 1
     assert len(mock_of(upstream).requests) == 1  # the retry never happened

@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,15 +17,15 @@ from proxy.budget.accounting import Budget
 from proxy.budget.admission import Ask
 from proxy.budget.limits import daily_key
 from proxy.budget.notify import Notifier
-from proxy.budget.spool import Spool
+from proxy.budget.spool import SettleSpool
 from proxy.budget.store import Entry, MemoryStore
+from proxy.budget.usage_report import today
 from proxy.config.load import parse_config
 from proxy.protocol.translators import ChatTranslator, parse_body
 from proxy.protocol.usage import Usage
 from proxy.telemetry.metrics import Metrics
-from proxy.telemetry.usage_report import today
 from tests.helpers import ALICE_KEY, BOB_KEY, MESSAGES, budget_yaml
-from tests.servers import RedisServer, free_port, wait_for_port
+from tests.servers import RedisServer, ServedProxy
 
 SLOT = "tokenmeter:{alice}"
 
@@ -37,7 +35,7 @@ def _entries(amount: int, key: str = f"{SLOT}:u:daily_tokens:20261203") -> tuple
 
 
 def test_an_outage_longer_than_any_count_bound_is_summed_exactly(tmp_path: Path) -> None:
-    spool = Spool(tmp_path)
+    spool = SettleSpool(tmp_path)
     spool.open()
     for i in range(150_000):  # the old in-memory queue dropped everything past 100,000
         spool.add(SLOT, _entries(1 + i % 7), tokens=1 + i % 7, now=1000.0)
@@ -56,7 +54,7 @@ def test_an_outage_longer_than_any_count_bound_is_summed_exactly(tmp_path: Path)
 
 
 def test_a_dead_processes_spool_is_adopted_with_the_same_ids(tmp_path: Path) -> None:
-    dead = Spool(tmp_path)
+    dead = SettleSpool(tmp_path)
     dead.open()
     dead.owe(SLOT, "res-1", _entries(40), tokens=40, now=1000.0)
     dead.add(SLOT, _entries(5), tokens=5, now=1000.0)
@@ -67,7 +65,7 @@ def test_a_dead_processes_spool_is_adopted_with_the_same_ids(tmp_path: Path) -> 
     os.close(dead._fd)
 
     def adopt() -> dict[str, int]:
-        heir = Spool(tmp_path)
+        heir = SettleSpool(tmp_path)
         heir.open()
         owed = {o.res_id: sum(e.amount for e in o.entries(1000.0) if "daily" in e.key)
                 for o in heir.take()}
@@ -82,10 +80,10 @@ def test_a_dead_processes_spool_is_adopted_with_the_same_ids(tmp_path: Path) -> 
 
 
 def test_a_live_processes_spool_is_not_adopted(tmp_path: Path) -> None:
-    live = Spool(tmp_path)
+    live = SettleSpool(tmp_path)
     live.open()
     live.add(SLOT, _entries(5), tokens=5, now=1000.0)
-    other = Spool(tmp_path)
+    other = SettleSpool(tmp_path)
     other.open()
     assert other.pending() == (0, 0)
     assert live.pending() == (1, 5)
@@ -117,7 +115,7 @@ async def test_the_in_process_store_stays_bounded_over_30000_requests() -> None:
     translator = ChatTranslator(parse_body(
         b'{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":5}'
     ))
-    peak: dict[str, int] = {}
+    peak = 0
     for i in range(30_000):
         principal = principals[i % len(principals)]
         plan = budget.plan(principal, translator.model, config)
@@ -125,32 +123,22 @@ async def test_the_in_process_store_stays_bounded_over_30000_requests() -> None:
         ask = Ask(principal, translator.model, plan, 3, output, 1, stream=False,
                   hidden_output=False)
         reservation = await budget.reserve(ask, config)
-        await budget.settle(reservation, Usage(3, 5))
+        await budget.settle(reservation, Usage(3, 5), None)
         now[0] += 0.05
         if i >= 20_000:
-            for name, size in store.sizes().items():
-                peak[name] = max(peak.get(name, 0), size)
+            snapshot = await store.snapshot(plan.slot, [])
+            assert not snapshot.holds and not snapshot.reaped  # every reservation settled
+            peak = max(peak, snapshot.size)
     alive_marks = int(600 / 0.05) + 10
-    assert peak["marks"] <= alive_marks and peak["mark_heap"] <= alive_marks
     # Per user: 3 daily counters and, for alice, 2 minute windows of which at most 3 minutes
     # are alive at once (each lives to the end of its minute plus 60 s).
-    assert peak["counters"] <= 2 * 3 + 2 + 2 * 3 and peak["counter_heap"] <= 20
-    assert peak["leases"] == peak["reserved"] == peak["sets"] == 0
+    assert peak <= alive_marks + 2 * 3 + 2 + 2 * 3
 
 
 async def _redis_daily(r: aioredis.Redis, text: str) -> int:
     key = daily_key("tokenmeter", "alice", "daily_tokens",
                     today(parse_config(text), time.time()).strftime("%Y%m%d"))
     return int(await r.get(key) or 0)
-
-
-def _serve(cfg: Path, port: int, state: Path, log: Path) -> subprocess.Popen[str]:
-    # The log goes to a file: a pipe nobody reads until the end would fill up and stall it.
-    return subprocess.Popen(
-        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg), "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=log.open("w"), text=True,
-        env={**os.environ, "TOKENMETER_STATE_DIR": str(state)},
-    )
 
 
 async def test_usage_owed_during_an_outage_survives_sigterm_and_restart(
@@ -163,14 +151,14 @@ async def test_usage_owed_during_an_outage_survives_sigterm_and_restart(
     cfg = tmp_path / "tm.yaml"
     cfg.write_text(text)
     state = tmp_path / "state"
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    env = {"TOKENMETER_STATE_DIR": str(state)}
+    first = ServedProxy(cfg, tmp_path / "first.log", env=env)
+    second = ServedProxy(cfg, tmp_path / "second.log", env=env, port=first.port)
+    url = f"{first.url}/v1/chat/completions"
     auth = {"Authorization": f"Bearer {ALICE_KEY}"}
     r = aioredis.Redis.from_url(redis_server.url)
-    proc = _serve(cfg, port, state, tmp_path / "first.log")
-    second: subprocess.Popen[str] | None = None
     try:
-        await asyncio.to_thread(wait_for_port, port, 20.0)
+        await first.started()
         total: int = 0  # declared: the closure below would see the Any of resp.json()
         async with aiohttp.ClientSession() as s:
             async with s.post(url, json={"model": "mock-gpt", "messages": MESSAGES},
@@ -183,18 +171,16 @@ async def test_usage_owed_during_an_outage_survives_sigterm_and_restart(
                                   headers=auth) as resp:
                     assert resp.status == 200
                     total += (await resp.json())["usage"]["total_tokens"]
-        proc.send_signal(signal.SIGTERM)  # a rolling restart during the outage
-        await asyncio.to_thread(proc.wait, timeout=30)
-        err = (tmp_path / "first.log").read_text()
-        assert proc.returncode == 0, err
+        code = await first.stopped(signal.SIGTERM)  # a rolling restart during the outage
+        err = first.log_text()
+        assert code == 0, err
         assert "owed to the budget store" in err  # and it says where they wait
         assert list(state.glob("spool-*.jsonl"))  # on main: nothing kept, 7,500 tokens lost
 
         redis_server.start()
         await r.aclose()
         r = aioredis.Redis.from_url(redis_server.url)  # the old connection died with the server
-        second = _serve(cfg, port, state, tmp_path / "second.log")
-        await asyncio.to_thread(wait_for_port, port, 20.0)
+        await second.started()
 
         async def replayed() -> bool:
             return await _redis_daily(r, text) >= total
@@ -203,12 +189,10 @@ async def test_usage_owed_during_an_outage_survives_sigterm_and_restart(
             while not await replayed():  # noqa: ASYNC110 (the counter lives in Redis)
                 await asyncio.sleep(0.05)
         assert await _redis_daily(r, text) == total  # exactly once
-        second.send_signal(signal.SIGTERM)
-        await asyncio.to_thread(second.wait, timeout=30)
+        assert await second.stopped(signal.SIGTERM) == 0
         assert list(state.glob("spool-*")) == []  # nothing owed any more
     finally:
-        for p in (proc, second):
-            if p is not None and p.poll() is None:
-                p.kill()
+        first.kill()
+        second.kill()
         await r.aclose()
         redis_server.stop()

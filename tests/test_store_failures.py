@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,10 +15,10 @@ import redis.asyncio as aioredis
 from aiohttp.test_utils import TestServer
 
 from proxy.budget.limits import daily_key
+from proxy.budget.usage_report import read_usage, today
 from proxy.config.load import parse_config
-from proxy.server import state as st
+from proxy.pipeline import services as st
 from proxy.server.app import create_app
-from proxy.telemetry.usage_report import read_usage, today
 from tests.helpers import (
     ALICE_KEY,
     MESSAGES,
@@ -33,7 +29,7 @@ from tests.helpers import (
     scrape,
     sdk,
 )
-from tests.servers import RedisServer, free_port, wait_for_port
+from tests.servers import RedisServer, ServedProxy
 
 
 @pytest.fixture
@@ -132,24 +128,19 @@ async def test_killed_proxy_reservation_is_released(
     text = _config_text(upstream, own_redis.url, "fail_open", users, lease_seconds=1.5)
     cfg = tmp_path / "tm.yaml"
     cfg.write_text(text)
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(cfg), "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    served = ServedProxy(cfg, tmp_path / "proxy.log")
     r = aioredis.Redis.from_url(own_redis.url)
     try:
-        await asyncio.to_thread(wait_for_port, port, 20.0)
+        await served.started()
         async with aiohttp.ClientSession() as s:
             resp = await s.post(
-                f"http://127.0.0.1:{port}/v1/chat/completions",
+                f"{served.url}/v1/chat/completions",
                 json={"model": "mock-gpt", "messages": MESSAGES, "stream": True},
                 headers={"Authorization": f"Bearer {ALICE_KEY}", "x-mock-stall-after": "3"},
             )
             assert resp.status == 200
             await resp.content.readany()  # streaming: its reservation is held
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+            served.kill()
             resp.close()
 
         inflight = "tokenmeter:{alice}:inflight"
@@ -176,8 +167,7 @@ async def test_killed_proxy_reservation_is_released(
         assert await r.zcard(inflight) == 0
         await client.close()
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        served.kill()
         await r.aclose()
 
 

@@ -35,7 +35,7 @@ def row(rid: str, user: str, started: str, **kw: Any) -> LedgerRow:
     start = at(started)
     base = LedgerRow(
         request_id=rid, started_at=start, ended_at=start + 0.5, replica="r1", user_name=user,
-        key_name=None, team=None, operation="chat.completions", requested_model="mock-gpt",
+        key_name=None, team=None, operation="chat", requested_model="mock-gpt",
         model="mock-gpt", response_model="mock-gpt", upstream="mock", fallback_from=None,
         attempts=1, status=200, error_class="none", stream=True, input_tokens=10,
         output_tokens=5, cached_input_tokens=0, reasoning_tokens=0, token_source="reported",

@@ -29,9 +29,10 @@ from aiohttp.test_utils import TestServer
 from prometheus_client.mmap_dict import MmapedDict
 
 from proxy.budget import limits as lim
-from proxy.budget.cost import cost_nanousd
 from proxy.config.load import Config, parse_config
 from proxy.config.policy import Policy, Price
+from proxy.cost import CostLines
+from proxy.protocol.usage import Usage
 from proxy.server.workers import budget_sharing_problem, configured_limits, parse_workers
 from proxy.testing.mock_upstream import MockSettings
 from tests.helpers import (
@@ -203,7 +204,9 @@ class Served:
 
     @property
     def cost(self) -> int:
-        return cost_nanousd(PRICE, self.input, self.cached, self.output)
+        usage = Usage(input_tokens=self.input, output_tokens=self.output,
+                      cached_input_tokens=self.cached)
+        return CostLines.of(PRICE, usage).nanousd
 
 
 async def ask(client: openai.AsyncOpenAI, stream: bool) -> Served:

@@ -30,25 +30,25 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from proxy.auth import Principal
 from proxy.budget import admission as adm
 from proxy.budget import estimate as est
 from proxy.budget import limits as lim
-from proxy.budget.cost import price_for, usage_cost
 from proxy.budget.notify import Notifier
+from proxy.budget.principal import Principal
 from proxy.budget.refusals import Refusal, Refused, unpriced
-from proxy.budget.spool import REPLAY_DONE_TTL_S, Spool
+from proxy.budget.spool import REPLAY_DONE_TTL_S, SettleSpool
 from proxy.budget.store import (
     Entry,
     ReserveResult,
     ScopeKind,
-    Settlement,
+    SettleKind,
     Store,
     StoreError,
     TopUpResult,
 )
 from proxy.budget.store_health import StoreHealth
 from proxy.config.policy import DEFAULT_MAX_OUTPUT_TOKENS, AdmissionPolicy, Policy, Price
+from proxy.cost import CostLines, price_for
 from proxy.errors import ServiceUnavailable
 from proxy.ids import new_id
 from proxy.protocol.usage import Usage
@@ -90,7 +90,7 @@ class Reservation:
 
 class Budget:
     def __init__(self, store: Store, metrics: Metrics, notifier: Notifier,
-                 clock: Callable[[], float] = time.time, spool: Spool | None = None) -> None:
+                 clock: Callable[[], float] = time.time, spool: SettleSpool | None = None) -> None:
         self.store = store
         self.metrics = metrics
         self.notifier = notifier
@@ -293,14 +293,16 @@ class Budget:
             self._settle_later(plan, res_id, _zero(plan), tokens=0)
 
     # --- settle -------------------------------------------------------------------------
-    async def settle(self, reservation: Reservation, usage: Usage) -> None:
-        """Never raises: what the store cannot take now goes to the spool."""
+    async def settle(self, reservation: Reservation, usage: Usage,
+                     priced: CostLines | None) -> None:
+        """Never raises: what the store cannot take now goes to the spool. `priced`: the
+        request's, at the reservation's price (settle prices a request once, for the books
+        too); counted only when the reservation was priced for cost windows."""
         self._active.pop(reservation.res_id, None)
         topped = self._topped.pop(reservation.res_id, 0)
         plan = reservation.plan
-        price = reservation.price
         inp, out = usage.input_tokens, usage.output_tokens
-        cost = usage_cost(price, usage) if price is not None else 0
+        cost = priced.nanousd if priced is not None and reservation.price is not None else 0
         entries = tuple(
             Entry(w.key, w.limit, lim.amount(w, inp, out, cost), w.ttl_s) for w in plan.windows
         )
@@ -324,12 +326,12 @@ class Budget:
     async def _settle(self, reservation: Reservation, entries: tuple[Entry, ...],
                       tokens: int) -> None:
         plan = reservation.plan
-        kind = Settlement.RESERVED if reservation.stored else Settlement.ADDITION
+        kind = SettleKind.RESERVED if reservation.stored else SettleKind.ADDITION
         charge = Charge(plan.slot, reservation.res_id, entries, tokens, kind,
                         reservation.user, _notice_window(plan), plan.windows)
         if not self.health.up:
             self.health.skipped("spooled")
-            self._spool(charge, per_id=kind is Settlement.RESERVED)
+            self._spool(charge, per_id=kind is SettleKind.RESERVED)
             return
         with contextlib.suppress(StoreError):  # spooled by _apply
             await self._apply(charge)
@@ -337,7 +339,7 @@ class Budget:
     def _settle_later(self, plan: lim.Plan, res_id: str, entries: tuple[Entry, ...],
                       tokens: int) -> None:
         """A settlement off the request's path (a release after an abandoned reserve)."""
-        charge = Charge(plan.slot, res_id, entries, tokens, Settlement.RESERVED, "", None, None)
+        charge = Charge(plan.slot, res_id, entries, tokens, SettleKind.RESERVED, "", None, None)
         if not self.health.up:
             self._spool(charge, per_id=True)
             return
@@ -357,7 +359,7 @@ class Budget:
         replay must be recognised; unless it came from the spool) and raises."""
         started = time.perf_counter()
         try:
-            if charge.kind is Settlement.RESERVED:
+            if charge.kind is SettleKind.RESERVED:
                 used = await self.store.settle(charge.slot, charge.res_id, charge.entries)
             else:
                 used = await self.store.add_once(charge.slot, charge.res_id, charge.entries,
@@ -504,7 +506,7 @@ class Charge:
     res_id: str
     entries: tuple[Entry, ...]
     tokens: int
-    kind: Settlement  # replaces a reservation the store granted, or adds usage without one
+    kind: SettleKind  # replaces a reservation the store granted, or adds usage without one
     user: str
     notice: lim.Window | None  # the user's limited daily quota, for threshold notices
     windows: tuple[lim.Window, ...] | None  # parallel to entries, for the gauges

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proxy.auth import Principal
 from proxy.budget import estimate as est
 from proxy.budget import limits as lim
 from proxy.budget.clamp import AdmissionRule, Clamp, grant, output_rate
+from proxy.budget.principal import Principal
 from proxy.budget.refusals import Refusal
 from proxy.budget.store import Entry, ReserveResult
 

@@ -1,6 +1,7 @@
 """Admission under `clamp`: how many output tokens a request is granted when its worst case does
-not fit the room left in its windows. Pure functions; the memory store calls them and the Redis
-store's RESERVE script does the same arithmetic in Lua (keep the two in step).
+not fit the room left in its windows. Pure functions; the memory store calls them, and the Redis
+store's scripts call their one Lua rendering, `grant` and `room_for_output` in
+proxy/budget/lua/prelude.lua (tests/budget/test_store_conformance.py holds the two in step).
 
 Each window counts `base + rate * output` for a request: its amount with no output (the prompt
 in a TOTAL or INPUT window, 1 in a REQUESTS window, the prompt's cost in a COST window) plus a

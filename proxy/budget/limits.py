@@ -34,9 +34,9 @@ from decimal import Decimal
 from typing import Any
 from zoneinfo import ZoneInfo
 
-from proxy.budget.cost import NANOS_PER_USD, worst_case_nanousd
 from proxy.budget.store import USER, InFlightLimit, Scope, ScopeKind
 from proxy.config.policy import KeyConfig, Limits, Policy, Price, UserConfig
+from proxy.cost import NANOS_PER_USD, worst_case_nanousd
 
 
 class Period(enum.IntEnum):

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from proxy.budget.limits import Window
-from proxy.budget.store import Entry, Settlement
+from proxy.budget.store import Entry, SettleKind
 
 log = logging.getLogger("tokenmeter.spool")
 
@@ -72,7 +72,7 @@ class Owed:
     # Spool lines written before reservations settled without markers carry no kind: an
     # addition under a marker is what the store applied them as then (and it replaces a
     # reservation still held under the id, so it is right for both).
-    kind: Settlement = Settlement.ADDITION
+    kind: SettleKind = SettleKind.ADDITION
 
     def entries(self, now: float) -> tuple[Entry, ...]:
         """Store entries for what has not expired yet (an expired counter is gone in the store
@@ -91,7 +91,10 @@ def default_dir() -> Path:
     return Path(base) / "tokenmeter"
 
 
-class Spool:
+class SettleSpool:
+    """The budget's spool: settlements and usage the store could not take yet (not the
+    ledger's rows: that is proxy.ledger.spool.RowSpool)."""
+
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._id = uuid.uuid4().hex[:16]
@@ -159,7 +162,7 @@ class Spool:
     # --- recording ------------------------------------------------------------------------
     def owe(self, slot: str, res_id: str, entries: tuple[Entry, ...], tokens: int,
             now: float, notice: Window | None = None, user: str = "",
-            kind: Settlement = Settlement.RESERVED) -> None:
+            kind: SettleKind = SettleKind.RESERVED) -> None:
         """Raises OSError when the file cannot take it: it is held in memory all the same (and
         replayed from there), but a stop before the replay would lose it."""
         owed = Owed(slot, res_id, _debts(entries, now), tokens, notice, user, kind)
@@ -411,11 +414,11 @@ def _seal(sums: dict[tuple[str, str], list[float]], tokens: dict[str, int],
     }
 
 
-def _kind(value: object) -> Settlement:
+def _kind(value: object) -> SettleKind:
     try:
-        return Settlement(value)
+        return SettleKind(value)
     except ValueError:
-        return Settlement.ADDITION  # a line from before kinds: see `Owed.kind`
+        return SettleKind.ADDITION  # a line from before kinds: see `Owed.kind`
 
 
 def _notice_of(notices: dict[str, tuple[str, Window]], slot: str) -> tuple[Window | None, str]:

@@ -17,7 +17,10 @@ A store does three things atomically per user slot:
 
 So what a settled request leaves in the store is nothing: memory is bounded by the requests in
 flight, the reaped ones within `REAPED_TTL_S` and the batches within their marker's ttl.
-The Redis store does the same in Lua, so replicas sharing one Redis share one budget.
+The Redis store does the same in Lua (`proxy/budget/lua`), so replicas sharing one Redis share one
+budget; the in-process store keeps the same structures under the same names, TTLs and bounds,
+and both take their arithmetic from `proxy.budget.clamp` (tests/budget/test_store_conformance.py
+runs the same operations on both and compares every answer).
 
 A slot is the unit of atomicity: the user's (`prefix:{alice}`), or for a team's users the
 team's (`prefix:{t:platform}`), whose first in-flight set then holds every reservation of the
@@ -26,15 +29,15 @@ team, so any member's request reaps a member's dead reservation off the team's c
 
 from __future__ import annotations
 
-import collections
 import enum
 import heapq
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from types import MappingProxyType
+from typing import Generic, Protocol, TypeVar
 
-from proxy.budget.clamp import Clamp, grant, room_for_output
+from proxy.budget.clamp import Clamp, grant
 
 
 class StoreError(Exception):
@@ -119,13 +122,40 @@ DONE_TTL_S = 600  # an addition is applied once per id for this long (live retri
 # A reaped reservation's tombstone is kept this long: its proxy's spool may replay the settle
 # after a restart (as long as the spool's own replay window, `spool.REPLAY_DONE_TTL_S`).
 REAPED_TTL_S = 9 * 86400
+# A slot's in-flight sets and reservation records live this long after its last reserve: far
+# beyond any lease (a renewed stream's included), and what bounds them should no reserve ever
+# come again to reap them.
+HELD_TTL_S = 2 * 86400
 
 
-class Settlement(enum.Enum):
+class SettleKind(enum.Enum):
     """How a settlement is made exactly-once in the store."""
 
     RESERVED = "r"  # replaces a reservation the store granted: `Store.settle`
     ADDITION = "a"  # usage without a reservation (store down): `Store.add_once`
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """A reservation the store holds: what it added to which counters, and until when."""
+
+    res_id: str
+    deadline: float  # epoch seconds, the store's clock
+    amounts: tuple[tuple[str, int], ...]  # (counter key, amount)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """One slot, read in one atomic step: what `proxy.ledger.reconcile` compares with the books."""
+
+    now: float  # the store's clock (leases are judged by it)
+    counters: Mapping[str, int]  # the counters asked for (0: none)
+    holds: tuple[Hold, ...]  # the slot's reservations, by deadline (then id)
+    reaped: tuple[str, ...]  # tombstones: reservations reaped, not settled since (oldest first)
+    # The keys the store holds in all (on a Redis Cluster, the node serving the slot), whose
+    # bound is that of the module's docstring: counters, markers, histories, and per slot its
+    # in-flight sets, records and tombstones.
+    size: int
 
 
 class Store(Protocol):
@@ -146,8 +176,9 @@ class Store(Protocol):
 
     async def settle(self, slot: str, res_id: str, entries: Sequence[Entry]) -> tuple[int, ...]:
         """Replace the granted reservation `res_id`'s amounts by `entries`; if its lease ran
-        out and it was reaped (its amounts given back), add `entries` outright; if neither,
-        it was settled already and nothing changes. Returns the counters."""
+        out and it was reaped (its amounts given back) within `REAPED_TTL_S`, add `entries`
+        outright; if neither, it was settled already and nothing changes. Returns the
+        counters."""
         ...
 
     async def add_once(self, slot: str, batch_id: str, entries: Sequence[Entry],
@@ -169,11 +200,13 @@ class Store(Protocol):
         ...
 
     async def output_samples(self, key: str) -> tuple[int, ...]:
-        """The recent output lengths kept under `key` (the `estimate` policy's history)."""
+        """The recent output lengths kept under `key` (the `estimate` policy's history), in no
+        particular order."""
         ...
 
     async def record_output(self, key: str, tokens: int, keep: int, ttl_s: int) -> None:
-        """Add one output length to `key`'s ring of the last `keep`."""
+        """Add one output length to `key`'s ring of the last `keep`; the history goes
+        `ttl_s` after its last write."""
         ...
 
     async def leases(self, slot: str) -> dict[str, float]:
@@ -184,6 +217,11 @@ class Store(Protocol):
 
     async def read(self, keys: Sequence[str]) -> tuple[int, ...]: ...
 
+    async def snapshot(self, slot: str, keys: Sequence[str]) -> Snapshot:
+        """The counters `keys` (all in `slot`) and the slot's reservations and tombstones,
+        read in one atomic step."""
+        ...
+
     async def mark_once(self, key: str, ttl_s: int) -> bool:
         """True the first time `key` is marked within its ttl (threshold notices)."""
         ...
@@ -193,104 +231,152 @@ class Store(Protocol):
     async def close(self) -> None: ...
 
 
-class _Expiring:
-    """Values that expire, dropped in time order: each write pushes one heap entry, each entry
-    is popped once, so the cost per write is O(log n) amortised and memory is bounded by
-    what is alive (plus entries superseded by a later write, popped when their time comes)."""
+V = TypeVar("V")
 
-    __slots__ = ("_heap", "values")
+
+class _Expiring(Generic[V]):
+    """Values that expire, dropped in time order (as Redis drops keys past their TTL). A key has
+    one entry queued in a heap at a time: a write that moves its expiry later queues nothing,
+    and the entry, popped at the earlier time, queues itself again at the later one. So memory
+    is bounded by the keys alive, plus keys discarded before their entry's time."""
+
+    __slots__ = ("_heap", "_values")
 
     def __init__(self) -> None:
-        self.values: dict[str, tuple[int, float]] = {}  # key -> (value, expires_at)
+        self._values: dict[str, tuple[V, float, float]] = {}  # key -> (value, expires, queued)
         self._heap: list[tuple[float, str]] = []
 
-    def get(self, key: str, now: float) -> int:
-        item = self.values.get(key)
-        if item is None or item[1] <= now:
-            return 0
-        return item[0]
+    def get(self, key: str) -> V | None:
+        """The value (`expire` has run for the current time: what is held is alive)."""
+        item = self._values.get(key)
+        return None if item is None else item[0]
 
-    def alive(self, key: str, now: float) -> bool:
-        item = self.values.get(key)
-        return item is not None and item[1] > now
-
-    def set(self, key: str, value: int, expires_at: float) -> None:
-        old = self.values.get(key)
-        self.values[key] = (value, expires_at)
-        if old is None or old[1] != expires_at:
-            heapq.heappush(self._heap, (expires_at, key))
-
-    def add(self, key: str, delta: int, ttl_s: int, now: float) -> int:
-        item = self.values.get(key)
-        if item is None or item[1] <= now:
-            value, expires = delta, now + ttl_s
+    def set(self, key: str, value: V, expires_at: float) -> None:
+        old = self._values.get(key)
+        if old is not None and old[2] <= expires_at:
+            queued = old[2]
         else:
-            value, expires = item[0] + delta, item[1]
-        self.set(key, value, expires)
-        return value
+            heapq.heappush(self._heap, (expires_at, key))
+            queued = expires_at
+        self._values[key] = (value, expires_at, queued)
+
+    def expires_at(self, key: str) -> float | None:
+        item = self._values.get(key)
+        return None if item is None else item[1]
 
     def discard(self, key: str) -> None:
-        self.values.pop(key, None)  # its heap entry is popped when its time comes
+        self._values.pop(key, None)  # its heap entry is dropped when its time comes
 
     def expire(self, now: float) -> None:
         heap = self._heap
         while heap and heap[0][0] <= now:
-            expires_at, key = heapq.heappop(heap)
-            item = self.values.get(key)
-            if item is not None and item[1] == expires_at:
-                del self.values[key]
+            queued, key = heapq.heappop(heap)
+            item = self._values.get(key)
+            if item is None or item[2] != queued:
+                continue  # discarded, or queued again since
+            if item[1] <= now:
+                del self._values[key]
+            else:
+                heapq.heappush(heap, (item[1], key))
+                self._values[key] = (item[0], item[1], item[1])
+
+    def items(self) -> list[tuple[str, V]]:
+        return [(k, item[0]) for k, item in self._values.items()]
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._values)
+
+
+class _Held:
+    """A slot's reservations: what Redis keeps in its `inflight` ZSET, `reserved` HASH, `sets`
+    HASH and the other in-flight sets (`inflight:<part>`), which expire together."""
+
+    __slots__ = ("leases", "members", "records", "sets")
+
+    def __init__(self) -> None:
+        self.leases: dict[str, float] = {}  # id -> lease deadline (the first in-flight set)
+        self.records: dict[str, tuple[tuple[str, int], ...]] = {}  # id -> (counter, amount)...
+        self.sets: dict[str, tuple[str, ...]] = {}  # id -> the other in-flight sets holding it
+        self.members: dict[str, set[str]] = {}  # other in-flight set -> ids
+
+    def drop(self, res_id: str) -> tuple[tuple[str, int], ...] | None:
+        """Forget `res_id`; its record, if it had one."""
+        self.leases.pop(res_id, None)
+        for name in self.sets.pop(res_id, ()):
+            members = self.members.get(name)
+            if members is not None:
+                members.discard(res_id)
+                if not members:
+                    del self.members[name]
+        return self.records.pop(res_id, None)
+
+    def keys(self) -> int:
+        """How many keys Redis would hold for these (an empty container is no key)."""
+        return (bool(self.leases) + bool(self.records) + bool(self.sets)) + len(self.members)
 
 
 class MemoryStore:
-    """Same semantics as the Redis store, in this process only (one replica, or tests)."""
+    """The Redis store's semantics in this process only (one replica, or tests): the same
+    operations on the same structures, named alike, with the same TTLs and bounds."""
 
     in_process = True
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
-        self._counters = _Expiring()
-        self._marks = _Expiring()
-        self._leases: dict[str, dict[str, float]] = {}  # slot -> res_id -> deadline
-        self._reserved: dict[str, tuple[tuple[str, int], ...]] = {}  # res_id -> amounts
-        self._sets: dict[str, set[str]] = {}  # "slot:scope" -> res_ids in flight
-        self._set_names: dict[str, tuple[str, ...]] = {}  # res_id -> its in-flight sets
-        self._samples: dict[str, collections.deque[int]] = {}  # `estimate` histories
-        self._reaped = _Expiring()  # "slot:res_id" of reservations reaped, not yet settled
+        self._counters: _Expiring[int] = _Expiring()
+        self._marks: _Expiring[int] = _Expiring()  # done markers and `mark_once`'s
+        self._samples: _Expiring[dict[str, int]] = _Expiring()  # `estimate` histories
+        self._held: _Expiring[_Held] = _Expiring()  # slot -> its reservations
+        self._reaped: _Expiring[dict[str, float]] = _Expiring()  # slot -> id -> reaped at
 
     def _now(self) -> float:
         now = self._clock()
-        self._counters.expire(now)
-        self._marks.expire(now)
-        self._reaped.expire(now)
+        for values in (self._counters, self._marks, self._samples, self._held, self._reaped):
+            values.expire(now)
         return now
 
-    def _drop(self, slot: str, res_id: str, now: float, give_back: bool) -> dict[str, int]:
-        leases = self._leases.get(slot)
-        if leases is not None:
-            leases.pop(res_id, None)
-            if not leases:
-                del self._leases[slot]
-        for name in self._set_names.pop(res_id, ()):
-            members = self._sets.get(name)
-            if members is not None:
-                members.discard(res_id)
-                if not members:
-                    del self._sets[name]
-        reserved = dict(self._reserved.pop(res_id, ()))
-        if give_back:
-            for key, amt in reserved.items():
-                if self._counters.alive(key, now):
-                    self._counters.add(key, -amt, 0, now)
-        return reserved
+    def _value(self, key: str) -> int:
+        return self._counters.get(key) or 0
+
+    def _add(self, key: str, delta: int, ttl_s: int, now: float) -> int:
+        """INCRBY, with the TTL set when the counter is created (as the scripts' `add`)."""
+        expires = self._counters.expires_at(key)
+        value = self._value(key) + delta
+        self._counters.set(key, value, now + ttl_s if expires is None else expires)
+        return value
+
+    def _drop(self, slot: str, res_id: str) -> tuple[tuple[str, int], ...] | None:
+        held = self._held.get(slot)
+        if held is None:
+            return None
+        record = held.drop(res_id)
+        if not held.leases and not held.records:
+            self._held.discard(slot)
+        return record
 
     def _reap(self, slot: str, now: float) -> None:
-        leases = self._leases.get(slot, {})
-        for res_id in [r for r, deadline in leases.items() if deadline <= now]:
-            self._drop(slot, res_id, now, give_back=True)
-            self._reaped.set(f"{slot}:{res_id}", 1, now + REAPED_TTL_S)
+        held = self._held.get(slot)
+        expired = [] if held is None else [r for r, d in held.leases.items() if d <= now]
+        if not expired:
+            return
+        tombs = {r: at for r, at in (self._reaped.get(slot) or {}).items()
+                 if at > now - REAPED_TTL_S}
+        for res_id in expired:
+            tombs[res_id] = now
+            for key, amount in self._drop(slot, res_id) or ():
+                if self._counters.get(key) is not None:
+                    self._add(key, -amount, 0, now)
+        self._reaped.set(slot, tombs, now + REAPED_TTL_S)
+
+    def _full(self, slot: str, in_flight: Sequence[InFlightLimit]) -> int | None:
+        """The first in-flight set already at its limit."""
+        held = self._held.get(slot) or _Held()
+        for i, f in enumerate(in_flight):
+            count = len(held.leases) if i == 0 else \
+                len(held.members.get(f"{slot}:inflight:{f.part}", ()))
+            if f.limit is not None and count >= f.limit:
+                return i
+        return None
 
     async def reserve(
         self, slot: str, res_id: str, entries: Sequence[Entry],
@@ -298,11 +384,10 @@ class MemoryStore:
     ) -> ReserveResult:
         now = self._now()
         self._reap(slot, now)
-        used = tuple(self._counters.get(e.key, now) for e in entries)
-        names = tuple(f"{slot}:{f.part}" for f in in_flight)
-        for i, (f, name) in enumerate(zip(in_flight, names, strict=True)):
-            if f.limit is not None and len(self._sets.get(name, ())) >= f.limit:
-                return ReserveResult(False, used, refused_in_flight=i)
+        used = tuple(self._value(e.key) for e in entries)
+        full = self._full(slot, in_flight)
+        if full is not None:
+            return ReserveResult(False, used, refused_in_flight=full)
         amounts = tuple(e.amount for e in entries)
         granted = None
         if clamp is not None:
@@ -315,105 +400,116 @@ class MemoryStore:
         for i, (e, u, a) in enumerate(zip(entries, used, amounts, strict=True)):
             if e.limit is not None and u + a > e.limit:
                 return ReserveResult(False, used, refused_entry=i)
-        after = tuple(self._counters.add(e.key, a, e.ttl_s, now)
+        after = tuple(self._add(e.key, a, e.ttl_s, now)
                       for e, a in zip(entries, amounts, strict=True))
-        self._leases.setdefault(slot, {})[res_id] = now + lease_s
-        self._reserved[res_id] = tuple((e.key, a) for e, a in zip(entries, amounts, strict=True))
-        for name in names:
-            self._sets.setdefault(name, set()).add(res_id)
-        self._set_names[res_id] = names
+        held = self._held.get(slot) or _Held()
+        held.leases[res_id] = now + lease_s
+        held.records[res_id] = tuple((e.key, a) for e, a in zip(entries, amounts, strict=True))
+        names = tuple(f"{slot}:inflight:{f.part}" for f in in_flight[1:])
+        if names:
+            held.sets[res_id] = names
+            for name in names:
+                held.members.setdefault(name, set()).add(res_id)
+        self._held.set(slot, held, now + HELD_TTL_S)
         return ReserveResult(True, after, granted=granted)
+
+    def _replace(self, record: tuple[tuple[str, int], ...], entries: Sequence[Entry],
+                 now: float) -> tuple[int, ...]:
+        """Each entry's amount in place of what the record holds of its counter."""
+        reserved = dict(record)
+        return tuple(self._add(e.key, e.amount - reserved.get(e.key, 0), e.ttl_s, now)
+                     for e in entries)
 
     async def settle(self, slot: str, res_id: str, entries: Sequence[Entry]) -> tuple[int, ...]:
         now = self._now()
-        if res_id in self._reserved:
-            reserved = self._drop(slot, res_id, now, give_back=False)
-        elif self._reaped.alive(tomb := f"{slot}:{res_id}", now):
-            self._reaped.discard(tomb)
-            reserved = {}
-        else:
-            return tuple(self._counters.get(e.key, now) for e in entries)
-        return tuple(
-            self._counters.add(e.key, e.amount - reserved.get(e.key, 0), e.ttl_s, now)
-            for e in entries
-        )
+        record = self._drop(slot, res_id)
+        if record is None:
+            tombs = self._reaped.get(slot) or {}
+            at = tombs.pop(res_id, None)
+            if not tombs:
+                self._reaped.discard(slot)
+            if at is None or at <= now - REAPED_TTL_S:
+                return tuple(self._value(e.key) for e in entries)
+        return self._replace(record or (), entries, now)
 
     async def add_once(self, slot: str, batch_id: str, entries: Sequence[Entry],
                        done_ttl_s: int = DONE_TTL_S) -> tuple[int, ...]:
         now = self._now()
-        res_id = batch_id
-        done = f"{slot}:done:{res_id}"
-        if self._marks.alive(done, now):
-            return tuple(self._counters.get(e.key, now) for e in entries)
+        done = f"{slot}:done:{batch_id}"
+        if self._marks.get(done) is not None:
+            return tuple(self._value(e.key) for e in entries)
         self._marks.set(done, 1, now + done_ttl_s)
-        reserved = self._drop(slot, res_id, now, give_back=False)
-        return tuple(
-            self._counters.add(e.key, e.amount - reserved.get(e.key, 0), e.ttl_s, now)
-            for e in entries
-        )
+        return self._replace(self._drop(slot, batch_id) or (), entries, now)
 
     async def top_up(self, slot: str, res_id: str, entries: Sequence[Entry], step: int,
                      minimum: int) -> TopUpResult:
         now = self._now()
-        deadline = self._leases.get(slot, {}).get(res_id)
-        reserved = self._reserved.get(res_id)
-        if deadline is None or deadline <= now or reserved is None:
+        held = self._held.get(slot)
+        deadline = None if held is None else held.leases.get(res_id)
+        record = None if held is None else held.records.get(res_id)
+        if held is None or deadline is None or deadline <= now or record is None:
             return TopUpResult(0, gone=True)
-        granted, binding = step, None
-        for i, e in enumerate(entries):
-            if e.amount > 0:
-                fits = room_for_output(e.limit, self._counters.get(e.key, now), 0, e.amount)
-                if fits is not None and fits < granted:
-                    granted, binding = fits, i
-        if granted < minimum:
-            return TopUpResult(0, refused_entry=binding or 0)
-        amounts = dict(reserved)
+        rates = tuple(e.amount for e in entries)
+        # A window that output does not count in has no say in a top-up.
+        limits = tuple(e.limit if e.amount > 0 else None for e in entries)
+        fit = grant(Clamp(step, minimum, (0,) * len(entries), rates), limits,
+                    tuple(self._value(e.key) for e in entries))
+        if fit.output < minimum:
+            return TopUpResult(0, refused_entry=fit.binding or 0)
+        more = {e.key: e.amount * fit.output for e in entries if e.amount > 0}
         for e in entries:
             if e.amount > 0:
-                self._counters.add(e.key, e.amount * granted, e.ttl_s, now)
-                amounts[e.key] = amounts.get(e.key, 0) + e.amount * granted
-        self._reserved[res_id] = tuple(amounts.items())
-        return TopUpResult(granted)
+                self._add(e.key, e.amount * fit.output, e.ttl_s, now)
+        held.records[res_id] = tuple((k, a + more.get(k, 0)) for k, a in record)
+        return TopUpResult(fit.output)
 
     async def output_samples(self, key: str) -> tuple[int, ...]:
-        return tuple(self._samples.get(key, ()))
+        self._now()
+        ring = self._samples.get(key) or {}
+        return tuple(v for k, v in ring.items() if k != "n")
 
     async def record_output(self, key: str, tokens: int, keep: int, ttl_s: int) -> None:
-        ring = self._samples.get(key)
-        if ring is None:
-            ring = self._samples[key] = collections.deque(maxlen=keep)
-        ring.append(tokens)
+        # The script's ring: `n` counts the writes, fields 0..keep-1 the last `keep` lengths.
+        now = self._now()
+        ring = self._samples.get(key) or {"n": 0}
+        ring[str(ring["n"] % keep)] = tokens
+        ring["n"] += 1
+        self._samples.set(key, ring, now + ttl_s)
 
     async def renew(self, slot: str, res_ids: Sequence[str], lease_s: float) -> None:
-        leases = self._leases.get(slot, {})
-        deadline = self._clock() + lease_s
+        now = self._now()
+        held = self._held.get(slot)
         for res_id in res_ids:
-            if res_id in leases:
-                leases[res_id] = deadline
+            if held is not None and res_id in held.leases:
+                held.leases[res_id] = now + lease_s
 
     async def leases(self, slot: str) -> dict[str, float]:
-        return dict(self._leases.get(slot, {}))
+        self._now()
+        held = self._held.get(slot)
+        return {} if held is None else dict(held.leases)
 
     async def read(self, keys: Sequence[str]) -> tuple[int, ...]:
+        self._now()
+        return tuple(self._value(k) for k in keys)
+
+    async def snapshot(self, slot: str, keys: Sequence[str]) -> Snapshot:
         now = self._now()
-        return tuple(self._counters.get(k, now) for k in keys)
+        held = self._held.get(slot) or _Held()
+        holds = tuple(Hold(r, d, held.records.get(r, ()))
+                      for r, d in sorted(held.leases.items(), key=lambda item: (item[1], item[0])))
+        tombs = sorted((at, r) for r, at in (self._reaped.get(slot) or {}).items()
+                       if at > now - REAPED_TTL_S)
+        size = (len(self._counters) + len(self._marks) + len(self._samples) + len(self._reaped)
+                + sum(h.keys() for _, h in self._held.items()))
+        return Snapshot(now, MappingProxyType({k: self._value(k) for k in keys}), holds,
+                        tuple(r for _, r in tombs), size)
 
     async def mark_once(self, key: str, ttl_s: int) -> bool:
         now = self._now()
-        if self._marks.alive(key, now):
+        if self._marks.get(key) is not None:
             return False
         self._marks.set(key, 1, now + ttl_s)
         return True
-
-    def sizes(self) -> dict[str, int]:
-        """How much each internal structure holds (tests check these stay bounded)."""
-        return {
-            "counters": len(self._counters.values), "counter_heap": len(self._counters),
-            "marks": len(self._marks.values), "mark_heap": len(self._marks),
-            "reaped": len(self._reaped.values),
-            "leases": sum(len(v) for v in self._leases.values()),
-            "reserved": len(self._reserved), "sets": len(self._sets),
-        }
 
     async def ping(self) -> None:
         return None

@@ -19,7 +19,7 @@ from zoneinfo import ZoneInfo
 from proxy.budget.store import Store, StoreError
 from proxy.config.load import Config
 from proxy.ledger.query import LedgerReader, LedgerUnavailable, locate, open_reader
-from proxy.ledger.reconcile import Reconciliation, reconcile, store_view
+from proxy.ledger.reconcile import Reconciliation, reconcile
 from proxy.telemetry.metrics import Metrics
 
 log = logging.getLogger("tokenmeter.reconcile")
@@ -39,16 +39,12 @@ class Auditor:
     async def once(self, config: Config) -> Reconciliation | None:
         """One reading, exported; None when the store or the ledger cannot be read now."""
         try:
-            view = store_view(self._store)
-        except TypeError:
-            return None
-        try:
             if self._reader is None:
                 self._reader = await open_reader(locate(config.ledger))
             day = datetime.fromtimestamp(self._clock(), ZoneInfo(config.timezone)).date()
             previous = self._previous if self._previous and self._previous.day == day \
                 else None
-            judged = await reconcile(config, view, self._reader, day, earlier=previous)
+            judged = await reconcile(config, self._store, self._reader, day, earlier=previous)
         except (StoreError, LedgerUnavailable, OSError) as exc:
             log.warning("reconcile skipped: %s", exc)
             return None

@@ -29,7 +29,7 @@ from proxy.ledger.row import LedgerRow
 from proxy.ledger.shipper import BACKOFF_MAX_S, Shipper, Sink
 from proxy.ledger.sink_postgres import PostgresSink
 from proxy.ledger.sink_sqlite import SqliteSink
-from proxy.ledger.spool import Segment, Spool, encode_row
+from proxy.ledger.spool import RowSpool, Segment, encode_row
 from proxy.telemetry.metrics import LedgerStage, Metrics
 
 log = logging.getLogger("tokenmeter.ledger")
@@ -62,7 +62,7 @@ class Ledger:
             sink = SqliteSink(state / SQLITE_FILE)
         self.location: str = sink.location
         spool_dir = Path(config.spool_dir) if config.spool_dir else state
-        self._spool = Spool(spool_dir, int(config.spool_max_mb * MIB))
+        self._spool = RowSpool(spool_dir, int(config.spool_max_mb * MIB))
         self._metrics = metrics
         self._shipper = Shipper(self._spool, sink, metrics, batch_rows=config.batch_rows,
                                 retention_days=config.retention_days, clock=clock)

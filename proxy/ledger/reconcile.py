@@ -62,10 +62,8 @@ from datetime import UTC, date, datetime, timedelta
 from typing import Protocol
 from zoneinfo import ZoneInfo
 
-from redis.exceptions import RedisClusterException, RedisError
-
 from proxy.budget import limits as lim
-from proxy.budget.store import MemoryStore, ScopeKind, Store, StoreError
+from proxy.budget.store import ScopeKind, Snapshot, StoreError
 from proxy.budget.store_redis import RedisStore
 from proxy.config.load import Config, ConfigError, load_config
 from proxy.config.policy import Limits
@@ -83,92 +81,12 @@ CUT_MARGIN_S = 1.0
 
 # --- the store's side: counters and reservations, one atomic snapshot per slot -------------------
 
-@dataclass(frozen=True, slots=True)
-class Hold:
-    """A reservation the store holds: what it added to which counters, and until when."""
-
-    res_id: str
-    deadline: float  # epoch seconds, the store's clock
-    amounts: tuple[tuple[str, int], ...]  # (counter key, amount)
-
-
-@dataclass(frozen=True, slots=True)
-class SlotState:
-    now: float  # the store's clock (leases are judged by it)
-    counters: Mapping[str, int]
-    holds: tuple[Hold, ...]
-
-
 class StoreView(Protocol):
-    async def snapshot(self, slot: str, keys: Sequence[str]) -> SlotState:
+    """What reconcile reads of a store (every `Store` is one)."""
+
+    async def snapshot(self, slot: str, keys: Sequence[str]) -> Snapshot:
         """The counters `keys` (all in `slot`) and the slot's reservations, read atomically."""
         ...
-
-
-# KEYS: the slot's inflight ZSET, its reserved HASH, then the counters. Read-only. The store's
-# clock, as the reservation scripts judge leases by it.
-SNAPSHOT = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local values = {}
-for i = 3, #KEYS do values[i - 2] = redis.call('GET', KEYS[i]) or '0' end
-return {now, values, redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES'),
-        redis.call('HGETALL', KEYS[2])}
-"""
-
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-class _RedisView:
-    def __init__(self, store: RedisStore) -> None:
-        # The store's own client (single node or cluster): its timeouts, its connections. A
-        # script call goes to the node of its keys' slot.
-        self._script = store._redis.register_script(SNAPSHOT)
-
-    async def snapshot(self, slot: str, keys: Sequence[str]) -> SlotState:
-        try:
-            now_ms, values, leases, records = await self._script(
-                keys=[f"{slot}:inflight", f"{slot}:reserved", *keys], args=[])
-        except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
-            raise StoreError(f"{type(exc).__name__}: {exc}") from exc
-        reserved = {_text(records[i]): json.loads(_text(records[i + 1]))
-                    for i in range(0, len(records), 2)}
-        holds = []
-        for i in range(0, len(leases), 2):
-            res_id = _text(leases[i])
-            record = reserved.get(res_id, [])
-            amounts = tuple((str(record[j]), int(record[j + 1]))
-                            for j in range(0, len(record), 2))
-            holds.append(Hold(res_id, float(_text(leases[i + 1])) / 1000, amounts))
-        counters = {k: int(_text(v)) for k, v in zip(keys, values, strict=True)}
-        return SlotState(int(now_ms) / 1000, counters, tuple(holds))
-
-
-class _MemoryView:
-    """The in-process store, read without yielding: atomic like the Redis script."""
-
-    def __init__(self, store: MemoryStore) -> None:
-        self._store = store
-
-    async def snapshot(self, slot: str, keys: Sequence[str]) -> SlotState:
-        s = self._store
-        now = s._clock()
-        counters = {k: s._counters.get(k, now) for k in keys}
-        holds = tuple(Hold(res_id, deadline, s._reserved.get(res_id, ()))
-                      for res_id, deadline in s._leases.get(slot, {}).items())
-        return SlotState(now, counters, holds)
-
-
-def store_view(store: Store) -> StoreView:
-    """What reconcile reads of `store`. (It needs the reservations' amounts, which the Store
-    interface does not give: it reads the two stores' own structures.)"""
-    if isinstance(store, RedisStore):
-        return _RedisView(store)
-    if isinstance(store, MemoryStore):
-        return _MemoryView(store)
-    raise TypeError(f"cannot reconcile against a {type(store).__name__}")
 
 
 # --- the result ---------------------------------------------------------------------------------
@@ -445,7 +363,7 @@ async def reconcile(config: Config, view: StoreView, reader: LedgerReader, day: 
                     earlier: Reconciliation | None = None) -> Reconciliation:
     """One reading: the ledger first, then the store's snapshot (see the module's docstring).
     With `earlier` (a previous reading of the same day), judged against it (`confirmed_by`).
-    `view`: `store_view(store)`. Raises StoreError or LedgerUnavailable when either cannot be
+    `view`: the store. Raises StoreError or LedgerUnavailable when either cannot be
     read."""
     tz = ZoneInfo(config.timezone)
     at = datetime(day.year, day.month, day.day, 12, tzinfo=tz).timestamp()
@@ -645,14 +563,13 @@ def run(args: argparse.Namespace) -> int:
         store = RedisStore(config.store.url, max(config.store.timeout_ms, 2000))
         try:
             async with await open_reader(location) as reader:
-                view = store_view(store)
-                first = await reconcile(config, view, reader, day)
+                first = await reconcile(config, store, reader, day)
                 if args.recheck <= 0:
                     return first.single()
                 if first.agrees and not first.behind:
                     return first
                 await asyncio.sleep(args.recheck)  # rows on their way get the time to land
-                return await reconcile(config, view, reader, day, earlier=first)
+                return await reconcile(config, store, reader, day, earlier=first)
         finally:
             await store.close()
 

@@ -15,7 +15,10 @@ import json
 import re
 from decimal import Decimal
 from operator import itemgetter
-from typing import Any, NamedTuple, get_args, get_type_hints
+from typing import TYPE_CHECKING, Any, NamedTuple, get_args, get_type_hints
+
+if TYPE_CHECKING:
+    from proxy.telemetry.metrics import RequestRecord
 
 
 class LedgerRow(NamedTuple):
@@ -26,7 +29,9 @@ class LedgerRow(NamedTuple):
     user_name: str  # "user" is a reserved word in SQL
     key_name: str | None
     team: str | None
-    operation: str  # chat.completions, completions, embeddings, responses
+    # The API shape's `Translator.operation`: chat, text_completion, responses, embeddings,
+    # messages, count_tokens.
+    operation: str
     requested_model: str
     model: str | None  # sent upstream (a fallback's when one served)
     response_model: str | None  # what the upstream's answer named
@@ -53,6 +58,44 @@ class LedgerRow(NamedTuple):
     # Last and defaulted, so spool lines written before it still load.
     cache_creation_input_tokens: int = 0
 
+    @staticmethod
+    def of(rec: RequestRecord, replica: str) -> LedgerRow:
+        """The books' part of a request's record (settle makes the record once)."""
+        usage, figures = rec.usage, rec.figures
+        return LedgerRow(
+            request_id=rec.request_id,
+            started_at=rec.ended_at - figures.duration,
+            ended_at=rec.ended_at,
+            replica=replica,
+            user_name=rec.user,
+            key_name=rec.key,
+            team=rec.team,
+            operation=rec.operation,
+            requested_model=rec.requested_model,
+            model=rec.sent_model,
+            response_model=rec.response_model,
+            upstream=rec.upstream,
+            fallback_from=rec.fallback_from,
+            attempts=rec.attempts,
+            status=rec.status,
+            error_class=rec.error_class.value,
+            stream=rec.stream,
+            input_tokens=usage.input_tokens,
+            output_tokens=usage.output_tokens,
+            cached_input_tokens=usage.cached_input_tokens,
+            reasoning_tokens=usage.reasoning_tokens,
+            token_source=usage.source,
+            ttft_ms=_ms(figures.ttft),
+            upstream_ttft_ms=_ms(figures.upstream_ttft),
+            overhead_ms=_ms(figures.overhead),
+            duration_ms=figures.duration * 1000,
+            output_tokens_per_s=figures.output_tokens_per_second,
+            cost_nanousd=None if rec.cost is None else rec.cost.nanousd,
+            price_version=rec.price_version,
+            windows=rec.windows,
+            cache_creation_input_tokens=usage.cache_creation_input_tokens,
+        )
+
     @property
     def cost_usd(self) -> Decimal | None:
         return None if self.cost_nanousd is None else Decimal(self.cost_nanousd).scaleb(-9)
@@ -68,6 +111,10 @@ class LedgerRow(NamedTuple):
 
 
 COLUMNS: tuple[str, ...] = LedgerRow._fields
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
 
 # Text a ledger database cannot keep as it is: NUL (PostgreSQL's text cannot hold it; SQLite
 # keeps it, but its own functions end the string there) and lone surrogates (no UTF-8 form:

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from proxy.ledger.migrate import SchemaTooNew
-from proxy.ledger.spool import Batch, Spool, read_batch, read_size
+from proxy.ledger.spool import Batch, RowSpool, read_batch, read_size
 from proxy.telemetry.metrics import LedgerStage, Metrics
 
 log = logging.getLogger("tokenmeter.ledger")
@@ -85,7 +85,7 @@ class Sink(Protocol):
 
 
 class Shipper:
-    def __init__(self, spool: Spool, sink: Sink, metrics: Metrics, *, batch_rows: int,
+    def __init__(self, spool: RowSpool, sink: Sink, metrics: Metrics, *, batch_rows: int,
                  retention_days: int, clock: Callable[[], float]) -> None:
         self.spool = spool
         self.sink = sink

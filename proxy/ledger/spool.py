@@ -105,7 +105,10 @@ class _Adopted:
     segments: list[Segment] = field(default_factory=list)
 
 
-class Spool:
+class RowSpool:
+    """The ledger's spool: request rows on their way to the database (not the budget's debts:
+    that is proxy.budget.spool.SettleSpool)."""
+
     def __init__(self, directory: Path, max_bytes: int) -> None:
         self.directory = directory
         self.max_bytes = max_bytes

@@ -11,8 +11,9 @@
   the tokens are counted by settle, off the loop when they must be counted at all.
 
 Models are named as the OpenTelemetry GenAI conventions do: `request_model` (asked by the
-client), `attempt.model` (sent upstream, a fallback's when one serves) and the upstream's own
-answer, which travels in the response body untouched.
+client), `Candidacy.model` (sent upstream, a fallback's when one serves) and `response_model`
+(the model the upstream's answer names, read by its translator; logged and booked, while the
+answer's body reaches the client untouched).
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from proxy.auth import Principal
 from proxy.budget.accounting import Reservation
+from proxy.budget.principal import Principal
 from proxy.errors import ErrorClass
 from proxy.pipeline import counting
+from proxy.pipeline.services import Runtime
 from proxy.protocol.translators import ParsedRequest, Translator
 from proxy.protocol.usage import ZERO, Usage
 from proxy.routing.upstream import Route
-from proxy.server.state import Runtime
 from proxy.telemetry.meter import RequestMeter
 
 # A request whose client left: it cannot have read an answer, whatever the upstream did.
@@ -192,9 +193,11 @@ class Outcome:
     def call_failed(self) -> None:
         self._in_flight = False
 
-    def answered(self, status: int) -> None:
+    def answered(self, status: int, error_class: ErrorClass) -> None:
+        """The answer to relay came, its class decided once as it did (`attempts.Answer`)."""
         self._answered = True
         self._status = status
+        self._error_class = error_class
         # An error answer means the upstream is done with the request.
         self._in_flight = status < 300
 

@@ -24,7 +24,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from aiohttp import ClientResponse, hdrs, web
+from aiohttp import hdrs, web
 
 from proxy.auth import client_key
 from proxy.budget import refusals
@@ -48,14 +48,13 @@ from proxy.ids import new_id
 from proxy.pipeline import counting
 from proxy.pipeline.context import Attempt, Candidacy, Outcome, RequestContext
 from proxy.pipeline.relay import REQUEST_ID_HEADER, client_gone, relay
+from proxy.pipeline.services import BODY_TIMED_OUT, SERVICES, Services
 from proxy.pipeline.settle import settle
 from proxy.protocol import upstream_errors
 from proxy.protocol.translators import ParsedRequest, Translator, parse_body
 from proxy.routing import attempts
 from proxy.routing.exceptions_map import Phase, map_upstream_exceptions
 from proxy.routing.upstream import Upstream, upstream_request_headers
-from proxy.server.listener import BODY_TIMED_OUT
-from proxy.server.state import SERVICES, Services
 from proxy.telemetry.meter import RequestMeter
 
 log = logging.getLogger("tokenmeter.relay")
@@ -258,18 +257,18 @@ async def _try(request: web.Request, ctx: RequestContext, svc: Services, outcome
     candidacy = Candidacy(cand.route, cand.model, turn.translator, reservation)
     outcome.candidate(candidacy, turn.fallback_from)
     try:
-        up, deadline = await _call(request, ctx, svc, outcome, candidacy)
+        answer, deadline = await _call(request, ctx, svc, outcome, candidacy)
     except (UpstreamTimeout, UpstreamUnavailable) as exc:
         if turn.last:
             raise
         failure = exc.error_class
     else:
-        worthy = None if turn.last else await _fallback_worthy(up)
-        if worthy is None:
-            outcome.answered(up.status)
+        up, failure = answer.response, answer.error_class
+        if turn.last or up.status == 200 or not upstream_errors.fallback_worthy(failure):
+            outcome.answered(up.status, failure)
             return Attempt(candidacy, up, deadline,
                            _response_headers(candidacy, turn.fallback_from, svc))
-        failure = worthy
+        up.close()
     log.warning("request %s: model %s failed (%s), trying its next fallback",
                 ctx.request_id, cand.model, failure)
     outcome.released()
@@ -295,9 +294,9 @@ async def _reserve(ctx: RequestContext, svc: Services, turn: _Turn) -> Reservati
 
 
 async def _call(request: web.Request, ctx: RequestContext, svc: Services, outcome: Outcome,
-                candidacy: Candidacy) -> tuple[ClientResponse, float | None]:
+                candidacy: Candidacy) -> tuple[attempts.Answer, float | None]:
     """Send the candidate its body, built once with the output cap its reservation was
-    granted, with retries: its response and the deadline of the whole answer (loop time; None
+    granted, with retries: its answer and the deadline of the whole answer (loop time; None
     for a stream, whose idle time is watched instead). Raises `UpstreamTimeout` and
     `UpstreamUnavailable` when no answer came."""
     upstream, translator = candidacy.route.upstream, candidacy.translator
@@ -316,26 +315,14 @@ async def _call(request: web.Request, ctx: RequestContext, svc: Services, outcom
     try:
         with map_upstream_exceptions(upstream, Phase.TOTAL):
             async with asyncio.timeout_at(deadline):
-                up = await attempts.call_upstream(
-                    svc.http.session, upstream, translator.path, body, headers,
-                    on_retry=on_retry, rng=svc.rng, on_attempt=outcome.sent,
+                answer = await attempts.call_upstream(
+                    svc.http.session, upstream, attempts.Call(translator.path, body, headers),
+                    attempts.Retrying(on_retry, svc.rng, outcome.sent),
                 )
     except (UpstreamTimeout, UpstreamUnavailable):
         outcome.call_failed()
         raise
-    return up, deadline
-
-
-async def _fallback_worthy(up: ClientResponse) -> ErrorClass | None:
-    """The class of an answer the next candidate may do better with (it is closed), or None
-    when it is relayed: a 200, or a failure a fallback would not mend."""
-    if up.status == 200:
-        return None
-    failure = await attempts.answer_class(up)
-    if not upstream_errors.fallback_worthy(failure):
-        return None
-    up.close()
-    return failure
+    return answer, deadline
 
 
 def _response_headers(candidacy: Candidacy, fallback_from: str | None,

@@ -26,15 +26,14 @@ from proxy.errors import (
     stream_error_event,
 )
 from proxy.pipeline.context import Attempt, Outcome
+from proxy.pipeline.services import Services
 from proxy.pipeline.topup import StoreFailed, TopUps
 from proxy.pipeline.watchdog import Watch
-from proxy.protocol import upstream_errors
 from proxy.protocol.sse import events_at_most
 from proxy.protocol.tap import StreamTap
 from proxy.protocol.translators import Translator
 from proxy.routing.exceptions_map import Phase, map_upstream_exceptions
 from proxy.routing.upstream import client_response_headers
-from proxy.server.state import Services
 from proxy.telemetry.meter import RequestMeter
 from proxy.telemetry.metrics import MeteringStage
 
@@ -91,10 +90,8 @@ async def _relay_body(attempt: Attempt, outcome: Outcome) -> web.StreamResponse:
     ):
         async with asyncio.timeout_at(deadline):
             body = await up.read()
-    if up.status < 300:
+    if up.status < 300:  # an error's class was decided as it came (attempts.answer_class)
         attempt.translator.on_body(body)
-    else:
-        outcome.fail(upstream_errors.classify(up.status, body))
     headers = _client_headers(attempt, outcome.request_id)
     return web.Response(status=up.status, body=body, headers=headers)
 

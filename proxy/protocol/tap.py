@@ -39,8 +39,8 @@ import logging
 from collections.abc import Callable
 
 from proxy.protocol.sse import SSEDecoder
+from proxy.protocol.timing import ContentMeter
 from proxy.protocol.translators import EventFlag, Translator, carries_usage
-from proxy.telemetry.meter import RequestMeter
 
 log = logging.getLogger("tokenmeter.tap")
 
@@ -55,7 +55,7 @@ class StreamTap:
                  "_on_error", "_on_event", "_strip", "_tainted", "_take_run",
                  "_translator")
 
-    def __init__(self, translator: Translator, meter: RequestMeter,
+    def __init__(self, translator: Translator, meter: ContentMeter,
                  on_error: Callable[[], None] = lambda: None) -> None:
         self._broken = False
         self._on_error = on_error

@@ -21,7 +21,6 @@ import json
 import math
 import random
 import re
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -487,10 +486,6 @@ class Translator:
         if self._rate_events:
             held = -(-len(events) * self._rate_tokens // self._rate_events)  # rounded up
         return self._folded_tokens() + held
-
-    def retained_bytes(self) -> int:
-        """Memory held for the estimate: the held events and their list."""
-        return sys.getsizeof(self._content) + sum(map(sys.getsizeof, self._content))
 
     @property
     def started(self) -> bool:

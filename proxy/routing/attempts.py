@@ -6,8 +6,9 @@ lists, and handed to the route's fallbacks (other models, routed by their own en
 retries are spent. Once a stream has started nothing is retried; the relay reports the failure
 in the stream instead. A 5xx whose body blames the request (some servers answer a validation
 error with a 500) is neither retried nor handed on: it would fail the same way every time.
-What an answer means is `proxy.protocol.upstream_errors.classify`'s to say; what an aiohttp
-exception means, `proxy.routing.exceptions_map`'s.
+What an answer means is `proxy.protocol.upstream_errors.classify`'s to say, asked once per
+answer, as it arrives (`answer_class`): the retry, the fallback and the request's record all read
+that one class (`Answer`). What an aiohttp exception means is `proxy.routing.exceptions_map`'s.
 """
 
 from __future__ import annotations
@@ -74,19 +75,27 @@ def backoff_s(retry: RetryConfig, n: int, rng: random.Random) -> float:
     return base * (0.5 + rng.random() / 2)
 
 
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """An upstream's answer and its class, decided once as it arrived (`answer_class`)."""
+
+    response: aiohttp.ClientResponse
+    error_class: ErrorClass  # `none` for a success
+
+
 async def answer_class(response: aiohttp.ClientResponse) -> ErrorClass:
-    """The class of an upstream's answer, for retries and fallbacks. A 5xx's body is read (some
-    servers answer a bad request with a 500; aiohttp keeps the body for the relay), within a
-    second: a body that does not come by then blames nothing. Other bodies are not read here:
-    a 4xx is final whatever it says, so telling `context_length` from `bad_request` is left to
-    the relay, which reads it anyway."""
-    body: bytes | None = None
-    if response.status >= 500:
-        try:
-            async with asyncio.timeout(1.0):
-                body = await response.read()
-        except (TimeoutError, aiohttp.ClientError):
-            body = None
+    """The class of an upstream's answer: the one decision retries, fallbacks and the request's
+    record read. An error's body is read (some servers answer a bad request with a 500, and a
+    4xx's says `context_length` from `bad_request`; aiohttp keeps it for the relay), within a
+    second: a body that does not come by then blames nothing, and its status decides."""
+    if response.status < 300:
+        return ErrorClass.NONE
+    body: bytes | None
+    try:
+        async with asyncio.timeout(1.0):
+            body = await response.read()
+    except (TimeoutError, aiohttp.ClientError):
+        body = None
     return upstream_errors.classify(response.status, body)
 
 
@@ -149,6 +158,23 @@ def _nothing() -> None:
     pass
 
 
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One request to an upstream, sent again as it is when retried."""
+
+    path: str
+    body: bytes
+    headers: CIMultiDict[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Retrying:
+    """Whom a call's attempts report to, and the jitter of their waits."""
+
+    on_retry: RetryHook  # once a failure is given up on, with its class: the retry's reason
+    rng: random.Random
+    on_attempt: Callable[[], None] = _nothing  # as each request goes out
+
 
 @functools.lru_cache(maxsize=1024)
 def _url(text: str) -> URL:
@@ -156,71 +182,75 @@ def _url(text: str) -> URL:
     Upstreams and their paths are a handful: the cache is their number."""
     return URL(text)
 
-async def call_upstream(
-    session: aiohttp.ClientSession,
-    upstream: Upstream,
-    path: str,
-    body: bytes,
-    headers: CIMultiDict[str],
-    *,
-    on_retry: RetryHook,
-    rng: random.Random,
-    on_attempt: Callable[[], None] = _nothing,
-) -> aiohttp.ClientResponse:
+
+async def call_upstream(session: aiohttp.ClientSession, upstream: Upstream, call: Call,
+                        retrying: Retrying) -> Answer:
     """POST to `upstream` until it answers with something not worth retrying, the attempts are
-    spent, or the next wait would end past the retry deadline. Returns the last response (any
-    status but a redirect); raises UpstreamTimeout / UpstreamUnavailable kinds (ConnectTimeout,
-    FirstByteTimeout, UpstreamUnreachable) when no response came at all, and UpstreamRedirect
-    at once, never retried or followed, when the upstream answered 3xx.
-    `on_attempt` runs as each request goes out, `on_retry` once its failure is given up on."""
+    spent, or the next wait would end past the retry deadline. Returns the last answer (any
+    status but a redirect) with its class; raises UpstreamTimeout / UpstreamUnavailable kinds
+    (ConnectTimeout, FirstByteTimeout, UpstreamUnreachable) when no response came at all, and
+    UpstreamRedirect at once, never retried or followed, when the upstream answered 3xx."""
     retry = upstream.retry
     loop = asyncio.get_running_loop()
     deadline = loop.time() + retry.deadline_s
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=upstream.connect_timeout_s)
-    url = _url(upstream.base_url + path)
+    url = _url(upstream.base_url + call.path)
     attempt = 0
     while True:
         attempt += 1
         failure: ProxyError
-        on_attempt()
+        retrying.on_attempt()
         try:
-            # A first-byte timeout is raised as it is, never retried: the request may be
-            # running upstream, and a second copy would double its cost.
-            with map_upstream_exceptions(upstream, Phase.CONNECT):
-                async with asyncio.timeout(upstream.first_byte_timeout_s):
-                    response = await session.post(url, data=body, headers=headers,
-                                                  timeout=timeout, allow_redirects=False)
+            response = await _send(session, upstream, url, call)
         except (ConnectTimeout, UpstreamUnreachable) as exc:
             failure = exc  # no response came: worth another try
         else:
-            if (refused := redirect_refused(upstream, response.status)) is not None:
-                log.warning("upstream %s answered %d: redirects are not followed",
-                            upstream.name, response.status)
-                await _discard(response)
-                raise refused
-            if (
-                response.status not in retry.on_status
-                or attempt >= retry.max_attempts
-                or response.headers.get("x-should-retry", "").lower() == "false"
-            ):
-                return response
-            cls = await answer_class(response)
-            if upstream_errors.blames_request(response.status, cls):
-                return response
-            wait = retry_after_s(response.headers)
-            if wait is None:
-                wait = backoff_s(retry, attempt, rng)
-            if loop.time() + wait > deadline:
-                return response  # the client (or a fallback) gets the answer now, not later
-            on_retry(upstream, cls)
+            cls = ErrorClass.NONE if response.status < 300 else await answer_class(response)
+            wait = _retry_wait(retry, response, cls, attempt, retrying.rng)
+            if wait is None or loop.time() + wait > deadline:
+                return Answer(response, cls)  # the client (or a fallback) gets it now
+            retrying.on_retry(upstream, cls)
             await _discard(response)
             await asyncio.sleep(wait)
             continue
-        wait = backoff_s(retry, attempt, rng)
+        wait = backoff_s(retry, attempt, retrying.rng)
         if attempt >= retry.max_attempts or loop.time() + wait > deadline:
             raise failure
-        on_retry(upstream, failure.error_class)
+        retrying.on_retry(upstream, failure.error_class)
         await asyncio.sleep(wait)
+
+
+async def _send(session: aiohttp.ClientSession, upstream: Upstream, url: URL,
+                call: Call) -> aiohttp.ClientResponse:
+    """One POST: its response, else the error of none (raised as `map_upstream_exceptions`
+    names it); a redirect is refused."""
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=upstream.connect_timeout_s)
+    # A first-byte timeout is raised as it is, never retried: the request may be running
+    # upstream, and a second copy would double its cost.
+    with map_upstream_exceptions(upstream, Phase.CONNECT):
+        async with asyncio.timeout(upstream.first_byte_timeout_s):
+            response = await session.post(url, data=call.body, headers=call.headers,
+                                          timeout=timeout, allow_redirects=False)
+    if (refused := redirect_refused(upstream, response.status)) is not None:
+        log.warning("upstream %s answered %d: redirects are not followed",
+                    upstream.name, response.status)
+        await _discard(response)
+        raise refused
+    return response
+
+
+def _retry_wait(retry: RetryConfig, response: aiohttp.ClientResponse, cls: ErrorClass,
+                attempt: int, rng: random.Random) -> float | None:
+    """How long to wait before trying an answer again (the upstream's word, else the
+    backoff), or None: it is final. A 5xx that blames the request would fail the same way."""
+    if (
+        response.status not in retry.on_status
+        or attempt >= retry.max_attempts
+        or response.headers.get("x-should-retry", "").lower() == "false"
+        or upstream_errors.blames_request(response.status, cls)
+    ):
+        return None
+    wait = retry_after_s(response.headers)
+    return backoff_s(retry, attempt, rng) if wait is None else wait
 
 
 async def _discard(response: aiohttp.ClientResponse) -> None:

@@ -29,6 +29,9 @@ _RESPONSE_DROP = _HOP_BY_HOP | {"content-length"}
 
 @dataclass(frozen=True, slots=True)
 class Upstream:
+    """A configured upstream as the request path reads it: its `UpstreamConfig`'s settings
+    (defaults live there only) as plain attributes, read on every call, and what they imply."""
+
     name: str
     base_url: str
     api_key: str | None
@@ -38,8 +41,18 @@ class Upstream:
     total_timeout_s: float
     stream_usage: bool
     retry: RetryConfig
-    write_all_caps: bool = True  # see UpstreamConfig.cap_fields
-    api: UpstreamApi = UpstreamApi.OPENAI
+    write_all_caps: bool  # see UpstreamConfig.cap_fields
+    api: UpstreamApi
+
+    @classmethod
+    def of(cls, name: str, u: UpstreamConfig) -> Upstream:
+        return cls(
+            name=name, base_url=u.base_url, api_key=u.api_key,
+            connect_timeout_s=u.connect_timeout_s, first_byte_timeout_s=u.first_byte_timeout_s,
+            idle_timeout_s=u.idle_timeout_s, total_timeout_s=u.total_timeout_s,
+            stream_usage=u.stream_usage, retry=u.retry, write_all_caps=_writes_all_caps(u),
+            api=u.api,
+        )
 
 
 def _writes_all_caps(u: UpstreamConfig) -> bool:
@@ -60,14 +73,7 @@ class Route:
 
 class Router:
     def __init__(self, config: Config) -> None:
-        self.upstreams = {
-            name: Upstream(
-                name, u.base_url, u.api_key, u.connect_timeout_s, u.first_byte_timeout_s,
-                u.idle_timeout_s, u.total_timeout_s, u.stream_usage, u.retry,
-                _writes_all_caps(u), u.api,
-            )
-            for name, u in config.upstreams.items()
-        }
+        self.upstreams = {name: Upstream.of(name, u) for name, u in config.upstreams.items()}
         self._routes = [
             (
                 re.compile(fnmatch.translate(r.match)),

@@ -20,12 +20,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from proxy.auth import UserIndex, client_key
 from proxy.budget.accounting import Budget
-from proxy.budget.cost import price_version
 from proxy.budget.notify import Notifier
-from proxy.budget.spool import Spool, default_dir
+from proxy.budget.spool import SettleSpool, default_dir
 from proxy.budget.store import Store
 from proxy.budget.store_factory import make_store
 from proxy.config.load import Config, ConfigError
+from proxy.cost import price_version
 from proxy.errors import (
     AuthenticationFailed,
     MethodNotAllowed,
@@ -39,6 +39,7 @@ from proxy.ledger.audit import Auditor
 from proxy.ledger.ledger import make_ledger
 from proxy.pipeline.handler import BODY_PARSER_SLOTS, BODY_PARSERS, REQUEST_ID, make_handler
 from proxy.pipeline.relay import REQUEST_ID_HEADER
+from proxy.pipeline.services import SERVICES, HttpClient, Runtime, RuntimeHolder, Services, Settling
 from proxy.pipeline.watchdog import Watchdog
 from proxy.protocol import tokenizer
 from proxy.protocol.anthropic import CountTokensTranslator, MessagesTranslator
@@ -63,8 +64,8 @@ _OPEN_WARNING = (
 )
 
 
-def build_runtime(config: Config) -> st.Runtime:
-    return st.Runtime(config=config, router=Router(config), users=UserIndex(config),
+def build_runtime(config: Config) -> Runtime:
+    return Runtime(config=config, router=Router(config), users=UserIndex(config),
                       price_version=price_version(config.prices))
 
 
@@ -97,9 +98,9 @@ async def _errors(
 
 async def _models(request: web.Request) -> web.StreamResponse:
     """GET /v1/models: the upstreams' own lists; with one upstream, its bytes unchanged."""
-    runtime = request.app[st.SERVICES].runtime.current
+    runtime = request.app[SERVICES].runtime.current
     principal = runtime.users.authenticate(request)  # same keys as every other endpoint
-    session = request.app[st.SERVICES].http.session
+    session = request.app[SERVICES].http.session
     upstreams = list(runtime.router.upstreams.values())
     merged: list[object] = []
     failures = 0
@@ -144,7 +145,7 @@ async def _models(request: web.Request) -> web.StreamResponse:
 
 def _metrics_handler(main: web.Application) -> Callable[[web.Request], Awaitable[web.Response]]:
     async def metrics(request: web.Request) -> web.Response:
-        token = main[st.SERVICES].runtime.current.config.metrics.token
+        token = main[SERVICES].runtime.current.config.metrics.token
         if token is not None:
             given = request.headers.get("Authorization", "")
             # Compared as digests: constant time, whatever the lengths.
@@ -155,7 +156,7 @@ def _metrics_handler(main: web.Application) -> Callable[[web.Request], Awaitable
                 raise AuthenticationFailed(
                     "/metrics needs `Authorization: Bearer <metrics.token>`.", code="invalid_token"
                 )
-        metrics = main[st.SERVICES].metrics
+        metrics = main[SERVICES].metrics
         if metrics.shared:  # a worker: its own figures out, then every worker's files read
             metrics.publish()  # off the loop, as they are disk I/O
             body = await asyncio.to_thread(metrics.exposition)
@@ -188,7 +189,7 @@ def _writable(directory: Path) -> bool:
     return False
 
 
-def _state_problem(svc: st.Services) -> str | None:
+def _state_problem(svc: Services) -> str | None:
     """Why usage could not be kept on disk here: the ledger's spool (every row goes through
     it) or the settlement spool (what the store is owed during an outage) cannot be written.
     None when both can."""
@@ -207,9 +208,9 @@ async def _readyz(request: web.Request) -> web.Response:
     directory can be written. A replica that cannot write it would drop every ledger row and
     any settlement owed to the store: it is not ready, so that a misconfigured volume shows
     at the rollout instead of as missing books."""
-    runtime = request.app[st.SERVICES].runtime.current
+    runtime = request.app[SERVICES].runtime.current
     policy = runtime.config.store.on_error
-    svc = request.app[st.SERVICES]
+    svc = request.app[SERVICES]
     # Off the loop: a stat of a network volume can hang.
     if (problem := await asyncio.to_thread(_state_problem, svc)) is not None:
         return web.json_response({"status": "unavailable", "state_dir": problem}, status=503)
@@ -238,21 +239,21 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     async with aiohttp.ClientSession(
         connector=connector, auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None)
     ) as session:
-        app[st.SERVICES].http.started(session)
+        app[SERVICES].http.started(session)
         yield
-        app[st.SERVICES].http.started(None)
+        app[SERVICES].http.started(None)
 
 
 async def _discover_models(app: web.Application) -> AsyncIterator[None]:
     """Learn model names the upstreams serve, so `model` labels can name them (a bounded set
     that clients cannot grow). Best effort and in the background: startup never waits on it."""
-    runtime = app[st.SERVICES].runtime.current
+    runtime = app[SERVICES].runtime.current
     router = runtime.router if runtime.config.metrics.discover_models else None
     # Not held while the app runs: a reload frees the version it replaces once nothing does.
     del runtime
 
     async def discover(router: Router) -> None:
-        session = app[st.SERVICES].http.session
+        session = app[SERVICES].http.session
         for upstream in router.upstreams.values():
             try:
                 async with session.get(
@@ -278,7 +279,9 @@ async def _discover_models(app: web.Application) -> AsyncIterator[None]:
     task = asyncio.create_task(discover(router))
     del router
     yield
-    task.cancel()
+    # Awaited, not only cancelled: the discovery has ended before the session it uses closes,
+    # and a failure of it is logged, not left to the loop ("exception never retrieved").
+    await stop_task(task)
 
 
 async def stop_task(task: asyncio.Task[None]) -> None:
@@ -299,14 +302,14 @@ async def stop_task(task: asyncio.Task[None]) -> None:
 
 
 async def _watchdog_ctx(app: web.Application) -> AsyncIterator[None]:
-    task = asyncio.create_task(app[st.SERVICES].watchdog.run())
+    task = asyncio.create_task(app[SERVICES].watchdog.run())
     yield
     await stop_task(task)
 
 
 async def _ledger_ctx(app: web.Application) -> AsyncIterator[None]:
     """First in, last out: the ledger ships what the settling of the last requests wrote."""
-    svc = app[st.SERVICES]
+    svc = app[SERVICES]
     ledger = svc.ledger
     if ledger is None:
         yield
@@ -318,7 +321,7 @@ async def _ledger_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _audit_ctx(app: web.Application) -> AsyncIterator[None]:
-    svc = app[st.SERVICES]
+    svc = app[SERVICES]
     config = svc.runtime.current.config
     if svc.ledger is None or not config.ledger.reconcile_every_s:
         yield
@@ -332,14 +335,14 @@ async def _audit_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _drain_settling(app: web.Application) -> AsyncIterator[None]:
     yield
-    pending = set(app[st.SERVICES].settling.tasks)
+    pending = set(app[SERVICES].settling.tasks)
     if pending:
         await asyncio.wait(pending, timeout=10)
 
 
 async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
-    budget = app[st.SERVICES].budget
-    holder = app[st.SERVICES].runtime
+    budget = app[SERVICES].budget
+    holder = app[SERVICES].runtime
 
     async def maintain() -> None:
         # Probe the store, replay what the spool holds once it answers, renew the leases of
@@ -383,9 +386,9 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
 
 def _watch_ctx(path: Path, workers: int) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        holder = app[st.SERVICES].runtime
+        holder = app[SERVICES].runtime
 
-        def prepare(config: Config) -> st.Runtime:
+        def prepare(config: Config) -> Runtime:
             """In the watcher's worker thread: everything but the swap. Builds run one at a
             time and only `install` (after this) swaps, so `holder.current` is stable here."""
             # The store is set up once at start: a changed prefix must not reset every budget.
@@ -395,20 +398,22 @@ def _watch_ctx(path: Path, workers: int) -> Callable[[web.Application], AsyncIte
                 raise ConfigError(problem)
             return build_runtime(config)
 
-        def install(runtime: st.Runtime) -> st.Runtime:
+        def install(runtime: Runtime) -> Runtime:
             previous = holder.current
             # Names learned from the upstreams at start stay allowed as labels.
             runtime.router.add_model_labels(previous.router.discovered)
             holder.current = runtime
-            app[st.SERVICES].metrics.open_mode(runtime.open_mode)
+            app[SERVICES].metrics.open_mode(runtime.open_mode)
             return previous
 
         watcher = ConfigWatcher(path, prepare, install, st.release_runtime,
-                                app[st.SERVICES].metrics)
+                                app[SERVICES].metrics)
         app[st.WATCHER] = watcher
         task = asyncio.create_task(watcher.run())
         yield
-        task.cancel()
+        # Awaited, not only cancelled: the watcher (a reload in flight included) has ended
+        # before the services it installs into shut down, and a failure of it is logged.
+        await stop_task(task)
 
     return ctx
 
@@ -429,10 +434,10 @@ def create_app(
         middlewares=[_errors], client_max_size=int(config.server.max_body_mb * 1024 * 1024)
     )
     runtime = build_runtime(config)
-    holder = st.RuntimeHolder(runtime)
+    holder = RuntimeHolder(runtime)
     metrics = Metrics()
     metrics.open_mode(runtime.open_mode)
-    http = st.HttpClient()
+    http = HttpClient()
     notifier = Notifier(
         metrics,
         thresholds=lambda: holder.current.config.alerts.thresholds,
@@ -441,10 +446,10 @@ def create_app(
     )
     spool_dir = Path(config.store.spool_dir) if config.store.spool_dir else default_dir()
     budget = Budget(store or make_store(config.store, clock), metrics, notifier, clock,
-                    Spool(spool_dir))
-    app[st.SERVICES] = st.Services(
+                    SettleSpool(spool_dir))
+    app[SERVICES] = Services(
         runtime=holder, metrics=metrics, budget=budget, http=http, latency=LatencyTracker(),
-        rng=random.Random(), settling=st.Settling(), watchdog=Watchdog(),
+        rng=random.Random(), settling=Settling(), watchdog=Watchdog(),
         ledger=make_ledger(config.ledger, metrics, clock=clock),
     )
     app[BODY_PARSERS] = asyncio.Semaphore(BODY_PARSER_SLOTS)

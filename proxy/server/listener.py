@@ -42,6 +42,7 @@ from aiohttp.web_server import Server
 
 from proxy.config.load import ServerConfig
 from proxy.errors import ProxyError, ServiceUnavailable
+from proxy.pipeline.services import BODY_TIMED_OUT
 
 log = logging.getLogger("tokenmeter.listener")
 
@@ -54,11 +55,6 @@ REFUSAL_LINGER_S = 1.0
 # Refusals and timeouts are logged at most once per this many seconds per kind, with a count:
 # a flood must not become a log flood.
 LOG_EVERY_S = 10.0
-
-
-# Set on a request whose body did not arrive in time, before its handler is cancelled: the
-# handler sees only the cancellation, as for a client that went away.
-BODY_TIMED_OUT = web.RequestKey("tokenmeter_body_timed_out", bool)
 
 
 class RequestTimeout(ProxyError):

@@ -1,4 +1,5 @@
-"""One structured JSON line per request. Never prompt text, never keys.
+"""One structured JSON line per request: a projection of its `RequestRecord`, as its ledger
+row is. Never prompt text, never keys.
 
 Requests refused for a missing or unknown key are the exception: anyone can send them, as fast
 as they like, so they get no line each (a wrong-key flood wrote 23 MB of log in 15 s). The
@@ -36,7 +37,7 @@ def request_fields(rec: RequestRecord) -> dict[str, object]:
         "fallback_from": None if rec.fallback_from is None else rec.fallback_from[:200],
         "response_model": None if rec.response_model is None else rec.response_model[:200],
         "attempts": rec.attempts,
-        "upstream": rec.upstream,
+        "upstream": rec.upstream_label,
         "status": rec.status,
         "error_class": rec.error_class,
         "stream": rec.stream,
@@ -87,7 +88,7 @@ def request_line(rec: RequestRecord) -> str:
         f'"fallback_from":{_s(None if rec.fallback_from is None else rec.fallback_from[:200])},'
         f'"response_model":'
         f'{_s(None if rec.response_model is None else rec.response_model[:200])},'
-        f'"attempts":{rec.attempts},"upstream":{_str(rec.upstream)},"status":{rec.status},'
+        f'"attempts":{rec.attempts},"upstream":{_str(rec.upstream_label)},"status":{rec.status},'
         f'"error_class":{_str(rec.error_class)},"stream":{"true" if rec.stream else "false"},'
         f'"input_tokens":{u.input_tokens},"output_tokens":{u.output_tokens},'
         f'"cached_input_tokens":{u.cached_input_tokens},'

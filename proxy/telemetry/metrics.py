@@ -31,8 +31,9 @@ from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from proxy.budget.cost import cost_lines
-from proxy.config.policy import AdmissionPolicy, Price
+from proxy.config.policy import AdmissionPolicy
+from proxy.cost import CostLines
+from proxy.errors import ErrorClass
 from proxy.protocol.usage import Usage
 
 if TYPE_CHECKING:
@@ -101,23 +102,41 @@ class _Histogram(_Memo, Histogram):
 
 @dataclass(frozen=True, slots=True)
 class RequestRecord:
-    """Everything known about one finished request; the metrics and the log line read this."""
+    """Everything known about one finished request, made once by settle: the metrics, the
+    access-log line (`proxy.telemetry.accesslog`) and the ledger row (`LedgerRow.of`) each
+    read their part of it. Never prompt or response text, never a key."""
 
     request_id: str
     operation: str
-    model: str  # the model that served it (logged, never a label)
+    requested_model: str  # what the client asked for
+    sent_model: str | None  # sent upstream (a fallback's when one served); None: never sent
     model_label: str
-    upstream: str
-    user: str
+    upstream: str | None  # None: no upstream was tried
+    user: str  # "anonymous" when no key was accepted
     key: str | None  # a key's configured name, else the first 12 hex digits of its hash
+    team: str | None
     status: int
-    error_class: str  # "none" when the request succeeded
+    error_class: ErrorClass
     stream: bool
     usage: Usage
     figures: Figures
-    fallback_from: str | None = None  # the model asked for, when a fallback served instead
-    response_model: str | None = None  # the model the upstream's answer names (logged only)
-    attempts: int = 1  # upstream calls made: retries and fallbacks included
+    fallback_from: str | None  # the model asked for, when a fallback served instead
+    response_model: str | None  # the model the upstream's answer names (logged and booked)
+    attempts: int  # upstream calls made: retries and fallbacks included
+    cost: CostLines | None  # None: the model has no price
+    price_version: str | None  # of the price table that priced `cost`
+    windows: str  # budget windows charged, space-separated `scope:window:stamp`
+    ended_at: float  # epoch seconds, UTC
+
+    @property
+    def model(self) -> str:
+        """The model that served (or was last tried), else the one asked for (logged, never a
+        label)."""
+        return self.requested_model if self.sent_model is None else self.sent_model
+
+    @property
+    def upstream_label(self) -> str:
+        return "none" if self.upstream is None else self.upstream
 
 
 class _GapHistogram(Collector):
@@ -520,12 +539,11 @@ class Metrics:
     # Labels are passed in their declared order (prometheus_client sorts keyword labels on every
     # call); each verb's signature names them.
     # --- a request -----------------------------------------------------------------------
-    def record_request(self, rec: RequestRecord, price: Price | None,
-                       gaps: list[int]) -> None:
+    def record_request(self, rec: RequestRecord, gaps: list[int]) -> None:
         """One finished request: latency, tokens, the request itself, its cost, its gaps."""
         self._observe(rec)
-        if price is not None:
-            self._observe_cost(rec, price)
+        if rec.cost is not None:
+            self._observe_cost(rec, rec.cost)
         self._observe_gaps(rec, gaps)
 
     @contextlib.contextmanager
@@ -686,7 +704,7 @@ class Metrics:
         self._info.set(1 if is_open else 0)
 
     def _observe(self, rec: RequestRecord) -> None:
-        hl = (rec.model_label, rec.upstream, rec.operation)
+        hl = (rec.model_label, rec.upstream_label, rec.operation)
         f = rec.figures
         self._duration.labels(*hl).observe(f.duration)
         if f.ttft is not None:
@@ -712,15 +730,14 @@ class Metrics:
                 self._tokens.labels(kind, rec.model_label, rec.user, u.source).inc(value)
         self._requests.labels(rec.model_label, rec.user, str(rec.status), rec.error_class).inc()
 
-    def _observe_cost(self, rec: RequestRecord, price: Price) -> None:
-        """Prices are USD per million tokens; by the price the tokens paid (cost.cost_lines:
-        input, cached_input, cache_write_5m, cache_write_1h, output), as the ledger costs them."""
+    def _observe_cost(self, rec: RequestRecord, cost: CostLines) -> None:
+        """By the price the tokens paid (`CostLines`: input, cached_input, cache_write_5m,
+        cache_write_1h, output): the nano-dollars the ledger sums, in USD."""
         labels = (rec.model_label, rec.user)
-        for kind, tokens, usd_per_million in cost_lines(price, rec.usage):
-            if tokens and usd_per_million:
-                self._cost.labels(*labels, kind).inc(tokens * usd_per_million / 1_000_000)
+        for kind, usd in cost.usd():
+            self._cost.labels(*labels, kind).inc(usd)
 
     def _observe_gaps(self, rec: RequestRecord, counts: list[int]) -> None:
         f = rec.figures
         total = (f.mean_inter_chunk or 0.0) * max(f.content_chunks - 1, 0)
-        self._gaps.merge((rec.model_label, rec.upstream, rec.operation), counts, total)
+        self._gaps.merge((rec.model_label, rec.upstream_label, rec.operation), counts, total)

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from proxy.auth import Principal
 from proxy.budget import estimate as est
 from proxy.budget import limits as lim
 from proxy.budget.accounting import Budget, Reservation
 from proxy.budget.admission import Ask, Grant, claim_for, clamp_of, decide, refused_limit
 from proxy.budget.clamp import WORST_CASE, AdmissionRule, grant
 from proxy.budget.notify import Notifier
+from proxy.budget.principal import Principal
 from proxy.budget.refusals import Refusal, Refused
 from proxy.budget.store import USER, Entry, InFlightLimit, MemoryStore, ReserveResult
 from proxy.config.policy import AdmissionPolicy, Limits, Policy, Price

@@ -19,10 +19,10 @@ from proxy.budget.clamp import (
     resolve,
     room_for_output,
 )
-from proxy.budget.cost import cost_nanousd
 from proxy.budget.limits import reserve_cost
-from proxy.budget.store import USER, Entry, InFlightLimit, MemoryStore
 from proxy.config.policy import Admission, AdmissionPolicy, Policy, Price, hash_key
+from proxy.cost import CostLines
+from proxy.protocol.usage import Usage
 
 CLAMP = AdmissionPolicy.CLAMP
 
@@ -72,7 +72,9 @@ def test_clamped_cost_never_below_the_real_cost() -> None:
         clamped = reserve_cost(price, prompt, 0) + output_rate(price) * out
         for cached in (0, prompt):
             for used in (0, out // 2, out):
-                assert clamped >= cost_nanousd(price, prompt, cached, used)
+                usage = Usage(input_tokens=prompt, output_tokens=used,
+                              cached_input_tokens=cached)
+                assert clamped >= CostLines.of(price, usage).nanousd
 
 
 def test_output_rate_is_whole_nanos_rounded_up() -> None:
@@ -142,28 +144,3 @@ def test_model_groups_take_no_admission() -> None:
             "o1*": {"admission": {"policy": "clamp"}}}}}})
 
 
-async def test_memory_store_shares_the_remainder_first_come_first_served() -> None:
-    store = MemoryStore()
-    one = [InFlightLimit(USER, None)]
-    clamp = Clamp(1_500, 256, (10,), (1,))
-
-    def entry() -> list[Entry]:
-        return [Entry("w", 5_000, 1_510, 60)]
-
-    got = [await store.reserve("s", f"r{i}", entry(), one, 30, clamp) for i in range(6)]
-    assert [r.ok for r in got] == [True, True, True, True, False, False]
-    assert [r.granted for r in got[:4]] == [1_500, 1_500, 1_500, 460]
-    assert got[3].used == (5_000,)
-    assert got[4].refused_entry == 0 and got[4].used == (5_000,)
-    # A settlement below the grant gives room back: the next request takes it.
-    await store.settle("s", "r0", [Entry("w", 5_000, 1_000, 60)])
-    again = await store.reserve("s", "r9", entry(), one, 30, clamp)
-    assert again.ok and again.granted == 500
-
-
-async def test_memory_store_without_clamp_is_unchanged() -> None:
-    store = MemoryStore()
-    one = [InFlightLimit(USER, None)]
-    result = await store.reserve("s", "a", [Entry("w", 1_000, 900, 60)], one, 30)
-    assert result.ok and result.granted is None
-    assert not (await store.reserve("s", "b", [Entry("w", 1_000, 200, 60)], one, 30)).ok

@@ -1,4 +1,4 @@
-"""What a request costs (proxy.budget.cost), to the nano-dollar: cache reads and writes each at
+"""What a request costs (proxy.cost), to the nano-dollar: cache reads and writes each at
 their own price, each prompt token billed once, and a worst case no real usage can pass."""
 
 from __future__ import annotations
@@ -7,16 +7,9 @@ import hashlib
 import json
 import random
 
-from proxy.budget.cost import (
-    CostLine,
-    cost_lines,
-    cost_nanousd,
-    price_version,
-    usage_cost,
-    worst_case_nanousd,
-)
 from proxy.budget.limits import reserve_cost
 from proxy.config.policy import Price
+from proxy.cost import CostLines, price_version, worst_case_nanousd
 from proxy.protocol.usage import Usage
 
 # Claude Sonnet 4's list prices (USD per million tokens).
@@ -29,17 +22,27 @@ CACHED = Usage(input_tokens=13_000, output_tokens=700, cached_input_tokens=10_00
                cache_creation_1h_input_tokens=500)
 
 
+def usage_cost(price: Price, usage: Usage) -> int:
+    return CostLines.of(price, usage).nanousd
+
+
 def test_each_prompt_token_at_its_own_price() -> None:
-    assert cost_lines(SONNET, CACHED) == (
-        CostLine("input", 1_000, 3.0),
-        CostLine("cached_input", 10_000, 0.30),
-        CostLine("cache_write_5m", 1_500, 3.75),
-        CostLine("cache_write_1h", 500, 6.0),
-        CostLine("output", 700, 15.0),
-    )
-    # 1,000 x 3 + 10,000 x 0.30 + 1,500 x 3.75 + 500 x 6 + 700 x 15 = 25.125 USD per million.
-    assert usage_cost(SONNET, CACHED) == (3_000_000 + 3_000_000 + 5_625_000 + 3_000_000
-                                          + 10_500_000) == 25_125_000
+    cost = CostLines.of(SONNET, CACHED)
+    # 1,000 input at $3/M, 10,000 cache reads at $0.30/M, 1,500 5-minute writes at $3.75/M,
+    # 500 1-hour writes at $6/M, 700 output at $15/M: 25.125 USD per million.
+    assert cost.lines == (3_000_000, 3_000_000, 5_625_000, 3_000_000, 10_500_000)
+    assert cost.nanousd == sum(cost.lines) == 25_125_000
+    assert cost.usd() == (("input", 0.003), ("cached_input", 0.003),
+                          ("cache_write_5m", 0.005625), ("cache_write_1h", 0.003),
+                          ("output", 0.0105))
+
+
+def test_the_metric_lines_skip_what_cost_nothing() -> None:
+    free_cache = Price(input=3.0, output=15.0, cached_input=0.0)
+    assert CostLines.of(free_cache, CACHED).usd() == (
+        ("input", 0.003), ("cache_write_5m", 0.0045), ("cache_write_1h", 0.0015),
+        ("output", 0.0105))
+    assert CostLines.of(SONNET, Usage()).usd() == ()
 
 
 def test_cache_writes_are_not_also_billed_as_input() -> None:
@@ -68,10 +71,8 @@ def test_inconsistent_counts_never_bill_a_token_twice() -> None:
     """Reads and writes beyond the prompt are capped to it, reads first."""
     odd = Usage(input_tokens=100, output_tokens=0, cached_input_tokens=80,
                 cache_creation_input_tokens=50, cache_creation_1h_input_tokens=40)
-    lines = {line.kind: line.tokens for line in cost_lines(SONNET, odd)}
-    assert lines == {"input": 0, "cached_input": 80, "cache_write_5m": 0, "cache_write_1h": 20,
-                     "output": 0}
-    assert sum(lines.values()) == 100
+    # 80 reads at 300 nano-dollars, 20 1-hour writes at 6,000: 100 tokens, none twice.
+    assert CostLines.of(SONNET, odd).lines == (0, 80 * 300, 0, 20 * 6_000, 0)
 
 
 def test_rounded_up_once_per_request() -> None:
@@ -80,13 +81,10 @@ def test_rounded_up_once_per_request() -> None:
                   cache_write_5m=1 / 3000, cache_write_1h=1 / 3000)
     one_each = Usage(input_tokens=4, output_tokens=1, cached_input_tokens=1,
                      cache_creation_input_tokens=2, cache_creation_1h_input_tokens=1)
-    assert usage_cost(third, one_each) == 2  # 5/3 rounded up
+    cost = CostLines.of(third, one_each)
+    assert cost.nanousd == 2  # 5/3 rounded up
+    assert cost.lines == (1, 1, 1, 1, 1)  # each line rounded up for the metric
     assert usage_cost(third, Usage()) == 0
-
-
-def test_cost_nanousd_is_usage_cost_without_writes() -> None:
-    assert cost_nanousd(SONNET, 13_000, 10_000, 700) == usage_cost(
-        SONNET, Usage(input_tokens=13_000, output_tokens=700, cached_input_tokens=10_000))
 
 
 def test_the_worst_case_covers_every_split() -> None:

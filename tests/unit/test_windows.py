@@ -11,11 +11,12 @@ import pytest
 from redis.crc import key_slot
 
 from proxy.budget import limits as lim
-from proxy.budget.cost import cost_nanousd
 from proxy.budget.refusals import Refusal, RefusalKind, render, unpriced, usd
 from proxy.budget.store import Entry, MemoryStore, ScopeKind
 from proxy.budget.store_redis import cluster_url
 from proxy.config.policy import KeyConfig, Limits, Policy, Price, StoreConfig, UserConfig
+from proxy.cost import CostLines
+from proxy.protocol.usage import Usage
 from tests.helpers import FakeClock
 
 BERLIN = ZoneInfo("Europe/Berlin")
@@ -141,10 +142,12 @@ def test_the_worst_case_cost_bounds_any_real_one() -> None:
     assert worst == 1000 * 2500 + 500 * 10_000
     for cached in (0, 10, 1000):
         for out in (0, 1, 500):
-            assert cost_nanousd(price, 1000, cached, out) <= worst
+            used = Usage(input_tokens=1000, output_tokens=out, cached_input_tokens=cached)
+            assert CostLines.of(price, used).nanousd <= worst
     # A cached price above the input price (odd, but configurable): all-cached is the worst.
     odd = Price(input=1.0, output=1.0, cached_input=3.0)
-    assert lim.reserve_cost(odd, 100, 0) == cost_nanousd(odd, 100, 100, 0) == 300_000
+    all_cached = Usage(input_tokens=100, cached_input_tokens=100)
+    assert lim.reserve_cost(odd, 100, 0) == CostLines.of(odd, all_cached).nanousd == 300_000
 
 
 def test_refusals_of_cost_and_longer_windows() -> None:

@@ -2,6 +2,8 @@
 
 Costs are whole nano-dollars (1e-9 USD): budgets count them in the store's integer counters and
 the ledger sums them exactly; prices are USD per million tokens, so a token at $0.075/M is 75.
+A layer of its own, below telemetry and the budget: the cost metric and the budget's windows
+price usage alike (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from decimal import Decimal
-from typing import NamedTuple
 
 from proxy.config.policy import Price
 from proxy.protocol.usage import Usage
@@ -44,22 +46,7 @@ def _nanos(tokens: int, usd_per_million: float) -> Decimal:
     return tokens * _per_token(usd_per_million)
 
 
-def cost_nanousd(price: Price, input_tokens: int, cached_input_tokens: int,
-                 output_tokens: int) -> int:
-    """Cached input is billed at `cached_input` when set, else at the input price. Rounded up
-    to a whole nano-dollar. No cache writes: `usage_cost` prices those."""
-    return usage_cost(price, Usage(input_tokens=input_tokens, output_tokens=output_tokens,
-                                   cached_input_tokens=cached_input_tokens))
-
-
-class CostLine(NamedTuple):
-    """Tokens that pay one price: `kind` names the Price field (and the cost metric's type)."""
-
-    kind: str
-    tokens: int
-    usd_per_million: float
-
-
+# The prices a token can pay, by their Price field (and the cost metric's `type`).
 KINDS = ("input", "cached_input", "cache_write_5m", "cache_write_1h", "output")
 
 
@@ -86,26 +73,33 @@ def _prices(price: Price) -> tuple[float, float, float, float, float]:
             inp if price.cache_write_1h is None else price.cache_write_1h, price.output)
 
 
-def cost_lines(price: Price, usage: Usage) -> tuple[CostLine, ...]:
-    """`usage`'s tokens by the price they pay, each token in exactly one line (see `_split`):
-    what usage_cost sums, and the cost metric's types."""
-    return tuple(map(CostLine, KINDS, _split(usage), _prices(price)))
+@dataclass(frozen=True, slots=True)
+class CostLines:
+    """What one request cost: the one value settle computes, from which the budget is charged,
+    the ledger row and the cost metric are written. `lines`: nano-dollars by the price the
+    tokens paid (KINDS' order), each rounded up to a whole nano-dollar (the metric's series);
+    `nanousd`: the whole request rounded up once (what budgets and the books count), so the sum
+    of the lines may exceed it by under a nano-dollar a line."""
 
+    lines: tuple[int, ...]
+    nanousd: int
 
-def usage_cost(price: Price, usage: Usage) -> int:
-    """What `usage` costs at `price`: the one place settle and the books price a request.
-    Rounded up to a whole nano-dollar once, for the whole request."""
-    total = Decimal(0)
-    for tokens, usd_per_million in zip(_split(usage), _prices(price), strict=True):
-        if tokens:
-            total += tokens * _per_token(usd_per_million)
-    return math.ceil(total)
+    @classmethod
+    def of(cls, price: Price, usage: Usage) -> CostLines:
+        exact = [tokens * _per_token(usd_per_million) if tokens else Decimal(0)
+                 for tokens, usd_per_million in zip(_split(usage), _prices(price), strict=True)]
+        return cls(tuple(map(math.ceil, exact)), math.ceil(sum(exact)))
+
+    def usd(self) -> tuple[tuple[str, float], ...]:
+        """The lines that cost something, as (kind, USD): the cost metric's increments."""
+        return tuple((kind, nanos / NANOS_PER_USD)
+                     for kind, nanos in zip(KINDS, self.lines, strict=True) if nanos)
 
 
 def worst_case_nanousd(price: Price, prompt_tokens: int, output_tokens: int) -> int:
     """The most a request of `prompt_tokens` and up to `output_tokens` can cost: every prompt
     token at the dearest price a prompt token can pay (plain input, a cache read or either cache
-    write), so a reservation of it is never below `usage_cost` of what the request used."""
+    write), so a reservation of it is never below the `CostLines` of what the request used."""
     dearest = max(_prices(price)[:4])
     return math.ceil(_nanos(prompt_tokens, dearest) + _nanos(output_tokens, price.output))
 

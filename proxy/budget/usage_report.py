@@ -1,4 +1,4 @@
-"""`tokenmeter usage`: per-user consumption for a day, read from the store."""
+"""`tokenmeter usage`: per-user consumption for a day, read from the budget's store counters."""
 
 from __future__ import annotations
 
