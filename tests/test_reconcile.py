@@ -177,7 +177,8 @@ class World:
         usage = usage or Usage(input_tokens=prompt, output_tokens=7, cached_input_tokens=4)
         principal = self.principal(user, key)
         plan = self.budget.plan(principal, model, self.config)
-        ask = Ask(principal, model, plan, prompt, 64, 1, stream=False, hidden_output=False)
+        ask = Ask(principal=principal, model=model, plan=plan, prompt_tokens=prompt,
+                  asked_output=64, choices=1, stream=False, hidden_output=False)
         reservation = await self.budget.reserve(ask, self.config)
         if settle:
             cost = None if plan.price is None else CostLines.of(plan.price, usage)

@@ -120,8 +120,8 @@ async def test_the_in_process_store_stays_bounded_over_30000_requests() -> None:
         principal = principals[i % len(principals)]
         plan = budget.plan(principal, translator.model, config)
         output = translator.max_output(plan.output_cap)
-        ask = Ask(principal, translator.model, plan, 3, output, 1, stream=False,
-                  hidden_output=False)
+        ask = Ask(principal=principal, model=translator.model, plan=plan, prompt_tokens=3,
+                  asked_output=output, choices=1, stream=False, hidden_output=False)
         reservation = await budget.reserve(ask, config)
         await budget.settle(reservation, Usage(3, 5), None)
         now[0] += 0.05

@@ -30,7 +30,7 @@ from proxy.budget.refusals import Refusal
 from proxy.budget.store import Entry, ReserveResult
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)  # three counts in a row: by name only
 class Ask:
     """What one attempt of a request asks for: who, which model under which plan, and the
     request's own facts, each computed once by the pipeline before the reserve."""

@@ -284,7 +284,8 @@ async def _reserve(ctx: RequestContext, svc: Services, turn: _Turn) -> Reservati
     # Checks the client's output limits too (a 400) before anything is counted or reserved.
     asked = translator.max_output(plan.output_cap)
     prompt = await counting.prompt_tokens(translator) if plan.needs_prompt_estimate else 0
-    ask = Ask(ctx.principal, cand.model, plan, prompt, asked, translator.choices(), ctx.stream,
+    ask = Ask(principal=ctx.principal, model=cand.model, plan=plan, prompt_tokens=prompt,
+              asked_output=asked, choices=translator.choices(), stream=ctx.stream,
               hidden_output=hides_output(cand.model, ctx.request.body,
                                          cand.route.hidden_output))
     try:

@@ -44,7 +44,8 @@ def _ask(plan: lim.Plan, rule: AdmissionRule = WORST_CASE, *, prompt: int = 100,
          asked: int = 4000, choices: int = 1, stream: bool = False,
          hidden: bool = False) -> Ask:
     principal = Principal("alice", lim.unlimited(Limits()), key_id="k1", admission=rule)
-    return Ask(principal, "gpt-4o", plan, prompt, asked, choices, stream, hidden)
+    return Ask(principal=principal, model="gpt-4o", plan=plan, prompt_tokens=prompt,
+               asked_output=asked, choices=choices, stream=stream, hidden_output=hidden)
 
 
 def test_worst_case_claims_the_prompt_and_the_whole_cap() -> None:

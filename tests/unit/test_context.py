@@ -40,7 +40,8 @@ async def _outcome() -> tuple[Outcome, Candidacy]:
     request = parse_body(json.dumps({"model": MODEL, "messages": MESSAGES}).encode())
     translator = ChatTranslator(request)
     plan = budget.plan(principal, MODEL, config)
-    ask = Ask(principal, MODEL, plan, 0, 16, 1, stream=False, hidden_output=False)
+    ask = Ask(principal=principal, model=MODEL, plan=plan, prompt_tokens=0, asked_output=16,
+              choices=1, stream=False, hidden_output=False)
     reservation = await budget.reserve(ask, config)
     route = Router(config).resolve(MODEL)
     assert route is not None
