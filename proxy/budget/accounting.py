@@ -494,7 +494,6 @@ class Budget:
             self.metrics.budget_state(user, w.name, u, w.limit)
 
 
-
 def _reservation(ask: adm.Ask, grant: adm.Grant, res_id: str, used: tuple[int, ...],
                  stored: bool) -> Reservation:
     return Reservation(res_id, ask.user, ask.plan, ask.prompt_tokens, grant.output, used, stored,
