@@ -92,27 +92,34 @@ class Allowance:
 
     def check(self, seen: Seen, pending: bool) -> Decision:
         """The check due at `seen` (`seen.events >= next_at`); `pending`: a top-up is out and
-        unanswered. A refused stream not yet at an event's end is checked again at the next."""
+        unanswered. The caller acts, then checks again while the check is still due (`WAIT`,
+        and a top-up started within slack: wait for its answer now). A refused stream not yet
+        at an event's end is checked again at the next."""
         burst = self.burst
         if self.next_at == self.events + 1:  # checked at every event: this interval's tokens
             burst = max(burst, seen.tokens - self.tokens)
-        near = seen.tokens >= self.reserved - self.slack(seen, burst)
+        line = self.reserved - self.slack(seen, burst)
+        near = seen.tokens >= line
         if pending and near:
             return Decision(Act.WAIT, self)
-        act, step = Act.NOTHING, 0
+        act, step, next_at = Act.NOTHING, 0, self._next_at(seen, pending)
         if self.refused and near and seen.at_boundary:
             act = Act.END
-        elif self._short(seen.tokens, pending):
+        elif self._short(seen.tokens, pending, line):
             act, step = Act.START, est.step(self.estimate, self.cap - self.reserved)
+            # Already within slack (a small reservation, a burst): due again at once, to wait
+            # for this top-up's answer before another event goes out.
+            next_at = seen.events if near else seen.events + 1
         after = replace(self, burst=burst, events=seen.events, tokens=seen.tokens,
-                        next_at=self._next_at(seen, pending or act is Act.START))
+                        next_at=next_at)
         return Decision(act, after, step)
 
-    def _short(self, tokens: int, pending: bool) -> bool:
+    def _short(self, tokens: int, pending: bool, line: int) -> bool:
         """A top-up is due: none out, none refused, the cap not reached, and three quarters of
-        what is held streamed."""
+        what is held streamed, or less if the slack is more than a quarter (a small
+        reservation): never is the line passed without a top-up asked for."""
         return (not pending and not self.refused and self.reserved < self.cap
-                and tokens >= self.reserved * 3 // 4)
+                and tokens >= min(self.reserved * 3 // 4, line))
 
     def _next_at(self, seen: Seen, pending: bool) -> int:
         if pending or self.refused:

@@ -68,17 +68,18 @@ class TopUps:
         if task is not None and task.done():
             self._task = None
             self._apply(task.result())
-        decision = self._allowance.check(seen, self._task is not None)
-        if decision.act is Act.WAIT:
-            await self._answer()
-            decision = self._allowance.check(seen, False)
-        self._allowance = decision.allowance
-        self.next_at = decision.allowance.next_at
-        if decision.act is Act.START:
-            self._task = asyncio.ensure_future(
-                self._budget.top_up(self._reservation, decision.step, self._policy))
-        elif decision.act is Act.END:
-            self._end(seen.tokens)
+        while self.next_at <= events:  # the rule's word: checked again until the next is ahead
+            decision = self._allowance.check(seen, self._task is not None)
+            if decision.act is Act.WAIT:
+                await self._answer()
+                continue
+            self._allowance = decision.allowance
+            self.next_at = decision.allowance.next_at
+            if decision.act is Act.START:
+                self._task = asyncio.ensure_future(
+                    self._budget.top_up(self._reservation, decision.step, self._policy))
+            elif decision.act is Act.END:
+                self._end(seen.tokens)
 
     async def _answer(self) -> None:
         """Wait for the top-up that is out, if any, and apply its answer."""
