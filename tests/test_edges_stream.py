@@ -28,7 +28,6 @@ from aiohttp.test_utils import TestServer
 from openai.types.chat import ChatCompletionMessageParam
 
 from proxy.config.load import Config, parse_config
-from proxy.pipeline import services as st
 from proxy.protocol import tokenizer
 from proxy.protocol.tap import StreamTap
 from proxy.protocol.translators import (
