@@ -134,7 +134,7 @@ class StreamTap:
             for event in self._decoder.feed(chunk):
                 self._event(event.data, event.event, now, marked)
                 marked = known
-            self._tainted = self._decoder.has_pending
+            self._tainted = self._decoder.mid_event
         except Exception:
             self._break()
 
@@ -215,7 +215,7 @@ class StreamTap:
             # Before any choice finished, an incomplete event is content: never hold it back.
             out.append(rest)
             self._held = b""
-            self._tainted = bool(rest) or self._decoder.has_pending
+            self._tainted = bool(rest) or self._decoder.mid_event
         return b"".join(out)
 
     def close(self) -> bytes:
