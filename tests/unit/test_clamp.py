@@ -167,3 +167,26 @@ async def test_memory_store_without_clamp_is_unchanged() -> None:
     result = await store.reserve("s", "a", [Entry("w", 1_000, 900, 60)], one, 30)
     assert result.ok and result.granted is None
     assert not (await store.reserve("s", "b", [Entry("w", 1_000, 200, 60)], one, 30)).ok
+
+
+def test_resolve_keeps_the_defaults_of_fields_set_nowhere() -> None:
+    assert resolve(Admission(min_output_tokens=5)) == AdmissionRule(
+        AdmissionPolicy.WORST_CASE, 5, 1024)
+    assert resolve(None, Admission(initial_estimate=77), Admission(initial_estimate=9)) == (
+        AdmissionRule(AdmissionPolicy.WORST_CASE, 256, 77))
+    rule = resolve(Admission(policy=AdmissionPolicy.ESTIMATE, initial_estimate=300))
+    assert rule == AdmissionRule(AdmissionPolicy.ESTIMATE, 256, 300)
+    assert rule.estimates and rule.clamps
+    assert not WORST_CASE.clamps and not WORST_CASE.estimates
+    assert AdmissionRule(CLAMP).clamps and not AdmissionRule(CLAMP).estimates
+
+
+def test_a_clamp_and_its_windows_must_pair_up() -> None:
+    """One base and one rate per window: a list one short is a bug, not a shorter clamp."""
+    clamp = Clamp(100, 10, (1, 2), (1, 1))
+    with pytest.raises(ValueError, match="zip"):
+        Clamp(100, 10, (1, 2), (1,)).amounts(5)
+    with pytest.raises(ValueError, match="zip"):
+        grant(clamp, (None,), (0,))
+    with pytest.raises(ValueError, match="zip"):
+        grant(clamp, (None, None), (0, 0, 0))
