@@ -248,7 +248,7 @@ def test_a_key_without_a_concurrency_limit_adds_no_in_flight_set(team: str | Non
     assert p.output_cap is None  # no cap anywhere (not even in the defaults): none
 
 
-def test_open_modes_count_without_limits_but_keep_the_output_cap() -> None:
+def test_open_modes_are_metered_without_limits_or_an_output_cap() -> None:
     policy = _policy(defaults={"daily_tokens": 5, "max_output_tokens": 77})
     limits = lim.unlimited(policy.defaults)
     assert limits.output_cap == 77 and limits.key == {} and limits.model_limits == ()
@@ -256,6 +256,8 @@ def test_open_modes_count_without_limits_but_keep_the_output_cap() -> None:
     assert _limited(p) == {}
     assert p.output_cap == 77 and p.costed is False
     assert [(f.part, f.limit) for f in p.in_flight] == [("u", None)]
+    # Such a principal is not enforced: its plan is `unenforced()`, which drops the cap too.
+    assert p.unenforced().output_cap is None
     limited = lim.plan(policy, "anyone", lim.limits_for(policy, "anyone"), "gpt-4o", 0.0)
     opened = limited.unenforced()
     assert opened.slot == limited.slot == "tokenmeter:{anyone}"
