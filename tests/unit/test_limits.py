@@ -136,6 +136,8 @@ def test_the_defaults_limit_every_user_who_sets_nothing_of_their_own() -> None:
     assert (nobody.team_scope, nobody.model_limits, nobody.key, nobody.key_scope) == (
         None, (), {}, None)
     assert lim.team_of(policy, "nobody") is None
+    teams = _policy(users={"alice": {"team": "platform"}, "bob": {}})
+    assert [lim.team_of(teams, u) for u in ("alice", "bob", "nobody")] == ["platform", None, None]
 
 
 def test_every_scopes_window_counts_what_its_name_says() -> None:
@@ -360,6 +362,11 @@ def test_windows_at_names_each_key_and_reads_the_users_own_limits() -> None:
     }
     assert all(w.key == f"tokenmeter:{{t:platform}}:alice:{w.label}" for w in found.values()
                if w.scope.kind is not ScopeKind.TEAM)
+    # A user without keys: their own limits, in their team's slot.
+    bob = _policy(users={"bob": {"team": "platform", "monthly_tokens": 7}})
+    assert {w.key: w.limit for w in lim.windows_at(bob, "bob", now)
+            if w.name is lim.WindowName.MONTHLY_TOKENS} == {
+        "tokenmeter:{t:platform}:bob:u:monthly_tokens:M202612": 7}
 
 
 def test_a_spooled_window_keeps_its_label_and_scope() -> None:

@@ -104,6 +104,10 @@ def test_fast_path_takes_one_whole_data_event_and_nothing_else() -> None:
     for chunk in (b'data: {"a":1}\r\n\r\n', b"data: a\ndata: b\n\n", b"data: a\n\ndata: b\n\n",
                   b"event: x\ndata: a\n\n", b"data: a\n", b"data:a\n\n", b": c\n\n"):
         assert d.whole_event(chunk) is None, chunk
+    # A CR inside is a line end to `feed`: not one line.
+    for chunk in (b"data: a\rb\n\n", b"data: a\r\n\n"):
+        assert d.whole_event(chunk) is None, chunk
+        assert d.whole_events(chunk) is None, chunk
     d.feed(b"data: half")  # with bytes pending, a whole-looking chunk is not a whole event
     assert d.whole_event(b"data: x\n\n") is None
 
@@ -112,8 +116,16 @@ def test_many_events_fast_path_takes_whole_data_events_only() -> None:
     d = SSEDecoder()
     assert d.whole_events(b"data: a\n\ndata: {}\n\ndata: \n\n") == [b"a", b"{}", b""]
     for chunk in (b"data: a\n\ndata: b\n", b"data: a\n\nevent: x\ndata: b\n\n",
-                  b"data: a\r\n\r\n", b": ping\n\ndata: a\n\n", b"data: a\ndata: b\n\n"):
+                  b"data: a\r\n\r\n", b": ping\n\ndata: a\n\n", b"data: a\ndata: b\n\n",
+                  b"data: a\n\nb"):
         assert d.whole_events(chunk) is None, chunk
+    # With anything pending, in the splitter (a partial line) or the assembler (a data line
+    # and no blank one yet), the chunk continues it.
+    for before in (b"data: half", b"data: a\n", b"event: e\n"):
+        pending = SSEDecoder()
+        pending.feed(before)
+        assert pending.whole_events(b"data: x\n\n") is None, before
+        assert pending.whole_event(b"data: x\n\n") is None, before
 
 
 # --- the line splitter and the assembler ----------------------------------------------------------

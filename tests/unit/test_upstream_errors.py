@@ -140,6 +140,11 @@ def test_a_body_blames_the_request_only_from_300_up() -> None:
         # Odd fields are nothing, not a crash.
         (json.dumps({"error": {"code": 400, "message": 7, "type": None}}).encode(), None),
         (json.dumps({"error": {"code": ["invalid_value"]}}).encode(), None),
+        # An unhashable type once raised TypeError here, out of the classifier.
+        (json.dumps({"error": {"type": ["invalid_request_error"]}}).encode(), None),
+        (json.dumps({"error": {"type": {"a": 1}, "code": "invalid_value"}}).encode(),
+         ErrorClass.BAD_REQUEST),
+        (json.dumps({"object": "error", "type": []}).encode(), None),
         (json.dumps({"error": {"code": "invalid_value", "message": None}}).encode(),
          ErrorClass.BAD_REQUEST),
         # vLLM's flat shape, read only when it says it is an error.
@@ -184,7 +189,8 @@ def test_a_stream_ending_error_is_classed_as_its_status_would_be(
     "data",
     [b"", b"not json", b"\xff", b"[1]", b'{"type": "error"}', b'{"error": "overloaded"}',
      b'{"error": {"type": 429}}', b'{"error": {"message": "rate_limit_error"}}',
-     b'{"type": "rate_limit_error"}'],
+     b'{"type": "rate_limit_error"}', b'{"error": {"type": ["rate_limit_error"]}}',
+     b'{"error": {"type": {"t": 1}}}'],
 )
 def test_an_unreadable_stream_error_is_the_upstreams_failure(data: bytes) -> None:
     assert stream_error(data) is ErrorClass.UPSTREAM_5XX
