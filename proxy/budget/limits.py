@@ -254,7 +254,9 @@ def effective_limits(
 
 def limits_for(policy: Policy, user: str, key: KeyConfig | None = None,
                key_scope: str | None = None) -> EffectiveLimits:
-    """A configured user's limits (through `key`, if given), their team's included."""
+    """A user's limits, their team's included, and through `key` when it is given with the
+    `key_scope` its counters go by (a key without one adds nothing). A user not in `users` has
+    the defaults' limits, no team and no model groups."""
     cfg = policy.users.get(user)
     team = cfg.team if cfg is not None else None
     return effective_limits(cfg, key, policy.defaults, key_scope, team,
@@ -262,7 +264,9 @@ def limits_for(policy: Policy, user: str, key: KeyConfig | None = None,
 
 
 def unlimited(defaults: Limits) -> EffectiveLimits:
-    """Open and pass-through modes: metered, never limited (but the output cap still applies)."""
+    """Open and pass-through modes: metered, never limited. The defaults' output cap is carried,
+    but these principals are not enforced and `Plan.unenforced` drops it: their requests go
+    upstream uncapped."""
     values: Counts = dict.fromkeys(_LIMIT_FIELDS)
     values["max_output_tokens"] = defaults.max_output_tokens
     return EffectiveLimits(values, {}, None, ())
@@ -350,12 +354,6 @@ def daily_key(prefix: str, user: str, name: str, day: str, team: str | None = No
 def team_of(policy: Policy, user: str) -> str | None:
     cfg = policy.users.get(user)
     return cfg.team if cfg is not None else None
-
-
-def user_slot(policy: Policy, user: str) -> str:
-    """The slot a configured user's reservations are in (their team's, for a team's user):
-    what `Store.leases` takes."""
-    return slot_for(policy.store.prefix, user, team_of(policy, user))
 
 
 # --- plans -------------------------------------------------------------------------------------
