@@ -19,7 +19,7 @@ UTC = ZoneInfo("UTC")
 def _plan(user: UserConfig, now: float, model: str = "gpt-4o", tz: str = "UTC",
           key: KeyConfig | None = None) -> lim.Plan:
     policy = Policy(timezone=tz, users={"alice": user})
-    limits = lim.effective_limits(user, key, policy.defaults, "ci" if key else None)
+    limits = lim.effective_limits(user, policy.defaults, lim.KeyOf(key, "ci") if key else None)
     return lim.plan(policy, "alice", limits, model, now)
 
 
@@ -220,7 +220,7 @@ def test_a_dollar_budget_anywhere_needs_a_price(where: str) -> None:
 def test_a_prompt_estimate_only_for_limits_the_prompt_counts_in(
     limits: dict[str, int], needs: bool,
 ) -> None:
-    p = lim.plan(_policy(), "alice", lim.effective_limits(None, None, Limits(**limits), None),
+    p = lim.plan(_policy(), "alice", lim.effective_limits(None, Limits(**limits)),
                  "gpt-4o", 0.0)
     assert p.needs_prompt_estimate is needs
 
