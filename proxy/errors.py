@@ -29,7 +29,7 @@ class ErrorClass(enum.StrEnum):
     `reason` of retries and fallbacks (with "slow"). A StrEnum: a member is equal to, hashes
     as, and formats as its value, so comparisons with the old strings and Prometheus labels
     are unchanged. Dashboards and alert rules may only match these values
-    (tests/test_error_classes.py checks)."""
+    (tests/pipeline/test_error_classes.py checks)."""
 
     NONE = "none"
     # The client's side.
@@ -99,7 +99,7 @@ class ProxyError(Exception):
     def error_class(self) -> ErrorClass:
         """Bounded label for `tokenmeter_requests_total{error_class}`: the wire code's member.
         A code outside the set is a bug; it is counted as `internal` rather than raising in
-        the middle of answering an error (tests/test_error_classes.py covers every raiser's
+        the middle of answering an error (tests/pipeline/test_error_classes.py covers every raiser's
         code)."""
         value = self.code or self.type
         try:

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mappi
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any, Protocol
 
 import aiohttp
@@ -26,6 +27,8 @@ from redis.typing import KeyT
 from proxy.config.load import Config, parse_config
 from proxy.pipeline import services as st
 from proxy.testing.mock_upstream import MOCK_STATE, MockState
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository: deploy/, grafana/, config/, docs/
 
 ServerFactory = Callable[..., Coroutine[Any, Any, TestServer]]
 

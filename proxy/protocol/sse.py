@@ -14,8 +14,8 @@ blank line): the stream tap slices the raw bytes it forwards by these offsets.
 `SSEDecoder.whole_event(chunk)` is the one fast path: what fast upstreams send is one whole
 `data:` event per chunk, LF-framed, and for such a chunk (with nothing pending) it returns the
 event's data without running the splitter and the assembler. It returns exactly what `feed`
-would (tests/test_sse.py checks that on random streams); for any other chunk it returns None and
-the caller uses `feed`.
+would (tests/protocol/test_sse.py checks that on random streams); for any other chunk it
+returns None and the caller uses `feed`.
 """
 
 from __future__ import annotations

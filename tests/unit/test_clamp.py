@@ -1,5 +1,5 @@
 """The `clamp` admission policy's arithmetic, its configuration and the in-process store's use
-of it (the Redis script is checked against the same store in tests/test_admission_clamp.py)."""
+of it (the Redis script is checked against the same store in tests/budget/test_admission_clamp.py)."""
 
 from __future__ import annotations
 

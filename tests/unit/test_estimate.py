@@ -1,5 +1,5 @@
 """The `estimate` admission policy's arithmetic and the in-process store's top-ups and output
-history (the Redis scripts are checked against the same cases in tests/test_admission_estimate.py)."""
+history (the Redis scripts are checked against the same cases in tests/budget/test_admission_estimate.py)."""
 
 from __future__ import annotations
 

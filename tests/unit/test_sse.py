@@ -1,6 +1,6 @@
 """The SSE decoder: every chunking of a stream yields the same events, the fast paths take
 whole data events and nothing else, and the relay's helpers (`pieces`, `events_at_most`) cut
-and bound chunks as `feed` reads them. (tests/test_sse.py checks the fast paths against `feed`
+and bound chunks as `feed` reads them. (tests/protocol/test_sse.py checks the fast paths against `feed`
 on random streams.)"""
 
 from __future__ import annotations

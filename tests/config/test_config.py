@@ -7,6 +7,7 @@ import pytest
 from proxy.cli import main
 from proxy.config.load import ConfigError, load_config, parse_config
 from proxy.routing.upstream import Router
+from tests.helpers import ROOT
 
 GOOD = """
 upstreams:
@@ -84,5 +85,5 @@ def test_check_config_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 
 def test_example_config_is_valid(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OPENAI_API_KEY", "sk-x")
-    cfg = load_config(Path(__file__).parent.parent / "config" / "tokenmeter.example.yaml")
+    cfg = load_config(ROOT / "config" / "tokenmeter.example.yaml")
     assert set(cfg.upstreams) == {"openai", "local"}

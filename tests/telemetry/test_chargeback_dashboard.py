@@ -24,7 +24,6 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
-from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -44,9 +43,17 @@ from proxy.ledger.schema import TABLE
 from proxy.pipeline import services as st
 from proxy.protocol.usage import Usage
 from proxy.server.app import create_app
-from tests.helpers import ALICE_KEY, BOB_KEY, MESSAGES, ServerFactory, make_config, sdk, settled
+from tests.helpers import (
+    ALICE_KEY,
+    BOB_KEY,
+    MESSAGES,
+    ROOT,
+    ServerFactory,
+    make_config,
+    sdk,
+    settled,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "grafana" / "dashboards" / "chargeback.json"
 DATASOURCES = ROOT / "grafana" / "provisioning" / "datasources"
 READER_SQL = ROOT / "deploy" / "compose" / "ledger-reader.sql"

@@ -29,10 +29,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.telemetry.metrics import LedgerStage, Metrics
-from tests.helpers import ServerFactory
+from tests.helpers import ROOT, ServerFactory
 from tests.servers import Prometheus, running_prometheus
 
-ROOT = Path(__file__).resolve().parents[1]
 PROM_DIR = ROOT / "deploy" / "prometheus"
 PROM_CONFIG = PROM_DIR / "prometheus.yml"
 RULES = PROM_DIR / "rules" / "ledger.rules.yml"

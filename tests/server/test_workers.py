@@ -39,6 +39,7 @@ from tests.helpers import (
     ALICE_KEY,
     BOB_KEY,
     MESSAGES,
+    ROOT,
     Samples,
     ask_usage,
     budget_yaml,
@@ -603,7 +604,7 @@ def test_sqlite_ledger_takes_concurrent_writers_from_several_processes(tmp_path:
 
 
 # --- the deploy files ---------------------------------------------------------------------------
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = ROOT / "deploy"
 
 
 def test_deploy_files_expose_the_workers_setting(monkeypatch: pytest.MonkeyPatch) -> None:

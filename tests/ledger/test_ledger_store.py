@@ -30,10 +30,10 @@ from proxy.ledger.schema import MIGRATIONS, SCHEMA_TABLE, TABLE, VERSION
 from proxy.ledger.sink_postgres import mask_url
 from proxy.ledger.spool import encode_row
 from proxy.telemetry.metrics import Metrics
-from tests.helpers import FakeClock
+from tests.helpers import ROOT, FakeClock
 from tests.servers import free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = ROOT
 NOW = 1_796_000_000.0
 
 # Every migration applied, each once, in order.

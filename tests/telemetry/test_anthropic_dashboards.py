@@ -16,10 +16,10 @@ from anthropic.types import MessageParam
 
 from proxy.cost import KINDS
 from proxy.server.app import create_app
-from tests.helpers import UPSTREAM_KEY, ServerFactory, make_config
+from tests.helpers import ROOT, UPSTREAM_KEY, ServerFactory, make_config
 from tests.servers import running_prometheus
 
-OVERVIEW = Path(__file__).resolve().parents[1] / "grafana" / "dashboards" / "tokenmeter-overview.json"
+OVERVIEW = ROOT / "grafana" / "dashboards" / "tokenmeter-overview.json"
 PRICE = {"input": 3.0, "output": 15.0, "cached_input": 0.30, "cache_write_5m": 3.75,
          "cache_write_1h": 6.0}
 CACHE = {"x-mock-cache-read-tokens": "40", "x-mock-cache-creation-tokens": "30",

@@ -38,9 +38,9 @@ from proxy.config.load import parse_config
 from proxy.config.policy import hash_key
 from proxy.server.app import create_app
 from proxy.testing.mock_upstream import MockSettings, create_mock_app
+from tests.helpers import ROOT
 from tests.servers import Prometheus, free_port, running_prometheus, wait_for_port
 
-ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 DOCKERFILE = DEPLOY / "Dockerfile"
 COMPOSE = DEPLOY / "docker-compose.yml"

@@ -40,8 +40,8 @@ from proxy.errors import (
 from proxy.routing import attempts
 from proxy.routing.exceptions_map import Phase, map_upstream_exceptions, upstream_failure
 from proxy.routing.upstream import Upstream
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 MEMBERS = frozenset(ErrorClass)
 
 # --- dashboards and alert rules ------------------------------------------------------------------

@@ -13,17 +13,15 @@ import subprocess
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import asyncpg
 import pytest
 import yaml
 
-from tests.helpers import until
+from tests.helpers import ROOT, until
 
 pytestmark = pytest.mark.timeout(90)
 
-ROOT = Path(__file__).resolve().parents[1]
 READER_SQL = ROOT / "deploy" / "compose" / "ledger-reader.sql"
 COMPOSE = ROOT / "deploy" / "docker-compose.yml"
 
