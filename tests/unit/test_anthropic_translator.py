@@ -9,8 +9,12 @@ from typing import Any
 import pytest
 
 from proxy.errors import InvalidRequest
-from proxy.protocol.anthropic import CountTokensTranslator, MessagesTranslator
-from proxy.protocol.translators import EventFlag, parse_body
+from proxy.protocol.translators import (
+    CountTokensTranslator,
+    EventFlag,
+    MessagesTranslator,
+    parse_body,
+)
 from proxy.protocol.usage import Usage
 
 BODY = {"model": "claude-x", "max_tokens": 100, "stream": True,
