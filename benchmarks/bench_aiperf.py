@@ -100,8 +100,9 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-def run_aiperf(exe: Path, cache: Path, port: int, requests: int, skip: int, out: Path,
-               path: str) -> Block:
+def run_aiperf(  # noqa: PLR0913, PLR0917  one aiperf run: each argument is one of its flags
+    exe: Path, cache: Path, port: int, requests: int, skip: int, out: Path, path: str,
+) -> Block:
     env = dict(os.environ, TIKTOKEN_CACHE_DIR=str(cache))
     argv = [str(exe), "profile", "--model", "mock-gpt", "--url", f"http://127.0.0.1:{port}",
             "--endpoint-type", "chat", "--streaming", "--concurrency", "4",

@@ -372,8 +372,10 @@ class Acc:
 
 
 class Bench:
-    def __init__(self, urls: dict[str, str], pids: dict[str, int], redis_pid: int,
-                 redis_port: int, plan: Plan, deadline: float) -> None:
+    def __init__(  # noqa: PLR0913, PLR0917  the run's processes and plan, held for every phase
+        self, urls: dict[str, str], pids: dict[str, int], redis_pid: int, redis_port: int,
+        plan: Plan, deadline: float,
+    ) -> None:
         self.urls = urls
         self.pids = pids
         self.redis_pid = redis_pid
@@ -459,8 +461,10 @@ class Bench:
             out[str(conc)] = summarize(acc)
         return out, scrapes
 
-    async def profile(self, session: aiohttp.ClientSession, pyspy: str, name: str,
-                      out: Path, seconds: float, concurrency: int) -> dict[str, Any]:
+    async def profile(  # noqa: PLR0913, PLR0917  one py-spy sample: target, output and load shape
+        self, session: aiohttp.ClientSession, pyspy: str, name: str, out: Path, seconds: float,
+        concurrency: int,
+    ) -> dict[str, Any]:
         """Wall-clock py-spy (`--idle`) of one proxy while it serves requests at `concurrency`.
         The load starts first and is cancelled when py-spy is done; the requests served while
         sampling come from the proxy's own request counter."""

@@ -141,9 +141,10 @@ async def measure(load: Load, url: str, pid: int, n: int) -> float:
     return (cpu_s(pid) - c0) / n * 1000
 
 
-async def soak(args: argparse.Namespace, mode: str, headers: list[dict[str, str]],
-               soaked: tuple[str, int], fresh: tuple[str, int], redis_pid: int | None,
-               mock_pid: int) -> list[dict[str, Any]]:
+async def soak(  # noqa: PLR0913, PLR0917  one soak phase: the two proxies and the pids it samples
+    args: argparse.Namespace, mode: str, headers: list[dict[str, str]], soaked: tuple[str, int],
+    fresh: tuple[str, int], redis_pid: int | None, mock_pid: int,
+) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     served = 0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:

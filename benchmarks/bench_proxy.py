@@ -436,7 +436,7 @@ class Batch:
     window_s: float
 
 
-async def run_batch(
+async def run_batch(  # noqa: PLR0913  keyword-only knobs of one batch
     session: aiohttp.ClientSession,
     url: str,
     wl: Workload,
@@ -1032,7 +1032,7 @@ def _add_targets(results: dict[str, Any]) -> None:
     results["targets"] = targets(results)
 
 
-def execute(
+def execute(  # noqa: PLR0913, PLR0917  each suite passes its own plan, run and report
     args: argparse.Namespace,
     plan: Any,
     run_fn: Callable[..., Coroutine[Any, Any, dict[str, Any]]],

@@ -267,7 +267,7 @@ def run_wrk(wrk: str, script: Path, port: int, seconds: float, connections: int
     return int(m.group(1)), bad, wrk_cpu
 
 
-def main() -> int:
+def main() -> int:  # noqa: PLR0912, PLR0915  a benchmark script's main, read top to bottom
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=6.0, help="per target per block")
     parser.add_argument("--rounds", type=int, default=2)

@@ -240,8 +240,10 @@ class Tally:
     down_to: float | None = None
     usage_down: dict[str, list[int]] = field(default_factory=dict)
 
-    def add(self, kind: Kind, user: str, status: int | None, result: str,
-            usage: tuple[int, int] | None, started: float = 0.0) -> None:
+    def add(  # noqa: PLR0913, PLR0917  one tally entry: the fields of a request's outcome
+        self, kind: Kind, user: str, status: int | None, result: str, usage: tuple[int, int] | None,
+        started: float = 0.0,
+    ) -> None:
         self.sent += 1
         self.statuses[str(status)] += 1
         self.no_response += status is None
@@ -303,9 +305,11 @@ def stream_usage(kind: Kind, data: bytes) -> tuple[tuple[int, int] | None, int]:
     return (-1, count), count
 
 
-async def one(session: aiohttp.ClientSession, url: str, key: str, kind: Kind, user: str,
-              rng: random.Random, seq: int, tally: Tally, prompt: int | None = None,
-              router: Router | None = None, replica: int = 0) -> int | None:
+async def one(  # noqa: PLR0912, PLR0913, PLR0915, PLR0917  one request, every outcome told
+    session: aiohttp.ClientSession, url: str, key: str, kind: Kind, user: str, rng: random.Random,
+    seq: int, tally: Tally, prompt: int | None = None, router: Router | None = None,
+    replica: int = 0,
+) -> int | None:
     p, body, headers = request_for(kind, rng, seq, prompt)
     headers.update({"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
     status: int | None = None
@@ -382,8 +386,10 @@ async def one(session: aiohttp.ClientSession, url: str, key: str, kind: Kind, us
     return status
 
 
-async def load(session: aiohttp.ClientSession, urls: list[str], router: Router, tally: Tally,
-               stop_at: float, concurrency: int, seed: int) -> None:
+async def load(  # noqa: PLR0913, PLR0917  the load loop: the run's shared state and its bounds
+    session: aiohttp.ClientSession, urls: list[str], router: Router, tally: Tally, stop_at: float,
+    concurrency: int, seed: int,
+) -> None:
     seq = itertools.count()
 
     async def worker(w: int) -> None:
@@ -541,7 +547,9 @@ class ProcLog:
                 "warning_lines": dict(self.warnings)}
 
 
-def read_log(svc: Service, started_in_outage: bool = False) -> ProcLog:
+def read_log(  # noqa: PLR0912  one branch per kind of log line the soak judges
+    svc: Service, started_in_outage: bool = False,
+) -> ProcLog:
     out = ProcLog(svc.name)
     down = False
     allowed = STORE_DOWN_ERRORS
@@ -667,11 +675,11 @@ def check(name: str, ok: bool, **figures: Any) -> dict[str, Any]:
     return {"check": name, "pass": bool(ok), **figures}
 
 
-def accounting(tally: Tally, texts: list[str], finals: dict[str, str], mock: dict[str, int],
-               redis: dict[str, dict[str, int]], leftovers: dict[str, int],
-               logs: dict[str, ProcLog], alive: bool, drill: Drill | None,
-               spools_end: dict[str, dict[str, Any]], hostile: HostileTally
-               ) -> list[dict[str, Any]]:
+def accounting(  # noqa: PLR0913, PLR0917  the final check: every source of evidence, compared
+    tally: Tally, texts: list[str], finals: dict[str, str], mock: dict[str, int],
+    redis: dict[str, dict[str, int]], leftovers: dict[str, int], logs: dict[str, ProcLog],
+    alive: bool, drill: Drill | None, spools_end: dict[str, dict[str, Any]], hostile: HostileTally,
+) -> list[dict[str, Any]]:
     """`texts`: every process's counters (scrapes, and the first process of a restarted replica
     from its access log); `finals`: the scrapes of the processes alive at the end."""
     tok = "tokenmeter_tokens_total"
@@ -955,10 +963,11 @@ class Drill:
 class Cluster:
     """The services of one run and the drill's moves on them."""
 
-    def __init__(self, services: Services, redis: Service, redis_argv: list[str],
-                 redis_port: int, replicas: list[Replica], router: Router, tally: Tally,
-                 pids: dict[str, int], ctl: aiohttp.ClientSession,
-                 progress: Callable[[str], None]) -> None:
+    def __init__(  # noqa: PLR0913, PLR0917  the drill's handles on the run's services
+        self, services: Services, redis: Service, redis_argv: list[str], redis_port: int,
+        replicas: list[Replica], router: Router, tally: Tally, pids: dict[str, int],
+        ctl: aiohttp.ClientSession, progress: Callable[[str], None],
+    ) -> None:
         self.services, self.redis, self.redis_argv = services, redis, redis_argv
         self.redis_port, self.replicas, self.router = redis_port, replicas, router
         self.tally, self.pids, self.ctl, self.progress = tally, pids, ctl, progress
@@ -1104,8 +1113,9 @@ class Cluster:
         if d.drained_at is not None and d.noticed_at is not None:
             self.progress(f"store seen up {d.noticed_at - d.up_at:.1f} s and spools empty "
                           f"{d.drained_at - d.up_at:.1f} s after the outage")
-async def run(args: argparse.Namespace, plan: str, services: Services, workdir: Path,
-              t_start: float) -> dict[str, Any]:
+async def run(  # noqa: PLR0912, PLR0915  the soak's script: start, load, drill, collect, in order
+    args: argparse.Namespace, plan: str, services: Services, workdir: Path, t_start: float,
+) -> dict[str, Any]:
     progress = progress_printer(t_start)
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
     mock_port, probe_port, hostile_port, redis_port, *ports = free_ports(4 + args.replicas)

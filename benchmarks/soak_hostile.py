@@ -176,8 +176,10 @@ class Hostile:
                                      {"Content-Type": "application/json", **headers})
         self.tally.add(kind, status)
 
-    async def _keyed(self, session: aiohttp.ClientSession, url: str, kind: str, body: bytes,
-                     headers: dict[str, str], hang_up_s: float | None = None) -> None:
+    async def _keyed(  # noqa: PLR0913, PLR0917  one hostile request: what, where, when to hang up
+        self, session: aiohttp.ClientSession, url: str, kind: str, body: bytes,
+        headers: dict[str, str], hang_up_s: float | None = None,
+    ) -> None:
         hdrs = {"Content-Type": "application/json", "Authorization": f"Bearer {MALLORY_KEY}",
                 **headers}
         status, raw = await self._post(session, url, body, hdrs, hang_up_s=hang_up_s)

@@ -13,6 +13,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 from typing import Literal
@@ -46,7 +47,7 @@ from proxy.ledger.report import (
 )
 from proxy.pipeline.services import SERVICES
 from proxy.server import state as st
-from proxy.server.app import create_app, create_metrics_app
+from proxy.server.app import Placement, create_app, create_metrics_app
 from proxy.server.listener import ConnectionGuard, GuardedSite, ListenerLimits, raise_fd_limit
 from proxy.server.workers import (
     WorkerSockets,
@@ -117,7 +118,7 @@ def _mock_settings(args: argparse.Namespace) -> object:
 
 
 async def _start_site(
-    app: web.Application, host: str, port: int, drain_seconds: float = 5.0,
+    app: web.Application, address: tuple[str, int], *, drain_seconds: float = 5.0,
     guard: ConnectionGuard | None = None, socks: Sequence[socket.socket] = (),
 ) -> tuple[web.AppRunner, int]:
     # handler_cancellation: a client that disconnects cancels its handler, so the upstream
@@ -126,6 +127,7 @@ async def _start_site(
     # (and still settled: settling is shielded). The guard bounds how long a request may take
     # to arrive and how many connections are open (proxy/listener.py). `socks`: listening
     # sockets a supervisor bound (serve --workers), one site each, instead of binding here.
+    host, port = address
     guard = guard or ConnectionGuard()
     runner = web.AppRunner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=drain_seconds,
@@ -143,19 +145,28 @@ async def _start_site(
 async def _embedded_upstream(host: str) -> tuple[web.AppRunner, str]:
     from proxy.testing.mock_upstream import MockSettings, create_mock_app
 
-    runner, port = await _start_site(create_mock_app(MockSettings()), host, 0)
+    runner, port = await _start_site(create_mock_app(MockSettings()), (host, 0))
     return runner, f"http://{host}:{port}/v1"
 
 
-async def _serve(
-    config: Config | None, host: str | None, port: int | None, demo: bool, once: bool,
-    config_path: Path | None = None, inherited: WorkerSockets | None = None,
-) -> None:
-    """`inherited`: this process is worker `inherited.index` of `serve --workers`, serving
-    the sockets its supervisor bound."""
+@dataclass(frozen=True)
+class _ServeOptions:
+    """How `serve` or `demo` runs, from its command line. `inherited`: this process is worker
+    `inherited.index` of `serve --workers`, serving the sockets its supervisor bound."""
+
+    host: str | None = None
+    port: int | None = None
+    demo: bool = False
+    once: bool = False
+    config_path: Path | None = None
+    inherited: WorkerSockets | None = None
+
+
+async def _serve(config: Config | None, options: _ServeOptions) -> None:
     runners: list[web.AppRunner] = []
     chores: list[asyncio.Task[None]] = []
     shared: Metrics | None = None  # a worker's metrics, summed with the other workers'
+    inherited = options.inherited
 
     fd_limit = raise_fd_limit()
     try:
@@ -165,53 +176,24 @@ async def _serve(
             log.warning("no --config or --upstream: serving the embedded simulated upstream %s",
                         url)
             config = single_upstream_config(url, None)
-        host = host or config.server.host
-        port = config.server.port if port is None else port
-        app = create_app(
-            config, config_path=config_path,
-            workers=inherited.count if inherited is not None else 1,
-            audit=inherited is None or inherited.index == 0,
-        )
-        # One guard for the API and metrics ports: one connection count, one fd budget.
-        metrics = app[SERVICES].metrics
-        guard = ConnectionGuard(
-            ListenerLimits.from_config(config.server, fd_limit),
-            on_event=lambda event: metrics.connection_closed(event.value),
-        )
-        metrics.connections_open(lambda: guard.open)
-        runner, actual = await _start_site(app, host, port, config.server.drain_seconds, guard,
-                                           inherited.api if inherited is not None else ())
-        runners.append(runner)
-        base = f"http://{host}:{actual}/v1"
-        metrics_host, metrics_port = host, actual
-        if config.metrics.port is not None:
-            metrics_host = config.metrics.host or host
-            metrics_runner, metrics_port = await _start_site(
-                create_metrics_app(app), metrics_host, config.metrics.port, guard=guard,
-                socks=inherited.metrics if inherited is not None else (),
-            )
-            runners.insert(0, metrics_runner)  # cleaned up last: scrapes see the drain
+        placement = Placement() if inherited is None else Placement(
+            workers=inherited.count, audit=inherited.index == 0)
+        app = create_app(config, config_path=options.config_path, placement=placement)
+        base, metrics_url = await _start_listeners(app, config, options, fd_limit, runners)
         if inherited is not None:
             log.info("worker %d (pid %d) serving %s", inherited.index, os.getpid(), base)
         else:
-            log.info("tokenmeter listening on %s (metrics at http://%s:%d/metrics)", base,
-                     metrics_host, metrics_port)
-        if demo:
+            log.info("tokenmeter listening on %s (metrics at %s)", base, metrics_url)
+        if options.demo:
             from proxy.demo import run_demo
 
-            await run_demo(base, f"http://{metrics_host}:{metrics_port}/metrics")
-            if once:
+            await run_demo(base, metrics_url)
+            if options.once:
                 return
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, stop.set)
-        watcher = app.get(st.WATCHER)
-        if watcher is not None:
-            loop.add_signal_handler(signal.SIGHUP, watcher.request_reload)
+        stop = _stop_on_signals(app)
         if inherited is not None:
             chores.append(asyncio.create_task(watch_supervisor(stop)))
+        metrics = app[SERVICES].metrics
         if metrics.shared:
             shared = metrics
             chores.append(asyncio.create_task(metrics.keep_fresh()))
@@ -224,6 +206,51 @@ async def _serve(
             await r.cleanup()
         if shared is not None:
             shared.publish()  # what the last requests counted, before the process ends
+
+
+async def _start_listeners(
+    app: web.Application, config: Config, options: _ServeOptions, fd_limit: int | None,
+    runners: list[web.AppRunner],
+) -> tuple[str, str]:
+    """Serve `app` (and /metrics on its own port, if configured); the API's base URL and the
+    metrics URL. Each runner started is added to `runners`, for the caller to clean up."""
+    inherited = options.inherited
+    host = options.host or config.server.host
+    port = config.server.port if options.port is None else options.port
+    # One guard for the API and metrics ports: one connection count, one fd budget.
+    metrics = app[SERVICES].metrics
+    guard = ConnectionGuard(
+        ListenerLimits.from_config(config.server, fd_limit),
+        on_event=lambda event: metrics.connection_closed(event.value),
+    )
+    metrics.connections_open(lambda: guard.open)
+    runner, actual = await _start_site(
+        app, (host, port), drain_seconds=config.server.drain_seconds, guard=guard,
+        socks=inherited.api if inherited is not None else (),
+    )
+    runners.append(runner)
+    metrics_host, metrics_port = host, actual
+    if config.metrics.port is not None:
+        metrics_host = config.metrics.host or host
+        metrics_runner, metrics_port = await _start_site(
+            create_metrics_app(app), (metrics_host, config.metrics.port), guard=guard,
+            socks=inherited.metrics if inherited is not None else (),
+        )
+        runners.insert(0, metrics_runner)  # cleaned up last: scrapes see the drain
+    return f"http://{host}:{actual}/v1", f"http://{metrics_host}:{metrics_port}/metrics"
+
+
+def _stop_on_signals(app: web.Application) -> asyncio.Event:
+    """An event set by SIGINT or SIGTERM; SIGHUP reloads the configuration, when watched."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    watcher = app.get(st.WATCHER)
+    if watcher is not None:
+        loop.add_signal_handler(signal.SIGHUP, watcher.request_reload)
+    return stop
 
 
 _USAGE_HELP = """\
@@ -391,7 +418,7 @@ def _resolve_config(args: argparse.Namespace) -> Config | None:
     return None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmeter", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -433,20 +460,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_usage_parser(sub)
     add_bench_parser(sub)
     add_reconcile_parser(sub)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     setup_logging(getattr(args, "log_level", "INFO"))
 
     if args.command == "check-config":
-        try:
-            cfg = load_config(args.file)
-        except ConfigError as exc:
-            print(exc, file=sys.stderr)
-            return 1
-        if (warning := exposure_warning(Path(args.file))) is not None:
-            print(f"warning: {warning}", file=sys.stderr)
-        print(f"{args.file}: OK ({len(cfg.upstreams)} upstreams, {len(cfg.models)} model routes)")
-        return 0
+        return _check_config(args.file)
     if args.command == "usage":
         return _usage(args)
     if args.command == "reconcile":
@@ -460,6 +482,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         assert isinstance(settings, MockSettings)
         run_mock(settings, args.host, args.port)
         return 0
+    return _serve_command(args, argv)
+
+
+def _check_config(file: str) -> int:
+    try:
+        cfg = load_config(file)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    if (warning := exposure_warning(Path(file))) is not None:
+        print(f"warning: {warning}", file=sys.stderr)
+    print(f"{file}: OK ({len(cfg.upstreams)} upstreams, {len(cfg.models)} model routes)")
+    return 0
+
+
+def _serve_command(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """`serve` or `demo`: in this process, or (serve --workers N) as the supervisor of N."""
     try:
         config = _resolve_config(args)
     except ConfigError as exc:
@@ -479,11 +518,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             except OSError as exc:
                 print(f"cannot listen: {exc}", file=sys.stderr)
                 return 1
+    options = _ServeOptions(
+        host=args.host, port=args.port, demo=args.command == "demo",
+        once=getattr(args, "once", False),
+        config_path=Path(args.config) if args.config else None, inherited=inherited,
+    )
     with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=_loop_factory()) as r:
-        demo = args.command == "demo"
-        path = Path(args.config) if args.config else None
-        r.run(_serve(config, args.host, args.port, demo, getattr(args, "once", False), path,
-                     inherited))
+        r.run(_serve(config, options))
     return 0
 
 

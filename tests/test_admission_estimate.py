@@ -19,6 +19,7 @@ import aiohttp
 import openai
 import pytest
 import redis.asyncio as aioredis
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from proxy.budget import limits as lim
@@ -381,3 +382,93 @@ async def _equals(value: Awaitable[int], expected: int) -> bool:
 
 async def _above(value: Awaitable[int], floor: int) -> bool:
     return await value > floor
+
+
+# --- an upstream that frames its events with CRLF or CR, and bunches them -----------------------
+
+EOLS = {"lf": b"\n", "crlf": b"\r\n", "cr": b"\r"}
+
+
+async def _bunching_chat(request: web.Request) -> web.StreamResponse:
+    """OpenAI's streamed chat completions, `x-test-tokens` content events of one token each,
+    its lines ended by `x-test-eol` (lf, crlf, cr) and the events bunched into writes of
+    `BUNCH`: a fast upstream whose every network chunk holds many events."""
+    raw = await request.read()
+    body = json.loads(raw)
+    eol = EOLS[request.headers["x-test-eol"]]
+    tokens = int(request.headers["x-test-tokens"])
+
+    def event(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        chunk = {"id": "chatcmpl-t", "object": "chat.completion.chunk", "created": 1,
+                 "model": body["model"],
+                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        return b"data: " + json.dumps(chunk).encode() + eol + eol
+
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    events = [event({"content": " tok"}) for _ in range(tokens)]
+    events += [event({}, "stop"), b"data: [DONE]" + eol + eol]
+    for at in range(0, len(events), BUNCH):
+        await resp.write(b"".join(events[at:at + BUNCH]))
+    return resp
+
+
+BUNCH = 200
+
+
+@pytest.fixture
+async def bunching_upstream(aiohttp_server: ServerFactory) -> TestServer:
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", _bunching_chat)
+    return await aiohttp_server(app)
+
+
+async def _cut_at_the_quota(proxy: TestServer, eol: str) -> int:
+    """A 2,000-token stream, in chunks of `BUNCH` events framed by `eol`, that its day's quota
+    cannot hold: cut with the quota's error event; returns the content events the client got."""
+    client = sdk(proxy, ALICE_KEY)
+    counted = 0
+    try:
+        with pytest.raises(openai.APIError) as cut:
+            stream = await client.chat.completions.create(
+                model="mock-gpt", messages=MESSAGES, max_tokens=ASKED, stream=True,
+                extra_headers={"x-test-eol": eol, "x-test-tokens": "2000"},
+            )
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    counted += 1
+    finally:
+        await client.close()
+    assert cut.value.code == "daily_quota_exceeded", cut.value
+    return counted
+
+
+@pytest.mark.parametrize("eol", ["lf", "crlf", "cr"])
+async def test_a_bunched_stream_is_cut_at_its_quota_whatever_its_line_ends(
+    eol: str, bunching_upstream: TestServer, store_url: str, aiohttp_server: ServerFactory
+) -> None:
+    """A fast upstream that bunches 200 events into each write, its lines ended by LF, CRLF or
+    a lone CR (all three are SSE): the tap cuts every chunk where its events end, so each top-up
+    check falls on an event, and the stream is ended between two events, with the quota's
+    error event, just short of the day's limit, at the same event as the LF-framed stream. (On
+    main a CR-framed stream never looked to be between events, so it was never ended: it ran
+    whole, 2,000 tokens past a 1,000-token day.)"""
+    quota = 1_000
+    config = make_config(str(bunching_upstream.make_url("/v1")), store=store_url,
+                         users=_alice(quota, initial_estimate=300))
+    lf_proxy = await aiohttp_server(create_app(config))
+    lf = await _cut_at_the_quota(lf_proxy, "lf")
+    prompt = _prompt_estimate()
+    await until(lambda: _charged(lf_proxy, prompt + lf))
+    # A fresh proxy (and day) for the stream under test: same quota, same estimate.
+    config = make_config(str(bunching_upstream.make_url("/v1")),
+                         store={"url": store_url, "prefix": "framed"},
+                         users=_alice(quota, initial_estimate=300))
+    proxy = await aiohttp_server(create_app(config))
+    counted = await _cut_at_the_quota(proxy, eol)
+    assert prompt + counted <= quota
+    # The line falls where the LF-framed stream's fell, give or take the event a top-up's
+    # answer lands on; a few events short of the limit, not hundreds.
+    assert abs(counted - lf) <= 2, (lf, counted)
+    assert quota - (prompt + counted) <= 16, counted
+    await until(lambda: _charged(proxy, prompt + counted))

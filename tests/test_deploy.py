@@ -337,8 +337,8 @@ async def _fail(client: openai.AsyncOpenAI) -> None:
         )
 
 
-async def test_dashboards_and_rules_against_real_prometheus(
-    metered_proxy: TestServer, prometheus: Prometheus
+async def test_dashboards_and_rules_against_real_prometheus(  # noqa: PLR0915  one scenario per real Prometheus
+    metered_proxy: TestServer, prometheus: Prometheus,
 ) -> None:
     await prometheus.wait_for('up{job="tokenmeter"} == 1')
     client = openai.AsyncOpenAI(
@@ -844,7 +844,9 @@ def test_kubernetes_default_set_leaves_the_real_secret_alone() -> None:
     assert readme.index("create secret generic") < readme.index("kubectl apply -n tokenmeter -k")
 
 
-def test_kubernetes_manifests(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kubernetes_manifests(  # noqa: PLR0915  a checklist of asserts over the manifests
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     listed = set(load_yaml(K8S / "kustomization.yaml")["resources"])
     on_disk = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
     assert listed == on_disk, "every manifest is in kustomization.yaml"

@@ -57,7 +57,7 @@ async def start(upstream: TestServer) -> AsyncIterator[Start]:
     async def go(limits: ListenerLimits) -> tuple[int, ConnectionGuard]:
         guard = ConnectionGuard(limits)
         app = create_app(config_for(str(upstream.make_url("/v1"))))
-        runner, port = await _start_site(app, "127.0.0.1", 0, 1.0, guard)
+        runner, port = await _start_site(app, ("127.0.0.1", 0), drain_seconds=1.0, guard=guard)
         runners.append(runner)
         return port, guard
 
@@ -211,7 +211,7 @@ async def test_a_handler_cancelled_by_the_body_deadline_can_tell() -> None:
     app = web.Application()
     app.router.add_post("/upload", read_body)
     guard = ConnectionGuard(ListenerLimits(body_timeout_s=0.3))
-    runner, port = await _start_site(app, "127.0.0.1", 0, 1.0, guard)
+    runner, port = await _start_site(app, ("127.0.0.1", 0), drain_seconds=1.0, guard=guard)
     try:
         async with asyncio.timeout(WAIT_S * 2):
             head = b"POST /upload HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 10\r\n\r\n"

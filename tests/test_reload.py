@@ -16,7 +16,7 @@ from proxy.config.load import load_config, parse_config
 from proxy.pipeline.services import SERVICES
 from proxy.server import reload as reload_mod
 from proxy.server import state as st
-from proxy.server.app import create_app
+from proxy.server.app import Placement, create_app
 from proxy.server.reload import Poll
 from tests.helpers import (
     ALICE_KEY,
@@ -245,7 +245,8 @@ async def test_a_worker_refuses_a_reload_that_adds_limits_on_the_in_process_stor
     url = str(upstream.make_url("/v1"))
     path = tmp_path / "tm.yaml"
     path.write_text(budget_yaml(url, "memory", _users(("alice", ALICE_KEY))))
-    app = create_app(load_config(path), config_path=path, workers=2, audit=False)
+    app = create_app(load_config(path), config_path=path,
+                     placement=Placement(workers=2, audit=False))
     proxy = await aiohttp_server(app)
     path.write_text(budget_yaml(url, "memory", _users(("alice", ALICE_KEY))
                                 + "    daily_tokens: 10\n"))

@@ -211,3 +211,25 @@ def test_many_events_fast_path_takes_whole_data_events_only() -> None:
     for chunk in (b"data: a\n\ndata: b\n", b"data: a\n\nevent: x\ndata: b\n\n",
                   b"data: a\r\n\r\n", b": ping\n\ndata: a\n\n", b"data: a\ndata: b\n\n"):
         assert d.whole_events(chunk) is None, chunk
+
+
+def test_a_stream_is_mid_event_only_inside_an_event_whatever_its_line_ends() -> None:
+    """`mid_event`: the bytes fed stop inside an event. A CR ending them ends its line (the
+    LF a CRLF may add is only skipped), so a CR-framed stream is between events after each
+    one, as LF- and CRLF-framed ones are; `has_pending` still remembers that CR."""
+    for eol in (b"\n", b"\r\n", b"\r"):
+        decoder = SSEDecoder()
+        decoder.feed(b"data: a" + eol + eol)
+        assert not decoder.mid_event, eol
+        assert decoder.has_pending == (eol == b"\r")
+        decoder.feed(b"data: b")
+        assert decoder.mid_event  # a line begun
+        decoder.feed(eol)
+        assert decoder.mid_event  # an event's line ended, its blank line to come
+        decoder.feed(eol)
+        assert not decoder.mid_event
+    decoder = SSEDecoder()
+    decoder.feed(b"data: a\r")
+    assert decoder.mid_event  # the line ended, the event did not
+    assert [e.data for e in decoder.feed(b"\n\r\n")] == [b"a"]
+    assert not decoder.mid_event

@@ -66,6 +66,18 @@ def test_event_per_chunk_strips_usage_and_meters() -> None:
     assert (u.input_tokens, u.output_tokens, u.source) == (11, 3, "reported")
 
 
+@pytest.mark.parametrize("newline", [b"\r\n", b"\r"], ids=["crlf", "cr"])
+def test_event_per_chunk_strips_usage_whatever_the_line_ends(newline: bytes) -> None:
+    """A CR ending a chunk may be followed by the LF of a CRLF: the event before it is still
+    whole, so the proxy's own usage-only event after it is still stripped (the tap once took
+    that CR for an event under way and forwarded the usage event to a client that never asked
+    for it)."""
+    parts = [(e + b"\n\n").replace(b"\n", newline) for e in STREAM.split(b"\n\n") if e]
+    out, tr, chunks = _run(parts)
+    assert out == STRIPPED.replace(b"\n", newline)
+    assert chunks == 3 and tr.usage().output_tokens == 3
+
+
 def test_client_asked_for_usage_gets_it() -> None:
     out, _, _ = _run([STREAM])
     out_asked, _, _ = _run([STREAM], client_asked=True)

@@ -16,7 +16,7 @@ from proxy.bench.plot import PlotFormatError, write_plot
 from proxy.bench.report import ProgressBar, render, to_csv, to_json, write_text
 from proxy.bench.runner import BenchConfig, BenchResult, run_bench
 from proxy.bench.stats import parse_slo
-from proxy.bench.workload import PromptsFileError, load_prompts
+from proxy.bench.workload import Prompt, PromptsFileError, load_prompts
 
 EPILOG = f"""\
 metrics (per request):
@@ -151,8 +151,8 @@ def _headers(items: list[str]) -> dict[str, str]:
 _SECRET = ("authorization", "key", "token", "secret", "cookie")
 
 
-def build_config(args: argparse.Namespace) -> tuple[BenchConfig, dict[str, Any]]:
-    """The run's configuration from parsed arguments, and its printable summary (no secrets)."""
+def _check(args: argparse.Namespace) -> Api:
+    """Refuse arguments that contradict each other or are out of range; the API spoken."""
     if args.max_connections is not None and not args.rate:
         raise UsageError("--max-connections applies to --rate only")
     for name in ("requests", "duration", "max_connections", "rounds", "timeout"):
@@ -168,29 +168,44 @@ def build_config(args: argparse.Namespace) -> tuple[BenchConfig, dict[str, Any]]
         if suffix not in (".svg", ".html", ".htm"):
             raise UsageError(f"--plot {args.plot}: only .svg or .html are supported (PNG would "
                              "need a plotting library); use FILE.svg or FILE.html")
+    return api
+
+
+def _extra_body(text: str | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        extra = json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"--extra-body: not JSON: {exc}") from None
+    if not isinstance(extra, dict):
+        raise UsageError("--extra-body must be a JSON object")
+    return extra
+
+
+def _prompts(path: str | None, tok_model: str) -> list[Prompt] | None:
+    if not path:
+        return None
+    try:
+        return load_prompts(path, tok_model)
+    except PromptsFileError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def build_config(args: argparse.Namespace) -> tuple[BenchConfig, dict[str, Any]]:
+    """The run's configuration from parsed arguments, and its printable summary (no secrets)."""
+    api = _check(args)
     try:
         slo = parse_slo(args.slo) if args.slo else {}
     except ValueError as exc:
         raise UsageError(f"--slo: {exc}") from None
-    extra: dict[str, Any] = {}
-    if args.extra_body:
-        try:
-            extra = json.loads(args.extra_body)
-        except ValueError as exc:
-            raise UsageError(f"--extra-body: not JSON: {exc}") from None
-        if not isinstance(extra, dict):
-            raise UsageError("--extra-body must be a JSON object")
+    extra = _extra_body(args.extra_body)
     headers = _headers(args.header)
     key_env = args.api_key_env or (
         "ANTHROPIC_API_KEY" if api is Api.ANTHROPIC else "OPENAI_API_KEY")
     key = os.environ.get(key_env) or None
     tok_model = args.tokenizer_model or args.model
-    prompts = None
-    if args.prompts:
-        try:
-            prompts = load_prompts(args.prompts, tok_model)
-        except PromptsFileError as exc:
-            raise UsageError(str(exc)) from None
+    prompts = _prompts(args.prompts, tok_model)
     endpoints = [Endpoint(args.base_url, args.label or _label(args.base_url), key, headers)]
     if args.compare:
         other = args.compare_label or _label(args.compare)

@@ -186,106 +186,133 @@ def _usage_counts(usage: Any) -> tuple[int | None, int | None]:
     return (out if isinstance(out, int) else None), (prompt if isinstance(prompt, int) else None)
 
 
-async def send(
-    session: aiohttp.ClientSession,
-    endpoint: Endpoint,
-    spec: RequestSpec,
-    prompt: Prompt,
-    *,
-    load: float,
-    prompt_tokens: int,
-    t_origin: float,
-) -> RequestResult:
-    """Send one request and time it. `t_origin` (perf_counter) is the level's start."""
-    body = spec.body(prompt)
-    headers = endpoint.request_headers(spec.api)
-    anthropic = spec.api is Api.ANTHROPIC
-    content = _anthropic_content if anthropic else _content
-    base: dict[str, Any] = dict(endpoint=endpoint.label, load=load, prompt_tokens=prompt_tokens,
-                                stream=spec.stream)
-    t0 = time.perf_counter()
-    base["start"] = t0 - t_origin
-    status: int | None = None
-    chunks: list[str] = []
-    times: list[float] = []
+@dataclass(frozen=True, slots=True)
+class Level:
+    """The load level a request is sent at: its load and prompt size, and the level's start
+    (perf_counter), which the request's start is measured from."""
+
+    load: float
+    prompt_tokens: int
+    t_origin: float
+
+
+@dataclass(slots=True)
+class _Reading:
+    """What a response yielded so far. Filled while reading (not returned at the end), so a
+    connection that breaks mid-stream still leaves the text that arrived before it."""
+
+    t_end: float
+    chunks: list[str] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # perf_counter of each chunk's arrival
     usage: Any = None
-    timeout = aiohttp.ClientTimeout(total=spec.timeout_s)
+    finished: bool = False
     error_class: BenchError | None = None
     error: str | None = None
-    finished = False
-    t_end = t0
+
+    def fail(self, error_class: BenchError, error: str) -> None:
+        self.error_class, self.error = error_class, error
+
+
+async def send(
+    session: aiohttp.ClientSession, endpoint: Endpoint, spec: RequestSpec, prompt: Prompt,
+    level: Level,
+) -> RequestResult:
+    """Send one request and time it."""
+    body = spec.body(prompt)
+    headers = endpoint.request_headers(spec.api)
+    base: dict[str, Any] = dict(endpoint=endpoint.label, load=level.load,
+                                prompt_tokens=level.prompt_tokens, stream=spec.stream)
+    t0 = time.perf_counter()
+    base["start"] = t0 - level.t_origin
+    status: int | None = None
+    timeout = aiohttp.ClientTimeout(total=spec.timeout_s)
+    got = _Reading(t_end=t0)
     try:
         async with session.post(endpoint.url_for(spec.api), data=body, headers=headers,
                                 timeout=timeout) as resp:
             status = resp.status
             if status != 200:
-                raw = await resp.read()
-                error_class, error = classify_status(status, raw)
+                got.fail(*classify_status(status, await resp.read()))
             elif not spec.stream:
-                raw = await resp.read()
-                t_end = time.perf_counter()
-                try:
-                    text, usage = content(json.loads(raw))
-                except ValueError:
-                    text, usage = "", None
-                    error_class, error = BenchError.INCOMPLETE, "response body is not JSON"
-                if text:
-                    chunks.append(text)
-                    times.append(t_end)
-                finished = error_class is None
+                await _read_body(resp, spec.api, got)
             else:
-                decoder = SSEDecoder()
-                loads, now = json.loads, time.perf_counter
-                async for data in resp.content.iter_any():
-                    t = now()
-                    for event in decoder.feed(data):
-                        payload = event.data
-                        if payload == b"[DONE]":
-                            finished = True
-                            continue
-                        try:
-                            obj = loads(payload)
-                        except ValueError:
-                            continue  # not JSON: keep-alive noise, not ours to judge
-                        if isinstance(obj, dict) and obj.get("error"):
-                            error_class = BenchError.STREAM_ERROR
-                            err = obj["error"]
-                            error = str(err.get("message") if isinstance(err, dict) else err)
-                            continue
-                        text, u = content(obj)
-                        if text:
-                            chunks.append(text)
-                            times.append(t)
-                        if u:
-                            # Anthropic's usage comes in parts (message_start's input, the
-                            # cumulative message_delta): the latest value of each field wins.
-                            usage = {**usage, **u} if anthropic and usage else u
-                        if anthropic and isinstance(obj, dict):
-                            finished = finished or obj.get("type") == "message_stop"
-                t_end = time.perf_counter()
-                if not finished and error_class is None:
-                    end = "event: message_stop" if anthropic else "data: [DONE]"
-                    error_class, error = BenchError.INCOMPLETE, f"stream ended without {end}"
+                await _read_stream(resp, spec.api, got)
     except TimeoutError:
-        error_class, error = BenchError.TIMEOUT, f"no complete answer within {spec.timeout_s:g} s"
+        got.fail(BenchError.TIMEOUT, f"no complete answer within {spec.timeout_s:g} s")
     except aiohttp.ClientConnectorError as exc:
-        error_class, error = BenchError.CONNECTION, str(exc)
+        got.fail(BenchError.CONNECTION, str(exc))
     except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
             aiohttp.ClientOSError) as exc:
-        error_class = BenchError.STREAM_RESET if status == 200 else BenchError.CONNECTION
-        error = f"{type(exc).__name__}: {exc}"
+        got.fail(BenchError.STREAM_RESET if status == 200 else BenchError.CONNECTION,
+                 f"{type(exc).__name__}: {exc}")
     except aiohttp.ClientError as exc:
-        error_class, error = BenchError.CONNECTION, f"{type(exc).__name__}: {exc}"
-    text = "".join(chunks)
+        got.fail(BenchError.CONNECTION, f"{type(exc).__name__}: {exc}")
+    text = "".join(got.chunks)
     local = count_text(spec.tokenizer_model or spec.model, text)
-    out_usage, prompt_usage = _usage_counts(usage)
-    if error_class is not None:
-        return RequestResult(ok=False, status=status, error_class=error_class, error=error,
-                             local_output_tokens=local, **base)
-    ttft = (times[0] - t0) if times else (t_end - t0)
+    out_usage, prompt_usage = _usage_counts(got.usage)
+    if got.error_class is not None:
+        return RequestResult(ok=False, status=status, error_class=got.error_class,
+                             error=got.error, local_output_tokens=local, **base)
+    times = got.times
+    ttft = (times[0] - t0) if times else (got.t_end - t0)
     itl = tuple(b - a for a, b in itertools.pairwise(times))
     return RequestResult(
-        ok=True, status=status, ttft=ttft, e2e=t_end - t0, itl=itl,
+        ok=True, status=status, ttft=ttft, e2e=got.t_end - t0, itl=itl,
         usage_output_tokens=out_usage, usage_prompt_tokens=prompt_usage,
         local_output_tokens=local, **base,
     )
+
+
+async def _read_body(resp: aiohttp.ClientResponse, api: Api, got: _Reading) -> None:
+    """A non-streamed answer."""
+    content = _anthropic_content if api is Api.ANTHROPIC else _content
+    raw = await resp.read()
+    got.t_end = time.perf_counter()
+    try:
+        text, got.usage = content(json.loads(raw))
+    except ValueError:
+        text = ""
+        got.fail(BenchError.INCOMPLETE, "response body is not JSON")
+    if text:
+        got.chunks.append(text)
+        got.times.append(got.t_end)
+    got.finished = got.error_class is None
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, api: Api, got: _Reading) -> None:
+    """A stream, timed per network read: the hot loop (see the module's docstring)."""
+    anthropic = api is Api.ANTHROPIC
+    content = _anthropic_content if anthropic else _content
+    chunks, times = got.chunks, got.times
+    decoder = SSEDecoder()
+    loads, now = json.loads, time.perf_counter
+    async for data in resp.content.iter_any():
+        t = now()
+        for event in decoder.feed(data):
+            payload = event.data
+            if payload == b"[DONE]":
+                got.finished = True
+                continue
+            try:
+                obj = loads(payload)
+            except ValueError:
+                continue  # not JSON: keep-alive noise, not ours to judge
+            if isinstance(obj, dict) and obj.get("error"):
+                err = obj["error"]
+                got.fail(BenchError.STREAM_ERROR,
+                         str(err.get("message") if isinstance(err, dict) else err))
+                continue
+            text, u = content(obj)
+            if text:
+                chunks.append(text)
+                times.append(t)
+            if u:
+                # Anthropic's usage comes in parts (message_start's input, the cumulative
+                # message_delta): the latest value of each field wins.
+                got.usage = {**got.usage, **u} if anthropic and got.usage else u
+            if anthropic and isinstance(obj, dict):
+                got.finished = got.finished or obj.get("type") == "message_stop"
+    got.t_end = time.perf_counter()
+    if not got.finished and got.error_class is None:
+        end = "event: message_stop" if anthropic else "data: [DONE]"
+        got.fail(BenchError.INCOMPLETE, f"stream ended without {end}")

@@ -50,9 +50,11 @@ def _fmt(v: float) -> str:
 
 
 def _panel(
-    x0: float, y0: float, title: str, xlabel: str, xs: Sequence[float],
+    origin: tuple[float, float], title: str, xlabel: str, xs: Sequence[float],
     series: list[tuple[str, str, list[Band | None]]],
 ) -> list[str]:
+    """One chart, its top left corner at `origin`."""
+    x0, y0 = origin
     w, h = PANEL_W - MARGIN_L - MARGIN_R, PANEL_H - MARGIN_T - MARGIN_B
     left, top = x0 + MARGIN_L, y0 + MARGIN_T
     values = [v for _, _, pts in series for p in pts if p for v in p if math.isfinite(v)]
@@ -134,7 +136,7 @@ def render_svg(levels: Sequence[LevelStats], title: str = "tokenmeter bench") ->
                     series.append((name, color, pts))
                     if row == 0:
                         legends[col].append((name, color))
-            body += _panel(col * PANEL_W, 40 + row * PANEL_H, mtitle, xlabel, xs, series)
+            body += _panel((col * PANEL_W, 40 + row * PANEL_H), mtitle, xlabel, xs, series)
     width = PANEL_W * len(columns)
     height = 40 + PANEL_H * len(METRICS) + 20 * (max(map(len, legends)) + 1)
     ly = 40 + PANEL_H * len(METRICS) + 10

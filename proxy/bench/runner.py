@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from proxy.bench.client import Endpoint, RequestSpec, send
+from proxy.bench.client import Endpoint, Level, RequestSpec, send
 from proxy.bench.stats import Comparison, LevelStats, RequestResult, aggregate, compare, percentile
 from proxy.bench.workload import Prompt, generate_prompts, poisson_arrivals
 
@@ -122,6 +122,20 @@ class _Prompts:
         return next(self._cycle)
 
 
+@dataclass(frozen=True)
+class _Block:
+    """One block of a level for one endpoint: `count` requests, or as many as `duration`
+    seconds allow (None: no such bound), labelled `label` in the progress report."""
+
+    index: int  # the endpoint's, in config.endpoints and in Runner.sessions
+    endpoint: Endpoint
+    level: Level
+    prompts: _Prompts
+    count: int | None
+    duration: float | None
+    label: str
+
+
 class Runner:
     def __init__(self, config: BenchConfig, progress: Progress | None = None) -> None:
         if not config.endpoints or len(config.endpoints) > 2:
@@ -184,8 +198,8 @@ class Runner:
         width = max(1, min(cfg.warmup, int(max(cfg.concurrency))))
         for i, endpoint in enumerate(cfg.endpoints):
             prompts = _Prompts(pool)
-            await self._closed(i, endpoint, width, cfg.warmup, None, size, prompts,
-                               float(width), time.perf_counter(), "warm-up")
+            level = Level(float(width), size, time.perf_counter())
+            await self._closed(_Block(i, endpoint, level, prompts, cfg.warmup, None, "warm-up"))
         self.lag.take()
 
     async def _level(
@@ -212,12 +226,12 @@ class Runner:
             label = self._label(endpoint, load, size)
             self.lag.take()
             c0, t0 = time.process_time(), time.perf_counter()
+            todo = _Block(index, endpoint, Level(load, size, t_origin), prompts[index], count,
+                          duration, label)
             if cfg.rates:
-                rs = await self._open(index, endpoint, load, count, duration, size, prompts[index],
-                                      t_origin, label, random.Random(f"{cfg.seed}:{load}:{block}"))
+                rs = await self._open(todo, random.Random(f"{cfg.seed}:{load}:{block}"))
             else:
-                rs = await self._closed(index, endpoint, int(load), count, duration, size,
-                                        prompts[index], load, t_origin, label)
+                rs = await self._closed(todo)
             busy[index] += time.perf_counter() - t0
             cpu[index] += time.process_time() - c0
             lags[index].extend(self.lag.take())
@@ -253,12 +267,11 @@ class Runner:
         if self.progress is not None:
             self.progress(label, done, total, errors)
 
-    async def _closed(
-        self, index: int, endpoint: Endpoint, workers: int, count: int | None,
-        duration: float | None, size: int, prompts: _Prompts, load: float, t_origin: float,
-        label: str,
-    ) -> list[RequestResult]:
-        session, spec = self.sessions[index], self.config.spec
+    async def _closed(self, block: _Block) -> list[RequestResult]:
+        """`block` from int(load) workers, each sending its next request when one is done."""
+        session, spec = self.sessions[block.index], self.config.spec
+        endpoint, prompts, count = block.endpoint, block.prompts, block.count
+        duration = block.duration
         results: list[RequestResult] = []
         deadline = time.perf_counter() + duration if duration is not None else math.inf
         issued = 0
@@ -268,21 +281,18 @@ class Runner:
             nonlocal issued, errors
             while (count is None or issued < count) and time.perf_counter() < deadline:
                 issued += 1
-                r = await send(session, endpoint, spec, prompts.next(), load=load,
-                               prompt_tokens=size, t_origin=t_origin)
+                r = await send(session, endpoint, spec, prompts.next(), block.level)
                 results.append(r)
                 errors += not r.ok
-                self._report(label, len(results), count or 0, errors)
+                self._report(block.label, len(results), count or 0, errors)
 
-        await asyncio.gather(*(worker() for _ in range(workers)))
+        await asyncio.gather(*(worker() for _ in range(int(block.level.load))))
         return results
 
-    async def _open(
-        self, index: int, endpoint: Endpoint, rate: float, count: int | None,
-        duration: float | None, size: int, prompts: _Prompts, t_origin: float, label: str,
-        rng: random.Random,
-    ) -> list[RequestResult]:
-        session, spec = self.sessions[index], self.config.spec
+    async def _open(self, block: _Block, rng: random.Random) -> list[RequestResult]:
+        """`block` sent at Poisson arrival times, `load` per second on average."""
+        session, spec = self.sessions[block.index], self.config.spec
+        endpoint, count, duration = block.endpoint, block.count, block.duration
         results: list[RequestResult] = []
         tasks: list[asyncio.Task[None]] = []
         errors = 0
@@ -290,19 +300,18 @@ class Runner:
 
         async def one(prompt: Prompt) -> None:
             nonlocal errors
-            r = await send(session, endpoint, spec, prompt, load=rate, prompt_tokens=size,
-                           t_origin=t_origin)
+            r = await send(session, endpoint, spec, prompt, block.level)
             results.append(r)
             errors += not r.ok
-            self._report(label, len(results), count or 0, errors)
+            self._report(block.label, len(results), count or 0, errors)
 
-        for i, offset in enumerate(poisson_arrivals(rate, rng)):
+        for i, offset in enumerate(poisson_arrivals(block.level.load, rng)):
             if (count is not None and i >= count) or (duration is not None and offset >= duration):
                 break
             delay = t0 + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(prompts.next())))
+            tasks.append(asyncio.create_task(one(block.prompts.next())))
         await asyncio.gather(*tasks)
         return results
 

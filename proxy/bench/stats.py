@@ -170,7 +170,7 @@ class LevelStats:
     warnings: tuple[str, ...] = ()
 
 
-def aggregate(
+def aggregate(  # noqa: PLR0913  keyword-only, one per LevelStats figure it passes on
     results: Sequence[RequestResult],
     *,
     endpoint: str,

@@ -64,8 +64,7 @@ class Ledger:
         spool_dir = Path(config.spool_dir) if config.spool_dir else state
         self._spool = RowSpool(spool_dir, int(config.spool_max_mb * MIB))
         self._metrics = metrics
-        self._shipper = Shipper(self._spool, sink, metrics, batch_rows=config.batch_rows,
-                                retention_days=config.retention_days, clock=clock)
+        self._shipper = Shipper(self._spool, sink, metrics, config, clock=clock)
         self._rows = self._shipper.rows  # set on every row: wakes an idle shipper
         self._task: asyncio.Task[None] | None = None
         self._dropped = 0  # rows dropped in the current episode (since the last row spooled)

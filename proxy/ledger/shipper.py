@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from proxy.config.ledger import LedgerConfig
 from proxy.ledger.migrate import SchemaTooNew
 from proxy.ledger.spool import Batch, RowSpool, read_batch, read_size
 from proxy.telemetry.metrics import LedgerStage, Metrics
@@ -85,13 +86,14 @@ class Sink(Protocol):
 
 
 class Shipper:
-    def __init__(self, spool: RowSpool, sink: Sink, metrics: Metrics, *, batch_rows: int,
-                 retention_days: int, clock: Callable[[], float]) -> None:
+    def __init__(self, spool: RowSpool, sink: Sink, metrics: Metrics, config: LedgerConfig, *,
+                 clock: Callable[[], float]) -> None:
+        """`config`: its batch_rows and retention_days."""
         self.spool = spool
         self.sink = sink
         self._metrics = metrics
-        self._batch_rows = batch_rows
-        self._retention_s = retention_days * 86400.0
+        self._batch_rows = config.batch_rows
+        self._retention_s = config.retention_days * 86400.0
         self._clock = clock
         self.progress = asyncio.Event()  # set after every batch stored or skipped
         self.attempted = asyncio.Event()  # the first connection attempt is over

@@ -12,6 +12,9 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterable, Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -29,12 +32,10 @@ from proxy.pipeline.context import Attempt, Outcome
 from proxy.pipeline.services import Services
 from proxy.pipeline.topup import StoreFailed, TopUps
 from proxy.pipeline.watchdog import Watch
-from proxy.protocol.sse import events_at_most
 from proxy.protocol.tap import StreamTap
 from proxy.protocol.translators import Translator
 from proxy.routing.exceptions_map import Phase, map_upstream_exceptions
 from proxy.routing.upstream import client_response_headers
-from proxy.telemetry.meter import RequestMeter
 from proxy.telemetry.metrics import MeteringStage
 
 REQUEST_ID_HEADER = "x-tokenmeter-request-id"
@@ -51,7 +52,7 @@ async def relay(request: web.Request, attempt: Attempt, svc: Services,
                 runtime = outcome.runtime or svc.runtime.current
                 write_timeout = runtime.config.server.client_write_timeout_s
                 with svc.watchdog.watch(
-                    up, upstream.idle_timeout_s, write_timeout=write_timeout,
+                    up.close, upstream.idle_timeout_s, write_timeout=write_timeout,
                     abort_client=lambda: _client_timed_out(request, outcome, write_timeout),
                 ) as watch:
                     return await _relay_stream(request, attempt, svc, outcome, watch)
@@ -100,8 +101,8 @@ async def _relay_stream(
     request: web.Request, attempt: Attempt, svc: Services, outcome: Outcome, watch: Watch,
 ) -> web.StreamResponse:
     up, translator = attempt.response, attempt.translator
-    headers = _client_headers(attempt, outcome.request_id)
-    resp = web.StreamResponse(status=up.status, headers=headers)
+    resp = web.StreamResponse(status=up.status,
+                              headers=_client_headers(attempt, outcome.request_id))
     try:
         await resp.prepare(request)
     except (ConnectionError, RuntimeError):
@@ -113,125 +114,156 @@ async def _relay_stream(
         return resp
     tap = StreamTap(translator, outcome.meter,
                     on_error=svc.metrics.metering_failure_counter(MeteringStage.STREAM))
-    feed, look = tap.feed, tap.look
-    perf = time.perf_counter
+    stream = Stream(resp, watch, tap, translator, outcome, lambda: _abort(request))
     # Under `admission: estimate`: the reservation grows as the stream runs (proxy.pipeline.
     # topup); between its checks the loop pays one comparison per chunk.
     topups = TopUps.for_stream(svc.budget, attempt.candidacy.reservation, translator,
                                (outcome.runtime or svc.runtime.current).config)
-    if topups is not None:
-        topups.at_boundary = lambda: tap.client_at_boundary
-    meter = outcome.meter
     try:
         # A read that fails (or is cut by the watchdog: `silent`) becomes the proxy's error;
         # a write to a client that left passes through as it is.
         with map_upstream_exceptions(attempt.route.upstream, Phase.STREAM,
                                      silent=lambda: watch.expired):
-            async for chunk in up.content.iter_any():
-                # A chunk that may reach the next top-up check goes event by event.
-                if (topups is not None
-                        and meter.chunks + events_at_most(chunk) >= topups.next_at):
-                    await _relay_carefully(chunk, resp, tap, topups, meter, watch)
-                    continue
-                now = watch.last = perf()
-                out = feed(chunk, now)  # nearly always `chunk` itself, not parsed yet
-                if out:
-                    # `writing`: a client that reads slowly makes write() wait, and the upstream
-                    # is not read meanwhile; that wait is not the upstream's silence (watchdog).
-                    watch.writing = now
-                    await resp.write(out)
-                    watch.writing = 0.0
-                look()  # forward first, look second
-                if topups is not None and meter.chunks >= topups.next_at:
-                    await topups.check(meter.chunks)
+            chunks = up.content.iter_any()
+            await (stream.pump(chunks) if topups is None else stream.pump_checked(chunks, topups))
             if watch.expired:  # the watchdog closed a silent upstream: not a clean end
                 raise TimeoutError
-        at_boundary = tap.client_at_boundary
-        rest = tap.close()
-        if translator.stream_error is not None:  # the upstream's error event ended it
-            outcome.fail(translator.stream_error)
-        if not (tap.broken or translator.end_of_stream()):
-            # Closed without its final event (`[DONE]`, `response.completed`, ...): the upstream
-            # gave up, as a reset would have, without saying so.
-            incomplete = UpstreamIncomplete(
-                "The upstream ended the stream without its final event; this response is "
-                "incomplete."
-            )
-            await _fail_stream(request, resp, tap, translator, outcome, watch, incomplete,
-                               at_boundary)
-        elif rest:
-            watch.writing = perf()
-            await resp.write(rest)
-            watch.writing = 0.0
-        # No write_eof here: aiohttp writes the final chunk after the handler returns, which is
-        # after settling, so a client that has seen the end of its stream is already accounted.
+        await stream.finish()
     except (ConnectionResetError, BrokenPipeError):
         # aiohttp raises these (ClientConnectionResetError among them) from write() when the
         # client went away, or was cut off for not reading.
         outcome.client_left()
         tap.close()
-    except (UpstreamTimeout, UpstreamUnavailable) as failure:
-        await _fail_stream(request, resp, tap, translator, outcome, watch, failure)
-    except QuotaEnded as ended:
-        # Its quota could not be topped up: the upstream response is closed (by `relay`'s
-        # release of a response not read to its end) and the client told why.
-        log.info("request %s: stream ended by its quota (%s)", outcome.request_id, ended.limit)
-        await _fail_stream(request, resp, tap, translator, outcome, watch, ended)
-    except StoreFailed as lost:
-        # The same end, for a top-up the store did not answer under `fail_closed`.
-        log.warning("request %s: stream ended: its top-up failed on the budget store and the "
-                    "proxy fails closed", outcome.request_id)
-        await _fail_stream(request, resp, tap, translator, outcome, watch, lost)
+    except (UpstreamTimeout, UpstreamUnavailable, QuotaEnded, StoreFailed) as failure:
+        _log_end(outcome.request_id, failure)
+        await stream.fail(failure)
     except Exception:
         # Headers are out: no error response is possible any more, only an error event.
         log.exception("relaying stream %s failed", outcome.request_id)
-        broken = ProxyError("The proxy failed while relaying this stream; it is incomplete.",
-                            code="internal")
-        await _fail_stream(request, resp, tap, translator, outcome, watch, broken)
+        await stream.fail(ProxyError(
+            "The proxy failed while relaying this stream; it is incomplete.", code="internal"))
     finally:
         if topups is not None:
             await topups.close()
     return resp
 
 
-async def _relay_carefully(chunk: bytes, resp: web.StreamResponse, tap: StreamTap,
-                           topups: TopUps, meter: RequestMeter, watch: Watch) -> None:
-    """The relay's loop body for a chunk of a topped-up stream that may reach its next check:
-    event by event, each forwarded and looked at before the next, and checked when due, so the
-    stream can be ended between any two events (see proxy.pipeline.topup)."""
-    for piece in tap.pieces(chunk):  # cut by the tap's own framing: CRLF streams too
-        now = watch.last = time.perf_counter()
-        out = tap.feed(piece, now)
-        if out:
-            watch.writing = now
-            await resp.write(out)
-            watch.writing = 0.0
-        tap.look()
-        if meter.chunks >= topups.next_at:
-            await topups.check(meter.chunks)
+def _log_end(request_id: str, failure: ProxyError) -> None:
+    if isinstance(failure, QuotaEnded):
+        # Its quota could not be topped up: the upstream response is closed (by `relay`'s
+        # release of a response not read to its end) and the client told why.
+        log.info("request %s: stream ended by its quota (%s)", request_id, failure.limit)
+    elif isinstance(failure, StoreFailed):
+        # The same end, for a top-up the store did not answer under `fail_closed`.
+        log.warning("request %s: stream ended: its top-up failed on the budget store and the "
+                    "proxy fails closed", request_id)
 
 
-async def _fail_stream(
-    request: web.Request, resp: web.StreamResponse, tap: StreamTap, translator: Translator,
-    outcome: Outcome, watch: Watch, failure: ProxyError, at_boundary: bool | None = None,
-) -> None:
-    """A stream that broke after its headers went out. The client gets a last event in OpenAI's
-    error shape, so it can tell a truncated answer from a complete one (the SDKs raise on it),
-    then the stream ends. If the break came in the middle of an event whose start was already
-    forwarded, no event can follow it cleanly: the connection is cut instead, which clients see
-    as a broken stream, just as clear. `at_boundary`: as it was before the tap was closed."""
-    outcome.fail(failure.error_class)
-    if at_boundary is None:
+class Writer(Protocol):
+    """Where a stream's bytes go: the client's `web.StreamResponse`."""
+
+    async def write(self, data: bytes) -> None: ...
+
+
+class Checks(Protocol):
+    """What the relay asks of a stream's top-ups (`proxy.pipeline.topup.TopUps`)."""
+
+    @property
+    def next_at(self) -> int: ...
+
+    async def check(self, events: int, at_boundary: bool) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """A stream on its way to the client: written to `resp` under `watch`, read on the side
+    by the tap and its translator, its failures recorded in `outcome`; `abort` ends the
+    client's connection without the final chunk (a broken stream, not a clean end)."""
+
+    resp: Writer
+    watch: Watch
+    tap: StreamTap
+    translator: Translator
+    outcome: Outcome
+    abort: Callable[[], None]
+
+    async def write(self, data: bytes, now: float) -> None:
+        # `writing`: a client that reads slowly makes write() wait, and the upstream is not
+        # read meanwhile; that wait is not the upstream's silence (watchdog).
+        watch = self.watch
+        watch.writing = now
+        await self.resp.write(data)
+        watch.writing = 0.0
+
+    async def pump(self, chunks: AsyncIterable[bytes]) -> None:
+        """Each chunk forwarded as it comes, then looked at: every stream without top-ups.
+        The hot path, written out: no call per chunk but the tap's and the write."""
+        tap, watch, resp = self.tap, self.watch, self.resp
+        feed, look = tap.feed, tap.look
+        perf = time.perf_counter
+        async for chunk in chunks:
+            now = watch.last = perf()
+            out = feed(chunk, now)  # nearly always `chunk` itself, not parsed yet
+            if out:
+                watch.writing = now  # as in `write`
+                await resp.write(out)
+                watch.writing = 0.0
+            look()  # forward first, look second
+
+    async def pump_checked(self, chunks: AsyncIterable[bytes], topups: Checks) -> None:
+        """A stream under top-ups: a chunk that may reach the next check is cut by the tap
+        where its events end, and each piece is forwarded and looked at before the next, and
+        checked when due with the tap's word on whether the bytes forwarded end between two
+        events, so the stream can be ended between any two (proxy.budget.topups). A chunk
+        that cannot reach the check is one piece, as in `pump`."""
+        tap, watch, meter = self.tap, self.watch, self.outcome.meter
+        async for chunk in chunks:
+            for piece in tap.pieces(chunk, topups.next_at - meter.chunks):
+                now = watch.last = time.perf_counter()
+                out = tap.feed(piece, now)
+                if out:
+                    await self.write(out, now)
+                tap.look()
+                if meter.chunks >= topups.next_at:
+                    await topups.check(meter.chunks, tap.client_at_boundary)
+
+    async def finish(self) -> None:
+        """The upstream's stream ended: what the tap held back is forwarded, unless the
+        stream lacks its final event (`[DONE]`, `response.completed`, ...): the upstream gave
+        up, as a reset would have, without saying so, and the client is told."""
+        tap, translator = self.tap, self.translator
         at_boundary = tap.client_at_boundary
-    tap.close()  # meters a last, unterminated event; its held bytes are not forwarded
-    if at_boundary:
-        with contextlib.suppress(ConnectionError):
-            watch.writing = time.perf_counter()
-            await resp.write(stream_error_event(failure, translator.named_events,
-                                                translator.error_shape))
-            watch.writing = 0.0
-            return
-    _abort(request)
+        rest = tap.close()
+        if translator.stream_error is not None:  # the upstream's error event ended it
+            self.outcome.fail(translator.stream_error)
+        if not (tap.broken or translator.end_of_stream()):
+            await self.fail(UpstreamIncomplete(
+                "The upstream ended the stream without its final event; this response is "
+                "incomplete."
+            ), at_boundary)
+        elif rest:
+            await self.write(rest, time.perf_counter())
+        # No write_eof here: aiohttp writes the final chunk after the handler returns, which
+        # is after settling, so a client that has seen the end of its stream is accounted.
+
+    async def fail(self, failure: ProxyError, at_boundary: bool | None = None) -> None:
+        """The stream broke after its headers went out. The client gets a last event in the
+        API's error shape, so it can tell a truncated answer from a complete one (the SDKs
+        raise on it), then the stream ends. If the break came in the middle of an event whose
+        start was already forwarded, no event can follow it cleanly: the connection is cut
+        instead, which clients see as a broken stream, just as clear. `at_boundary`: as it
+        was before the tap was closed."""
+        self.outcome.fail(failure.error_class)
+        if at_boundary is None:
+            at_boundary = self.tap.client_at_boundary
+        self.tap.close()  # meters a last, unterminated event; its held bytes are not forwarded
+        if at_boundary:
+            event = stream_error_event(failure, self.translator.named_events,
+                                       self.translator.error_shape)
+            with contextlib.suppress(ConnectionError):
+                await self.write(event, time.perf_counter())
+                return
+        self.abort()
 
 
 def _client_headers(attempt: Attempt, request_id: str) -> CIMultiDict[str]:

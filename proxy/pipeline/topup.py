@@ -1,45 +1,33 @@
-"""Top-ups of a stream's reservation under `admission: estimate`, driven by the relay.
+"""The driver of a stream's top-ups under `admission: estimate`: the relay calls `check`.
 
-The stream reserved its prompt plus a learned estimate of its output (`proxy.budget.estimate`)
-and kept its own output cap upstream. As it runs, the relay calls `check` when the count of
-content events reaches `next_at`; `check` counts the output tokens streamed so far (the
-translator's `output_tokens_so_far`: the new events rated by a sample) and:
-- at three quarters of what is reserved, starts a top-up (`Budget.top_up`) as a task, so the
-  store's round trip overlaps the stream instead of delaying a chunk;
-- when the stream comes within a couple of events of what is reserved while that top-up is
-  still out, waits for it (the one case that can delay a chunk: a store slower than the last
-  quarter of a reservation takes to stream);
-- when a top-up was refused (no room left in a window), lets the stream run to what it holds
-  and ends it a couple of events short of the line: `QuotaEnded`, which the relay sends as the
-  final error event. What the stream produced is charged exactly at settle.
-A network chunk whose events may reach the next check (bounded from above by its blank lines,
-`proxy.protocol.sse.events_at_most`: a `bytes.count` or three per chunk) is cut into its events
-by the tap's own SSE framing (LF, CRLF or CR line ends alike), forwarded and checked one at a
-time, so a chunk that bunches many events (a fast upstream, a busy proxy) cannot carry the
-stream past its reservation; from the first top-up on, every chunk is. Other chunks go whole,
-as any stream's. A top-up the store fails to answer under `store.on_error: fail_closed` ends
-the stream the same way, as the store outage it is (`StoreFailed`, `service_unavailable`).
-Between checks nothing runs per chunk but that bound and one integer comparison in the relay:
-the next check is placed, from the tokens per event seen so far, at half the distance to the
-next threshold.
+What to do at each check is decided by the reservation's side (`proxy.budget.topups`, pure);
+this runs it: counts the output tokens streamed so far (the translator's `output_tokens_so_far`:
+the new events rated by a sample), starts a top-up (`Budget.top_up`) as a task so the store's
+round trip overlaps the stream, waits for its answer when told to, counts the answers
+(`tokenmeter_budget_topups_total`), and ends the stream when told to: `QuotaEnded` (a window
+refused the top-up; `tokenmeter_budget_streams_ended_total`) or `StoreFailed` (the store failed
+to answer under `store.on_error: fail_closed`: the store outage it is, `service_unavailable`),
+which the relay sends as the final error event. What the stream produced is charged exactly at
+settle.
+
+The relay checks when the content-event count reaches `next_at`, event by event: the tap cuts
+a chunk that may reach it where its events end (`StreamTap.pieces`, any line ends), and says
+whether the bytes forwarded end between two events, so a chunk that bunches many events (a
+fast upstream, a busy proxy) cannot carry the stream past its reservation.
 """
 
 from __future__ import annotations
 
 import asyncio
-import sys
-from collections.abc import Callable
 
-from proxy.budget import estimate as est
 from proxy.budget import refusals
 from proxy.budget.accounting import Budget, Reservation
 from proxy.budget.refusals import QuotaEnded
 from proxy.budget.store import TopUpResult
+from proxy.budget.topups import Act, Allowance, Seen
 from proxy.config.policy import Policy
 from proxy.errors import ServiceUnavailable
 from proxy.protocol.translators import Translator
-
-NEVER = sys.maxsize
 
 
 class StoreFailed(ServiceUnavailable):
@@ -49,84 +37,64 @@ class StoreFailed(ServiceUnavailable):
 
 
 class TopUps:
-    __slots__ = (
-        "_budget",
-        "_burst",
-        "_cap",
-        "_estimate",
-        "_last",
-        "_policy",
-        "_refused",
-        "_reservation",
-        "_task",
-        "_translator",
-        "at_boundary",
-        "next_at",
-        "reserved",
-    )
+    __slots__ = ("_allowance", "_budget", "_policy", "_refused", "_reservation", "_task",
+                 "_translator", "next_at")
 
     def __init__(self, budget: Budget, reservation: Reservation, translator: Translator,
-                 policy: Policy) -> None:
-        assert reservation.topup_cap is not None
+                 policy: Policy, allowance: Allowance) -> None:
         self._budget = budget
         self._reservation = reservation
         self._translator = translator
         self._policy = policy
-        self._cap = reservation.topup_cap
-        self._estimate = reservation.output_cap
+        self._allowance = allowance
         self._task: asyncio.Task[TopUpResult] | None = None
-        self._refused: TopUpResult | None = None
-        self.reserved = reservation.output_cap  # output tokens the stream holds now
-        self.next_at = 1  # the content-event count at which the relay calls `check`
-        self._last = (0, 0)  # (events, tokens) at the last check
-        # Whether the bytes forwarded so far end between two events (the relay's tap): the
-        # error event can follow only there, else the end waits for the next chunk.
-        self.at_boundary: Callable[[], bool] = lambda: True
-        self._burst = 0  # the most tokens one chunk brought, while checked chunk by chunk
+        self._refused: TopUpResult | None = None  # the answer that refused a top-up
+        self.next_at = allowance.next_at  # the content-event count at which `check` is due
 
     @staticmethod
     def for_stream(budget: Budget, reservation: Reservation, translator: Translator,
                    policy: Policy) -> TopUps | None:
-        if reservation.topup_cap is None or reservation.output_cap >= reservation.topup_cap:
+        allowance = Allowance.of(reservation.output_cap, reservation.topup_cap)
+        if allowance is None:
             return None
-        return TopUps(budget, reservation, translator, policy)
+        return TopUps(budget, reservation, translator, policy, allowance)
 
-    async def check(self, events: int) -> None:
-        """Called when `events` content events have streamed (>= `next_at`). Raises
-        `QuotaEnded` when the stream must end here."""
-        tokens = self._translator.output_tokens_so_far()
-        if self.next_at == self._last[0] + 1:  # checked chunk by chunk: this chunk's tokens
-            self._burst = max(self._burst, tokens - self._last[1])
-        self._last = (events, tokens)
-        rate = tokens / events if events else 1.0  # tokens per content event so far
-        # A check lands within an event or so of where it aimed, a chunk at most.
-        slack = max(int(2 * rate) + 2, 2 * self._burst)
+    async def check(self, events: int, at_boundary: bool) -> None:
+        """`events` content events have streamed (>= `next_at`); `at_boundary`: the bytes
+        forwarded end between two events. Raises `QuotaEnded` or `StoreFailed` when the
+        stream must end here."""
+        seen = Seen(events, self._translator.output_tokens_so_far(), at_boundary)
         task = self._task
-        if task is not None and (task.done() or tokens >= self.reserved - slack):
+        if task is not None and task.done():
             self._task = None
+            self._apply(task.result())
+        while self.next_at <= events:  # the rule's word: checked again until the next is ahead
+            decision = self._allowance.check(seen, self._task is not None)
+            if decision.act is Act.WAIT:
+                await self._answer()
+                continue
+            self._allowance = decision.allowance
+            self.next_at = decision.allowance.next_at
+            if decision.act is Act.START:
+                self._task = asyncio.ensure_future(
+                    self._budget.top_up(self._reservation, decision.step, self._policy))
+            elif decision.act is Act.END:
+                self._end(seen.tokens)
+
+    async def _answer(self) -> None:
+        """Wait for the top-up that is out, if any, and apply its answer."""
+        task, self._task = self._task, None
+        if task is not None:
             self._apply(await task)
-        if self._refused is not None and tokens >= self.reserved - slack and self.at_boundary():
-            self._end(tokens)
-        if (self._task is None and self._refused is None and self.reserved < self._cap
-                and tokens >= self.reserved * 3 // 4):
-            step = est.step(self._estimate, self._cap - self.reserved)
-            self._task = asyncio.ensure_future(
-                self._budget.top_up(self._reservation, step, self._policy))
-        if self._task is not None or self._refused is not None:
-            self.next_at = events + 1
-        elif self._refused is None and self.reserved >= self._cap:
-            self.next_at = NEVER  # the upstream stops at the cap itself
-        else:
-            target = self.reserved * 3 // 4
-            self.next_at = events + max(1, int((target - tokens) / max(rate, 1e-3) / 2))
 
     def _apply(self, result: TopUpResult) -> None:
         user = self._reservation.user
         if result.granted:
-            self.reserved += result.granted
+            self._allowance = self._allowance.granted(result.granted)
             self._budget.metrics.budget_topped_up(user, "granted", result.granted)
             return
         self._refused = result
+        self._allowance = self._allowance.refusal()
         if result.gone:
             outcome = "gone"
         elif result.refused_entry is None:  # no window refused it: the store failed
@@ -154,9 +122,7 @@ class TopUps:
     async def close(self) -> None:
         """The stream is over: a top-up still out is seen through (its answer is counted),
         so nothing is added to the reservation after it settles."""
-        task, self._task = self._task, None
-        if task is not None:
-            self._apply(await task)
+        await self._answer()
 
 
 __all__ = ["QuotaEnded", "StoreFailed", "TopUps"]

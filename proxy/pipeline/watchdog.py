@@ -19,20 +19,19 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 
-import aiohttp
-
 SWEEP_SECONDS = 0.1
 
 
 class Watch:
-    __slots__ = ("abort_client", "client_expired", "expired", "last", "response", "timeout",
-                 "write_timeout", "writing")
+    __slots__ = ("abort_client", "client_expired", "close_upstream", "expired", "last",
+                 "timeout", "write_timeout", "writing")
 
     def __init__(
-        self, response: aiohttp.ClientResponse, timeout: float,
+        self, close_upstream: Callable[[], None], timeout: float,
         write_timeout: float | None = None, abort_client: Callable[[], None] | None = None,
     ) -> None:
-        self.response = response
+        # Ends the upstream response (its `close`): the relay's read then fails.
+        self.close_upstream = close_upstream
         self.timeout = timeout
         self.last = time.perf_counter()
         self.expired = False
@@ -49,19 +48,15 @@ class Watchdog:
 
     @contextlib.contextmanager
     def watch(
-        self, response: aiohttp.ClientResponse, timeout: float, *,
+        self, close_upstream: Callable[[], None], timeout: float, *,
         write_timeout: float | None = None, abort_client: Callable[[], None] | None = None,
     ) -> Iterator[Watch]:
-        w = Watch(response, timeout, write_timeout, abort_client)
+        w = Watch(close_upstream, timeout, write_timeout, abort_client)
         self._watches.add(w)
         try:
             yield w
         finally:
             self._watches.discard(w)
-
-    def waiting_on_clients(self) -> int:
-        """Streams whose relay is waiting on a write to its client right now."""
-        return sum(1 for w in self._watches if w.writing)
 
     def sweep(self) -> None:
         now = time.perf_counter()
@@ -81,7 +76,7 @@ class Watchdog:
                 w.expired = True
                 # Closing the connection ends the relay's read with a ClientError, which it
                 # reports as a timeout because `expired` is set.
-                w.response.close()
+                w.close_upstream()
 
     async def run(self) -> None:
         while True:

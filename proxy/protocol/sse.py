@@ -60,6 +60,12 @@ class LineSplitter:
     def has_pending(self) -> bool:
         return bool(self._partial) or self._pending_cr
 
+    @property
+    def mid_line(self) -> bool:
+        """Bytes of a line not yet ended were fed. A CR that ended the last bytes is no such
+        line: it ended its own, whatever comes next (an LF after it is only skipped)."""
+        return bool(self._partial)
+
     def split(self, chunk: bytes) -> list[tuple[bytes, int]]:
         lines: list[tuple[bytes, int]] = []
         if not chunk:
@@ -176,6 +182,13 @@ class SSEDecoder:
     def has_pending(self) -> bool:
         """Bytes of an unfinished event have been fed (and, in the relay, already forwarded)."""
         return self._splitter.has_pending or self._assembler.has_pending
+
+    @property
+    def mid_event(self) -> bool:
+        """The bytes fed so far stop inside an event: in one of its lines, or after lines of
+        one not yet ended by its blank line. Unlike `has_pending`, a CR ending the last bytes
+        (a CR-framed stream's every event ends so) leaves the stream between two events."""
+        return self._splitter.mid_line or self._assembler.has_pending
 
     def whole_event(self, chunk: bytes) -> bytes | None:
         """The fast path: if `chunk` is exactly one whole `data:` event (one line, LF-framed)

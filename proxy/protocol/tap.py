@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from proxy.protocol.sse import SSEDecoder
+from proxy.protocol.sse import SSEDecoder, events_at_most
 from proxy.protocol.timing import ContentMeter
 from proxy.protocol.translators import EventFlag, Translator, carries_usage
 
@@ -81,11 +81,17 @@ class StreamTap:
         """The bytes forwarded so far end between two events, so another event may follow."""
         if self._held:  # held bytes start a new event, unless its start went out already
             return not self._tainted
-        return not self._decoder.has_pending
+        return not self._decoder.mid_event
 
-    def pieces(self, chunk: bytes) -> list[bytes]:
-        """`chunk` cut where its events end, by the decoder's framing (any line ends): `feed`
-        and `look` them one at a time to relay the chunk event by event."""
+    def pieces(self, chunk: bytes, events: int) -> list[bytes]:
+        """`chunk` cut just past each event it ends, if it may end `events` events or more;
+        else `[chunk]`, whole (a bytes count or three: `events_at_most`). The cuts follow the
+        decoder's own framing (LF, CRLF or CR line ends, a CRLF split across chunks): `feed`
+        and `look` the pieces one at a time, and each event is forwarded and metered before
+        the next, so a caller can act between any two (a stream's top-ups, proxy.pipeline.
+        relay) without framing events itself."""
+        if events_at_most(chunk) < events:
+            return [chunk]
         return self._decoder.pieces(chunk)
 
     def feed(self, chunk: bytes, now: float) -> bytes:
@@ -128,7 +134,7 @@ class StreamTap:
             for event in self._decoder.feed(chunk):
                 self._event(event.data, event.event, now, marked)
                 marked = known
-            self._tainted = self._decoder.has_pending
+            self._tainted = self._decoder.mid_event
         except Exception:
             self._break()
 
@@ -209,7 +215,7 @@ class StreamTap:
             # Before any choice finished, an incomplete event is content: never hold it back.
             out.append(rest)
             self._held = b""
-            self._tainted = bool(rest) or self._decoder.has_pending
+            self._tainted = bool(rest) or self._decoder.mid_event
         return b"".join(out)
 
     def close(self) -> bytes:

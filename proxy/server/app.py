@@ -12,6 +12,7 @@ import os
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -422,18 +423,23 @@ def _watch_ctx(path: Path, workers: int) -> Callable[[web.Application], AsyncIte
     return ctx
 
 
+@dataclass(frozen=True)
+class Placement:
+    """This process's place among those serving one configuration (`serve --workers`)."""
+
+    workers: int = 1  # how many processes serve it
+    audit: bool = True  # whether this one runs the ledger's reconciliation (one: worker 0)
+
+
 def create_app(
     config: Config,
     *,
     config_path: Path | None = None,
     clock: Callable[[], float] = time.time,
     store: Store | None = None,
-    workers: int = 1,
-    audit: bool = True,
+    placement: Placement = Placement(),
 ) -> web.Application:
-    """`clock` (epoch seconds) decides budget days and minutes; tests inject one. `workers`:
-    how many processes serve this configuration (`serve --workers`); `audit`: whether this
-    one runs the ledger's reconciliation (one per supervisor: worker 0)."""
+    """`clock` (epoch seconds) decides budget days and minutes; tests inject one."""
     app = web.Application(
         middlewares=[_errors], client_max_size=int(config.server.max_body_mb * 1024 * 1024)
     )
@@ -458,11 +464,11 @@ def create_app(
     )
     app[BODY_PARSERS] = asyncio.Semaphore(BODY_PARSER_SLOTS)
     app.cleanup_ctx.extend(
-        [_ledger_ctx, _session_ctx, _store_ctx, *([_audit_ctx] if audit else []), _watchdog_ctx,
-         _discover_models, _drain_settling]
+        [_ledger_ctx, _session_ctx, _store_ctx, *([_audit_ctx] if placement.audit else []),
+         _watchdog_ctx, _discover_models, _drain_settling]
     )
     if config_path is not None:
-        app.cleanup_ctx.append(_watch_ctx(config_path, workers))
+        app.cleanup_ctx.append(_watch_ctx(config_path, placement.workers))
     shapes: tuple[type[Translator], ...] = (*TRANSLATORS, MessagesTranslator,
                                             CountTokensTranslator)
     for translator in shapes:

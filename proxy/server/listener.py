@@ -55,6 +55,8 @@ REFUSAL_LINGER_S = 1.0
 # Refusals and timeouts are logged at most once per this many seconds per kind, with a count:
 # a flood must not become a log flood.
 LOG_EVERY_S = 10.0
+# The listen backlog of the sockets a site binds itself, as aiohttp's own sites.
+BACKLOG = 128
 
 
 class RequestTimeout(ProxyError):
@@ -362,9 +364,9 @@ class GuardedSite(web.BaseSite):
 
     def __init__(
         self, runner: web.BaseRunner, host: str, port: int, guard: ConnectionGuard,
-        backlog: int = 128, sock: socket.socket | None = None,
+        sock: socket.socket | None = None,
     ) -> None:
-        super().__init__(runner, backlog=backlog)
+        super().__init__(runner, backlog=BACKLOG)
         self._host, self._port, self._guard, self._sock = host, port, guard, sock
 
     @property

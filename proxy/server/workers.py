@@ -172,6 +172,14 @@ def bind(host: str, port: int) -> list[socket.socket]:
 
 
 @dataclass(frozen=True, slots=True)
+class BoundSockets:
+    """The listening sockets a supervisor bound once, for every worker to serve."""
+
+    api: tuple[socket.socket, ...]
+    metrics: tuple[socket.socket, ...]  # empty: /metrics is served on the API port
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerSockets:
     """What a worker was handed by its supervisor."""
 
@@ -211,13 +219,13 @@ async def watch_supervisor(stop: asyncio.Event) -> None:
 
 class Supervisor:
     def __init__(
-        self, argv: Sequence[str], count: int, api: Sequence[socket.socket],
-        metrics: Sequence[socket.socket], metrics_dir: str, drain_seconds: float,
+        self, argv: Sequence[str], count: int, bound: BoundSockets, metrics_dir: str,
+        drain_seconds: float,
     ) -> None:
         self._argv = list(argv)
         self._count = count
-        self._api = list(api)
-        self._metrics = list(metrics)
+        self._api = list(bound.api)
+        self._metrics = list(bound.metrics)
         self._dir = metrics_dir
         self._drain_s = drain_seconds
         self._stopping = asyncio.Event()
@@ -342,8 +350,8 @@ def supervise(
                      api[0].getsockname()[1], os.getpid())
             drain = server.drain_seconds if server is not None else 30.0
             with asyncio.Runner() as runner:
-                return runner.run(Supervisor(argv, count, api, metrics, metrics_dir,
-                                             drain).run())
+                bound = BoundSockets(tuple(api), tuple(metrics))
+                return runner.run(Supervisor(argv, count, bound, metrics_dir, drain).run())
         finally:
             os.environ.pop(MULTIPROC_ENV, None)
             shutil.rmtree(metrics_dir, ignore_errors=True)

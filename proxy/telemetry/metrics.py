@@ -222,8 +222,10 @@ class _BufferedValue:
 
     __slots__ = ("_dirty", "_file", "_timestamp", "_value")
 
-    def __init__(self, typ: str, metric_name: str, name: str, labelnames: Sequence[str],
-                 labelvalues: Sequence[str], help_text: str, **kwargs: Any) -> None:
+    def __init__(  # noqa: PLR0913, PLR0917  prometheus_client's ValueClass signature
+        self, typ: str, metric_name: str, name: str, labelnames: Sequence[str],
+        labelvalues: Sequence[str], help_text: str, **kwargs: Any,
+    ) -> None:
         self._file = _BufferedValue._file_class(typ, metric_name, name, labelnames, labelvalues,
                                                 help_text, **kwargs)
         self._value: float = self._file.get()
@@ -285,7 +287,7 @@ class Metrics:
     """Every collector of one app, updated only through the verbs below: each says what
     happened in the domain's words and names its labels, so no caller depends on label order."""
 
-    def __init__(self) -> None:
+    def __init__(self) -> None:  # noqa: PLR0915  one statement per collector, all in one place
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         hist_labels = ("model", "upstream", "operation")

@@ -240,7 +240,12 @@ def _prompt_tokens(path: str, body: dict[str, Any]) -> int:
         value, param = body.get("prompt", ""), "prompt"
     else:
         return 0
-    # What is left: a text, a list of texts, one token array or a list of token arrays.
+    return _count_input(value, param)
+
+
+def _count_input(value: Any, param: str) -> int:
+    """The tokens of an `input` or `prompt`: a text, a list of texts, one token array or a
+    list of token arrays."""
     if isinstance(value, str):
         return count_text(value)
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
@@ -333,17 +338,20 @@ async def _hang(request: web.Request) -> None:
         await asyncio.sleep(_STALL_POLL_S)
 
 
-async def _stream(
-    call: _Call,
-    n: int,
-    *,
-    token: Callable[[int], bytes],
-    head: bytes,
-    tail: bytes,
-    preamble: bytes = b"",
-    usage: Mapping[str, Any] | None = None,
-) -> web.StreamResponse:
-    """Send `preamble` at once, `head` with the first token, then the tokens, then `tail`.
+@dataclass(frozen=True)
+class _Script:
+    """What a stream is made of: `preamble` sent at once, `head` with the first token, token
+    i's event, then `tail`; `usage` is what it reports (recorded once it was all sent)."""
+
+    token: Callable[[int], bytes]
+    head: bytes
+    tail: bytes
+    preamble: bytes = b""
+    usage: Mapping[str, Any] | None = None
+
+
+async def _stream(call: _Call, n: int, script: _Script) -> web.StreamResponse:
+    """Send `script` with `n` tokens (fewer when a fault is asked for).
 
     Token i is due at t_first + i / rate: following a schedule rather than sleeping per token
     means a late wake-up is caught up by writing everything due in one write, so the stream
@@ -354,50 +362,66 @@ async def _stream(
     resp.headers["Cache-Control"] = "no-cache"
     loop = asyncio.get_running_loop()
     count, fault = _fault(cfg, n)
-    interval = 1.0 / cfg.tokens_per_second if cfg.tokens_per_second > 0 else 0.0
     garbage = min(cfg.garbage_after, count) if cfg.garbage_after is not None else -1
     try:
         await resp.prepare(call.request)
         write = _writer(resp, cfg)
-        if preamble and not (fault == "end" and count == 0):
-            await write(preamble)
+        if script.preamble and not (fault == "end" and count == 0):
+            await write(script.preamble)
         t_first = loop.time() + cfg.ttft_ms / 1000
-        pending, i = [head], 0
-        while i < count:
-            now = loop.time()
-            if now < (due := t_first + i * interval):
-                await asyncio.sleep(due - now)
-                continue
-            if interval:
-                upto = min(count, max(i + 1, int((now - t_first) / interval) + 1))
-            else:
-                upto = min(count, i + _BURST)
-            pending.extend(token(k) for k in range(i, upto))
-            if i <= garbage < upto:
-                pending.insert(len(pending) - (upto - garbage), GARBAGE)
-            await write(b"".join(pending))
-            pending, i = [], upto
-            if not interval:
-                await asyncio.sleep(0)
-        if fault == "reset":
-            if (transport := call.request.transport) is not None:
-                transport.abort()
-            return resp
-        if fault == "stall":
-            await _hang(call.request)
-            return resp
-        if fault == "end":
-            await resp.write_eof()
+        pending = await _send_tokens(write, cfg, script, (count, garbage), t_first)
+        if fault is not None:
+            await _break_off(call.request, resp, fault)
             return resp
         await asyncio.sleep(max(0.0, t_first - loop.time()))  # no tokens: still wait out ttft
         if garbage == count:
             pending.append(GARBAGE)
-        await write(b"".join([*pending, tail]))
+        await write(b"".join([*pending, script.tail]))
         await resp.write_eof()
     except ConnectionError:
         return resp  # The client went away: there is nobody left to tell.
-    call.request.app[MOCK_STATE].record_usage(usage)
+    call.request.app[MOCK_STATE].record_usage(script.usage)
     return resp
+
+
+async def _send_tokens(
+    write: Callable[[bytes], Awaitable[None]], cfg: MockSettings, script: _Script,
+    counts: tuple[int, int], t_first: float,
+) -> list[bytes]:
+    """Write the head and tokens 0 .. count - 1 on their schedule (GARBAGE before token
+    `garbage`); what is still unwritten: the head when there were no tokens."""
+    count, garbage = counts
+    loop = asyncio.get_running_loop()
+    interval = 1.0 / cfg.tokens_per_second if cfg.tokens_per_second > 0 else 0.0
+    pending, i = [script.head], 0
+    while i < count:
+        now = loop.time()
+        if now < (due := t_first + i * interval):
+            await asyncio.sleep(due - now)
+            continue
+        if interval:
+            upto = min(count, max(i + 1, int((now - t_first) / interval) + 1))
+        else:
+            upto = min(count, i + _BURST)
+        pending.extend(script.token(k) for k in range(i, upto))
+        if i <= garbage < upto:
+            pending.insert(len(pending) - (upto - garbage), GARBAGE)
+        await write(b"".join(pending))
+        pending, i = [], upto
+        if not interval:
+            await asyncio.sleep(0)
+    return pending
+
+
+async def _break_off(request: web.Request, resp: web.StreamResponse, fault: str) -> None:
+    """The asked-for fault instead of the stream's normal end."""
+    if fault == "reset":
+        if (transport := request.transport) is not None:
+            transport.abort()
+    elif fault == "stall":
+        await _hang(request)
+    elif fault == "end":
+        await resp.write_eof()
 
 
 def _data(obj: Any) -> bytes:
@@ -446,7 +470,7 @@ async def _completion(call: _Call, *, chat: bool) -> web.StreamResponse:
     if not call.cfg.omit_done:
         tail += b"data: [DONE]\n\n"
     reported = usage if include else None
-    return await _stream(call, n, token=token, head=head, tail=tail, usage=reported)
+    return await _stream(call, n, _Script(token, head, tail, usage=reported))
 
 
 def _event(kind: str, seq: int, payload: dict[str, Any]) -> bytes:
@@ -513,7 +537,7 @@ async def _responses(call: _Call) -> web.StreamResponse:
     def token(i: int) -> bytes:
         return prefix + str(4 + i).encode() + suffixes[i % len(WORDS)]
 
-    return await _stream(call, n, token=token, head=head, tail=tail, preamble=preamble, usage=usage)
+    return await _stream(call, n, _Script(token, head, tail, preamble, usage))
 
 
 def _anthropic_event(payload: dict[str, Any]) -> bytes:
@@ -655,8 +679,7 @@ async def _messages(call: _Call) -> web.StreamResponse:
                               "delta": {"stop_reason": stop_reason, "stop_sequence": None},
                               "usage": usage})
     tail += _anthropic_event({"type": "message_stop"})
-    return await _stream(call, think + n, token=token, head=head, tail=tail, preamble=preamble,
-                         usage=usage)
+    return await _stream(call, think + n, _Script(token, head, tail, preamble, usage))
 
 
 async def _count_tokens(call: _Call) -> web.StreamResponse:
