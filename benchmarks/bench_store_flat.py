@@ -18,7 +18,7 @@ import argparse
 import asyncio
 import time
 
-from proxy.budget.store import USER, Entry, InFlightLimit, MemoryStore
+from proxy.budget.store import USER, Entry, InFlightLimit, MemoryStore, ReserveRequest
 
 
 async def run(requests: int) -> list[float]:
@@ -31,7 +31,7 @@ async def run(requests: int) -> list[float]:
         slot = f"tm:{{u{i % 50}}}"
         entries = (Entry(f"{slot}:u:daily:{int(now[0] // 86400)}", 10**9, 30, 86400),
                    Entry(f"{slot}:u:tpm:{int(now[0] // 60)}", 10**9, 30, 120))
-        await store.reserve(slot, f"r{i}", entries, in_flight, 60)
+        await store.reserve(slot, f"r{i}", ReserveRequest(entries, in_flight), 60)
         await store.settle(slot, f"r{i}", entries)
         now[0] += 0.01
         if i % 1000 == 0:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import subprocess
-import sys
 from collections.abc import Awaitable
 from datetime import datetime
 from pathlib import Path
@@ -40,7 +38,7 @@ from tests.helpers import (
     until,
 )
 from tests.helpers import ProxiesFactory as Factory
-from tests.servers import free_port, wait_for_port
+from tests.servers import ServedProxy
 
 QUOTA = 20_000
 ASKED = 32_000
@@ -303,12 +301,7 @@ async def test_a_killed_proxys_topped_up_reservation_is_released_by_its_lease(
              "    admission: {policy: estimate, initial_estimate: 300}\n")
     cfg.write_text(budget_yaml(str(upstream.make_url("/v1")), redis_url, users,
                                lease_seconds=2))
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "serve", "--config", str(cfg), "--port", str(port)],
-        cwd=Path(lim.__file__).parents[2],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    proxy = ServedProxy(cfg, tmp_path / "proxy.log")
     r = aioredis.from_url(redis_url)
     day = datetime.now(ZoneInfo("UTC")).strftime("%Y%m%d")
     key = lim.daily_key("tokenmeter", "alice", "daily_tokens", day)
@@ -319,8 +312,8 @@ async def test_a_killed_proxys_topped_up_reservation_is_released_by_its_lease(
         return int(await r.get(key) or 0)
 
     try:
-        await asyncio.to_thread(wait_for_port, port, 20.0)
-        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=ALICE_KEY,
+        await proxy.started()
+        client = openai.AsyncOpenAI(base_url=f"{proxy.url}/v1", api_key=ALICE_KEY,
                                     max_retries=0)
         got, _ = await _stream(client, 500)
         assert got == 500
@@ -329,7 +322,7 @@ async def test_a_killed_proxys_topped_up_reservation_is_released_by_its_lease(
         await until(lambda: _equals(used(), settled))
         async with aiohttp.ClientSession() as s:
             resp = await s.post(
-                f"http://127.0.0.1:{port}/v1/chat/completions",
+                f"{proxy.url}/v1/chat/completions",
                 json={"model": "mock-gpt", "messages": MESSAGES, "stream": True,
                       "max_tokens": ASKED},
                 headers={"Authorization": f"Bearer {ALICE_KEY}",
@@ -341,25 +334,13 @@ async def test_a_killed_proxys_topped_up_reservation_is_released_by_its_lease(
             while body.count(b'"content":" ') < 600:
                 body += await resp.content.readany()
             await until(lambda: _above(used(), settled + prompt + 500))
-            proc.kill()
-            proc.wait(timeout=10)
+            proxy.kill()
         held = await used()
         assert held > settled + prompt + 500  # the topped-up reservation, held by no one
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
+        proxy.kill()
 
-    async def lease_over() -> bool:
-        store = RedisStore(redis_url, 5000)
-        try:
-            deadlines = list((await store.leases(slot)).values())
-        finally:
-            await store.close()
-        now: tuple[int, int] = await r.time()
-        return bool(deadlines) and max(deadlines) < now[0] + now[1] / 1e6
-
-    await until(lease_over, deadline=10.0)
+    await until(lambda: _lease_over(redis_url, slot), deadline=10.0)
     config = make_config(str(upstream.make_url("/v1")), store=redis_url,
                          users={"alice": {"keys": [ALICE_KEY], "daily_tokens": 100_000}})
     survivor = await aiohttp_server(create_app(config))
@@ -374,6 +355,21 @@ async def test_a_killed_proxys_topped_up_reservation_is_released_by_its_lease(
     assert await r.zcard(f"{slot}:inflight") == 0
     await client.close()
     await r.aclose()
+
+
+async def _lease_over(redis_url: str, slot: str) -> bool:
+    """Every reservation's lease in `slot` has run out, by Redis's own clock."""
+    store = RedisStore(redis_url, 5000)
+    try:
+        deadlines = list((await store.leases(slot)).values())
+    finally:
+        await store.close()
+    r = aioredis.from_url(redis_url)
+    try:
+        now: tuple[int, int] = await r.time()
+    finally:
+        await r.aclose()
+    return bool(deadlines) and max(deadlines) < now[0] + now[1] / 1e6
 
 
 async def _equals(value: Awaitable[int], expected: int) -> bool:

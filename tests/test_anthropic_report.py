@@ -8,37 +8,26 @@ import asyncio
 import csv
 import io
 import json
-import sqlite3
 import uuid
-from collections.abc import Iterator, Sequence
-from contextlib import closing
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import pytest
 
 from proxy.cli import main
 from proxy.ledger.query import ledger_path
-from proxy.ledger.row import COLUMNS, LedgerRow
-from proxy.ledger.schema import MIGRATIONS, TABLE
-
-PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
+from proxy.ledger.row import LedgerRow
+from tests.books import ledger_row, pg_admin, write_postgres, write_sqlite
 
 
 def row(rid: str, user: str, day: int, **kw: Any) -> LedgerRow:
-    start = datetime(2026, 11, day, 12, tzinfo=UTC).timestamp()
-    base = LedgerRow(
-        request_id=rid, started_at=start, ended_at=start + 0.5, replica="r1", user_name=user,
-        key_name=None, team=None, operation="messages", requested_model="claude-x",
-        model="claude-x", response_model="claude-x", upstream="anthropic", fallback_from=None,
-        attempts=1, status=200, error_class="none", stream=True, input_tokens=10,
-        output_tokens=5, cached_input_tokens=0, reasoning_tokens=0, token_source="reported",
-        ttft_ms=12.0, upstream_ttft_ms=10.0, overhead_ms=0.4, duration_ms=500.0,
-        output_tokens_per_s=10.0, cost_nanousd=1000, price_version="p1", windows="",
-    )
-    return base._replace(**kw)
+    """A Messages request to `claude-x` at noon on November `day`, 2026."""
+    fields: dict[str, Any] = {"operation": "messages", "requested_model": "claude-x",
+                              "model": "claude-x", "response_model": "claude-x",
+                              "upstream": "anthropic", "user_name": user, **kw}
+    return ledger_row(rid, datetime(2026, 11, day, 12, tzinfo=UTC).timestamp(), **fields)
 
 
 ROWS = [
@@ -60,52 +49,19 @@ ROWS = [
 ]
 
 
-def _sqlite_write(path: Path, rows: Sequence[LedgerRow]) -> None:
-    with closing(sqlite3.connect(path)) as db:
-        for migration in MIGRATIONS:
-            for statement in migration.sqlite:
-                db.execute(statement)
-        marks = ", ".join("?" * len(COLUMNS))
-        db.executemany(f"INSERT INTO {TABLE} ({', '.join(COLUMNS)}) VALUES ({marks})",
-                       [tuple(getattr(r, c) for c in COLUMNS) for r in rows])
-        db.commit()
-
-
-async def _pg_write(url: str, rows: Sequence[LedgerRow]) -> None:
-    conn = await asyncpg.connect(url)
-    try:
-        for migration in MIGRATIONS:
-            for statement in migration.postgresql:
-                await conn.execute(statement)
-        records = [tuple(datetime.fromtimestamp(getattr(r, c), UTC)
-                         if c in ("started_at", "ended_at") else getattr(r, c) for c in COLUMNS)
-                   for r in rows]
-        await conn.copy_records_to_table(TABLE, records=records, columns=list(COLUMNS))
-    finally:
-        await conn.close()
-
-
-async def _admin(statement: str) -> None:
-    conn = await asyncpg.connect(PG_ADMIN)
-    try:
-        await conn.execute(statement)
-    finally:
-        await conn.close()
-
-
 @pytest.fixture
 def ledgers(tmp_path: Path) -> Iterator[tuple[str, str]]:
     """The same rows in a SQLite ledger and in a PostgreSQL one of this test's own."""
     lite = tmp_path / "books.sqlite3"
-    _sqlite_write(lite, ROWS)
+    write_sqlite(lite, ROWS)
     name = f"tm_anth_{uuid.uuid4().hex[:12]}"
-    asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
+    asyncio.run(pg_admin(f'CREATE DATABASE "{name}"'))
     url = f"postgresql://postgres@127.0.0.1:5432/{name}"
     try:
-        asyncio.run(_pg_write(url, ROWS))
+        asyncio.run(write_postgres(url, ROWS))
         yield f"sqlite://{lite}", url
     finally:
-        asyncio.run(_admin(f'DROP DATABASE "{name}" WITH (FORCE)'))
+        asyncio.run(pg_admin(f'DROP DATABASE "{name}" WITH (FORCE)'))
 
 
 def usage(capsys: pytest.CaptureFixture[str], *args: str) -> str:

@@ -271,7 +271,8 @@ async def test_a_teams_concurrency_limit_counts_all_its_users(make_proxies: Fact
         assert "team 'platform'" in exc.message
     p = proxies[0]
     budget = p.app[st.SERVICES].budget
-    slot = lim.user_slot(p.app[st.SERVICES].runtime.current.config, "bob")
+    config = p.app[st.SERVICES].runtime.current.config
+    slot = lim.plan(config, "bob", lim.limits_for(config, "bob"), "mock-gpt", budget.clock()).slot
     await until(lambda: _no_leases(budget.store, slot))
 
 

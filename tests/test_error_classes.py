@@ -37,13 +37,6 @@ from proxy.errors import (
     UpstreamUnavailable,
     UpstreamUnreachable,
 )
-from proxy.protocol.upstream_errors import (
-    blames_request,
-    classify,
-    error_message,
-    fallback_worthy,
-    request_fault,
-)
 from proxy.routing import attempts
 from proxy.routing.exceptions_map import Phase, map_upstream_exceptions, upstream_failure
 from proxy.routing.upstream import Upstream
@@ -261,7 +254,7 @@ def test_the_protocol_layer_imports_no_aiohttp() -> None:
     assert out.stdout.strip() == "False"
 
 
-# --- the classifier --------------------------------------------------------------------------------
+# --- the bench reads answers with the classifier (tests/unit/test_upstream_errors.py tests it) -
 
 
 def _openai(type_: str, code: str | None = None, message: str = "m") -> bytes:
@@ -275,70 +268,6 @@ VLLM_CONTEXT = json.dumps({
     "message": "This model's maximum context length is 4096 tokens. However, you requested "
                "5000 tokens (4000 in the messages, 1000 in the completion).",
 }).encode()
-VLLM_BAD = json.dumps({"object": "error", "type": "BadRequestError", "param": None, "code": 400,
-                       "message": "temperature must be non-negative"}).encode()
-
-
-@pytest.mark.parametrize(
-    ("status", "body", "cls"),
-    [
-        (200, None, ErrorClass.NONE),
-        (401, _openai("invalid_request_error", "invalid_api_key"), ErrorClass.AUTH),
-        (403, None, ErrorClass.AUTH),
-        (429, _openai("requests", "rate_limit_exceeded"), ErrorClass.RATE_LIMIT),
-        (429, _openai("invalid_request_error"), ErrorClass.RATE_LIMIT),  # the status decides
-        (408, _openai("invalid_request_error"), ErrorClass.UPSTREAM_TIMEOUT),
-        (400, _openai("invalid_request_error", "context_length_exceeded"),
-         ErrorClass.CONTEXT_LENGTH),
-        (400, VLLM_CONTEXT, ErrorClass.CONTEXT_LENGTH),
-        (400, VLLM_BAD, ErrorClass.BAD_REQUEST),
-        (400, None, ErrorClass.BAD_REQUEST),
-        (404, b"<html>not found</html>", ErrorClass.BAD_REQUEST),
-        (409, None, ErrorClass.BAD_REQUEST),
-        (422, b"\xff\xfe not utf-8", ErrorClass.BAD_REQUEST),
-        (302, None, ErrorClass.BAD_REQUEST),
-        (500, _openai("server_error"), ErrorClass.UPSTREAM_5XX),
-        (500, _openai("invalid_request_error", "invalid_value"), ErrorClass.BAD_REQUEST),
-        (500, _openai("server_error", "integer_above_max_value"), ErrorClass.BAD_REQUEST),
-        (500, _openai("server_error", None, "Input exceeds the context length"),
-         ErrorClass.CONTEXT_LENGTH),
-        (500, VLLM_BAD, ErrorClass.BAD_REQUEST),
-        (500, VLLM_CONTEXT, ErrorClass.CONTEXT_LENGTH),
-        (500, None, ErrorClass.UPSTREAM_5XX),
-        (502, b"Bad Gateway", ErrorClass.UPSTREAM_5XX),
-        (503, b"\xff\xfe", ErrorClass.UPSTREAM_5XX),
-        (500, b'{"error": "overloaded"}', ErrorClass.UPSTREAM_5XX),
-        (500, b"[1, 2]", ErrorClass.UPSTREAM_5XX),
-        (500, b'{"object": "list"}', ErrorClass.UPSTREAM_5XX),
-    ],
-)
-def test_classify(status: int, body: bytes | None, cls: ErrorClass) -> None:
-    assert classify(status, body) is cls
-
-
-def test_what_may_happen_next_follows_from_the_class() -> None:
-    assert blames_request(500, ErrorClass.BAD_REQUEST)
-    assert blames_request(503, ErrorClass.CONTEXT_LENGTH)
-    assert not blames_request(500, ErrorClass.UPSTREAM_5XX)
-    assert not blames_request(409, ErrorClass.BAD_REQUEST)  # retried when configured
-    worthy = {c for c in ErrorClass if fallback_worthy(c)}
-    assert {ErrorClass.RATE_LIMIT, ErrorClass.UPSTREAM_5XX, ErrorClass.UPSTREAM_TIMEOUT,
-            ErrorClass.CONNECT_TIMEOUT, ErrorClass.UPSTREAM_UNREACHABLE} <= worthy
-    assert not worthy & {ErrorClass.BAD_REQUEST, ErrorClass.CONTEXT_LENGTH, ErrorClass.AUTH,
-                         ErrorClass.NONE, ErrorClass.CLIENT_DISCONNECT}
-    # Without a body, the class says what the old status-only rule said, for every status.
-    for status in range(200, 600):
-        old_rule = status in (408, 429) or status >= 500
-        assert fallback_worthy(classify(status)) is old_rule, status
-
-
-def test_request_fault_and_message_read_both_shapes() -> None:
-    assert request_fault(VLLM_CONTEXT) is ErrorClass.CONTEXT_LENGTH
-    assert request_fault(_openai("server_error")) is None
-    assert error_message(VLLM_CONTEXT).startswith("This model's maximum context length")
-    assert error_message(_openai("x", message="nope")) == "nope"
-    assert error_message(b'{"error": "plain"}') == "plain"
-    assert error_message(b"x" * 500) == "x" * 200
 
 
 @pytest.mark.parametrize(

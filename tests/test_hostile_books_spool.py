@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from aiohttp.test_utils import TestServer
 
 from proxy.budget.limits import daily_key
-from proxy.budget.spool import SettleSpool
+from proxy.budget.spool import Charge, SettleSpool
 from proxy.budget.store import Entry, SettleKind
 from proxy.budget.usage_report import today
 from proxy.pipeline import services as st
@@ -51,9 +51,10 @@ async def test_malformed_spool_lines_are_skipped_counted_and_named_not_fatal(
     # What a previous run left owed: one settlement under its id, one sum of the outage.
     dead = SettleSpool(state)
     dead.open()
-    dead.owe(SLOT, "res-good", _entries(40), tokens=40, now=10**10,
-             kind=SettleKind.ADDITION)
-    dead.add(SLOT, _entries(7), tokens=7, now=10**10)
+    dead.owe(Charge(slot=SLOT, res_id="res-good", entries=_entries(40), tokens=40,
+                    kind=SettleKind.ADDITION), now=10**10)
+    dead.add(Charge(slot=SLOT, res_id="", entries=_entries(7), tokens=7,
+                    kind=SettleKind.ADDITION), now=10**10)
     dead.close()  # a graceful stop: the file stays for the next start to adopt
     (path,) = state.glob("spool-*.jsonl")
     good_lines = path.read_text().count("\n")

@@ -10,19 +10,15 @@ from __future__ import annotations
 import csv
 import io
 import json
-import sqlite3
 import subprocess
 import sys
-from collections.abc import Sequence
-from contextlib import closing
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
-from proxy.ledger.row import COLUMNS, LedgerRow
-from proxy.ledger.schema import MIGRATIONS, TABLE
 from proxy.telemetry.shown_text import csv_cell, for_terminal
+from tests.books import ledger_row, write_sqlite
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,35 +37,16 @@ HOSTILE = {
     "slash": "a\\x1bb",  # a backslash in a name cannot pass for an escaped ESC
 }
 
-
-def _row(rid: str, model: str) -> LedgerRow:
-    start = datetime(2026, 11, 2, 12, tzinfo=UTC).timestamp()
-    return LedgerRow(
-        request_id=rid, started_at=start, ended_at=start + 0.5, replica="r1", user_name="alice",
-        key_name=None, team=None, operation="chat", requested_model=model, model=model,
-        response_model=model, upstream="mock", fallback_from=None, attempts=1, status=200,
-        error_class="none", stream=False, input_tokens=10, output_tokens=5,
-        cached_input_tokens=0, reasoning_tokens=0, token_source="reported", ttft_ms=1.0,
-        upstream_ttft_ms=1.0, overhead_ms=0.1, duration_ms=2.0, output_tokens_per_s=1.0,
-        cost_nanousd=1, price_version="p1", windows="",
-    )
-
-
-def _write(path: Path, rows: Sequence[LedgerRow]) -> None:
-    with closing(sqlite3.connect(path)) as db:
-        for migration in MIGRATIONS:
-            for statement in migration.sqlite:
-                db.execute(statement)
-        marks = ", ".join("?" * len(COLUMNS))
-        db.executemany(f"INSERT INTO {TABLE} ({', '.join(COLUMNS)}) VALUES ({marks})",
-                       [tuple(getattr(r, c) for c in COLUMNS) for r in rows])
-        db.commit()
+# Noon on 2 November 2026, inside the report's range.
+START = datetime(2026, 11, 2, 12, tzinfo=UTC).timestamp()
 
 
 @pytest.fixture
 def ledger(tmp_path: Path) -> str:
     path = tmp_path / "books.sqlite3"
-    _write(path, [_row(name, model) for name, model in HOSTILE.items()])
+    write_sqlite(path, [ledger_row(name, START, requested_model=model, model=model,
+                                   response_model=model, stream=False)
+                        for name, model in HOSTILE.items()])
     return f"sqlite://{path}"
 
 

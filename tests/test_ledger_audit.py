@@ -44,8 +44,9 @@ async def test_books_that_agree_export_no_drift_and_a_phantom_charge_does(
         # 500 tokens the store counts that no ledger row explains (a lost row, say).
         daily = next(w for w in lim.windows_at(config, "alice", time.time())
                      if w.name is lim.WindowName.DAILY_TOKENS and w.scope == USER)
-        await svc.budget.store.add_once(lim.user_slot(config, "alice"), "phantom",
-                                      [Entry(daily.key, None, 500, daily.ttl_s)])
+        plan = lim.plan(config, "alice", lim.limits_for(config, "alice"), "mock-gpt", time.time())
+        await svc.budget.store.add_once(plan.slot, "phantom",
+                                        [Entry(daily.key, None, 500, daily.ttl_s)])
         await auditor.once(config)  # one reading is not enough: it could be the shipper's lag
         judged = await auditor.once(config)
         assert judged is not None and not judged.agrees

@@ -39,11 +39,12 @@ from proxy.ledger.migrate import migrate_sqlite
 from proxy.ledger.query import LedgerReader, LedgerUnavailable, Location, locate, open_reader
 from proxy.ledger.reconcile import Reconciliation, Verdict, reconcile
 from proxy.ledger.row import COLUMNS, LedgerRow
-from proxy.ledger.schema import MIGRATIONS, TABLE
+from proxy.ledger.schema import TABLE
 from proxy.pipeline import services as st
 from proxy.protocol.usage import Usage
 from proxy.server.app import create_app
 from proxy.telemetry.metrics import Metrics
+from tests.books import write_postgres
 from tests.helpers import (
     ALICE_KEY,
     BOB_KEY,
@@ -92,11 +93,6 @@ def config_data(store: str, ledger_url: str, zone: str, **store_opts: Any) -> di
 
 # --- the ledger, written as the sinks do ---------------------------------------------------------
 
-def _pg_values(r: LedgerRow) -> tuple[object, ...]:
-    return tuple(datetime.fromtimestamp(getattr(r, c), UTC) if c in ("started_at", "ended_at")
-                 else getattr(r, c) for c in COLUMNS)
-
-
 @dataclass
 class Books:
     url: str
@@ -113,16 +109,7 @@ class Books:
                     [tuple(getattr(r, c) for c in COLUMNS) for r in rows])
             db.close()
             return
-        conn = await asyncpg.connect(self.url)
-        try:
-            for migration in MIGRATIONS:
-                for statement in migration.postgresql:
-                    await conn.execute(statement)
-            if rows:
-                await conn.copy_records_to_table(
-                    TABLE, records=[_pg_values(r) for r in rows], columns=list(COLUMNS))
-        finally:
-            await conn.close()
+        await write_postgres(self.url, rows)
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

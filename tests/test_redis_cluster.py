@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestServer
 from redis.crc import key_slot
 
 from proxy.budget import limits as lim
-from proxy.budget.store import Entry, InFlightLimit, ScopeKind, StoreError
+from proxy.budget.store import Entry, InFlightLimit, ReserveRequest, ScopeKind, StoreError
 from proxy.budget.store_redis import RedisStore
 from proxy.budget.usage_report import read_usage, today
 from proxy.config.policy import KeyConfig, Policy, Price
@@ -72,9 +72,15 @@ def _plan(user: str, key: KeyConfig | None = None) -> lim.Plan:
     return lim.plan(POLICY, user, limits, "mock-gpt", time.time())
 
 
-def _entries(p: lim.Plan, tokens: int) -> list[Entry]:
+def _entries(p: lim.Plan, tokens: int) -> tuple[Entry, ...]:
     cost = lim.reserve_cost(PRICE, tokens, 0)
-    return [Entry(w.key, w.limit, lim.amount(w, tokens, 0, cost), w.ttl_s) for w in p.windows]
+    return tuple(Entry(w.key, w.limit, lim.amount(w, tokens, 0, cost), w.ttl_s)
+                 for w in p.windows)
+
+
+def _request(p: lim.Plan, tokens: int) -> ReserveRequest:
+    """`tokens` in every window of the plan, and the request in its in-flight sets."""
+    return ReserveRequest(_entries(p, tokens), p.in_flight)
 
 
 def _refused_by(p: lim.Plan, result: Any) -> tuple[ScopeKind, str]:
@@ -102,27 +108,24 @@ async def test_reservations_of_users_with_and_without_teams_on_a_cluster(
     await store.ping()  # the readiness probe: a script, on whichever node
 
     # Team + user + key windows, and the key's, user's and team's in-flight sets: one call.
-    first = await store.reserve(alice_ci.slot, "a1", _entries(alice_ci, 25), alice_ci.in_flight,
-                                30)
+    first = await store.reserve(alice_ci.slot, "a1", _request(alice_ci, 25), 30)
     assert first.ok
     assert _value(alice_ci, first.used, ScopeKind.TEAM, "daily_tokens") == 25
     assert _value(alice_ci, first.used, ScopeKind.TEAM, "monthly_usd") == 25_000
-    again = await store.reserve(alice_ci.slot, "a2", _entries(alice_ci, 1), alice_ci.in_flight,
-                                30)
+    again = await store.reserve(alice_ci.slot, "a2", _request(alice_ci, 1), 30)
     assert _refused_by(alice_ci, again) == (ScopeKind.KEY, "max_concurrent_requests")
     settled = await store.settle(alice_ci.slot, "a1", _entries(alice_ci, 20))
     assert _value(alice_ci, settled, ScopeKind.KEY, "weekly_tokens") == 20
     assert _value(alice_ci, settled, ScopeKind.USER, "daily_tokens") == 20
     assert _value(alice_ci, settled, ScopeKind.TEAM, "daily_tokens") == 20
-    over_key = await store.reserve(alice_ci.slot, "a3", _entries(alice_ci, 15),
-                                   alice_ci.in_flight, 30)
+    over_key = await store.reserve(alice_ci.slot, "a3", _request(alice_ci, 15), 30)
     assert _refused_by(alice_ci, over_key) == (ScopeKind.KEY, "weekly_tokens")
 
     # bob takes most of what the team has left; alice, well within her own 70, is refused
     # by the team's day, and nothing of her refused request is counted anywhere.
-    assert (await store.reserve(bob.slot, "b1", _entries(bob, 75), bob.in_flight, 30)).ok
+    assert (await store.reserve(bob.slot, "b1", _request(bob, 75), 30)).ok
     assert set(await store.leases(bob.slot)) == {"b1"}
-    over_team = await store.reserve(alice.slot, "a4", _entries(alice, 10), alice.in_flight, 30)
+    over_team = await store.reserve(alice.slot, "a4", _request(alice, 10), 30)
     assert _refused_by(alice, over_team) == (ScopeKind.TEAM, "daily_tokens")
     await store.renew(bob.slot, ["b1"], 60)
     deadline = (await store.leases(bob.slot))["b1"]
@@ -131,8 +134,8 @@ async def test_reservations_of_users_with_and_without_teams_on_a_cluster(
     assert await store.leases(bob.slot) == {}
 
     # A user without a team, in a slot of their own.
-    assert (await store.reserve(dave.slot, "d1", _entries(dave, 50), dave.in_flight, 30)).ok
-    over_user = await store.reserve(dave.slot, "d2", _entries(dave, 1), dave.in_flight, 30)
+    assert (await store.reserve(dave.slot, "d1", _request(dave, 50), 30)).ok
+    over_user = await store.reserve(dave.slot, "d2", _request(dave, 1), 30)
     assert _refused_by(dave, over_user) == (ScopeKind.USER, "daily_tokens")
 
     # One read across the slots of every user: split per slot by the client.
@@ -151,11 +154,10 @@ async def test_a_dead_reservation_is_reaped_off_the_teams_counters_on_a_cluster(
     """The reap step reads counters named in reservation records, not in KEYS: on a cluster
     that works only because they share the slot's hash tag."""
     alice, bob = _plan("alice"), _plan("bob")
-    assert (await store.reserve(alice.slot, "dead", _entries(alice, 60), alice.in_flight,
-                                0.05)).ok
+    assert (await store.reserve(alice.slot, "dead", _request(alice, 60), 0.05)).ok
     await until(lambda: _lapsed(store, alice.slot))
     # bob's request reaps alice's dead reservation off the team's counters.
-    result = await store.reserve(bob.slot, "b1", _entries(bob, 90), bob.in_flight, 30)
+    result = await store.reserve(bob.slot, "b1", _request(bob, 90), 30)
     assert result.ok
     assert _value(bob, result.used, ScopeKind.TEAM, "daily_tokens") == 90
     assert set(await store.leases(alice.slot)) == {"b1"}
@@ -173,9 +175,9 @@ async def test_keys_of_two_slots_in_one_call_are_refused_not_half_applied(
 ) -> None:
     """What the layout prevents: a reservation spanning two slots fails as a store error."""
     alice, dave = _plan("alice"), _plan("dave")
-    mixed = _entries(dave, 1) + _entries(alice, 1)
+    mixed = (*_entries(dave, 1), *_entries(alice, 1))
     with pytest.raises(StoreError, match=r"(?i)slot"):
-        await store.reserve(dave.slot, "x", mixed, dave.in_flight, 30)
+        await store.reserve(dave.slot, "x", ReserveRequest(mixed, dave.in_flight), 30)
     dave_day = next(w.key for w in dave.windows if w.name == "daily_tokens")
     assert await store.read([dave_day]) == (0,)
 

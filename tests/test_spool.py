@@ -17,8 +17,8 @@ from proxy.budget.accounting import Budget
 from proxy.budget.admission import Ask
 from proxy.budget.limits import daily_key
 from proxy.budget.notify import Notifier
-from proxy.budget.spool import SettleSpool
-from proxy.budget.store import Entry, MemoryStore
+from proxy.budget.spool import Charge, SettleSpool
+from proxy.budget.store import Entry, MemoryStore, SettleKind
 from proxy.budget.usage_report import today
 from proxy.config.load import parse_config
 from proxy.protocol.translators import ChatTranslator, parse_body
@@ -34,11 +34,16 @@ def _entries(amount: int, key: str = f"{SLOT}:u:daily_tokens:20261203") -> tuple
     return (Entry(key, None, amount, 3600), Entry(f"{SLOT}:u:requests:20261203", None, 1, 3600))
 
 
+def _charge(tokens: int, res_id: str = "", kind: SettleKind = SettleKind.ADDITION) -> Charge:
+    """A settlement of `tokens` in the day's window and one request."""
+    return Charge(slot=SLOT, res_id=res_id, entries=_entries(tokens), tokens=tokens, kind=kind)
+
+
 def test_an_outage_longer_than_any_count_bound_is_summed_exactly(tmp_path: Path) -> None:
     spool = SettleSpool(tmp_path)
     spool.open()
     for i in range(150_000):  # the old in-memory queue dropped everything past 100,000
-        spool.add(SLOT, _entries(1 + i % 7), tokens=1 + i % 7, now=1000.0)
+        spool.add(_charge(1 + i % 7), now=1000.0)
     expected = sum(1 + i % 7 for i in range(150_000))
     assert spool.pending() == (1, expected)
     # Summed per counter and compacted: the file holds the state, not the history.
@@ -56,9 +61,9 @@ def test_an_outage_longer_than_any_count_bound_is_summed_exactly(tmp_path: Path)
 def test_a_dead_processes_spool_is_adopted_with_the_same_ids(tmp_path: Path) -> None:
     dead = SettleSpool(tmp_path)
     dead.open()
-    dead.owe(SLOT, "res-1", _entries(40), tokens=40, now=1000.0)
-    dead.add(SLOT, _entries(5), tokens=5, now=1000.0)
-    dead.add(SLOT, _entries(6), tokens=6, now=1000.0)
+    dead.owe(_charge(40, "res-1", SettleKind.RESERVED), now=1000.0)
+    dead.add(_charge(5), now=1000.0)
+    dead.add(_charge(6), now=1000.0)
     # Killed: no close(), its lock goes with its file descriptors.
     assert dead._lock is not None and dead._fd >= 0
     dead._lock.close()
@@ -82,7 +87,7 @@ def test_a_dead_processes_spool_is_adopted_with_the_same_ids(tmp_path: Path) -> 
 def test_a_live_processes_spool_is_not_adopted(tmp_path: Path) -> None:
     live = SettleSpool(tmp_path)
     live.open()
-    live.add(SLOT, _entries(5), tokens=5, now=1000.0)
+    live.add(_charge(5), now=1000.0)
     other = SettleSpool(tmp_path)
     other.open()
     assert other.pending() == (0, 0)

@@ -15,15 +15,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import pytest
 
 from proxy.cli import main
 from proxy.ledger.query import ledger_path
-from proxy.ledger.row import COLUMNS, LedgerRow
-from proxy.ledger.schema import MIGRATIONS, TABLE
-
-PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
+from proxy.ledger.row import LedgerRow
+from tests.books import ledger_row, pg_admin, write_postgres, write_sqlite
 
 
 def at(text: str) -> float:
@@ -32,70 +29,15 @@ def at(text: str) -> float:
 
 
 def row(rid: str, user: str, started: str, **kw: Any) -> LedgerRow:
-    start = at(started)
-    base = LedgerRow(
-        request_id=rid, started_at=start, ended_at=start + 0.5, replica="r1", user_name=user,
-        key_name=None, team=None, operation="chat", requested_model="mock-gpt",
-        model="mock-gpt", response_model="mock-gpt", upstream="mock", fallback_from=None,
-        attempts=1, status=200, error_class="none", stream=True, input_tokens=10,
-        output_tokens=5, cached_input_tokens=0, reasoning_tokens=0, token_source="reported",
-        ttft_ms=12.0, upstream_ttft_ms=10.0, overhead_ms=0.4, duration_ms=500.0,
-        output_tokens_per_s=10.0, cost_nanousd=1000, price_version="p1", windows="",
-    )
-    return base._replace(**kw)
-
-
-# --- the ledger, written as the proxy's sinks do (schema migrations, one row per request) --------
-
-def _sqlite_write(path: Path, rows: Sequence[LedgerRow]) -> None:
-    with sqlite3.connect(path) as db:
-        db.execute("PRAGMA journal_mode = WAL")
-        for migration in MIGRATIONS:
-            for statement in migration.sqlite:
-                db.execute(statement)
-        marks = ", ".join("?" * len(COLUMNS))
-        db.executemany(f"INSERT INTO {TABLE} ({', '.join(COLUMNS)}) VALUES ({marks})",
-                       [tuple(getattr(r, c) for c in COLUMNS) for r in rows])
-    db.close()
-
-
-def _pg_values(r: LedgerRow) -> tuple[object, ...]:
-    out: list[object] = []
-    for c in COLUMNS:
-        v = getattr(r, c)
-        out.append(datetime.fromtimestamp(v, UTC) if c in ("started_at", "ended_at") else v)
-    return tuple(out)
-
-
-async def _pg_write(url: str, rows: Sequence[LedgerRow], fresh: bool) -> None:
-    conn = await asyncpg.connect(url)
-    try:
-        if fresh:
-            await conn.execute(f"DROP TABLE IF EXISTS {TABLE}")
-        for migration in MIGRATIONS:
-            for statement in migration.postgresql:
-                await conn.execute(statement)
-        if rows:
-            await conn.copy_records_to_table(TABLE, records=[_pg_values(r) for r in rows],
-                                             columns=list(COLUMNS))
-    finally:
-        await conn.close()
-
-
-async def _admin(statement: str) -> None:
-    conn = await asyncpg.connect(PG_ADMIN)
-    try:
-        await conn.execute(statement)
-    finally:
-        await conn.close()
+    return ledger_row(rid, at(started), user_name=user, **kw)
 
 
 @pytest.fixture(scope="module")
 def module_pg() -> Iterator[str]:
     name = f"tm_usage_{uuid.uuid4().hex[:12]}"
-    asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
+    asyncio.run(pg_admin(f'CREATE DATABASE "{name}"'))
     yield f"postgresql://postgres@127.0.0.1:5432/{name}"
-    asyncio.run(_admin(f'DROP DATABASE "{name}" WITH (FORCE)'))
+    asyncio.run(pg_admin(f'DROP DATABASE "{name}" WITH (FORCE)'))
 
 
 @dataclass
@@ -104,9 +46,9 @@ class Books:
 
     def write(self, rows: Sequence[LedgerRow]) -> None:
         if self.url.startswith("sqlite"):
-            _sqlite_write(ledger_path(self.url), rows)
+            write_sqlite(ledger_path(self.url), rows)
         else:
-            asyncio.run(_pg_write(self.url, rows, fresh=False))
+            asyncio.run(write_postgres(self.url, rows))
 
 
 def _sqlite_books(tmp_path: Path) -> Books:
@@ -114,7 +56,7 @@ def _sqlite_books(tmp_path: Path) -> Books:
 
 
 def _pg_books(module_pg: str) -> Books:
-    asyncio.run(_pg_write(module_pg, [], fresh=True))  # each test its own empty table
+    asyncio.run(write_postgres(module_pg, [], fresh=True))  # each test its own empty table
     return Books(module_pg)
 
 
@@ -306,7 +248,7 @@ def test_default_ledger_is_the_state_dirs_file(tmp_path: Path,
     assert main(["usage"]) == 1  # nothing written yet
     assert "no ledger at" in capsys.readouterr().err
     # With the default ledger, rows land in the state directory's ledger.sqlite3.
-    _sqlite_write(ledger_path(None), [row("d1", "alice", now.strftime("%Y-%m-%dT%H:%M"))])
+    write_sqlite(ledger_path(None), [row("d1", "alice", now.strftime("%Y-%m-%dT%H:%M"))])
     _, out = usage(capsys, "--format", "csv")
     assert [(r["user"], r["requests"]) for r in csv_rows(out)] == [("alice", "1"), ("total", "1")]
     config = tmp_path / "tm.yaml"

@@ -393,7 +393,8 @@ async def test_a_killed_worker_is_restarted_and_its_reservation_released_by_leas
             await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
 
         r = aioredis.Redis.from_url(redis_url)
-        slot = lim.user_slot(workers.config, "bob")
+        slot = lim.plan(workers.config, "bob", lim.limits_for(workers.config, "bob"), "mock-gpt",
+                        time.time()).slot
         try:
             assert await r.zcard(f"{slot}:inflight") == 1  # the stream's reservation
         finally:

@@ -36,7 +36,7 @@ from proxy.budget import limits as lim
 from proxy.budget.notify import Notifier
 from proxy.budget.principal import Principal
 from proxy.budget.refusals import Refusal, Refused, unpriced
-from proxy.budget.spool import REPLAY_DONE_TTL_S, SettleSpool
+from proxy.budget.spool import REPLAY_DONE_TTL_S, Charge, SettleSpool
 from proxy.budget.store import (
     Entry,
     ReserveResult,
@@ -238,8 +238,7 @@ class Budget:
         now): the policy then decides without it (`_unchecked`)."""
         plan, lease_s = ask.plan, policy.store.lease_seconds
         if self.store.in_process:  # never fails, never yields: nothing can cut it short
-            return await self.store.reserve(plan.slot, res_id, claim.entries, plan.in_flight,
-                                            lease_s, claim.clamp)
+            return await self.store.reserve(plan.slot, res_id, claim.request, lease_s)
         # While the store is down, one request at a time tries it (and brings it back at once
         # when it answers); the others go on without waiting for a timeout.
         trial = not self.health.up
@@ -250,8 +249,8 @@ class Budget:
         # nobody reads (it would block the user until its lease ran out); `_abandoned` gives
         # back whatever the call turns out to have reserved. (A task costs a turn of the event
         # loop, which is why the in-process store goes without.)
-        call = asyncio.ensure_future(self.store.reserve(
-            plan.slot, res_id, claim.entries, plan.in_flight, lease_s, claim.clamp))
+        call = asyncio.ensure_future(
+            self.store.reserve(plan.slot, res_id, claim.request, lease_s))
         try:
             answer = await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -327,8 +326,9 @@ class Budget:
                       tokens: int) -> None:
         plan = reservation.plan
         kind = SettleKind.RESERVED if reservation.stored else SettleKind.ADDITION
-        charge = Charge(plan.slot, reservation.res_id, entries, tokens, kind,
-                        reservation.user, _notice_window(plan), plan.windows)
+        charge = Charge(slot=plan.slot, res_id=reservation.res_id, entries=entries,
+                        tokens=tokens, kind=kind, notice=_notice_window(plan),
+                        user=reservation.user, windows=plan.windows)
         if not self.health.up:
             self.health.skipped("spooled")
             self._spool(charge, per_id=kind is SettleKind.RESERVED)
@@ -339,7 +339,8 @@ class Budget:
     def _settle_later(self, plan: lim.Plan, res_id: str, entries: tuple[Entry, ...],
                       tokens: int) -> None:
         """A settlement off the request's path (a release after an abandoned reserve)."""
-        charge = Charge(plan.slot, res_id, entries, tokens, SettleKind.RESERVED, "", None, None)
+        charge = Charge(slot=plan.slot, res_id=res_id, entries=entries, tokens=tokens,
+                        kind=SettleKind.RESERVED)
         if not self.health.up:
             self._spool(charge, per_id=True)
             return
@@ -382,18 +383,16 @@ class Budget:
     def _spool(self, charge: Charge, per_id: bool) -> None:
         """`per_id`: owed under the charge's own id; else summed per counter with the other
         additions of the outage (applied later as one batch)."""
-        now = self.clock()
-        slot, entries, tokens = charge.slot, charge.entries, charge.tokens
         if self.spool is None:
             # No store and no spool: nothing will ever deliver it. Loud, with what was lost.
-            self._lost([tokens], f"the store is down and no spool is open (slot {slot})")
+            self._lost([charge.tokens],
+                       f"the store is down and no spool is open (slot {charge.slot})")
             return
         try:
             if per_id:
-                self.spool.owe(slot, charge.res_id, entries, tokens, now, charge.notice,
-                               charge.user, charge.kind)
+                self.spool.owe(charge, self.clock())
             else:
-                self.spool.add(slot, entries, tokens, now, charge.notice, charge.user)
+                self.spool.add(charge, self.clock())
         except OSError as exc:
             # Not lost: memory holds it and a replay delivers it when the store is back. Only a
             # stop before that, with the disk still failing, loses it (counted then: `close`).
@@ -452,10 +451,8 @@ class Budget:
             return 0
         if self.health.up and self.spool.pending()[0]:
             for owed in self.spool.take():
-                charge = Charge(owed.slot, owed.res_id, owed.entries(self.clock()), owed.tokens,
-                                owed.kind, owed.user, owed.notice, None)
                 try:
-                    await self._apply(charge, replay=True)
+                    await self._apply(owed.charge(self.clock()), replay=True)
                 except StoreError:
                     break
                 self.spool.done(owed)
@@ -495,21 +492,6 @@ class Budget:
             if w.scope.kind is not ScopeKind.USER or w.measure is lim.Measure.COST:
                 continue
             self.metrics.budget_state(user, w.name, u, w.limit)
-
-
-
-@dataclass(frozen=True, slots=True)
-class Charge:
-    """One settlement on its way to the store (or the spool)."""
-
-    slot: str
-    res_id: str
-    entries: tuple[Entry, ...]
-    tokens: int
-    kind: SettleKind  # replaces a reservation the store granted, or adds usage without one
-    user: str
-    notice: lim.Window | None  # the user's limited daily quota, for threshold notices
-    windows: tuple[lim.Window, ...] | None  # parallel to entries, for the gauges
 
 
 def _reservation(ask: adm.Ask, grant: adm.Grant, res_id: str, used: tuple[int, ...],

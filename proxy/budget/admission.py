@@ -3,10 +3,11 @@
 Pure values and functions of them. `Budget.reserve` (`proxy.budget.accounting`) runs them around
 the store's one atomic step, which is all that needs the store:
 
-    ask = Ask(...)                          # the pipeline's facts about the attempt, once
-    claim = claim_for(ask, estimate)        # what to hold: the entries, and how far to clamp
-    answer = await store.reserve(...)       # checked and held atomically across replicas
-    decide(ask, claim, answer)              # -> Grant, or the Refusal that became a 429
+    ask = Ask(...)                      # the pipeline's facts about the attempt, once
+    claim = claim_for(ask, estimate)    # what to hold: entries, in-flight sets, how far to clamp
+    answer = await store.reserve(plan.slot, res_id, claim.request, lease_s)
+                                        # checked and held atomically across replicas
+    decide(ask, claim, answer)          # -> Grant, or the Refusal that became a 429
 
 The `Grant` owns the output cap: the pipeline builds the body sent upstream once, with
 `Grant.output_cap`, after the grant (a clamp is a smaller cap, not a second pass over a body).
@@ -27,7 +28,7 @@ from proxy.budget import limits as lim
 from proxy.budget.clamp import AdmissionRule, Clamp, grant, output_rate
 from proxy.budget.principal import Principal
 from proxy.budget.refusals import Refusal
-from proxy.budget.store import Entry, ReserveResult
+from proxy.budget.store import Entry, ReserveRequest, ReserveResult
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)  # three counts in a row: by name only
@@ -85,12 +86,12 @@ class Ask:
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    """What the store is asked to hold for an `Ask`."""
+    """What the store is asked to hold for an `Ask` (`request`: its entries parallel to the
+    plan's windows, the plan's in-flight sets, the clamp), and what holding it whole grants."""
 
     output: int  # output tokens: what was asked, or the estimate
     cost_nanousd: int  # the worst case of `output` at the plan's price (0 without one)
-    entries: tuple[Entry, ...]  # parallel to the plan's windows
-    clamp: Clamp | None  # the store may grant fewer output tokens, down to `clamp.minimum`
+    request: ReserveRequest
     topup_cap: int | None  # `output` is an estimate; the stream keeps this cap upstream
 
 
@@ -162,7 +163,7 @@ def claim_for(ask: Ask, estimate: int | None = None) -> Claim:
     if (minimum is not None and minimum < output
             and any(e.limit is not None for e in entries)):
         clamp = clamp_of(plan, prompt, output, minimum)
-    return Claim(output, cost, entries, clamp, topup_cap)
+    return Claim(output, cost, ReserveRequest(entries, plan.in_flight, clamp), topup_cap)
 
 
 def whole(ask: Ask, claim: Claim) -> Grant:
@@ -176,7 +177,7 @@ def decide(ask: Ask, claim: Claim, answer: ReserveResult) -> Grant | Refusal:
     """What the store's answer to `claim` means for the attempt."""
     if not answer.ok:
         return refusal(ask, claim, answer)
-    granted, clamp = answer.granted, claim.clamp
+    granted, clamp = answer.granted, claim.request.clamp
     if clamp is None or granted is None or granted >= claim.output:
         return whole(ask, claim)
     cost = _cost(ask.plan, clamp, granted)
@@ -201,12 +202,12 @@ def refusal(ask: Ask, claim: Claim, answer: ReserveResult) -> Refusal:
     refused = answer.refused_entry
     assert refused is not None
     window = plan.windows[refused]
-    clamp = claim.clamp
+    clamp = claim.request.clamp
     if clamp is not None:  # what it needed at least: the prompt and the fewest outputs
         return Refusal(ask.user, plan.windows, answer.used, window,
                        clamp.amounts(clamp.minimum)[refused], None, at_least=True)
-    return Refusal(ask.user, plan.windows, answer.used, window, claim.entries[refused].amount,
-                   None)
+    return Refusal(ask.user, plan.windows, answer.used, window,
+                   claim.request.entries[refused].amount, None)
 
 
 def refused_limit(refusal: Refusal) -> str:

@@ -28,6 +28,7 @@ import dataclasses
 import enum
 import fnmatch
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -228,41 +229,62 @@ class Plan:
 _PROMPT_MEASURES = (Measure.TOTAL, Measure.INPUT, Measure.COST)
 
 
-def effective_limits(
-    user: UserConfig | None, key: KeyConfig | None, defaults: Limits, key_scope: str | None,
-    team: str | None = None, team_limits: Limits | None = None,
-) -> EffectiveLimits:
-    """`team`: the user's team, counted even without `team_limits` (its `teams.<name>`)."""
-    own: Counts = {}
+@dataclass(frozen=True, slots=True)
+class KeyOf:
+    """The key a request came with, and the scope its own limits are counted in."""
+
+    config: KeyConfig
+    scope: str
+
+
+@dataclass(frozen=True, slots=True)
+class TeamOf:
+    """The user's team (counted even without limits) and its `teams.<name>` limits."""
+
+    name: str
+    limits: Limits | None
+
+
+def effective_limits(user: UserConfig | None, defaults: Limits, key: KeyOf | None = None,
+                     team: TeamOf | None = None) -> EffectiveLimits:
+    """A user's limits (each field the user does not set, the defaults'), through `key`."""
     default_counts = counts(defaults)
     user_counts = counts(user)
+    own: Counts = {}
     for name in _LIMIT_FIELDS:
         u = user_counts[name]
         own[name] = u if u is not None else default_counts[name]
     key_values: Counts = {}
-    if key is not None and key_scope is not None:
-        key_values = {f: v for f, v in counts(key).items() if v is not None}
+    if key is not None:
+        key_values = {f: v for f, v in counts(key.config).items() if v is not None}
     models = (tuple((glob, counts(ml)) for glob, ml in user.model_limits.items())
               if user is not None else ())
-    scope = Scope(ScopeKind.KEY, key_scope) if key_values and key_scope is not None else None
+    scope = Scope(ScopeKind.KEY, key.scope) if key is not None and key_values else None
     team_values: Counts = {}
-    if team_limits is not None:
-        team_values = {f: v for f, v in counts(team_limits).items() if v is not None}
-    team_scope = Scope(ScopeKind.TEAM, team) if team is not None else None
+    if team is not None and team.limits is not None:
+        team_values = {f: v for f, v in counts(team.limits).items() if v is not None}
+    team_scope = Scope(ScopeKind.TEAM, team.name) if team is not None else None
     return EffectiveLimits(own, key_values, scope, models, team_scope, team_values)
 
 
 def limits_for(policy: Policy, user: str, key: KeyConfig | None = None,
                key_scope: str | None = None) -> EffectiveLimits:
-    """A configured user's limits (through `key`, if given), their team's included."""
+    """A user's limits, their team's included, and through `key` when it is given with the
+    `key_scope` its counters go by (a key without one adds nothing). A user not in `users` has
+    the defaults' limits, no team and no model groups."""
     cfg = policy.users.get(user)
     team = cfg.team if cfg is not None else None
-    return effective_limits(cfg, key, policy.defaults, key_scope, team,
-                            policy.teams.get(team) if team is not None else None)
+    return effective_limits(
+        cfg, policy.defaults,
+        KeyOf(key, key_scope) if key is not None and key_scope is not None else None,
+        TeamOf(team, policy.teams.get(team)) if team is not None else None,
+    )
 
 
 def unlimited(defaults: Limits) -> EffectiveLimits:
-    """Open and pass-through modes: metered, never limited (but the output cap still applies)."""
+    """Open and pass-through modes: metered, never limited. The defaults' output cap is carried,
+    but these principals are not enforced and `Plan.unenforced` drops it: their requests go
+    upstream uncapped."""
     values: Counts = dict.fromkeys(_LIMIT_FIELDS)
     values["max_output_tokens"] = defaults.max_output_tokens
     return EffectiveLimits(values, {}, None, ())
@@ -352,90 +374,100 @@ def team_of(policy: Policy, user: str) -> str | None:
     return cfg.team if cfg is not None else None
 
 
-def user_slot(policy: Policy, user: str) -> str:
-    """The slot a configured user's reservations are in (their team's, for a team's user):
-    what `Store.leases` takes."""
-    return slot_for(policy.store.prefix, user, team_of(policy, user))
-
-
 # --- plans -------------------------------------------------------------------------------------
+
+
+_Spec = tuple[WindowName, str, Measure, Period]  # one of _WINDOWS
+
+
+class _Windows:
+    """The windows of one plan as they are added, by (scope part, field): plain, fast keys."""
+
+    __slots__ = ("costed", "times", "windows")
+
+    def __init__(self, times: tuple[tuple[str, float, int], ...]) -> None:
+        self.times = times
+        self.windows: dict[tuple[str, str], Window] = {}
+        self.costed = False
+
+    def add(self, spec: _Spec, scope: Scope, at: str, limit: int | None) -> None:
+        name, field, measure, period = spec
+        stamp, resets, ttl = self.times[period]
+        label = f"{scope.part}:{field}:{stamp}"
+        self.windows[(scope.part, field)] = Window(
+            name, scope, f"{at}:{label}", limit, measure, resets, ttl, label
+        )
+        if limit is not None and measure is Measure.COST:
+            self.costed = True
+
+    def limited(self, scope: Scope, at: str, limits: Mapping[str, int | None]) -> None:
+        """A window for every limit `limits` sets, counted in `scope`."""
+        for spec in _WINDOWS:
+            limit = limits.get(spec[1])
+            if limit is not None:
+                self.add(spec, scope, at, limit)
+
+    def always(self, scope: Scope, at: str) -> None:
+        """The daily totals, counted limited or not: what `usage` reports."""
+        for spec in _ALWAYS:
+            self.add(spec, scope, at, None)
 
 
 def plan(
     policy: Policy, user: str, limits: EffectiveLimits, model: str, now: float
 ) -> Plan:
-    times = _times(policy.timezone, now)
     team_scope = limits.team_scope
-    team = team_scope.name if team_scope is not None else None
-    prefix = policy.store.prefix
-    slot = slot_for(prefix, user, team)
-    base = slot if team is None else f"{slot}:{user}"
-    windows: dict[tuple[str, str], Window] = {}  # by (scope part, field): plain, fast keys
-    costed = False
-
-    def add(name: WindowName, field: str, measure: Measure, period: Period, scope: Scope,
-            at: str, limit: int | None) -> None:
-        stamp, resets, ttl = times[period]
-        label = f"{scope.part}:{field}:{stamp}"
-        windows[(scope.part, field)] = Window(
-            name, scope, f"{at}:{label}", limit, measure, resets, ttl, label
-        )
-
-    # The user's daily totals are always counted, limited or not: they are what `usage` reports.
-    for name, field, measure, period in _ALWAYS:
-        add(name, field, measure, period, USER, base, None)
+    slot = slot_for(policy.store.prefix, user,
+                    team_scope.name if team_scope is not None else None)
+    base = slot if team_scope is None else f"{slot}:{user}"
+    windows = _Windows(_times(policy.timezone, now))
+    windows.always(USER, base)
     key_scope = limits.key_scope
-    own, key_limits = limits.user, limits.key
-    for name, field, measure, period in _WINDOWS:
-        limit = own[field]
-        if limit is not None:
-            add(name, field, measure, period, USER, base, limit)
-            costed = costed or measure is Measure.COST
-        if key_scope is not None:
-            key_limit = key_limits.get(field)
-            if key_limit is not None:
-                add(name, field, measure, period, key_scope, base, key_limit)
-                costed = costed or measure is Measure.COST
-    caps = [c for c in (limits.output_cap,) if c is not None]
-    for pattern, mlimits in limits.model_limits:
+    for spec in _WINDOWS:  # the user's and the key's, interleaved: the order counters are read
+        if (limit := limits.user[spec[1]]) is not None:
+            windows.add(spec, USER, base, limit)
+        if key_scope is not None and (key_limit := limits.key.get(spec[1])) is not None:
+            windows.add(spec, key_scope, base, key_limit)
+    caps = [c for c in (limits.output_cap, _model_group(windows, limits, model, base))
+            if c is not None]
+    if team_scope is not None:
+        windows.always(team_scope, slot)
+        windows.limited(team_scope, slot, limits.team)
+    return Plan(slot, tuple(windows.windows.values()), _in_flight(user, limits),
+                min(caps) if caps else None, windows.costed)
+
+
+def _model_group(windows: _Windows, limits: EffectiveLimits, model: str,
+                 base: str) -> int | None:
+    """The windows of the first model group `model` is in (like routes, the first that
+    matches), added to `windows`; the group's output cap."""
+    for pattern, group_limits in limits.model_limits:
         # The glob itself stands for its group too (`windows_at` asks for each by its glob).
         if model != pattern and not fnmatch.fnmatchcase(model, pattern):
             continue
-        group = Scope(ScopeKind.MODELS, pattern)
-        for name, field, measure, period in _WINDOWS:
-            limit = mlimits[field]
-            if limit is not None:
-                add(name, field, measure, period, group, base, limit)
-                costed = costed or measure is Measure.COST
-        model_cap = mlimits["max_output_tokens"]
-        if model_cap is not None:
-            caps.append(model_cap)
-        break  # the first matching model group applies, like routes
-    user_conc = own["max_concurrent_requests"]
-    key_conc = key_limits.get("max_concurrent_requests")
+        windows.limited(Scope(ScopeKind.MODELS, pattern), base, group_limits)
+        return group_limits["max_output_tokens"]
+    return None
+
+
+def _in_flight(user: str, limits: EffectiveLimits) -> tuple[InFlightLimit, ...]:
+    """The slot's set first (the user's own, or for a team's user the team's, which holds
+    every reservation of the team's slot); the user's and the key's of a team's user are named
+    for the user, whose key names other users may share."""
+    user_conc = limits.user["max_concurrent_requests"]
+    key_conc = limits.key.get("max_concurrent_requests")
+    key_scope, team_scope = limits.key_scope, limits.team_scope
     if team_scope is None:
         in_flight = [InFlightLimit(USER, user_conc)]
         if key_conc is not None and key_scope is not None:
             in_flight.append(InFlightLimit(key_scope, key_conc))
-    else:
-        team_limits = limits.team
-        for name, field, measure, period in _ALWAYS:
-            add(name, field, measure, period, team_scope, slot, None)
-        if team_limits:
-            for name, field, measure, period in _WINDOWS:
-                limit = team_limits.get(field)
-                if limit is not None:
-                    add(name, field, measure, period, team_scope, slot, limit)
-                    costed = costed or measure is Measure.COST
-        # The team's set holds every reservation of the team's slot; the user's and the
-        # key's are named for the user, whose key names other users may share.
-        in_flight = [InFlightLimit(team_scope, team_limits.get("max_concurrent_requests"))]
-        if user_conc is not None:
-            in_flight.append(InFlightLimit(USER, user_conc, user))
-        if key_conc is not None and key_scope is not None:
-            in_flight.append(InFlightLimit(key_scope, key_conc, user))
-    return Plan(slot, tuple(windows.values()), tuple(in_flight), min(caps) if caps else None,
-                costed)
+        return tuple(in_flight)
+    in_flight = [InFlightLimit(team_scope, limits.team.get("max_concurrent_requests"))]
+    if user_conc is not None:
+        in_flight.append(InFlightLimit(USER, user_conc, user))
+    if key_conc is not None and key_scope is not None:
+        in_flight.append(InFlightLimit(key_scope, key_conc, user))
+    return tuple(in_flight)
 
 
 def windows_at(policy: Policy, user: str, now: float) -> tuple[Window, ...]:

@@ -52,6 +52,24 @@ _COMPACT_EVERY = 20_000  # appended records between rewrites of the file
 _BAD_LINES_SHOWN = 20  # line numbers named in the log line about an unreadable file
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)  # three names in a row: by name only
+class Charge:
+    """One settlement on its way to the store, or to the spool while the store cannot take it
+    (`SettleSpool.owe`, `SettleSpool.add`); a replay hands it back (`Owed.charge`)."""
+
+    slot: str
+    res_id: str
+    entries: tuple[Entry, ...]
+    tokens: int  # for the books and the logs: the request's total tokens
+    kind: SettleKind  # replaces a reservation the store granted, or adds usage without one
+    # The user's limited daily-quota window, for threshold notices, and whose it is.
+    notice: Window | None = None
+    user: str = ""
+    # Parallel to `entries`, for the gauges of a live settlement (not spooled: a replayed
+    # one sets no gauges).
+    windows: tuple[Window, ...] | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class Debt:
     key: str
@@ -81,6 +99,11 @@ class Owed:
             Entry(d.key, None, d.amount, max(1, math.ceil(d.expires_at - now)))
             for d in self.debts if d.expires_at > now
         )
+
+    def charge(self, now: float) -> Charge:
+        """What to apply to the store for it now (see `entries`)."""
+        return Charge(slot=self.slot, res_id=self.res_id, entries=self.entries(now),
+                      tokens=self.tokens, kind=self.kind, notice=self.notice, user=self.user)
 
 
 def default_dir() -> Path:
@@ -160,30 +183,33 @@ class SettleSpool:
         return lost
 
     # --- recording ------------------------------------------------------------------------
-    def owe(self, slot: str, res_id: str, entries: tuple[Entry, ...], tokens: int,
-            now: float, notice: Window | None = None, user: str = "",
-            kind: SettleKind = SettleKind.RESERVED) -> None:
-        """Raises OSError when the file cannot take it: it is held in memory all the same (and
-        replayed from there), but a stop before the replay would lose it."""
-        owed = Owed(slot, res_id, _debts(entries, now), tokens, notice, user, kind)
+    def owe(self, charge: Charge, now: float) -> None:
+        """Owe `charge` under its own id (and kind). Raises OSError when the file cannot take
+        it: it is held in memory all the same (and replayed from there), but a stop before the
+        replay would lose it."""
+        res_id = charge.res_id
+        owed = Owed(charge.slot, res_id, _debts(charge.entries, now), charge.tokens,
+                    charge.notice, charge.user, charge.kind)
         self._owed[res_id] = owed
         try:
             self._append(_owed_record(owed))
         except OSError:
-            self._unsaved[res_id] = tokens
+            self._unsaved[res_id] = owed.tokens
             raise
         self._unsaved.pop(res_id, None)
 
-    def add(self, slot: str, entries: tuple[Entry, ...], tokens: int, now: float,
-            notice: Window | None = None, user: str = "") -> None:
-        """Raises OSError like `owe`, the usage summed in memory all the same."""
-        debts = _debts(entries, now)
+    def add(self, charge: Charge, now: float) -> None:
+        """Sum `charge`'s amounts per counter with the other additions of its slot (its own id
+        and kind are not kept: the sums are sealed into a batch of their own, an addition).
+        Raises OSError like `owe`, the usage summed in memory all the same."""
+        slot, tokens, notice = charge.slot, charge.tokens, charge.notice
+        debts = _debts(charge.entries, now)
         self._sum(slot, debts, tokens)
         if notice is not None:
-            self._sum_notice[slot] = (user, notice)
+            self._sum_notice[slot] = (charge.user, notice)
         try:
             self._append({"a": slot, "e": [[d.key, d.amount, d.expires_at] for d in debts],
-                          "t": tokens, "n": _notice_json(notice), "u": user})
+                          "t": tokens, "n": _notice_json(notice), "u": charge.user})
         except OSError:
             _sum_into(self._unsaved_sums, self._unsaved_sum_tokens, slot, debts, tokens)
             raise

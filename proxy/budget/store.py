@@ -100,6 +100,18 @@ class InFlightLimit:
 
 
 @dataclass(frozen=True, slots=True)
+class ReserveRequest:
+    """What one reserve asks of a slot, checked and held in one atomic step: an amount in
+    every window, a place in every in-flight set, and under a clamp how far the output may
+    shrink (`proxy.budget.admission.claim_for` works it out for a request)."""
+
+    entries: tuple[Entry, ...]  # one per window
+    in_flight: tuple[InFlightLimit, ...]  # the slot's first set (the user's, or the team's) first
+    # The store may grant fewer output tokens, down to `clamp.minimum` (None: all or nothing).
+    clamp: Clamp | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ReserveResult:
     ok: bool
     used: tuple[int, ...]  # per entry: counter value after the call (before on refusal)
@@ -163,15 +175,14 @@ class Store(Protocol):
     # needs no task to see it through a cancellation.
     in_process: bool
 
-    async def reserve(
-        self, slot: str, res_id: str, entries: Sequence[Entry],
-        in_flight: Sequence[InFlightLimit], lease_s: float, clamp: Clamp | None = None,
-    ) -> ReserveResult:
-        """Reap expired leases; refuse if any in-flight set is full or any window would go
-        over; else add the amounts and hold `res_id` in every in-flight set under a lease.
-        With `clamp`, in the same atomic step: grant the output tokens that fit (see
-        `proxy.budget.clamp`), refuse below its minimum, and reserve the clamped amounts
-        instead of the entries' own when the grant is below what was asked."""
+    async def reserve(self, slot: str, res_id: str, request: ReserveRequest,
+                      lease_s: float) -> ReserveResult:
+        """Reap expired leases; refuse if any of the request's in-flight sets is full or any
+        window would go over; else add the amounts and hold `res_id` in every in-flight set
+        under a lease of `lease_s`. With the request's `clamp`, in the same atomic step: grant
+        the output tokens that fit (see `proxy.budget.clamp`), refuse below its minimum, and
+        reserve the clamped amounts instead of the entries' own when the grant is below what
+        was asked."""
         ...
 
     async def settle(self, slot: str, res_id: str, entries: Sequence[Entry]) -> tuple[int, ...]:
@@ -378,10 +389,9 @@ class MemoryStore:
                 return i
         return None
 
-    async def reserve(
-        self, slot: str, res_id: str, entries: Sequence[Entry],
-        in_flight: Sequence[InFlightLimit], lease_s: float, clamp: Clamp | None = None,
-    ) -> ReserveResult:
+    async def reserve(self, slot: str, res_id: str, request: ReserveRequest,
+                      lease_s: float) -> ReserveResult:
+        entries, in_flight, clamp = request.entries, request.in_flight, request.clamp
         now = self._now()
         self._reap(slot, now)
         used = tuple(self._value(e.key) for e in entries)

@@ -46,14 +46,13 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 
-from proxy.budget.clamp import Clamp
 from proxy.budget.store import (
     DONE_TTL_S,
     HELD_TTL_S,
     REAPED_TTL_S,
     Entry,
     Hold,
-    InFlightLimit,
+    ReserveRequest,
     ReserveResult,
     Snapshot,
     StoreError,
@@ -167,11 +166,10 @@ class RedisStore:
                     await self._single.connection_pool.disconnect()
             raise StoreError(f"{type(exc).__name__}: {exc}") from exc
 
-    async def reserve(
-        self, slot: str, res_id: str, entries: Sequence[Entry],
-        in_flight: Sequence[InFlightLimit], lease_s: float, clamp: Clamp | None = None,
-    ) -> ReserveResult:
-        user, keys_sets = in_flight[0], in_flight[1:]
+    async def reserve(self, slot: str, res_id: str, request: ReserveRequest,
+                      lease_s: float) -> ReserveResult:
+        entries, clamp = request.entries, request.clamp
+        user, keys_sets = request.in_flight[0], request.in_flight[1:]
         args: list[int | str] = [self._now(), len(keys_sets), int(lease_s * 1000), res_id,
                                  -1 if user.limit is None else user.limit]
         args += [-1 if f.limit is None else f.limit for f in keys_sets]

@@ -291,7 +291,7 @@ def _calendar(config: Config, at: float) -> dict[str, tuple[str, float]]:
     """Per calendar window name: the stamp of its period around `at` and when its counters
     expire. From a plan with every limit set, so it names every window there is."""
     every = Limits(**dict.fromkeys(Limits.model_fields, 1))
-    limits = lim.effective_limits(None, None, every, None)
+    limits = lim.effective_limits(None, every)
     return {w.name.value: (w.label.rsplit(":", 1)[1], at + w.ttl_s)
             for w in lim.plan(config, "_", limits, "", at).windows if w.name.calendar}
 

@@ -78,7 +78,9 @@ def request_fault(body: bytes) -> ErrorClass | None:
     message = message.lower() if isinstance(message, str) else ""
     if code == "context_length_exceeded" or "context length" in message:
         return ErrorClass.CONTEXT_LENGTH
-    if err.get("type") in _REQUEST_ERROR_TYPES or code in _REQUEST_ERROR_CODES:
+    # A type that is not a string may be a list or an object: not hashable, not in the set.
+    kind = err.get("type")
+    if (isinstance(kind, str) and kind in _REQUEST_ERROR_TYPES) or code in _REQUEST_ERROR_CODES:
         return ErrorClass.BAD_REQUEST
     return None
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -32,6 +32,7 @@ from proxy.budget.store import (
     Hold,
     InFlightLimit,
     MemoryStore,
+    ReserveRequest,
     ReserveResult,
     Scope,
     ScopeKind,
@@ -102,14 +103,20 @@ def day(amount: int, limit: int | None = 100, ttl_s: int = 3600) -> Entry:
     return Entry(DAY, limit, amount, ttl_s)
 
 
+def req(entries: Sequence[Entry], in_flight: Sequence[InFlightLimit] = ANY,
+        clamp: Clamp | None = None) -> ReserveRequest:
+    """What a reserve asks: `entries`, a place in every set of `in_flight`, maybe a clamp."""
+    return ReserveRequest(tuple(entries), tuple(in_flight), clamp)
+
+
 # --- reserve and settle --------------------------------------------------------------------------
 
 async def test_reserve_refuses_past_the_limit_and_settle_replaces_the_estimate(
     subject: Subject,
 ) -> None:
     s = subject.store
-    assert await s.reserve(SLOT, "r1", [day(60)], ANY, 30) == _ok((60,))
-    refused = await s.reserve(SLOT, "r2", [day(60)], ANY, 30)
+    assert await s.reserve(SLOT, "r1", req([day(60)]), 30) == _ok((60,))
+    refused = await s.reserve(SLOT, "r2", req([day(60)]), 30)
     assert (refused.ok, refused.refused_entry, refused.used) == (False, 0, (60,))
     assert await s.settle(SLOT, "r1", [day(25)]) == (25,)  # what was used, not the 60
     assert await s.settle(SLOT, "r1", [day(25)]) == (25,)  # a retried settle counts once
@@ -121,18 +128,18 @@ async def test_reserve_refuses_past_the_limit_and_settle_replaces_the_estimate(
 async def test_in_flight_limits_of_the_user_and_of_a_key(subject: Subject) -> None:
     s = subject.store
     one_each = [InFlightLimit(USER, 2), InFlightLimit(CI, 1)]
-    assert (await s.reserve(SLOT, "a", [], one_each, 30)).ok
-    by_key = await s.reserve(SLOT, "b", [], one_each, 30)
+    assert (await s.reserve(SLOT, "a", req([], one_each), 30)).ok
+    by_key = await s.reserve(SLOT, "b", req([], one_each), 30)
     assert (by_key.ok, by_key.refused_in_flight) == (False, 1)
     # A set without a limit never refuses; the user's set counts every reservation.
-    assert (await s.reserve(SLOT, "c", [], [InFlightLimit(USER, 2), InFlightLimit(CI, None)],
-                            30)).ok
-    by_user = await s.reserve(SLOT, "d", [], [InFlightLimit(USER, 2)], 30)
+    unlimited_key = [InFlightLimit(USER, 2), InFlightLimit(CI, None)]
+    assert (await s.reserve(SLOT, "c", req([], unlimited_key), 30)).ok
+    by_user = await s.reserve(SLOT, "d", req([], [InFlightLimit(USER, 2)]), 30)
     assert (by_user.ok, by_user.refused_in_flight) == (False, 0)
     await s.settle(SLOT, "a", [])
-    assert (await s.reserve(SLOT, "b", [], one_each, 30)).refused_in_flight == 1  # c holds it
+    assert (await s.reserve(SLOT, "b", req([], one_each), 30)).refused_in_flight == 1  # c holds it
     await s.settle(SLOT, "c", [])
-    assert (await s.reserve(SLOT, "b", [], one_each, 30)).ok
+    assert (await s.reserve(SLOT, "b", req([], one_each), 30)).ok
     assert set(await s.leases(SLOT)) == {"b"}
 
 
@@ -141,11 +148,11 @@ async def test_a_lease_that_ran_out_is_reaped_and_its_late_settle_charged_once(
 ) -> None:
     s, clock = subject.store, subject.clock
     one = [InFlightLimit(USER, 1)]
-    assert (await s.reserve(SLOT, "dead", [day(80)], one, 30)).ok
+    assert (await s.reserve(SLOT, "dead", req([day(80)], one), 30)).ok
     clock.now += 29
-    assert not (await s.reserve(SLOT, "x", [day(10)], one, 30)).ok
+    assert not (await s.reserve(SLOT, "x", req([day(10)], one), 30)).ok
     clock.now += 1  # the lease ends now: the next reserve in the slot reaps it
-    assert await s.reserve(SLOT, "x", [day(10)], one, 30) == _ok((10,))  # the 80 given back
+    assert await s.reserve(SLOT, "x", req([day(10)], one), 30) == _ok((10,))  # the 80 given back
     snap = await s.snapshot(SLOT, [DAY])
     assert snap.reaped == ("dead",)
     assert snap.holds == (Hold("x", START + 60, ((DAY, 10),)),)
@@ -156,9 +163,9 @@ async def test_a_lease_that_ran_out_is_reaped_and_its_late_settle_charged_once(
 
 async def test_a_tombstone_older_than_its_ttl_charges_nothing(subject: Subject) -> None:
     s, clock = subject.store, subject.clock
-    assert (await s.reserve(SLOT, "dead", [day(80, None, 30 * 86400)], ANY, 30)).ok
+    assert (await s.reserve(SLOT, "dead", req([day(80, None, 30 * 86400)]), 30)).ok
     clock.now += 31
-    assert (await s.reserve(SLOT, "x", [day(1, None, 30 * 86400)], ANY, 30)).ok
+    assert (await s.reserve(SLOT, "x", req([day(1, None, 30 * 86400)]), 30)).ok
     clock.now += REAPED_TTL_S
     assert (await s.snapshot(SLOT, [])).reaped == ()
     assert await s.settle(SLOT, "dead", [day(50, None)]) == (1,)
@@ -167,12 +174,12 @@ async def test_a_tombstone_older_than_its_ttl_charges_nothing(subject: Subject) 
 async def test_renew_keeps_a_live_reservation(subject: Subject) -> None:
     s, clock = subject.store, subject.clock
     one = [InFlightLimit(USER, 1)]
-    assert (await s.reserve(SLOT, "live", [day(50)], one, 30)).ok
+    assert (await s.reserve(SLOT, "live", req([day(50)], one), 30)).ok
     clock.now += 20
     await s.renew(SLOT, ["live", "unknown"], 30)
     assert await s.leases(SLOT) == {"live": START + 50}
     clock.now += 25  # past the first lease, within the renewed one
-    assert not (await s.reserve(SLOT, "y", [], one, 30)).ok
+    assert not (await s.reserve(SLOT, "y", req([], one), 30)).ok
     assert await s.read([DAY]) == (50,)
 
 
@@ -183,18 +190,18 @@ async def test_a_clamp_grants_what_fits_and_refuses_below_its_minimum(subject: S
     # prompt 10, 1 per output token in the day (limit 100) and the output window (limit 60)
     clamp = Clamp(requested=80, minimum=20, bases=(10, 0), rates=(1, 1))
     entries = [day(90), Entry(OUT, 60, 80, 3600)]
-    first = await s.reserve(SLOT, "a", entries, ANY, 30, clamp)
+    first = await s.reserve(SLOT, "a", req(entries, clamp=clamp), 30)
     assert (first.ok, first.granted, first.used) == (True, 60, (70, 60))
     # 30 left in the day, none in the output window: refused there, nothing added.
-    second = await s.reserve(SLOT, "b", entries, ANY, 30, Clamp(80, 1, (10, 0), (1, 1)))
+    second = await s.reserve(SLOT, "b", req(entries, clamp=Clamp(80, 1, (10, 0), (1, 1))), 30)
     assert (second.ok, second.refused_entry, second.used) == (False, 1, (70, 60))
     await s.settle(SLOT, "a", [day(30), Entry(OUT, 60, 20, 3600)])
     # Room for everything asked: the entries' own amounts.
-    whole = await s.reserve(SLOT, "c", [day(30), Entry(OUT, 60, 20, 3600)], ANY, 30,
-                            Clamp(20, 5, (10, 0), (1, 1)))
+    whole = await s.reserve(SLOT, "c", req([day(30), Entry(OUT, 60, 20, 3600)],
+                                           clamp=Clamp(20, 5, (10, 0), (1, 1))), 30)
     assert (whole.ok, whole.granted, whole.used) == (True, 20, (60, 40))
     # Not even the prompt fits: refused at the day whatever the minimum.
-    over = await s.reserve(SLOT, "d", [day(60)], ANY, 30, Clamp(10, 0, (50,), (1,)))
+    over = await s.reserve(SLOT, "d", req([day(60)], clamp=Clamp(10, 0, (50,), (1,))), 30)
     assert (over.ok, over.refused_entry) == (False, 0)
 
 
@@ -203,7 +210,7 @@ async def test_top_up_adds_to_counters_and_reservation_all_or_nothing(
 ) -> None:
     s = subject.store
     d, out = Entry(DAY, 2_000, 1_100, 600), Entry(OUT, None, 1_000, 600)
-    assert (await s.reserve(SLOT, "r1", [d, out], ANY, 10)).ok
+    assert (await s.reserve(SLOT, "r1", req([d, out]), 10)).ok
     per_token = [Entry(DAY, 2_000, 1, 600), Entry(OUT, None, 1, 600)]
     assert await s.top_up(SLOT, "r1", per_token, 500, 1) == TopUpResult(500)
     assert await s.read([DAY, OUT]) == (1_600, 1_500)
@@ -220,25 +227,25 @@ async def test_top_up_adds_to_counters_and_reservation_all_or_nothing(
 
 async def test_a_reaped_reservation_gives_its_top_ups_back(subject: Subject) -> None:
     s, clock = subject.store, subject.clock
-    assert (await s.reserve(SLOT, "r1", [Entry(DAY, 5_000, 1_000, 600)], ANY, 2)).ok
+    assert (await s.reserve(SLOT, "r1", req([Entry(DAY, 5_000, 1_000, 600)]), 2)).ok
     assert await s.top_up(SLOT, "r1", [Entry(DAY, 5_000, 1, 600)], 700, 1) == TopUpResult(700)
     clock.now += 2
     assert (await s.top_up(SLOT, "r1", [Entry(DAY, 5_000, 1, 600)], 1, 1)).gone
-    assert (await s.reserve(SLOT, "r2", [Entry(DAY, 5_000, 10, 600)], ANY, 2)).used == (10,)
+    assert (await s.reserve(SLOT, "r2", req([Entry(DAY, 5_000, 10, 600)]), 2)).used == (10,)
 
 
 async def test_requests_share_a_remainder_first_come_first_served(subject: Subject) -> None:
     s = subject.store
     clamp = Clamp(1_500, 256, (10,), (1,))
     entry = [Entry(DAY, 5_000, 1_510, 60)]
-    got = [await s.reserve(SLOT, f"r{i}", entry, ANY, 30, clamp) for i in range(6)]
+    got = [await s.reserve(SLOT, f"r{i}", req(entry, clamp=clamp), 30) for i in range(6)]
     assert [r.ok for r in got] == [True, True, True, True, False, False]
     assert [r.granted for r in got[:4]] == [1_500, 1_500, 1_500, 460]
     assert got[3].used == (5_000,)
     assert got[4].refused_entry == 0 and got[4].used == (5_000,)
     # A settlement below the grant gives room back: the next request takes it.
     await s.settle(SLOT, "r0", [Entry(DAY, 5_000, 1_000, 60)])
-    again = await s.reserve(SLOT, "r9", entry, ANY, 30, clamp)
+    again = await s.reserve(SLOT, "r9", req(entry, clamp=clamp), 30)
     assert again.ok and again.granted == 500
 
 
@@ -268,7 +275,7 @@ async def test_the_stores_clamp_alike_on_windows_of_every_size(redis_url: str) -
                 # What is used already, added under an id of its own.
                 await store.add_once(slot, "prior", [Entry(k, None, u, 600)
                                                    for k, u in zip(keys, prior, strict=True)])
-                results.append(await store.reserve(slot, "r", entries, ANY, 30, clamp))
+                results.append(await store.reserve(slot, "r", req(entries, clamp=clamp), 30))
             assert results[0] == results[1], (case, limits, prior, clamp)
             seen.add("refused" if not results[0].ok
                      else "whole" if results[0].granted == requested else "clamped")
@@ -289,12 +296,11 @@ async def test_an_addition_is_applied_once_and_replaces_a_reservation_under_its_
     s = subject.store
     assert await s.add_once(SLOT, "batch-1", [day(7)], 600) == (7,)
     assert await s.add_once(SLOT, "batch-1", [day(7)], 600) == (7,)
-    assert (await s.reserve(SLOT, "old", [day(40)], [InFlightLimit(USER, 1),
-                                                     InFlightLimit(CI, 1)], 30)).ok
+    one_each = [InFlightLimit(USER, 1), InFlightLimit(CI, 1)]
+    assert (await s.reserve(SLOT, "old", req([day(40)], one_each), 30)).ok
     assert await s.add_once(SLOT, "old", [day(5)], 600) == (12,)
     assert await s.leases(SLOT) == {}
-    assert (await s.reserve(SLOT, "n", [], [InFlightLimit(USER, 1), InFlightLimit(CI, 1)],
-                            30)).ok
+    assert (await s.reserve(SLOT, "n", req([], one_each), 30)).ok
     assert await s.mark_once(f"{SLOT}:notice", 60)
     assert not await s.mark_once(f"{SLOT}:notice", 60)
 
@@ -330,10 +336,10 @@ async def test_a_thousand_settled_requests_leave_their_counters_alone(subject: S
     held = [InFlightLimit(USER, 10), InFlightLimit(CI, 10)]
     entries = [day(60, None), Entry(KEY_DAY, None, 60, 3600)]
     for i in range(1_000):
-        assert (await s.reserve(SLOT, f"r{i}", entries, held, 30)).ok
+        assert (await s.reserve(SLOT, f"r{i}", req(entries, held), 30)).ok
         if i % 100 == 99:  # a reservation reaped now and then, settled late
             clock.now += 31
-            assert (await s.reserve(SLOT, "next", [], held, 30)).ok
+            assert (await s.reserve(SLOT, "next", req([], held), 30)).ok
             await s.settle(SLOT, "next", [])
         await s.settle(SLOT, f"r{i}", [day(1, None), Entry(KEY_DAY, None, 1, 3600)])
         clock.now += 0.25
@@ -408,7 +414,7 @@ class SideBySide(RuleBasedStateMachine):
     def reserve(self, plan: tuple[str, list[Entry], Clamp | None], res_id: str,
                 in_flight: list[InFlightLimit], lease_s: float) -> None:
         slot, entries, clamp = plan
-        self.both(lambda s: s.reserve(slot, res_id, entries, in_flight, lease_s, clamp))
+        self.both(lambda s: s.reserve(slot, res_id, req(entries, in_flight, clamp), lease_s))
 
     @rule(usage=usages(), res_id=IDS)
     def settle(self, usage: tuple[str, list[Entry]], res_id: str) -> None:

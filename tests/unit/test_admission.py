@@ -53,9 +53,10 @@ def test_worst_case_claims_the_prompt_and_the_whole_cap() -> None:
     ask = _ask(plan)
     claim = claim_for(ask)
     cost = lim.reserve_cost(PRICE, 100, 4000)
-    assert claim.entries == (Entry(plan.windows[0].key, 10_000, 4100, 600),
-                             Entry(plan.windows[1].key, None, cost, 600))
-    assert (claim.output, claim.cost_nanousd, claim.clamp, claim.topup_cap) == (
+    assert claim.request.entries == (Entry(plan.windows[0].key, 10_000, 4100, 600),
+                                     Entry(plan.windows[1].key, None, cost, 600))
+    assert claim.request.in_flight == plan.in_flight  # the request in every set of its plan
+    assert (claim.output, claim.cost_nanousd, claim.request.clamp, claim.topup_cap) == (
         4000, cost, None, None)
     held = decide(ask, claim, ReserveResult(True, (4100, cost)))
     assert held == Grant(4000, 4000, cost)
@@ -70,10 +71,10 @@ def test_clamp_grants_what_fit_and_names_the_window_that_bound_it() -> None:
                  _window(W.DAILY_USD, 100_000_000), price=PRICE)
     ask = _ask(plan, CLAMP)
     claim = claim_for(ask)
-    assert claim.clamp == clamp_of(plan, 100, 4000, 256)
-    assert claim.clamp is not None
+    assert claim.request.clamp == clamp_of(plan, 100, 4000, 256)
+    assert claim.request.clamp is not None
     # 7,000 tokens used today: 2,900 output tokens fit after the prompt.
-    amounts = claim.clamp.amounts(2900)
+    amounts = claim.request.clamp.amounts(2900)
     answer = ReserveResult(True, (7000 + amounts[0], amounts[1], amounts[2]), granted=2900)
     held = decide(ask, claim, answer)
     assert held == Grant(2900, 2900, amounts[2], clamped_from=4000, binding=plan.windows[0])
@@ -89,7 +90,7 @@ def test_the_minimum_is_one_per_choice_and_never_above_what_was_asked() -> None:
     assert _ask(plan, CLAMP, asked=100).min_output == 100
     assert _ask(plan, WORST_CASE).min_output is None
     # All of it asked for is the minimum: nothing to clamp.
-    assert claim_for(_ask(plan, CLAMP, asked=100)).clamp is None
+    assert claim_for(_ask(plan, CLAMP, asked=100)).request.clamp is None
 
 
 def test_estimate_holds_the_estimate_and_keeps_its_cap_upstream() -> None:
@@ -98,7 +99,7 @@ def test_estimate_holds_the_estimate_and_keeps_its_cap_upstream() -> None:
     assert ask.estimates and ask.estimate_key == f"{SLOT}:est:alice:k1:gpt-4o"
     claim = claim_for(ask, 300)
     assert (claim.output, claim.topup_cap) == (300, 4000)
-    assert claim.clamp is not None and claim.clamp.minimum == 256
+    assert claim.request.clamp is not None and claim.request.clamp.minimum == 256
     assert decide(ask, claim, ReserveResult(True, (400,), granted=300)) == Grant(
         4000, 300, 0, topup_cap=4000)
     # Less room than the estimate: it holds what is left, and is not clamped.
@@ -261,10 +262,10 @@ def _refused_rightly(held: _Held, refusal: Refusal) -> None:
     if ask.estimates:
         estimate = est.estimate(held.samples, ask.asked_output, ask.rule.initial_estimate)
     claim = claim_for(ask, estimate)
-    if claim.clamp is not None:
-        fit = grant(claim.clamp, [w.limit for w in plan.windows], held.before)
-        assert fit.output < claim.clamp.minimum and fit.binding == i
+    if claim.request.clamp is not None:
+        fit = grant(claim.request.clamp, [w.limit for w in plan.windows], held.before)
+        assert fit.output < claim.request.clamp.minimum and fit.binding == i
         assert refusal.at_least
     else:
-        assert held.before[i] + claim.entries[i].amount > refusal.window.limit
+        assert held.before[i] + claim.request.entries[i].amount > refusal.window.limit
     assert refusal.needed > refusal.window.limit - held.before[i]

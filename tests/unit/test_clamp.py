@@ -144,3 +144,24 @@ def test_model_groups_take_no_admission() -> None:
             "o1*": {"admission": {"policy": "clamp"}}}}}})
 
 
+def test_resolve_keeps_the_defaults_of_fields_set_nowhere() -> None:
+    assert resolve(Admission(min_output_tokens=5)) == AdmissionRule(
+        AdmissionPolicy.WORST_CASE, 5, 1024)
+    assert resolve(None, Admission(initial_estimate=77), Admission(initial_estimate=9)) == (
+        AdmissionRule(AdmissionPolicy.WORST_CASE, 256, 77))
+    rule = resolve(Admission(policy=AdmissionPolicy.ESTIMATE, initial_estimate=300))
+    assert rule == AdmissionRule(AdmissionPolicy.ESTIMATE, 256, 300)
+    assert rule.estimates and rule.clamps
+    assert not WORST_CASE.clamps and not WORST_CASE.estimates
+    assert AdmissionRule(CLAMP).clamps and not AdmissionRule(CLAMP).estimates
+
+
+def test_a_clamp_and_its_windows_must_pair_up() -> None:
+    """One base and one rate per window: a list one short is a bug, not a shorter clamp."""
+    clamp = Clamp(100, 10, (1, 2), (1, 1))
+    with pytest.raises(ValueError, match="zip"):
+        Clamp(100, 10, (1, 2), (1,)).amounts(5)
+    with pytest.raises(ValueError, match="zip"):
+        grant(clamp, (None,), (0,))
+    with pytest.raises(ValueError, match="zip"):
+        grant(clamp, (None, None), (0, 0, 0))

@@ -9,7 +9,7 @@ import random
 
 from proxy.budget.limits import reserve_cost
 from proxy.config.policy import Price
-from proxy.cost import CostLines, price_version, worst_case_nanousd
+from proxy.cost import CostLines, price_for, price_version, worst_case_nanousd
 from proxy.protocol.usage import Usage
 
 # Claude Sonnet 4's list prices (USD per million tokens).
@@ -130,3 +130,31 @@ def test_price_version_unchanged_for_tables_without_write_prices() -> None:
     assert price_version({**table, "claude-*": SONNET}) != price_version(table)
     priced_writes = {"mini": Price(input=0.15, output=0.6, cache_write_5m=0.15)}
     assert price_version(priced_writes) != price_version({"mini": table["mini"]})
+
+
+def test_prices_as_written_not_their_binary_approximations() -> None:
+    """0.1 as a float is 0.1000000000000000055...: priced from it, one token at $0.1/M would
+    cost 100.0000000000000055 nano-dollars, rounded up to 101. Priced as written: 100."""
+    tenth = Price(input=0.1, output=0.1, cached_input=0.1, cache_write_5m=0.1,
+                  cache_write_1h=0.1)
+    for usage in (Usage(input_tokens=1), Usage(output_tokens=1),
+                  Usage(input_tokens=1, cached_input_tokens=1),
+                  Usage(input_tokens=1, cache_creation_input_tokens=1),
+                  Usage(input_tokens=1, cache_creation_input_tokens=1,
+                        cache_creation_1h_input_tokens=1)):
+        assert usage_cost(tenth, usage) == 100, usage
+    assert usage_cost(Price(input=0.3, output=0.7), Usage(input_tokens=3, output_tokens=3)) == 3_000
+    assert usage_cost(tenth, Usage(input_tokens=7, output_tokens=3)) == 1_000
+    assert worst_case_nanousd(tenth, 1, 1) == 200
+    assert worst_case_nanousd(Price(input=0.1, output=0.3), 3, 1) == 600
+
+
+def test_price_for_an_exact_name_first_then_the_first_glob_that_matches() -> None:
+    table = {"gpt-4o*": Price(input=2.5, output=10.0), "*": Price(input=9.0, output=9.0),
+             "gpt-4o-mini": Price(input=0.15, output=0.6)}
+    assert price_for(table, "gpt-4o-mini") is table["gpt-4o-mini"]  # exact, though listed last
+    assert price_for(table, "gpt-4o-2024") is table["gpt-4o*"]  # the first glob, in order
+    assert price_for(table, "claude") is table["*"]
+    assert price_for({"gpt-4o*": table["gpt-4o*"]}, "o1") is None
+    assert price_for({}, "gpt-4o") is None
+    assert price_for({"GPT-4O*": table["gpt-4o*"]}, "gpt-4o") is None  # case counts

@@ -14,7 +14,7 @@ def test_headers_for_limited_windows_only() -> None:
     now = datetime(2026, 12, 2, 10, 0, 5, tzinfo=ZoneInfo("UTC")).timestamp()
     user = UserConfig(requests_per_minute=2, daily_tokens=1000)
     policy = Policy(users={"alice": user})
-    plan = lim.plan(policy, "alice", lim.effective_limits(user, None, policy.defaults, None),
+    plan = lim.plan(policy, "alice", lim.effective_limits(user, policy.defaults),
                     "gpt-4o", now)
     used = tuple(2 if w.name == "requests_per_minute" else 1200 for w in plan.windows)
     h = rate_limit_headers(plan.windows, used, now)

@@ -16,7 +16,7 @@ NOW = datetime(2026, 3, 1, 12, 0, 30, tzinfo=ZoneInfo("UTC")).timestamp()
 def _plan() -> lim.Plan:
     user = UserConfig(daily_tokens=100, tokens_per_minute=50, max_concurrent_requests=2)
     policy = Policy(users={"alice": user})
-    return lim.plan(policy, "alice", lim.effective_limits(user, None, policy.defaults, None),
+    return lim.plan(policy, "alice", lim.effective_limits(user, policy.defaults),
                     "gpt-4o", NOW)
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from proxy.protocol.usage import Usage, parse_usage
+from proxy.protocol.usage import Usage, parse_usage, usage_int
 
 
 def test_chat_naming_with_details() -> None:
@@ -41,3 +41,26 @@ def test_garbage_counts_are_zero_not_a_crash(value: Any, expected: int) -> None:
     u = parse_usage({"prompt_tokens": value, "completion_tokens": 1,
                      "prompt_tokens_details": "garbage"})
     assert u is not None and u.input_tokens == expected and u.cached_input_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("obj", "expected"),
+    [({"input_tokens": 5}, Usage(5, 0)), ({"output_tokens": 3}, Usage(0, 3)),
+     ({"prompt_tokens": 4}, Usage(4, 0)), ({"completion_tokens": 2}, Usage(0, 2)),
+     # Either naming, one field of it: the Responses naming is read first.
+     ({"output_tokens": 3, "prompt_tokens": 4}, Usage(0, 3)),
+     ({"input_tokens": 0, "output_tokens": 0}, Usage()),
+     ({"prompt_tokens": 0.0, "completion_tokens": 0}, Usage())],
+)
+def test_one_field_of_either_naming_is_a_usage(obj: dict[str, Any], expected: Usage) -> None:
+    assert parse_usage(obj) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(0, 0), (1, 1), (0.0, 0), (1.0, 1), (-0.0, 0), (-1.0, 0), (float("nan"), 0),
+     (float("inf"), 0), (2**40, 2**40)],
+)
+def test_usage_int_takes_whole_non_negative_numbers(value: Any, expected: int) -> None:
+    got = usage_int(value)
+    assert got == expected and type(got) is int
