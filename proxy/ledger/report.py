@@ -45,7 +45,7 @@ from zoneinfo import ZoneInfo
 from proxy.errors import ErrorClass
 from proxy.ledger.query import Dialect, LedgerReader, Sql, as_int
 from proxy.ledger.schema import TABLE
-from proxy.protocol.anthropic import MessagesTranslator
+from proxy.protocol.translators import MessagesTranslator
 from proxy.telemetry.shown_text import csv_cell, for_terminal
 
 SLICE_S = 900  # SQLite's UTC slice: every offset in use is a multiple of 15 minutes

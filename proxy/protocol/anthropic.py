@@ -1,4 +1,4 @@
-"""Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`), sans-I/O.
+"""Reading Anthropic's Messages API answers (`/v1/messages`, `/v1/messages/count_tokens`).
 
 A stream names its events: `message_start` carries the input usage (and an output count of 1),
 `content_block_delta` the content, `message_delta` the cumulative usage so far (the latest one
@@ -12,22 +12,14 @@ existing cost of cached input applies to the reads.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable
+from typing import Any
 
-from proxy.errors import ErrorShape, InvalidRequest
-from proxy.protocol import tokenizer, upstream_errors
-from proxy.protocol.translators import (
-    HOLD_BYTES,
-    EventFlag,
-    Translator,
-    _loads,
-    _loads_all,
-    _strings,
-)
+from proxy.protocol import upstream_errors
+from proxy.protocol.readers import NOTHING, EventFlag, Reader, loads, loads_all
+from proxy.protocol.request import ParsedRequest, strings
 from proxy.protocol.usage import Usage, usage_int
 
-_NOTHING = EventFlag(0)
 _CONTENT = EventFlag.CONTENT
 _FINISH = EventFlag.FINISH
 # The deltas that carry output tokens (signature and citation deltas do not).
@@ -64,19 +56,9 @@ def anthropic_usage(obj: Any) -> Usage | None:
     )
 
 
-class MessagesTranslator(Translator):
-    operation = "messages"
-    path = "/messages"
-    named_events = True
-    error_shape = ErrorShape.ANTHROPIC
-    upstream_api: ClassVar[str] = "anthropic"
-    cap_fields: ClassVar[tuple[str, ...]] = ("max_tokens",)
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if self.cap_fields and self.request.body.get("max_tokens") is None:
-            # Required by the API: refused here rather than capped, as the upstream would.
-            raise InvalidRequest("max_tokens: Field required", param="max_tokens")
+class MessagesReader(Reader):
+    def __init__(self, request: ParsedRequest, model: str, *, sampled: bool) -> None:
+        super().__init__(request, model, sampled=sampled)
         self._fields: dict[str, Any] = {}  # the latest cumulative usage, field by field
 
     def _merge_usage(self, obj: Any, *, final: bool) -> None:
@@ -93,41 +75,37 @@ class MessagesTranslator(Translator):
                 elif field != "cache_creation":  # a null split says nothing: keep the last
                     self._fields[field] = usage_int(value)
         if final:
-            self._reported = anthropic_usage(self._fields)
+            self.reported = anthropic_usage(self._fields)
 
-    def usage(self) -> Usage:
+    def usage(self, prompt: Callable[[], int]) -> Usage:
         """A stream cut before its message_delta: the prompt as message_start reported it, the
         output counted here, the whole labelled estimated."""
-        if self._reported is not None or not self._fields:
-            return super().usage()
+        if self.reported is not None or not self._fields:
+            return super().usage(prompt)
         start = anthropic_usage(self._fields)
         assert start is not None  # a dict
-        output = self._folded_tokens() + tokenizer.count_texts(self.model, self._output_texts())
-        return dataclasses.replace(start, output_tokens=output, source="estimated")
+        return dataclasses.replace(start, output_tokens=self.output_tokens(), source="estimated")
 
     def on_event(self, data: bytes, name: str | None, marked: bool | None = None) -> EventFlag:
         if name is None:  # a server that omits `event:` lines: the type is in the data
-            kind = _loads(data).get("type")
+            kind = loads(data).get("type")
             name = kind if isinstance(kind, str) else None
         if name == "content_block_delta":
             self._started = True
             if any(mark in data for mark in _CONTENT_MARKS):
                 self.seen_content = True
-                self._content.append(data)
-                self._held += len(data)
-                if self._held > HOLD_BYTES:
-                    self._fold()
+                self._hold(data)
                 return _CONTENT
-            return _NOTHING
+            return NOTHING
         if name == "message_start":
             self._started = True
-            message = _loads(data).get("message")
+            message = loads(data).get("message")
             if isinstance(message, dict):
                 self._answered_by(message)
                 self._merge_usage(message.get("usage"), final=False)
-            return _NOTHING
+            return NOTHING
         if name == "message_delta":
-            obj = _loads(data)
+            obj = loads(data)
             self._merge_usage(obj.get("usage"), final=True)
             return _FINISH
         if name == "message_stop":
@@ -139,76 +117,47 @@ class MessagesTranslator(Translator):
             # of that error (`overloaded_error`: upstream_5xx, as its 529 would have been).
             self.terminated = True
             self.stream_error = upstream_errors.stream_error(data)
-            return _NOTHING
+            return NOTHING
         if name is not None and name != "ping":
             self._started = True
-        return _NOTHING
+        return NOTHING
 
     def on_body(self, body: bytes) -> None:
-        self._body = _loads(body)
-        self._reported = anthropic_usage(self._body.get("usage"))
-        self._answered_by(self._body)
+        self.answer = loads(body)
+        self.reported = anthropic_usage(self.answer.get("usage"))
+        self._answered_by(self.answer)
 
-    def _event_texts(self, events: list[bytes]) -> Iterable[str]:
-        for obj in _loads_all(events):
+    @staticmethod
+    def event_texts(events: list[bytes]) -> Iterable[str]:
+        for obj in loads_all(events):
             delta = obj.get("delta")
             if isinstance(delta, dict):
-                yield from _strings(delta.get("text"), delta.get("thinking"),
-                                    delta.get("partial_json"))
+                yield from strings(delta.get("text"), delta.get("thinking"),
+                                   delta.get("partial_json"))
 
-    def _output_texts(self) -> Iterable[str]:
-        if self._body is not None:
-            content = self._body.get("content")
-            for block in content if isinstance(content, list) else ():
-                if isinstance(block, dict):
-                    yield from _strings(block.get("text"), block.get("thinking"))
-                    if block.get("type") == "tool_use":
-                        yield from _strings(str(block.get("input")))
-            return
-        yield from self._event_texts(self._content)
-
-    def _expects_usage(self) -> bool:
-        return True  # message_start and message_delta carry it
-
-    def estimate_prompt_tokens(self) -> int:
-        body = self.request.body
-        messages = body.get("messages")
-        return tokenizer.count_messages(self.model, messages if isinstance(messages, list) else [],
-                                        _all_strings(body.get("system"), body.get("tools")))
+    def answer_texts(self, answer: dict[str, Any]) -> Iterable[str]:
+        content = answer.get("content")
+        for block in content if isinstance(content, list) else ():
+            if isinstance(block, dict):
+                yield from strings(block.get("text"), block.get("thinking"))
+                if block.get("type") == "tool_use":
+                    yield from strings(str(block.get("input")))
 
 
-def _all_strings(*values: Any) -> Iterable[str]:
-    for value in values:
-        if isinstance(value, str):
-            yield value
-        elif isinstance(value, dict):
-            yield from _all_strings(*value.values())
-        elif isinstance(value, list):
-            yield from _all_strings(*value)
-
-
-class CountTokensTranslator(MessagesTranslator):
+class CountTokensReader(MessagesReader):
     """`count_tokens`: authenticated and counted as a request, but it generates nothing, so it
     reserves and charges no tokens (its answer has no `usage`)."""
 
-    operation = "count_tokens"
-    path = "/messages/count_tokens"
-    streams = False
-    cap_fields = ()
-
     def on_body(self, body: bytes) -> None:
-        self._body = _loads(body)
-        self._reported = Usage()
-        self._answered_by(self._body)
+        self.answer = loads(body)
+        self.reported = Usage()
+        self._answered_by(self.answer)
 
-    def usage(self) -> Usage:
+    def usage(self, prompt: Callable[[], int]) -> Usage:
         return Usage()
 
     def counts_usage(self) -> bool:
         return False
 
-    def prompt_usage(self) -> Usage:
+    def prompt_usage(self, prompt: Callable[[], int]) -> Usage:
         return Usage()
-
-    def estimate_prompt_tokens(self) -> int:
-        return 0

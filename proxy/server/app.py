@@ -43,8 +43,12 @@ from proxy.pipeline.relay import REQUEST_ID_HEADER
 from proxy.pipeline.services import SERVICES, HttpClient, Runtime, RuntimeHolder, Services, Settling
 from proxy.pipeline.watchdog import Watchdog
 from proxy.protocol import tokenizer
-from proxy.protocol.anthropic import CountTokensTranslator, MessagesTranslator
-from proxy.protocol.translators import TRANSLATORS, Translator
+from proxy.protocol.translators import (
+    TRANSLATORS,
+    CountTokensTranslator,
+    MessagesTranslator,
+    Translator,
+)
 from proxy.routing.attempts import LatencyTracker
 from proxy.routing.upstream import (
     Router,

@@ -39,9 +39,8 @@ from hypothesis import strategies as st
 from proxy.budget import limits as lim
 from proxy.budget.estimate import hides_output
 from proxy.config.load import Config
-from proxy.protocol.anthropic import MessagesTranslator
 from proxy.protocol.sse import SSEDecoder, events_at_most
-from proxy.protocol.translators import ChatTranslator, parse_body
+from proxy.protocol.translators import ChatTranslator, MessagesTranslator, parse_body
 from proxy.server.app import create_app
 from tests.helpers import (
     ALICE_KEY,

@@ -91,7 +91,7 @@ async def upstream(aiohttp_server: ServerFactory) -> TestServer:
 
 def _held(tr: Translator) -> int:
     """The memory of the events `tr` holds for its estimate: its list and the events in it."""
-    events: list[bytes] = tr._content
+    events: list[bytes] = tr.reader.output.events
     return sys.getsizeof(events) + sum(map(sys.getsizeof, events))
 
 
@@ -233,7 +233,7 @@ def test_folding_counts_exactly_what_holding_would(
     assert folding.usage().source == "estimated"
     assert 0 < peak < 2 * HOLD_BYTES < sum(len(d) for d, _ in events)
 
-    monkeypatch.setattr("proxy.protocol.translators.HOLD_BYTES", 1 << 40)  # never fold: as it was
+    monkeypatch.setattr("proxy.protocol.output.HOLD_BYTES", 1 << 40)  # never fold: as it was
     holding = _translator(shape, False)
     for data, name in events:
         holding.on_event(data, name)

@@ -14,7 +14,7 @@ import logging
 import aiohttp
 import pytest
 
-from proxy.protocol.translators import MAX_DEPTH
+from proxy.protocol.request import MAX_DEPTH
 from tests.helpers import Stack, sample
 
 CHAT = "/chat/completions"

@@ -185,7 +185,7 @@ def test_usage_in_content_events_is_seen_at_any_cuts(cuts: list[int]) -> None:
         reported.append(tr.usage().output_tokens if tr.usage().source == "reported" else 0)
         return flags
 
-    tr.on_event = spy  # type: ignore[method-assign]
+    tr.reader.on_event = spy  # type: ignore[method-assign]
     tap = StreamTap(tr, RequestMeter())
     out = _drive(tap, _cut(CONTINUOUS, cuts))
     assert out.endswith(b"data: [DONE]\n\n")
@@ -209,7 +209,7 @@ def _metered(parts: list[bytes], fast: bool,
         body["stream_options"] = {"include_usage": True}
     tr = ChatTranslator(parse_body(json.dumps(body).encode()))
     if not fast:
-        tr.take_content_run = (  # type: ignore[method-assign]
+        tr.reader.take_content_run = (  # type: ignore[method-assign]
             lambda chunk, start, events, first: (0, start))
     meter = RequestMeter(received=0.0)
     return _drive(StreamTap(tr, meter), parts), meter, tr
@@ -241,7 +241,7 @@ def _spied() -> tuple[ChatTranslator, list[bytes]]:
         calls.append(data)
         return original(data, name, marked)
 
-    tr.on_event = spy  # type: ignore[method-assign]
+    tr.reader.on_event = spy  # type: ignore[method-assign]
     return tr, calls
 
 

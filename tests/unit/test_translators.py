@@ -1,4 +1,5 @@
-"""The output cap each API shape writes upstream: clamped per choice, every field or one."""
+"""The translator facade (proxy/protocol/translators.py): one object per request over a shape and a
+reader, the prompt counted once for both, the tap's per-event calls the reader's own."""
 
 from __future__ import annotations
 
@@ -6,135 +7,94 @@ import json
 from typing import Any
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from proxy.errors import InvalidRequest
+from proxy.protocol.anthropic import CountTokensReader
+from proxy.protocol.readers import ChatReader, EventFlag
+from proxy.protocol.shaping import ChatShape
 from proxy.protocol.translators import (
+    TRANSLATORS,
     ChatTranslator,
-    CompletionsTranslator,
-    ParsedRequest,
-    ResponsesTranslator,
+    CountTokensTranslator,
+    MessagesTranslator,
     Translator,
     parse_body,
 )
+from proxy.protocol.usage import Usage
 
 
-def _req(body: dict[str, Any]) -> ParsedRequest:
-    return parse_body(json.dumps({"model": "gpt-4o", **body}).encode())
+def _chat(**body: Any) -> ChatTranslator:
+    raw = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi there"}], **body}
+    return ChatTranslator(parse_body(json.dumps(raw).encode()), model="fallback")
 
 
-def _sent(t: Translator, cap: int | None) -> tuple[dict[str, Any], int]:
-    """The body that goes upstream and the most output tokens it can produce."""
-    return json.loads(t.upstream_body(cap)), t.max_output(cap)
+def test_a_translator_is_a_shape_and_a_reader_for_the_serving_model() -> None:
+    tr = _chat(stream=True)
+    assert isinstance(tr.shape, ChatShape) and isinstance(tr.reader, ChatReader)
+    assert tr.model == tr.shape.model == tr.reader.model == "fallback"
+    assert tr.strips_usage  # the upstream's stream_usage, by default on
+    assert json.loads(tr.upstream_body(50))["model"] == "fallback"
+    assert tr.max_output(50) == 50 and tr.choices() == 1
 
 
-def test_chat_sets_every_cap_field_when_the_client_sent_none() -> None:
-    body, most = _sent(ChatTranslator(_req({"messages": []}), ask_usage=False), 100)
-    assert body["max_completion_tokens"] == body["max_tokens"] == 100
-    assert most == 100
+def test_the_per_event_calls_are_the_readers_own() -> None:
+    """The tap binds these once per stream and calls them per event: no call in between."""
+    tr = _chat(stream=True)
+    assert tr.on_event == tr.reader.on_event
+    assert tr.take_content_run == tr.reader.take_content_run
 
 
-def test_chat_clamps_what_the_client_sent_and_keeps_a_lower_limit() -> None:
-    t = ChatTranslator(_req({"messages": [], "max_tokens": 500}), ask_usage=False)
-    body, most = _sent(t, 100)
-    assert body["max_tokens"] == 100 and body["max_completion_tokens"] == 100 and most == 100
-    low = ChatTranslator(_req({"messages": [], "max_tokens": 7}), ask_usage=False)
-    body, most = _sent(low, 100)
-    assert body["max_tokens"] == 7 and body["max_completion_tokens"] == 7 and most == 7
+def test_a_subclass_may_still_override_the_per_event_call() -> None:
+    seen: list[bytes] = []
+
+    class Noting(ChatTranslator):
+        def on_event(self, data: bytes, name: str | None,
+                     marked: bool | None = None) -> EventFlag:
+            seen.append(data)
+            return super().on_event(data, name, marked)
+
+    tr = Noting(parse_body(b'{"model":"m","messages":[],"stream":true}'))
+    assert tr.on_event(b'{"choices":[{"index":0,"delta":{"content":"a"}}]}', None) is (
+        EventFlag.CONTENT)
+    assert len(seen) == 1 and tr.seen_content
 
 
-def test_preferred_field_only_without_write_all_caps() -> None:
-    none_sent = ChatTranslator(_req({"messages": []}), ask_usage=False, write_all_caps=False)
-    body, _ = _sent(none_sent, 40)
-    assert body["max_completion_tokens"] == 40 and "max_tokens" not in body
-    legacy = ChatTranslator(_req({"messages": [], "max_tokens": 500}), ask_usage=False,
-                            write_all_caps=False)
-    body, _ = _sent(legacy, 40)
-    assert body["max_tokens"] == 40 and "max_completion_tokens" not in body  # never both
+def test_the_prompt_is_counted_once_for_admission_and_settle() -> None:
+    tr = _chat(stream=True)
+    assert not tr.prompt_counted
+    counted = tr.prompt_tokens()
+    assert tr.prompt_counted and counted == tr.estimate_prompt_tokens()
+    tr.on_event(b'{"choices":[{"index":0,"delta":{"content":"the"}}]}', None)
+    assert tr.usage() == Usage(input_tokens=counted, output_tokens=1, source="estimated")
+    assert tr.prompt_usage() == Usage(input_tokens=counted, source="estimated")
 
 
-def test_n_shares_the_cap() -> None:
-    t = ChatTranslator(_req({"messages": [], "n": 3}), ask_usage=False)
-    body, most = _sent(t, 100)
-    assert body["max_tokens"] == 33 and most == 99
+def test_the_readers_state_is_the_translators() -> None:
+    tr = _chat(stream=True)
+    for data in (b'{"model":"gpt-4o-x","choices":[{"index":0,"delta":{"content":"a"}}]}',
+                 b'{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}',
+                 b'{"choices":[],"usage":{"prompt_tokens":2,"completion_tokens":1}}',
+                 b"[DONE]"):
+        tr.on_event(data, None)
+    assert (tr.seen_content, tr.started, tr.complete, tr.terminated) == (True,) * 4
+    assert tr.response_model == "gpt-4o-x" and tr.stream_error is None
+    assert tr.end_of_stream() and not tr.counts_usage()
+    assert tr.usage() == Usage(input_tokens=2, output_tokens=1)
+    assert tr.output_tokens_so_far() == 1
 
 
-def test_best_of_counts_as_generations() -> None:
-    t = CompletionsTranslator(_req({"prompt": "x", "n": 2, "best_of": 4, "max_tokens": 500}),
-                              ask_usage=False)
-    body, most = _sent(t, 100)
-    assert body["max_tokens"] == 25 and most == 100
-    # Without max_tokens the legacy default of 16 per generation is the bound, under the cap.
-    implicit = CompletionsTranslator(_req({"prompt": "x", "best_of": 4}), ask_usage=False)
-    body, most = _sent(implicit, 100)
-    assert body["max_tokens"] == 16 and most == 64
-
-
-def test_more_choices_than_the_cap_is_a_400_naming_the_parameter() -> None:
-    t = ChatTranslator(_req({"messages": [], "n": 5}), ask_usage=False)
-    with pytest.raises(InvalidRequest) as err:
-        t.max_output(4)
+def test_the_anthropic_shapes() -> None:
     with pytest.raises(InvalidRequest):
-        t.upstream_body(4)
-    assert err.value.param == "n"
+        MessagesTranslator(parse_body(b'{"model":"claude-x","messages":[]}'))
+    count = CountTokensTranslator(parse_body(b'{"model":"claude-x","messages":[]}'))
+    assert isinstance(count.reader, CountTokensReader)
+    count.on_body(b'{"input_tokens":3}')
+    assert count.usage() == Usage() and count.prompt_usage() == Usage()
 
 
-def test_no_cap_changes_nothing_and_reports_the_bound() -> None:
-    raw = _req({"messages": [], "max_tokens": 9})
-    t = ChatTranslator(raw, ask_usage=False)
-    assert t.upstream_body(None) == raw.raw  # the client's own bytes
-    assert t.max_output(None) == 9
-    assert ChatTranslator(_req({"messages": []}), ask_usage=False).max_output(None) == 0
-    # The legacy API's documented default of 16 bounds it even without a cap field.
-    assert CompletionsTranslator(_req({"prompt": "x"}), ask_usage=False).max_output(None) == 16
-
-
-def test_completions_implicit_cap_is_kept_under_a_larger_cap() -> None:
-    body, most = _sent(CompletionsTranslator(_req({"prompt": "x"}), ask_usage=False), 100)
-    assert body["max_tokens"] == 16 and most == 16
-
-
-def test_responses_cap_field() -> None:
-    body, most = _sent(ResponsesTranslator(_req({"input": "hi", "max_output_tokens": 900})), 64)
-    assert body["max_output_tokens"] == 64 and most == 64
-
-
-@pytest.mark.parametrize(
-    ("field", "value", "code"),
-    [("max_tokens", "10", "invalid_type"), ("max_tokens", True, "invalid_type"),
-     ("max_tokens", 2.5, "invalid_type"), ("max_tokens", 0, "integer_below_min_value"),
-     ("n", -1, "integer_below_min_value"), ("max_completion_tokens", [1], "invalid_type")],
-)
-def test_bad_limits_are_refused_with_the_parameter(field: str, value: Any, code: str) -> None:
-    t = ChatTranslator(_req({"messages": [], field: value}), ask_usage=False)
-    with pytest.raises(InvalidRequest) as err:
-        t.max_output(100)
-    assert err.value.param == field
-    assert err.value.code == code
-
-
-_LIMIT = st.none() | st.integers(1, 5000)
-
-
-@given(shape=st.sampled_from([ChatTranslator, CompletionsTranslator, ResponsesTranslator]),
-       limits=st.tuples(_LIMIT, _LIMIT, _LIMIT), choices=st.tuples(_LIMIT, _LIMIT),
-       cap=st.integers(1, 20_000), write_all_caps=st.booleans())
-def test_the_body_is_the_same_under_the_output_it_allows(
-    shape: type[Translator], limits: tuple[int | None, ...], choices: tuple[int | None, ...],
-    cap: int, write_all_caps: bool,
-) -> None:
-    """Admission asks for `max_output(cap)` and the body is built with what it is granted: when
-    that is all of it, the body is the one `cap` itself writes, byte for byte."""
-    fields = ("max_tokens", "max_completion_tokens", "max_output_tokens")
-    body: dict[str, Any] = {"prompt": "x", "input": "x", "messages": []}
-    body |= {f: v for f, v in zip(fields, limits, strict=True) if v is not None}
-    body |= {f: v for f, v in zip(("n", "best_of"), choices, strict=True) if v is not None}
-    t = shape(_req(body), ask_usage=False, write_all_caps=write_all_caps)
-    try:
-        asked = t.max_output(cap)
-    except InvalidRequest:  # more choices than the cap serves: refused before any body
-        return
-    assert 1 <= asked <= cap
-    assert t.upstream_body(asked) == t.upstream_body(cap)
-    assert t.max_output(asked) == asked
+def test_every_path_is_served_once() -> None:
+    shapes: tuple[type[Translator], ...] = (*TRANSLATORS, MessagesTranslator,
+                                            CountTokensTranslator)
+    paths = [s.path for s in shapes]
+    assert len(set(paths)) == len(paths)
+    assert {s.upstream_api for s in shapes} == {"openai", "anthropic"}

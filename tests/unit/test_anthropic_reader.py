@@ -1,5 +1,5 @@
-"""The Anthropic Messages translator on its own (sans-I/O): which events are content, and which
-usage wins."""
+"""The reader of Anthropic's Messages API answers (proxy/protocol/anthropic.py), on its own: which
+events are content, and which usage wins."""
 
 from __future__ import annotations
 
@@ -8,17 +8,25 @@ from typing import Any
 
 import pytest
 
-from proxy.errors import InvalidRequest
-from proxy.protocol.anthropic import CountTokensTranslator, MessagesTranslator
-from proxy.protocol.translators import EventFlag, parse_body
+from proxy.protocol.anthropic import CountTokensReader, MessagesReader
+from proxy.protocol.readers import EventFlag
+from proxy.protocol.request import parse_body
 from proxy.protocol.usage import Usage
 
 BODY = {"model": "claude-x", "max_tokens": 100, "stream": True,
         "messages": [{"role": "user", "content": "hi"}]}
 
 
-def translator(**changes: Any) -> MessagesTranslator:
-    return MessagesTranslator(parse_body(json.dumps({**BODY, **changes}).encode()))
+def translator(**changes: Any) -> MessagesReader:
+    """A reader of the answer to BODY, with `changes`."""
+    return MessagesReader(parse_body(json.dumps({**BODY, **changes}).encode()), "claude-x",
+                          sampled=True)
+
+
+def _prompt() -> int:
+    """The prompt's count the pipeline would pass: never asked for while message_start's is
+    known."""
+    raise AssertionError("the prompt was counted")
 
 
 def event(payload: dict[str, Any]) -> tuple[bytes, str]:
@@ -52,7 +60,7 @@ def test_content_deltas_and_the_rest() -> None:
                        "usage": {"output_tokens": 9, "cache_read_input_tokens": 100}}))
     assert t.on_event(*event({"type": "message_stop"})) == EventFlag.FINISH
     assert t.complete
-    assert t.usage() == Usage(input_tokens=125, output_tokens=9, cached_input_tokens=100,
+    assert t.usage(_prompt) == Usage(input_tokens=125, output_tokens=9, cached_input_tokens=100,
                               cache_creation_input_tokens=20, cache_read_input_tokens=100)
 
 
@@ -60,26 +68,29 @@ def test_cut_before_message_delta_is_estimated() -> None:
     t = translator()
     t.on_event(*START)
     t.on_event(*delta("text_delta", text=" the of and"))
-    usage = t.usage()
+    usage = t.usage(_prompt)
     assert usage.source == "estimated"
     assert (usage.input_tokens, usage.cached_input_tokens) == (125, 100)
     assert usage.output_tokens == 3
 
 
-def test_max_tokens_is_required_and_capped() -> None:
-    with pytest.raises(InvalidRequest) as caught:
-        translator(max_tokens=None)
-    assert caught.value.param == "max_tokens"
-    t = translator(max_tokens=5000)
-    assert json.loads(t.upstream_body(300))["max_tokens"] == 300 and t.max_output(300) == 300
-
-
 def test_count_tokens_charges_nothing() -> None:
     body = {"model": "claude-x", "messages": BODY["messages"]}
-    t = CountTokensTranslator(parse_body(json.dumps(body).encode()))
-    assert t.max_output(300) == 0
+    t = CountTokensReader(parse_body(json.dumps(body).encode()), "claude-x", sampled=True)
     t.on_body(b'{"input_tokens": 12}')
-    assert t.usage() == Usage() and t.prompt_usage() == Usage()
+    assert not t.counts_usage()
+    assert t.usage(_prompt) == Usage() and t.prompt_usage(_prompt) == Usage()
+
+
+def test_an_answer_without_usage_is_estimated_from_its_blocks() -> None:
+    t = translator(stream=False)
+    t.on_body(json.dumps({"id": "m", "model": "claude-x-1", "content": [
+        {"type": "text", "text": " the of and"},
+        {"type": "tool_use", "input": {"a": 1}}]}).encode())
+    assert t.response_model == "claude-x-1" and t.counts_usage()
+    usage = t.usage(lambda: 11)
+    assert (usage.input_tokens, usage.source) == (11, "estimated")
+    assert usage.output_tokens > 3  # the text's 3 tokens and the tool input's
 
 
 def test_cache_writes_by_lifetime() -> None:
@@ -95,7 +106,7 @@ def test_cache_writes_by_lifetime() -> None:
                        "usage": {"output_tokens": 2, "cache_creation": None}}))
     t.on_event(*event({"type": "message_delta", "delta": {"stop_reason": "end_turn"},
                        "usage": {"output_tokens": 4, "cache_creation_input_tokens": 20}}))
-    assert t.usage() == Usage(input_tokens=125, output_tokens=4, cached_input_tokens=100,
+    assert t.usage(_prompt) == Usage(input_tokens=125, output_tokens=4, cached_input_tokens=100,
                               cache_creation_input_tokens=20, cache_read_input_tokens=100,
                               cache_creation_1h_input_tokens=8)
 
@@ -115,6 +126,6 @@ def test_cache_writes_by_lifetime() -> None:
 def test_non_streamed_cache_split(usage: dict[str, Any], writes: int, hour: int) -> None:
     t = translator(stream=False)
     t.on_body(json.dumps({"id": "m", "content": [], "usage": usage}).encode())
-    got = t.usage()
+    got = t.usage(_prompt)
     assert (got.input_tokens, got.cache_creation_input_tokens) == (1 + writes, writes)
     assert got.cache_creation_1h_input_tokens == hour

@@ -1,0 +1,138 @@
+"""The estimate of a stream's output tokens: one estimator and one sampler for every API shape.
+
+A reader (`proxy.protocol.readers`) hands the estimator each content event raw, as it came, and
+a function that finds the output texts in a list of its shape's events. Nothing is parsed until
+an estimate is asked for, so most answers are never parsed at all (their usage comes from the
+upstream). Past `HOLD_BYTES` the held events are counted in one batch and dropped (`fold`), so
+the memory of a stream stays bounded however long it runs.
+
+Counting costs about as much per event as the rest of the hot path does. Where the count is
+likely wasted (the upstream was asked to report the usage: only a broken stream needs the
+estimate) or asked for again and again (`so_far`, the top-ups of a running stream), a random
+sample of one event in `SAMPLE` is counted and rates the rest: one token or so per event, steady
+over a stream. Random, not every nth: a stream with a period of its own would skew that.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable
+
+from proxy.protocol import tokenizer
+
+# Raw content events held per stream before they are counted and dropped: about 1,000 chunks of
+# OpenAI's, and no stream ever holds more than this.
+HOLD_BYTES = 256 * 1024
+
+SAMPLE = 16  # one event in this many rates the rest
+
+_SAMPLER = random.Random()  # picks the events that rate the rest
+
+# The output texts in a list of one API shape's content events.
+Texts = Callable[[list[bytes]], Iterable[str]]
+
+
+class _Rate:
+    """The tokens per event of a random sample of events, as the sample grows: the one
+    sampler of a fold and of `so_far`."""
+
+    __slots__ = ("events", "tokens")
+
+    def __init__(self) -> None:
+        self.events = 0
+        self.tokens = 0
+
+    def add(self, events: list[bytes], k: int, model: str, texts: Texts) -> None:
+        """Count `k` of `events`, picked at random. On the loop, in the relay: a count bounded
+        for the loop (see tokenizer.LOOP_BUDGET)."""
+        sample = _SAMPLER.sample(events, k)
+        self.events += k
+        self.tokens += tokenizer.count_texts(model, texts(sample), tokenizer.LOOP_BUDGET)
+
+
+class OutputEstimate:
+    """The content events of one stream, held for an estimate of its output tokens."""
+
+    __slots__ = ("_fold_rate", "_folded", "_held", "_model", "_rate", "_rated", "_sampled",
+                 "_seen_at", "_seen_list", "_texts", "events")
+
+    def __init__(self, model: str, texts: Texts, *, sampled: bool) -> None:
+        """`texts`: the output texts of the shape's events. `sampled`: the upstream was asked
+        to report the usage, so a fold counts a sample of the events (see the module's note)."""
+        self._model = model
+        self._texts = texts
+        self._sampled = sampled
+        self.events: list[bytes] = []  # the raw content events held
+        self._held = 0  # their bytes
+        self._folded = 0  # the tokens of the events dropped by a fold that counted them whole
+        self._rated = 0  # the events dropped by a fold that counted a sample of them
+        self._fold_rate = _Rate()  # those folds' samples
+        # `so_far`'s running count: the held list it last looked at, how far, and its sample
+        # of the events seen, kept across folds.
+        self._seen_list: list[bytes] | None = None
+        self._seen_at = 0
+        self._rate = _Rate()
+
+    def hold(self, data: bytes) -> None:
+        """Keep one content event."""
+        self.events.append(data)
+        self._held += len(data)
+        if self._held > HOLD_BYTES:
+            self.fold()
+
+    def hold_run(self, events: list[bytes], size: int) -> None:
+        """Keep a run of content events, `size` bytes of data in all."""
+        self.events += events
+        self._held += size
+        if self._held > HOLD_BYTES:
+            self.fold()
+
+    def fold(self) -> None:
+        """Drop the held events, keeping what an estimate needs: their tokens, counted text by
+        text as `tokens` does, or a sample's rate (see the module's note)."""
+        events = self.events
+        if self._sampled:
+            self._fold_rate.add(events, -(-len(events) // SAMPLE), self._model, self._texts)
+            self._rated += len(events)
+        else:
+            self._folded += tokenizer.count_texts(self._model, self._texts(events),
+                                                  tokenizer.LOOP_BUDGET)
+        self.events = []
+        self._held = 0
+
+    def folded_tokens(self) -> int:
+        """The tokens of the events dropped so far."""
+        rated = 0
+        if self._fold_rate.events:
+            rated = round(self._rated * self._fold_rate.tokens / self._fold_rate.events)
+        return self._folded + rated
+
+    def tokens(self, answer: Iterable[str] | None = None) -> int:
+        """The output tokens: those folded and the held events' (or, for an answer that was not
+        streamed, its texts), counted whole. Bounded (see `tokenizer.PROMPT_BUDGET`), but up to
+        a fifth of a second: off the loop."""
+        texts = self._texts(self.events) if answer is None else answer
+        return self.folded_tokens() + tokenizer.count_texts(self._model, texts)
+
+    def so_far(self) -> int:
+        """The output tokens streamed so far: the held events rated at the tokens per event of a
+        random sample of one in `SAMPLE` (as a fold rates a stream whose usage will be
+        reported), plus what was folded. A caller may ask every few events (the `estimate`
+        policy's top-ups) and pays for the new ones only."""
+        events = self.events
+        if events is not self._seen_list:  # folded since: those are in `folded_tokens`
+            self._seen_list, self._seen_at = events, 0
+        fresh = len(events) - self._seen_at
+        if fresh > 0:
+            k, part = divmod(fresh, SAMPLE)
+            if part and _SAMPLER.random() * SAMPLE < part:
+                k += 1
+            if not self._rate.events:
+                k = max(k, 1)
+            if k:
+                self._rate.add(events[self._seen_at:], k, self._model, self._texts)
+            self._seen_at = len(events)
+        held = 0
+        if self._rate.events:
+            held = -(-len(events) * self._rate.tokens // self._rate.events)  # rounded up
+        return self.folded_tokens() + held
