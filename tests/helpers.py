@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,8 +24,10 @@ from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 from redis.typing import KeyT
 
+from proxy.budget.limits import daily_key
 from proxy.config.load import Config, parse_config
 from proxy.pipeline import services as st
+from proxy.protocol.translators import ChatTranslator, parse_body
 from proxy.testing.mock_upstream import MOCK_STATE, MockState
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository: deploy/, grafana/, config/, docs/
@@ -363,3 +365,24 @@ async def timed_client(ask: Callable[[], Awaitable[int]]) -> AsyncIterator[Laten
     finally:
         stop.set()
         await task
+
+
+# --- a user's day and a prompt, as the proxy counts them --------------------------------------
+
+
+async def daily_used(proxy: TestServer, user: str = "alice") -> int:
+    """`user`'s daily_tokens counter today (the budget's clock, UTC), read from the store."""
+    budget = proxy.app[st.SERVICES].budget
+    runtime = proxy.app[st.SERVICES].runtime.current
+    key = daily_key(
+        runtime.config.store.prefix, user, "daily_tokens",
+        datetime.fromtimestamp(budget.clock(), UTC).strftime("%Y%m%d"),
+    )
+    (used,) = await budget.store.read([key])
+    return used
+
+
+def prompt_estimate(messages: list[ChatCompletionMessageParam] = MESSAGES) -> int:
+    """The proxy's own count of a chat request's prompt, as admission reserves it."""
+    body = {"model": "mock-gpt", "messages": messages}
+    return ChatTranslator(parse_body(json.dumps(body).encode())).estimate_prompt_tokens()

@@ -18,10 +18,10 @@ from proxy.budget import limits as lim
 from proxy.config.policy import Price
 from proxy.cost import CostLines
 from proxy.pipeline import services as st
-from proxy.protocol.translators import ChatTranslator, ResponsesTranslator, parse_body
+from proxy.protocol.translators import ResponsesTranslator, parse_body
 from proxy.protocol.usage import Usage
 from proxy.testing.mock_upstream import MOCK_STATE, MockSettings
-from tests.helpers import ALICE_KEY, MESSAGES, sample, scrape, sdk
+from tests.helpers import ALICE_KEY, MESSAGES, daily_used, prompt_estimate, sample, scrape, sdk
 from tests.helpers import ProxiesFactory as Factory
 
 QUOTA = 20_000
@@ -41,29 +41,12 @@ def _alice(policy: str, daily: int, **more: Any) -> dict[str, Any]:
                       "admission": {"policy": policy}, **more}}
 
 
-async def _daily_used(proxy: TestServer) -> int:
-    budget = proxy.app[st.SERVICES].budget
-    runtime = proxy.app[st.SERVICES].runtime.current
-    key = lim.daily_key(
-        runtime.config.store.prefix, "alice", "daily_tokens",
-        datetime.fromtimestamp(budget.clock(), ZoneInfo("UTC")).strftime("%Y%m%d"),
-    )
-    (used,) = await budget.store.read([key])
-    return used
-
-
-def _prompt_estimate() -> int:
-    """The proxy's own estimate of MESSAGES, as it reserves it."""
-    body = {"model": "mock-gpt", "messages": MESSAGES}
-    return ChatTranslator(parse_body(json.dumps(body).encode())).estimate_prompt_tokens()
-
-
 async def test_agent_with_large_max_tokens_is_clamped_not_refused(
     make_proxies: Factory, upstream: TestServer
 ) -> None:
     proxies = await make_proxies(_alice("clamp", QUOTA))
     client = sdk(proxies[-1], ALICE_KEY)
-    prompt = _prompt_estimate()
+    prompt = prompt_estimate()
     raw = await client.chat.completions.with_raw_response.create(
         model="mock-gpt", messages=MESSAGES, max_tokens=ASKED,
     )
@@ -75,7 +58,7 @@ async def test_agent_with_large_max_tokens_is_clamped_not_refused(
     sent = upstream.app[MOCK_STATE].requests[-1].body
     assert sent is not None and sent["max_tokens"] == granted
     assert sent.get("max_completion_tokens", granted) == granted
-    assert await _daily_used(proxies[0]) == completion.usage.total_tokens <= QUOTA
+    assert await daily_used(proxies[0]) == completion.usage.total_tokens <= QUOTA
     metrics = await scrape(proxies[-1])
     assert sample(metrics, "tokenmeter_budget_clamped_requests_total", user="alice",
                   window="daily_tokens") == 1
@@ -95,7 +78,7 @@ async def test_agent_with_large_max_tokens_is_clamped_not_refused(
     left = QUOTA - completion.usage.total_tokens
     assert long.headers["x-tokenmeter-output-clamped"] == f"{ASKED}->{left - prompt}"
     assert done.choices[0].finish_reason == "length"
-    assert await _daily_used(proxies[0]) == QUOTA
+    assert await daily_used(proxies[0]) == QUOTA
     with pytest.raises(openai.RateLimitError) as refused:
         await client.chat.completions.create(model="mock-gpt", messages=MESSAGES,
                                              max_tokens=ASKED)
@@ -118,7 +101,7 @@ async def test_worst_case_refuses_what_clamp_serves(make_proxies: Factory) -> No
         model="mock-gpt", messages=MESSAGES, max_tokens=1000,
     )
     assert "x-tokenmeter-output-clamped" not in raw.headers
-    assert await _daily_used(proxies[0]) <= QUOTA
+    assert await daily_used(proxies[0]) <= QUOTA
     await client.close()
 
 
@@ -173,7 +156,7 @@ async def test_cost_budget_clamps_at_the_output_price(make_proxies: Factory) -> 
         prices=prices,
     )
     client = sdk(proxies[-1], ALICE_KEY)
-    prompt = _prompt_estimate()
+    prompt = prompt_estimate()
     raw = await client.chat.completions.with_raw_response.create(
         model="mock-gpt", messages=MESSAGES, max_tokens=ASKED,
         extra_headers={"x-mock-output-tokens": "50000"},
@@ -248,7 +231,7 @@ async def test_race_for_the_last_tokens(
     last = 5_000
     users = _alice("clamp", last)
     proxies = await make_proxies(users)
-    prompt = _prompt_estimate()
+    prompt = prompt_estimate()
     clients = [sdk(p, ALICE_KEY) for p in proxies]
     results = await asyncio.gather(
         *(_one_stream(clients[i % len(clients)], 1_500) for i in range(200)),
@@ -264,7 +247,7 @@ async def test_race_for_the_last_tokens(
         assert isinstance(body, dict) and body["type"] == "insufficient_quota"
     used = sum(tokens for tokens, _ in served)
     assert used <= last
-    assert await _daily_used(proxies[0]) == used
+    assert await daily_used(proxies[0]) == used
     full = prompt + 1_500
     assert len(served) == last // full + 1
     assert [c for _, c in served].count(True) == 1
@@ -285,7 +268,7 @@ async def test_race_for_the_last_tokens_under_worst_case(
     while its own worst case fitted: the room left after the race is below one worst case."""
     last = 5_000
     proxies = await make_proxies(_alice("worst_case", last))
-    prompt = _prompt_estimate()
+    prompt = prompt_estimate()
     clients = [sdk(p, ALICE_KEY) for p in proxies]
     results = await asyncio.gather(
         *(_one_stream(clients[i % len(clients)], 1_500) for i in range(200)),
@@ -297,7 +280,7 @@ async def test_race_for_the_last_tokens_under_worst_case(
         assert isinstance(exc, openai.RateLimitError), repr(exc)
         assert exc.status_code == 429 and exc.code == "daily_quota_exceeded"
     used = sum(tokens for tokens, _ in served)
-    assert used <= last and await _daily_used(proxies[0]) == used
+    assert used <= last and await daily_used(proxies[0]) == used
     assert len(served) == last // (prompt + 1_500)
     assert not any(clamped for _, clamped in served)
     assert last - used < prompt + 1_500

@@ -23,7 +23,6 @@ from aiohttp.test_utils import TestServer
 from proxy.budget import limits as lim
 from proxy.budget.store_redis import RedisStore
 from proxy.pipeline import services as st
-from proxy.protocol.translators import ChatTranslator, parse_body
 from proxy.server.app import create_app
 from proxy.testing.mock_upstream import MOCK_STATE, MockSettings
 from tests.helpers import (
@@ -31,7 +30,9 @@ from tests.helpers import (
     MESSAGES,
     ServerFactory,
     budget_yaml,
+    daily_used,
     make_config,
+    prompt_estimate,
     sample,
     scrape,
     sdk,
@@ -58,22 +59,6 @@ def _alice(daily: int, **admission: Any) -> dict[str, Any]:
                       "admission": {"policy": "estimate", **admission}}}
 
 
-async def _daily_used(proxy: TestServer) -> int:
-    budget = proxy.app[st.SERVICES].budget
-    runtime = proxy.app[st.SERVICES].runtime.current
-    key = lim.daily_key(
-        runtime.config.store.prefix, "alice", "daily_tokens",
-        datetime.fromtimestamp(budget.clock(), ZoneInfo("UTC")).strftime("%Y%m%d"),
-    )
-    (used,) = await budget.store.read([key])
-    return used
-
-
-def _prompt_estimate() -> int:
-    body = {"model": "mock-gpt", "messages": MESSAGES}
-    return ChatTranslator(parse_body(json.dumps(body).encode())).estimate_prompt_tokens()
-
-
 async def test_non_streamed_request_falls_back_to_clamp(
     make_proxies: Factory, upstream: TestServer
 ) -> None:
@@ -83,12 +68,12 @@ async def test_non_streamed_request_falls_back_to_clamp(
         model="mock-gpt", messages=MESSAGES, max_tokens=ASKED,
     )
     completion = raw.parse()
-    granted = QUOTA - _prompt_estimate()
+    granted = QUOTA - prompt_estimate()
     assert raw.headers["x-tokenmeter-output-clamped"] == f"{ASKED}->{granted}"
     sent = upstream.app[MOCK_STATE].requests[-1].body
     assert sent is not None and sent["max_tokens"] == granted
     assert completion.usage is not None
-    assert await _daily_used(proxies[0]) == completion.usage.total_tokens <= QUOTA
+    assert await daily_used(proxies[0]) == completion.usage.total_tokens <= QUOTA
     await client.close()
 
 
@@ -121,8 +106,8 @@ async def test_agent_stream_is_served_with_an_estimate_not_its_cap(
     assert got == reported == 900
     sent = upstream.app[MOCK_STATE].requests[-1].body
     assert sent is not None and sent["max_tokens"] == ASKED
-    prompt = _prompt_estimate()
-    assert await _daily_used(proxies[0]) == prompt + 900 <= QUOTA
+    prompt = prompt_estimate()
+    assert await daily_used(proxies[0]) == prompt + 900 <= QUOTA
     await client.close()
 
 
@@ -136,7 +121,7 @@ async def test_long_streams_are_topped_up_then_cut_at_the_quota(
     quota = 4_000
     proxies = await make_proxies(_alice(quota, initial_estimate=300))
     client = sdk(proxies[-1], ALICE_KEY)
-    prompt = _prompt_estimate()
+    prompt = prompt_estimate()
     got, reported = await _stream(client, 1_500)
     assert got == reported == 1_500
     used = prompt + 1_500
@@ -198,7 +183,7 @@ async def test_a_teams_monthly_window_ends_a_topped_up_stream(
             if chunk.choices and chunk.choices[0].delta.content:
                 counted += 1
     assert cut.value.code == "monthly_quota_exceeded"
-    charged = _prompt_estimate() + counted
+    charged = prompt_estimate() + counted
     assert 300 < charged <= team_quota
     runtime = proxies[0].app[st.SERVICES].runtime.current
     budget = proxies[0].app[st.SERVICES].budget
@@ -222,7 +207,7 @@ async def test_race_for_the_last_tokens(make_proxies: Factory, store_url: str) -
     quota = 5_000
     proxies = await make_proxies(_alice(quota, initial_estimate=300))
     clients = [sdk(p, ALICE_KEY) for p in proxies]
-    prompt = _prompt_estimate()
+    prompt = prompt_estimate()
 
     async def one(i: int) -> tuple[str, int]:
         counted = 0
@@ -277,7 +262,7 @@ async def test_an_upstream_that_sends_everything_at_once_is_cut_within_its_reser
             if chunk.choices and chunk.choices[0].delta.content:
                 counted += 1
     assert cut.value.code == "daily_quota_exceeded"
-    charged = _prompt_estimate() + counted
+    charged = prompt_estimate() + counted
     assert charged <= quota
     await until(lambda: _charged(proxies[0], charged))
     await client.close()
@@ -286,7 +271,7 @@ async def test_an_upstream_that_sends_everything_at_once_is_cut_within_its_reser
 async def _charged(proxy: TestServer, expected: int) -> bool:
     """The stream's settle is done once the counter shows exactly its charge (the client may
     see the error event before the proxy has settled)."""
-    return await _daily_used(proxy) == expected
+    return await daily_used(proxy) == expected
 
 
 async def test_a_killed_proxys_topped_up_reservation_is_released_by_its_lease(
@@ -306,7 +291,7 @@ async def test_a_killed_proxys_topped_up_reservation_is_released_by_its_lease(
     day = datetime.now(ZoneInfo("UTC")).strftime("%Y%m%d")
     key = lim.daily_key("tokenmeter", "alice", "daily_tokens", day)
     slot = "tokenmeter:{alice}"
-    prompt = _prompt_estimate()
+    prompt = prompt_estimate()
 
     async def used() -> int:
         return int(await r.get(key) or 0)
@@ -454,7 +439,7 @@ async def test_a_bunched_stream_is_cut_at_its_quota_whatever_its_line_ends(
                          users=_alice(quota, initial_estimate=300))
     lf_proxy = await aiohttp_server(create_app(config))
     lf = await _cut_at_the_quota(lf_proxy, "lf")
-    prompt = _prompt_estimate()
+    prompt = prompt_estimate()
     await until(lambda: _charged(lf_proxy, prompt + lf))
     # A fresh proxy (and day) for the stream under test: same quota, same estimate.
     config = make_config(str(bunching_upstream.make_url("/v1")),
