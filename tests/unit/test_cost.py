@@ -7,6 +7,8 @@ import hashlib
 import json
 import random
 
+import pytest
+
 from proxy.budget.limits import reserve_cost
 from proxy.config.policy import Price
 from proxy.cost import CostLines, price_for, price_version, worst_case_nanousd
@@ -158,3 +160,11 @@ def test_price_for_an_exact_name_first_then_the_first_glob_that_matches() -> Non
     assert price_for({"gpt-4o*": table["gpt-4o*"]}, "o1") is None
     assert price_for({}, "gpt-4o") is None
     assert price_for({"GPT-4O*": table["gpt-4o*"]}, "gpt-4o") is None  # case counts
+
+
+def test_cost_lines_of_another_shape_are_a_bug_not_a_shorter_bill() -> None:
+    """One line per kind of price, always: lines that do not pair up with the kinds are a
+    bug to raise, not a metric to write short."""
+    assert CostLines((0, 1, 0, 0, 2), 3).usd() == (("cached_input", 1e-9), ("output", 2e-9))
+    with pytest.raises(ValueError, match="zip"):
+        CostLines((1, 2, 3), 6).usd()
