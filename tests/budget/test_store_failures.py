@@ -125,7 +125,9 @@ async def test_killed_proxy_reservation_is_released(
 ) -> None:
     users = (f'  alice:\n    keys: ["{ALICE_KEY}"]\n    daily_tokens: 100000\n'
              "    max_concurrent_requests: 1\n    max_output_tokens: 50\n")
-    text = _config_text(upstream, own_redis.url, "fail_open", users, lease_seconds=1.5)
+    # A lease long enough that the replica below starts, and is refused, well before it
+    # runs out, even on a loaded machine (1.5 s was not, now and then).
+    text = _config_text(upstream, own_redis.url, "fail_open", users, lease_seconds=4)
     cfg = tmp_path / "tm.yaml"
     cfg.write_text(text)
     served = ServedProxy(cfg, tmp_path / "proxy.log")
