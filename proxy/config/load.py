@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from proxy.config.capture import CaptureConfig
 from proxy.config.ledger import LedgerConfig
 from proxy.config.policy import ConfigModel, Policy
 
@@ -194,6 +195,7 @@ class Config(Policy):
     models: list[ModelRoute] = Field(default_factory=list)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     ledger: LedgerConfig = Field(default_factory=LedgerConfig)
+    capture: CaptureConfig = Field(default_factory=CaptureConfig)
 
     @model_validator(mode="after")
     def _routes(self) -> Config:

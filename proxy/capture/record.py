@@ -1,0 +1,76 @@
+"""A captured request as one frozen value: what the pipeline hands over, what the store keeps
+(compressed JSON), what `tokenmeter captures` shows and exports. docs/capture.md gives the
+format; this module is its one definition."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Body:
+    """Bytes as they went over the wire, decoded as UTF-8 (with replacement), redacted, and cut
+    at `capture.max_body_kb` (`truncated` says so; `size` is the length before the cut)."""
+
+    text: str
+    size: int
+    truncated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEvent:
+    """One SSE event as the client received it (its raw text, redacted) and when: milliseconds
+    after the upstream request was sent."""
+
+    at_ms: float
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Capture:
+    request_id: str  # the ledger row's
+    started_at: float  # unix seconds
+    api: str  # "openai" | "anthropic"
+    path: str  # the route, e.g. "/v1/chat/completions"
+    operation: str  # the ledger's operation ("chat", "messages", ...)
+    user: str | None
+    key_name: str | None
+    team: str | None
+    requested_model: str
+    model: str | None  # sent upstream (after routing and fallback)
+    stream: bool
+    status: int
+    error_class: str  # ErrorClass value; "none" when it succeeded
+    request: Body  # as the client sent it
+    upstream_request: Body | None  # as sent upstream (the cap the proxy wrote), if it was
+    response: Body | None  # a JSON answer (or the upstream's error body) as the client got it
+    events: tuple[StreamEvent, ...] = ()  # a stream's events, bounded like a body
+    events_truncated: bool = False
+    # The reassembled output of a stream: its text, tool calls and reasoning where the API
+    # exposes them.
+    output_text: str | None = None
+    tool_calls: tuple[dict[str, Any], ...] = ()
+    reasoning: str | None = None
+    upstream_error: Body | None = None  # the upstream's error body, when it sent one
+    version: int = field(default=FORMAT_VERSION)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(obj: dict[str, Any]) -> Capture:
+        def body(x: Any) -> Body | None:
+            return None if x is None else Body(**x)
+
+        return Capture(**{
+            **obj,
+            "request": Body(**obj["request"]),
+            "upstream_request": body(obj.get("upstream_request")),
+            "response": body(obj.get("response")),
+            "upstream_error": body(obj.get("upstream_error")),
+            "events": tuple(StreamEvent(**e) for e in obj.get("events", ())),
+            "tool_calls": tuple(obj.get("tool_calls", ())),
+        })
