@@ -14,7 +14,8 @@ from proxy.errors import AuthenticationFailed
 
 DEFAULT_USER = "default"
 # A key's own limits: a key that sets any is counted on counters of its own too.
-_KEY_LIMITS = tuple(f for f in KeyConfig.model_fields if f not in ("key", "name", "admission"))
+_KEY_LIMITS = tuple(f for f in KeyConfig.model_fields
+                    if f not in ("key", "name", "admission", "capture"))
 PASSTHROUGH_LABEL_LIMIT = 1000
 
 
@@ -52,6 +53,7 @@ class UserIndex:
                     team=cfg.team,
                     admission=resolve(key.admission if key is not None else None,
                                       *user_admission),
+                    capture=cfg.capture and (key is None or key.capture),
                 )
         self._passthrough_labels: set[str] = set()
 

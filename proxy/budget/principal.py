@@ -23,3 +23,4 @@ class Principal:
     forward_client_key: bool = False  # pass-through: the client's key is the upstream key
     # How a request whose worst case does not fit is treated: key > user > team > defaults.
     admission: AdmissionRule = WORST_CASE
+    capture: bool = True  # False: the user or the key is marked never-capture

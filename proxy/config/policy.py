@@ -167,6 +167,7 @@ class KeyConfig(Limits):
     key: str
     name: str | None = Field(default=None, pattern=NAME)
     admission: Admission | None = None
+    capture: bool = True  # False: never captured, whatever `capture:` says
 
     @field_validator("key")
     @classmethod
@@ -189,6 +190,7 @@ _KeyEntry = Annotated[
 class UserConfig(Limits):
     keys: list[_KeyEntry] = Field(default_factory=list)
     admission: Admission | None = None
+    capture: bool = True  # False: none of the user's requests is ever captured
     # The team the user's usage is also counted for (and limited by `teams.<team>`, if set).
     # A team need not be listed in `teams`: it is then counted, unlimited, for the books.
     # Its counters and the user's share one Redis Cluster slot, so moving a user into, out of
