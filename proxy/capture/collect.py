@@ -1,0 +1,201 @@
+"""What one request sent and received, kept while it runs for a possible capture.
+
+Capture is decided at settle (a failed request is kept when `errors: always`), so while capture
+is enabled every request keeps its bytes as they pass, each part bounded by `max_body_kb`: the
+client's body, the body sent upstream, and the answer (a JSON body, or a stream's chunks with
+their arrival offsets). Nothing is parsed, decoded or redacted on the request path; `Collected`
+is frozen at settle and turned into a `Capture` off the loop (`record`), where the stream is cut
+into its events and its output reassembled."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.capture.record import Body, Capture, StreamEvent
+from proxy.protocol.sse import SSEDecoder
+
+
+class Collector:
+    """One request's bytes, bounded; owned by the request (written only as its bytes pass)."""
+
+    __slots__ = ("_chunk_bytes", "answer", "chunks", "chunks_cut", "limit", "request",
+                 "upstream")
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit = limit_bytes
+        self.request: tuple[bytes, int] | None = None  # (kept bytes, size as sent)
+        self.upstream: tuple[bytes, int] | None = None
+        self.answer: tuple[bytes, int] | None = None
+        self.chunks: list[tuple[float, bytes]] = []  # (ms after the upstream call, bytes)
+        self.chunks_cut = False
+        self._chunk_bytes = 0
+
+    def _kept(self, data: bytes) -> tuple[bytes, int]:
+        # One slice past the limit: the redaction at record time then sees a secret that the
+        # cut would split, before the text is cut to the limit.
+        return data[: self.limit + 256], len(data)
+
+    def sent(self, raw: bytes) -> None:
+        self.request = self._kept(raw)
+
+    def forwarded(self, body: bytes) -> None:
+        self.upstream = self._kept(body)
+
+    def answered(self, body: bytes) -> None:
+        self.answer = self._kept(body)
+
+    def streamed(self, chunk: bytes, at_ms: float) -> None:
+        if self._chunk_bytes >= self.limit:
+            self.chunks_cut = True
+            return
+        self.chunks.append((at_ms, chunk))
+        self._chunk_bytes += len(chunk)
+
+
+@dataclass(frozen=True, slots=True)
+class Meta:
+    """What a capture says of its request besides its bytes: from the settlement."""
+
+    request_id: str
+    started_at: float
+    api: str
+    path: str
+    operation: str
+    user: str | None
+    key_name: str | None
+    team: str | None
+    requested_model: str
+    model: str | None
+    stream: bool
+    status: int
+    error_class: str
+
+
+
+
+def _body(kept: tuple[bytes, int] | None, limit: int, redact: Callable[[str], str]) -> Body | None:
+    if kept is None:
+        return None
+    data, size = kept
+    text = redact(data.decode("utf-8", "replace"))
+    cut = size > limit or len(text.encode()) > limit
+    if cut:
+        text = text.encode()[:limit].decode("utf-8", "ignore")
+    return Body(text, size, cut)
+
+
+def events_of(chunks: list[tuple[float, bytes]]) -> list[tuple[float, bytes, bytes]]:
+    """The stream's events as (arrival ms of the chunk that completed it, raw bytes, data)."""
+    decoder = SSEDecoder()
+    out: list[tuple[float, bytes, bytes]] = []
+    pending = b""
+    for at_ms, chunk in chunks:
+        buf = pending + chunk
+        start = 0
+        shift = len(pending)
+        for event in decoder.feed(chunk):
+            end = shift + event.end
+            out.append((at_ms, buf[start:end].strip(b"\r\n"), event.data))
+            start = end
+        pending = buf[start:]
+    return out
+
+
+def record(collected: Collector, meta: Meta, redact: Callable[[str], str]) -> Capture:
+    """The capture of a settled request (CPU work: run it off the event loop)."""
+    limit = collected.limit
+    events = events_of(collected.chunks)
+    output = reassemble([data for _, _, data in events])
+    return Capture(
+        request_id=meta.request_id, started_at=meta.started_at, api=meta.api, path=meta.path,
+        operation=meta.operation, user=meta.user, key_name=meta.key_name, team=meta.team,
+        requested_model=meta.requested_model, model=meta.model, stream=meta.stream,
+        status=meta.status, error_class=meta.error_class,
+        request=_body(collected.request, limit, redact) or Body("", 0),
+        upstream_request=_body(collected.upstream, limit, redact),
+        response=_body(collected.answer, limit, redact),
+        events=tuple(StreamEvent(at, redact(raw.decode("utf-8", "replace")))
+                     for at, raw, _ in events),
+        events_truncated=collected.chunks_cut,
+        output_text=None if not meta.stream else redact(output.text),
+        tool_calls=output.tool_calls,
+        reasoning=redact(output.reasoning) if output.reasoning else None,
+        upstream_error=(_body(collected.answer, limit, redact)
+                        if meta.status >= 400 and collected.answer is not None else None),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    text: str
+    tool_calls: tuple[dict[str, Any], ...]
+    reasoning: str
+
+
+def reassemble(datas: list[bytes]) -> Output:
+    """A stream's output from its events' data: OpenAI's chat (`choices[].delta`: content,
+    tool_calls by index, reasoning_content) and Anthropic's Messages (`content_block_delta`:
+    text_delta, input_json_delta, thinking_delta)."""
+    text: list[str] = []
+    reasoning: list[str] = []
+    tools: dict[int, dict[str, Any]] = {}
+    for data in datas:
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            continue  # [DONE], pings
+        if isinstance(obj, dict):
+            _openai_delta(obj, text, reasoning, tools)
+            _anthropic_delta(obj, text, reasoning, tools)
+    calls = tuple(tools[i] for i in sorted(tools))
+    return Output("".join(text), calls, "".join(reasoning))
+
+
+def _openai_delta(obj: dict[str, Any], text: list[str], reasoning: list[str],
+                  tools: dict[int, dict[str, Any]]) -> None:
+    for choice in obj.get("choices") or ():
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if not isinstance(delta, dict):
+            continue
+        if isinstance(delta.get("content"), str):
+            text.append(delta["content"])
+        if isinstance(delta.get("reasoning_content"), str):
+            reasoning.append(delta["reasoning_content"])
+        for call in delta.get("tool_calls") or ():
+            if isinstance(call, dict) and isinstance(call.get("index"), int):
+                _merge_call(tools.setdefault(call["index"], {}), call)
+
+
+def _merge_call(into: dict[str, Any], part: dict[str, Any]) -> None:
+    if part.get("id"):
+        into["id"] = part["id"]
+    fn = part.get("function")
+    if isinstance(fn, dict):
+        if fn.get("name"):
+            into["name"] = fn["name"]
+        if isinstance(fn.get("arguments"), str):
+            into["arguments"] = into.get("arguments", "") + fn["arguments"]
+
+
+def _anthropic_delta(obj: dict[str, Any], text: list[str], reasoning: list[str],
+                     tools: dict[int, dict[str, Any]]) -> None:
+    kind, index = obj.get("type"), obj.get("index")
+    if kind == "content_block_start" and isinstance(index, int):
+        block = obj.get("content_block")
+        if isinstance(block, dict) and block.get("type") == "tool_use":
+            tools[index] = {"id": block.get("id"), "name": block.get("name"), "arguments": ""}
+        return
+    delta = obj.get("delta")
+    if kind != "content_block_delta" or not isinstance(delta, dict):
+        return
+    if delta.get("type") == "text_delta" and isinstance(delta.get("text"), str):
+        text.append(delta["text"])
+    elif delta.get("type") == "thinking_delta" and isinstance(delta.get("thinking"), str):
+        reasoning.append(delta["thinking"])
+    elif (delta.get("type") == "input_json_delta" and isinstance(index, int)
+          and isinstance(delta.get("partial_json"), str)):
+        call = tools.setdefault(index, {"arguments": ""})
+        call["arguments"] = call.get("arguments", "") + delta["partial_json"]

@@ -1,0 +1,92 @@
+"""A request's bytes kept for capture (bounded, unparsed on the request path) and the record
+made of them at settle: the stream cut into its events with their arrival times, the output
+reassembled, every text redacted before it is cut."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from proxy.capture.collect import Collector, Meta, events_of, reassemble, record
+
+META = Meta(request_id="r1", started_at=1.0, api="openai", path="/v1/chat/completions",
+            operation="chat", user="alice", key_name=None, team=None,
+            requested_model="gpt-4o-mini", model="gpt-4o-mini", stream=True, status=200,
+            error_class="none")
+KEY = "sk-proj-0123456789abcdefABCDEF"
+
+
+def _redact(text: str) -> str:
+    return re.sub(r"sk-[A-Za-z0-9_-]{16,}", "[REDACTED]", text)
+
+
+def _chunk(delta: dict[str, object]) -> bytes:
+    obj = {"choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def test_a_stream_is_cut_into_its_events_at_the_time_each_completed() -> None:
+    stream = _chunk({"content": "Hel"}) + _chunk({"content": "lo"}) + b"data: [DONE]\n\n"
+    cut = [stream[:10], stream[10:90], stream[90:]]  # the first event ends at byte 87
+    events = events_of([(1.0, cut[0]), (2.5, cut[1]), (4.0, cut[2])])
+    assert [raw for _, raw, _ in events] == [e for e in stream.split(b"\n\n") if e]
+    assert [at for at, _, _ in events][-1] == 4.0
+    assert events[0][0] == 2.5  # completed by the second chunk
+
+
+def test_the_record_reassembles_redacts_and_bounds() -> None:
+    c = Collector(limit_bytes=1024)
+    c.sent(json.dumps({"messages": [{"role": "user", "content": f"my key is {KEY}"}]}).encode())
+    c.forwarded(b'{"max_tokens": 16}')
+    for i, piece in enumerate(["The key ", KEY, " is secret"]):
+        c.streamed(_chunk({"content": piece}), float(i))
+    capture = record(c, META, _redact)
+    assert KEY not in json.dumps(capture.to_json())
+    assert capture.output_text == "The key [REDACTED] is secret"
+    assert "[REDACTED]" in capture.request.text and not capture.request.truncated
+    assert capture.upstream_request is not None and capture.upstream_request.text.endswith("16}")
+    assert [e.at_ms for e in capture.events] == [0.0, 1.0, 2.0]
+
+
+def test_bodies_and_streams_past_the_limit_are_cut_and_marked() -> None:
+    c = Collector(limit_bytes=100)
+    c.sent(b"x" * 1000)
+    for i in range(50):
+        c.streamed(_chunk({"content": "word "}), float(i))
+    capture = record(c, META, _redact)
+    assert capture.request.truncated and capture.request.size == 1000
+    assert len(capture.request.text) == 100
+    assert capture.events_truncated and len(c.chunks) < 50
+
+
+def test_a_secret_cut_by_the_limit_is_still_redacted() -> None:
+    c = Collector(limit_bytes=20)
+    c.sent(b"0123456789 " + KEY.encode())  # the key straddles the limit
+    capture = record(c, META, _redact)
+    assert "sk-proj" not in capture.request.text
+
+
+def test_openai_and_anthropic_outputs_are_reassembled_with_tool_calls_and_reasoning() -> None:
+    openai = [json.dumps(x).encode() for x in (
+        {"choices": [{"delta": {"reasoning_content": "think "}}]},
+        {"choices": [{"delta": {"content": "Hi"}}]},
+        {"choices": [{"delta": {"tool_calls": [{"index": 0, "id": "c1", "function": {
+            "name": "f", "arguments": "{\"a\""}}]}}]},
+        {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {
+            "arguments": ": 1}"}}]}}]},
+    )] + [b"[DONE]"]
+    out = reassemble(openai)
+    assert (out.text, out.reasoning) == ("Hi", "think ")
+    assert out.tool_calls == ({"id": "c1", "name": "f", "arguments": "{\"a\": 1}"},)
+    anthropic = [json.dumps(x).encode() for x in (
+        {"type": "content_block_delta", "index": 0,
+         "delta": {"type": "thinking_delta", "thinking": "hmm"}},
+        {"type": "content_block_delta", "index": 1, "delta": {"type": "text_delta", "text": "Yo"}},
+        {"type": "content_block_start", "index": 2,
+         "content_block": {"type": "tool_use", "id": "t1", "name": "g"}},
+        {"type": "content_block_delta", "index": 2,
+         "delta": {"type": "input_json_delta", "partial_json": "{}"}},
+    )]
+    out = reassemble(anthropic)
+    assert (out.text, out.reasoning) == ("Yo", "hmm")
+    assert out.tool_calls == ({"id": "t1", "name": "g", "arguments": "{}"},)
