@@ -283,6 +283,17 @@ class LedgerStage(enum.Enum):
     ROW = "row"  # the database refused one row (it is dropped; the others are stored)
 
 
+class CaptureDrop(enum.Enum):
+    QUEUE_FULL = "queue_full"  # capture.queue_max captures were already waiting
+    STORE = "store"  # the capture store failed to take a batch (it is not retried)
+
+
+class CaptureStage(enum.Enum):
+    RECORD = "record"  # building a capture from a request's bytes
+    STORE = "store"  # writing a batch into the capture store
+    RETENTION = "retention"  # deleting captures past capture.retention_days
+
+
 class Metrics:
     """Every collector of one app, updated only through the verbs below: each says what
     happened in the domain's words and names its labels, so no caller depends on label order."""
@@ -522,6 +533,20 @@ class Metrics:
             "tokenmeter_ledger_up", "1 when the last write to the ledger database succeeded.",
             registry=r, multiprocess_mode="livemin",
         )
+        self._captures = _Counter(
+            "tokenmeter_captures", "Requests captured whole (capture:), stored.", registry=r,
+        )
+        self._capture_bytes = _Counter(
+            "tokenmeter_capture_bytes", "Bytes of captures stored (compressed).", registry=r,
+        )
+        self._captures_dropped = _Counter(
+            "tokenmeter_captures_dropped",
+            "Captures lost: the queue was full, or the capture store failed to take them.",
+            ("reason",), registry=r,
+        )
+        self._capture_errors = _Counter(
+            "tokenmeter_capture_errors", "Capture failures by stage.", ("stage",), registry=r,
+        )
         self._reconcile_drift = _Gauge(
             "tokenmeter_reconcile_drift_tokens",
             "Ledger total minus the store's counter, beyond what requests in flight explain, "
@@ -652,6 +677,17 @@ class Metrics:
 
     def ledger_dropped(self, rows: int) -> None:
         self._ledger_dropped.inc(rows)
+
+    # --- capture ---------------------------------------------------------------------------
+    def captured(self, count: int, stored_bytes: int) -> None:
+        self._captures.inc(count)
+        self._capture_bytes.inc(stored_bytes)
+
+    def capture_dropped(self, reason: CaptureDrop, count: int = 1) -> None:
+        self._captures_dropped.labels(reason.value).inc(count)
+
+    def capture_failed(self, stage: CaptureStage) -> None:
+        self._capture_errors.labels(stage.value).inc()
 
     def reconciled(self, drift_by_window: dict[str, int], orphans: int) -> None:
         for window, drift in drift_by_window.items():
