@@ -9,7 +9,9 @@ into its events and its output reassembled."""
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,11 +23,12 @@ from proxy.protocol.sse import SSEDecoder
 class Collector:
     """One request's bytes, bounded; owned by the request (written only as its bytes pass)."""
 
-    __slots__ = ("_chunk_bytes", "answer", "chunks", "chunks_cut", "limit", "request",
-                 "upstream")
+    __slots__ = ("_chunk_bytes", "answer", "api", "chunks", "chunks_cut", "limit", "path",
+                 "request", "upstream")
 
-    def __init__(self, limit_bytes: int) -> None:
+    def __init__(self, limit_bytes: int, api: str = "openai", path: str = "") -> None:
         self.limit = limit_bytes
+        self.api, self.path = api, path  # the client's API shape and route
         self.request: tuple[bytes, int] | None = None  # (kept bytes, size as sent)
         self.upstream: tuple[bytes, int] | None = None
         self.answer: tuple[bytes, int] | None = None
@@ -53,6 +56,25 @@ class Collector:
             return
         self.chunks.append((at_ms, chunk))
         self._chunk_bytes += len(chunk)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(patterns: tuple[str, ...]) -> tuple[re.Pattern[str], ...]:
+    # Each on its own, not one alternation: a pattern may carry its own global flags.
+    return tuple(re.compile(p) for p in patterns)
+
+
+def redactor(patterns: list[str]) -> Callable[[str], str]:
+    """`capture.redact` as one function: every match replaced by `[REDACTED]` (compiled once
+    per pattern list)."""
+    compiled = _compiled(tuple(patterns))
+
+    def redact(text: str) -> str:
+        for pattern in compiled:
+            text = pattern.sub("[REDACTED]", text)
+        return text
+
+    return redact
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ import aiohttp
 
 from proxy.budget.accounting import Reservation
 from proxy.budget.principal import Principal
+from proxy.capture.collect import Collector
 from proxy.errors import ErrorClass
 from proxy.pipeline import counting
 from proxy.pipeline.services import Runtime
@@ -108,6 +109,7 @@ class Settlement:
     meter: RequestMeter
     fallback_from: str | None
     attempts: int
+    collected: Collector | None = None  # its bytes, when capture is enabled
 
     @property
     def model(self) -> str:
@@ -139,13 +141,16 @@ class Outcome:
 
     __slots__ = ("_answered", "_attempts", "_candidacy", "_context", "_error_class",
                  "_fallback_from", "_in_flight", "_model", "_principal", "_status", "_stream",
-                 "meter", "operation", "request_id", "runtime")
+                 "collector", "meter", "operation", "request_id", "runtime")
 
     def __init__(self, request_id: str, operation: str, meter: RequestMeter) -> None:
         self.request_id = request_id
         self.operation = operation
         self.meter = meter
         self.runtime: Runtime | None = None
+        # The request's bytes, kept for a possible capture (capture.enabled), else None: the
+        # relay and the handler append to it as the bytes pass; settle decides.
+        self.collector: Collector | None = None
         self._principal: Principal | None = None
         self._model = ""
         self._stream = False
@@ -253,4 +258,5 @@ class Outcome:
             meter=self.meter,
             fallback_from=self._fallback_from,
             attempts=self._attempts,
+            collected=self.collector,
         )

@@ -33,6 +33,7 @@ from proxy.budget.admission import Ask
 from proxy.budget.estimate import hides_output
 from proxy.budget.refusals import Refused
 from proxy.budget.store import ScopeKind
+from proxy.capture.collect import Collector
 from proxy.errors import (
     AuthenticationFailed,
     ErrorClass,
@@ -147,7 +148,13 @@ async def admit(request: web.Request, svc: Services, shape: type[Translator],
     outcome.configured(runtime)  # the version this request runs under, start to end
     principal = runtime.users.authenticate(request)
     outcome.authenticated(principal)
-    parsed = await _parse(request, await _read(request, runtime.config.server.max_body_mb))
+    raw = await _read(request, runtime.config.server.max_body_mb)
+    capture = runtime.config.capture
+    if capture.enabled:  # kept for settle, which decides whether the request is captured
+        outcome.collector = Collector(capture.max_body_kb * 1024, shape.upstream_api,
+                                      "/v1" + shape.path)
+        outcome.collector.sent(raw)
+    parsed = await _parse(request, raw)
     outcome.read(parsed)
     if parsed.stream and not shape.streams:
         raise InvalidRequest(f"{shape.path} does not support streaming", param="stream")
@@ -302,6 +309,8 @@ async def _call(request: web.Request, ctx: RequestContext, svc: Services, outcom
     `UpstreamUnavailable` when no answer came."""
     upstream, translator = candidacy.route.upstream, candidacy.translator
     body = translator.upstream_body(candidacy.reservation.upstream_cap)
+    if outcome.collector is not None:
+        outcome.collector.forwarded(body)
     headers = upstream_request_headers(
         request.headers, upstream,
         client_key=client_key(request) if ctx.principal.forward_client_key else None,

@@ -20,6 +20,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.budget.refusals import QuotaEnded
+from proxy.capture.collect import Collector
 from proxy.errors import (
     ErrorClass,
     ProxyError,
@@ -93,6 +94,8 @@ async def _relay_body(attempt: Attempt, outcome: Outcome) -> web.StreamResponse:
             body = await up.read()
     if up.status < 300:  # an error's class was decided as it came (attempts.answer_class)
         attempt.translator.on_body(body)
+    if outcome.collector is not None:
+        outcome.collector.answered(body)
     headers = _client_headers(attempt, outcome.request_id)
     return web.Response(status=up.status, body=body, headers=headers)
 
@@ -114,7 +117,11 @@ async def _relay_stream(
         return resp
     tap = StreamTap(translator, outcome.meter,
                     on_error=svc.metrics.metering_failure_counter(MeteringStage.STREAM))
-    stream = Stream(resp, watch, tap, translator, outcome, lambda: _abort(request))
+    # Capture enabled: the bytes written to the client are also kept, with their times. The
+    # wrapper is there only then; the hot path of a stream without capture is untouched.
+    writer: Writer = resp if outcome.collector is None else Kept(
+        resp, outcome.collector, outcome.meter.upstream_start or time.perf_counter())
+    stream = Stream(writer, watch, tap, translator, outcome, lambda: _abort(request))
     # Under `admission: estimate`: the reservation grows as the stream runs (proxy.pipeline.
     # topup); between its checks the loop pays one comparison per chunk.
     topups = TopUps.for_stream(svc.budget, attempt.candidacy.reservation, translator,
@@ -163,6 +170,20 @@ class Writer(Protocol):
     """Where a stream's bytes go: the client's `web.StreamResponse`."""
 
     async def write(self, data: bytes) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """A client's writer whose bytes are also kept for capture: each write, with its time in
+    milliseconds after the upstream request was sent (a replay keeps the stream's pacing)."""
+
+    resp: Writer
+    collector: Collector
+    since: float  # perf_counter() when the upstream request was sent
+
+    async def write(self, data: bytes) -> None:
+        self.collector.streamed(data, (time.perf_counter() - self.since) * 1000)
+        await self.resp.write(data)
 
 
 class Checks(Protocol):

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from proxy.auth import UserIndex
 from proxy.budget.accounting import Budget
+from proxy.capture.writer import CaptureWriter
 from proxy.config.load import Config
 from proxy.config.policy import Price
 from proxy.cost import price_for
@@ -101,6 +102,7 @@ class Services:
     watchdog: Watchdog
     ledger: Ledger | None  # None: ledger.enabled is false
     auth_failures: AuthFailureLog = field(default_factory=AuthFailureLog)
+    capture: CaptureWriter | None = None  # None: capture is off (capture.enabled is false)
 
 
 SERVICES = web.AppKey("services", Services)

@@ -13,9 +13,13 @@ its key gets no row and no line of its own (see `settle`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
+from proxy.capture.collect import Meta, redactor
+from proxy.capture.collect import record as make_capture
+from proxy.capture.policy import Subject, wanted
 from proxy.config.policy import Price
 from proxy.cost import CostLines
 from proxy.errors import ErrorClass
@@ -25,7 +29,7 @@ from proxy.pipeline.context import Settlement
 from proxy.pipeline.services import Runtime, Services
 from proxy.protocol.usage import Usage
 from proxy.telemetry.accesslog import log_request
-from proxy.telemetry.metrics import MeteringStage, Metrics, RequestRecord
+from proxy.telemetry.metrics import CaptureStage, MeteringStage, Metrics, RequestRecord
 
 log = logging.getLogger("tokenmeter.settle")
 
@@ -64,6 +68,8 @@ async def settle(done: Settlement, svc: Services) -> None:
             svc.auth_failures.failed(done.request_id, done.operation)
         else:
             log_request(record)
+            if done.collected is not None and svc.capture is not None:
+                await _capture(done, record, runtime, svc)
     except Exception:
         # Loud, never silent: a request whose usage we could not record is a billing hole.
         metrics.metering_failed(MeteringStage.SETTLE)
@@ -117,3 +123,31 @@ def _book(ledger: Ledger, record: RequestRecord, metrics: Metrics) -> None:
         # A row that could not even be made: the books miss this request. Loud.
         metrics.metering_failed(MeteringStage.LEDGER)
         log.exception("failed to make the ledger row of request %s", record.request_id)
+
+
+async def _capture(done: Settlement, record: RequestRecord, runtime: Runtime,
+                   svc: Services) -> None:
+    """The request kept whole, when `capture:` wants it: made off the loop (the stream cut
+    into events, every text redacted and bounded) and queued for the capture store. A failure
+    here loses the capture, never the request's books: counted, logged, and that is all."""
+    collected, writer = done.collected, svc.capture
+    assert collected is not None and writer is not None
+    cfg = runtime.config.capture
+    principal = done.principal
+    subject = Subject(user=record.user, key_name=record.key, team=record.team,
+                      model=done.request_model, failed=done.error_class is not ErrorClass.NONE,
+                      allowed=principal.capture if principal is not None else True)
+    if not wanted(cfg, subject, svc.rng.random()):
+        return
+    meta = Meta(request_id=done.request_id, started_at=record.ended_at - record.figures.duration,
+                api=collected.api, path=collected.path, operation=done.operation,
+                user=record.user, key_name=record.key, team=record.team,
+                requested_model=done.request_model, model=record.sent_model, stream=done.stream,
+                status=done.status, error_class=done.error_class.value)
+    try:
+        capture = await asyncio.to_thread(make_capture, collected, meta, redactor(cfg.redact))
+    except Exception:
+        svc.metrics.capture_failed(CaptureStage.RECORD)
+        log.exception("failed to make the capture of request %s", done.request_id)
+        return
+    writer.offer(capture)
