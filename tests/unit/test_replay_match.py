@@ -21,7 +21,7 @@ CHAT = "/v1/chat/completions"
 HELLO = [{"role": "user", "content": "hello"}]
 
 
-def line(messages: Any = HELLO, path: str = CHAT, stream: bool = False, **response: Any) -> str:
+def line(messages: Any = HELLO, path: str = CHAT, stream: Any = False, **response: Any) -> str:
     answer = {"status": 200, "body": {"id": "x"}, "events": [], **response}
     return json.dumps({"request_id": "r", "api": "openai", "path": path, "model": "m",
                        "messages": messages, "stream": stream, "request": {},
