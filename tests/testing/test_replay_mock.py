@@ -18,6 +18,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 from openai.types.chat import ChatCompletionMessageParam
 
+from proxy.cli import main
 from proxy.server.app import create_app
 from proxy.testing.replay import create_replay_app, load_recordings
 from tests.helpers import make_config, sample, scrape, sdk, settled
@@ -27,6 +28,7 @@ ServerFactory = Callable[..., Coroutine[Any, Any, TestServer]]
 
 ASK_JSON: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is replay?"}]
 ASK_STREAM: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Count to three."}]
+ASK_LIMITED: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Too many?"}]
 ASK_CLAUDE: list[anthropic.types.MessageParam] = [{"role": "user", "content": "Say hi."}]
 ANSWER = "Replay answers with what was recorded."
 PIECES = ("One", ", two", ", three", ".")
@@ -89,12 +91,15 @@ JSON_BODY = {
                                          "finish_reason": "stop", "logprobs": None}],
     "usage": {"prompt_tokens": 12, "completion_tokens": 7, "total_tokens": 19},
 }
+LIMITED = {"error": {"message": "Rate limit reached (recorded).", "type": "requests",
+                     "param": None, "code": "rate_limit_exceeded"}}
 LINES = [
     _line("/v1/chat/completions", ASK_JSON, False,
           {"status": 200, "body": JSON_BODY, "events": [], "output_text": ANSWER}),
     _line("/v1/chat/completions", ASK_STREAM, True,
           {"status": 200, "body": None, "events": _timed(CHAT_EVENTS),
            "output_text": "".join(PIECES)}),
+    _line("/v1/chat/completions", ASK_LIMITED, False, {"status": 429, "body": LIMITED, "events": []}),
     _line("/v1/messages", ASK_CLAUDE, True,
           {"status": 200, "body": None, "events": _timed(CLAUDE_EVENTS),
            "output_text": "".join(CLAUDE_PIECES)}),
@@ -136,6 +141,14 @@ async def test_a_recorded_json_answer_is_replayed_whatever_the_model(replay: Tes
         reply = await client.chat.completions.create(model="another-model", messages=ASK_JSON)
     assert reply.choices[0].message.content == ANSWER
     assert reply.model_dump(exclude_unset=True) == JSON_BODY
+
+
+async def test_a_recorded_error_is_replayed_with_its_status(replay: TestServer) -> None:
+    async with openai_client(base_of(replay)) as client:
+        with pytest.raises(openai.RateLimitError) as caught:
+            await client.chat.completions.create(model="m", messages=ASK_LIMITED)
+    assert caught.value.status_code == 429
+    assert caught.value.body == LIMITED["error"]
 
 
 async def test_a_recorded_stream_arrives_byte_for_byte(replay: TestServer) -> None:
@@ -222,6 +235,15 @@ async def test_the_replay_subcommand_serves_the_file(served_replay: str) -> None
         assert time.monotonic() - started >= SPAN_MS / 1000  # --speed 1: as recorded
         with pytest.raises(openai.NotFoundError, match="No recorded request matches"):
             await client.chat.completions.create(model="m", messages=ASK_CLAUDE)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("speed", ["-1", "nan", "fast"])
+def test_the_replay_speed_is_a_number_not_below_zero(speed: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["mock-upstream", "--replay", "any.jsonl", "--speed", speed])
+    assert caught.value.code == 2
+    assert "not a speed" in capsys.readouterr().err
 
 
 def test_the_replay_subcommand_refuses_a_bad_line_with_its_number(tmp_path: Path) -> None:
