@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -453,6 +454,10 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--delay-ms", type=float, default=0.0, help="delay before response headers")
     m.add_argument("--stall-after", type=int, default=None, help="hang after N tokens")
     m.add_argument("--reset-after", type=int, default=None, help="reset connection after N tokens")
+    m.add_argument("--replay", metavar="FILE", help="answer with the recorded answers of a "
+                   "`captures export --format jsonl` file instead (docs/capture.md)")
+    m.add_argument("--speed", type=_speed_arg, default=1.0, metavar="N",
+                   help="with --replay: stream N times as fast as recorded; 0: no pacing")
 
     c = sub.add_parser("check-config", help="validate a configuration file")
     c.add_argument("file")
@@ -475,6 +480,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_reconcile(args)
     if args.command == "bench":
         return run_bench(args)
+    if args.command == "mock-upstream" and args.replay is not None:
+        return _replay_upstream(args)
     if args.command == "mock-upstream":
         from proxy.testing.mock_upstream import MockSettings, run_mock
 
@@ -526,6 +533,28 @@ def _serve_command(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=_loop_factory()) as r:
         r.run(_serve(config, options))
     return 0
+
+
+def _replay_upstream(args: argparse.Namespace) -> int:
+    from proxy.testing.replay import ReplayFileError, load_recordings, run_replay
+
+    try:
+        recordings = load_recordings(Path(args.replay))
+    except ReplayFileError as exc:
+        print(f"{args.replay}: {exc}", file=sys.stderr)
+        return 2
+    run_replay(recordings, args.speed, args.host, args.port)
+    return 0
+
+
+def _speed_arg(text: str) -> float:
+    try:
+        speed = float(text)
+    except ValueError:
+        speed = math.nan
+    if not (math.isfinite(speed) and speed >= 0):
+        raise argparse.ArgumentTypeError(f"not a speed (a number, 0 or more): {text!r}")
+    return speed
 
 
 def _workers_arg(text: str) -> int | Literal["auto"]:
