@@ -1,4 +1,4 @@
-"""The ledger's and reconcile's alert rules (deploy/prometheus/rules/ledger.rules.yml).
+"""The ledger's, reconcile's and capture's alert rules (deploy/prometheus/rules/ledger.rules.yml).
 
 - `promtool check rules` and the rules' unit tests (`promtool test rules`), which show every
   alert firing and staying quiet, and a healthy, an idle and a ledger-off replica quiet.
@@ -28,7 +28,7 @@ from aiohttp.test_utils import TestServer
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.telemetry.metrics import LedgerStage, Metrics
+from proxy.telemetry.metrics import CaptureDrop, LedgerStage, Metrics
 from tests.helpers import ROOT, ServerFactory
 from tests.servers import Prometheus, running_prometheus
 
@@ -40,7 +40,7 @@ RULES_TEST = PROM_DIR / "rules" / "ledger.rules.test.yml"
 ALERTS = frozenset({
     "TokenmeterLedgerDown", "TokenmeterLedgerSpoolGrowing", "TokenmeterLedgerLagging",
     "TokenmeterLedgerRowsDropped", "TokenmeterLedgerRetentionFailing",
-    "TokenmeterReconcileDrift", "TokenmeterReconcileOrphans",
+    "TokenmeterReconcileDrift", "TokenmeterReconcileOrphans", "TokenmeterCapturesDropped",
 })
 # Labels Prometheus adds to every scraped series; the rest must come from the exporter.
 TARGET_LABELS = frozenset({"job", "instance"})
@@ -133,6 +133,9 @@ def exported() -> dict[str, frozenset[str]]:
         m.ledger_failed(stage)
     m.ledger_dropped(1)
     m.reconciled({"daily_tokens": 0}, 0)
+    m.captured(1, 100)
+    for reason in CaptureDrop:
+        m.capture_dropped(reason)
     text = generate_latest(m.registry).decode()
     out: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(text):
@@ -194,6 +197,7 @@ class Outage:
         self.metrics.ledger_dropped(1)
         self.metrics.ledger_failed(LedgerStage.RETENTION)
         self.metrics.reconciled({"daily_tokens": 120, "monthly_tokens": 0}, 3)
+        self.metrics.capture_dropped(CaptureDrop.QUEUE_FULL)
 
 
 async def exporter(aiohttp_server: ServerFactory, metrics: Metrics, on_scrape: Any) -> TestServer:
