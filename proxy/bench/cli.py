@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from proxy.bench.client import ERROR_CLASSES, Api, Endpoint, RequestSpec
-from proxy.bench.plot import PlotFormatError, write_plot
+from proxy.bench.page import write_plot
+from proxy.bench.plot import PlotFormatError
 from proxy.bench.report import ProgressBar, render, to_csv, to_json, write_text
 from proxy.bench.runner import BenchConfig, BenchResult, run_bench
 from proxy.bench.stats import parse_slo
