@@ -5,9 +5,11 @@ attached to a ticket and opens the same offline. Top to bottom:
 
 - headline cards, one per endpoint: requests, errors, peak output tokens/s and, at that load,
   TTFT, ITL and E2E p50/p99 (and goodput when an SLO was given);
-- with two endpoints (`--compare`), "B over A": the latency B adds over A per load level, a bar
-  for the median's difference (B p50 - A p50) with a whisker from the p10's difference to the
-  p90's (the quantiles LevelStats keeps), then the same figures as a table;
+- with two endpoints (`--compare`), the added latency: what the base endpoint (`--base-url`,
+  the gateway in the README's run) adds over the `--compare` one (direct), per load level. The
+  sign is the terminal table's and `Comparison.deltas`' (base - compare), so the page and the
+  table never disagree. A bar for the medians' difference with a whisker from the p10s'
+  difference to the p90s' (the quantiles LevelStats keeps), then the same figures as a table;
 - a full-width grid of charts against the load (and the prompt size when that was swept);
 - the answers side by side (`answers`, see `render_answers`), only when given;
 - the terminal report, folded.
@@ -72,8 +74,8 @@ DELTA_METRICS: tuple[tuple[str, str], ...] = (
 
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """B - A of one latency at one (load, prompt size), milliseconds: the medians' difference
-    and the p10's and p90's differences ordered into a low..high spread."""
+    """Base - compare of one latency at one (load, prompt size), milliseconds: the medians'
+    difference and the p10s' and p90s' differences ordered into a low..high spread."""
 
     load: float
     prompt_tokens: int
@@ -132,7 +134,7 @@ def render_headline(levels: Sequence[LevelStats]) -> str:
 
 
 def deltas(levels: Sequence[LevelStats], metric: str) -> list[Delta]:
-    """B - A of `metric` ("ttft", "itl", "e2e") at every (load, prompt) both endpoints ran."""
+    """Base - compare of `metric` ("ttft", "itl", "e2e") at each (load, prompt) both ran."""
     eps = endpoints_of(levels)
     if len(eps) != 2:
         return []
@@ -144,8 +146,8 @@ def deltas(levels: Sequence[LevelStats], metric: str) -> list[Delta]:
             continue
         da: Dist = getattr(a, metric)
         db: Dist = getattr(b, metric)
-        lo, hi = (db.p10 - da.p10) * 1e3, (db.p90 - da.p90) * 1e3
-        out.append(Delta(a.load, a.prompt_tokens, (db.p50 - da.p50) * 1e3,
+        lo, hi = (da.p10 - db.p10) * 1e3, (da.p90 - db.p90) * 1e3
+        out.append(Delta(a.load, a.prompt_tokens, (da.p50 - db.p50) * 1e3,
                          min(lo, hi), max(lo, hi)))
     return out
 
@@ -220,21 +222,22 @@ def _delta_table(levels: Sequence[LevelStats], a: str, b: str) -> str:
 
 
 def render_deltas(levels: Sequence[LevelStats]) -> str:
-    """The "B over A" section; empty unless exactly two endpoints ran."""
+    """The added-latency section; empty unless exactly two endpoints ran."""
     eps = endpoints_of(levels)
     if len(eps) != 2:
         return ""
-    a, b = eps
+    base, other = eps
     charts = "".join(
-        f'<div class="chart">{_delta_svg(f"{name}: {b} - {a}, ms", deltas(levels, m), color)}'
+        f'<div class="chart">{_delta_svg(f"{name}: {base} - {other}, ms", deltas(levels, m), c)}'
         "</div>"
-        for (m, name), color in zip(DELTA_METRICS, COLORS[2:], strict=False))
-    return (f'<section id="deltas"><h2>B over A: latency {escape(b)} adds over '
-            f"{escape(a)}</h2><p class=\"note\">Bar: difference of the medians (B p50 - A p50) "
-            "per load level; whisker: from the difference of the p10s to that of the p90s. "
-            "Below zero: B is faster.</p>"
-            f'<div class="grid">{charts}</div><h2>B over A, figures</h2>'
-            f"{_delta_table(levels, a, b)}</section>")
+        for (m, name), c in zip(DELTA_METRICS, COLORS[2:], strict=False))
+    return (f'<section id="deltas"><h2>Added latency: {escape(base)} over {escape(other)}</h2>'
+            f'<p class="note">{escape(base)} (--base-url) minus {escape(other)} (--compare), '
+            "as in the terminal table. Bar: difference of the medians per load level; whisker: "
+            "from the difference of the p10s to that of the p90s. Below zero: "
+            f"{escape(base)} is faster.</p>"
+            f'<div class="grid">{charts}</div><h2>Added latency, figures</h2>'
+            f"{_delta_table(levels, base, other)}</section>")
 
 
 def render_charts(levels: Sequence[LevelStats]) -> str:

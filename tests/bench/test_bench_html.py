@@ -12,7 +12,6 @@ import json
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -63,15 +62,12 @@ async def run_cli(*args: str) -> None:
     assert proc.returncode == 0, stderr.decode()
 
 
-def level(data: dict[str, Any], endpoint: str, load: float) -> dict[str, Any]:
-    return next(lv for lv in data["levels"] if lv["endpoint"] == endpoint and lv["load"] == load)
-
-
 async def test_compare_page_in_chromium(aiohttp_server: ServerFactory, tmp_path: Path) -> None:
-    # B's upstream answers 40 ms later than A's: the page must show TTFT added by B.
-    url_a, url_b = await mock(aiohttp_server, 5), await mock(aiohttp_server, 45)
-    await run_cli("--base-url", url_a, "--label", "direct", "--compare", url_b,
-                  "--compare-label", "gate<b>way</b>", "--model", HOSTILE_MODEL,
+    # The gateway's upstream answers 40 ms later than direct's: the page must show the TTFT
+    # the gateway (--base-url) adds over direct (--compare).
+    url_gw, url_direct = await mock(aiohttp_server, 45), await mock(aiohttp_server, 5)
+    await run_cli("--base-url", url_gw, "--label", "gate<b>way</b>", "--compare", url_direct,
+                  "--compare-label", "direct", "--model", HOSTILE_MODEL,
                   "--concurrency", "1,2", "--requests", "4", "--prompt-tokens", "8",
                   "--warmup", "0", "--slo", "ttft=1s", "--json", str(tmp_path / "r.json"),
                   "--plot", str(tmp_path / "report.html"))
@@ -79,19 +75,23 @@ async def test_compare_page_in_chromium(aiohttp_server: ServerFactory, tmp_path:
     dom = await browse(tmp_path / "report.html", tmp_path)
 
     assert (tmp_path / "page.png").stat().st_size > 20_000  # a rendered page, not a blank one
-    # Headline: both endpoints, their request counts and TTFT p50 as the page formats it.
+    # Headline: both endpoints, their request counts, latency and goodput rows.
     headline = dom[dom.index('id="headline"'):dom.index('id="deltas"')]
-    for ep in ("direct", "gate&lt;b&gt;way&lt;/b&gt;"):
+    gw = "gate&lt;b&gt;way&lt;/b&gt;"
+    for ep in (gw, "direct"):
         assert f"<h3>{ep}</h3>" in headline
     assert headline.count("<dd>8</dd>") == 2  # requests: 2 levels x 4
-    assert "TTFT p50 / p99" in headline and "goodput" in headline
-    # B over A: the three latency charts, and the table's TTFT median delta from the JSON.
+    for row in ("throughput", "TTFT p50 / p99", "ITL p50 / p99", "E2E p50 / p99", "goodput"):
+        assert headline.count(f"<dt>{row}</dt>") == 2
+    # Added latency: the three charts, and the table's TTFT median difference, which is the
+    # run's own comparison (the terminal table's sign: base - compare).
     deltas = dom[dom.index('id="deltas"'):dom.index('id="charts"')]
+    assert f"Added latency: {gw} over direct" in deltas
     for name in ("TTFT", "ITL", "E2E"):
-        assert f"{name}: gate&lt;b&gt;way&lt;/b&gt; - direct, ms" in deltas
-    for load in (1, 2):
-        a, b = level(data, "direct", load), level(data, "gate<b>way</b>", load)
-        added_ms = (b["ttft"]["p50"] - a["ttft"]["p50"]) * 1e3
+        assert f"{name}: {gw} - direct, ms" in deltas
+    assert [c["load"] for c in data["comparisons"]] == [1, 2]
+    for c in data["comparisons"]:
+        added_ms = c["deltas"]["ttft_p50"] * 1e3
         assert added_ms > 30  # 40 ms apart upstream; a loaded box only blurs it
         assert f"<td>{added_ms:+.3f}</td>" in deltas
     # User text is text: no script element came from the model name.
