@@ -154,7 +154,7 @@ def deltas(levels: Sequence[LevelStats], metric: str) -> list[Delta]:
 
 def _delta_svg(title: str, rows: Sequence[Delta], color: str) -> str:
     """Bars of the median difference from a zero line, whiskers low..high; x: the levels."""
-    w, h, left, top, bottom = 420, 240, 70, 34, 46
+    w, h, left, top, bottom = 420, 250, 70, 44, 46
     pw, ph = w - left - 20, h - top - bottom
     finite = [v for d in rows for v in (d.median, d.low, d.high) if math.isfinite(v)]
     hi, lo = max([0.0, *finite]), min([0.0, *finite])
@@ -194,8 +194,10 @@ def _delta_svg(title: str, rows: Sequence[Delta], color: str) -> str:
             out.append(f'<path d="M{cx:.1f},{py(d.low):.1f}V{py(d.high):.1f}'
                        f'M{cx - 8:.1f},{py(d.low):.1f}h16M{cx - 8:.1f},{py(d.high):.1f}h16" '
                        f'stroke="#222" stroke-width="1.5" fill="none"/>')
-        out.append(f'<text x="{cx:.1f}" y="{y0 - 4:.1f}" text-anchor="middle" '
-                   f'font-weight="bold">{d.median:+.3g}</text>')
+        # The value at the bar's far end from zero: above a rise, below a drop.
+        ty = y0 - 4 if d.median >= 0 else y1 + 13
+        out.append(f'<text x="{cx + bw / 2 + 3:.1f}" y="{ty:.1f}" font-weight="bold">'
+                   f"{d.median:+.3g}</text>")
     out.append(f'<text x="{left + pw / 2}" y="{h - 8}" text-anchor="middle">load'
                + (" / prompt tokens" if len(sizes) > 1 else "") + "</text>")
     return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {w} {h}" '
