@@ -122,7 +122,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="warn when the event-loop lag p99 exceeds this (default 5)")
     b.add_argument("--json", metavar="FILE", help="write the results as JSON")
     b.add_argument("--csv", metavar="FILE", help="write one CSV row per level")
-    b.add_argument("--plot", metavar="FILE", help="write charts: .svg, or .html embedding it")
+    b.add_argument("--plot", metavar="FILE", help="write charts: .svg, or an .html report page")
     b.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar on stderr (default: when stderr is a terminal)")
     return b
