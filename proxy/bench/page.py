@@ -57,7 +57,8 @@ td.text{text-align:left;white-space:pre-wrap;max-width:40vw}
 ins{background:#cfc;text-decoration:none} del{background:#fcc}
 .legend span{display:inline-block;margin-right:16px}
 .legend i{display:inline-block;width:14px;height:10px;margin-right:4px;background:var(--c)}
-.note{color:#666;font-size:12px} pre{background:#fff;padding:8px;overflow-x:auto}
+.note{color:#666;font-size:12px} .warn{color:#a00;font-weight:600}
+pre{background:#fff;padding:8px;overflow-x:auto}
 """
 
 # The page has the room for all three latencies (the .svg keeps its three rows).
@@ -128,9 +129,13 @@ def _card(endpoint: str, color: str, levels: Sequence[LevelStats]) -> str:
 
 
 def render_headline(levels: Sequence[LevelStats]) -> str:
+    """The cards, then the run's warnings (event-loop lag: TTFT and ITL unreliable)."""
     cards = "".join(_card(ep, COLORS[i % len(COLORS)], levels)
                     for i, ep in enumerate(endpoints_of(levels)))
-    return f'<section id="headline"><div class="cards">{cards}</div></section>'
+    warnings = sorted({w for s in levels for w in s.warnings})
+    items = "".join(f"<li>{escape(w)}</li>" for w in warnings)
+    return (f'<section id="headline"><div class="cards">{cards}</div>'
+            + (f'<ul class="warn">{items}</ul>' if items else "") + "</section>")
 
 
 def deltas(levels: Sequence[LevelStats], metric: str) -> list[Delta]:

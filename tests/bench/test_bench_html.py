@@ -115,17 +115,19 @@ async def test_answers_side_by_side_escaped_and_diffed(
     assert "fox &lt;x&gt;" in section and "<x>" not in section
 
 
-async def test_single_endpoint_has_no_delta_section(
+async def test_single_endpoint_no_deltas_and_warnings_shown(
     aiohttp_server: ServerFactory, tmp_path: Path,
 ) -> None:
     url = await mock(aiohttp_server, 5)
     cfg = BenchConfig(endpoints=[Endpoint(url, "only")], spec=RequestSpec(model="mock"),
-                      concurrency=[1, 2], prompt_tokens=[8], requests=2, warmup=0)
+                      concurrency=[1, 2], prompt_tokens=[8], requests=2, warmup=0,
+                      lag_warn_ms=-1.0)  # any lag is over it: the page must carry the warning
     result = await run_bench(cfg)
     write_plot(tmp_path / "p.html", result.levels, "one", render(result))
     html = (tmp_path / "p.html").read_text()
     assert 'id="headline"' in html and 'id="charts"' in html
     assert 'id="deltas"' not in html and 'id="answers"' not in html
+    assert '<ul class="warn"><li>' in html and "unreliable" in html
     # Self-contained: nothing to fetch, no script.
     assert "http" not in html.replace('xmlns="http://www.w3.org/2000/svg"', "")
     assert "<script" not in html
