@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from proxy.bench.client import ERROR_CLASSES, Api, Endpoint, RequestSpec
-from proxy.bench.plot import PlotFormatError, write_plot
+from proxy.bench.page import write_plot
+from proxy.bench.plot import PlotFormatError
 from proxy.bench.report import ProgressBar, render, to_csv, to_json, write_text
 from proxy.bench.runner import BenchConfig, BenchResult, run_bench
 from proxy.bench.stats import parse_slo
@@ -121,7 +122,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="warn when the event-loop lag p99 exceeds this (default 5)")
     b.add_argument("--json", metavar="FILE", help="write the results as JSON")
     b.add_argument("--csv", metavar="FILE", help="write one CSV row per level")
-    b.add_argument("--plot", metavar="FILE", help="write charts: .svg, or .html embedding it")
+    b.add_argument("--plot", metavar="FILE", help="write charts: .svg, or an .html report page")
     b.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar on stderr (default: when stderr is a terminal)")
     return b

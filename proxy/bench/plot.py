@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from html import escape
-from pathlib import Path
 
 from proxy.bench.stats import LevelStats
 
@@ -38,7 +37,7 @@ class PlotFormatError(ValueError):
     pass
 
 
-def _nice_max(v: float) -> float:
+def nice_max(v: float) -> float:
     if not math.isfinite(v) or v <= 0:
         return 1.0
     exp = 10.0 ** math.floor(math.log10(v))
@@ -58,7 +57,7 @@ def _panel(
     w, h = PANEL_W - MARGIN_L - MARGIN_R, PANEL_H - MARGIN_T - MARGIN_B
     left, top = x0 + MARGIN_L, y0 + MARGIN_T
     values = [v for _, _, pts in series for p in pts if p for v in p if math.isfinite(v)]
-    ymax = _nice_max(max(values, default=1.0))
+    ymax = nice_max(max(values, default=1.0))
     n = len(xs)
 
     def px(i: int) -> float:
@@ -102,40 +101,64 @@ def _panel(
     return out
 
 
-def render_svg(levels: Sequence[LevelStats], title: str = "tokenmeter bench") -> str:
-    if not levels:
-        raise ValueError("nothing to plot: no levels")
-    endpoints = list(dict.fromkeys(s.endpoint for s in levels))
-    loads: list[float] = sorted({s.load for s in levels})
-    sizes: list[float] = sorted({float(s.prompt_tokens) for s in levels})
-    mode = levels[0].mode
-    load_label = "requests/s (open loop)" if mode == "rate" else "concurrency"
+Series = tuple[str, str, list[Band | None]]  # name, colour, one band per x (None: no data)
+
+
+def sweep_columns(levels: Sequence[LevelStats]) -> list[tuple[str, str]]:
+    """The x axes to draw: ("load", label) and/or ("prompt", label), as the run swept."""
+    loads = {s.load for s in levels}
+    sizes = {s.prompt_tokens for s in levels}
+    load_label = "requests/s (open loop)" if levels[0].mode == "rate" else "concurrency"
     columns: list[tuple[str, str]] = []
     if len(loads) > 1 or len(sizes) == 1:
         columns.append(("load", load_label))
     if len(sizes) > 1:
         columns.append(("prompt", "prompt tokens"))
+    return columns
+
+
+def _series(levels: Sequence[LevelStats], get: Getter, kind: str
+            ) -> tuple[list[float], list[Series]]:
+    """The x values of one axis and a series per endpoint (and value of the other axis)."""
+    endpoints = list(dict.fromkeys(s.endpoint for s in levels))
+    loads: list[float] = sorted({s.load for s in levels})
+    sizes: list[float] = sorted({float(s.prompt_tokens) for s in levels})
     index: dict[tuple[str, float, float], LevelStats] = {
         (s.endpoint, s.load, s.prompt_tokens): s for s in levels}
+    xs, others = (loads, sizes) if kind == "load" else (sizes, loads)
+    series: list[Series] = []
+    for ep in endpoints:
+        for other in others:
+            name = ep if len(others) == 1 else (
+                f"{ep}, prompt {other:g}" if kind == "load" else f"{ep}, load {other:g}")
+            pts: list[Band | None] = []
+            for x in xs:
+                st = index.get((ep, x, other) if kind == "load" else (ep, other, x))
+                pts.append(get(st) if st is not None and st.ok else None)
+            series.append((name, COLORS[len(series) % len(COLORS)], pts))
+    return xs, series
+
+
+def chart_svg(levels: Sequence[LevelStats], metric: tuple[str, Getter], kind: str,
+              xlabel: str) -> str:
+    """One chart as a standalone, scalable <svg> (the HTML page's grid cells)."""
+    xs, series = _series(levels, metric[1], kind)
+    body = _panel((0, 0), metric[0], xlabel, xs, series)
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {PANEL_W} {PANEL_H}" '
+            f'font-family="sans-serif" font-size="11">{"".join(body)}</svg>')
+
+
+def render_svg(levels: Sequence[LevelStats], title: str = "tokenmeter bench") -> str:
+    if not levels:
+        raise ValueError("nothing to plot: no levels")
+    columns = sweep_columns(levels)
     legends: list[list[tuple[str, str]]] = [[] for _ in columns]
     body: list[str] = []
     for row, (mtitle, get) in enumerate(METRICS):
         for col, (kind, xlabel) in enumerate(columns):
-            xs, others = (loads, sizes) if kind == "load" else (sizes, loads)
-            series: list[tuple[str, str, list[Band | None]]] = []
-            for ep in endpoints:
-                for other in others:
-                    name = ep if len(others) == 1 else (
-                        f"{ep}, prompt {other:g}" if kind == "load" else f"{ep}, load {other:g}")
-                    color = COLORS[len(series) % len(COLORS)]
-                    pts: list[Band | None] = []
-                    for x in xs:
-                        key = (ep, x, other) if kind == "load" else (ep, other, x)
-                        st = index.get(key)
-                        pts.append(get(st) if st is not None and st.ok else None)
-                    series.append((name, color, pts))
-                    if row == 0:
-                        legends[col].append((name, color))
+            xs, series = _series(levels, get, kind)
+            if row == 0:
+                legends[col] = [(name, color) for name, color, _ in series]
             body += _panel((col * PANEL_W, 40 + row * PANEL_H), mtitle, xlabel, xs, series)
     width = PANEL_W * len(columns)
     height = 40 + PANEL_H * len(METRICS) + 20 * (max(map(len, legends)) + 1)
@@ -152,19 +175,3 @@ def render_svg(levels: Sequence[LevelStats], title: str = "tokenmeter bench") ->
             f'<text x="{width / 2}" y="22" text-anchor="middle" font-size="15" '
             f'font-weight="bold">{escape(title)}</text>')
     return head + "".join(body) + "</svg>\n"
-
-
-def render_html(svg: str, title: str, table: str) -> str:
-    return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{escape(title)}"
-            f"</title></head>\n<body>\n{svg}\n<pre>{escape(table)}</pre>\n</body></html>\n")
-
-
-def write_plot(path: str | Path, levels: Sequence[LevelStats], title: str, table: str) -> None:
-    p = Path(path)
-    suffix = p.suffix.lower()
-    if suffix not in (".svg", ".html", ".htm"):
-        raise PlotFormatError(f"--plot {p}: only .svg or .html are supported (no PNG: that "
-                              "would need a plotting library); open the .svg or .html in a "
-                              "browser, or convert the .svg")
-    svg = render_svg(levels, title)
-    p.write_text(svg if suffix == ".svg" else render_html(svg, title, table), encoding="utf-8")

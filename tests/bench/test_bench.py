@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestServer
 
 from proxy.bench import BenchConfig, Endpoint, RequestSpec, run_bench
 from proxy.bench.client import Api
-from proxy.bench.plot import write_plot
+from proxy.bench.page import write_plot
 from proxy.bench.report import render, to_csv, to_json
 from proxy.bench.stats import parse_slo
 from proxy.bench.workload import PromptsFileError, load_prompts
