@@ -104,6 +104,8 @@ def _store_url(args: argparse.Namespace) -> str:
 
 
 def _filters(args: argparse.Namespace) -> CaptureFilter:
+    if args.limit is not None and args.limit < 1:
+        raise _Usage(f"--limit must be at least 1, not {args.limit}")
     utc = ZoneInfo("UTC")
     since = None if args.start is None else parse_bound(args.start, utc, end=False).timestamp()
     until = None if args.end is None else parse_bound(args.end, utc, end=True).timestamp()

@@ -166,7 +166,11 @@ class CaptureStore:
             store = _SqliteStore(Path(url.removeprefix("sqlite://")))
         else:
             raise ValueError(f"{url!r}: a capture URL is sqlite:///<path> or postgresql://...")
-        await store._open()
+        try:
+            await store._open()
+        except BaseException:
+            await store.close()  # the SQLite worker thread, a half-open connection
+            raise
         return store
 
     async def write(self, captures: Sequence[Capture]) -> int:
@@ -201,6 +205,8 @@ class CaptureStore:
     async def delete_older_than(self, cutoff: float, slice_rows: int) -> int:
         """Delete captures started before `cutoff`, `slice_rows` at a time, each slice its own
         short transaction (a writer waits one slice at most). Returns how many went."""
+        if slice_rows < 1:
+            raise ValueError(f"slice_rows must be at least 1, not {slice_rows}")
         total = 0
         while True:
             deleted = await self._prune(cutoff, slice_rows)

@@ -138,3 +138,5 @@ def test_the_default_store_is_the_ledgers_file_in_the_state_directory(tmp_path: 
 def test_a_bad_url_is_a_usage_error() -> None:
     done = captures("list", "--url", "mysql://x")
     assert done.returncode == 2 and "sqlite:///<path> or postgresql://" in done.stderr
+    done = captures("list", "--url", "sqlite:///x.db", "--limit", "0")
+    assert done.returncode == 2 and "--limit must be at least 1" in done.stderr

@@ -3,7 +3,11 @@ whole, a write is idempotent by request_id, listings filter, retention deletes i
 
 from __future__ import annotations
 
+import sqlite3
 import zlib
+from pathlib import Path
+
+import pytest
 
 from proxy.capture.record import Body
 from proxy.capture.store import TABLE, CaptureFilter, CaptureStore, default_url
@@ -91,6 +95,8 @@ async def test_retention_deletes_old_captures_in_slices(store_url: str) -> None:
         assert await store.delete_older_than(T0 + 100, slice_rows=2) == 0
         assert sorted(r.request_id for r in await store.list(CaptureFilter())) == \
             ["new0", "new1", "new2"]
+        with pytest.raises(ValueError, match="slice_rows"):
+            await store.delete_older_than(T0 + 200, slice_rows=0)
     finally:
         await store.close()
 
@@ -112,3 +118,11 @@ def test_the_default_url_is_capture_url_then_the_ledgers_database() -> None:
         "sqlite:///c.db"
     assert default_url(CaptureConfig(), LedgerConfig(url=pg)) == pg
     assert default_url(CaptureConfig(), LedgerConfig()).endswith("/ledger.sqlite3")
+
+
+async def test_an_unreachable_store_fails_to_open(tmp_path: Path) -> None:
+    with pytest.raises(OSError):
+        await CaptureStore.open("postgresql://postgres@127.0.0.1:1/none")
+    (tmp_path / "dir.sqlite3").mkdir()  # a directory where the file should be
+    with pytest.raises(sqlite3.OperationalError):
+        await CaptureStore.open(f"sqlite://{tmp_path / 'dir.sqlite3'}")
