@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -75,3 +76,25 @@ def test_output_never_matches_for_any_text(text: str, max_kb: int) -> None:
     body = _DEFAULT.body(text.encode("utf-8", errors="surrogatepass"), max_kb)
     assert all(p.search(body.text) is None for p in _DEFAULT.patterns)
     assert len(body.text.encode()) <= max_kb * 1024 or not body.truncated
+
+
+_PLAIN_EMAIL = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}")
+
+
+@given(st.lists(st.sampled_from([*"ab.-%+_@ 9", ".com", "x@y.io"]), max_size=60)
+       .map(lambda parts: "".join(parts)[:64]))
+def test_the_default_email_pattern_redacts_as_the_plain_one_does(text: str) -> None:
+    # The same, for addresses of a real length (the default's bounds are the RFC's).
+    (email,) = (p for p in _DEFAULT.patterns if "@" in p.pattern)
+    assert email.sub(REDACTED, text) == _PLAIN_EMAIL.sub(REDACTED, text)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("raw", ["a" * 2**20, "a@" + "b" * 2**20, "x.@" * 2**18])
+def test_a_long_run_without_a_match_takes_linear_time(raw: str) -> None:
+    # Quadratic, the first would take minutes (~48 s at 256 KiB); linear, milliseconds.
+    assert _DEFAULT.text(raw) == raw
+
+
+def test_a_local_part_past_64_characters_loses_its_last_64_and_the_domain() -> None:
+    assert _DEFAULT.text("a" * 70 + "@example.com") == "a" * 6 + REDACTED
