@@ -40,6 +40,7 @@ TABLE = "tokenmeter_captures"
 _COLUMNS = ("request_id", "started_at", "user_name", "key_name", "team", "requested_model",
             "model", "status", "error_class", "stream", "size", "data")
 _LISTED = ", ".join(_COLUMNS[:-1])
+_SIZE = _COLUMNS.index("size")
 _PG_CREATE = (f"""
 CREATE TABLE IF NOT EXISTS {TABLE} (
     request_id text PRIMARY KEY,
@@ -175,7 +176,8 @@ class CaptureStore:
 
     async def write(self, captures: Sequence[Capture]) -> int:
         """Store `captures` in one transaction; one already stored (by request_id) is kept as
-        it was. Returns how many were new."""
+        it was. Returns the bytes stored for the new ones (their compressed size: what
+        `proxy.capture.writer` counts)."""
         q = Sql(self.dialect)
         text = (f"INSERT INTO {TABLE} ({', '.join(_COLUMNS)}) VALUES "
                 f"({', '.join(q.p(None) for _ in _COLUMNS)}) "
@@ -267,15 +269,16 @@ class _SqliteStore(CaptureStore):
     async def _insert(self, text: str, rows: _Rows) -> int:
         def run() -> int:
             conn = self._require()
-            before = conn.total_changes
+            stored = 0
             conn.execute("BEGIN IMMEDIATE")
             try:
-                conn.executemany(text, rows)
+                for row in rows:  # one by one: which rows were new (a conflict changes none)
+                    stored += row[_SIZE] * conn.execute(text, row).rowcount
                 conn.execute("COMMIT")
             except BaseException:
                 conn.execute("ROLLBACK")
                 raise
-            return conn.total_changes - before
+            return stored
 
         return await self._run(run)
 
@@ -326,12 +329,12 @@ class _PostgresStore(CaptureStore):
 
     async def _insert(self, text: str, rows: _Rows) -> int:
         conn = self._require()
-        inserted = 0
+        stored = 0
         async with conn.transaction():
             for row in rows:
                 status = await conn.execute(text, *row)
-                inserted += int(status.rsplit(" ", 1)[1])  # "INSERT 0 <rows>"
-        return inserted
+                stored += row[_SIZE] * int(status.rsplit(" ", 1)[1])  # "INSERT 0 <rows>"
+        return stored
 
     async def _fetch(self, text: str, params: Sequence[object]) -> _Rows:
         return [tuple(r) for r in await self._require().fetch(text, *params)]

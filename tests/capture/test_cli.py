@@ -13,6 +13,7 @@ from pathlib import Path
 
 from proxy.capture.record import Body, Capture, StreamEvent
 from proxy.capture.store import CaptureStore
+from proxy.testing.replay import load_recordings
 from tests.books import ledger_row, write_sqlite
 from tests.capture.captures import capture
 
@@ -126,6 +127,13 @@ def test_export_writes_the_documented_line_oldest_first(tmp_path: Path) -> None:
     assert j["request"]["system"] == "be brief" and j["stream"] is False
     assert j["response"]["body"] == {"content": []} and j["response"]["events"] == []
     assert "1 captures left out" in done.stderr
+    # The line is what mock-upstream --replay reads (proxy/testing/replay.py).
+    exported = tmp_path / "export.jsonl"
+    exported.write_text(done.stdout)
+    recordings = load_recordings(exported)
+    found = recordings.find("/v1/chat/completions", s["messages"], stream=True)
+    assert found is not None and found.stream
+    assert recordings.find("/v1/messages", j["messages"], stream=False) is not None
 
 
 def test_the_default_store_is_the_ledgers_file_in_the_state_directory(tmp_path: Path) -> None:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from proxy.capture.record import Body
-from proxy.capture.store import TABLE, CaptureFilter, CaptureStore, default_url
+from proxy.capture.store import TABLE, CaptureFilter, CaptureStore, default_url, encode
+from proxy.capture.writer import CaptureSink
 from proxy.config.capture import CaptureConfig
 from proxy.config.ledger import LedgerConfig
 from tests.capture.captures import capture
@@ -23,7 +24,7 @@ async def test_a_capture_comes_back_whole(store_url: str) -> None:
                        response=Body('{"x": "é"}', 11), upstream_error=Body("boom", 4, True))
     store = await CaptureStore.open(store_url)
     try:
-        assert await store.write([original]) == 1
+        assert await store.write([original]) == len(encode(original))
         assert await store.get("r1") == original
         assert await store.get("missing") is None
     finally:
@@ -33,8 +34,10 @@ async def test_a_capture_comes_back_whole(store_url: str) -> None:
 async def test_a_capture_written_twice_is_stored_once_as_first_written(store_url: str) -> None:
     store = await CaptureStore.open(store_url)
     try:
-        assert await store.write([capture("r1", T0), capture("r2", T0)]) == 2
-        assert await store.write([capture("r1", T0, status=500), capture("r3", T0)]) == 1
+        first = await store.write([capture("r1", T0), capture("r2", T0)])
+        again = await store.write([capture("r1", T0, status=500), capture("r3", T0)])
+        sizes = {r.request_id: r.size for r in await store.list(CaptureFilter())}
+        assert (first, again) == (sizes["r1"] + sizes["r2"], sizes["r3"])  # bytes of new ones
         stored = await store.get("r1")
         assert stored is not None and stored.status == 200
         assert len(await store.list(CaptureFilter())) == 3
@@ -126,3 +129,9 @@ async def test_an_unreachable_store_fails_to_open(tmp_path: Path) -> None:
     (tmp_path / "dir.sqlite3").mkdir()  # a directory where the file should be
     with pytest.raises(sqlite3.OperationalError):
         await CaptureStore.open(f"sqlite://{tmp_path / 'dir.sqlite3'}")
+
+
+async def test_the_writer_takes_the_store_as_its_sink(store_url: str) -> None:
+    sink: CaptureSink = await CaptureStore.open(store_url)
+    assert isinstance(sink, CaptureStore)
+    await sink.close()
