@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
@@ -198,3 +199,27 @@ async def test_retention_deletes_what_is_older_than_its_days_and_keeps_the_rest(
         assert await store.get("old") is None and await store.get("new") is not None
     finally:
         await writer.stop(drain_s=1)  # closes the store it opened
+
+
+@pytest.mark.timeout(90)
+async def test_an_anthropic_stream_is_reassembled_as_the_sdk_saw_it(
+    aiohttp_server: ServerFactory, upstream: TestServer, tmp_path: Path
+) -> None:
+    url = f"sqlite://{tmp_path / 'captures.sqlite3'}"
+    config = make_config(
+        str(upstream.make_url("/v1")), api="anthropic", users={"alice": {"keys": [ALICE]}},
+        extra={"capture": {"enabled": True, "url": url, "sample": 1.0}},
+    )
+    proxy = await aiohttp_server(create_app(config))
+    client = anthropic.AsyncAnthropic(base_url=str(proxy.make_url("")).rstrip("/"),
+                                      api_key=ALICE, max_retries=0)
+    async with client.messages.stream(
+        model="claude-test", max_tokens=32, messages=[{"role": "user", "content": "hi"}],
+    ) as stream:
+        text = await stream.get_final_text()
+        request_id = stream.response.headers["x-tokenmeter-request-id"]
+    capture = await _stored(url, request_id)
+    assert (capture.api, capture.path, capture.operation) == ("anthropic", "/v1/messages",
+                                                              "messages")
+    assert capture.output_text == text and text
+    assert json.loads(capture.request.text)["max_tokens"] == 32
