@@ -77,6 +77,26 @@ def _list(kind: Callable[[str], Any], name: str) -> Callable[[str], list[Any]]:
     return parse
 
 
+def _add_inputs(b: argparse.ArgumentParser) -> None:
+    """What is sent: generated prompts, a prompts file, or a capture export replayed."""
+    prompts = b.add_mutually_exclusive_group()
+    prompts.add_argument("--prompt-tokens", type=_list(int, "--prompt-tokens"), default=[128],
+                         help="generated prompts of exactly these token lengths, sweep "
+                              "(default 128)")
+    prompts.add_argument("--prompts", metavar="FILE.jsonl",
+                         help='one request per line: {"messages": [...], "max_tokens": N} '
+                              "(max_tokens optional) or a bare messages list")
+    prompts.add_argument("--replay", metavar="FILE.jsonl",
+                         help="send the recorded requests of a capture export (docs/capture.md) "
+                              "with their own bodies (only the model replaced by --model), each "
+                              "once per endpoint by default; report cost and, with --compare, "
+                              "the answers side by side")
+    b.add_argument("--prices", metavar="FILE.yaml",
+                   help="with --replay: a `prices:` table as in the config, for the cost")
+    b.add_argument("--config", metavar="FILE.yaml",
+                   help="with --replay: a tokenmeter config whose prices are used")
+
+
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     b: argparse.ArgumentParser = sub.add_parser(
         "bench", help="load-test an OpenAI-compatible endpoint (or two, side by side)",
@@ -101,22 +121,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     size = b.add_mutually_exclusive_group()
     size.add_argument("--requests", type=int, help="requests per endpoint per level (default 32)")
     size.add_argument("--duration", type=float, help="seconds per endpoint per level")
-    prompts = b.add_mutually_exclusive_group()
-    prompts.add_argument("--prompt-tokens", type=_list(int, "--prompt-tokens"), default=[128],
-                         help="generated prompts of exactly these token lengths, sweep "
-                              "(default 128)")
-    prompts.add_argument("--prompts", metavar="FILE.jsonl",
-                         help='one request per line: {"messages": [...], "max_tokens": N} '
-                              "(max_tokens optional) or a bare messages list")
-    prompts.add_argument("--replay", metavar="FILE.jsonl",
-                         help="send the recorded requests of a capture export (docs/capture.md) "
-                              "with their own bodies (only the model replaced by --model), each "
-                              "once per endpoint by default; report cost and, with --compare, "
-                              "the answers side by side")
-    b.add_argument("--prices", metavar="FILE.yaml",
-                   help="with --replay: a `prices:` table as in the config, for the cost")
-    b.add_argument("--config", metavar="FILE.yaml",
-                   help="with --replay: a tokenmeter config whose prices are used")
+    _add_inputs(b)
     b.add_argument("--max-tokens", type=int, default=256,
                    help="max output tokens per request (default 256; 0: do not send)")
     b.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
