@@ -59,6 +59,10 @@ usage of message_delta, prompt tokens the input plus cache writes and reads.
 
 --compare URL2 runs the same load against both endpoints, interleaved in blocks (A B B A ...)
 within each level, and reports base/compare ratios and base - compare latency differences.
+--replay FILE.jsonl sends a capture export's recorded requests (docs/capture.md) with their own
+bodies, the model replaced by --model when given, each once per endpoint; it reports the cost per
+endpoint (--prices FILE.yaml or --config's prices) and, with --compare, the answers: exact-match
+rate, length ratio B/A (characters), every pair in --json, a sample on the --plot .html page.
 Exit status: 0 when the run completed (errors of the endpoints are counted, not fatal),
 2 for a usage error (bad arguments, unreadable prompts file).
 """
