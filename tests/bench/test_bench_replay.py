@@ -10,12 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from proxy.bench.client import RequestSpec
 from proxy.bench.workload import Prompt
 from proxy.cli import main
 from proxy.testing.replay import create_replay_app, load_recordings
-from tests.helpers import ServerFactory
+from tests.helpers import ServerFactory, config_data
 
 ROUTE = "/v1/chat/completions"
 USAGE = {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
@@ -148,3 +149,35 @@ def test_bad_replay_file_names_the_line_and_exits_2(
     assert f"--prices {prices}" in capsys.readouterr().err
     assert main([*base]) == 2
     assert "--model is required" in capsys.readouterr().err
+
+
+async def test_replay_to_one_target_priced_by_a_config_by_the_model_sent(
+    aiohttp_server: ServerFactory, tmp_path: Path,
+) -> None:
+    file = _write(tmp_path / "a.jsonl", _answer_a)
+    # A line of another route is read and left out: a bench replays one API's route.
+    other = {"path": "/v1/embeddings", "response": {"status": 200, "body": {}}}
+    file.write_text(file.read_text() + json.dumps(other) + "\n")
+    server = await aiohttp_server(create_replay_app(load_recordings(file), speed=0))
+    config = tmp_path / "tm.yaml"
+    data = config_data(str(server.make_url("/v1")),
+                       extra={"prices": {"other-*": {"input": 3.0, "output": 4.0}}})
+    config.write_text(yaml.safe_dump(data))
+    runs, texts = {}, {}
+    for model in ("other-model", None):
+        out = tmp_path / f"{model}.json"
+        code, text, err = await _bench(
+            "--base-url", str(server.make_url("/v1")), "--replay", str(file),
+            "--config", str(config), "--json", str(out), *(["--model", model] if model else []))
+        assert code == 0, err
+        runs[model] = json.loads(out.read_text())["replay"]
+        texts[model] = text
+    priced = runs["other-model"]
+    assert priced["requests"] == 6 and priced["answers"] is None
+    (cost,) = priced["cost"]
+    assert cost["cost_usd"] == pytest.approx(6 * (10 * 3.0 + 5 * 4.0) / 1e6)
+    assert cost["unpriced_models"] == []
+    # Without --model each request keeps its recorded model, which this table does not price.
+    (cost,) = runs[None]["cost"]
+    assert cost["unpriced_models"] == ["recorded-model"] and cost["cost_usd"] == 0
+    assert "(no price for: recorded-model)" in texts[None]
