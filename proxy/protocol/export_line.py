@@ -66,10 +66,11 @@ def _event(raw: Any) -> RecordedEvent:
 
 
 def _request_fields(data: dict[str, Any]) -> tuple[int | None, Mapping[str, Any] | None]:
+    # The client's cap as it sent it, which may be anything (a request the upstream refused):
+    # kept only when it is a cap; the body sent again carries it as it was.
     max_tokens = data.get("max_tokens")
-    if max_tokens is not None and (
-            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-        raise ValueError("max_tokens must be a positive integer")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        max_tokens = None
     request = data.get("request")
     if request is not None and not isinstance(request, dict):
         raise ValueError("request must be an object (the client's body)")
