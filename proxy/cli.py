@@ -28,6 +28,8 @@ from proxy.bench.cli import run as run_bench
 from proxy.budget.store import StoreError
 from proxy.budget.store_redis import RedisStore
 from proxy.budget.usage_report import UserUsage, read_usage, render, today
+from proxy.capture.cli import add_parser as add_captures_parser
+from proxy.capture.cli import run as run_captures
 from proxy.config.exposure import exposure_warning
 from proxy.config.ledger import LedgerConfig
 from proxy.config.load import Config, ConfigError, load_config, single_upstream_config
@@ -465,6 +467,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_usage_parser(sub)
     add_bench_parser(sub)
     add_reconcile_parser(sub)
+    add_captures_parser(sub)
     return parser
 
 
@@ -480,6 +483,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_reconcile(args)
     if args.command == "bench":
         return run_bench(args)
+    if args.command == "captures":
+        return run_captures(args)
     if args.command == "mock-upstream" and args.replay is not None:
         return _replay_upstream(args)
     if args.command == "mock-upstream":

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from proxy.capture.record import Body, Capture, StreamEvent
+from proxy.capture.redact import Redactor
 from proxy.protocol.sse import SSEDecoder
 
 
@@ -59,22 +59,14 @@ class Collector:
 
 
 @functools.lru_cache(maxsize=8)
-def _compiled(patterns: tuple[str, ...]) -> tuple[re.Pattern[str], ...]:
-    # Each on its own, not one alternation: a pattern may carry its own global flags.
-    return tuple(re.compile(p) for p in patterns)
+def _compiled(patterns: tuple[str, ...]) -> Redactor:
+    return Redactor.of(patterns)
 
 
 def redactor(patterns: list[str]) -> Callable[[str], str]:
     """`capture.redact` as one function: every match replaced by `[REDACTED]` (compiled once
-    per pattern list)."""
-    compiled = _compiled(tuple(patterns))
-
-    def redact(text: str) -> str:
-        for pattern in compiled:
-            text = pattern.sub("[REDACTED]", text)
-        return text
-
-    return redact
+    per pattern list; proxy.capture.redact is the one definition of redaction)."""
+    return _compiled(tuple(patterns)).text
 
 
 @dataclass(frozen=True, slots=True)

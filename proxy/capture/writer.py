@@ -1,15 +1,22 @@
 """Captures go to their store off the request path: a bounded queue and one task that writes
 them in batches. A request never waits on capture: `offer` only appends, and when the queue is
 full the capture is dropped and counted (tokenmeter_captures_dropped_total{reason="queue_full"}).
-A batch the store refuses is dropped and counted too (reason="store") and logged: captures are
-evidence, not books, so they are not spooled to disk like ledger rows."""
+A batch the store refuses (or a store that cannot be opened) is dropped and counted too
+(reason="store") and logged: captures are evidence, not books, so they are not spooled to disk
+like ledger rows.
+
+The store is opened when the first capture comes (or when retention first runs while capture is
+enabled), so a replica that never captures never creates the table; a reload that enables
+capture needs no restart. Retention deletes captures older than `capture.retention_days` (read
+from the configuration in force) once an hour, a slice at a time."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from proxy.capture.record import Capture
@@ -18,25 +25,34 @@ from proxy.telemetry.metrics import CaptureDrop, CaptureStage, Metrics
 log = logging.getLogger("tokenmeter.capture")
 
 BATCH = 64  # captures per store write
+RETENTION_EVERY_S = 3600.0
+RETENTION_SLICE = 5000  # captures per delete: a writer waits on one slice at most
 
 
 class CaptureSink(Protocol):
-    """Where captures are kept (proxy.capture.store)."""
+    """Where captures are kept (proxy.capture.store.CaptureStore)."""
 
     async def write(self, captures: Sequence[Capture]) -> int:
         """Store `captures` (idempotent by request id); returns the bytes stored."""
         ...
 
+    async def delete_older_than(self, cutoff: float, slice_rows: int) -> int: ...
+
+    async def close(self) -> None: ...
+
 
 class CaptureWriter:
-    """The queue and its writing task: owned by the app (started and stopped by its cleanup
-    context)."""
+    """The queue and its tasks: owned by the app (started and stopped by its cleanup context).
+    `policy()` says, now, whether capture is enabled and how many days captures are kept."""
 
-    def __init__(self, sink: CaptureSink, metrics: Metrics, queue_max: int) -> None:
-        self._sink = sink
+    def __init__(self, open_sink: Callable[[], Awaitable[CaptureSink]], metrics: Metrics,
+                 queue_max: int, policy: Callable[[], tuple[bool, int]]) -> None:
+        self._open_sink = open_sink
         self._metrics = metrics
+        self._policy = policy
         self._queue: asyncio.Queue[Capture] = asyncio.Queue(queue_max)
-        self._task: asyncio.Task[None] | None = None
+        self._sink: CaptureSink | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     def offer(self, capture: Capture) -> bool:
         """Queue `capture` for the store; False (counted) when the queue is full."""
@@ -48,18 +64,27 @@ class CaptureWriter:
         return True
 
     def start(self) -> None:
-        self._task = asyncio.ensure_future(self._run())
+        self._tasks = [asyncio.ensure_future(self._run()), asyncio.ensure_future(self._retain())]
 
     async def stop(self, drain_s: float) -> None:
-        """What is queued is written (for at most `drain_s`), then the task ends."""
+        """What is queued is written (for at most `drain_s`), then the tasks end and the store
+        is closed."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(drain_s):
                 await self._queue.join()
-        task, self._task = self._task, None
-        if task is not None:
+        for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        self._tasks = []
+        sink, self._sink = self._sink, None
+        if sink is not None:
+            await sink.close()
+
+    async def _opened(self) -> CaptureSink:
+        if self._sink is None:
+            self._sink = await self._open_sink()
+        return self._sink
 
     async def _run(self) -> None:
         queue = self._queue
@@ -68,7 +93,7 @@ class CaptureWriter:
             while len(batch) < BATCH and not queue.empty():
                 batch.append(queue.get_nowait())
             try:
-                stored = await self._sink.write(batch)
+                stored = await (await self._opened()).write(batch)
             except Exception:
                 log.exception("capture store: a batch of %d captures is lost", len(batch))
                 self._metrics.capture_failed(CaptureStage.STORE)
@@ -78,3 +103,21 @@ class CaptureWriter:
             finally:
                 for _ in batch:
                     queue.task_done()
+
+    async def _retain(self) -> None:
+        while True:
+            await asyncio.sleep(RETENTION_EVERY_S)  # a timer, not a synchronisation
+            await self.retain()
+
+    async def retain(self) -> int:
+        """One retention run (when capture is enabled): the captures deleted."""
+        enabled, days = self._policy()
+        if not enabled and self._sink is None:
+            return 0
+        try:
+            sink = await self._opened()
+            return await sink.delete_older_than(time.time() - days * 86400.0, RETENTION_SLICE)
+        except Exception:
+            log.exception("capture retention failed")
+            self._metrics.capture_failed(CaptureStage.RETENTION)
+            return 0

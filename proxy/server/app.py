@@ -25,6 +25,8 @@ from proxy.budget.notify import Notifier
 from proxy.budget.spool import SettleSpool, default_dir
 from proxy.budget.store import Store
 from proxy.budget.store_factory import make_store
+from proxy.capture.store import CaptureStore, default_url
+from proxy.capture.writer import CaptureWriter
 from proxy.config.load import Config, ConfigError
 from proxy.cost import price_version
 from proxy.errors import (
@@ -325,6 +327,31 @@ async def _ledger_ctx(app: web.Application) -> AsyncIterator[None]:
     await ledger.stop(svc.runtime.current.config.server.drain_seconds)
 
 
+def _capture_writer(config: Config, holder: RuntimeHolder, metrics: Metrics) -> CaptureWriter:
+    """Always made (a reload may enable capture); its store is opened by the first capture.
+    The store's location and the queue's size are the starting configuration's."""
+    url = default_url(config.capture, config.ledger)
+
+    def policy() -> tuple[bool, int]:
+        capture = holder.current.config.capture
+        return capture.enabled, capture.retention_days
+
+    return CaptureWriter(lambda: CaptureStore.open(url), metrics, config.capture.queue_max,
+                         policy)
+
+
+async def _capture_ctx(app: web.Application) -> AsyncIterator[None]:
+    """After settling has drained (cleanup runs in reverse), what is queued is written."""
+    svc = app[SERVICES]
+    writer = svc.capture
+    if writer is None:
+        yield
+        return
+    writer.start()
+    yield
+    await writer.stop(svc.runtime.current.config.server.drain_seconds)
+
+
 async def _audit_ctx(app: web.Application) -> AsyncIterator[None]:
     svc = app[SERVICES]
     config = svc.runtime.current.config
@@ -461,11 +488,13 @@ def create_app(
         runtime=holder, metrics=metrics, budget=budget, http=http, latency=LatencyTracker(),
         rng=random.Random(), settling=Settling(), watchdog=Watchdog(),
         ledger=make_ledger(config.ledger, metrics, clock=clock),
+        capture=_capture_writer(config, holder, metrics),
     )
     app[BODY_PARSERS] = asyncio.Semaphore(BODY_PARSER_SLOTS)
     app.cleanup_ctx.extend(
-        [_ledger_ctx, _session_ctx, _store_ctx, *([_audit_ctx] if placement.audit else []),
-         _watchdog_ctx, _discover_models, _drain_settling]
+        [_ledger_ctx, _capture_ctx, _session_ctx, _store_ctx,
+         *([_audit_ctx] if placement.audit else []), _watchdog_ctx, _discover_models,
+         _drain_settling]
     )
     if config_path is not None:
         app.cleanup_ctx.append(_watch_ctx(config_path, placement.workers))

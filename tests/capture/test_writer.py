@@ -35,6 +35,19 @@ class Sink:
         self.stored += [c.request_id for c in captures]
         return 100 * len(captures)
 
+    async def delete_older_than(self, cutoff: float, slice_rows: int) -> int:
+        return 0
+
+    async def close(self) -> None:
+        pass
+
+
+def _writer(sink: Sink, metrics: Metrics, queue_max: int) -> CaptureWriter:
+    async def opened() -> Sink:
+        return sink
+
+    return CaptureWriter(opened, metrics, queue_max, lambda: (True, 7))
+
 
 def _value(metrics: Metrics, name: str, **labels: str) -> float:
     registry: CollectorRegistry = metrics.registry
@@ -43,7 +56,7 @@ def _value(metrics: Metrics, name: str, **labels: str) -> float:
 
 async def test_queued_captures_are_written_and_counted() -> None:
     metrics, sink = Metrics(), Sink()
-    writer = CaptureWriter(sink, metrics, queue_max=100)
+    writer = _writer(sink, metrics, queue_max=100)
     writer.start()
     assert all(writer.offer(_capture(i)) for i in range(10))
     await writer.stop(drain_s=10)
@@ -55,7 +68,7 @@ async def test_queued_captures_are_written_and_counted() -> None:
 async def test_a_full_queue_drops_without_waiting_and_counts() -> None:
     metrics, sink = Metrics(), Sink()
     sink.gate.clear()  # the store hangs: the queue fills
-    writer = CaptureWriter(sink, metrics, queue_max=3)
+    writer = _writer(sink, metrics, queue_max=3)
     writer.start()
     offered = [writer.offer(_capture(i)) for i in range(10)]  # never awaits
     assert offered.count(False) >= 6
@@ -67,7 +80,7 @@ async def test_a_full_queue_drops_without_waiting_and_counts() -> None:
 
 async def test_a_failing_store_drops_the_batch_and_says_so() -> None:
     metrics = Metrics()
-    writer = CaptureWriter(Sink(fail=True), metrics, queue_max=10)
+    writer = _writer(Sink(fail=True), metrics, queue_max=10)
     writer.start()
     writer.offer(_capture(1))
     await writer.stop(drain_s=10)

@@ -1,0 +1,284 @@
+"""`tokenmeter captures list|show|export`: the captured requests, read from the capture store
+(the ledger's database unless `--url` or `capture.url` names another). See docs/capture.md."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sqlite3
+import sys
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+from zoneinfo import ZoneInfo
+
+import asyncpg
+
+from proxy.capture.record import Body, Capture
+from proxy.capture.store import CaptureFilter, CaptureRow, CaptureStore, default_url
+from proxy.config.capture import CaptureConfig
+from proxy.config.ledger import LedgerConfig
+from proxy.config.load import ConfigError, load_config
+from proxy.ledger.query import LedgerUnavailable, Location, locate, open_reader
+from proxy.ledger.report import parse_bound
+from proxy.ledger.schema import TABLE as LEDGER_TABLE
+from proxy.telemetry.shown_text import for_terminal
+
+T = TypeVar("T")
+
+# What `show --format json` gives of the ledger's row: the figures a capture does not hold.
+_LEDGER_FIELDS = ("input_tokens", "output_tokens", "cached_input_tokens",
+                  "cache_creation_input_tokens", "reasoning_tokens", "token_source", "ttft_ms",
+                  "duration_ms", "cost_nanousd")
+_CAPS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+_EVERYTHING = 2**31 - 1  # export: no limit unless one is given
+
+
+class _Usage(Exception):
+    """A wrong option or configuration: exit status 2."""
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    c = sub.add_parser("captures", help="list, show and export captured requests")
+    actions = c.add_subparsers(dest="captures_command", required=True)
+    listing = actions.add_parser("list", help="captured requests, newest first")
+    _add_filters(listing, limit=100)
+    listing.add_argument("--format", choices=["table", "json"], default="table")
+    show = actions.add_parser("show", help="one captured request, whole")
+    show.add_argument("request_id", metavar="REQUEST_ID")
+    show.add_argument("--format", choices=["text", "json"], default="text")
+    show.add_argument("--ledger", metavar="URL",
+                      help="the ledger to read the request's row from (default: the "
+                           "configuration's)")
+    _add_source(show)
+    export = actions.add_parser("export", help="one JSON line a request (bench and replay input)")
+    _add_filters(export, limit=None)
+    export.add_argument("--format", choices=["jsonl"], default="jsonl")
+
+
+def _add_source(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML configuration (its capture.url, else its ledger)")
+    p.add_argument("--url", help="read this store: sqlite:///path or postgresql://...")
+
+
+def _add_filters(p: argparse.ArgumentParser, limit: int | None) -> None:
+    _add_source(p)
+    p.add_argument("--user")
+    p.add_argument("--model", help="asked for or sent upstream")
+    p.add_argument("--status", type=int)
+    p.add_argument("--error-class")
+    p.add_argument("--from", dest="start", metavar="WHEN",
+                   help="YYYY-MM-DD or YYYY-MM-DDTHH:MM, UTC unless it carries an offset")
+    p.add_argument("--to", dest="end", metavar="WHEN",
+                   help="YYYY-MM-DD (that whole day included) or YYYY-MM-DDTHH:MM (excluded)")
+    p.add_argument("--limit", type=int, default=limit)
+
+
+def run(args: argparse.Namespace) -> int:
+    commands: dict[str, Callable[[argparse.Namespace, str], int]] = {
+        "list": _list, "show": _show, "export": _export,
+    }
+    try:
+        url = _store_url(args)
+        return commands[args.captures_command](args, url)
+    except (_Usage, ConfigError, ValueError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    except (OSError, TimeoutError, sqlite3.Error, asyncpg.PostgresError) as exc:
+        print(f"cannot read the captures: {exc}", file=sys.stderr)
+        return 1
+
+
+def _configs(args: argparse.Namespace) -> tuple[CaptureConfig, LedgerConfig]:
+    if not args.config:
+        return CaptureConfig(), LedgerConfig()
+    config = load_config(args.config)
+    return config.capture, config.ledger
+
+
+def _store_url(args: argparse.Namespace) -> str:
+    if args.url is not None:
+        return str(args.url)
+    return default_url(*_configs(args))
+
+
+def _filters(args: argparse.Namespace) -> CaptureFilter:
+    if args.limit is not None and args.limit < 1:
+        raise _Usage(f"--limit must be at least 1, not {args.limit}")
+    utc = ZoneInfo("UTC")
+    since = None if args.start is None else parse_bound(args.start, utc, end=False).timestamp()
+    until = None if args.end is None else parse_bound(args.end, utc, end=True).timestamp()
+    return CaptureFilter(user=args.user, model=args.model, status=args.status,
+                         error_class=args.error_class, since=since, until=until,
+                         limit=_EVERYTHING if args.limit is None else args.limit)
+
+
+def _with_store(url: str, fn: Callable[[CaptureStore], Awaitable[T]]) -> T:
+    async def go() -> T:
+        store = await CaptureStore.open(url)
+        try:
+            return await fn(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(go())
+
+
+def _when(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
+
+
+def _list(args: argparse.Namespace, url: str) -> int:
+    filters = _filters(args)
+    rows = _with_store(url, lambda store: store.list(filters))
+    if args.format == "json":
+        print(json.dumps([_row_json(r) for r in rows], indent=2))
+        return 0
+    print(_table(rows))
+    return 0
+
+
+def _row_json(r: CaptureRow) -> dict[str, Any]:
+    return {"request_id": r.request_id, "started_at": r.started_at, "user": r.user,
+            "key_name": r.key_name, "team": r.team, "requested_model": r.requested_model,
+            "model": r.model, "status": r.status, "error_class": r.error_class,
+            "stream": r.stream, "size": r.size}
+
+
+def _table(rows: list[CaptureRow]) -> str:
+    head = ("started (UTC)", "request_id", "user", "model", "status", "error_class", "stream",
+            "size")
+    lines = [head] + [
+        (_when(r.started_at), r.request_id, r.user or "-",
+         r.model or f"({r.requested_model})", str(r.status), r.error_class,
+         "yes" if r.stream else "no", str(r.size))
+        for r in rows
+    ]
+    cells = [[for_terminal(c) for c in line] for line in lines]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(head))]
+    text = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
+            for line in cells]
+    return "\n".join([*text, f"({len(rows)} captures)"])
+
+
+def _show(args: argparse.Namespace, url: str) -> int:
+    capture = _with_store(url, lambda store: store.get(args.request_id))
+    if capture is None:
+        print(f"no capture of request {args.request_id!r} in the store", file=sys.stderr)
+        return 1
+    if args.format == "text":
+        print(_text(capture))
+        return 0
+    _, ledger_config = _configs(args)
+    obj = capture.to_json()
+    if capture.stream:
+        obj["stream_text"] = capture.output_text
+    obj["ledger"] = asyncio.run(_ledger_row(locate(ledger_config, args.ledger), capture))
+    print(json.dumps(obj, indent=2, ensure_ascii=False))
+    return 0
+
+
+async def _ledger_row(location: Location, capture: Capture) -> dict[str, Any] | None:
+    """The ledger's figures for the captured request; None when the ledger cannot be read or
+    holds no row of it (not written yet, or past the ledger's retention)."""
+    try:
+        async with await open_reader(location) as reader:
+            q = reader.sql()
+            rows = await reader.fetch(f"SELECT {', '.join(_LEDGER_FIELDS)} FROM {LEDGER_TABLE} "
+                                      f"WHERE request_id = {q.p(capture.request_id)}", q.params)
+    except LedgerUnavailable:
+        return None
+    if not rows:
+        return None
+    row = dict(zip(_LEDGER_FIELDS, rows[0], strict=True))
+    nano = row["cost_nanousd"]
+    row["cost_usd"] = None if nano is None else int(nano) / 1e9
+    return row
+
+
+def _text(c: Capture) -> str:
+    lines = [
+        f"request_id   {c.request_id}",
+        f"started      {_when(c.started_at)}",
+        f"route        {c.api} {c.path} ({c.operation})",
+        f"who          user={c.user} key={c.key_name} team={c.team}",
+        f"model        {c.requested_model} -> {c.model}",
+        f"outcome      status {c.status}, {c.error_class}, {'stream' if c.stream else 'json'}",
+    ]
+    for title, body in (("request", c.request), ("upstream request", c.upstream_request),
+                        ("response", c.response), ("upstream error", c.upstream_error)):
+        if body is not None:
+            lines += [_heading(title, body), *_shown(body.text)]
+    if c.events:
+        more = ", truncated" if c.events_truncated else ""
+        lines.append(f"--- events ({len(c.events)}{more})")
+        lines += [f"{e.at_ms:10.1f} ms  {for_terminal(e.text)}" for e in c.events]
+    if c.output_text is not None:
+        lines += ["--- output", *_shown(c.output_text)]
+    if c.reasoning is not None:
+        lines += ["--- reasoning", *_shown(c.reasoning)]
+    if c.tool_calls:
+        lines += ["--- tool calls", *(for_terminal(json.dumps(t)) for t in c.tool_calls)]
+    return "\n".join(for_terminal(line) if i < 6 else line for i, line in enumerate(lines))
+
+
+def _heading(title: str, body: Body) -> str:
+    return f"--- {title} ({body.size} bytes{', truncated' if body.truncated else ''})"
+
+
+def _shown(text: str) -> list[str]:
+    return [for_terminal(line) for line in text.split("\n")]
+
+
+def _export(args: argparse.Namespace, url: str) -> int:
+    filters = _filters(args)
+
+    async def read(store: CaptureStore) -> list[Capture]:
+        rows = await store.list(filters)
+        found = [await store.get(r.request_id) for r in reversed(rows)]  # oldest first
+        return [c for c in found if c is not None]
+
+    skipped = 0
+    for capture in _with_store(url, read):
+        line = export_line(capture)
+        if line is None:
+            skipped += 1
+            continue
+        sys.stdout.write(json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n")
+    if skipped:
+        print(f"{skipped} captures left out: their request is not whole JSON (truncated at "
+              "capture.max_body_kb, or not JSON)", file=sys.stderr)
+    return 0
+
+
+def _json_or_none(body: Body | None) -> Any:
+    if body is None or body.truncated:
+        return None
+    try:
+        return json.loads(body.text)
+    except ValueError:
+        return None
+
+
+def export_line(c: Capture) -> dict[str, Any] | None:
+    """docs/capture.md's export line; None when the request is not whole JSON (a replay could
+    not match it by its messages)."""
+    request = _json_or_none(c.request)
+    if not isinstance(request, dict):
+        return None
+    line: dict[str, Any] = {
+        "request_id": c.request_id, "api": c.api, "path": c.path, "model": c.requested_model,
+        "messages": request.get("messages"),
+    }
+    cap = next((request[k] for k in _CAPS if request.get(k) is not None), None)
+    if cap is not None:
+        line["max_tokens"] = cap
+    line["stream"] = c.stream
+    line["request"] = request
+    line["response"] = {
+        "status": c.status, "body": _json_or_none(c.response),
+        "events": [{"at_ms": e.at_ms, "text": e.text} for e in c.events],
+        "output_text": c.output_text,
+    }
+    return line

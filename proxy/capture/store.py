@@ -1,0 +1,351 @@
+"""Where captures are kept: the table `tokenmeter_captures`, beside the ledger's (in the ledger's
+database by default, or in `capture.url`'s), never inside the ledger's rows.
+
+One row per captured request: the columns a listing filters on, and `data`, the zlib-compressed
+JSON of `Capture.to_json()` (a capture is read whole or not at all, and its texts compress
+well). The capture format carries its own version inside `data`, so the table needs no
+migrations of the ledger's kind: it is created if missing and the ledger's schema is untouched.
+
+SQLite calls run on one worker thread of the store's own (the event loop never waits on the
+file; the connection is only used from the thread that opened it), as the ledger's sink does.
+PostgreSQL goes through asyncpg, the ledger's driver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import zlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+import asyncpg
+
+from proxy.capture.record import Capture
+from proxy.config.capture import CaptureConfig
+from proxy.config.ledger import LedgerConfig
+from proxy.ledger.query import Dialect, Sql, ledger_path
+from proxy.ledger.sink_postgres import COMMAND_TIMEOUT_S, CONNECT_TIMEOUT_S, mask_url
+
+T = TypeVar("T")
+# `CaptureStore.list` hides the builtin inside the classes.
+_Rows = list[tuple[Any, ...]]
+
+TABLE = "tokenmeter_captures"
+_COLUMNS = ("request_id", "started_at", "user_name", "key_name", "team", "requested_model",
+            "model", "status", "error_class", "stream", "size", "data")
+_LISTED = ", ".join(_COLUMNS[:-1])
+_SIZE = _COLUMNS.index("size")
+_PG_CREATE = (f"""
+CREATE TABLE IF NOT EXISTS {TABLE} (
+    request_id text PRIMARY KEY,
+    started_at timestamptz NOT NULL,
+    user_name text,
+    key_name text,
+    team text,
+    requested_model text NOT NULL,
+    model text,
+    status integer NOT NULL,
+    error_class text NOT NULL,
+    stream boolean NOT NULL,
+    size bigint NOT NULL,
+    data bytea NOT NULL
+)""", f"CREATE INDEX IF NOT EXISTS {TABLE}_started ON {TABLE} (started_at)")
+_SQLITE_CREATE = (f"""
+CREATE TABLE IF NOT EXISTS {TABLE} (
+    request_id TEXT PRIMARY KEY,
+    started_at REAL NOT NULL,
+    user_name TEXT,
+    key_name TEXT,
+    team TEXT,
+    requested_model TEXT NOT NULL,
+    model TEXT,
+    status INTEGER NOT NULL,
+    error_class TEXT NOT NULL,
+    stream INTEGER NOT NULL,
+    size INTEGER NOT NULL,
+    data BLOB NOT NULL
+)""", _PG_CREATE[1])
+_SQLITE_PRUNE = (f"DELETE FROM {TABLE} WHERE rowid IN "
+                 f"(SELECT rowid FROM {TABLE} WHERE started_at < ? LIMIT ?)")
+# By physical address, as the ledger's retention does: the transaction locks `limit` rows only.
+_PG_PRUNE = (f"DELETE FROM {TABLE} WHERE ctid = ANY(ARRAY("
+             f"SELECT ctid FROM {TABLE} WHERE started_at < $1 LIMIT $2))")
+BUSY_TIMEOUT_MS = 10_000
+_PG_SESSION = {"application_name": "tokenmeter-captures"}
+
+
+def default_url(capture: CaptureConfig, ledger: LedgerConfig) -> str:
+    """Where captures go: `capture.url`, else the ledger's database (its URL, else its SQLite
+    file in the state directory)."""
+    if capture.url is not None:
+        return capture.url
+    if ledger.url is not None:
+        return ledger.url
+    return f"sqlite://{ledger_path(None).absolute()}"
+
+
+def encode(capture: Capture) -> bytes:
+    return zlib.compress(json.dumps(capture.to_json(), separators=(",", ":")).encode())
+
+
+def decode(data: bytes) -> Capture:
+    return Capture.from_json(json.loads(zlib.decompress(data)))
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureRow:
+    """One capture as a listing shows it; `size` is its stored (compressed) length in bytes."""
+
+    request_id: str
+    started_at: float  # unix seconds
+    user: str | None
+    key_name: str | None
+    team: str | None
+    requested_model: str
+    model: str | None
+    status: int
+    error_class: str
+    stream: bool
+    size: int
+
+    @staticmethod
+    def of(row: Sequence[Any]) -> CaptureRow:
+        started = row[1].timestamp() if isinstance(row[1], datetime) else float(row[1])
+        return CaptureRow(row[0], started, row[2], row[3], row[4], row[5], row[6], int(row[7]),
+                          row[8], bool(row[9]), int(row[10]))
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureFilter:
+    """Which captures a listing shows (each None: any), newest first, at most `limit`.
+    `model` matches the model asked for or the one sent upstream."""
+
+    user: str | None = None
+    model: str | None = None
+    status: int | None = None
+    error_class: str | None = None
+    since: float | None = None  # unix seconds, inclusive
+    until: float | None = None  # unix seconds, exclusive
+    limit: int = 100
+
+    def where(self, q: Sql) -> str:
+        terms = []
+        if self.user is not None:
+            terms.append(f"user_name = {q.p(self.user)}")
+        if self.model is not None:
+            terms.append(f"(model = {q.p(self.model)} OR requested_model = {q.p(self.model)})")
+        if self.status is not None:
+            terms.append(f"status = {q.p(self.status)}")
+        if self.error_class is not None:
+            terms.append(f"error_class = {q.p(self.error_class)}")
+        if self.since is not None:
+            terms.append(f"started_at >= {q.ts(self.since)}")
+        if self.until is not None:
+            terms.append(f"started_at < {q.ts(self.until)}")
+        return " AND ".join(terms) or "TRUE"
+
+
+class CaptureStore:
+    """The captures table in one database. `open` creates the table when it is missing."""
+
+    dialect: Dialect
+    location: str
+
+    @staticmethod
+    async def open(url: str) -> CaptureStore:
+        """`url`: sqlite:///<path> or postgresql://... (see `default_url`)."""
+        store: CaptureStore
+        if url.startswith("postgres"):
+            store = _PostgresStore(url)
+        elif url.startswith("sqlite:///"):
+            store = _SqliteStore(Path(url.removeprefix("sqlite://")))
+        else:
+            raise ValueError(f"{url!r}: a capture URL is sqlite:///<path> or postgresql://...")
+        try:
+            await store._open()
+        except BaseException:
+            await store.close()  # the SQLite worker thread, a half-open connection
+            raise
+        return store
+
+    async def write(self, captures: Sequence[Capture]) -> int:
+        """Store `captures` in one transaction; one already stored (by request_id) is kept as
+        it was. Returns the bytes stored for the new ones (their compressed size: what
+        `proxy.capture.writer` counts)."""
+        q = Sql(self.dialect)
+        text = (f"INSERT INTO {TABLE} ({', '.join(_COLUMNS)}) VALUES "
+                f"({', '.join(q.p(None) for _ in _COLUMNS)}) "
+                "ON CONFLICT (request_id) DO NOTHING")
+        return await self._insert(text, [self._values(c) for c in captures])
+
+    def _values(self, c: Capture) -> tuple[Any, ...]:
+        started = Sql(self.dialect)
+        started.ts(c.started_at)
+        data = encode(c)
+        return (c.request_id, started.params[0], c.user, c.key_name, c.team, c.requested_model,
+                c.model, c.status, c.error_class, c.stream, len(data), data)
+
+    async def get(self, request_id: str) -> Capture | None:
+        q = Sql(self.dialect)
+        rows = await self._fetch(f"SELECT data FROM {TABLE} WHERE request_id = "
+                                 f"{q.p(request_id)}", q.params)
+        return decode(bytes(rows[0][0])) if rows else None
+
+    async def list(self, filters: CaptureFilter) -> list[CaptureRow]:
+        q = Sql(self.dialect)
+        where = filters.where(q)
+        text = (f"SELECT {_LISTED} FROM {TABLE} WHERE {where} "
+                f"ORDER BY started_at DESC, request_id LIMIT {q.p(filters.limit)}")
+        return [CaptureRow.of(r) for r in await self._fetch(text, q.params)]
+
+    async def delete_older_than(self, cutoff: float, slice_rows: int) -> int:
+        """Delete captures started before `cutoff`, `slice_rows` at a time, each slice its own
+        short transaction (a writer waits one slice at most). Returns how many went."""
+        if slice_rows < 1:
+            raise ValueError(f"slice_rows must be at least 1, not {slice_rows}")
+        total = 0
+        while True:
+            deleted = await self._prune(cutoff, slice_rows)
+            total += deleted
+            if deleted < slice_rows:
+                return total
+
+    async def _open(self) -> None:
+        raise NotImplementedError
+
+    async def _insert(self, text: str, rows: _Rows) -> int:
+        raise NotImplementedError
+
+    async def _fetch(self, text: str, params: Sequence[object]) -> _Rows:
+        raise NotImplementedError
+
+    async def _prune(self, cutoff: float, limit: int) -> int:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+
+class _SqliteStore(CaptureStore):
+    dialect = Dialect.SQLITE
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.location = f"sqlite://{path.absolute()}"
+        self._conn: sqlite3.Connection | None = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="tm-capture-sqlite")
+
+    async def _run(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    async def _open(self) -> None:
+        await self._run(self._open_file)
+
+    def _open_file(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
+                               timeout=BUSY_TIMEOUT_MS / 1000)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")  # the ledger's file is in WAL mode too
+            conn.execute("PRAGMA synchronous=NORMAL")
+            for statement in _SQLITE_CREATE:
+                conn.execute(statement)
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+
+    def _require(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise sqlite3.OperationalError("the capture store is closed")
+        return self._conn
+
+    async def _insert(self, text: str, rows: _Rows) -> int:
+        def run() -> int:
+            conn = self._require()
+            stored = 0
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                for row in rows:  # one by one: which rows were new (a conflict changes none)
+                    stored += row[_SIZE] * conn.execute(text, row).rowcount
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            return stored
+
+        return await self._run(run)
+
+    async def _fetch(self, text: str, params: Sequence[object]) -> _Rows:
+        def run() -> _Rows:
+            return [tuple(r) for r in self._require().execute(text, tuple(params)).fetchall()]
+
+        return await self._run(run)
+
+    async def _prune(self, cutoff: float, limit: int) -> int:
+        return await self._run(
+            lambda: self._require().execute(_SQLITE_PRUNE, (cutoff, limit)).rowcount)
+
+    async def close(self) -> None:
+        def run() -> None:
+            conn, self._conn = self._conn, None
+            if conn is not None:
+                conn.close()
+
+        await self._run(run)
+        self._executor.shutdown(wait=False)
+
+
+class _PostgresStore(CaptureStore):
+    dialect = Dialect.POSTGRESQL
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+        self.location = mask_url(url)
+        self._conn: asyncpg.Connection | None = None
+
+    async def _open(self) -> None:
+        conn = await asyncpg.connect(self._url, timeout=CONNECT_TIMEOUT_S,
+                                     command_timeout=COMMAND_TIMEOUT_S,
+                                     server_settings=_PG_SESSION)
+        try:
+            for statement in _PG_CREATE:
+                await conn.execute(statement)
+        except BaseException:
+            conn.terminate()
+            raise
+        self._conn = conn
+
+    def _require(self) -> asyncpg.Connection:
+        if self._conn is None or self._conn.is_closed():
+            raise asyncpg.ConnectionDoesNotExistError("the capture store is not connected")
+        return self._conn
+
+    async def _insert(self, text: str, rows: _Rows) -> int:
+        conn = self._require()
+        stored = 0
+        async with conn.transaction():
+            for row in rows:
+                status = await conn.execute(text, *row)
+                stored += row[_SIZE] * int(status.rsplit(" ", 1)[1])  # "INSERT 0 <rows>"
+        return stored
+
+    async def _fetch(self, text: str, params: Sequence[object]) -> _Rows:
+        return [tuple(r) for r in await self._require().fetch(text, *params)]
+
+    async def _prune(self, cutoff: float, limit: int) -> int:
+        q = Sql(self.dialect)
+        q.ts(cutoff)
+        status = await self._require().execute(_PG_PRUNE, q.params[0], limit)
+        return int(status.rsplit(" ", 1)[1])  # "DELETE <rows>"
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None and not conn.is_closed():
+            await conn.close(timeout=2)
