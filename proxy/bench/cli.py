@@ -8,16 +8,26 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from proxy.bench.client import ERROR_CLASSES, Api, Endpoint, RequestSpec
 from proxy.bench.page import write_plot
 from proxy.bench.plot import PlotFormatError
+from proxy.bench.replay import (
+    ReplayError,
+    ReplayReport,
+    compare_answers,
+    load_prices,
+    load_replay,
+    target_costs,
+)
 from proxy.bench.report import ProgressBar, render, to_csv, to_json, write_text
 from proxy.bench.runner import BenchConfig, BenchResult, run_bench
 from proxy.bench.stats import parse_slo
 from proxy.bench.workload import Prompt, PromptsFileError, load_prompts
+from proxy.config.policy import Price
 
 EPILOG = f"""\
 metrics (per request):
@@ -49,6 +59,10 @@ usage of message_delta, prompt tokens the input plus cache writes and reads.
 
 --compare URL2 runs the same load against both endpoints, interleaved in blocks (A B B A ...)
 within each level, and reports base/compare ratios and base - compare latency differences.
+--replay FILE.jsonl sends a capture export's recorded requests (docs/capture.md) with their own
+bodies, the model replaced by --model when given, each once per endpoint; it reports the cost per
+endpoint (--prices FILE.yaml or --config's prices) and, with --compare, the answers: exact-match
+rate, length ratio B/A (characters), every pair in --json, a sample on the --plot .html page.
 Exit status: 0 when the run completed (errors of the endpoints are counted, not fatal),
 2 for a usage error (bad arguments, unreadable prompts file).
 """
@@ -67,6 +81,26 @@ def _list(kind: Callable[[str], Any], name: str) -> Callable[[str], list[Any]]:
     return parse
 
 
+def _add_inputs(b: argparse.ArgumentParser) -> None:
+    """What is sent: generated prompts, a prompts file, or a capture export replayed."""
+    prompts = b.add_mutually_exclusive_group()
+    prompts.add_argument("--prompt-tokens", type=_list(int, "--prompt-tokens"), default=[128],
+                         help="generated prompts of exactly these token lengths, sweep "
+                              "(default 128)")
+    prompts.add_argument("--prompts", metavar="FILE.jsonl",
+                         help='one request per line: {"messages": [...], "max_tokens": N} '
+                              "(max_tokens optional) or a bare messages list")
+    prompts.add_argument("--replay", metavar="FILE.jsonl",
+                         help="send the recorded requests of a capture export (docs/capture.md) "
+                              "with their own bodies (only the model replaced by --model), each "
+                              "once per endpoint by default; report cost and, with --compare, "
+                              "the answers side by side")
+    b.add_argument("--prices", metavar="FILE.yaml",
+                   help="with --replay: a `prices:` table as in the config, for the cost")
+    b.add_argument("--config", metavar="FILE.yaml",
+                   help="with --replay: a tokenmeter config whose prices are used")
+
+
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     b: argparse.ArgumentParser = sub.add_parser(
         "bench", help="load-test an OpenAI-compatible endpoint (or two, side by side)",
@@ -74,7 +108,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                     "chat-completions endpoint under a sweep of loads and prompt sizes.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     b.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8080/v1")
-    b.add_argument("--model", required=True)
+    b.add_argument("--model", help="the model asked for (required, except with --replay: "
+                   "there it replaces the recorded model when given)")
     b.add_argument("--compare", metavar="URL2", help="a second base URL, run interleaved")
     b.add_argument("--api", choices=[a.value for a in Api], default=Api.OPENAI.value,
                    help="wire format: openai (chat completions, default) or anthropic "
@@ -90,13 +125,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     size = b.add_mutually_exclusive_group()
     size.add_argument("--requests", type=int, help="requests per endpoint per level (default 32)")
     size.add_argument("--duration", type=float, help="seconds per endpoint per level")
-    prompts = b.add_mutually_exclusive_group()
-    prompts.add_argument("--prompt-tokens", type=_list(int, "--prompt-tokens"), default=[128],
-                         help="generated prompts of exactly these token lengths, sweep "
-                              "(default 128)")
-    prompts.add_argument("--prompts", metavar="FILE.jsonl",
-                         help='one request per line: {"messages": [...], "max_tokens": N} '
-                              "(max_tokens optional) or a bare messages list")
+    _add_inputs(b)
     b.add_argument("--max-tokens", type=int, default=256,
                    help="max output tokens per request (default 256; 0: do not send)")
     b.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
@@ -111,8 +140,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    '\'{"ignore_eos": true}\'')
     b.add_argument("--tokenizer-model", help="model whose encoding counts output locally "
                    "(default: --model; unknown names use o200k_base)")
-    b.add_argument("--warmup", type=int, default=2, help="unmeasured requests per endpoint "
-                   "first (default 2)")
+    b.add_argument("--warmup", type=int, help="unmeasured requests per endpoint first "
+                   "(default 2; 0 with --replay: each recorded request is sent once)")
     b.add_argument("--rounds", type=int, help="blocks per endpoint per level (default 4 with "
                    "--compare, else 1)")
     b.add_argument("--slo", help="e.g. ttft=200ms,tpot=5ms,e2e=2s: report goodput")
@@ -159,7 +188,13 @@ def _check(args: argparse.Namespace) -> Api:
     for name in ("requests", "duration", "max_connections", "rounds", "timeout"):
         if (v := getattr(args, name)) is not None and v <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
-    if args.warmup < 0 or args.max_tokens < 0:
+    if not args.model and not args.replay:
+        raise UsageError("--model is required (except with --replay)")
+    if (args.prices or args.config) and not args.replay:
+        raise UsageError("--prices and --config apply to --replay only")
+    if args.prices and args.config:
+        raise UsageError("give --prices or --config, not both")
+    if (args.warmup or 0) < 0 or args.max_tokens < 0:
         raise UsageError("--warmup and --max-tokens must not be negative")
     api = Api(args.api)
     if api is Api.ANTHROPIC and not args.max_tokens:
@@ -193,7 +228,38 @@ def _prompts(path: str | None, tok_model: str) -> list[Prompt] | None:
         raise UsageError(str(exc)) from None
 
 
-def build_config(args: argparse.Namespace) -> tuple[BenchConfig, dict[str, Any]]:
+def _endpoints(args: argparse.Namespace, key: str | None,
+               headers: dict[str, str]) -> list[Endpoint]:
+    endpoints = [Endpoint(args.base_url, args.label or _label(args.base_url), key, headers)]
+    if args.compare:
+        other = args.compare_label or _label(args.compare)
+        if other == endpoints[0].label:
+            other += " (compare)"
+        endpoints.append(Endpoint(args.compare, other, key, headers))
+    return endpoints
+
+
+@dataclass(frozen=True)
+class Replay:
+    """`--replay`: the recorded requests sent, and the prices their cost is reckoned at."""
+
+    file: str
+    prompts: list[Prompt]
+    prices: dict[str, Price]
+
+
+def _replay(args: argparse.Namespace, api: Api, tok_model: str) -> Replay | None:
+    if not args.replay:
+        return None
+    route = "/v1/messages" if api is Api.ANTHROPIC else "/v1/chat/completions"
+    try:
+        prompts = load_replay(args.replay, route, tok_model)
+        return Replay(args.replay, prompts, load_prices(args.prices, args.config))
+    except ReplayError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def build_config(args: argparse.Namespace) -> tuple[BenchConfig, dict[str, Any], Replay | None]:
     """The run's configuration from parsed arguments, and its printable summary (no secrets)."""
     api = _check(args)
     try:
@@ -205,38 +271,37 @@ def build_config(args: argparse.Namespace) -> tuple[BenchConfig, dict[str, Any]]
     key_env = args.api_key_env or (
         "ANTHROPIC_API_KEY" if api is Api.ANTHROPIC else "OPENAI_API_KEY")
     key = os.environ.get(key_env) or None
-    tok_model = args.tokenizer_model or args.model
-    prompts = _prompts(args.prompts, tok_model)
-    endpoints = [Endpoint(args.base_url, args.label or _label(args.base_url), key, headers)]
-    if args.compare:
-        other = args.compare_label or _label(args.compare)
-        if other == endpoints[0].label:
-            other += " (compare)"
-        endpoints.append(Endpoint(args.compare, other, key, headers))
-    spec = RequestSpec(model=args.model, stream=args.stream, max_tokens=args.max_tokens or None,
-                       extra_body=extra, timeout_s=args.timeout, tokenizer_model=tok_model,
-                       api=api)
-    requests = None if args.duration else (args.requests or 32)
+    tok_model = args.tokenizer_model or args.model or ""
+    replay = _replay(args, api, tok_model)
+    prompts = replay.prompts if replay else _prompts(args.prompts, tok_model)
+    endpoints = _endpoints(args, key, headers)
+    spec = RequestSpec(model=args.model or "", stream=args.stream,
+                       max_tokens=args.max_tokens or None, extra_body=extra,
+                       timeout_s=args.timeout, tokenizer_model=tok_model, api=api)
+    each_once = len(replay.prompts) if replay else 32
+    requests = None if args.duration else (args.requests or each_once)
+    warmup = args.warmup if args.warmup is not None else (0 if replay else 2)
     config = BenchConfig(
         endpoints=endpoints, spec=spec, concurrency=args.concurrency or [1],
         rates=args.rate or [], prompt_tokens=args.prompt_tokens, prompts=prompts,
-        requests=requests, duration_s=args.duration, warmup=args.warmup, rounds=args.rounds,
+        requests=requests, duration_s=args.duration, warmup=warmup, rounds=args.rounds,
         slo=slo, seed=args.seed, lag_warn_ms=args.lag_warn_ms,
         max_connections=args.max_connections)
     summary = {
         "endpoints": [{"label": e.label, "base_url": e.base_url} for e in endpoints],
         "model": args.model, "mode": config.mode, "loads": config.loads,
         "prompt_tokens": None if prompts else config.sizes,
-        "prompts_file": args.prompts, "requests_per_level": requests,
+        "prompts_file": args.prompts, "replay_file": args.replay, "requests_per_level": requests,
         "duration_per_level_s": args.duration, "max_tokens": spec.max_tokens,
-        "stream": spec.stream, "warmup": args.warmup, "rounds": config.blocks, "slo_s": slo,
+        "stream": None if replay else spec.stream, "warmup": warmup, "rounds": config.blocks,
+        "slo_s": slo,
         "seed": args.seed, "api": api.value, "api_key_env": key_env,
         "api_key_set": key is not None,
         "headers": {k: ("<redacted>" if any(s in k.lower() for s in _SECRET) else v)
                     for k, v in headers.items()},
         "extra_body": extra,
     }
-    return config, summary
+    return config, summary, replay
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -247,9 +312,20 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
+def _replay_report(replay: Replay | None, result: BenchResult,
+                   config: BenchConfig) -> ReplayReport | None:
+    if replay is None:
+        return None
+    labels = [e.label for e in config.endpoints]
+    return ReplayReport(
+        replay.file, len(replay.prompts),
+        tuple(target_costs(result.results, replay.prompts, config.spec.model, replay.prices)),
+        compare_answers(result.results, replay.prompts, labels))
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        config, summary = build_config(args)
+        config, summary, replay = build_config(args)
     except UsageError as exc:
         print(f"tokenmeter bench: {exc}", file=sys.stderr)
         return 2
@@ -262,14 +338,20 @@ def run(args: argparse.Namespace) -> int:
             if bar is not None:
                 bar.close()
     table = render(result)
+    extra = _replay_report(replay, result, config)
+    if extra is not None:
+        table += "\n" + extra.render()
     print(table, flush=True)
     if args.json:
-        write_text(args.json, to_json(result, summary))
+        write_text(args.json, to_json(result, summary,
+                                      {"replay": extra.to_dict()} if extra else None))
     if args.csv:
         write_text(args.csv, to_csv(result))
     if args.plot:
         try:
-            write_plot(args.plot, result.levels, "tokenmeter bench: " + args.model, table)
+            write_plot(args.plot, result.levels,
+                       "tokenmeter bench: " + (args.model or "replay of " + str(args.replay)),
+                       table, extra.page_answers() if extra else None)
         except PlotFormatError as exc:  # checked above already; kept for API callers
             print(f"tokenmeter bench: {exc}", file=sys.stderr)
             return 2

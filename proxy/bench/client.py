@@ -59,6 +59,9 @@ class Api(enum.StrEnum):
 
 ANTHROPIC_VERSION = "2023-06-01"
 
+# `bench --replay` keeps each answer's text for the comparison, up to this many characters.
+ANSWER_CHARS = 16_384
+
 _FROM_ANSWER: Mapping[ErrorClass, BenchError] = {
     ErrorClass.RATE_LIMIT: BenchError.RATE_LIMIT,
     ErrorClass.AUTH: BenchError.AUTH,
@@ -106,7 +109,24 @@ class RequestSpec:
     tokenizer_model: str | None = None  # whose encoding counts the output (default: model)
     api: Api = Api.OPENAI
 
+    def stream_for(self, prompt: Prompt) -> bool:
+        """A replayed request streams as it was recorded; the others as --stream says."""
+        return self.stream if prompt.stream is None else prompt.stream
+
+    def _replay_body(self, prompt: Prompt) -> bytes:
+        """The recorded body, its model replaced by --model when one was given; a stream asks
+        for its usage (OpenAI sends none otherwise, and tokens and cost need it)."""
+        body = dict(prompt.body or {})
+        if self.model:
+            body["model"] = self.model
+        if body.get("stream") is True and self.api is Api.OPENAI and "stream_options" not in body:
+            body["stream_options"] = {"include_usage": True}
+        body.update(self.extra_body)
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+
     def body(self, prompt: Prompt) -> bytes:
+        if prompt.body is not None:
+            return self._replay_body(prompt)
         body: dict[str, Any] = {"model": self.model, "messages": list(prompt.messages)}
         limit = prompt.max_tokens or self.max_tokens
         if limit is not None:
@@ -220,8 +240,10 @@ async def send(
     """Send one request and time it."""
     body = spec.body(prompt)
     headers = endpoint.request_headers(spec.api)
+    stream = spec.stream_for(prompt)
     base: dict[str, Any] = dict(endpoint=endpoint.label, load=level.load,
-                                prompt_tokens=level.prompt_tokens, stream=spec.stream)
+                                prompt_tokens=level.prompt_tokens, stream=stream,
+                                line=prompt.line)
     t0 = time.perf_counter()
     base["start"] = t0 - level.t_origin
     status: int | None = None
@@ -233,7 +255,7 @@ async def send(
             status = resp.status
             if status != 200:
                 got.fail(*classify_status(status, await resp.read()))
-            elif not spec.stream:
+            elif not stream:
                 await _read_body(resp, spec.api, got)
             else:
                 await _read_stream(resp, spec.api, got)
@@ -250,6 +272,8 @@ async def send(
     text = "".join(got.chunks)
     local = count_text(spec.tokenizer_model or spec.model, text)
     out_usage, prompt_usage = _usage_counts(got.usage)
+    if prompt.line:  # a replay keeps the answers to compare them, each bounded
+        base["answer"] = text[:ANSWER_CHARS]
     if got.error_class is not None:
         return RequestResult(ok=False, status=status, error_class=got.error_class,
                              error=got.error, local_output_tokens=local, **base)

@@ -121,7 +121,9 @@ def _clean(obj: Any) -> Any:
     return obj
 
 
-def to_json(result: BenchResult, config: Mapping[str, Any]) -> str:
+def to_json(result: BenchResult, config: Mapping[str, Any],
+            extra: Mapping[str, Any] | None = None) -> str:
+    """The run as JSON; `extra`: more top-level sections (`bench --replay`'s "replay")."""
     levels = [dataclasses.asdict(st) for st in result.levels]
     data = {
         "config": dict(config),
@@ -130,6 +132,7 @@ def to_json(result: BenchResult, config: Mapping[str, Any]) -> str:
         "levels": levels,
         "comparisons": [dataclasses.asdict(c) for c in result.comparisons],
         "warnings": result.warnings,
+        **(extra or {}),
     }
     return json.dumps(_clean(data), indent=2)
 

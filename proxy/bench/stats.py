@@ -77,6 +77,8 @@ class RequestResult:
     usage_prompt_tokens: int | None = None
     local_output_tokens: int = 0
     stream: bool = True
+    line: int = 0  # `bench --replay`: the request's line in the file (0: not a replay)
+    answer: str | None = None  # `bench --replay`: the output text, cut at ANSWER_CHARS
 
     @property
     def output_tokens(self) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,11 @@ class Prompt:
     # Tokens of the messages' text as the tokenizer counts them (generated: exactly as asked).
     tokens: int
     max_tokens: int | None = None  # a prompts-file line may set its own
+    # A replayed request (`bench --replay`): its recorded body, sent as it is but for the
+    # model, its own `stream`, and its line in the file (what its answers are paired by).
+    body: Mapping[str, Any] | None = None
+    stream: bool | None = None
+    line: int = 0
 
 
 @functools.cache
@@ -64,7 +69,7 @@ def generate_prompts(tokens: int, model: str, count: int, seed: int) -> list[Pro
     return [generate_prompt(tokens, model, rng) for _ in range(count)]
 
 
-def _message_text(messages: list[Any]) -> str:
+def message_text(messages: list[Any]) -> str:
     parts: list[str] = []
     for m in messages:
         content = m.get("content")
@@ -107,7 +112,7 @@ def load_prompts(path: str | Path, model: str) -> list[Prompt]:
         for m in item:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
                 raise PromptsFileError(f"{where}: every message needs a 'role' and a 'content'")
-        prompts.append(Prompt(tuple(item), count_text(model, _message_text(item)), max_tokens))
+        prompts.append(Prompt(tuple(item), count_text(model, message_text(item)), max_tokens))
     if not prompts:
         raise PromptsFileError(f"{p}: no prompts in the file")
     return prompts

@@ -19,86 +19,19 @@ from typing import Any
 
 from aiohttp import web
 
+# The export line's parser is shared with `bench --replay`; its names stay importable here.
+from proxy.protocol.export_line import (
+    ROUTES,
+    RecordedEvent,
+    Recording,
+    ReplayFileError,
+    canonical,
+    parse_line,
+    read_lines,
+)
+
 __all__ = ["RecordedEvent", "Recording", "Recordings", "ReplayFileError", "canonical",
            "create_replay_app", "load_recordings", "parse_line", "run_replay"]
-
-ROUTES = ("/v1/chat/completions", "/v1/messages")
-
-
-class ReplayFileError(ValueError):
-    """A line of the replay file that cannot be replayed; the message names the line."""
-
-
-@dataclass(frozen=True)
-class RecordedEvent:
-    at_ms: float  # after the upstream request was sent, as captured
-    text: str  # the SSE event without its closing blank line
-
-
-@dataclass(frozen=True)
-class Recording:
-    line: int
-    path: str
-    key: str  # the request's messages as canonical JSON
-    stream: bool
-    status: int
-    body: Any  # a JSON answer's (or error's) body as parsed JSON; None for none
-    events: tuple[RecordedEvent, ...]
-
-    @property
-    def streamed(self) -> bool:
-        # A stream request that failed before streaming was answered with a JSON error body.
-        return self.stream and self.status == 200 and self.body is None
-
-
-def canonical(messages: Any) -> str:
-    """The form two requests' messages are compared in (docs/capture.md)."""
-    return json.dumps(messages, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-def _event(raw: Any) -> RecordedEvent:
-    if not isinstance(raw, dict) or not isinstance(raw.get("text"), str):
-        raise ValueError("each of response.events must be an object with a text")
-    at_ms = raw.get("at_ms")
-    if isinstance(at_ms, bool) or not isinstance(at_ms, int | float) or not (
-            math.isfinite(at_ms) and at_ms >= 0):
-        raise ValueError("an event's at_ms must be a finite number, not negative")
-    return RecordedEvent(at_ms=float(at_ms), text=raw["text"])
-
-
-def _recording(data: Any, line: int) -> Recording:
-    if not isinstance(data, dict):
-        raise ValueError("a line must be a JSON object")
-    if not isinstance(data.get("path"), str):
-        raise ValueError("path must be a string")
-    # Lines of other routes (the Responses API, embeddings) are kept but never matched: the
-    # replay serves only ROUTES, and an export may hold them all.
-    if data["path"] in ROUTES and not isinstance(data.get("messages"), list):
-        raise ValueError("messages must be a list")
-    if not isinstance(data.get("stream", False), bool):
-        raise ValueError("stream must be true or false")
-    response = data.get("response")
-    if not isinstance(response, dict):
-        raise ValueError("response must be an object")
-    status = response.get("status")
-    if isinstance(status, bool) or not isinstance(status, int) or not 200 <= status <= 599:
-        raise ValueError("response.status must be an HTTP status (200-599)")
-    events = response.get("events") or []
-    if not isinstance(events, list):
-        raise ValueError("response.events must be a list")
-    return Recording(
-        line=line, path=data["path"], key=canonical(data["messages"]),
-        stream=data.get("stream", False), status=status, body=response.get("body"),
-        events=tuple(_event(event) for event in events),
-    )
-
-
-def parse_line(text: str, line: int) -> Recording:
-    """One export line (`line` counts from 1) as a Recording; ReplayFileError names the line."""
-    try:
-        return _recording(json.loads(text), line)
-    except ValueError as exc:  # json.JSONDecodeError included
-        raise ReplayFileError(f"line {line}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -123,14 +56,7 @@ class Recordings:
 def load_recordings(path: Path) -> Recordings:
     """Every line of `path` (blank lines skipped), checked before anything is served; the
     errors' messages name the line, not the file (the caller knows that)."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ReplayFileError(f"cannot read it: {exc}") from None
-    found = [parse_line(text, n) for n, text in enumerate(lines, 1) if text.strip()]
-    if not found:
-        raise ReplayFileError("it holds no recorded request")
-    return Recordings.of(found)
+    return Recordings.of(read_lines(path))
 
 
 RECORDINGS = web.AppKey("tokenmeter_replay_recordings", Recordings)
