@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from proxy.capture.record import Body
+from proxy.config.capture import DEFAULT_REDACT
 
 REDACTED = "[REDACTED]"
 
@@ -15,6 +16,15 @@ REDACTED = "[REDACTED]"
 # pattern); substitution repeats until nothing matches, at most this many rounds, so that a
 # pattern that matches its own replacement cannot loop forever.
 _MAX_ROUNDS = 8
+
+# For each default pattern (proxy.config.capture.DEFAULT_REDACT, in its order): a test no text
+# it matches can fail, much cheaper than the pattern's scan.
+_NEEDLES: dict[str, Callable[[str], bool]] = dict(zip(DEFAULT_REDACT, (
+    lambda t: "sk-" in t,
+    lambda t: "bearer" in t.lower(),
+    lambda t: "AKIA" in t,
+    lambda t: "@" in t,
+), strict=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +41,11 @@ class Redactor:
         for _ in range(_MAX_ROUNDS):
             changed = False
             for pattern in self.patterns:
+                # The default patterns each need a literal a text without a secret seldom has
+                # (`@`, `sk-`, ...): a `str` search skips the regex scan, most of the cost.
+                needle = _NEEDLES.get(pattern.pattern)
+                if needle is not None and not needle(text):
+                    continue
                 text, n = pattern.subn(REDACTED, text)
                 changed = changed or n > 0
             if not changed:
