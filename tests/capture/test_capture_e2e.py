@@ -20,10 +20,11 @@ from aiohttp.test_utils import TestServer
 from proxy.capture.record import Body, Capture
 from proxy.capture.store import CaptureStore
 from proxy.capture.writer import CaptureWriter
+from proxy.config.load import load_config
 from proxy.pipeline import services as st
 from proxy.server.app import create_app
 from proxy.telemetry.metrics import Metrics
-from tests.helpers import ServerFactory, make_config, sample, scrape, until
+from tests.helpers import ServerFactory, budget_yaml, make_config, sample, scrape, until
 
 ALICE = "sk-alice-capture-0001"
 BOB = "sk-bob-never-capture-01"
@@ -223,3 +224,32 @@ async def test_an_anthropic_stream_is_reassembled_as_the_sdk_saw_it(
                                                               "messages")
     assert capture.output_text == text and text
     assert json.loads(capture.request.text)["max_tokens"] == 32
+
+
+@pytest.mark.timeout(90)
+async def test_a_reload_turns_capture_on_without_a_restart(
+    aiohttp_server: ServerFactory, upstream: TestServer, tmp_path: Path
+) -> None:
+    """Off at start (nothing kept, no table made), on after the file changes: the next request
+    is captured by the same process."""
+    url = f"sqlite://{tmp_path / 'captures.sqlite3'}"
+    path = tmp_path / "tm.yaml"
+    users = f'  alice:\n    keys: ["{ALICE}"]\n'
+    base = budget_yaml(str(upstream.make_url("/v1")), "memory", users)
+    path.write_text(base + f"capture: {{enabled: false, sample: 1.0, url: '{url}'}}\n")
+    proxy = await aiohttp_server(create_app(load_config(path), config_path=path))
+    client = openai.AsyncOpenAI(base_url=str(proxy.make_url("/v1")), api_key=ALICE,
+                                max_retries=0)
+
+    async def ask() -> str:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="mock-gpt", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+        return raw.headers["x-tokenmeter-request-id"]
+
+    await ask()
+    assert not Path(url.removeprefix("sqlite://")).exists()  # off: not even the table
+    path.write_text(base + f"capture: {{enabled: true, sample: 1.0, url: '{url}'}}\n")
+    await until(lambda: proxy.app[st.SERVICES].runtime.current.config.capture.enabled,
+                deadline=10)
+    captured = await _stored(url, await ask())
+    assert captured.status == 200
