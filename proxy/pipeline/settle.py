@@ -69,7 +69,12 @@ async def settle(done: Settlement, svc: Services) -> None:
         else:
             log_request(record)
             if done.collected is not None and svc.capture is not None:
-                await _capture(done, record, runtime, svc)
+                # Its own task: the handler waits for settle before a JSON answer goes out,
+                # and no request waits on capture. Tracked with the settle tasks, so a
+                # shutdown waits for it too.
+                task = asyncio.ensure_future(_capture(done, record, runtime, svc))
+                svc.settling.tasks.add(task)
+                task.add_done_callback(svc.settling.finished)
     except Exception:
         # Loud, never silent: a request whose usage we could not record is a billing hole.
         metrics.metering_failed(MeteringStage.SETTLE)
@@ -132,22 +137,23 @@ async def _capture(done: Settlement, record: RequestRecord, runtime: Runtime,
     here loses the capture, never the request's books: counted, logged, and that is all."""
     collected, writer = done.collected, svc.capture
     assert collected is not None and writer is not None
-    cfg = runtime.config.capture
-    principal = done.principal
-    subject = Subject(user=record.user, key_name=record.key, team=record.team,
-                      model=done.request_model, failed=done.error_class is not ErrorClass.NONE,
-                      allowed=principal.capture if principal is not None else True)
-    if not wanted(cfg, subject, svc.rng.random()):
-        return
-    meta = Meta(request_id=done.request_id, started_at=record.ended_at - record.figures.duration,
-                api=collected.api, path=collected.path, operation=done.operation,
-                user=record.user, key_name=record.key, team=record.team,
-                requested_model=done.request_model, model=record.sent_model, stream=done.stream,
-                status=done.status, error_class=done.error_class.value)
     try:
-        capture = await asyncio.to_thread(make_capture, collected, meta, redactor(cfg.redact))
+        cfg = runtime.config.capture
+        principal = done.principal
+        subject = Subject(user=record.user, key_name=record.key, team=record.team,
+                          model=done.request_model,
+                          failed=done.error_class is not ErrorClass.NONE,
+                          allowed=principal.capture if principal is not None else True)
+        if not wanted(cfg, subject, svc.rng.random()):
+            return
+        meta = Meta(request_id=done.request_id,
+                    started_at=record.ended_at - record.figures.duration, api=collected.api,
+                    path=collected.path, operation=done.operation, user=record.user,
+                    key_name=record.key, team=record.team, requested_model=done.request_model,
+                    model=record.sent_model, stream=done.stream, status=done.status,
+                    error_class=done.error_class.value)
+        writer.offer(await asyncio.to_thread(make_capture, collected, meta,
+                                             redactor(cfg.redact)))
     except Exception:
         svc.metrics.capture_failed(CaptureStage.RECORD)
         log.exception("failed to make the capture of request %s", done.request_id)
-        return
-    writer.offer(capture)

@@ -367,9 +367,12 @@ async def _audit_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _drain_settling(app: web.Application) -> AsyncIterator[None]:
     yield
-    pending = set(app[SERVICES].settling.tasks)
-    if pending:
-        await asyncio.wait(pending, timeout=10)
+    # Until none is left (a settle may start a capture task of its own), for 10 s at most.
+    tasks = app[SERVICES].settling.tasks
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while tasks and (left := deadline - loop.time()) > 0:
+        await asyncio.wait(set(tasks), timeout=left)
 
 
 async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
