@@ -64,7 +64,7 @@ class LedgerRow(NamedTuple):
         usage, figures = rec.usage, rec.figures
         return LedgerRow(
             request_id=rec.request_id,
-            started_at=rec.ended_at - figures.duration,
+            started_at=rec.started_at,
             ended_at=rec.ended_at,
             replica=replica,
             user_name=rec.user,

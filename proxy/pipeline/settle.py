@@ -147,7 +147,7 @@ async def _capture(done: Settlement, record: RequestRecord, runtime: Runtime,
         if not wanted(cfg, subject, svc.rng.random()):
             return
         meta = Meta(request_id=done.request_id,
-                    started_at=record.ended_at - record.figures.duration, api=collected.api,
+                    started_at=record.started_at, api=collected.api,
                     path=collected.path, operation=done.operation, user=record.user,
                     key_name=record.key, team=record.team, requested_model=done.request_model,
                     model=record.sent_model, stream=done.stream, status=done.status,

@@ -129,6 +129,11 @@ class RequestRecord:
     ended_at: float  # epoch seconds, UTC
 
     @property
+    def started_at(self) -> float:
+        """Epoch seconds, UTC: when the request was received (its end less its duration)."""
+        return self.ended_at - self.figures.duration
+
+    @property
     def model(self) -> str:
         """The model that served (or was last tried), else the one asked for (logged, never a
         label)."""
