@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sqlite3
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -36,7 +34,7 @@ import aiohttp
 import asyncpg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from procs import cpu_s, free_port, wait_port
+from procs import Served, cpu_s, free_port, wait_port
 
 PG = "postgresql://postgres@127.0.0.1:5432"
 PLAIN = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -53,25 +51,17 @@ VARIANTS = ("off", "sqlite", "postgresql")
 class Proxy:
     def __init__(self, variant: str, mock_port: int, pg_db: str | None) -> None:
         self.variant = variant
-        self.state = Path(tempfile.mkdtemp(prefix=f"tm-ledger-{variant}-"))
         self.pg_db = pg_db
         ledger = {"off": "{enabled: false}", "sqlite": "{}",
                   "postgresql": f'{{url: "{PG}/{pg_db}"}}'}[variant]
-        config = self.state / "tokenmeter.yaml"
-        config.write_text(
+        self.served = Served(
             f"upstreams:\n  mock: {{base_url: 'http://127.0.0.1:{mock_port}/v1'}}\n"
-            f"metrics: {{discover_models: false}}\nledger: {ledger}\n")
-        self.port = free_port()
-        env = {**os.environ, "TOKENMETER_STATE_DIR": str(self.state)}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config),
-             "--port", str(self.port), "--log-level", "WARNING"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_port(self.port)
+            f"metrics: {{discover_models: false}}\nledger: {ledger}\n",
+            f"tm-ledger-{variant}-")
+        self.state, self.port, self.proc = self.served.state, self.served.port, self.served.proc
 
     def stop(self) -> None:
-        self.proc.terminate()  # SIGTERM: the shipper drains before the process exits
-        self.proc.wait(timeout=60)
+        self.served.stop()  # SIGTERM: what it queued is written before it exits
 
     async def rows(self) -> int:
         if self.variant == "off":

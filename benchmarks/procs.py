@@ -1,10 +1,13 @@
 """What the per-request benchmarks share about the processes they start: a free port, waiting
-for one to accept, and a process's CPU time from /proc."""
+for one to accept, a process's CPU time from /proc, and a served proxy."""
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,3 +34,24 @@ def cpu_s(pid: int) -> float:
     """utime + stime of `pid`, in seconds."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Served:
+    """`tokenmeter serve` on a free port with `config` (YAML text) and a state directory of its
+    own; `stop` sends SIGTERM, so what it queued (ledger rows, captures) is written first."""
+
+    def __init__(self, config: str, prefix: str) -> None:
+        self.state = Path(tempfile.mkdtemp(prefix=prefix))
+        path = self.state / "tokenmeter.yaml"
+        path.write_text(config)
+        self.port = free_port()
+        env = {**os.environ, "TOKENMETER_STATE_DIR": str(self.state)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy.cli", "serve", "--config", str(path),
+             "--port", str(self.port), "--log-level", "WARNING"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_port(self.port)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
