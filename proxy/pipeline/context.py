@@ -25,6 +25,7 @@ import aiohttp
 
 from proxy.budget.accounting import Reservation
 from proxy.budget.principal import Principal
+from proxy.cache.outcome import NOT_CONSULTED, CacheOutcome
 from proxy.capture.collect import Collector
 from proxy.errors import ErrorClass
 from proxy.pipeline import counting
@@ -110,6 +111,7 @@ class Settlement:
     fallback_from: str | None
     attempts: int
     collected: Collector | None = None  # its bytes, when capture is enabled
+    cache: CacheOutcome = NOT_CONSULTED  # what the response cache did
 
     @property
     def model(self) -> str:

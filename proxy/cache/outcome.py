@@ -1,0 +1,29 @@
+"""What the response cache did for one request: the one value the handler hands settle, from
+which the ledger row, the metrics and the budget charge read the cache's part (see
+docs/cache.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from proxy.protocol.usage import Usage
+
+
+class CacheResult(StrEnum):
+    NONE = "none"  # not consulted: the cache is off, or the request is not cacheable
+    HIT = "hit"  # answered from an entry: no upstream call
+    MISS = "miss"  # looked up, not found (or the store failed): went upstream
+    BYPASS = "bypass"  # the client said `Cache-Control: no-cache` or `no-store`
+
+
+@dataclass(frozen=True, slots=True)
+class CacheOutcome:
+    result: CacheResult
+    # On a hit: the usage of the answer the entry holds (what the hit saved, priced at today's
+    # prices by settle); None otherwise.
+    saved: Usage | None = None
+    age_s: float | None = None  # on a hit: how old the entry is
+
+
+NOT_CONSULTED = CacheOutcome(CacheResult.NONE)
