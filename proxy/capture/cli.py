@@ -15,6 +15,7 @@ from zoneinfo import ZoneInfo
 
 import asyncpg
 
+from proxy.capture.collect import redactor
 from proxy.capture.record import Body, Capture
 from proxy.capture.store import CaptureFilter, CaptureRow, CaptureStore, default_url
 from proxy.config.capture import CaptureConfig
@@ -163,7 +164,8 @@ def _table(rows: list[CaptureRow]) -> str:
 
 
 def _show(args: argparse.Namespace, url: str) -> int:
-    capture = _with_store(url, lambda store: store.get(args.request_id))
+    redact = redactor(_configs(args)[0].redact)
+    capture = _with_store(url, lambda store: store.get(args.request_id, redact))
     if capture is None:
         print(f"no capture of request {args.request_id!r} in the store", file=sys.stderr)
         return 1
@@ -233,10 +235,12 @@ def _shown(text: str) -> list[str]:
 
 def _export(args: argparse.Namespace, url: str) -> int:
     filters = _filters(args)
+    redact = redactor(_configs(args)[0].redact)
 
     async def read(store: CaptureStore) -> list[Capture]:
         rows = await store.list(filters)
-        found = [await store.get(r.request_id) for r in reversed(rows)]  # oldest first
+        # oldest first
+        found = [await store.get(r.request_id, redact) for r in reversed(rows)]
         return [c for c in found if c is not None]
 
     skipped = 0

@@ -12,10 +12,10 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from proxy.capture.record import Body, Capture, StreamEvent
+from proxy.capture.record import Body, Capture, Chunks, StreamEvent
 from proxy.capture.redact import Redactor
 from proxy.protocol.sse import SSEDecoder
 
@@ -119,10 +119,19 @@ def events_of(chunks: list[tuple[float, bytes]]) -> list[tuple[float, bytes, byt
 
 
 def record(collected: Collector, meta: Meta, redact: Callable[[str], str]) -> Capture:
-    """The capture of a settled request (CPU work: run it off the event loop)."""
+    """The capture of a settled request (CPU work: run it off the event loop). A stream is kept
+    as its chunks, redacted in one pass over its whole text; it is cut into events and its
+    output reassembled when read (`completed`). Only when the redaction changed the stream's
+    text (a chunk's offsets would no longer hold) or it is not UTF-8 is it cut here, event by
+    event."""
     limit = collected.limit
-    events = events_of(collected.chunks)
-    output = reassemble([data for _, _, data in events])
+    chunks = _chunks(collected.chunks, redact)
+    events: tuple[StreamEvent, ...] = ()
+    output = None
+    if chunks is None:
+        framed = events_of(collected.chunks)
+        events = _redacted_events(framed, redact)
+        output = reassemble([data for _, _, data in framed])
     return Capture(
         request_id=meta.request_id, started_at=meta.started_at, api=meta.api, path=meta.path,
         operation=meta.operation, user=meta.user, key_name=meta.key_name, team=meta.team,
@@ -131,14 +140,71 @@ def record(collected: Collector, meta: Meta, redact: Callable[[str], str]) -> Ca
         request=_body(collected.request, limit, redact) or Body("", 0),
         upstream_request=_body(collected.upstream, limit, redact),
         response=_body(collected.answer, limit, redact),
-        events=_redacted_events(events, redact),
+        events=events,
         events_truncated=collected.chunks_cut,
-        output_text=None if not meta.stream else redact(output.text),
-        tool_calls=output.tool_calls,
-        reasoning=redact(output.reasoning) if output.reasoning else None,
         upstream_error=(_body(collected.answer, limit, redact)
                         if meta.status >= 400 and collected.answer is not None else None),
+        chunks=chunks,
+        **({} if output is None else _output_fields(output, meta.stream, redact)),
     )
+
+
+def _chunks(kept: list[tuple[float, bytes]], redact: Callable[[str], str]) -> Chunks | None:
+    """The stream as written, when redaction leaves its text as it was (the usual case: then
+    the chunks' offsets hold); None otherwise."""
+    if not kept:
+        return None
+    raw = b"".join([data for _, data in kept])
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError:
+        return None
+    if redact(text) != text:
+        return None
+    ends, at, end = [], [], 0
+    for at_ms, data in kept:
+        end += len(data)
+        ends.append(end)
+        at.append(int(at_ms * 1000))
+    return Chunks(text, tuple(ends), tuple(at))
+
+
+def _output_fields(output: Output, stream: bool,
+                   redact: Callable[[str], str]) -> dict[str, Any]:
+    return {"output_text": redact(output.text) if stream else None,
+            "tool_calls": output.tool_calls,
+            "reasoning": redact(output.reasoning) if output.reasoning else None}
+
+
+def completed(capture: Capture, redact: Callable[[str], str]) -> Capture:
+    """A capture as read: a stream kept as chunks cut into its events and its output
+    reassembled. The output is redacted again: a secret split across two events matched no
+    pattern in the stream's text, and may once its pieces are joined."""
+    kept = capture.chunks
+    if kept is None:
+        return capture
+    raw = kept.text.encode()
+    starts = (0, *kept.ends[:-1])
+    framed = events_of([(at / 1000, raw[a:b])
+                        for at, a, b in zip(kept.at_us, starts, kept.ends, strict=True)])
+    output = reassemble([data for _, _, data in framed])
+    return replace(capture, chunks=None,
+                   events=tuple(StreamEvent(at, text.decode("utf-8", "replace"))
+                                for at, text, _ in framed),
+                   **_output_fields(output, capture.stream, redact))
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """A capture to be made: what settle hands the writer, which makes a batch of them in one
+    trip to a thread (`record` is CPU work; one hop a request cost more than the work)."""
+
+    collected: Collector
+    meta: Meta
+    redact: Callable[[str], str]
+
+    def capture(self) -> Capture:
+        return record(self.collected, self.meta, self.redact)
 
 
 def _redacted_events(events: list[tuple[float, bytes, bytes]],

@@ -26,8 +26,9 @@ from typing import Any, TypeVar
 
 import asyncpg
 
+from proxy.capture.collect import completed, redactor
 from proxy.capture.record import Capture
-from proxy.config.capture import CaptureConfig
+from proxy.config.capture import DEFAULT_REDACT, CaptureConfig
 from proxy.config.ledger import LedgerConfig
 from proxy.ledger.query import Dialect, Sql, ledger_path
 from proxy.ledger.sink_postgres import COMMAND_TIMEOUT_S, CONNECT_TIMEOUT_S, mask_url
@@ -40,7 +41,6 @@ TABLE = "tokenmeter_captures"
 _COLUMNS = ("request_id", "started_at", "user_name", "key_name", "team", "requested_model",
             "model", "status", "error_class", "stream", "size", "data")
 _LISTED = ", ".join(_COLUMNS[:-1])
-_SIZE = _COLUMNS.index("size")
 _PG_CREATE = (f"""
 CREATE TABLE IF NOT EXISTS {TABLE} (
     request_id text PRIMARY KEY,
@@ -76,6 +76,11 @@ _SQLITE_PRUNE = (f"DELETE FROM {TABLE} WHERE rowid IN "
 # By physical address, as the ledger's retention does: the transaction locks `limit` rows only.
 _PG_PRUNE = (f"DELETE FROM {TABLE} WHERE ctid = ANY(ARRAY("
              f"SELECT ctid FROM {TABLE} WHERE started_at < $1 LIMIT $2))")
+_PG_TYPES = ("text", "timestamptz", "text", "text", "text", "text", "text", "integer", "text",
+             "boolean", "bigint", "bytea")
+_PG_INSERT = (f"INSERT INTO {TABLE} ({', '.join(_COLUMNS)}) SELECT * FROM unnest("
+              + ", ".join(f"${i + 1}::{t}[]" for i, t in enumerate(_PG_TYPES))
+              + ") ON CONFLICT (request_id) DO NOTHING RETURNING size")
 BUSY_TIMEOUT_MS = 10_000
 _PG_SESSION = {"application_name": "tokenmeter-captures"}
 
@@ -96,8 +101,11 @@ def encode(capture: Capture) -> bytes:
     return zlib.compress(json.dumps(capture.to_json(), separators=(",", ":")).encode(), 1)
 
 
-def decode(data: bytes) -> Capture:
-    return Capture.from_json(json.loads(zlib.decompress(data)))
+def decode(data: bytes, redact: Callable[[str], str] | None = None) -> Capture:
+    """A stored capture as read: a stream kept as chunks is cut into events and its output
+    reassembled, then redacted with `redact` (default: `capture.redact`'s default list)."""
+    capture = Capture.from_json(json.loads(zlib.decompress(data)))
+    return completed(capture, redact or redactor(list(DEFAULT_REDACT)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,16 +185,16 @@ class CaptureStore:
         return store
 
     async def write(self, captures: Sequence[Capture]) -> int:
-        """Store `captures` in one transaction; one already stored (by request_id) is kept as
-        it was. Returns the bytes stored for the new ones (their compressed size: what
+        """Store `captures` in one statement; one already stored (by request_id) is kept as it
+        was. Returns the bytes stored for the new ones (their compressed size: what
         `proxy.capture.writer` counts)."""
-        q = Sql(self.dialect)
-        text = (f"INSERT INTO {TABLE} ({', '.join(_COLUMNS)}) VALUES "
-                f"({', '.join(q.p(None) for _ in _COLUMNS)}) "
-                "ON CONFLICT (request_id) DO NOTHING")
-        # Encoding (JSON, then zlib) is CPU work: one thread hop per batch, never on the loop.
-        rows = await asyncio.to_thread(lambda: [self._values(c) for c in captures])
-        return await self._insert(text, rows)
+        if not captures:
+            return 0
+        return await self._insert(captures)
+
+    def _rows(self, captures: Sequence[Capture]) -> _Rows:
+        """The batch's rows: encoding (JSON, then zlib) is CPU work, run on a worker thread."""
+        return [self._values(c) for c in captures]
 
     def _values(self, c: Capture) -> tuple[Any, ...]:
         started = Sql(self.dialect)
@@ -195,11 +203,13 @@ class CaptureStore:
         return (c.request_id, started.params[0], c.user, c.key_name, c.team, c.requested_model,
                 c.model, c.status, c.error_class, c.stream, len(data), data)
 
-    async def get(self, request_id: str) -> Capture | None:
+    async def get(self, request_id: str,
+                  redact: Callable[[str], str] | None = None) -> Capture | None:
+        """The capture of `request_id`, as `decode` reads it (with `redact`)."""
         q = Sql(self.dialect)
         rows = await self._fetch(f"SELECT data FROM {TABLE} WHERE request_id = "
                                  f"{q.p(request_id)}", q.params)
-        return decode(bytes(rows[0][0])) if rows else None
+        return decode(bytes(rows[0][0]), redact) if rows else None
 
     async def list(self, filters: CaptureFilter) -> list[CaptureRow]:
         q = Sql(self.dialect)
@@ -223,7 +233,7 @@ class CaptureStore:
     async def _open(self) -> None:
         raise NotImplementedError
 
-    async def _insert(self, text: str, rows: _Rows) -> int:
+    async def _insert(self, captures: Sequence[Capture]) -> int:
         raise NotImplementedError
 
     async def _fetch(self, text: str, params: Sequence[object]) -> _Rows:
@@ -270,19 +280,18 @@ class _SqliteStore(CaptureStore):
             raise sqlite3.OperationalError("the capture store is closed")
         return self._conn
 
-    async def _insert(self, text: str, rows: _Rows) -> int:
+    async def _insert(self, captures: Sequence[Capture]) -> int:
+        # One statement for the batch, encoded on the store's own thread (one trip for both);
+        # RETURNING names the rows that were new (a conflict returns none), whose sizes are
+        # the bytes stored.
+        marks = "(" + ", ".join("?" * len(_COLUMNS)) + ")"
+        text = (f"INSERT INTO {TABLE} ({', '.join(_COLUMNS)}) VALUES "
+                f"{', '.join([marks] * len(captures))} "
+                "ON CONFLICT (request_id) DO NOTHING RETURNING size")
+
         def run() -> int:
-            conn = self._require()
-            stored = 0
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                for row in rows:  # one by one: which rows were new (a conflict changes none)
-                    stored += row[_SIZE] * conn.execute(text, row).rowcount
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            return stored
+            params = tuple(v for row in self._rows(captures) for v in row)
+            return sum(r[0] for r in self._require().execute(text, params).fetchall())
 
         return await self._run(run)
 
@@ -331,14 +340,12 @@ class _PostgresStore(CaptureStore):
             raise asyncpg.ConnectionDoesNotExistError("the capture store is not connected")
         return self._conn
 
-    async def _insert(self, text: str, rows: _Rows) -> int:
-        conn = self._require()
-        stored = 0
-        async with conn.transaction():
-            for row in rows:
-                status = await conn.execute(text, *row)
-                stored += row[_SIZE] * int(status.rsplit(" ", 1)[1])  # "INSERT 0 <rows>"
-        return stored
+    async def _insert(self, captures: Sequence[Capture]) -> int:
+        # One statement and one round trip for the batch: each column as an array.
+        rows = await asyncio.to_thread(self._rows, captures)
+        columns = [list(c) for c in zip(*rows, strict=True)]
+        new = await self._require().fetch(_PG_INSERT, *columns)
+        return sum(int(r[0]) for r in new)
 
     async def _fetch(self, text: str, params: Sequence[object]) -> _Rows:
         return [tuple(r) for r in await self._require().fetch(text, *params)]

@@ -1,6 +1,8 @@
-"""Captures go to their store off the request path: a bounded queue and one task that writes
-them in batches. A request never waits on capture: `offer` only appends, and when the queue is
-full the capture is dropped and counted (tokenmeter_captures_dropped_total{reason="queue_full"}).
+"""Captures go to their store off the request path: a bounded queue and one task that makes
+and writes them in batches. A request never waits on capture: `offer` only appends what settle
+kept (the capture is made later, a batch at a time in one trip to a thread: a trip per request
+cost more than the making), and when the queue is full it is dropped and counted
+(tokenmeter_captures_dropped_total{reason="queue_full"}).
 A batch the store refuses (or a store that cannot be opened) is dropped and counted too
 (reason="store") and logged: captures are evidence, not books, so they are not spooled to disk
 like ledger rows.
@@ -25,8 +27,18 @@ from proxy.telemetry.metrics import CaptureDrop, CaptureStage, Metrics
 log = logging.getLogger("tokenmeter.capture")
 
 BATCH = 64  # captures per store write
+# After the first capture of a batch comes, how long the writer lets more gather: under load a
+# batch fills (one thread trip and one transaction for many requests, not for each); when
+# traffic is light a capture is written this much later, which nobody waits for.
+LINGER_S = 0.05
 RETENTION_EVERY_S = 3600.0
 RETENTION_SLICE = 5000  # captures per delete: a writer waits on one slice at most
+
+
+class Makes(Protocol):
+    """A capture to be made (proxy.capture.collect.Pending): CPU work, run off the loop."""
+
+    def capture(self) -> Capture: ...
 
 
 class CaptureSink(Protocol):
@@ -50,14 +62,14 @@ class CaptureWriter:
         self._open_sink = open_sink
         self._metrics = metrics
         self._policy = policy
-        self._queue: asyncio.Queue[Capture] = asyncio.Queue(queue_max)
+        self._queue: asyncio.Queue[Makes] = asyncio.Queue(queue_max)
         self._sink: CaptureSink | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
-    def offer(self, capture: Capture) -> bool:
-        """Queue `capture` for the store; False (counted) when the queue is full."""
+    def offer(self, pending: Makes) -> bool:
+        """Queue `pending` for the store; False (counted) when the queue is full."""
         try:
-            self._queue.put_nowait(capture)
+            self._queue.put_nowait(pending)
         except asyncio.QueueFull:
             self._metrics.capture_dropped(CaptureDrop.QUEUE_FULL)
             return False
@@ -90,19 +102,30 @@ class CaptureWriter:
         queue = self._queue
         while True:
             batch = [await queue.get()]
+            if queue.qsize() < BATCH - 1:
+                await asyncio.sleep(LINGER_S)  # a batching window, not a synchronisation
             while len(batch) < BATCH and not queue.empty():
                 batch.append(queue.get_nowait())
             try:
-                stored = await (await self._opened()).write(batch)
-            except Exception:
-                log.exception("capture store: a batch of %d captures is lost", len(batch))
-                self._metrics.capture_failed(CaptureStage.STORE)
-                self._metrics.capture_dropped(CaptureDrop.STORE, len(batch))
-            else:
-                self._metrics.captured(len(batch), stored)
+                await self._write(batch)
             finally:
                 for _ in batch:
                     queue.task_done()
+
+    async def _write(self, batch: list[Makes]) -> None:
+        captures, failed = await asyncio.to_thread(_made, batch)
+        for _ in range(failed):
+            self._metrics.capture_failed(CaptureStage.RECORD)
+        if not captures:
+            return
+        try:
+            stored = await (await self._opened()).write(captures)
+        except Exception:
+            log.exception("capture store: a batch of %d captures is lost", len(captures))
+            self._metrics.capture_failed(CaptureStage.STORE)
+            self._metrics.capture_dropped(CaptureDrop.STORE, len(captures))
+        else:
+            self._metrics.captured(len(captures), stored)
 
     async def _retain(self) -> None:
         while True:
@@ -121,3 +144,17 @@ class CaptureWriter:
             log.exception("capture retention failed")
             self._metrics.capture_failed(CaptureStage.RETENTION)
             return 0
+
+
+def _made(batch: list[Makes]) -> tuple[list[Capture], int]:
+    """The batch's captures (in a worker thread), and how many could not be made (logged: the
+    capture is lost, never the request's books)."""
+    made: list[Capture] = []
+    failed = 0
+    for pending in batch:
+        try:
+            made.append(pending.capture())
+        except Exception:
+            failed += 1
+            log.exception("failed to make a capture")
+    return made, failed

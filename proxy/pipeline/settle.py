@@ -13,12 +13,10 @@ its key gets no row and no line of its own (see `settle`).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
-from proxy.capture.collect import Meta, redactor
-from proxy.capture.collect import record as make_capture
+from proxy.capture.collect import Meta, Pending, redactor
 from proxy.capture.policy import Subject, wanted
 from proxy.config.policy import Price
 from proxy.cost import CostLines
@@ -69,12 +67,9 @@ async def settle(done: Settlement, svc: Services) -> None:
         else:
             log_request(record)
             if done.collected is not None and svc.capture is not None:
-                # Its own task: the handler waits for settle before a JSON answer goes out,
-                # and no request waits on capture. Tracked with the settle tasks, so a
-                # shutdown waits for it too.
-                task = asyncio.ensure_future(_capture(done, record, runtime, svc))
-                svc.settling.tasks.add(task)
-                task.add_done_callback(svc.settling.finished)
+                # Only a decision and an append: the capture is made by the writer, off the
+                # loop, with its batch.
+                _capture(done, record, runtime, svc)
     except Exception:
         # Loud, never silent: a request whose usage we could not record is a billing hole.
         metrics.metering_failed(MeteringStage.SETTLE)
@@ -130,11 +125,11 @@ def _book(ledger: Ledger, record: RequestRecord, metrics: Metrics) -> None:
         log.exception("failed to make the ledger row of request %s", record.request_id)
 
 
-async def _capture(done: Settlement, record: RequestRecord, runtime: Runtime,
-                   svc: Services) -> None:
-    """The request kept whole, when `capture:` wants it: made off the loop (the stream cut
-    into events, every text redacted and bounded) and queued for the capture store. A failure
-    here loses the capture, never the request's books: counted, logged, and that is all."""
+def _capture(done: Settlement, record: RequestRecord, runtime: Runtime,
+             svc: Services) -> None:
+    """The request kept whole, when `capture:` wants it: queued for the capture writer, which
+    makes it off the loop with its batch (every text redacted and bounded). A failure here
+    loses the capture, never the request's books: counted, logged, and that is all."""
     collected, writer = done.collected, svc.capture
     assert collected is not None and writer is not None
     try:
@@ -152,8 +147,7 @@ async def _capture(done: Settlement, record: RequestRecord, runtime: Runtime,
                     key_name=record.key, team=record.team, requested_model=done.request_model,
                     model=record.sent_model, stream=done.stream, status=done.status,
                     error_class=done.error_class.value)
-        writer.offer(await asyncio.to_thread(make_capture, collected, meta,
-                                             redactor(cfg.redact)))
+        writer.offer(Pending(collected, meta, redactor(cfg.redact)))
     except Exception:
         svc.metrics.capture_failed(CaptureStage.RECORD)
         log.exception("failed to make the capture of request %s", done.request_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
@@ -13,12 +14,22 @@ from proxy.capture.writer import CaptureWriter
 from proxy.telemetry.metrics import Metrics
 
 
-def _capture(i: int) -> Capture:
-    return Capture(request_id=f"r{i}", started_at=1.0, api="openai", path="/v1/chat/completions",
+@dataclass(frozen=True)
+class Made:
+    """A capture already made (the writer's queue takes what makes one)."""
+
+    made: Capture
+
+    def capture(self) -> Capture:
+        return self.made
+
+
+def _capture(i: int) -> Made:
+    return Made(Capture(request_id=f"r{i}", started_at=1.0, api="openai", path="/v1/chat/completions",
                    operation="chat", user="alice", key_name=None, team=None,
                    requested_model="m", model="m", stream=False, status=200,
                    error_class="none", request=Body("{}", 2), upstream_request=None,
-                   response=None)
+                   response=None))
 
 
 class Sink:

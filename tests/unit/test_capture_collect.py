@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 
-from proxy.capture.collect import Collector, Meta, events_of, reassemble, record
+from proxy.capture.collect import Collector, Meta, completed, events_of, reassemble, record
 
 META = Meta(request_id="r1", started_at=1.0, api="openai", path="/v1/chat/completions",
             operation="chat", user="alice", key_name=None, team=None,
@@ -40,8 +40,9 @@ def test_the_record_reassembles_redacts_and_bounds() -> None:
     c.forwarded(b'{"max_tokens": 16}')
     for i, piece in enumerate(["The key ", KEY, " is secret"]):
         c.streamed(_chunk({"content": piece}), float(i))
-    capture = record(c, META, _redact)
-    assert KEY not in json.dumps(capture.to_json())
+    written = record(c, META, _redact)
+    assert KEY not in json.dumps(written.to_json())
+    capture = completed(written, _redact)  # as read: the stream cut into events
     assert capture.output_text == "The key [REDACTED] is secret"
     assert "[REDACTED]" in capture.request.text and not capture.request.truncated
     assert capture.upstream_request is not None and capture.upstream_request.text.endswith("16}")
@@ -90,3 +91,26 @@ def test_openai_and_anthropic_outputs_are_reassembled_with_tool_calls_and_reason
     out = reassemble(anthropic)
     assert (out.text, out.reasoning) == ("Yo", "hmm")
     assert out.tool_calls == ({"id": "t1", "name": "g", "arguments": "{}"},)
+
+
+def test_a_clean_stream_is_kept_as_chunks_and_cut_into_events_when_read() -> None:
+    c = Collector(limit_bytes=4096)
+    c.sent(b'{"stream": true}')
+    stream = _chunk({"content": "Hel"}) + _chunk({"content": "lo"}) + b"data: [DONE]\n\n"
+    for at, (a, b) in enumerate([(0, 10), (10, 90), (90, len(stream))]):
+        c.streamed(stream[a:b], float(at))
+    written = record(c, META, _redact)
+    assert written.chunks is not None and written.events == ()  # nothing framed on write
+    capture = completed(written, _redact)
+    assert capture.output_text == "Hello" and capture.chunks is None
+    assert [e.at_ms for e in capture.events] == [1.0, 1.0, 2.0]
+    assert [e.text.encode() for e in capture.events] == [e for e in stream.split(b"\n\n") if e]
+
+
+def test_a_secret_split_across_two_events_is_redacted_in_the_output_read() -> None:
+    c = Collector(limit_bytes=4096)
+    c.sent(b"{}")
+    for i, piece in enumerate([KEY[:10], KEY[10:]]):  # neither half matches a pattern
+        c.streamed(_chunk({"content": piece}), float(i))
+    capture = completed(record(c, META, _redact), _redact)
+    assert capture.output_text == "[REDACTED]"
