@@ -103,7 +103,7 @@ def test_a_clean_stream_is_kept_as_chunks_and_cut_into_events_when_read() -> Non
     assert written.chunks is not None and written.events == ()  # nothing framed on write
     capture = completed(written, _redact)
     assert capture.output_text == "Hello" and capture.chunks is None
-    assert [e.at_ms for e in capture.events] == [1.0, 1.0, 2.0]
+    assert [e.at_ms for e in capture.events] == [1.0, 2.0, 2.0]  # the chunk that ended each
     assert [e.text.encode() for e in capture.events] == [e for e in stream.split(b"\n\n") if e]
 
 
