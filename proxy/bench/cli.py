@@ -6,11 +6,14 @@ import argparse
 import asyncio
 import json
 import os
+import sqlite3
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import asyncpg
 
 from proxy.bench.client import ERROR_CLASSES, Api, Endpoint, RequestSpec
 from proxy.bench.page import write_plot
@@ -19,6 +22,7 @@ from proxy.bench.replay import (
     ReplayError,
     ReplayReport,
     compare_answers,
+    load_captures,
     load_prices,
     load_replay,
     target_costs,
@@ -27,7 +31,12 @@ from proxy.bench.report import ProgressBar, render, to_csv, to_json, write_text
 from proxy.bench.runner import BenchConfig, BenchResult, run_bench
 from proxy.bench.stats import parse_slo
 from proxy.bench.workload import Prompt, PromptsFileError, load_prompts
+from proxy.capture.cli import add_filters, filters_of, store_url
+from proxy.capture.collect import redactor
+from proxy.config.capture import DEFAULT_REDACT
+from proxy.config.load import ConfigError, load_config
 from proxy.config.policy import Price
+from proxy.ledger.sink_postgres import mask_url
 
 EPILOG = f"""\
 metrics (per request):
@@ -95,10 +104,20 @@ def _add_inputs(b: argparse.ArgumentParser) -> None:
                               "with their own bodies (only the model replaced by --model), each "
                               "once per endpoint by default; report cost and, with --compare, "
                               "the answers side by side")
+    prompts.add_argument("--replay-captures", action="store_true",
+                         help="as --replay, straight from the capture store (the one `tokenmeter "
+                              "captures list` reads: --url, else --config's), the captures "
+                              "chosen by the filters below")
     b.add_argument("--prices", metavar="FILE.yaml",
                    help="with --replay: a `prices:` table as in the config, for the cost")
     b.add_argument("--config", metavar="FILE.yaml",
-                   help="with --replay: a tokenmeter config whose prices are used")
+                   help="with --replay: a tokenmeter config whose prices are used (and, with "
+                        "--replay-captures, whose capture store is read)")
+    captured = b.add_argument_group(
+        "--replay-captures", "which captures are sent, as `tokenmeter captures list` chooses "
+        "them (--captured-model is its --model)")
+    captured.add_argument("--url", help="the capture store: sqlite:///path or postgresql://...")
+    add_filters(captured, limit=None, model_flag="--captured-model")
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -179,6 +198,9 @@ def _headers(items: list[str]) -> dict[str, str]:
 
 
 _SECRET = ("authorization", "key", "token", "secret", "cookie")
+# The --replay-captures options (by their argparse names).
+_CAPTURE_FILTERS = ("url", "user", "capture_model", "status", "error_class", "start", "end",
+                    "limit")
 
 
 def _check(args: argparse.Namespace) -> Api:
@@ -188,10 +210,14 @@ def _check(args: argparse.Namespace) -> Api:
     for name in ("requests", "duration", "max_connections", "rounds", "timeout"):
         if (v := getattr(args, name)) is not None and v <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
-    if not args.model and not args.replay:
+    replaying = args.replay or args.replay_captures
+    if not args.model and not replaying:
         raise UsageError("--model is required (except with --replay)")
-    if (args.prices or args.config) and not args.replay:
+    if (args.prices or args.config) and not replaying:
         raise UsageError("--prices and --config apply to --replay only")
+    chosen = [f for f in _CAPTURE_FILTERS if getattr(args, f) is not None]
+    if chosen and not args.replay_captures:
+        raise UsageError(f"--{chosen[0].replace('_', '-')} applies to --replay-captures only")
     if args.prices and args.config:
         raise UsageError("give --prices or --config, not both")
     if (args.warmup or 0) < 0 or args.max_tokens < 0:
@@ -249,14 +275,23 @@ class Replay:
 
 
 def _replay(args: argparse.Namespace, api: Api, tok_model: str) -> Replay | None:
-    if not args.replay:
+    if not (args.replay or args.replay_captures):
         return None
     route = "/v1/messages" if api is Api.ANTHROPIC else "/v1/chat/completions"
     try:
-        prompts = load_replay(args.replay, route, tok_model)
-        return Replay(args.replay, prompts, load_prices(args.prices, args.config))
-    except ReplayError as exc:
+        if args.replay:
+            return Replay(args.replay, load_replay(args.replay, route, tok_model),
+                          load_prices(args.prices, args.config))
+        url = store_url(args)
+        redact = redactor(load_config(args.config).capture.redact if args.config
+                          else list(DEFAULT_REDACT))
+        prompts = load_captures(url, filters_of(args), redact, route, tok_model)
+        return Replay(f"captures in {mask_url(url)}", prompts,
+                      load_prices(args.prices, args.config))
+    except (ReplayError, ConfigError, ValueError) as exc:
         raise UsageError(str(exc)) from None
+    except (OSError, TimeoutError, sqlite3.Error, asyncpg.PostgresError) as exc:
+        raise UsageError(f"--replay-captures: cannot read the captures: {exc}") from None
 
 
 def build_config(args: argparse.Namespace) -> tuple[BenchConfig, dict[str, Any], Replay | None]:
@@ -291,7 +326,8 @@ def build_config(args: argparse.Namespace) -> tuple[BenchConfig, dict[str, Any],
         "endpoints": [{"label": e.label, "base_url": e.base_url} for e in endpoints],
         "model": args.model, "mode": config.mode, "loads": config.loads,
         "prompt_tokens": None if prompts else config.sizes,
-        "prompts_file": args.prompts, "replay_file": args.replay, "requests_per_level": requests,
+        "prompts_file": args.prompts, "replay_file": replay.file if replay else None,
+        "requests_per_level": requests,
         "duration_per_level_s": args.duration, "max_tokens": spec.max_tokens,
         "stream": None if replay else spec.stream, "warmup": warmup, "rounds": config.blocks,
         "slo_s": slo,
@@ -350,7 +386,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         try:
             write_plot(args.plot, result.levels,
-                       "tokenmeter bench: " + (args.model or "replay of " + str(args.replay)),
+                       "tokenmeter bench: "
+                       + (args.model or "replay of " + str(args.replay or "captures")),
                        table, extra.page_answers() if extra else None)
         except PlotFormatError as exc:  # checked above already; kept for API callers
             print(f"tokenmeter bench: {exc}", file=sys.stderr)

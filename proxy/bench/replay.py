@@ -1,4 +1,5 @@
-"""`tokenmeter bench --replay FILE.jsonl`: recorded requests as the load, and what the run
+"""`tokenmeter bench --replay FILE.jsonl` (or `--replay-captures`, straight from the capture
+store): recorded requests as the load, and what the run
 says about them beyond speed: the cost per target from a price table, and (with --compare)
 how the two targets' answers to the same requests compare.
 
@@ -8,8 +9,9 @@ The file is docs/capture.md's export line, read by the one parser of that line
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,10 +21,13 @@ from pydantic import ValidationError
 
 from proxy.bench.stats import RequestResult
 from proxy.bench.workload import Prompt, message_text
+from proxy.capture.cli import exported
+from proxy.capture.store import CaptureFilter
 from proxy.config.load import ConfigError, load_config
 from proxy.config.policy import Price
 from proxy.cost import NANOS_PER_USD, CostLines, price_for
-from proxy.protocol.export_line import Recording, ReplayFileError, read_lines
+from proxy.ledger.sink_postgres import mask_url
+from proxy.protocol.export_line import Recording, ReplayFileError, parse_line, read_lines
 from proxy.protocol.tokenizer import count_text
 from proxy.protocol.usage import Usage
 
@@ -55,9 +60,27 @@ def load_replay(path: str, route: str, tokenizer_model: str) -> list[Prompt]:
         found = read_lines(Path(path))
     except ReplayFileError as exc:
         raise ReplayError(f"--replay {path}: {exc}") from None
+    return _prompts(found, route, tokenizer_model, f"--replay {path}")
+
+
+def load_captures(url: str, filters: CaptureFilter, redact: Callable[[str], str],
+                  route: str, tokenizer_model: str) -> list[Prompt]:
+    """`--replay-captures`: the requests of `route` among the captures `filters` chooses,
+    oldest first: the lines `tokenmeter captures export` would write, read as a file of them
+    is (one conversion, proxy.protocol.export_line's)."""
+    lines, _ = exported(url, filters, redact)
+    try:
+        found = [parse_line(json.dumps(line), n) for n, line in enumerate(lines, 1)]
+    except ReplayFileError as exc:
+        raise ReplayError(f"--replay-captures: capture {exc}") from None
+    return _prompts(found, route, tokenizer_model, f"--replay-captures ({mask_url(url)})")
+
+
+def _prompts(found: list[Recording], route: str, tokenizer_model: str,
+             source: str) -> list[Prompt]:
     prompts = [_prompt(r, tokenizer_model) for r in found if r.path == route]
     if not prompts:
-        raise ReplayError(f"--replay {path}: no recorded request to {route}")
+        raise ReplayError(f"{source}: no recorded request to {route}")
     return prompts
 
 

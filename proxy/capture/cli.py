@@ -36,10 +36,6 @@ _CAPS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 _EVERYTHING = 2**31 - 1  # export: no limit unless one is given
 
 
-class _Usage(Exception):
-    """A wrong option or configuration: exit status 2."""
-
-
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     c = sub.add_parser("captures", help="list, show and export captured requests")
     actions = c.add_subparsers(dest="captures_command", required=True)
@@ -65,8 +61,15 @@ def _add_source(p: argparse.ArgumentParser) -> None:
 
 def _add_filters(p: argparse.ArgumentParser, limit: int | None) -> None:
     _add_source(p)
+    add_filters(p, limit)
+
+
+def add_filters(p: argparse.ArgumentParser | argparse._ArgumentGroup, limit: int | None,
+                model_flag: str = "--model") -> None:
+    """The options that choose captures (`list`, `export`, and `tokenmeter bench
+    --replay-captures`, where --model is taken and the filter is `model_flag`)."""
     p.add_argument("--user")
-    p.add_argument("--model", help="asked for or sent upstream")
+    p.add_argument(model_flag, dest="capture_model", help="asked for or sent upstream")
     p.add_argument("--status", type=int)
     p.add_argument("--error-class")
     p.add_argument("--from", dest="start", metavar="WHEN",
@@ -81,9 +84,9 @@ def run(args: argparse.Namespace) -> int:
         "list": _list, "show": _show, "export": _export,
     }
     try:
-        url = _store_url(args)
+        url = store_url(args)
         return commands[args.captures_command](args, url)
-    except (_Usage, ConfigError, ValueError) as exc:
+    except (ConfigError, ValueError) as exc:  # a wrong option or configuration
         print(exc, file=sys.stderr)
         return 2
     except (OSError, TimeoutError, sqlite3.Error, asyncpg.PostgresError) as exc:
@@ -98,19 +101,22 @@ def _configs(args: argparse.Namespace) -> tuple[CaptureConfig, LedgerConfig]:
     return config.capture, config.ledger
 
 
-def _store_url(args: argparse.Namespace) -> str:
+def store_url(args: argparse.Namespace) -> str:
+    """The store `args` name: --url, else --config's capture.url, else its ledger's database
+    (without --config: the default ledger file)."""
     if args.url is not None:
         return str(args.url)
     return default_url(*_configs(args))
 
 
-def _filters(args: argparse.Namespace) -> CaptureFilter:
+def filters_of(args: argparse.Namespace) -> CaptureFilter:
+    """The `add_filters` options as a CaptureFilter (ValueError for a bad bound or limit)."""
     if args.limit is not None and args.limit < 1:
-        raise _Usage(f"--limit must be at least 1, not {args.limit}")
+        raise ValueError(f"--limit must be at least 1, not {args.limit}")
     utc = ZoneInfo("UTC")
     since = None if args.start is None else parse_bound(args.start, utc, end=False).timestamp()
     until = None if args.end is None else parse_bound(args.end, utc, end=True).timestamp()
-    return CaptureFilter(user=args.user, model=args.model, status=args.status,
+    return CaptureFilter(user=args.user, model=args.capture_model, status=args.status,
                          error_class=args.error_class, since=since, until=until,
                          limit=_EVERYTHING if args.limit is None else args.limit)
 
@@ -131,7 +137,7 @@ def _when(epoch: float) -> str:
 
 
 def _list(args: argparse.Namespace, url: str) -> int:
-    filters = _filters(args)
+    filters = filters_of(args)
     rows = _with_store(url, lambda store: store.list(filters))
     if args.format == "json":
         print(json.dumps([_row_json(r) for r in rows], indent=2))
@@ -234,8 +240,20 @@ def _shown(text: str) -> list[str]:
 
 
 def _export(args: argparse.Namespace, url: str) -> int:
-    filters = _filters(args)
-    redact = redactor(_configs(args)[0].redact)
+    lines, skipped = exported(url, filters_of(args), redactor(_configs(args)[0].redact))
+    for line in lines:
+        sys.stdout.write(json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n")
+    if skipped:
+        print(f"{skipped} captures left out: their request is not whole JSON (truncated at "
+              "capture.max_body_kb, or not JSON)", file=sys.stderr)
+    return 0
+
+
+def exported(url: str, filters: CaptureFilter,
+             redact: Callable[[str], str]) -> tuple[list[dict[str, Any]], int]:
+    """The export lines of the captures `filters` chooses, oldest first, and how many were
+    left out (their request is not whole JSON). What `export` prints and `tokenmeter bench
+    --replay-captures` sends."""
 
     async def read(store: CaptureStore) -> list[Capture]:
         rows = await store.list(filters)
@@ -243,17 +261,9 @@ def _export(args: argparse.Namespace, url: str) -> int:
         found = [await store.get(r.request_id, redact) for r in reversed(rows)]
         return [c for c in found if c is not None]
 
-    skipped = 0
-    for capture in _with_store(url, read):
-        line = export_line(capture)
-        if line is None:
-            skipped += 1
-            continue
-        sys.stdout.write(json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n")
-    if skipped:
-        print(f"{skipped} captures left out: their request is not whole JSON (truncated at "
-              "capture.max_body_kb, or not JSON)", file=sys.stderr)
-    return 0
+    lines = [export_line(c) for c in _with_store(url, read)]
+    kept = [line for line in lines if line is not None]
+    return kept, len(lines) - len(kept)
 
 
 def _json_or_none(body: Body | None) -> Any:
