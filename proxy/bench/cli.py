@@ -25,6 +25,7 @@ from proxy.bench.replay import (
     load_captures,
     load_prices,
     load_replay,
+    shown_url,
     target_costs,
 )
 from proxy.bench.report import ProgressBar, render, to_csv, to_json, write_text
@@ -36,7 +37,6 @@ from proxy.capture.collect import redactor
 from proxy.config.capture import DEFAULT_REDACT
 from proxy.config.load import ConfigError, load_config
 from proxy.config.policy import Price
-from proxy.ledger.sink_postgres import mask_url
 
 EPILOG = f"""\
 metrics (per request):
@@ -286,7 +286,7 @@ def _replay(args: argparse.Namespace, api: Api, tok_model: str) -> Replay | None
         redact = redactor(load_config(args.config).capture.redact if args.config
                           else list(DEFAULT_REDACT))
         prompts = load_captures(url, filters_of(args), redact, route, tok_model)
-        return Replay(f"captures in {mask_url(url)}", prompts,
+        return Replay(f"captures in {shown_url(url)}", prompts,
                       load_prices(args.prices, args.config))
     except (ReplayError, ConfigError, ValueError) as exc:
         raise UsageError(str(exc)) from None

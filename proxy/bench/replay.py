@@ -73,7 +73,12 @@ def load_captures(url: str, filters: CaptureFilter, redact: Callable[[str], str]
         found = [parse_line(json.dumps(line), n) for n, line in enumerate(lines, 1)]
     except ReplayFileError as exc:
         raise ReplayError(f"--replay-captures: capture {exc}") from None
-    return _prompts(found, route, tokenizer_model, f"--replay-captures ({mask_url(url)})")
+    return _prompts(found, route, tokenizer_model, f"--replay-captures ({shown_url(url)})")
+
+
+def shown_url(url: str) -> str:
+    """A store's URL as printed: a PostgreSQL password masked."""
+    return url if url.startswith("sqlite") else mask_url(url)
 
 
 def _prompts(found: list[Recording], route: str, tokenizer_model: str,
