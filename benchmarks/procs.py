@@ -40,7 +40,7 @@ class Served:
     """`tokenmeter serve` on a free port with `config` (YAML text) and a state directory of its
     own; `stop` sends SIGTERM, so what it queued (ledger rows, captures) is written first."""
 
-    def __init__(self, config: str, prefix: str) -> None:
+    def __init__(self, config: str, prefix: str, cwd: Path | None = None) -> None:
         self.state = Path(tempfile.mkdtemp(prefix=prefix))
         path = self.state / "tokenmeter.yaml"
         path.write_text(config)
@@ -49,7 +49,7 @@ class Served:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "proxy.cli", "serve", "--config", str(path),
              "--port", str(self.port), "--log-level", "WARNING"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd)
         wait_port(self.port)
 
     def stop(self) -> None:
