@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.capture.record import Body
-from proxy.capture.store import TABLE, CaptureFilter, CaptureStore, default_url, encode
+from proxy.capture.record import Body, Chunks
+from proxy.capture.store import TABLE, CaptureFilter, CaptureStore, decode, default_url, encode
 from proxy.capture.writer import CaptureSink
 from proxy.config.capture import CaptureConfig
 from proxy.config.ledger import LedgerConfig
@@ -135,3 +135,20 @@ async def test_the_writer_takes_the_store_as_its_sink(store_url: str) -> None:
     sink: CaptureSink = await CaptureStore.open(store_url)
     assert isinstance(sink, CaptureStore)
     await sink.close()
+
+
+def test_texts_kept_after_the_json_come_back_byte_for_byte() -> None:
+    """Bodies and a stream's chunks are stored after the JSON head, each by its UTF-8 length:
+    newlines, non-ASCII and braces in them change nothing."""
+    stream = 'data: {"choices":[{"delta":{"content":"é\\n}"}}]}\n\ndata: [DONE]\n\n'
+    written = capture("r1", T0, events=(), output_text=None,
+                      request=Body('{"a": "line\\none ✓"}\n', 22),
+                      response=Body("{\n}", 3), upstream_error=Body("ünïcode\n", 10, True),
+                      chunks=Chunks(stream, (len(stream.encode()) - 14, len(stream.encode())),
+                                    (1500, 2250)))
+    read = decode(encode(written))
+    assert read.request == written.request and read.response == written.response
+    assert read.upstream_error == written.upstream_error
+    assert [(e.at_ms, e.text) for e in read.events] == [
+        (1.5, 'data: {"choices":[{"delta":{"content":"é\\n}"}}]}'), (2.25, "data: [DONE]")]
+    assert read.output_text == "é\n}" and read.chunks is None
