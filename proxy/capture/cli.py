@@ -69,7 +69,8 @@ def add_filters(p: argparse.ArgumentParser | argparse._ArgumentGroup, limit: int
     """The options that choose captures (`list`, `export`, and `tokenmeter bench
     --replay-captures`, where --model is taken and the filter is `model_flag`)."""
     p.add_argument("--user")
-    p.add_argument(model_flag, dest="capture_model", help="asked for or sent upstream")
+    p.add_argument(model_flag, dest="capture_model", metavar="MODEL",
+                   help="asked for or sent upstream")
     p.add_argument("--status", type=int)
     p.add_argument("--error-class")
     p.add_argument("--from", dest="start", metavar="WHEN",

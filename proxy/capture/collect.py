@@ -3,9 +3,11 @@
 Capture is decided at settle (a failed request is kept when `errors: always`), so while capture
 is enabled every request keeps its bytes as they pass, each part bounded by `max_body_kb`: the
 client's body, the body sent upstream, and the answer (a JSON body, or a stream's chunks with
-their arrival offsets). Nothing is parsed, decoded or redacted on the request path; `Collected`
-is frozen at settle and turned into a `Capture` off the loop (`record`), where the stream is cut
-into its events and its output reassembled."""
+their arrival offsets). Nothing is parsed, decoded or redacted on the request path; settle hands
+the `Collector` to the capture writer (`Pending`), which turns it into a `Capture` off the loop
+(`record`, a batch at a time): every text redacted and bounded, a stream kept as its chunks.
+Cutting a stream into its events and reassembling its output wait until it is read
+(`completed`)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from itertools import accumulate
 from typing import Any
 
 from proxy.capture.record import Body, Capture, Chunks, StreamEvent
@@ -127,11 +130,13 @@ def record(collected: Collector, meta: Meta, redact: Callable[[str], str]) -> Ca
     limit = collected.limit
     chunks = _chunks(collected.chunks, redact)
     events: tuple[StreamEvent, ...] = ()
-    output = None
-    if chunks is None:
-        framed = events_of(collected.chunks)
-        events = _redacted_events(framed, redact)
-        output = reassemble([data for _, _, data in framed])
+    output: dict[str, Any] = {}
+    if chunks is None:  # nothing streamed, or a stream that must be cut here
+        framed = events_of(collected.chunks) if collected.chunks else []
+        if framed:
+            events = _redacted_events(framed, redact)
+        output = _output_fields(reassemble([data for _, _, data in framed]), meta.stream, redact)
+    response = _body(collected.answer, limit, redact)
     return Capture(
         request_id=meta.request_id, started_at=meta.started_at, api=meta.api, path=meta.path,
         operation=meta.operation, user=meta.user, key_name=meta.key_name, team=meta.team,
@@ -139,13 +144,12 @@ def record(collected: Collector, meta: Meta, redact: Callable[[str], str]) -> Ca
         status=meta.status, error_class=meta.error_class,
         request=_body(collected.request, limit, redact) or Body("", 0),
         upstream_request=_body(collected.upstream, limit, redact),
-        response=_body(collected.answer, limit, redact),
+        response=response,
         events=events,
         events_truncated=collected.chunks_cut,
-        upstream_error=(_body(collected.answer, limit, redact)
-                        if meta.status >= 400 and collected.answer is not None else None),
+        upstream_error=response if meta.status >= 400 else None,
         chunks=chunks,
-        **({} if output is None else _output_fields(output, meta.stream, redact)),
+        **output,
     )
 
 
@@ -161,12 +165,8 @@ def _chunks(kept: list[tuple[float, bytes]], redact: Callable[[str], str]) -> Ch
         return None
     if redact(text) != text:
         return None
-    ends, at, end = [], [], 0
-    for at_ms, data in kept:
-        end += len(data)
-        ends.append(end)
-        at.append(int(at_ms * 1000))
-    return Chunks(text, tuple(ends), tuple(at))
+    return Chunks(text, tuple(accumulate([len(data) for _, data in kept])),
+                  tuple([int(at_ms * 1000) for at_ms, _ in kept]))
 
 
 def _output_fields(output: Output, stream: bool,
