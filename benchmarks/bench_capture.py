@@ -184,7 +184,7 @@ async def run(rounds: int, requests: int, before: Path | None, writes: int) -> i
     for variant in variants:
         ratio = statistics.median(cpu[variant]) / base
         if variant == BEFORE:
-            verdict = "  (capture off is this x1/ratio: target within noise)"
+            verdict = "  (the code before capture: capture off should be within noise of it)"
         else:
             verdict = "" if variant == "off" else ("  OK" if ratio <= 1.15 else "  OVER TARGET")
         ok = ok and (variant in ("off", BEFORE) or ratio <= 1.15)
