@@ -154,7 +154,15 @@ class Snapshot:
 
 
 @pytest.fixture(scope="module")
-def servers() -> Iterator[tuple[Servers, ErrorRecords]]:
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Servers, ErrorRecords]]:
+    # Module-scoped: conftest's per-test state directory is not set yet, so its own here (else
+    # the ledger lands in the user's ~/.local/state and meets whatever another run left there).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TOKENMETER_STATE_DIR", str(tmp_path_factory.mktemp("fuzz-state")))
+        yield from _servers()
+
+
+def _servers() -> Iterator[tuple[Servers, ErrorRecords]]:
     errors = ErrorRecords()
     root = logging.getLogger()
     demote = ClientErrorFilter()
