@@ -10,9 +10,11 @@ apart (its latency in its own histograms); reconcile finds the books and the sto
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import time
 from contextlib import closing
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from zoneinfo import ZoneInfo
 import pytest
 from aiohttp.test_utils import TestServer, make_mocked_request
 
+from proxy.budget.admission import Ask
 from proxy.budget.usage_report import read_usage
 from proxy.cache.outcome import CacheOutcome, CacheResult
 from proxy.cost import CostLines
@@ -31,8 +34,9 @@ from proxy.ledger.reconcile import Verdict, reconcile
 from proxy.ledger.row import COLUMNS
 from proxy.ledger.schema import TABLE
 from proxy.pipeline import services as st
-from proxy.pipeline.context import Charge, Settlement
+from proxy.pipeline.context import Candidacy, Charge, Settlement
 from proxy.pipeline.settle import settle
+from proxy.protocol.translators import ChatTranslator, parse_body
 from proxy.protocol.usage import Usage
 from proxy.server.app import create_app
 from proxy.telemetry.meter import RequestMeter
@@ -161,6 +165,44 @@ async def test_a_hit_is_booked_counted_and_charged_as_configured(
     assert all(c.verdict is Verdict.AGREES for c in judged), [c.to_json() for c in judged]
     (daily,) = [c for c in judged if c.window == "daily_tokens"]
     assert daily.ledger == after.tokens
+
+
+@pytest.mark.parametrize("charge", ["none", "full"])
+async def test_a_hit_after_admission_gives_back_or_settles_its_reservation(
+        aiohttp_server: ServerFactory, upstream: TestServer, redis_url: str, tmp_path: Path,
+        charge: str) -> None:
+    """A cache that answers after admission reserved the request: under `none` the
+    reservation is given back whole, under `full` it is settled to the saved usage."""
+    proxy = await _proxy(aiohttp_server, upstream, redis_url, tmp_path, charge)
+    svc = proxy.app[st.SERVICES]
+    runtime = svc.runtime.current
+    config = runtime.config
+    today = datetime.now(ZoneInfo(config.timezone)).date()
+    done = _hit(proxy)
+    assert done.principal is not None
+    plan = svc.budget.plan(done.principal, "mock-gpt", config)
+    reservation = await svc.budget.reserve(
+        Ask(principal=done.principal, model="mock-gpt", plan=plan, prompt_tokens=40,
+            asked_output=500, choices=1, stream=True, hidden_output=False), config)
+    route = runtime.router.resolve("mock-gpt")
+    assert route is not None
+    translator = ChatTranslator(parse_body(json.dumps(
+        {"model": "mock-gpt", "messages": [{"role": "user", "content": "hello"}]}).encode()))
+    (held,) = await read_usage(config, svc.budget.store, today)
+    assert held.tokens == 540  # the worst case, held while the request runs
+
+    await settle(replace(done, candidacy=Candidacy(route, "mock-gpt", translator, reservation)),
+                 svc)
+
+    (after,) = await read_usage(config, svc.budget.store, today)
+    assert after.tokens == (0 if charge == "none" else SAVED.total_tokens)
+    assert await svc.budget.store.leases(plan.slot) == {}  # nothing left held
+    ledger = svc.ledger
+    assert ledger is not None
+    assert await ledger.flush(30)
+    row = _row(tmp_path / "ledger.sqlite3", done.request_id)
+    assert (row["cache"], row["input_tokens"], row["saved_output_tokens"]) == ("hit", 0, 567)
+    assert (row["windows"] == "") is (charge == "none")
 
 
 def row_tokens_of_the_miss(path: Path) -> int:
