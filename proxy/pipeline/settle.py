@@ -69,7 +69,9 @@ async def settle(done: Settlement, svc: Services) -> None:
                 await svc.budget.learn(charged, usage.output_tokens)
         metrics.record_request(record, done.meter.gap_buckets())
         route, figures = done.route, record.figures
-        if route is not None and route.latency is not None and figures.upstream_ttft is not None:
+        # A hit says nothing of how fast the upstream is: no latency sample for routing.
+        if (route is not None and route.latency is not None and not hit
+                and figures.upstream_ttft is not None):
             svc.latency.observe(route, figures.upstream_ttft)
         if unauthenticated:
             metrics.auth_failed()
