@@ -154,7 +154,12 @@ class Snapshot:
 
 
 @pytest.fixture(scope="module")
-def servers() -> Iterator[tuple[Servers, ErrorRecords]]:
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Servers, ErrorRecords]]:
+    # A state directory of its own (the autouse one is per test, made after this): the default
+    # one is shared with every other run on the machine, whose ledger file may be at another
+    # schema.
+    state = pytest.MonkeyPatch()
+    state.setenv("TOKENMETER_STATE_DIR", str(tmp_path_factory.mktemp("fuzz-state")))
     errors = ErrorRecords()
     root = logging.getLogger()
     demote = ClientErrorFilter()
@@ -168,6 +173,7 @@ def servers() -> Iterator[tuple[Servers, ErrorRecords]]:
         s.stop()
         root.removeHandler(errors)
         logging.getLogger("aiohttp.server").removeFilter(demote)
+        state.undo()
 
 
 # --- what to send ----------------------------------------------------------------------------
