@@ -226,6 +226,16 @@ class Budget:
         self._update_gauges(ask.user, ask.plan.windows, answer.used)
         return reservation
 
+    def unreserved(self, principal: Principal, model: str, policy: Policy) -> Reservation:
+        """What a charge nothing was reserved for is settled against: a response-cache hit
+        charged in full (`cache.charge_hits: full`) that never went through admission. It is
+        settled as an addition to its plan's windows, like a request admitted while the store
+        was down (`Store.add_once`: once per id, whose done-marker the store keeps for
+        `REPLAY_DONE_TTL_S`). Raises `Refused` as `plan` does (a cost window, no price)."""
+        plan = self.plan(principal, model, policy)
+        return Reservation(new_id(), principal.user, plan, prompt_tokens=0, output_cap=0,
+                           used=(0,) * len(plan.windows), stored=False, price=plan.price)
+
     async def _estimate(self, ask: adm.Ask) -> int:
         """The output estimate `ask` holds instead of its cap (`Ask.estimates`)."""
         key = ask.estimate_key

@@ -11,7 +11,9 @@ charged, so a row is attributed exactly where the store counted it; no clock or 
 arithmetic can put a request on the other side of midnight. A user's window takes the user's
 rows (the row's team says which slot its counters were in, so a user who changed teams is still
 attributed right); a team's window takes every row naming it. Per-minute windows are not
-compared (their counters live two minutes).
+compared (their counters live two minutes). A response-cache hit charged nothing (the default,
+`cache.charge_hits: none`) names no window and is not counted; one charged in full names the
+windows it was charged in, and counts what it saved (its `saved_*` columns; its own are 0).
 
 What may legitimately differ, and how it is treated. A reading reads the ledger first, then
 the store's counters and reservation records in one atomic snapshot per slot (one read-only
@@ -316,8 +318,13 @@ async def _ledger(reader: LedgerReader, config: Config, span: tuple[float, float
     by `ended_by`, when given)."""
     q = reader.sql()
     text = (  # (placeholders are numbered as they are made: in the text's order)
-        "SELECT user_name, team, windows, count(*), sum(input_tokens), sum(output_tokens), "
-        f"sum(cost_nanousd) FROM {TABLE} WHERE started_at < {q.ts(span[1])} "
+        # A response-cache hit used no tokens (its token columns are 0): one charged in full
+        # (`cache.charge_hits: full`) was charged what it saved, which its `saved_*` columns
+        # hold; one charged nothing names no window. Other rows saved nothing (0, NULL).
+        "SELECT user_name, team, windows, count(*), sum(input_tokens + saved_input_tokens), "
+        "sum(output_tokens + saved_output_tokens), "
+        "sum(coalesce(cost_nanousd, 0) + coalesce(saved_cost_nanousd, 0)) "
+        f"FROM {TABLE} WHERE started_at < {q.ts(span[1])} "
         f"AND ended_at >= {q.ts(span[0])} "
         + (f"AND ended_at <= {q.ts(ended_by)} " if ended_by is not None else "")
         + "AND windows <> '' GROUP BY user_name, team, windows"

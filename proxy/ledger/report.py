@@ -46,6 +46,7 @@ from proxy.errors import ErrorClass
 from proxy.ledger.query import Dialect, LedgerReader, Sql, as_int
 from proxy.ledger.schema import TABLE
 from proxy.protocol.translators import MessagesTranslator
+from proxy.telemetry.metrics import CACHE_HIT
 from proxy.telemetry.shown_text import csv_cell, for_terminal
 
 SLICE_S = 900  # SQLite's UTC slice: every offset in use is a multiple of 15 minutes
@@ -101,6 +102,12 @@ _AGGREGATES = (
     f"sum(CASE WHEN operation = '{MessagesTranslator.operation}' THEN cached_input_tokens "
     "ELSE 0 END)",
     "sum(cache_creation_input_tokens)",
+    # The response cache: hits (a value of ours, a closed set, safe inline) and what they
+    # saved; NULL saved costs (no price) are left out of the sum.
+    f"sum(CASE WHEN cache = '{CACHE_HIT}' THEN 1 ELSE 0 END)",
+    "sum(saved_input_tokens)",
+    "sum(saved_output_tokens)",
+    "sum(saved_cost_nanousd)",
 )
 
 
@@ -135,10 +142,24 @@ class Totals:
     unpriced: int = 0
     cache_read_input_tokens: int = 0
     cache_creation_input_tokens: int = 0
+    # Answered by the response cache, and what those answers used when they were first made
+    # (not in the token and cost columns above: a hit spends nothing upstream).
+    hits: int = 0
+    saved_input_tokens: int = 0
+    saved_output_tokens: int = 0
+    saved_cost_nanousd: int = 0
 
     @property
     def total_tokens(self) -> int:
         return self.input_tokens + self.output_tokens
+
+    @property
+    def saved_tokens(self) -> int:
+        return self.saved_input_tokens + self.saved_output_tokens
+
+    @property
+    def saved_cost_usd(self) -> Decimal:
+        return Decimal(self.saved_cost_nanousd).scaleb(-9)
 
     @property
     def cost_usd(self) -> Decimal:
@@ -154,6 +175,9 @@ class Totals:
             self.cost_nanousd + other.cost_nanousd, self.unpriced + other.unpriced,
             self.cache_read_input_tokens + other.cache_read_input_tokens,
             self.cache_creation_input_tokens + other.cache_creation_input_tokens,
+            self.hits + other.hits, self.saved_input_tokens + other.saved_input_tokens,
+            self.saved_output_tokens + other.saved_output_tokens,
+            self.saved_cost_nanousd + other.saved_cost_nanousd,
         )
 
     @staticmethod
@@ -300,28 +324,43 @@ _CACHE_HEADINGS = ("cache_read", "cache_write")
 _CACHE_AT = COLUMNS.index("cached_input_tokens") + 1
 
 
+# The response cache's columns, last, in a report that has any hit.
+HIT_COLUMNS = ("hits", "saved_input_tokens", "saved_output_tokens", "saved_tokens",
+               "saved_cost_usd")
+_HIT_HEADINGS = ("hits", "saved_input", "saved_output", "saved_total", "saved_usd")
+
+
 def _with_cache(report: Report) -> bool:
     t = report.totals
     return bool(t.cache_read_input_tokens or t.cache_creation_input_tokens)
 
 
-def _columns(report: Report, names: tuple[str, ...], cache: tuple[str, ...]) -> tuple[str, ...]:
-    if not _with_cache(report):
-        return names
-    return (*names[:_CACHE_AT], *cache, *names[_CACHE_AT:])
+def _with_hits(report: Report) -> bool:
+    return report.totals.hits > 0
+
+
+def _columns(report: Report, names: tuple[str, ...], cache: tuple[str, ...],
+             hits: tuple[str, ...]) -> tuple[str, ...]:
+    if _with_cache(report):
+        names = (*names[:_CACHE_AT], *cache, *names[_CACHE_AT:])
+    return (*names, *hits) if _with_hits(report) else names
 
 
 def _usd(t: Totals) -> str:
     return f"{t.cost_usd:f}"  # always nine decimals, exact
 
 
-def _values(t: Totals, cache: bool = False) -> tuple[int | str, ...]:
-    plain = (t.requests, t.refused, t.failed, t.input_tokens, t.cached_input_tokens,
-             t.output_tokens, t.reasoning_tokens, t.total_tokens, _usd(t), t.unpriced)
-    if not cache:
-        return plain
-    return (*plain[:_CACHE_AT], t.cache_read_input_tokens, t.cache_creation_input_tokens,
-            *plain[_CACHE_AT:])
+def _values(t: Totals, cache: bool = False, hits: bool = False) -> tuple[int | str, ...]:
+    out: tuple[int | str, ...] = (
+        t.requests, t.refused, t.failed, t.input_tokens, t.cached_input_tokens,
+        t.output_tokens, t.reasoning_tokens, t.total_tokens, _usd(t), t.unpriced)
+    if cache:
+        out = (*out[:_CACHE_AT], t.cache_read_input_tokens, t.cache_creation_input_tokens,
+               *out[_CACHE_AT:])
+    if hits:
+        out = (*out, t.hits, t.saved_input_tokens, t.saved_output_tokens, t.saved_tokens,
+               f"{t.saved_cost_usd:f}")
+    return out
 
 
 def render_csv(report: Report) -> str:
@@ -329,43 +368,49 @@ def render_csv(report: Report) -> str:
     keys are the clients' text (a model name): each is made a safe cell (`csv_cell`)."""
     out = io.StringIO()
     w = csv.writer(out, lineterminator="\n")
-    cache = _with_cache(report)
-    w.writerow([*report.by, *_columns(report, COLUMNS, CACHE_COLUMNS)])
+    cache, hits = _with_cache(report), _with_hits(report)
+    w.writerow([*report.by, *_columns(report, COLUMNS, CACHE_COLUMNS, HIT_COLUMNS)])
     for keys, t in report.rows:
-        w.writerow([*("" if k is None else csv_cell(k) for k in keys), *_values(t, cache)])
-    w.writerow(["total", *[""] * (len(report.by) - 1), *_values(report.totals, cache)])
+        w.writerow([*("" if k is None else csv_cell(k) for k in keys),
+                    *_values(t, cache, hits)])
+    w.writerow(["total", *[""] * (len(report.by) - 1), *_values(report.totals, cache, hits)])
     return out.getvalue()
 
 
-def _json_totals(t: Totals, columns: tuple[str, ...]) -> dict[str, object]:
-    values = _values(t, len(columns) > len(COLUMNS))
-    return {**dict(zip(columns, values, strict=True)), "cost_nanousd": t.cost_nanousd}
+def _json_totals(t: Totals, report: Report) -> dict[str, object]:
+    columns = _columns(report, COLUMNS, CACHE_COLUMNS, HIT_COLUMNS)
+    hits = _with_hits(report)
+    values = _values(t, _with_cache(report), hits)
+    out: dict[str, object] = {**dict(zip(columns, values, strict=True)),
+                              "cost_nanousd": t.cost_nanousd}
+    if hits:
+        out["saved_cost_nanousd"] = t.saved_cost_nanousd
+    return out
 
 
 def render_json(report: Report) -> str:
     """`{"timezone", "from", "to", "by", "rows": [...], "totals": {...}}`; `cost_usd` is a
     decimal string (exact), `cost_nanousd` the same as an integer."""
     p = report.period
-    columns = _columns(report, COLUMNS, CACHE_COLUMNS)
     doc = {
         "timezone": p.tz.key,
         "from": None if p.start is None else p.start.isoformat(),
         "to": None if p.end is None else p.end.isoformat(),
         "by": list(report.by),
-        "rows": [{**dict(zip(report.by, keys, strict=True)), **_json_totals(t, columns)}
+        "rows": [{**dict(zip(report.by, keys, strict=True)), **_json_totals(t, report)}
                  for keys, t in report.rows],
-        "totals": _json_totals(report.totals, columns),
+        "totals": _json_totals(report.totals, report),
     }
     return json.dumps(doc, indent=2)
 
 
 def render_table(report: Report, caption: str | None = None) -> str:
-    cache = _with_cache(report)
+    cache, hits = _with_cache(report), _with_hits(report)
 
     def cells(t: Totals) -> list[str]:
-        return [v if isinstance(v, str) else f"{v:,}" for v in _values(t, cache)]
+        return [v if isinstance(v, str) else f"{v:,}" for v in _values(t, cache, hits)]
 
-    header = [*report.by, *_columns(report, _HEADINGS, _CACHE_HEADINGS)]
+    header = [*report.by, *_columns(report, _HEADINGS, _CACHE_HEADINGS, _HIT_HEADINGS)]
     # Group keys are the clients' text (a model name): shown escaped, never acted on.
     body = [[*("-" if k is None else for_terminal(k) for k in keys), *cells(t)]
             for keys, t in report.rows]

@@ -57,11 +57,22 @@ class LedgerRow(NamedTuple):
     # Schema v2: prompt tokens written to the prompt cache (Anthropic), part of input_tokens.
     # Last and defaulted, so spool lines written before it still load.
     cache_creation_input_tokens: int = 0
+    # Schema v3: the response cache. What it did (a CacheResult value: none, hit, miss,
+    # bypass); on a hit the token columns above are 0 and these hold what the stored answer
+    # used, and its cost at the price of the day of the hit (None: no price). Defaulted, so
+    # spool lines written before them still load.
+    cache: str = "none"
+    saved_input_tokens: int = 0
+    saved_output_tokens: int = 0
+    saved_cached_input_tokens: int = 0
+    saved_reasoning_tokens: int = 0
+    saved_cache_creation_input_tokens: int = 0
+    saved_cost_nanousd: int | None = None
 
     @staticmethod
     def of(rec: RequestRecord, replica: str) -> LedgerRow:
         """The books' part of a request's record (settle makes the record once)."""
-        usage, figures = rec.usage, rec.figures
+        usage, figures, saved = rec.usage, rec.figures, rec.saved_usage
         return LedgerRow(
             request_id=rec.request_id,
             started_at=rec.started_at,
@@ -94,6 +105,13 @@ class LedgerRow(NamedTuple):
             price_version=rec.price_version,
             windows=rec.windows,
             cache_creation_input_tokens=usage.cache_creation_input_tokens,
+            cache=rec.cache,
+            saved_input_tokens=saved.input_tokens,
+            saved_output_tokens=saved.output_tokens,
+            saved_cached_input_tokens=saved.cached_input_tokens,
+            saved_reasoning_tokens=saved.reasoning_tokens,
+            saved_cache_creation_input_tokens=saved.cache_creation_input_tokens,
+            saved_cost_nanousd=None if rec.saved_cost is None else rec.saved_cost.nanousd,
         )
 
     @property
@@ -111,6 +129,21 @@ class LedgerRow(NamedTuple):
 
 
 COLUMNS: tuple[str, ...] = LedgerRow._fields
+# Columns added by later schema versions come last, with defaults: a spool line written by an
+# older tokenmeter has fewer values and takes these for the ones it lacks.
+_LATER = tuple(LedgerRow._field_defaults.values())
+
+
+def complete(values: list[Any]) -> bool:
+    """A spool line's values made a whole row in place: a line of an older schema version
+    gets the defaults of the columns added since. False: not a ledger row's width."""
+    missing = len(COLUMNS) - len(values)
+    if missing == 0:
+        return True
+    if not 0 < missing <= len(_LATER):
+        return False
+    values.extend(_LATER[len(_LATER) - missing:])
+    return True
 
 
 def _ms(seconds: float | None) -> float | None:

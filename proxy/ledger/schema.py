@@ -105,9 +105,29 @@ _V2_PG = (f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS cache_creation_input_to
 _V2_SQLITE = (f"ALTER TABLE {TABLE} ADD COLUMN cache_creation_input_tokens INTEGER NOT NULL "
               "DEFAULT 0",)
 
+# v3: the response cache (issue 23). `cache` is what it did (proxy.cache.outcome.CacheResult:
+# none, hit, miss, bypass); on a hit the row's token columns are 0 (no upstream call) and the
+# `saved_*` columns hold what the stored answer used, `saved_cost_nanousd` its cost at the
+# price of the day of the hit (NULL: the model has no price). Existing rows: no cache, nothing
+# saved.
+_V3_SAVED = ("saved_input_tokens", "saved_output_tokens", "saved_cached_input_tokens",
+             "saved_reasoning_tokens", "saved_cache_creation_input_tokens")
+_V3_PG = (
+    f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS cache text NOT NULL DEFAULT 'none'",
+    *(f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS {c} bigint NOT NULL DEFAULT 0"
+      for c in _V3_SAVED),
+    f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS saved_cost_nanousd bigint",
+)
+_V3_SQLITE = (
+    f"ALTER TABLE {TABLE} ADD COLUMN cache TEXT NOT NULL DEFAULT 'none'",
+    *(f"ALTER TABLE {TABLE} ADD COLUMN {c} INTEGER NOT NULL DEFAULT 0" for c in _V3_SAVED),
+    f"ALTER TABLE {TABLE} ADD COLUMN saved_cost_nanousd INTEGER",
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, (_PG_V1, *_INDEXES), (_SQLITE_V1, *_INDEXES)),
     Migration(2, _V2_PG, _V2_SQLITE),
+    Migration(3, _V3_PG, _V3_SQLITE),
 )
 
 VERSION = MIGRATIONS[-1].version

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from proxy.ledger.row import COLUMNS, LedgerRow
+from proxy.ledger.row import COLUMNS, LedgerRow, complete
 
 log = logging.getLogger("tokenmeter.ledger")
 
@@ -392,11 +392,10 @@ def read_batch(seg: Segment, end: int, max_rows: int,
     records: list[tuple[Any, ...]] = []
     bad = 0
     oldest: float | None = None
-    width = len(COLUMNS)
     for line in lines:
         try:
             values = json.loads(line)
-            if not isinstance(values, list) or len(values) != width:
+            if not isinstance(values, list) or not complete(values):
                 raise ValueError("not a ledger row")
             ended = float(values[_ENDED])
             records.append(prepare(values))

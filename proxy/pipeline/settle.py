@@ -16,8 +16,12 @@ from __future__ import annotations
 import logging
 import time
 
+from proxy.budget.accounting import Reservation
+from proxy.budget.refusals import Refused
+from proxy.cache.outcome import CacheResult
 from proxy.capture.collect import Meta, Pending, redactor
 from proxy.capture.policy import Subject, wanted
+from proxy.config.cache import ChargeHits
 from proxy.config.policy import Price
 from proxy.cost import CostLines
 from proxy.errors import ErrorClass
@@ -25,7 +29,7 @@ from proxy.ledger.ledger import Ledger
 from proxy.ledger.row import LedgerRow
 from proxy.pipeline.context import Settlement
 from proxy.pipeline.services import Runtime, Services
-from proxy.protocol.usage import Usage
+from proxy.protocol.usage import ZERO, Usage
 from proxy.telemetry.accesslog import log_request
 from proxy.telemetry.metrics import CaptureStage, MeteringStage, Metrics, RequestRecord
 
@@ -36,10 +40,13 @@ async def settle(done: Settlement, svc: Services) -> None:
     metrics = svc.metrics
     try:
         runtime = done.runtime or svc.runtime.current
+        hit = done.cache.result is CacheResult.HIT
         # Reported usage is at hand; an estimate is counted in a thread (proxy.pipeline.
-        # counting), the one wait that can come before the row.
-        usage = await done.usage()
-        record = _record(done, runtime, usage)
+        # counting), the one wait that can come before the row. A hit made no upstream call:
+        # it used nothing (what it saved is priced in `_record`), whatever else it holds.
+        usage = ZERO if hit else await done.usage()
+        charged = _hit_charged(done, svc, runtime) if hit else _reserved(done)
+        record = _record(done, runtime, usage, charged)
         # A request refused for its key names no one and cost nothing: no row (anyone can send
         # them, and a flood of them would fill the spool and push real rows out), no log line
         # each; counted, and sampled into the access log, below.
@@ -49,17 +56,20 @@ async def settle(done: Settlement, svc: Services) -> None:
         # process killed while the store is slow to take the charge must not take the row too.
         if svc.ledger is not None and not unauthenticated:
             _book(svc.ledger, record, metrics)
-        if done.candidacy is not None:
-            reservation = done.candidacy.reservation
-            await svc.budget.settle(reservation, usage, record.cost)
+        if hit:
+            await _charge_hit(done, svc, record, charged)
+        elif charged is not None:
+            await svc.budget.settle(charged, usage, record.cost)
             # Only an answer that ended as the upstream meant it to says how long answers run
             # (see proxy.budget.estimate).
-            if (reservation.estimate_key is not None and done.status == 200
+            if (charged.estimate_key is not None and done.status == 200
                     and done.error_class is ErrorClass.NONE and usage.output_tokens > 0):
-                await svc.budget.learn(reservation, usage.output_tokens)
+                await svc.budget.learn(charged, usage.output_tokens)
         metrics.record_request(record, done.meter.gap_buckets())
         route, figures = done.route, record.figures
-        if route is not None and route.latency is not None and figures.upstream_ttft is not None:
+        # A hit says nothing of how fast the upstream is: no latency sample for routing.
+        if (route is not None and route.latency is not None and not hit
+                and figures.upstream_ttft is not None):
             svc.latency.observe(route, figures.upstream_ttft)
         if unauthenticated:
             metrics.auth_failed()
@@ -84,11 +94,51 @@ def _price(done: Settlement, runtime: Runtime) -> Price | None:
     return runtime.price_for(done.model)
 
 
-def _record(done: Settlement, runtime: Runtime, usage: Usage) -> RequestRecord:
-    """The request's one record, from which the row, the metrics and the log line are read."""
+def _reserved(done: Settlement) -> Reservation | None:
+    return done.candidacy.reservation if done.candidacy is not None else None
+
+
+def _hit_charged(done: Settlement, svc: Services, runtime: Runtime) -> Reservation | None:
+    """What a cache hit is charged against: nothing under `cache.charge_hits: none` (the
+    user's counters do not move); under `full`, its reservation when it has one, else an
+    addition to the windows its plan names (`Budget.unreserved`)."""
+    if runtime.config.cache.charge_hits is ChargeHits.NONE:
+        return None
+    if done.candidacy is not None:
+        return done.candidacy.reservation
+    if done.principal is None:  # a hit is served to someone: never, but never a 5xx either
+        return None
+    try:
+        return svc.budget.unreserved(done.principal, done.model, runtime.config)
+    except Refused:
+        # A cost window and no price for the model: the hit cannot be counted in it. Loud:
+        # the user's budget misses what the hit would have cost.
+        svc.metrics.metering_failed(MeteringStage.SETTLE)
+        log.error("request %s: a cache hit of %s charged in full cannot be priced for %s's "
+                  "cost window; not charged", done.request_id, done.model,
+                  done.principal.user)
+        return None
+
+
+async def _charge_hit(done: Settlement, svc: Services, record: RequestRecord,
+                      charged: Reservation | None) -> None:
+    """A hit charged in full settles what it saved, at the cost the row books; one charged
+    nothing gives back whole whatever it reserved, if the cache answered after admission."""
+    if charged is not None:
+        await svc.budget.settle(charged, record.saved_usage, record.saved_cost)
+    elif done.candidacy is not None:
+        await svc.budget.release(done.candidacy.reservation)
+
+
+def _record(done: Settlement, runtime: Runtime, usage: Usage,
+            charged: Reservation | None) -> RequestRecord:
+    """The request's one record, from which the row, the metrics and the log line are read.
+    On a cache hit, what it saved is priced here once, at the price the request pays (today's,
+    or its reservation's): the row, the metrics and a full charge read that one value."""
     principal, candidacy = done.principal, done.candidacy
     price = _price(done, runtime)
     model = done.model
+    saved = done.cache.saved if done.cache.result is CacheResult.HIT else None
     return RequestRecord(
         request_id=done.request_id,
         operation=done.operation,
@@ -109,9 +159,12 @@ def _record(done: Settlement, runtime: Runtime, usage: Usage) -> RequestRecord:
         attempts=done.attempts,
         cost=None if price is None else CostLines.of(price, usage),
         price_version=None if price is None else runtime.price_version,
-        windows=(" ".join(w.label for w in candidacy.reservation.plan.windows)
-                 if candidacy is not None else ""),
+        windows=(" ".join(w.label for w in charged.plan.windows)
+                 if charged is not None else ""),
         ended_at=time.time(),
+        cache=done.cache.result.value,
+        saved_usage=ZERO if saved is None else saved,
+        saved_cost=None if price is None or saved is None else CostLines.of(price, saved),
     )
 
 

@@ -32,9 +32,9 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from proxy.config.policy import AdmissionPolicy
-from proxy.cost import CostLines
+from proxy.cost import NANOS_PER_USD, CostLines
 from proxy.errors import ErrorClass
-from proxy.protocol.usage import Usage
+from proxy.protocol.usage import ZERO, Usage
 
 if TYPE_CHECKING:
     from proxy.telemetry.meter import Figures  # meter buckets gaps on TPOT_BUCKETS from here
@@ -63,6 +63,12 @@ TOKENS_PER_SECOND_BUCKETS: tuple[float, ...] = (
     5.0, 10.0, 25.0, 50.0, 75.0, 100.0, 150.0, 200.0, 300.0, 500.0, 750.0, 1000.0, 1500.0,
     2000.0, 3000.0, 5000.0, 7500.0, 10000.0, 14000.0, 20000.0, 50000.0,
 )
+
+
+# CacheResult's values that the metrics tell apart (tests/telemetry/test_cache_metrics.py
+# checks they are CacheResult's).
+CACHE_NOT_CONSULTED = "none"  # not counted in tokenmeter_cache_requests_total
+CACHE_HIT = "hit"
 
 
 class _Memo:
@@ -127,6 +133,13 @@ class RequestRecord:
     price_version: str | None  # of the price table that priced `cost`
     windows: str  # budget windows charged, space-separated `scope:window:stamp`
     ended_at: float  # epoch seconds, UTC
+    # What the response cache did: a `proxy.cache.outcome.CacheResult` value (none, hit, miss,
+    # bypass; the cache is a layer above this one). On a hit `usage` is ZERO (no upstream
+    # call) and these are what the stored answer used and its cost at the price of the day of
+    # the hit (None: no price).
+    cache: str = CACHE_NOT_CONSULTED
+    saved_usage: Usage = ZERO
+    saved_cost: CostLines | None = None
 
     @property
     def started_at(self) -> float:
@@ -142,6 +155,11 @@ class RequestRecord:
     @property
     def upstream_label(self) -> str:
         return "none" if self.upstream is None else self.upstream
+
+    @property
+    def hit(self) -> bool:
+        """Answered by the response cache: no upstream call."""
+        return self.cache == CACHE_HIT
 
 
 class _GapHistogram(Collector):
@@ -563,6 +581,35 @@ class Metrics:
             "Reservations still held past their lease at the last reconcile.", registry=r,
             multiprocess_mode="mostrecent",
         )
+        self._cache_requests = _Counter(
+            "tokenmeter_cache_requests",
+            "Requests the response cache was consulted for, by result (hit: answered from an "
+            "entry; miss: went upstream, the store's failures included; bypass: the client's "
+            "Cache-Control).", ("model", "result"), registry=r,
+        )
+        self._cache_saved_tokens = _Counter(
+            "tokenmeter_cache_saved_tokens",
+            "Tokens cache hits did not spend upstream: what the stored answers used, by type "
+            "(as tokenmeter_tokens_total's).", ("type", "model", "user"), registry=r,
+        )
+        self._cache_saved_cost = _Counter(
+            "tokenmeter_cache_saved_cost_usd",
+            "What cache hits would have cost: the stored answers' usage at the price of the "
+            "day of the hit.", ("model", "user"), registry=r,
+        )
+        # A hit's latency is the proxy's alone: kept apart, so it does not flatter the
+        # upstream's TTFT, duration and decode figures.
+        self._cache_hit_ttft = _Histogram(
+            "tokenmeter_cache_hit_ttft_seconds",
+            "Request received to first content token forwarded, for answers served from the "
+            "response cache (streaming).", ("model", "operation"), buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self._cache_hit_duration = _Histogram(
+            "tokenmeter_cache_hit_duration_seconds",
+            "End-to-end duration of requests answered from the response cache.",
+            ("model", "operation"), buckets=TTFT_BUCKETS, registry=r,
+        )
         self._info = _Gauge(
             "tokenmeter_open_mode", "1 when no users are configured and every request is accepted.",
             registry=r, multiprocess_mode="livemostrecent",
@@ -572,11 +619,18 @@ class Metrics:
     # call); each verb's signature names them.
     # --- a request -----------------------------------------------------------------------
     def record_request(self, rec: RequestRecord, gaps: list[int]) -> None:
-        """One finished request: latency, tokens, the request itself, its cost, its gaps."""
+        """One finished request: latency, tokens, the request itself, its cost, its gaps; what
+        the response cache did for it. A hit's latency goes to the cache's own histograms."""
+        if rec.cache != CACHE_NOT_CONSULTED:
+            self._observe_cache(rec)
+        if rec.hit:
+            self._observe_hit(rec)
+        else:
+            self._observe_latency(rec)
+            self._observe_gaps(rec, gaps)
         self._observe(rec)
         if rec.cost is not None:
             self._observe_cost(rec, rec.cost)
-        self._observe_gaps(rec, gaps)
 
     @contextlib.contextmanager
     def relaying(self, upstream: str) -> Iterator[None]:
@@ -746,7 +800,7 @@ class Metrics:
     def open_mode(self, is_open: bool) -> None:
         self._info.set(1 if is_open else 0)
 
-    def _observe(self, rec: RequestRecord) -> None:
+    def _observe_latency(self, rec: RequestRecord) -> None:
         hl = (rec.model_label, rec.upstream_label, rec.operation)
         f = rec.figures
         self._duration.labels(*hl).observe(f.duration)
@@ -760,6 +814,8 @@ class Metrics:
             self._tokens_per_second.labels(*hl).observe(f.output_tokens_per_second)
         if f.overhead is not None:
             self._overhead.labels(rec.operation).observe(f.overhead)
+
+    def _observe(self, rec: RequestRecord) -> None:
         u = rec.usage
         for kind, value in (
             ("input", u.input_tokens),
@@ -772,6 +828,29 @@ class Metrics:
             if value:
                 self._tokens.labels(kind, rec.model_label, rec.user, u.source).inc(value)
         self._requests.labels(rec.model_label, rec.user, str(rec.status), rec.error_class).inc()
+
+    def _observe_cache(self, rec: RequestRecord) -> None:
+        self._cache_requests.labels(rec.model_label, rec.cache).inc()
+        u = rec.saved_usage
+        for kind, value in (
+            ("input", u.input_tokens),
+            ("output", u.output_tokens),
+            ("cached_input", u.cached_input_tokens),
+            ("reasoning", u.reasoning_tokens),
+            ("cache_creation_input", u.cache_creation_input_tokens),
+        ):
+            if value:
+                self._cache_saved_tokens.labels(kind, rec.model_label, rec.user).inc(value)
+        if rec.saved_cost is not None and rec.saved_cost.nanousd:
+            self._cache_saved_cost.labels(rec.model_label, rec.user).inc(
+                rec.saved_cost.nanousd / NANOS_PER_USD)
+
+    def _observe_hit(self, rec: RequestRecord) -> None:
+        labels = (rec.model_label, rec.operation)
+        f = rec.figures
+        self._cache_hit_duration.labels(*labels).observe(f.duration)
+        if f.ttft is not None:
+            self._cache_hit_ttft.labels(*labels).observe(f.ttft)
 
     def _observe_cost(self, rec: RequestRecord, cost: CostLines) -> None:
         """By the price the tokens paid (`CostLines`: input, cached_input, cache_write_5m,

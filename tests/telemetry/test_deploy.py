@@ -101,6 +101,12 @@ ADDED_METRICS = frozenset({
     "tokenmeter_settlement_tokens_lost_total",
     "tokenmeter_auth_failures_total",
     "tokenmeter_settle_spool_bad_lines_total",
+    # The response cache's (the Cache row; tests/telemetry/test_cache_dashboard.py gives them
+    # data).
+    "tokenmeter_cache_requests_total",
+    "tokenmeter_cache_saved_tokens_total",
+    "tokenmeter_cache_saved_cost_usd_total",
+    "tokenmeter_cache_hit_ttft_seconds",
 })
 # Exported, but with no series until something goes wrong.
 MAY_BE_EMPTY = frozenset({"tokenmeter_metering_errors_total"})

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from proxy.cache.outcome import CacheResult
 from proxy.config.policy import Price
 from proxy.cost import CostLines
 from proxy.errors import ErrorClass
@@ -48,6 +49,8 @@ def _records(draw: st.DrawFn) -> RequestRecord:
             st.builds(Price, input=st.floats(0, 100), output=st.floats(0, 100)), st.just(usage))),
         price_version=draw(st.none() | st.just("p1")), windows=draw(st.just("") | _text),
         ended_at=draw(st.floats(0, 2e9, allow_nan=False)),
+        cache=draw(st.sampled_from([r.value for r in CacheResult])),
+        saved_usage=Usage(draw(counts), draw(counts), draw(counts), draw(counts)),
     )
 
 
@@ -68,5 +71,8 @@ def test_the_line_and_the_row_agree(rec: RequestRecord) -> None:
     assert row.input_tokens == fields["input_tokens"]
     assert row.output_tokens == fields["output_tokens"]
     assert row.cost_nanousd == (None if rec.cost is None else rec.cost.nanousd)
+    assert row.cache == fields["cache"] == rec.cache
+    assert (row.saved_input_tokens, row.saved_output_tokens) == (
+        rec.saved_usage.input_tokens, rec.saved_usage.output_tokens)
     # started_at is ended_at less the duration: at 2e9 s a float is good to about 2e-7 s.
     assert row.ended_at - row.started_at == pytest.approx(rec.figures.duration, abs=1e-6)

@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""Benchmark: what the response cache (issue 23) gives and costs: the TTFT a hit adds through the
+proxy against a direct upstream call and against a miss, the CPU of a hit, and the CPU the
+lookups cost on a workload that never hits.
+
+    .venv/bin/python benchmarks/bench_cache.py [--rounds 3] [--samples 300] [--requests 2000]
+                                               [--store redis://127.0.0.1:6379/0]
+
+One simulated upstream (`tokenmeter mock-upstream`, instant by default; the TTFT runs ask it
+for a 20 ms first token and 750 tokens/s through its `x-mock-*` headers, which the proxy
+forwards and which are not part of the cache key). Each round starts `tokenmeter serve` twice,
+one after the other (so the machine's noise falls on both alike): with the cache off (no
+`cache:` section) and with `cache: {enabled: true, scope: user, ttl_s: 300}` (an in-process
+LRU; `--store` puts the budget store, and so the cache, on Redis). Requests are streamed chat
+completions with a 1 KB prompt and 64 output tokens, read incrementally.
+
+Measured, with the cache on:
+- TTFT (request sent -> first content chunk read), p50 and p99 over `--samples` requests, one
+  at a time, of: `direct` (client -> upstream), `miss` (a prompt never seen: a lookup, then the
+  upstream, then the store) and `hit` (one prompt asked before: replayed from the entry);
+  `added` is each path's figure less direct's (p50 from p50, p99 from p99);
+- CPU per hit: utime+stime of the proxy over `--requests` hits, 16 at a time;
+- the lookups' cost: CPU per request over `--requests` requests that all miss (each prompt
+  unique), cache on against cache off. Target: at most 1.05x (+5% CPU per request).
+Every answer's `x-tokenmeter-cache` header is checked (a hit run served by misses, or a miss run
+served by hits, cannot pass as fast or cheap): wrong ones are counted and fail the run.
+
+It runs once the cache core is in (`cache:` with `scope`/`ttl_s` and the header); exit status 0
+when the answers were what they should be and the lookups' cost is within its target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from procs import Served, cpu_s, free_port, wait_port
+
+CACHE_HEADER = "x-tokenmeter-cache"
+PROMPT = ("The quick brown fox jumps over the lazy dog. " * 23)[:1000]  # ~1 KB with the nonce
+PACED = {"x-mock-ttft-ms": "20", "x-mock-tokens-per-second": "750"}
+TARGET = 1.05  # lookups on a 0% hit ratio: at most +5% CPU per request
+
+
+def body(prompt: str) -> dict[str, object]:
+    return {"model": "m", "messages": [{"role": "user", "content": prompt}], "stream": True,
+            "stream_options": {"include_usage": True}, "max_tokens": 64}
+
+
+@dataclass
+class Client:
+    """One session, and what the answers' x-tokenmeter-cache said against what was expected."""
+
+    session: aiohttp.ClientSession
+    wrong: int = 0
+    seen: dict[str, int] = field(default_factory=dict)
+
+    async def ttft(self, url: str, payload: dict[str, object], expect: str | None,
+                   headers: dict[str, str] | None = None) -> float:
+        """Seconds from sending to the first read holding a content chunk; the stream read to
+        its end. `expect`: the x-tokenmeter-cache value the answer must carry (None: any)."""
+        started = time.perf_counter()
+        first: float | None = None
+        async with self.session.post(url, json=payload, headers=headers) as r:
+            assert r.status == 200, r.status
+            got = r.headers.get(CACHE_HEADER)
+            if expect is not None:
+                self.seen[str(got)] = self.seen.get(str(got), 0) + 1
+                self.wrong += got != expect
+            async for chunk in r.content.iter_any():
+                if first is None and b'"content"' in chunk:
+                    first = time.perf_counter()
+        assert first is not None, "no content chunk"
+        return first - started
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def ttft_runs(c: Client, proxy_port: int, mock_port: int,
+                    samples: int) -> dict[str, list[float]]:
+    direct = f"http://127.0.0.1:{mock_port}/v1/chat/completions"
+    proxied = f"http://127.0.0.1:{proxy_port}/v1/chat/completions"
+    known = body(f"{PROMPT} known")
+    out: dict[str, list[float]] = {"direct": [], "miss": [], "hit": []}
+    for i in range(20):  # warm-up: connections, tokenizer
+        await c.ttft(direct, body(f"{PROMPT} warm {i}"), None, PACED)
+        await c.ttft(proxied, body(f"{PROMPT} warm {uuid.uuid4().hex}"), "miss", PACED)
+    await c.ttft(proxied, known, None, PACED)  # stored, if it was not yet
+    for _ in range(samples):  # interleaved: the same noise on every path
+        out["direct"].append(await c.ttft(direct, body(f"{PROMPT} {uuid.uuid4().hex}"), None,
+                                          PACED))
+        out["miss"].append(await c.ttft(proxied, body(f"{PROMPT} {uuid.uuid4().hex}"), "miss",
+                                        PACED))
+        out["hit"].append(await c.ttft(proxied, known, "hit", PACED))
+    return out
+
+
+async def cpu_ms_per_request(c: Client, served: Served, requests: int,
+                             expect: str | None) -> float:
+    """CPU per request of `served` over `requests`, 16 at a time: one known prompt when
+    `expect` is "hit", else a new prompt each."""
+    url = f"http://127.0.0.1:{served.port}/v1/chat/completions"
+    known = body(f"{PROMPT} known")
+
+    def payload() -> dict[str, object]:
+        return known if expect == "hit" else body(f"{PROMPT} {uuid.uuid4().hex}")
+
+    for _ in range(200):  # warm-up (and, for hits, the entry)
+        await c.ttft(url, payload(), None)
+    await asyncio.sleep(0.2)  # the warm-up's settles are not counted below
+    before = cpu_s(served.proc.pid)
+    queue = iter(range(requests))
+
+    async def worker() -> None:
+        for _ in queue:
+            await c.ttft(url, payload(), expect)
+
+    await asyncio.gather(*(worker() for _ in range(16)))
+    await asyncio.sleep(0.2)  # settling after the last byte is counted
+    return (cpu_s(served.proc.pid) - before) / requests * 1000
+
+
+def config(mock_port: int, cache: bool, store: str | None) -> str:
+    text = (f"upstreams:\n  mock: {{base_url: 'http://127.0.0.1:{mock_port}/v1'}}\n"
+            "metrics: {discover_models: false}\n")
+    if store is not None:
+        text += f"store: {{url: '{store}'}}\n"
+    if cache:
+        text += "cache: {enabled: true, scope: user, ttl_s: 300}\n"
+    return text
+
+
+def start_mock() -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    mock = subprocess.Popen(
+        [sys.executable, "-m", "proxy.cli", "mock-upstream", "--port", str(port),
+         "--ttft-ms", "0", "--tokens-per-second", "0", "--output-tokens", "64"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_port(port)
+    return mock, port
+
+
+@dataclass
+class Round:
+    ttft: dict[str, list[float]]
+    hit_cpu: float
+    off_cpu: float
+    miss_cpu: float
+
+
+async def one_round(c: Client, mock_port: int, samples: int, requests: int,
+                    store: str | None) -> Round:
+    off = Served(config(mock_port, False, store), "tm-cache-off-")
+    try:
+        off_cpu = await cpu_ms_per_request(c, off, requests, None)
+    finally:
+        off.stop()
+    on = Served(config(mock_port, True, store), "tm-cache-on-")
+    try:
+        miss_cpu = await cpu_ms_per_request(c, on, requests, "miss")
+        hit_cpu = await cpu_ms_per_request(c, on, requests, "hit")
+        figures = await ttft_runs(c, on.port, mock_port, samples)
+    finally:
+        on.stop()
+    return Round(figures, hit_cpu, off_cpu, miss_cpu)
+
+
+async def run(rounds: int, samples: int, requests: int, store: str | None) -> int:
+    mock, port = start_mock()
+    done: list[Round] = []
+    try:
+        async with aiohttp.ClientSession() as session:
+            c = Client(session)
+            for r in range(rounds):
+                started = time.perf_counter()
+                done.append(await one_round(c, port, samples, requests, store))
+                last = done[-1]
+                print(f"round {r + 1}: hit p50 {pct(last.ttft['hit'], 0.5) * 1000:.2f} ms, "
+                      f"CPU/hit {last.hit_cpu:.3f} ms, CPU/request off {last.off_cpu:.3f} ms, "
+                      f"all-miss {last.miss_cpu:.3f} ms, {time.perf_counter() - started:.1f} s",
+                      flush=True)
+    finally:
+        mock.terminate()
+        mock.wait(timeout=30)
+    merged = {path: [v for rnd in done for v in rnd.ttft[path]] for path in done[0].ttft}
+    d50, d99 = pct(merged["direct"], 0.5), pct(merged["direct"], 0.99)
+    print(f"\nTTFT over {rounds} x {samples} requests each, one at a time (upstream: 20 ms to "
+          "first token, 750 tok/s):")
+    for path, values in merged.items():
+        p50, p99 = pct(values, 0.5), pct(values, 0.99)
+        added = "" if path == "direct" else (
+            f"  added vs direct p50 {(p50 - d50) * 1000:+.2f} ms p99 {(p99 - d99) * 1000:+.2f} ms")
+        print(f"  {path:6s}: p50 {p50 * 1000:7.2f} ms  p99 {p99 * 1000:7.2f} ms{added}")
+    m50, m99 = pct(merged["miss"], 0.5), pct(merged["miss"], 0.99)
+    h50, h99 = pct(merged["hit"], 0.5), pct(merged["hit"], 0.99)
+    print(f"  hit vs miss: p50 {(h50 - m50) * 1000:+.2f} ms, p99 {(h99 - m99) * 1000:+.2f} ms")
+    hit_cpu = statistics.median(r.hit_cpu for r in done)
+    off_cpu = statistics.median(r.off_cpu for r in done)
+    miss_cpu = statistics.median(r.miss_cpu for r in done)
+    ratio = miss_cpu / off_cpu
+    print(f"\nCPU per request, median of {rounds} rounds ({requests} requests, 16 at a time):")
+    print(f"  cache off          : {off_cpu:.3f} ms")
+    print(f"  cache on, all miss : {miss_cpu:.3f} ms ({ratio:.3f}x off; target <= {TARGET}x)"
+          f"{'  OK' if ratio <= TARGET else '  OVER TARGET'}")
+    print(f"  cache on, hits     : {hit_cpu:.3f} ms per hit ({hit_cpu / off_cpu:.3f}x a request "
+          "with the cache off)")
+    print(f"\nx-tokenmeter-cache seen: {c.seen}; unexpected: {c.wrong}")
+    return 0 if c.wrong == 0 and ratio <= TARGET else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=300, help="TTFT requests per path")
+    parser.add_argument("--requests", type=int, default=2000, help="requests per CPU figure")
+    parser.add_argument("--store", default=None,
+                        help="a redis:// URL: the budget store, and so the cache, on Redis")
+    args = parser.parse_args()
+    return asyncio.run(run(args.rounds, args.samples, args.requests, args.store))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
