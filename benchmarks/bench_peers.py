@@ -124,14 +124,17 @@ SMALL_BODY = json.dumps({
 class Plan:
     name: str
     warmup: int
-    rounds: int
+    rounds: dict[str, int]  # by phase; each round drives every gateway once
     per_worker: dict[str, int]  # requests per client per batch, by phase
     litellm_ready_s: float
 
 
-FULL = Plan("full", warmup=16, rounds=3,
-            per_worker={"small": 16, "c1": 10, "c16": 3, "c64": 2}, litellm_ready_s=120)
-QUICK = Plan("quick", warmup=8, rounds=2,
+# Sized to finish within 10 minutes on a busy 2-core box: LiteLLM's single worker takes most of
+# it (about 0.2 s of CPU a stream, so a round of 128 streams at concurrency 64 is half a minute
+# or more). Two streams per client at concurrency 64 give a window where all 64 are busy.
+FULL = Plan("full", warmup=16, rounds={"small": 3, "c1": 3, "c16": 3, "c64": 2},
+            per_worker={"small": 12, "c1": 10, "c16": 2, "c64": 2}, litellm_ready_s=120)
+QUICK = Plan("quick", warmup=8, rounds={"small": 2, "c1": 2, "c16": 2, "c64": 1},
              per_worker={"small": 8, "c1": 6, "c16": 2, "c64": 1}, litellm_ready_s=120)
 
 
@@ -578,14 +581,14 @@ async def measure(  # noqa: PLR0913, PLR0917  the run's services, told where
                 raise BenchError(f"warm-up: every stream on {gw.name} failed: {warm.errors[:2]}")
         for phase in PHASES:
             total = CONCURRENCY[phase] * plan.per_worker[phase]
-            for r in range(plan.rounds):
+            for r in range(plan.rounds[phase]):
                 k = r % len(gateways)
                 for gw in gateways[k:] + gateways[:k]:
                     s = await run_batch(session, gw, phase, total,
                                         redis_pid if gw.name == "tokenmeter+budgets" else 0)
                     samples[gw.name].setdefault(phase, []).append(s)
                     await asyncio.sleep(0.05)
-            progress(f"{phase}: {plan.rounds} rounds x {total} requests per gateway")
+            progress(f"{phase}: {plan.rounds[phase]} rounds x {total} requests per gateway")
     ensure_alive(*services.items[:1])
     summary = summarize(samples, skipped)
     labels = {g.name: g.label for g in gateways}
@@ -604,18 +607,41 @@ async def measure(  # noqa: PLR0913, PLR0917  the run's services, told where
     }
 
 
+def governed(summary: dict[str, dict[str, Any]]) -> list[str]:
+    """The governed figure: tokenmeter with budgets, ledger and access log on, as a multiple of
+    each other gateway's CPU per small request and per stream."""
+    tm = summary.get("tokenmeter+budgets", {})
+    out = []
+    for key, what in (("cpu_ms_small", "a small request"), ("cpu_ms_stream", "a 256-token stream")):
+        mine = tm.get(key)
+        if mine is None:
+            continue
+        ratios = [f"{mine / row[key]:.2f}x {name}" for name, row in summary.items()
+                  if name not in ("direct", "tokenmeter+budgets") and row.get(key)]
+        out.append(f"governed tokenmeter: {mine:.3f} ms of CPU {what} = " + ", ".join(ratios))
+    return out
+
+
 def report(results: dict[str, Any]) -> str:
     meta = results["meta"]
+    rounds = "/".join(str(meta["rounds"][p]) for p in PHASES)
+    direct = results["summary"].get("direct", {})
+    base = ", ".join(
+        f"{p} {cell(direct.get(f'ttft_p50_{p}'), '.1f')}/{cell(direct.get(f'ttft_p99_{p}'), '.1f')}"
+        for p in ("c1", "c16"))
     lines = [
         f"Gateways side by side ({meta['plan']}): {meta['cpus']} CPUs shared with the load "
-        f"generator, the mock and anything else on the machine; {meta['rounds']} interleaved "
-        "rounds. CPU = utime+stime of the gateway's whole process tree per request (x = ratio "
-        "to bare); +TTFT = ms added over direct (256-token streams, 750 tok/s, 20 ms upstream "
-        "TTFT); tok/s c64 = received by 64 clients together (x = ratio to direct); Redis = "
-        "redis-server CPU per small request.",
+        "generator, the mock and anything else on the machine; interleaved rounds "
+        f"(small/c1/c16/c64: {rounds}). CPU = utime+stime of the gateway's whole process tree "
+        "per request (x = ratio to bare); +TTFT = ms added over direct (256-token streams, "
+        f"750 tok/s, 20 ms upstream TTFT; direct p50/p99 ms: {base}); tok/s c64 = received by "
+        "64 clients together (x = ratio to direct); Redis = redis-server CPU per small "
+        "request; errors = requests that failed (HTTP error, 60 s without a byte, or a stream "
+        "not whole), left out of the figures.",
         "",
         markdown_table(results["summary"], meta["labels"]),
         "",
+        *governed(results["summary"]),
         f"elapsed: {meta['elapsed_s']:.0f}s; JSON: {meta['output']}",
     ]
     return "\n".join(lines)
