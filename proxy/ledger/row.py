@@ -57,6 +57,9 @@ class LedgerRow(NamedTuple):
     # Schema v2: prompt tokens written to the prompt cache (Anthropic), part of input_tokens.
     # Last and defaulted, so spool lines written before it still load.
     cache_creation_input_tokens: int = 0
+    # Schema v4 (proxy.config.tags): the request's tags, a JSON object with its keys sorted
+    # (`{}`: none). Last and defaulted, as above.
+    tags: str = "{}"
 
     @staticmethod
     def of(rec: RequestRecord, replica: str) -> LedgerRow:
@@ -94,6 +97,7 @@ class LedgerRow(NamedTuple):
             price_version=rec.price_version,
             windows=rec.windows,
             cache_creation_input_tokens=usage.cache_creation_input_tokens,
+            tags=rec.tags.json(),
         )
 
     @property

@@ -105,9 +105,17 @@ _V2_PG = (f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS cache_creation_input_to
 _V2_SQLITE = (f"ALTER TABLE {TABLE} ADD COLUMN cache_creation_input_tokens INTEGER NOT NULL "
               "DEFAULT 0",)
 
+# v4 after the cache columns' v3 merges.
+# Tags (proxy.config.tags): a JSON object with its keys sorted, as text in both dialects
+# (PostgreSQL's reports cast it to jsonb, SQLite's read it with json_extract); rows from before
+# had none.
+_TAGS_PG = (f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS tags text NOT NULL DEFAULT '{{}}'",)
+_TAGS_SQLITE = (f"ALTER TABLE {TABLE} ADD COLUMN tags TEXT NOT NULL DEFAULT '{{}}'",)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, (_PG_V1, *_INDEXES), (_SQLITE_V1, *_INDEXES)),
     Migration(2, _V2_PG, _V2_SQLITE),
+    Migration(3, _TAGS_PG, _TAGS_SQLITE),  # v4 after the cache columns' v3 merges
 )
 
 VERSION = MIGRATIONS[-1].version

@@ -34,7 +34,9 @@ from proxy.telemetry.metrics import CaptureStage, MeteringStage, Metrics, Reques
 log = logging.getLogger("tokenmeter.settle")
 
 
-async def settle(done: Settlement, svc: Services) -> None:
+async def settle(done: Settlement, svc: Services) -> RequestRecord | None:
+    """The request settled; its record (None when settling failed), whose cost and tokens the
+    handler may tell the client (`cost_headers:`)."""
     metrics = svc.metrics
     try:
         runtime = done.runtime or svc.runtime.current
@@ -79,6 +81,8 @@ async def settle(done: Settlement, svc: Services) -> None:
         # Loud, never silent: a request whose usage we could not record is a billing hole.
         metrics.metering_failed(MeteringStage.SETTLE)
         log.exception("failed to settle request %s", done.request_id)
+        return None
+    return record
 
 
 def _price(done: Settlement, runtime: Runtime) -> Price | None:
@@ -117,6 +121,7 @@ def _record(done: Settlement, runtime: Runtime, usage: Usage) -> RequestRecord:
         windows=(" ".join(w.label for w in candidacy.reservation.plan.windows)
                  if candidacy is not None else ""),
         ended_at=time.time(),
+        tags=done.tags,
     )
 
 
