@@ -156,7 +156,8 @@ async def _capture(done: Settlement, record: RequestRecord, runtime: Runtime,
                     path=collected.path, operation=done.operation, user=record.user,
                     key_name=record.key, team=record.team, requested_model=done.request_model,
                     model=record.sent_model, stream=done.stream, status=done.status,
-                    error_class=done.error_class.value)
+                    error_class=done.error_class.value,
+                    tags=tuple((t.key, t.value) for t in record.tags.items))
         writer.offer(await asyncio.to_thread(make_capture, collected, meta,
                                              redactor(cfg.redact)))
     except Exception:

@@ -159,7 +159,8 @@ async def test_json_answer_carries_the_ledger_rows_cost_and_tags(tagged: Stack) 
     assert json.loads(row["tags"]) == {"customer": "acme", "env": "staging", "feature": "faq"}
     assert row["tags"] == '{"customer":"acme","env":"staging","feature":"faq"}'  # canonical
     # The body's metadata went upstream untouched.
-    assert tagged.mock.requests[-1].body["metadata"] == {"feature": "search", "env": "staging"}
+    sent = tagged.mock.requests[-1].body
+    assert sent is not None and sent["metadata"] == {"feature": "search", "env": "staging"}
 
 
 async def test_cost_headers_can_be_turned_off(make_stack: StackFactory, upstream: Any) -> None:
