@@ -309,7 +309,9 @@ async def tell_cost(resp: web.StreamResponse, record: RequestRecord, switch: Cos
             resp.headers.update({f"x-tokenmeter-{name.replace('_', '-')}": value
                                  for name, value in figures})
         return
-    if switch.streams and record.stream and resp.status == 200:
+    # Only after a clean end: a stream that ended in an error event ends with that event,
+    # which is what tells a client its answer is incomplete.
+    if switch.streams and record.stream and record.error_class is ErrorClass.NONE:
         line = " ".join(f"{name}={value}" for name, value in figures)
         # A client that stopped reading at the very end is not waited for longer than one
         # that stopped mid-stream.
