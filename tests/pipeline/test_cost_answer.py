@@ -337,3 +337,19 @@ async def test_closed_list_tags_are_labels_free_ones_never(tagged: Stack) -> Non
             and ("tag", "customer") in key[1]]
     assert free == []
     assert not any("globex" in str(key) for key in metrics)
+
+
+async def test_responses_stream_ends_with_the_comment_the_sdk_skips(tagged: Stack) -> None:
+    """The Responses API's named events: the comment follows `response.completed`, and the
+    Python SDK's typed stream reads every event as the proxy relayed it."""
+    body = {"model": "mock-gpt", "input": "count to three", "stream": True}
+    raw, request_id = await raw_post(tagged, "/v1/responses", body,
+                                     {"Authorization": f"Bearer {BOB_KEY}"})
+    row = await ledger_row(request_id)
+    assert comment(raw)["output_tokens"] == str(row["output_tokens"])
+    relayed_events = [e for e in raw.decode().split("\n\n") if e.startswith("event: ")]
+    stream = await tagged.client(BOB_KEY).responses.create(
+        model="mock-gpt", input="count to three", stream=True)
+    types = [event.type async for event in stream]
+    assert types[-1] == "response.completed"
+    assert len(types) == len(relayed_events)
