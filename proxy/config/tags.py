@@ -172,16 +172,20 @@ class TagRules:
             return Read(NO_TAGS, (TagDrop.HEADER_TOO_LONG,))
         pairs: list[tuple[str, object]] = []
         for part in text.split(",", MAX_TAGS + 1)[: MAX_TAGS + 1]:
-            key, eq, value = part.partition("=")
-            pairs.append((key.strip(), value.strip() if eq else None))
+            if part.strip():  # `a=b,` or `a=b,,c=d`: an empty item is no tag at all
+                key, eq, value = part.partition("=")
+                pairs.append((key.strip(), value.strip() if eq else None))
         return self.apply(pairs)
 
     def metadata(self, body: Mapping[str, object]) -> Read:
-        """An OpenAI body's `metadata` object (string values, as the API takes them)."""
+        """An OpenAI body's `metadata` object (string values, as the API takes them). Only
+        the declared keys are read: the object is the upstream's field, which clients use for
+        their own ends too, so its other keys are not tags and not counted as dropped (and it
+        is looked up by the declared keys, however many keys it holds)."""
         meta = body.get("metadata")
         if not isinstance(meta, dict) or not meta or not self._rules:
             return Read(NO_TAGS, ())
-        return self.apply(meta.items())
+        return self.apply((key, meta[key]) for key in self._rules if key in meta)
 
 
 def check_defaults(rules: Mapping[str, TagRule], where: str,

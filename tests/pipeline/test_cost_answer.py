@@ -161,6 +161,7 @@ async def test_json_answer_carries_the_ledger_rows_cost_and_tags(tagged: Stack) 
     # The body's metadata went upstream untouched.
     sent = tagged.mock.requests[-1].body
     assert sent is not None and sent["metadata"] == {"feature": "search", "env": "staging"}
+    assert "x-tokenmeter-tags" not in tagged.mock.requests[-1].headers  # the proxy's own
 
 
 async def test_cost_headers_can_be_turned_off(make_stack: StackFactory, upstream: Any) -> None:
