@@ -32,8 +32,10 @@ _KEY = re.compile(KEY)
 # A closed list's values: plain words (they become Prometheus label values).
 VALUE = r"^[A-Za-z0-9][A-Za-z0-9_.:@/-]{0,63}$"
 # Free values: any text but control characters (they reach terminals and CSV cells, which
-# `shown_text` guards, and log lines).
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+# `shown_text` guards, and log lines) and lone surrogates (a header's undecodable bytes, as
+# aiohttp passes them: PostgreSQL's jsonb, which the reports cast the column to, refuses their
+# escapes, and one such row would fail every report).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 # The header is refused whole past this many characters, before it is split.
 MAX_HEADER_CHARS = 1024
 # Tags one source (the header, the body's metadata) may bring; the rest are dropped.

@@ -46,6 +46,10 @@ def test_free_values_are_bounded_and_plain() -> None:
     assert read.dropped == (TagDrop.TOO_LONG,)
     assert RULES.metadata({"metadata": {"customer": "a\x1bb"}}).dropped == (TagDrop.MALFORMED,)
     assert RULES.metadata({"metadata": {"customer": 7}}).dropped == (TagDrop.MALFORMED,)
+    # A header's undecodable bytes (aiohttp keeps them as lone surrogates): PostgreSQL's
+    # jsonb refuses their escapes, so they never reach the books.
+    assert RULES.header("customer=a\udcffb").dropped == (TagDrop.MALFORMED,)
+    assert RULES.metadata({"metadata": {"customer": "a\x00"}}).dropped == (TagDrop.MALFORMED,)
     assert RULES.metadata({"metadata": "text"}).tags == NO_TAGS
 
 

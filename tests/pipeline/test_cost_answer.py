@@ -354,3 +354,34 @@ async def test_responses_stream_ends_with_the_comment_the_sdk_skips(tagged: Stac
     types = [event.type async for event in stream]
     assert types[-1] == "response.completed"
     assert len(types) == len(relayed_events)
+
+
+async def test_hostile_tag_headers_never_fail_a_request(tagged: Stack) -> None:
+    """Undecodable bytes, a huge header and junk (control characters aiohttp refuses itself,
+    before any handler): the request is answered and booked, the tags the rules accept kept,
+    the rest counted."""
+    body = json.dumps({"model": "mock-gpt", "messages": MESSAGES}).encode()
+    ids = []
+    for tags in (b"customer=\xff\xfe,feature=faq", b"feature=faq," + b"x" * 5000,
+                 b"=,==,feature,customer="):
+        reader, writer = await asyncio.open_connection(tagged.proxy.host, tagged.proxy.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Authorization: Bearer " + BOB_KEY.encode() + b"\r\n"
+                     b"Content-Type: application/json\r\nConnection: close\r\n"
+                     b"x-tokenmeter-tags: " + tags + b"\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        await writer.drain()
+        async with asyncio.timeout(20):
+            answer = await reader.read()
+        writer.close()
+        head = answer.split(b"\r\n\r\n", 1)[0].decode("latin-1")
+        assert head.startswith("HTTP/1.1 200"), head
+        ids.append(next(line.split(": ", 1)[1] for line in head.split("\r\n")
+                        if line.lower().startswith(REQUEST_ID_HEADER)))
+    rows = [await ledger_row(i) for i in ids]
+    assert [json.loads(r["tags"]) for r in rows] == [{"feature": "faq"}, {}, {}]
+    metrics = await tagged.metrics()
+    # The undecodable value, `feature` without a value and `customer=` with an empty one.
+    assert sample(metrics, "tokenmeter_tags_dropped_total", reason="malformed") == 3
+    assert sample(metrics, "tokenmeter_tags_dropped_total", reason="undeclared") == 2  # `=`
+    assert sample(metrics, "tokenmeter_tags_dropped_total", reason="header_too_long") == 1
