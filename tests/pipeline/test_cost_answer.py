@@ -247,6 +247,7 @@ async def _node(*args: str) -> dict[str, Any]:
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     async with asyncio.timeout(60):
         out, err = await proc.communicate()
+    # tests/node/node_modules comes from `npm ci --prefix tests/node` (.ci/run does it).
     assert proc.returncode == 0, err.decode()[-2000:]
     result: dict[str, Any] = json.loads(out)
     return result
