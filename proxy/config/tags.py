@@ -97,6 +97,8 @@ class Tags:
 
     def json(self) -> str:
         """The ledger's `tags` column: a JSON object, keys sorted, no spaces."""
+        if not self.items:  # most requests: no encoder call on settle's path
+            return "{}"
         return json.dumps({t.key: t.value for t in self.items}, separators=(",", ":"))
 
     def as_dict(self) -> dict[str, str]:
