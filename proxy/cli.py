@@ -301,7 +301,7 @@ def _add_usage_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
                             "(excluded), local time (default: now)")
     books.add_argument("--by", default="user", metavar="KEYS",
                        help="comma-separated groups among user,team,key,model,upstream,day,"
-                            "week,month (default: user)")
+                            "week,month and tag:KEY (a tag's value) (default: user)")
     books.add_argument("--format", choices=["table", "csv", "json"],
                        help="output format (default: table)")
     books.add_argument("--timezone", metavar="ZONE",

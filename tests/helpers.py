@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from contextlib import asynccontextmanager
@@ -175,6 +176,19 @@ def sample(metrics: Samples, name: str, **labels: str) -> float:
         if n == name and all((k, v) in lab for k, v in labels.items()):
             total += value
     return total
+
+
+# --- streams -----------------------------------------------------------------------------------
+
+_COST_COMMENT = re.compile(rb": tokenmeter [^\n]*\n\n\Z")
+
+
+def relayed(stream: bytes) -> bytes:
+    """A stream the proxy relayed whole, less the SSE comment line it ends with (the request's
+    cost: README "Cost in the answer"), which must be there: the upstream's bytes."""
+    found = _COST_COMMENT.search(stream)
+    assert found is not None, f"no closing cost comment: {stream[-200:]!r}"
+    return stream[:found.start()]
 
 
 # --- reads and polls that end -------------------------------------------------------------------

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from proxy.budget.clamp import WORST_CASE, AdmissionRule
 from proxy.budget.limits import EffectiveLimits
+from proxy.config.tags import NO_TAGS, Tags
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,3 +25,4 @@ class Principal:
     # How a request whose worst case does not fit is treated: key > user > team > defaults.
     admission: AdmissionRule = WORST_CASE
     capture: bool = True  # False: the user or the key is marked never-capture
+    tags: Tags = NO_TAGS  # default tags (user's, key's over them); the request's win per key

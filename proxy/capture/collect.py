@@ -89,6 +89,7 @@ class Meta:
     stream: bool
     status: int
     error_class: str
+    tags: tuple[tuple[str, str], ...] = ()  # the request's tags, as in its ledger row
 
 
 
@@ -141,7 +142,7 @@ def record(collected: Collector, meta: Meta, redact: Callable[[str], str]) -> Ca
         request_id=meta.request_id, started_at=meta.started_at, api=meta.api, path=meta.path,
         operation=meta.operation, user=meta.user, key_name=meta.key_name, team=meta.team,
         requested_model=meta.requested_model, model=meta.model, stream=meta.stream,
-        status=meta.status, error_class=meta.error_class,
+        status=meta.status, error_class=meta.error_class, tags=dict(meta.tags),
         request=_body(collected.request, limit, redact) or Body("", 0),
         upstream_request=_body(collected.upstream, limit, redact),
         response=response,

@@ -70,6 +70,9 @@ class Capture:
     tool_calls: tuple[dict[str, Any], ...] = ()
     reasoning: str | None = None
     upstream_error: Body | None = None  # the upstream's error body, when it sent one
+    # The request's tags (proxy.config.tags), as in its ledger row; a capture written before
+    # tags existed reads as none.
+    tags: dict[str, str] = field(default_factory=dict)
     version: int = field(default=FORMAT_VERSION)
     # The stream not yet cut into `events` (as written; None once read: see `Chunks`).
     chunks: Chunks | None = None

@@ -27,6 +27,7 @@ from proxy.config.cache import CacheConfig
 from proxy.config.capture import CaptureConfig
 from proxy.config.ledger import LedgerConfig
 from proxy.config.policy import ConfigModel, Policy
+from proxy.config.tags import MAX_TAGS, TagRule, check_defaults, valid_key
 
 
 class ConfigError(Exception):
@@ -190,6 +191,16 @@ class MetricsConfig(_Model):
         return v or None
 
 
+class CostHeaders(_Model):
+    """`cost_headers:`: what a request cost, told in its answer (README "Cost in the answer").
+    `json_answers`: headers on a JSON answer (`x-tokenmeter-cost-usd` and the tokens charged);
+    `streams`: an SSE comment line ending a stream, which SSE parsers skip (the openai and
+    anthropic SDKs, Python and Node, are tested to read the stream unchanged with it)."""
+
+    json_answers: bool = True
+    streams: bool = True
+
+
 class Config(Policy):
     server: ServerConfig = Field(default_factory=ServerConfig)
     upstreams: dict[str, UpstreamConfig] = Field(min_length=1)
@@ -198,6 +209,25 @@ class Config(Policy):
     ledger: LedgerConfig = Field(default_factory=LedgerConfig)
     capture: CaptureConfig = Field(default_factory=CaptureConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
+    # The tag keys requests may carry, each a closed list or free text (proxy.config.tags).
+    tags: dict[str, TagRule] = Field(default_factory=dict)
+    cost_headers: CostHeaders = Field(default_factory=CostHeaders)
+
+    @model_validator(mode="after")
+    def _tag_rules(self) -> Config:
+        for key in self.tags:
+            if not valid_key(key):
+                raise ValueError(f"tags: key {key!r} must be a lower-case word "
+                                 "([a-z][a-z0-9_]*, at most 32 characters)")
+        for user, cfg in self.users.items():
+            levels = [(f"users.{user}", cfg.tags)]
+            levels += [(f"users.{user}.keys[{i}]", k.tags) for i, k in enumerate(cfg.keys)
+                       if not isinstance(k, str) and k.tags]
+            for where, tags in levels:
+                if len(tags) > MAX_TAGS:
+                    raise ValueError(f"{where}.tags: at most {MAX_TAGS} tags")
+                check_defaults(self.tags, where, tags)
+        return self
 
     @model_validator(mode="after")
     def _routes(self) -> Config:

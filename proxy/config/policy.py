@@ -168,6 +168,9 @@ class KeyConfig(Limits):
     name: str | None = Field(default=None, pattern=NAME)
     admission: Admission | None = None
     capture: bool = True  # False: never captured, whatever `capture:` says
+    # Default tags of the key's requests, over its user's, under the request's own (per key);
+    # checked against `tags:` at load.
+    tags: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("key")
     @classmethod
@@ -191,6 +194,8 @@ class UserConfig(Limits):
     keys: list[_KeyEntry] = Field(default_factory=list)
     admission: Admission | None = None
     capture: bool = True  # False: none of the user's requests is ever captured
+    # Default tags of the user's requests (a key's and the request's own win per key).
+    tags: dict[str, str] = Field(default_factory=dict)
     # The team the user's usage is also counted for (and limited by `teams.<team>`, if set).
     # A team need not be listed in `teams`: it is then counted, unlimited, for the books.
     # Its counters and the user's share one Redis Cluster slot, so moving a user into, out of

@@ -42,6 +42,7 @@ from decimal import Decimal
 from typing import Any
 from zoneinfo import ZoneInfo
 
+from proxy.config.tags import valid_key
 from proxy.errors import ErrorClass
 from proxy.ledger.query import Dialect, LedgerReader, Sql, as_int
 from proxy.ledger.schema import TABLE
@@ -68,6 +69,27 @@ class GroupKey(enum.StrEnum):
 
 
 _TIME_KEYS = frozenset({GroupKey.DAY, GroupKey.WEEK, GroupKey.MONTH})
+
+
+@dataclass(frozen=True, slots=True)
+class TagGroup:
+    """`--by tag:feature`: the rows by one tag's value; rows without the tag in one group
+    whose key is None (`-` in the table, an empty CSV cell, JSON null)."""
+
+    key: str  # a tag key (proxy.config.tags.KEY): safe to write into the SQL as it is
+
+    is_time = False
+
+    def __str__(self) -> str:
+        return f"tag:{self.key}"
+
+    def column(self, dialect: Dialect) -> str:
+        if dialect is Dialect.SQLITE:
+            return f"json_extract(tags, '$.{self.key}')"
+        return f"(tags::jsonb ->> '{self.key}')"
+
+
+Group = GroupKey | TagGroup
 
 _COLUMN = {
     GroupKey.USER: "user_name",
@@ -111,18 +133,25 @@ _AGGREGATES = (
 )
 
 
-def parse_by(text: str) -> tuple[GroupKey, ...]:
-    """`user,model,day` -> the group keys, in that order; ValueError names what is wrong."""
+def parse_by(text: str) -> tuple[Group, ...]:
+    """`user,model,day,tag:feature` -> the group keys, in that order; ValueError names what
+    is wrong."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise ValueError("--by needs at least one of " + ",".join(GroupKey))
-    keys = []
+    keys: list[Group] = []
     for name in names:
+        if name.startswith("tag:"):
+            if not valid_key(name[4:]):
+                raise ValueError(f"--by: {name!r}: a tag key is a lower-case word "
+                                 "([a-z][a-z0-9_]*)")
+            keys.append(TagGroup(name[4:]))
+            continue
         try:
             keys.append(GroupKey(name))
         except ValueError:
             raise ValueError(
-                f"--by: unknown group {name!r} (choose from {','.join(GroupKey)})"
+                f"--by: unknown group {name!r} (choose from {','.join(GroupKey)},tag:KEY)"
             ) from None
     if len(set(keys)) != len(keys):
         raise ValueError("--by names a group twice")
@@ -223,7 +252,7 @@ Keys = tuple[str | None, ...]
 
 @dataclass(frozen=True, slots=True)
 class Report:
-    by: tuple[GroupKey, ...]
+    by: tuple[Group, ...]
     period: Period
     rows: tuple[tuple[Keys, Totals], ...]  # sorted by the group keys
 
@@ -249,12 +278,13 @@ def labels(moment: float, tz: ZoneInfo, keys: Iterable[GroupKey]) -> tuple[str, 
     return tuple(out)
 
 
-async def build_report(reader: LedgerReader, by: Sequence[GroupKey], period: Period) -> Report:
+async def build_report(reader: LedgerReader, by: Sequence[Group], period: Period) -> Report:
     plain = [k for k in by if not k.is_time]
-    timed = [k for k in by if k.is_time]
+    timed = [k for k in by if isinstance(k, GroupKey) and k.is_time]
     q = reader.sql()
     where = _where(q, period)
-    select = [_COLUMN[k] for k in plain]
+    select = [_COLUMN[k] if isinstance(k, GroupKey) else k.column(reader.dialect)
+              for k in plain]
     if timed and reader.dialect is Dialect.POSTGRESQL:
         tz = q.p(period.tz.key)
         select += [_PG_BUCKET[k].format(tz=tz) for k in timed]
@@ -369,7 +399,7 @@ def render_csv(report: Report) -> str:
     out = io.StringIO()
     w = csv.writer(out, lineterminator="\n")
     cache, hits = _with_cache(report), _with_hits(report)
-    w.writerow([*report.by, *_columns(report, COLUMNS, CACHE_COLUMNS, HIT_COLUMNS)])
+    w.writerow([*map(str, report.by), *_columns(report, COLUMNS, CACHE_COLUMNS, HIT_COLUMNS)])
     for keys, t in report.rows:
         w.writerow([*("" if k is None else csv_cell(k) for k in keys),
                     *_values(t, cache, hits)])
@@ -396,8 +426,8 @@ def render_json(report: Report) -> str:
         "timezone": p.tz.key,
         "from": None if p.start is None else p.start.isoformat(),
         "to": None if p.end is None else p.end.isoformat(),
-        "by": list(report.by),
-        "rows": [{**dict(zip(report.by, keys, strict=True)), **_json_totals(t, report)}
+        "by": list(map(str, report.by)),
+        "rows": [{**dict(zip(map(str, report.by), keys, strict=True)), **_json_totals(t, report)}
                  for keys, t in report.rows],
         "totals": _json_totals(report.totals, report),
     }
@@ -410,7 +440,7 @@ def render_table(report: Report, caption: str | None = None) -> str:
     def cells(t: Totals) -> list[str]:
         return [v if isinstance(v, str) else f"{v:,}" for v in _values(t, cache, hits)]
 
-    header = [*report.by, *_columns(report, _HEADINGS, _CACHE_HEADINGS, _HIT_HEADINGS)]
+    header = [*map(str, report.by), *_columns(report, _HEADINGS, _CACHE_HEADINGS, _HIT_HEADINGS)]
     # Group keys are the clients' text (a model name): shown escaped, never acted on.
     body = [[*("-" if k is None else for_terminal(k) for k in keys), *cells(t)]
             for keys, t in report.rows]

@@ -68,6 +68,9 @@ class LedgerRow(NamedTuple):
     saved_reasoning_tokens: int = 0
     saved_cache_creation_input_tokens: int = 0
     saved_cost_nanousd: int | None = None
+    # Schema v4 (proxy.config.tags): the request's tags, a JSON object with its keys sorted
+    # (`{}`: none). Last and defaulted, as above.
+    tags: str = "{}"
 
     @staticmethod
     def of(rec: RequestRecord, replica: str) -> LedgerRow:
@@ -112,6 +115,7 @@ class LedgerRow(NamedTuple):
             saved_reasoning_tokens=saved.reasoning_tokens,
             saved_cache_creation_input_tokens=saved.cache_creation_input_tokens,
             saved_cost_nanousd=None if rec.saved_cost is None else rec.saved_cost.nanousd,
+            tags=rec.tags.json(),
         )
 
     @property

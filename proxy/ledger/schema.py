@@ -123,11 +123,17 @@ _V3_SQLITE = (
     *(f"ALTER TABLE {TABLE} ADD COLUMN {c} INTEGER NOT NULL DEFAULT 0" for c in _V3_SAVED),
     f"ALTER TABLE {TABLE} ADD COLUMN saved_cost_nanousd INTEGER",
 )
+# v4: tags (proxy.config.tags): a JSON object with its keys sorted, as text in both dialects
+# (PostgreSQL's reports cast it to jsonb, SQLite's read it with json_extract); rows from before
+# had none.
+_TAGS_PG = (f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS tags text NOT NULL DEFAULT '{{}}'",)
+_TAGS_SQLITE = (f"ALTER TABLE {TABLE} ADD COLUMN tags TEXT NOT NULL DEFAULT '{{}}'",)
 
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, (_PG_V1, *_INDEXES), (_SQLITE_V1, *_INDEXES)),
     Migration(2, _V2_PG, _V2_SQLITE),
     Migration(3, _V3_PG, _V3_SQLITE),
+    Migration(4, _TAGS_PG, _TAGS_SQLITE),
 )
 
 VERSION = MIGRATIONS[-1].version

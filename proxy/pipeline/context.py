@@ -27,6 +27,7 @@ from proxy.budget.accounting import Reservation
 from proxy.budget.principal import Principal
 from proxy.cache.outcome import NOT_CONSULTED, CacheOutcome
 from proxy.capture.collect import Collector
+from proxy.config.tags import NO_TAGS, Tags
 from proxy.errors import ErrorClass
 from proxy.pipeline import counting
 from proxy.pipeline.services import Runtime
@@ -112,6 +113,7 @@ class Settlement:
     attempts: int
     collected: Collector | None = None  # its bytes, when capture is enabled
     cache: CacheOutcome = NOT_CONSULTED  # what the response cache did
+    tags: Tags = NO_TAGS  # the request's tags, its principal's defaults under them
 
     @property
     def model(self) -> str:
@@ -143,7 +145,7 @@ class Outcome:
 
     __slots__ = ("_answered", "_attempts", "_candidacy", "_context", "_error_class",
                  "_fallback_from", "_in_flight", "_model", "_principal", "_status", "_stream",
-                 "collector", "meter", "operation", "request_id", "runtime")
+                 "_tags", "collector", "meter", "operation", "request_id", "runtime")
 
     def __init__(self, request_id: str, operation: str, meter: RequestMeter) -> None:
         self.request_id = request_id
@@ -164,6 +166,7 @@ class Outcome:
         self._in_flight = False
         self._fallback_from: str | None = None
         self._attempts = 1
+        self._tags = NO_TAGS
 
     # --- admission: known before the context is complete, needed if admission fails -----
     def configured(self, runtime: Runtime) -> None:
@@ -174,6 +177,9 @@ class Outcome:
 
     def authenticated(self, principal: Principal) -> None:
         self._principal = principal
+
+    def tagged(self, tags: Tags) -> None:
+        self._tags = tags
 
     def admitted(self, context: RequestContext) -> None:
         self._context = context
@@ -261,4 +267,5 @@ class Outcome:
             fallback_from=self._fallback_from,
             attempts=self._attempts,
             collected=self.collector,
+            tags=self._tags,
         )

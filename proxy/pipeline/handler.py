@@ -31,9 +31,12 @@ from proxy.budget import refusals
 from proxy.budget.accounting import Reservation
 from proxy.budget.admission import Ask
 from proxy.budget.estimate import hides_output
+from proxy.budget.principal import Principal
 from proxy.budget.refusals import Refused
 from proxy.budget.store import ScopeKind
 from proxy.capture.collect import Collector
+from proxy.config.tags import HEADER as TAGS_HEADER
+from proxy.config.tags import Tags
 from proxy.errors import (
     AuthenticationFailed,
     ErrorClass,
@@ -48,8 +51,8 @@ from proxy.errors import (
 from proxy.ids import new_id
 from proxy.pipeline import counting
 from proxy.pipeline.context import Attempt, Candidacy, Outcome, RequestContext
-from proxy.pipeline.relay import REQUEST_ID_HEADER, client_gone, relay
-from proxy.pipeline.services import BODY_TIMED_OUT, SERVICES, Services
+from proxy.pipeline.relay import REQUEST_ID_HEADER, client_gone, relay, tell_cost
+from proxy.pipeline.services import BODY_TIMED_OUT, SERVICES, Runtime, Services
 from proxy.pipeline.settle import settle
 from proxy.protocol import upstream_errors
 from proxy.protocol.translators import ParsedRequest, Translator, parse_body
@@ -57,6 +60,7 @@ from proxy.routing import attempts
 from proxy.routing.exceptions_map import Phase, map_upstream_exceptions
 from proxy.routing.upstream import Upstream, upstream_request_headers
 from proxy.telemetry.meter import RequestMeter
+from proxy.telemetry.metrics import Metrics
 
 log = logging.getLogger("tokenmeter.relay")
 
@@ -94,10 +98,12 @@ async def handle(request: web.Request, svc: Services, shape: type[Translator]
                  ) -> web.StreamResponse:
     outcome = Outcome(new_id(), shape.operation, RequestMeter())
     request[REQUEST_ID] = outcome.request_id
+    relayed: web.StreamResponse | None = None  # the upstream's answer, as the client gets it
     try:
         ctx = await admit(request, svc, shape, outcome)
         attempt = await forward(request, ctx, svc, shape, outcome)
-        return await relay(request, attempt, svc, outcome)
+        relayed = await relay(request, attempt, svc, outcome)
+        return relayed
     except ProxyError as exc:
         outcome.fail(exc.error_class, exc.status)
         response = exc.to_response(shape.error_shape)
@@ -130,12 +136,24 @@ async def handle(request: web.Request, svc: Services, shape: type[Translator]
         outcome.fail(ErrorClass.INTERNAL)
         raise
     finally:
-        task = asyncio.ensure_future(settle(outcome.finish(), svc))
-        svc.settling.tasks.add(task)
-        task.add_done_callback(svc.settling.finished)
-        # If we are cancelled while waiting, the settle task runs on; shutdown waits for it.
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.shield(task)
+        await _settle(request, svc, outcome, relayed)
+
+
+async def _settle(request: web.Request, svc: Services, outcome: Outcome,
+                  relayed: web.StreamResponse | None) -> None:
+    """Settle the request, then tell the client what it cost: the answer's headers are not
+    out yet (a JSON answer) or its stream's end is not (aiohttp ends it after the handler
+    returns), so the figures are the ledger row's own."""
+    task = asyncio.ensure_future(settle(outcome.finish(), svc))
+    svc.settling.tasks.add(task)
+    task.add_done_callback(svc.settling.finished)
+    # If we are cancelled while waiting, the settle task runs on; shutdown waits for it.
+    with contextlib.suppress(asyncio.CancelledError):
+        record = await asyncio.shield(task)
+        if relayed is not None and record is not None and not client_gone(request):
+            config = (outcome.runtime or svc.runtime.current).config
+            await tell_cost(relayed, record, config.cost_headers,
+                            config.server.client_write_timeout_s)
 
 
 async def admit(request: web.Request, svc: Services, shape: type[Translator],
@@ -156,6 +174,8 @@ async def admit(request: web.Request, svc: Services, shape: type[Translator],
         outcome.collector.sent(raw)
     parsed = await _parse(request, raw)
     outcome.read(parsed)
+    outcome.tagged(_tags(request, runtime, svc.metrics, principal,
+                         parsed.body if shape.upstream_api == "openai" else None))
     if parsed.stream and not shape.streams:
         raise InvalidRequest(f"{shape.path} does not support streaming", param="stream")
     route = runtime.router.resolve(parsed.model)
@@ -173,6 +193,23 @@ async def admit(request: web.Request, svc: Services, shape: type[Translator],
     ctx = RequestContext(outcome.request_id, shape.operation, runtime, principal, parsed, route)
     outcome.admitted(ctx)
     return ctx
+
+
+def _tags(request: web.Request, runtime: Runtime, metrics: Metrics, principal: Principal,
+          body: dict[str, object] | None) -> Tags:
+    """The request's tags: the header's over an OpenAI body's `metadata` (which goes upstream
+    untouched) over the principal's defaults, key by key. What the rules drop is counted,
+    never refused."""
+    rules = runtime.tags
+    if not rules.enabled:
+        return principal.tags
+    header = rules.header(request.headers.get(TAGS_HEADER))
+    meta = rules.metadata(body) if body is not None else None
+    tags = principal.tags if meta is None else meta.tags.over(principal.tags)
+    for read in (header, meta):
+        if read is not None and read.dropped:
+            metrics.tags_dropped(read.dropped)
+    return header.tags.over(tags)
 
 
 async def _read(request: web.Request, max_body_mb: float) -> bytes:

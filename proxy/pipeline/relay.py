@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterable, Awaitable, Callable
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Protocol
 
 from aiohttp import web
@@ -21,6 +22,7 @@ from multidict import CIMultiDict
 
 from proxy.budget.refusals import QuotaEnded
 from proxy.capture.collect import Collector
+from proxy.config.load import CostHeaders
 from proxy.errors import (
     ErrorClass,
     ProxyError,
@@ -37,7 +39,7 @@ from proxy.protocol.tap import StreamTap
 from proxy.protocol.translators import Translator
 from proxy.routing.exceptions_map import Phase, map_upstream_exceptions
 from proxy.routing.upstream import client_response_headers
-from proxy.telemetry.metrics import MeteringStage
+from proxy.telemetry.metrics import MeteringStage, RequestRecord
 
 REQUEST_ID_HEADER = "x-tokenmeter-request-id"
 
@@ -295,6 +297,44 @@ def _client_headers(attempt: Attempt, request_id: str) -> CIMultiDict[str]:
     # The ledger row's id: a client (or its support ticket) can find its request in the books.
     headers[REQUEST_ID_HEADER] = request_id
     return headers
+
+
+async def tell_cost(resp: web.StreamResponse, record: RequestRecord, switch: CostHeaders,
+                    write_timeout: float | None) -> None:
+    """What the request cost and the tokens it was charged, from its record (the ledger
+    row's figures): as headers of a JSON answer not yet sent, or as an SSE comment line after
+    a stream's last event (SSE parsers skip comments), before aiohttp ends the stream."""
+    figures = cost_figures(record)
+    if not resp.prepared:
+        if switch.json_answers:
+            resp.headers.update({f"x-tokenmeter-{name.replace('_', '-')}": value
+                                 for name, value in figures})
+        return
+    # Only after a clean end: a stream that ended in an error event ends with that event,
+    # which is what tells a client its answer is incomplete.
+    if switch.streams and record.stream and record.error_class is ErrorClass.NONE:
+        line = " ".join(f"{name}={value}" for name, value in figures)
+        # A client that stopped reading at the very end is not waited for longer than one
+        # that stopped mid-stream.
+        with contextlib.suppress(ConnectionError, TimeoutError):
+            async with asyncio.timeout(write_timeout):
+                await resp.write(f": tokenmeter {line}\n\n".encode())
+
+
+def cost_figures(record: RequestRecord) -> tuple[tuple[str, str], ...]:
+    """(name, value): `cost_usd` (exact, nine decimals; absent when the model has no price),
+    then the tokens charged, the cache's only when there are some."""
+    usage = record.usage
+    out: list[tuple[str, str]] = []
+    if record.cost is not None:
+        out.append(("cost_usd", f"{Decimal(record.cost.nanousd).scaleb(-9):f}"))
+    out += [("input_tokens", str(usage.input_tokens)),
+            ("output_tokens", str(usage.output_tokens))]
+    if usage.cached_input_tokens:
+        out.append(("cached_input_tokens", str(usage.cached_input_tokens)))
+    if usage.cache_creation_input_tokens:
+        out.append(("cache_creation_input_tokens", str(usage.cache_creation_input_tokens)))
+    return tuple(out)
 
 
 def _abort(request: web.Request) -> None:

@@ -19,6 +19,7 @@ from proxy.budget.accounting import Budget
 from proxy.capture.writer import CaptureWriter
 from proxy.config.load import Config
 from proxy.config.policy import Price
+from proxy.config.tags import TagRules
 from proxy.cost import price_for
 from proxy.ledger.ledger import Ledger
 from proxy.pipeline.watchdog import Watchdog
@@ -37,6 +38,7 @@ class Runtime:
     router: Router
     users: UserIndex
     price_version: str  # of this configuration's price table, recorded in each ledger row
+    tags: TagRules  # the `tags:` rules, applied to each request's tags
 
     @property
     def open_mode(self) -> bool:
@@ -60,9 +62,10 @@ class Settling:
     __slots__ = ("tasks",)
 
     def __init__(self) -> None:
-        self.tasks: set[asyncio.Task[None]] = set()
+        # A settle task's result is the request's record (its cost told in the answer).
+        self.tasks: set[asyncio.Task[object]] = set()
 
-    def finished(self, task: asyncio.Task[None]) -> None:
+    def finished(self, task: asyncio.Task[object]) -> None:
         self.tasks.discard(task)
 
 

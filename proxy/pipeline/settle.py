@@ -36,7 +36,9 @@ from proxy.telemetry.metrics import CaptureStage, MeteringStage, Metrics, Reques
 log = logging.getLogger("tokenmeter.settle")
 
 
-async def settle(done: Settlement, svc: Services) -> None:
+async def settle(done: Settlement, svc: Services) -> RequestRecord | None:
+    """The request settled; its record (None when settling failed), whose cost and tokens the
+    handler may tell the client (`cost_headers:`)."""
     metrics = svc.metrics
     try:
         runtime = done.runtime or svc.runtime.current
@@ -84,6 +86,8 @@ async def settle(done: Settlement, svc: Services) -> None:
         # Loud, never silent: a request whose usage we could not record is a billing hole.
         metrics.metering_failed(MeteringStage.SETTLE)
         log.exception("failed to settle request %s", done.request_id)
+        return None
+    return record
 
 
 def _price(done: Settlement, runtime: Runtime) -> Price | None:
@@ -165,6 +169,7 @@ def _record(done: Settlement, runtime: Runtime, usage: Usage,
         cache=done.cache.result.value,
         saved_usage=ZERO if saved is None else saved,
         saved_cost=None if price is None or saved is None else CostLines.of(price, saved),
+        tags=done.tags,
     )
 
 
@@ -199,7 +204,8 @@ def _capture(done: Settlement, record: RequestRecord, runtime: Runtime,
                     path=collected.path, operation=done.operation, user=record.user,
                     key_name=record.key, team=record.team, requested_model=done.request_model,
                     model=record.sent_model, stream=done.stream, status=done.status,
-                    error_class=done.error_class.value)
+                    error_class=done.error_class.value,
+                    tags=tuple((t.key, t.value) for t in record.tags.items))
         writer.offer(Pending(collected, meta, redactor(cfg.redact)))
     except Exception:
         svc.metrics.capture_failed(CaptureStage.RECORD)

@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 from multidict import CIMultiDict
 
 from proxy.config.load import Config, LatencyFallback, RetryConfig, UpstreamApi, UpstreamConfig
+from proxy.config.tags import HEADER as TAGS_HEADER
 from proxy.errors import UpstreamRedirect
 
 # RFC 9110 7.6.1 hop-by-hop fields, plus what the proxy itself must own: the client's credentials
@@ -22,8 +23,9 @@ _HOP_BY_HOP = frozenset(
         "trailer", "trailers", "transfer-encoding", "upgrade", "proxy-connection",
     }
 )
+# The proxy's own tags header is the proxy's (a free tag may name a customer): not forwarded.
 _REQUEST_DROP = _HOP_BY_HOP | {"host", "authorization", "api-key", "x-api-key",
-                               "content-length", "accept-encoding"}
+                               "content-length", "accept-encoding", TAGS_HEADER}
 _RESPONSE_DROP = _HOP_BY_HOP | {"content-length"}
 
 

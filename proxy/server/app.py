@@ -28,6 +28,7 @@ from proxy.budget.store_factory import make_store
 from proxy.capture.store import CaptureStore, default_url
 from proxy.capture.writer import CaptureWriter
 from proxy.config.load import Config, ConfigError
+from proxy.config.tags import TagRules
 from proxy.cost import price_version
 from proxy.errors import (
     AuthenticationFailed,
@@ -72,8 +73,9 @@ _OPEN_WARNING = (
 
 
 def build_runtime(config: Config) -> Runtime:
-    return Runtime(config=config, router=Router(config), users=UserIndex(config),
-                      price_version=price_version(config.prices))
+    tags = TagRules(config.tags)
+    return Runtime(config=config, router=Router(config), users=UserIndex(config, tags),
+                   price_version=price_version(config.prices), tags=tags)
 
 
 @web.middleware

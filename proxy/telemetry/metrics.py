@@ -32,6 +32,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from proxy.config.policy import AdmissionPolicy
+from proxy.config.tags import NO_TAGS, TagDrop, Tags
 from proxy.cost import NANOS_PER_USD, CostLines
 from proxy.errors import ErrorClass
 from proxy.protocol.usage import ZERO, Usage
@@ -140,6 +141,7 @@ class RequestRecord:
     cache: str = CACHE_NOT_CONSULTED
     saved_usage: Usage = ZERO
     saved_cost: CostLines | None = None
+    tags: Tags = NO_TAGS  # what the request was for (proxy.config.tags)
 
     @property
     def started_at(self) -> float:
@@ -524,6 +526,23 @@ class Metrics:
             "tokenmeter_cost_usd", "Estimated cost from the configured price table.",
             ("model", "user", "type"), registry=r,
         )
+        # Tags: only keys with a closed list of values are labels (bounded series); free ones
+        # reach the books alone. A family of their own, so no other metric multiplies by them.
+        self._tag_tokens = _Counter(
+            "tokenmeter_tag_tokens",
+            "Tokens by tag (closed-list tag keys only) and type (input, output, cached_input, "
+            "cache_creation_input).",
+            ("tag", "value", "type"), registry=r,
+        )
+        self._tag_cost = _Counter(
+            "tokenmeter_tag_cost_usd",
+            "Estimated cost by tag (closed-list tag keys only), from the price table.",
+            ("tag", "value"), registry=r,
+        )
+        self._tags_dropped = _Counter(
+            "tokenmeter_tags_dropped", "Client tags dropped by the `tags:` rules, by reason.",
+            ("reason",), registry=r,
+        )
         self._ledger_rows = _Counter(
             "tokenmeter_ledger_rows_written", "Ledger rows stored in the database.", ("sink",),
             registry=r,
@@ -631,6 +650,12 @@ class Metrics:
         self._observe(rec)
         if rec.cost is not None:
             self._observe_cost(rec, rec.cost)
+        if rec.tags.items:
+            self._observe_tags(rec)
+
+    def tags_dropped(self, reasons: Sequence[TagDrop]) -> None:
+        for reason in reasons:
+            self._tags_dropped.labels(reason.value).inc()
 
     @contextlib.contextmanager
     def relaying(self, upstream: str) -> Iterator[None]:
@@ -858,6 +883,18 @@ class Metrics:
         labels = (rec.model_label, rec.user)
         for kind, usd in cost.usd():
             self._cost.labels(*labels, kind).inc(usd)
+
+    def _observe_tags(self, rec: RequestRecord) -> None:
+        u = rec.usage
+        usd = None if rec.cost is None else rec.cost.nanousd / NANOS_PER_USD
+        for tag in rec.tags.closed:
+            for kind, value in (("input", u.input_tokens), ("output", u.output_tokens),
+                                ("cached_input", u.cached_input_tokens),
+                                ("cache_creation_input", u.cache_creation_input_tokens)):
+                if value:
+                    self._tag_tokens.labels(tag.key, tag.value, kind).inc(value)
+            if usd:
+                self._tag_cost.labels(tag.key, tag.value).inc(usd)
 
     def _observe_gaps(self, rec: RequestRecord, counts: list[int]) -> None:
         f = rec.figures

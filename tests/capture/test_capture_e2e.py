@@ -253,3 +253,29 @@ async def test_a_reload_turns_capture_on_without_a_restart(
                 deadline=10)
     captured = await _stored(url, await ask())
     assert captured.status == 200
+
+
+@pytest.mark.timeout(60)
+async def test_a_capture_carries_the_requests_tags(
+    aiohttp_server: ServerFactory, upstream: TestServer, tmp_path: Path
+) -> None:
+    url = f"sqlite://{tmp_path / 'captures.sqlite3'}"
+    config = make_config(
+        str(upstream.make_url("/v1")),
+        users={"alice": {"keys": [ALICE], "tags": {"env": "prod"}}},
+        extra={"capture": {"enabled": True, "url": url, "sample": 1.0},
+               "tags": {"env": {"values": ["prod"]}, "feature": {"free": True}}},
+    )
+    proxy = await aiohttp_server(create_app(config))
+    client = openai.AsyncOpenAI(base_url=str(proxy.make_url("/v1")), api_key=ALICE,
+                                max_retries=0)
+    raw = await client.chat.completions.with_raw_response.create(
+        model="mock-gpt", messages=[{"role": "user", "content": "ok"}], max_tokens=5,
+        extra_headers={"x-tokenmeter-tags": "feature=faq"})
+    await client.close()
+    captured = await _stored(url, raw.headers["x-tokenmeter-request-id"])
+    assert captured.tags == {"env": "prod", "feature": "faq"}
+    assert Capture.from_json(captured.to_json()).tags == captured.tags
+    older = captured.to_json()
+    del older["tags"]  # a capture written before tags existed
+    assert Capture.from_json(older).tags == {}

@@ -48,7 +48,7 @@ from proxy.testing.mock_upstream import (
     create_mock_app,
     generated_text,
 )
-from tests.helpers import ServerFactory, config_for, sample, scrape, settled, until
+from tests.helpers import ServerFactory, config_for, relayed, sample, scrape, settled, until
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Count slowly for me."}]
 
@@ -305,7 +305,7 @@ async def test_client_that_pauses_reading_gets_its_whole_stream(
         # waiting on the client, and has not taken that for the upstream's silence.
         assert sample(await scrape(proxy), "tokenmeter_active_requests", upstream="mock") == 1
         raw = await r.read()
-    events = _sse_events(raw)
+    events = _sse_events(relayed(raw))
     assert events[-1] == b"data: [DONE]"
     assert not any(e.startswith(b'data: {"error"') for e in events)
     content = [json.loads(e[6:]) for e in events[:-1]]

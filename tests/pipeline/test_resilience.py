@@ -29,7 +29,7 @@ from proxy.testing.mock_upstream import (
     create_mock_app,
     generated_text,
 )
-from tests.helpers import ServerFactory, config_for, sample, scrape, settled, until
+from tests.helpers import ServerFactory, config_for, relayed, sample, scrape, settled, until
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 FAST_RETRY = {"initial_backoff_ms": 1, "max_backoff_ms": 5}
@@ -435,6 +435,7 @@ async def test_garbage_and_random_chunking_pass_through_and_meter_exactly(
                           headers=headers) as r:
             via_proxy = await r.read()
     # Byte for byte the same bar the per-response ids and timestamps: same length, same junk.
+    via_proxy = relayed(via_proxy)
     assert len(via_proxy) == len(direct) and b"\x00\xff\xfenot an event" in via_proxy
     await settled(proxy.app, 1)
     m = await scrape(proxy)

@@ -43,6 +43,7 @@ from tests.helpers import (
     Samples,
     ask_usage,
     budget_yaml,
+    relayed,
     sample,
     until,
 )
@@ -484,7 +485,7 @@ async def test_sighup_reaches_every_worker_and_sigterm_drains_them(
                 _refuses(p) for p in (workers.port, metrics_port))), deadline=10)
             for resp, first in streams:  # each running stream finishes whole (2 s at 30 tok/s)
                 body = first + await resp.content.read()
-                assert body.rstrip().endswith(b"data: [DONE]")
+                assert relayed(body).rstrip().endswith(b"data: [DONE]")
                 assert body.count(b'"content":" ') == 60
         assert await asyncio.to_thread(workers.proc.wait, 30) == 0
         assert not metrics_dir.exists()  # the supervisor's private directory is gone

@@ -90,6 +90,7 @@ def ledger_row(
     requested: str | None = None, *, status: int = 200, error: ErrorClass = ErrorClass.NONE,
     tokens: tuple[int, int, int, int] = (0, 0, 0, 0), ttft_ms: float | None = None,
     tokens_per_s: float | None = None, cache_write: int | None = None,
+    tags: dict[str, str] | None = None,
 ) -> LedgerRow:
     """`tokens`: input, cached input, output, reasoning. The cost from the price table, as
     settle computes it (None for a model without a price). `cache_write`: an Anthropic
@@ -113,17 +114,20 @@ def ledger_row(
         overhead_ms=None if ttft_ms is None else 2.0, duration_ms=1500.0,
         output_tokens_per_s=tokens_per_s, cost_nanousd=cost, price_version="v1",
         windows="user:alice:daily_tokens:20261102", cache_creation_input_tokens=cache_write or 0,
+        tags=json.dumps(tags or {}, sort_keys=True, separators=(",", ":")),
     )
 
 
 ROWS: tuple[LedgerRow, ...] = (
     # research: alice with two keys and two models, carol on gpt-4.1.
     ledger_row(at(2, 9), "alice", "research", "alice-laptop", "gpt-4o",
-               tokens=(1000, 200, 500, 0), ttft_ms=120.0, tokens_per_s=50.0),
+               tokens=(1000, 200, 500, 0), ttft_ms=120.0, tokens_per_s=50.0,
+               tags={"feature": "faq", "env": "prod"}),
     ledger_row(at(2, 9, 30), "alice", "research", "alice-ci", "gpt-4o-mini",
-               tokens=(4000, 0, 1000, 0)),
+               tokens=(4000, 0, 1000, 0), tags={"feature": "search", "customer": "it's"}),
     ledger_row(at(3, 14), "alice", "research", "alice-laptop", "gpt-4o",
-               tokens=(2000, 1000, 800, 300), ttft_ms=300.0, tokens_per_s=40.0),
+               tokens=(2000, 1000, 800, 300), ttft_ms=300.0, tokens_per_s=40.0,
+               tags={"feature": "faq"}),
     ledger_row(at(3, 14, 10), "alice", "research", "alice-laptop", "gpt-4o",
                status=429, error=ErrorClass.RATE_LIMIT),  # the upstream's own 429
     ledger_row(at(2, 10), "carol", "research", "carol-main", "gpt-4.1",
@@ -132,7 +136,7 @@ ROWS: tuple[LedgerRow, ...] = (
                status=503, error=ErrorClass.SERVICE_UNAVAILABLE),  # store down, fail_closed
     # apps: bob, refused three times for his quota; erin went away mid-stream.
     ledger_row(at(2, 11), "bob", "apps", "bob-main", "gpt-4o-mini", tokens=(300, 0, 50, 0),
-               ttft_ms=200.0, tokens_per_s=70.0),
+               ttft_ms=200.0, tokens_per_s=70.0, tags={"env": "prod"}),
     ledger_row(at(3, 9), "bob", "apps", "bob-main", "gpt-4o-mini", tokens=(700, 100, 150, 0)),
     ledger_row(at(3, 9, 5), "bob", "apps", "bob-main", None, "gpt-4o-mini", status=429,
                error=ErrorClass.BUDGET_EXCEEDED),
@@ -456,6 +460,14 @@ def by(rows: Iterable[LedgerRow], key: Callable[[LedgerRow], Any]) -> dict[Any, 
     return dict(out)
 
 
+def by_tag(tagged: Iterable[tuple[str, str, LedgerRow]]
+           ) -> dict[tuple[str, str], list[tuple[str, str, LedgerRow]]]:
+    out: dict[tuple[str, str], list[tuple[str, str, LedgerRow]]] = defaultdict(list)
+    for item in tagged:
+        out[item[0], item[1]].append(item)
+    return dict(out)
+
+
 def bucket(r: LedgerRow, interval: str) -> int:
     secs = interval_seconds(interval)
     return int(r.started_at // secs * secs)
@@ -545,6 +557,16 @@ def check_panels(run: Run, sel: Selection) -> None:
     ]
     assert len(want_keys) <= 25, "fewer keys than the table's limit: all are shown"
     ranked([tuple(r.values()) for r in run["Top keys"]], want_keys, 6, "Top keys")
+
+    # Spend by tag: each (key, value) of the rows' tags; a row counts under each of its tags.
+    tagged = [(k, v, r) for r in rows for k, v in json.loads(r.tags).items()]
+    want_tags = [
+        (k, v, len(g), sum(r.input_tokens for _, _, r in g), sum(r.output_tokens for _, _, r in g),
+         usd(r.cost_nanousd for _, _, r in g))
+        for (k, v), g in by_tag(tagged).items()
+    ]
+    ranked([tuple(r.values()) for r in run["Spend by tag (time range)"]], want_tags, 5,
+           "Spend by tag (time range)")
 
     # Tokens by type per interval.
     want_tokens = sorted(

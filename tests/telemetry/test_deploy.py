@@ -107,6 +107,8 @@ ADDED_METRICS = frozenset({
     "tokenmeter_cache_saved_tokens_total",
     "tokenmeter_cache_saved_cost_usd_total",
     "tokenmeter_cache_hit_ttft_seconds",
+    "tokenmeter_tag_tokens_total",
+    "tokenmeter_tag_cost_usd_total",
 })
 # Exported, but with no series until something goes wrong.
 MAY_BE_EMPTY = frozenset({"tokenmeter_metering_errors_total"})
@@ -118,6 +120,9 @@ CORE_PANELS = frozenset({
     ("tokenmeter-overview", "Input / output tokens per minute by model"),
     ("tokenmeter-overview", "Output tokens / s per stream p50 / p95"),
     ("tokenmeter-overview", "Errors / s by class"),
+    # The requests' closed-list tag (a free one never becomes a label).
+    ("tokenmeter-overview", "Estimated cost by tag (time range)"),
+    ("tokenmeter-overview", "Tokens by tag (time range)"),
     ("tokenmeter-budgets", "Top users by tokens (time range)"),
     ("tokenmeter-latency", "TTFT distribution: $model"),
     ("tokenmeter-latency", "Inter-token latency distribution: $model"),
@@ -299,6 +304,11 @@ models:
 metrics:
   model_labels: [mock-gpt]
   discover_models: false
+prices:
+  "mock-*": {{input: 1.0, output: 2.0}}
+tags:
+  feature: {{values: [faq, search]}}
+  customer: {{free: true}}
 """, "test-deploy.yaml")
     return await aiohttp_server(create_app(config))
 
@@ -329,6 +339,7 @@ async def _stream(client: openai.AsyncOpenAI, text: str) -> str:
     stream = await client.chat.completions.create(
         model="mock-gpt", messages=[{"role": "user", "content": text}], stream=True,
         stream_options={"include_usage": True},
+        extra_headers={"x-tokenmeter-tags": f"feature=faq,customer=c-{text}"},
     )
     parts = [c.choices[0].delta.content or "" async for c in stream if c.choices]
     return "".join(parts)
@@ -400,6 +411,11 @@ async def test_dashboards_and_rules_against_real_prometheus(  # noqa: PLR0915  o
         if q.heatmap:
             assert all("le" in s["metric"] for s in result), q.expr
     assert not empty, "queries without data:\n" + "\n".join(empty)
+
+    # The closed-list tag is a label; the free one, a different value per request, is not.
+    tagged = await prometheus.query("tokenmeter_tag_cost_usd_total")
+    assert {(s["metric"]["tag"], s["metric"]["value"]) for s in tagged} == {("feature", "faq")}
+    assert not await prometheus.query('{__name__=~"tokenmeter_.+", tag="customer"}')
 
     # The Model variable lists the model the requests used.
     model_var = next(
