@@ -26,6 +26,7 @@ from pydantic import (
 from proxy.config.capture import CaptureConfig
 from proxy.config.ledger import LedgerConfig
 from proxy.config.policy import ConfigModel, Policy
+from proxy.config.tracing import TracingConfig
 
 
 class ConfigError(Exception):
@@ -196,6 +197,7 @@ class Config(Policy):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     ledger: LedgerConfig = Field(default_factory=LedgerConfig)
     capture: CaptureConfig = Field(default_factory=CaptureConfig)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
 
     @model_validator(mode="after")
     def _routes(self) -> Config:

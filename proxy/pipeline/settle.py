@@ -30,6 +30,7 @@ from proxy.pipeline.services import Runtime, Services
 from proxy.protocol.usage import Usage
 from proxy.telemetry.accesslog import log_request
 from proxy.telemetry.metrics import CaptureStage, MeteringStage, Metrics, RequestRecord
+from proxy.telemetry.tracing import BudgetDecision
 
 log = logging.getLogger("tokenmeter.settle")
 
@@ -60,6 +61,8 @@ async def settle(done: Settlement, svc: Services) -> None:
                     and done.error_class is ErrorClass.NONE and usage.output_tokens > 0):
                 await svc.budget.learn(reservation, usage.output_tokens)
         metrics.record_request(record, done.meter.gap_buckets())
+        if done.trace is not None:
+            _trace(done, record)
         route, figures = done.route, record.figures
         if route is not None and route.latency is not None and figures.upstream_ttft is not None:
             svc.latency.observe(route, figures.upstream_ttft)
@@ -118,6 +121,27 @@ def _record(done: Settlement, runtime: Runtime, usage: Usage) -> RequestRecord:
                  if candidacy is not None else ""),
         ended_at=time.time(),
     )
+
+
+def _trace(done: Settlement, record: RequestRecord) -> None:
+    """The request's spans end with its record's figures (a stream's, after its last byte).
+    A failure here loses spans, never the request's books: logged, and that is all."""
+    assert done.trace is not None
+    try:
+        done.trace.settle(record, _budget_decision(done))
+    except Exception:
+        log.exception("failed to end the spans of request %s", done.request_id)
+
+
+def _budget_decision(done: Settlement) -> BudgetDecision:
+    """What the budget made of the request's last candidate, from its reservation."""
+    if done.candidacy is None:
+        refused = done.error_class is ErrorClass.BUDGET_EXCEEDED
+        return BudgetDecision.REFUSED if refused else BudgetDecision.NONE
+    reservation = done.candidacy.reservation
+    if not reservation.stored:
+        return BudgetDecision.UNENFORCED
+    return BudgetDecision.CLAMPED if reservation.clamped else BudgetDecision.ADMITTED
 
 
 def _book(ledger: Ledger, record: RequestRecord, metrics: Metrics) -> None:
