@@ -74,7 +74,7 @@ class Receiver:
     async def handle(self, request: web.Request) -> web.Response:
         assert request.content_type == "application/x-protobuf"
         export = ExportTraceServiceRequest.FromString(await request.read())
-        got = []
+        got: list[Span] = []
         for rs in export.resource_spans:
             resource = {a.key: _value(a.value) for a in rs.resource.attributes}
             for ss in rs.scope_spans:
