@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""Benchmark: what OpenTelemetry tracing costs a request, off and on with every trace sampled.
+
+    .venv/bin/python benchmarks/bench_tracing.py [--rounds 3] [--requests 2000]
+
+Each round starts the simulated upstream and, one variant after the other (so the machine's
+noise falls on both alike), `tokenmeter serve` with tracing off (the default: no OTEL_*
+variables) and on (`OTEL_TRACES_EXPORTER=otlp`, `OTEL_TRACES_SAMPLER=always_on`, OTLP over
+HTTP/protobuf to a collector this script runs). Requests carry a 1 KB prompt and a client
+`traceparent`; half are streamed. For each variant it measures CPU per request (utime+stime of
+the proxy process, from /proc, 16 requests at a time; the batch span processor's thread and
+its exports run in that process, so their cost is in it), and afterwards, once the proxy has
+stopped (SIGTERM flushes the queue), counts the spans the collector decoded: two per request
+(a server span and the attempt's client span); a variant that dropped spans cannot look cheap.
+
+Target (issue 24): off costs nothing (compare with benchmarks/bench_request_cost.py); on at
+sampling 1.0 at most 1.15x off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import secrets
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from procs import Served, cpu_s, free_port, wait_port
+
+PROMPT = ("The quick brown fox jumps over the lazy dog. " * 23)[:1024]  # 1 KB
+BODIES = ({"model": "m", "messages": [{"role": "user", "content": PROMPT}]},
+          {"model": "m", "messages": [{"role": "user", "content": PROMPT}], "stream": True})
+VARIANTS = ("off", "on")
+WARM_UP = 200
+
+
+class Collector:
+    """An OTLP/HTTP collector that decodes every export and counts its spans."""
+
+    def __init__(self) -> None:
+        self.spans = 0
+        self.port = free_port()
+        self._runner: web.AppRunner | None = None
+
+    async def _traces(self, request: web.Request) -> web.Response:
+        export = ExportTraceServiceRequest.FromString(await request.read())
+        self.spans += sum(len(ss.spans) for rs in export.resource_spans for ss in rs.scope_spans)
+        return web.Response(body=ExportTraceServiceResponse().SerializeToString(),
+                            content_type="application/x-protobuf")
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/traces", self._traces)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+async def _one(session: aiohttp.ClientSession, port: int, i: int) -> None:
+    headers = {"traceparent": f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"}
+    async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=BODIES[i % 2],
+                            headers=headers) as r:
+        await r.read()
+        assert r.status == 200, r.status
+
+
+async def cpu_ms_per_request(served: Served, requests: int, concurrency: int = 16) -> float:
+    async with aiohttp.ClientSession() as session:
+        for i in range(WARM_UP):  # warm-up: connections, caches, the exporter's session
+            await _one(session, served.port, i)
+        before = cpu_s(served.proc.pid)
+        queue = iter(range(requests))
+
+        async def worker() -> None:
+            for i in queue:
+                await _one(session, served.port, i)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return (cpu_s(served.proc.pid) - before) / requests * 1000
+
+
+async def _variant(variant: str, mock_port: int, requests: int) -> tuple[float, int]:
+    collector = Collector()
+    await collector.start()
+    env = {} if variant == "off" else {
+        "OTEL_TRACES_EXPORTER": "otlp", "OTEL_TRACES_SAMPLER": "always_on",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.port}",
+    }
+    served = Served(f"upstreams:\n  mock: {{base_url: 'http://127.0.0.1:{mock_port}/v1'}}\n"
+                    "metrics: {discover_models: false}\n", f"tm-tracing-{variant}-", env)
+    try:
+        cpu = await cpu_ms_per_request(served, requests)
+    finally:
+        await asyncio.to_thread(served.stop)  # SIGTERM: the queued spans are exported first
+    await collector.stop()
+    return cpu, collector.spans
+
+
+def _start_mock() -> tuple[subprocess.Popen[bytes], int]:
+    # Started between measurements, never during one: a blocking start is fine.
+    port = free_port()
+    mock = subprocess.Popen(
+        [sys.executable, "-m", "proxy.cli", "mock-upstream", "--port", str(port),
+         "--ttft-ms", "0", "--tokens-per-second", "0", "--output-tokens", "64"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_port(port)
+    return mock, port
+
+
+async def run(rounds: int, requests: int) -> int:
+    mock, port = _start_mock()
+    cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    ok = True
+    try:
+        for r in range(rounds):
+            for variant in VARIANTS:
+                started = time.perf_counter()
+                ms, spans = await _variant(variant, port, requests)
+                cpu[variant].append(ms)
+                expected = 0 if variant == "off" else 2 * (requests + WARM_UP)
+                ok = ok and spans == expected
+                print(f"round {r + 1} {variant:4s}: {ms:.3f} ms CPU/request, {spans} spans "
+                      f"(expected {expected}), {time.perf_counter() - started:.1f} s", flush=True)
+    finally:
+        mock.terminate()
+        mock.wait(timeout=30)
+    base = statistics.median(cpu["off"])
+    print(f"\nmedian over {rounds} rounds ({requests} requests each, 1 KB prompts, half "
+          "streamed, 16 at a time):")
+    for variant in VARIANTS:
+        ratio = statistics.median(cpu[variant]) / base
+        verdict = "" if variant == "off" else ("  OK" if ratio <= 1.15 else "  OVER TARGET")
+        ok = ok and (variant == "off" or ratio <= 1.15)
+        print(f"  tracing {variant:4s}: CPU/request {statistics.median(cpu[variant]):.3f} ms "
+              f"({ratio:.3f}x off; target <= 1.15x){verdict}")
+    return 0 if ok else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=2000)
+    args = parser.parse_args()
+    return asyncio.run(run(args.rounds, args.requests))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
