@@ -200,20 +200,20 @@ async def test_retry_and_fallback_are_client_spans_under_the_clients_trace(
     assert server.attributes == server.attributes | {
         "gen_ai.operation.name": "chat", "gen_ai.provider.name": "openai",
         "gen_ai.request.model": "primary-model", "gen_ai.response.model": "backup-model",
-        "gen_ai.request.max_tokens": 50, "gen_ai.request.stream": False,
+        "gen_ai.request.max_tokens": 50,
         "gen_ai.usage.input_tokens": usage.prompt_tokens,
         "gen_ai.usage.output_tokens": usage.completion_tokens,
         "gen_ai.usage.reasoning.output_tokens": 2,
-        "gen_ai.usage.cache_read.input_tokens": 0,
-        "gen_ai.usage.cache_creation.input_tokens": 0,
         "http.response.status_code": 200,
         "tokenmeter.user": "alice", "tokenmeter.key": "laptop", "tokenmeter.team": "research",
         "tokenmeter.error_class": "none", "tokenmeter.budget.decision": "admitted",
         "tokenmeter.attempts": 3, "tokenmeter.fallback_from": "primary-model",
-        "tokenmeter.cost_nanousd": cost_nanos, "tokenmeter.cost_usd": cost_nanos / 1e9,
+        "tokenmeter.cost_usd": cost_nanos / 1e9,
         "tokenmeter.request_id": raw.headers["x-tokenmeter-request-id"],
     }
     assert "error.type" not in server.attributes and not server.error
+    # Cache figures only when there are some (this upstream reports none).
+    assert not any("cache" in name for name in server.attributes)
     # A JSON answer has no chunks: time to first chunk is a stream's figure.
     assert "gen_ai.response.time_to_first_chunk" not in server.attributes
 
@@ -313,7 +313,6 @@ async def test_a_streams_span_ends_with_the_stream_and_shutdown_flushes_it(
     assert server.name == "chat gated-model"
     # Both ended after the upstream was let go: with the stream, not with its headers.
     assert server.end_ns >= attempt.end_ns >= released_ns > server.start_ns
-    assert server.attributes["gen_ai.request.stream"] is True
     assert server.attributes["gen_ai.usage.output_tokens"] == 2
     assert attempt.attributes["gen_ai.usage.input_tokens"] == 9
     # The first chunk came before the test let the stream go on: its time is before that.
