@@ -3,17 +3,18 @@
 
     .venv/bin/python benchmarks/bench_tracing.py [--rounds 3] [--requests 2000]
 
-Each round starts the simulated upstream and, one variant after the other (so the machine's
-noise falls on all alike), `tokenmeter serve` with tracing off (the default: no OTEL_*
-variables), on (`OTEL_TRACES_EXPORTER=otlp`, `OTEL_TRACES_SAMPLER=always_on`, OTLP over
-HTTP/protobuf to a collector this script runs) and on with 10% of traces sampled
-(`traceidratio`, 0.1: what a busy deployment would run). Requests carry a 1 KB prompt and a client
-`traceparent`; half are streamed. For each variant it measures CPU per request (utime+stime of
-the proxy process, from /proc, 16 requests at a time; the batch span processor's thread and
-its exports run in that process, so their cost is in it), and afterwards, once the proxy has
-stopped (SIGTERM flushes the queue), counts the spans the collector decoded: two per request
-(a server span and the attempt's client span; about a tenth of that at 10%); a variant that
-dropped spans cannot look cheap.
+The simulated upstream runs throughout; each round starts, side by side, `tokenmeter serve`
+with tracing off (the default: no OTEL_* variables), on (`OTEL_TRACES_EXPORTER=otlp`,
+`OTEL_TRACES_SAMPLER=always_on`, OTLP over HTTP/protobuf to a collector this script runs) and
+on with 10% of traces sampled (`traceidratio`, 0.1: what a busy deployment would run). The
+proxies are sent 100 requests each in turn (so the noise of a shared machine falls on all of
+them alike), 16 at a time, with a 1 KB prompt and a client `traceparent`; half are streamed.
+For each variant it measures CPU per request (utime+stime of the proxy process, from /proc,
+over its share; the batch span processor's thread and its exports run in that process, so
+their cost is in it), and afterwards, once the proxies have stopped (SIGTERM flushes the
+queue), counts the spans each collector decoded: two per request (a server span and the
+attempt's client span; about a tenth of that at 10%); a variant that dropped spans cannot
+look cheap.
 
 Target (issue 24): off costs nothing (compare with benchmarks/bench_request_cost.py); on at
 sampling 1.0 at most 1.15x off (the 10% variant is reported, not judged).
@@ -81,25 +82,10 @@ async def _one(session: aiohttp.ClientSession, port: int, i: int) -> None:
         assert r.status == 200, r.status
 
 
-async def cpu_ms_per_request(served: Served, requests: int, concurrency: int = 16) -> float:
-    async with aiohttp.ClientSession() as session:
-        for i in range(WARM_UP):  # warm-up: connections, caches, the exporter's session
-            await _one(session, served.port, i)
-        before = cpu_s(served.proc.pid)
-        queue = iter(range(requests))
-
-        async def worker() -> None:
-            for i in queue:
-                await _one(session, served.port, i)
-
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return (cpu_s(served.proc.pid) - before) / requests * 1000
-
-
-async def _variant(variant: str, mock_port: int, requests: int) -> tuple[float, int]:
-    collector = Collector()
-    await collector.start()
-    env = {} if variant == "off" else {
+def _env(variant: str, collector: Collector) -> dict[str, str]:
+    if variant == "off":
+        return {}
+    return {
         "OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.port}",
         # 10%: by trace id, whatever the client's traceparent says (the server and client
@@ -107,14 +93,45 @@ async def _variant(variant: str, mock_port: int, requests: int) -> tuple[float, 
         **({"OTEL_TRACES_SAMPLER": "always_on"} if variant == "on" else
            {"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.1"}),
     }
-    served = Served(f"upstreams:\n  mock: {{base_url: 'http://127.0.0.1:{mock_port}/v1'}}\n"
-                    "metrics: {discover_models: false}\n", f"tm-tracing-{variant}-", env)
+
+
+async def _load(session: aiohttp.ClientSession, port: int, requests: int,
+                concurrency: int = 16) -> None:
+    queue = iter(range(requests))
+
+    async def worker() -> None:
+        for i in queue:
+            await _one(session, port, i)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+
+async def _round(mock_port: int, requests: int, chunk: int = 100) -> dict[str, tuple[float, int]]:
+    """Every variant's proxy at once, sent `chunk` requests in turn until each has had
+    `requests`: the machine's noise (it is shared) falls on all of them alike. CPU per request
+    of each over its share, and the spans its collector decoded once it stopped."""
+    collectors = {v: Collector() for v in VARIANTS}
+    for collector in collectors.values():
+        await collector.start()
+    config = (f"upstreams:\n  mock: {{base_url: 'http://127.0.0.1:{mock_port}/v1'}}\n"
+              "metrics: {discover_models: false}\n")
+    proxies = {v: Served(config, f"tm-tracing-{v}-", _env(v, collectors[v])) for v in VARIANTS}
     try:
-        cpu = await cpu_ms_per_request(served, requests)
+        async with aiohttp.ClientSession() as session:
+            for served in proxies.values():  # warm-up: connections, caches, the exporter
+                await _load(session, served.port, WARM_UP)
+            before = {v: cpu_s(p.proc.pid) for v, p in proxies.items()}
+            for _ in range(requests // chunk):
+                for served in proxies.values():
+                    await _load(session, served.port, chunk)
+            cpu = {v: (cpu_s(p.proc.pid) - before[v]) / requests * 1000
+                   for v, p in proxies.items()}
     finally:
-        await asyncio.to_thread(served.stop)  # SIGTERM: the queued spans are exported first
-    await collector.stop()
-    return cpu, collector.spans
+        for served in proxies.values():
+            await asyncio.to_thread(served.stop)  # SIGTERM: queued spans are exported first
+    for collector in collectors.values():
+        await collector.stop()
+    return {v: (cpu[v], collectors[v].spans) for v in VARIANTS}
 
 
 def _start_mock() -> tuple[subprocess.Popen[bytes], int]:
@@ -132,18 +149,18 @@ async def run(rounds: int, requests: int) -> int:
     mock, port = _start_mock()
     cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
     ok = True
+    every = 2 * (requests + WARM_UP)  # a server and a client span per request
     try:
         for r in range(rounds):
-            for variant in VARIANTS:
-                started = time.perf_counter()
-                ms, spans = await _variant(variant, port, requests)
+            started = time.perf_counter()
+            for variant, (ms, spans) in (await _round(port, requests)).items():
                 cpu[variant].append(ms)
-                every = 2 * (requests + WARM_UP)  # a server and a client span per request
                 expected = {"off": "0", "on": str(every), "10%": f"about {every // 10}"}[variant]
                 ok = ok and {"off": spans == 0, "on": spans == every,
                              "10%": 0 < spans < every // 5 and spans % 2 == 0}[variant]
                 print(f"round {r + 1} {variant:4s}: {ms:.3f} ms CPU/request, {spans} spans "
-                      f"(expected {expected}), {time.perf_counter() - started:.1f} s", flush=True)
+                      f"(expected {expected})", flush=True)
+            print(f"round {r + 1}: {time.perf_counter() - started:.1f} s", flush=True)
     finally:
         mock.terminate()
         mock.wait(timeout=30)

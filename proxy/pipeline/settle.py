@@ -52,6 +52,8 @@ async def settle(done: Settlement, svc: Services) -> None:
         # process killed while the store is slow to take the charge must not take the row too.
         if svc.ledger is not None and not unauthenticated:
             _book(svc.ledger, record, metrics)
+        if done.trace is not None:  # before the store's round trips, which may fail or stall
+            _trace(done, record)
         if done.candidacy is not None:
             reservation = done.candidacy.reservation
             await svc.budget.settle(reservation, usage, record.cost)
@@ -61,8 +63,6 @@ async def settle(done: Settlement, svc: Services) -> None:
                     and done.error_class is ErrorClass.NONE and usage.output_tokens > 0):
                 await svc.budget.learn(reservation, usage.output_tokens)
         metrics.record_request(record, done.meter.gap_buckets())
-        if done.trace is not None:
-            _trace(done, record)
         route, figures = done.route, record.figures
         if route is not None and route.latency is not None and figures.upstream_ttft is not None:
             svc.latency.observe(route, figures.upstream_ttft)

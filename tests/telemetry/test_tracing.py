@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import secrets
+import socket
 import subprocess
 import sys
 import time
@@ -35,7 +36,9 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
 from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
+from proxy.config.load import parse_config
 from proxy.config.tracing import TracingConfig
+from proxy.server.app import create_app
 from proxy.telemetry.tracing import Tracing
 from proxy.testing.mock_upstream import MOCK_STATE, MockSettings, create_mock_app, generated_text
 from tests.helpers import ROOT, ServerFactory
@@ -396,3 +399,45 @@ tracing:
     assert srv.attributes["gen_ai.usage.output_tokens"] == answer.usage.completion_tokens
     (sent,) = upstream.app[MOCK_STATE].requests
     assert _parent_of(sent.headers["traceparent"]) == (srv.trace_id, attempt.span_id)
+
+
+async def test_refusals_and_unreachable_upstreams_in_spans(
+    aiohttp_server: ServerFactory, upstream: TestServer, receiver: tuple[Receiver, TestServer],
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In process, from the `tracing:` section: an unreachable primary's attempt is a failed
+    client span (no status: nothing answered) before its fallback's; a request the budget
+    refuses is a server span alone, `refused`."""
+    rec, collector = receiver
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    config = _config(tmp_path, {"dead": dead, "mock": str(upstream.make_url("/v1"))},
+                     "  - {match: primary-model, upstream: dead, fallbacks: [mock-gpt]}\n"
+                     "  - {match: 'mock-*', upstream: mock}")
+    text = config.read_text().replace("    team: research\n",
+                                      "    team: research\n    requests_per_minute: 1\n")
+    text += f"tracing: {{enabled: true, endpoint: '{collector.make_url('')}'}}\n"
+    proxy = await aiohttp_server(create_app(parse_config(text, str(config))))
+    async with openai.AsyncOpenAI(base_url=str(proxy.make_url("/v1")), api_key=ALICE,
+                                  max_retries=0) as client:
+        await client.chat.completions.create(model="primary-model", messages=MESSAGES)
+        with pytest.raises(openai.RateLimitError):
+            await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
+    spans = await rec.wait_for(5)  # the primary is tried twice (a retry), then its fallback
+    servers = sorted((s for s in spans if s.kind == SERVER), key=lambda s: s.start_ns)
+    clients = sorted((s for s in spans if s.kind == CLIENT), key=lambda s: s.start_ns)
+    assert [s.name for s in servers] == ["chat primary-model", "chat mock-gpt"]
+    served, refused = servers
+    assert [c.parent for c in clients] == [served.span_id] * 3
+    *unreachable, fallback = clients
+    for attempt in unreachable:
+        assert attempt.attributes["error.type"] == "upstream_unreachable" and attempt.error
+        assert "http.response.status_code" not in attempt.attributes
+    assert fallback.attributes["http.response.status_code"] == 200 and not fallback.error
+    assert served.attributes["tokenmeter.budget.decision"] == "admitted"
+    assert refused.attributes | {"tokenmeter.budget.decision": "refused",
+                                 "error.type": "budget_exceeded",
+                                 "http.response.status_code": 429} == refused.attributes
+    assert refused.error and refused.trace_id != served.trace_id  # no traceparent: new traces
