@@ -288,8 +288,10 @@ class Tracing:
             resource = resource.merge(Resource({"service.name": cfg.service_name}))
         sampler = None if cfg.sample_ratio is None else ParentBasedTraceIdRatio(cfg.sample_ratio)
         provider = TracerProvider(sampler=sampler, resource=resource)
-        provider.add_span_processor(BatchSpanProcessor(self._exporter(),
-                                                       max_queue_size=cfg.queue_size))
+        # A batch is at most the queue (the SDK refuses a larger one; its default is 512).
+        batch = None if cfg.queue_size is None else min(cfg.queue_size, 512)
+        provider.add_span_processor(BatchSpanProcessor(
+            self._exporter(), max_queue_size=cfg.queue_size, max_export_batch_size=batch))
         self._provider = provider
         self._kit = _Kit(provider.get_tracer("tokenmeter"), TraceContextTextMapPropagator(),
                          set_span_in_context, SpanKind.SERVER, SpanKind.CLIENT, StatusCode.ERROR)
