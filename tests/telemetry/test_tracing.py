@@ -332,6 +332,15 @@ def test_tracing_is_off_unless_asked_for_and_then_loads_nothing() -> None:
     assert Tracing.of(TracingConfig(enabled=True), {}) is not None
     assert Tracing.of(TracingConfig(enabled=False), {"OTEL_TRACES_EXPORTER": "otlp"}) is None
     assert Tracing.of(TracingConfig(enabled=True), {"OTEL_SDK_DISABLED": "true"}) is None
+    # A queue smaller than the SDK's default batch (512) makes a smaller batch, not an error.
+    small = Tracing(TracingConfig(enabled=True, queue_size=10), {})
+    small.start()
+    assert small.request({}, "chat") is not None
+    small.stop()
+    assert small.request({}, "chat") is None  # stopped: no more spans
+    # A protocol tokenmeter cannot export with is refused when tracing starts.
+    with pytest.raises(ValueError, match="http/protobuf or grpc"):
+        Tracing(TracingConfig(), {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}).start()
     # A proxy with tracing off never loads the trace SDK, its exporters or its propagator
     # (redis-py loads the OpenTelemetry API and metrics SDK for itself, traces or not).
     script = (
