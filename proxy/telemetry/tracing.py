@@ -83,7 +83,7 @@ class _Kit:
 
 class RequestTrace:
     """The spans of one request. The pipeline and the routing call it at fixed points; it
-    never raises into them (the SDK does not raise) and holds no text of the request."""
+    never raises into them (the SDK does not raise) and holds no prompt or answer text."""
 
     __slots__ = ("_context", "_kit", "_open", "_operation", "_server", "_target")
 
