@@ -37,15 +37,17 @@ def cpu_s(pid: int) -> float:
 
 
 class Served:
-    """`tokenmeter serve` on a free port with `config` (YAML text) and a state directory of its
-    own; `stop` sends SIGTERM, so what it queued (ledger rows, captures) is written first."""
+    """`tokenmeter serve` on a free port with `config` (YAML text), a state directory of its
+    own and `env` added to this process's environment; `stop` sends SIGTERM, so what it queued
+    (ledger rows, captures, spans) is written first."""
 
-    def __init__(self, config: str, prefix: str, cwd: Path | None = None) -> None:
+    def __init__(self, config: str, prefix: str, cwd: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.state = Path(tempfile.mkdtemp(prefix=prefix))
         path = self.state / "tokenmeter.yaml"
         path.write_text(config)
         self.port = free_port()
-        env = {**os.environ, "TOKENMETER_STATE_DIR": str(self.state)}
+        env = {**os.environ, "TOKENMETER_STATE_DIR": str(self.state), **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "proxy.cli", "serve", "--config", str(path),
              "--port", str(self.port), "--log-level", "WARNING"],

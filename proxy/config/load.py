@@ -28,6 +28,7 @@ from proxy.config.capture import CaptureConfig
 from proxy.config.ledger import LedgerConfig
 from proxy.config.policy import ConfigModel, Policy
 from proxy.config.tags import MAX_TAGS, TagRule, check_defaults, valid_key
+from proxy.config.tracing import TracingConfig
 
 
 class ConfigError(Exception):
@@ -228,6 +229,7 @@ class Config(Policy):
                     raise ValueError(f"{where}.tags: at most {MAX_TAGS} tags")
                 check_defaults(self.tags, where, tags)
         return self
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
 
     @model_validator(mode="after")
     def _routes(self) -> Config:

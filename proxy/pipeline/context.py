@@ -35,6 +35,7 @@ from proxy.protocol.translators import ParsedRequest, Translator
 from proxy.protocol.usage import ZERO, Usage
 from proxy.routing.upstream import Route
 from proxy.telemetry.meter import RequestMeter
+from proxy.telemetry.tracing import RequestTrace
 
 # A request whose client left: it cannot have read an answer, whatever the upstream did.
 CLIENT_GONE = frozenset({ErrorClass.CLIENT_DISCONNECT, ErrorClass.CLIENT_TIMEOUT})
@@ -114,6 +115,7 @@ class Settlement:
     collected: Collector | None = None  # its bytes, when capture is enabled
     cache: CacheOutcome = NOT_CONSULTED  # what the response cache did
     tags: Tags = NO_TAGS  # the request's tags, its principal's defaults under them
+    trace: RequestTrace | None = None  # its spans, when tracing is on
 
     @property
     def model(self) -> str:
@@ -145,7 +147,7 @@ class Outcome:
 
     __slots__ = ("_answered", "_attempts", "_candidacy", "_context", "_error_class",
                  "_fallback_from", "_in_flight", "_model", "_principal", "_status", "_stream",
-                 "_tags", "collector", "meter", "operation", "request_id", "runtime")
+                 "_tags", "collector", "meter", "operation", "request_id", "runtime", "trace")
 
     def __init__(self, request_id: str, operation: str, meter: RequestMeter) -> None:
         self.request_id = request_id
@@ -155,6 +157,9 @@ class Outcome:
         # The request's bytes, kept for a possible capture (capture.enabled), else None: the
         # relay and the handler append to it as the bytes pass; settle decides.
         self.collector: Collector | None = None
+        # The request's spans when tracing is on (proxy.telemetry.tracing), else None: the
+        # handler and the routing report the attempts to it, settle ends it.
+        self.trace: RequestTrace | None = None
         self._principal: Principal | None = None
         self._model = ""
         self._stream = False
@@ -268,4 +273,5 @@ class Outcome:
             attempts=self._attempts,
             collected=self.collector,
             tags=self._tags,
+            trace=self.trace,
         )

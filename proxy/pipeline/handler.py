@@ -61,6 +61,7 @@ from proxy.routing.exceptions_map import Phase, map_upstream_exceptions
 from proxy.routing.upstream import Upstream, upstream_request_headers
 from proxy.telemetry.meter import RequestMeter
 from proxy.telemetry.metrics import Metrics
+from proxy.telemetry.tracing import Target
 
 log = logging.getLogger("tokenmeter.relay")
 
@@ -99,6 +100,8 @@ async def handle(request: web.Request, svc: Services, shape: type[Translator]
     outcome = Outcome(new_id(), shape.operation, RequestMeter())
     request[REQUEST_ID] = outcome.request_id
     relayed: web.StreamResponse | None = None  # the upstream's answer, as the client gets it
+    if svc.tracing is not None:
+        outcome.trace = svc.tracing.request(request.headers, shape.operation)
     try:
         ctx = await admit(request, svc, shape, outcome)
         attempt = await forward(request, ctx, svc, shape, outcome)
@@ -313,6 +316,8 @@ async def _try(request: web.Request, ctx: RequestContext, svc: Services, outcome
             return Attempt(candidacy, up, deadline,
                            _response_headers(candidacy, turn.fallback_from, svc))
         up.close()
+        if outcome.trace is not None:
+            outcome.trace.attempt_ended(failure)
     log.warning("request %s: model %s failed (%s), trying its next fallback",
                 ctx.request_id, cand.model, failure)
     outcome.released()
@@ -357,6 +362,9 @@ async def _call(request: web.Request, ctx: RequestContext, svc: Services, outcom
         outcome.retried()
         svc.metrics.retried(u.name, reason)
 
+    if outcome.trace is not None:
+        outcome.trace.candidate(Target(candidacy.model, upstream.api.value, upstream.name,
+                                       candidacy.reservation.upstream_cap))
     outcome.meter.mark_upstream_start()
     deadline = None if ctx.stream else asyncio.get_running_loop().time() + upstream.total_timeout_s
     try:
@@ -364,10 +372,12 @@ async def _call(request: web.Request, ctx: RequestContext, svc: Services, outcom
             async with asyncio.timeout_at(deadline):
                 answer = await attempts.call_upstream(
                     svc.http.session, upstream, attempts.Call(translator.path, body, headers),
-                    attempts.Retrying(on_retry, svc.rng, outcome.sent),
+                    attempts.Retrying(on_retry, svc.rng, outcome.sent, outcome.trace),
                 )
-    except (UpstreamTimeout, UpstreamUnavailable):
+    except (UpstreamTimeout, UpstreamUnavailable) as exc:
         outcome.call_failed()
+        if outcome.trace is not None:
+            outcome.trace.attempt_ended(exc.error_class)
         raise
     return answer, deadline
 

@@ -27,6 +27,7 @@ from proxy.routing.attempts import LatencyTracker
 from proxy.routing.upstream import Router
 from proxy.telemetry.accesslog import AuthFailureLog
 from proxy.telemetry.metrics import Metrics
+from proxy.telemetry.tracing import Tracing
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +107,7 @@ class Services:
     ledger: Ledger | None  # None: ledger.enabled is false
     auth_failures: AuthFailureLog = field(default_factory=AuthFailureLog)
     capture: CaptureWriter | None = None  # None: capture is off (capture.enabled is false)
+    tracing: Tracing | None = None  # None: tracing is off (the default)
 
 
 SERVICES = web.AppKey("services", Services)

@@ -32,6 +32,7 @@ from proxy.pipeline.services import Runtime, Services
 from proxy.protocol.usage import ZERO, Usage
 from proxy.telemetry.accesslog import log_request
 from proxy.telemetry.metrics import CaptureStage, MeteringStage, Metrics, RequestRecord
+from proxy.telemetry.tracing import BudgetDecision
 
 log = logging.getLogger("tokenmeter.settle")
 
@@ -58,6 +59,8 @@ async def settle(done: Settlement, svc: Services) -> RequestRecord | None:
         # process killed while the store is slow to take the charge must not take the row too.
         if svc.ledger is not None and not unauthenticated:
             _book(svc.ledger, record, metrics)
+        if done.trace is not None:  # before the store's round trips, which may fail or stall
+            _trace(done, record)
         if hit:
             await _charge_hit(done, svc, record, charged)
         elif charged is not None:
@@ -171,6 +174,27 @@ def _record(done: Settlement, runtime: Runtime, usage: Usage,
         saved_cost=None if price is None or saved is None else CostLines.of(price, saved),
         tags=done.tags,
     )
+
+
+def _trace(done: Settlement, record: RequestRecord) -> None:
+    """The request's spans end with its record's figures (a stream's, after its last byte).
+    A failure here loses spans, never the request's books: logged, and that is all."""
+    assert done.trace is not None
+    try:
+        done.trace.settle(record, _budget_decision(done))
+    except Exception:
+        log.exception("failed to end the spans of request %s", done.request_id)
+
+
+def _budget_decision(done: Settlement) -> BudgetDecision:
+    """What the budget made of the request's last candidate, from its reservation."""
+    if done.candidacy is None:
+        refused = done.error_class is ErrorClass.BUDGET_EXCEEDED
+        return BudgetDecision.REFUSED if refused else BudgetDecision.NONE
+    reservation = done.candidacy.reservation
+    if not reservation.stored:
+        return BudgetDecision.UNENFORCED
+    return BudgetDecision.CLAMPED if reservation.clamped else BudgetDecision.ADMITTED
 
 
 def _book(ledger: Ledger, record: RequestRecord, metrics: Metrics) -> None:

@@ -33,6 +33,7 @@ from proxy.errors import ConnectTimeout, ErrorClass, ProxyError, UpstreamUnreach
 from proxy.protocol import upstream_errors
 from proxy.routing.exceptions_map import Phase, map_upstream_exceptions
 from proxy.routing.upstream import Route, Router, Upstream, redirect_refused
+from proxy.telemetry.tracing import RequestTrace
 
 log = logging.getLogger("tokenmeter")
 
@@ -174,6 +175,8 @@ class Retrying:
     on_retry: RetryHook  # once a failure is given up on, with its class: the retry's reason
     rng: random.Random
     on_attempt: Callable[[], None] = _nothing  # as each request goes out
+    # The request's spans (tracing on): a client span per attempt, its `traceparent` sent.
+    trace: RequestTrace | None = None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -195,23 +198,38 @@ async def call_upstream(session: aiohttp.ClientSession, upstream: Upstream, call
     deadline = loop.time() + retry.deadline_s
     url = _url(upstream.base_url + call.path)
     attempt = 0
+    trace = retrying.trace
     while True:
         attempt += 1
         failure: ProxyError
         retrying.on_attempt()
+        headers = call.headers
+        if trace is not None:  # each attempt's own traceparent, on a copy of the headers
+            headers = headers.copy()
+            trace.attempt_started(headers, url.host or "", url.port)
         try:
-            response = await _send(session, upstream, url, call)
+            response = await _send(session, upstream, url, call.body, headers)
         except (ConnectTimeout, UpstreamUnreachable) as exc:
             failure = exc  # no response came: worth another try
+        except ProxyError as exc:  # a first-byte timeout or a redirect: never retried
+            if trace is not None:
+                trace.attempt_ended(exc.error_class)
+            raise
         else:
             cls = ErrorClass.NONE if response.status < 300 else await answer_class(response)
+            if trace is not None:
+                trace.attempt_answered(response.status, cls)
             wait = _retry_wait(retry, response, cls, attempt, retrying.rng)
             if wait is None or loop.time() + wait > deadline:
                 return Answer(response, cls)  # the client (or a fallback) gets it now
             retrying.on_retry(upstream, cls)
+            if trace is not None:
+                trace.attempt_ended(cls)
             await _discard(response)
             await asyncio.sleep(wait)
             continue
+        if trace is not None:
+            trace.attempt_ended(failure.error_class)
         wait = backoff_s(retry, attempt, retrying.rng)
         if attempt >= retry.max_attempts or loop.time() + wait > deadline:
             raise failure
@@ -219,8 +237,8 @@ async def call_upstream(session: aiohttp.ClientSession, upstream: Upstream, call
         await asyncio.sleep(wait)
 
 
-async def _send(session: aiohttp.ClientSession, upstream: Upstream, url: URL,
-                call: Call) -> aiohttp.ClientResponse:
+async def _send(session: aiohttp.ClientSession, upstream: Upstream, url: URL, body: bytes,
+                headers: CIMultiDict[str]) -> aiohttp.ClientResponse:
     """One POST: its response, else the error of none (raised as `map_upstream_exceptions`
     names it); a redirect is refused."""
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=upstream.connect_timeout_s)
@@ -228,7 +246,7 @@ async def _send(session: aiohttp.ClientSession, upstream: Upstream, url: URL,
     # upstream, and a second copy would double its cost.
     with map_upstream_exceptions(upstream, Phase.CONNECT):
         async with asyncio.timeout(upstream.first_byte_timeout_s):
-            response = await session.post(url, data=call.body, headers=call.headers,
+            response = await session.post(url, data=body, headers=headers,
                                           timeout=timeout, allow_redirects=False)
     if (refused := redirect_refused(upstream, response.status)) is not None:
         log.warning("upstream %s answered %d: redirects are not followed",

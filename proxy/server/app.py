@@ -63,6 +63,7 @@ from proxy.server import state as st
 from proxy.server.reload import ConfigWatcher, keep_running_store
 from proxy.server.workers import budget_sharing_problem
 from proxy.telemetry.metrics import Metrics
+from proxy.telemetry.tracing import Tracing
 
 log = logging.getLogger("tokenmeter")
 
@@ -316,6 +317,19 @@ async def _watchdog_ctx(app: web.Application) -> AsyncIterator[None]:
     await stop_task(task)
 
 
+async def _tracing_ctx(app: web.Application) -> AsyncIterator[None]:
+    """First in, last out: the spans settle ends (the last requests' included) are exported
+    before the process exits. The SDK's parts are made here, in the process that serves."""
+    tracing = app[SERVICES].tracing
+    if tracing is None:
+        yield
+        return
+    tracing.start()
+    log.info("tracing: spans are exported over OTLP (%s)", tracing.protocol)
+    yield
+    await asyncio.to_thread(tracing.stop)
+
+
 async def _ledger_ctx(app: web.Application) -> AsyncIterator[None]:
     """First in, last out: the ledger ships what the settling of the last requests wrote."""
     svc = app[SERVICES]
@@ -494,10 +508,11 @@ def create_app(
         rng=random.Random(), settling=Settling(), watchdog=Watchdog(),
         ledger=make_ledger(config.ledger, metrics, clock=clock),
         capture=_capture_writer(config, holder, metrics),
+        tracing=Tracing.of(config.tracing),
     )
     app[BODY_PARSERS] = asyncio.Semaphore(BODY_PARSER_SLOTS)
     app.cleanup_ctx.extend(
-        [_ledger_ctx, _capture_ctx, _session_ctx, _store_ctx,
+        [_tracing_ctx, _ledger_ctx, _capture_ctx, _session_ctx, _store_ctx,
          *([_audit_ctx] if placement.audit else []), _watchdog_ctx, _discover_models,
          _drain_settling]
     )
