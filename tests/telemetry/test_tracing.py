@@ -132,6 +132,8 @@ models:
 metrics: {{discover_models: false}}
 prices:
   "*": {{input: 2.5, output: 10}}
+tags:
+  feature: {{values: [faq, search]}}
 users:
   alice:
     team: research
@@ -182,7 +184,7 @@ async def test_retry_and_fallback_are_client_spans_under_the_clients_trace(
                                       max_retries=0) as client:
             raw = await client.chat.completions.with_raw_response.create(
                 model="primary-model", messages=MESSAGES, max_tokens=50,
-                extra_headers={"traceparent": traceparent})
+                extra_headers={"traceparent": traceparent, "x-tokenmeter-tags": "feature=faq"})
         answer = raw.parse()
         assert answer.usage is not None and answer.model == "backup-model"
         spans = await rec.wait_for(4)
@@ -213,6 +215,7 @@ async def test_retry_and_fallback_are_client_spans_under_the_clients_trace(
         "tokenmeter.attempts": 3, "tokenmeter.fallback_from": "primary-model",
         "tokenmeter.cost_usd": cost_nanos / 1e9,
         "tokenmeter.request_id": raw.headers["x-tokenmeter-request-id"],
+        "tokenmeter.tags.feature": "faq",
     }
     assert "error.type" not in server.attributes and not server.error
     # Cache figures only when there are some (this upstream reports none).
