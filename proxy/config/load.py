@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from proxy.config.cache import CacheConfig
 from proxy.config.capture import CaptureConfig
 from proxy.config.ledger import LedgerConfig
 from proxy.config.policy import ConfigModel, Policy
@@ -196,6 +197,7 @@ class Config(Policy):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     ledger: LedgerConfig = Field(default_factory=LedgerConfig)
     capture: CaptureConfig = Field(default_factory=CaptureConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
 
     @model_validator(mode="after")
     def _routes(self) -> Config:

@@ -1,0 +1,45 @@
+"""One stored answer: the complete, non-streamed answer in its API's JSON form, the usage it
+reported (what a hit saves), and when it was made. Stored as compact JSON bytes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from proxy.protocol.usage import Usage
+
+_VERSION = 1
+
+
+class EntryUnreadable(ValueError):
+    """Bytes from the store that are not an entry of this version (a miss)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    operation: str  # the API shape's (`chat`, `messages`, ...): how it is replayed
+    answer: dict[str, Any]  # the JSON answer as a non-streamed request would have had it
+    usage: Usage
+    created_at: float  # epoch seconds, by the cache's clock
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {"v": _VERSION, "operation": self.operation, "answer": self.answer,
+             "usage": asdict(self.usage), "created_at": self.created_at},
+            separators=(",", ":"), ensure_ascii=False,
+        ).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Entry:
+        try:
+            obj = json.loads(raw)
+            if obj.get("v") != _VERSION:
+                raise EntryUnreadable("another version")
+            usage = Usage(**obj["usage"])
+            answer = obj["answer"]
+            if not isinstance(answer, dict):
+                raise EntryUnreadable("no answer")
+            return cls(str(obj["operation"]), answer, usage, float(obj["created_at"]))
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise EntryUnreadable(str(exc)) from None
