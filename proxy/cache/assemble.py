@@ -9,6 +9,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
+from proxy.cache.replay import chunk_head
 from proxy.protocol.sse import SSEDecoder
 
 # Finish reasons of an answer that ended by itself. A `length` / `max_tokens` end is stored
@@ -88,8 +89,7 @@ def _choices(operation: str, chunks: Iterable[dict[str, Any]]) -> dict[str, Any]
                 choice["finish_reason"] = delta["finish_reason"]
     if head is None or not choices:
         return None
-    answer = {k: head[k] for k in ("id", "created", "model", "system_fingerprint",
-                                   "service_tier") if k in head}
+    answer = chunk_head(head)
     answer["object"] = "chat.completion" if operation == "chat" else "text_completion"
     answer["choices"] = [_closed(choices[i]) for i in sorted(choices)]
     if usage is not None:

@@ -13,6 +13,14 @@ from typing import Any
 _PIECE = 512
 
 
+_HEAD: tuple[str, ...] = ("id", "created", "model", "system_fingerprint", "service_tier")
+
+
+def chunk_head(obj: dict[str, Any]) -> dict[str, Any]:
+    """The fields every chunk of an OpenAI stream repeats (and its answer has once)."""
+    return {k: obj[k] for k in _HEAD if k in obj}
+
+
 def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
@@ -37,8 +45,7 @@ def _data(obj: dict[str, Any]) -> bytes:
 
 def _choices(operation: str, answer: dict[str, Any], include_usage: bool) -> list[bytes]:
     chat = operation == "chat"
-    head = {k: answer[k] for k in ("id", "created", "model", "system_fingerprint",
-                                   "service_tier") if k in answer}
+    head = chunk_head(answer)
     head["object"] = "chat.completion.chunk" if chat else "text_completion"
     extra = {"usage": None} if include_usage else {}
     out = []

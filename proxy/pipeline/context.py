@@ -25,6 +25,8 @@ import aiohttp
 
 from proxy.budget.accounting import Reservation
 from proxy.budget.principal import Principal
+from proxy.cache import cache as response_cache
+from proxy.cache.cache import Decision, Fill
 from proxy.cache.outcome import NOT_CONSULTED, CacheOutcome
 from proxy.capture.collect import Collector
 from proxy.errors import ErrorClass
@@ -143,7 +145,7 @@ class Outcome:
 
     __slots__ = ("_answered", "_attempts", "_candidacy", "_context", "_error_class",
                  "_fallback_from", "_in_flight", "_model", "_principal", "_status", "_stream",
-                 "collector", "meter", "operation", "request_id", "runtime")
+                 "cache", "collector", "meter", "operation", "request_id", "runtime")
 
     def __init__(self, request_id: str, operation: str, meter: RequestMeter) -> None:
         self.request_id = request_id
@@ -153,6 +155,9 @@ class Outcome:
         # The request's bytes, kept for a possible capture (capture.enabled), else None: the
         # relay and the handler append to it as the bytes pass; settle decides.
         self.collector: Collector | None = None
+        # What the response cache decided for the request (docs/cache.md): a hit's entry, or
+        # a miss's fill that the relay feeds; set once, by the pipeline's cache step.
+        self.cache: Decision = response_cache.NOT_CONSULTED
         self._principal: Principal | None = None
         self._model = ""
         self._stream = False
@@ -177,6 +182,19 @@ class Outcome:
 
     def admitted(self, context: RequestContext) -> None:
         self._context = context
+
+    def cache_decided(self, decision: Decision) -> None:
+        self.cache = decision
+
+    def served_from_cache(self) -> None:
+        """A hit: the answer went out whole without an upstream call (and nothing to charge:
+        no candidacy)."""
+        self._answered = True
+        self._status = 200
+
+    @property
+    def cache_fill(self) -> Fill | None:
+        return self.cache.fill
 
     # --- attempts -----------------------------------------------------------------------
     def candidate(self, candidacy: Candidacy, fallback_from: str | None) -> None:
@@ -261,4 +279,5 @@ class Outcome:
             fallback_from=self._fallback_from,
             attempts=self._attempts,
             collected=self.collector,
+            cache=self.cache.outcome(),
         )

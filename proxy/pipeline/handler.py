@@ -46,7 +46,7 @@ from proxy.errors import (
     UpstreamUnavailable,
 )
 from proxy.ids import new_id
-from proxy.pipeline import counting
+from proxy.pipeline import caching, counting
 from proxy.pipeline.context import Attempt, Candidacy, Outcome, RequestContext
 from proxy.pipeline.relay import REQUEST_ID_HEADER, client_gone, relay
 from proxy.pipeline.services import BODY_TIMED_OUT, SERVICES, Services
@@ -96,6 +96,9 @@ async def handle(request: web.Request, svc: Services, shape: type[Translator]
     request[REQUEST_ID] = outcome.request_id
     try:
         ctx = await admit(request, svc, shape, outcome)
+        hit = await caching.consult(request, ctx, svc, outcome)
+        if hit is not None:
+            return hit
         attempt = await forward(request, ctx, svc, shape, outcome)
         return await relay(request, attempt, svc, outcome)
     except ProxyError as exc:
@@ -130,7 +133,9 @@ async def handle(request: web.Request, svc: Services, shape: type[Translator]
         outcome.fail(ErrorClass.INTERNAL)
         raise
     finally:
-        task = asyncio.ensure_future(settle(outcome.finish(), svc))
+        done = outcome.finish()
+        caching.finish(done, outcome, svc)
+        task = asyncio.ensure_future(settle(done, svc))
         svc.settling.tasks.add(task)
         task.add_done_callback(svc.settling.finished)
         # If we are cancelled while waiting, the settle task runs on; shutdown waits for it.
@@ -274,7 +279,8 @@ async def _try(request: web.Request, ctx: RequestContext, svc: Services, outcome
         if turn.last or up.status == 200 or not upstream_errors.fallback_worthy(failure):
             outcome.answered(up.status, failure)
             return Attempt(candidacy, up, deadline,
-                           _response_headers(candidacy, turn.fallback_from, svc))
+                           _response_headers(candidacy, turn.fallback_from, svc)
+                           | caching.headers(outcome))
         up.close()
     log.warning("request %s: model %s failed (%s), trying its next fallback",
                 ctx.request_id, cand.model, failure)
