@@ -137,15 +137,20 @@ class ResponseCache:
         said = directives(ask.cache_control) if ask.cache_control else frozenset()
         if "no-store" in said:
             return Decision(CacheResult.BYPASS)
-        if "no-cache" in said:
-            return Decision(CacheResult.BYPASS,
-                            fill=Fill(key, ask.operation, rule, stream=stream, leader=False))
-        entry = await self._lookup(key, config.lookup_timeout_ms / 1000)
-        if entry is None:
-            flight = self.flights.lead(key)
-            if flight is None:
-                return Decision(CacheResult.MISS,
-                                fill=Fill(key, ask.operation, rule, stream=stream, leader=True))
+        if "no-cache" in said:  # a fresh answer, stored; those asking meanwhile wait for it
+            return Decision(CacheResult.BYPASS, fill=Fill(
+                key, ask.operation, rule, stream=stream, leader=self.flights.lead(key) is None))
+        # An answer on its way is waited for before the store is asked: it is the freshest.
+        flight = self.flights.open(key)
+        entry = None
+        if flight is None:
+            entry = await self._lookup(key, config.lookup_timeout_ms / 1000)
+            if entry is None:
+                flight = self.flights.lead(key)
+                if flight is None:
+                    return Decision(CacheResult.MISS, fill=Fill(
+                        key, ask.operation, rule, stream=stream, leader=True))
+        if flight is not None:
             entry = await self.flights.wait(flight, config.lock_timeout_s)
         if entry is None or entry.operation != ask.operation:
             return Decision(CacheResult.MISS,

@@ -17,6 +17,9 @@ class Flights:
     def __init__(self) -> None:
         self._open: dict[str, asyncio.Future[Entry | None]] = {}
 
+    def open(self, key: str) -> asyncio.Future[Entry | None] | None:
+        return self._open.get(key)
+
     def lead(self, key: str) -> asyncio.Future[Entry | None] | None:
         """None: the caller leads the flight of `key` (and must `land` it); else the flight
         already under way, to wait for."""
