@@ -6,6 +6,7 @@ fails is an answer not stored, counted; neither ever fails a request."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import re
@@ -30,6 +31,9 @@ log = logging.getLogger("tokenmeter.cache")
 # A stream's bytes are kept for its entry up to this many times the entry's cap: a stream's
 # events carry some 10-40 times the bytes of the text they deliver.
 STREAM_FACTOR = 16
+# A request body (or a stored entry) larger than this is hashed (decoded) in a thread: a
+# canonical JSON of a 32 MB body is some 100 ms of CPU the loop must not spend.
+ON_LOOP_BYTES = 256 * 1024
 HIT_HEADER = "x-tokenmeter-cache"
 
 
@@ -42,6 +46,7 @@ class Ask:
     body: dict[str, Any]
     principal: Principal
     cache_control: str  # the request's Cache-Control header ("" without one)
+    body_bytes: int  # the body's size as sent
 
 
 class Fill:
@@ -132,7 +137,9 @@ class ResponseCache:
         rule = rule_for(config, ask.principal, ask.model)
         if not rule.enabled or (not rule.cache_sampled and samples(ask.body)):
             return NOT_CONSULTED
-        key = cache_key(ask.operation, ask.model, ask.body, scope_id(rule.scope, ask.principal))
+        parts = (ask.operation, ask.model, ask.body, scope_id(rule.scope, ask.principal))
+        key = (cache_key(*parts) if ask.body_bytes <= ON_LOOP_BYTES
+               else await asyncio.to_thread(cache_key, *parts))
         stream = ask.body.get("stream") is True
         said = directives(ask.cache_control) if ask.cache_control else frozenset()
         if "no-store" in said:
@@ -172,7 +179,9 @@ class ResponseCache:
         if raw is None:
             return None
         try:
-            return Entry.decode(raw)
+            if len(raw) <= ON_LOOP_BYTES:
+                return Entry.decode(raw)
+            return await asyncio.to_thread(Entry.decode, raw)
         except EntryUnreadable:
             self._on_error(CacheStage.ENTRY)
             return None
@@ -186,6 +195,8 @@ class ResponseCache:
             if finished is not None and not fill.over:
                 entry = await asyncio.to_thread(
                     _make_entry, fill, finished, tuple(config.redact), self._clock())
+            if entry is not None and entry.size > fill.rule.max_entry_bytes:
+                entry = None  # too large to keep
             if entry is not None:
                 await self._put(fill, entry, config.lookup_timeout_ms / 1000)
         except Exception:
@@ -197,9 +208,8 @@ class ResponseCache:
                 self.flights.land(fill.key, entry)
 
     async def _put(self, fill: Fill, entry: Entry, timeout_s: float) -> None:
-        raw = entry.encode()
-        if len(raw) > fill.rule.max_entry_bytes:
-            return
+        raw = entry.encode() if entry.size <= ON_LOOP_BYTES else await asyncio.to_thread(
+            entry.encode)
         try:
             # A write waits a little longer than a lookup (its entry may be large), and is
             # never on a client's path.
@@ -224,7 +234,8 @@ def _make_entry(fill: Fill, finished: Finished, redact: tuple[str, ...],
         return None
     if redact:
         answer = _redacted(answer, _patterns(redact))
-    return Entry(fill.operation, answer, finished.usage, now)
+    entry = Entry(fill.operation, answer, finished.usage, now)
+    return dataclasses.replace(entry, size=len(entry.encode()))
 
 
 @functools.lru_cache(maxsize=8)

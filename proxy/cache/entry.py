@@ -22,6 +22,7 @@ class Entry:
     answer: dict[str, Any]  # the JSON answer as a non-streamed request would have had it
     usage: Usage
     created_at: float  # epoch seconds, by the cache's clock
+    size: int = 0  # its bytes as stored, once read back (0: not read from a store)
 
     def encode(self) -> bytes:
         return json.dumps(
@@ -40,6 +41,6 @@ class Entry:
             answer = obj["answer"]
             if not isinstance(answer, dict):
                 raise EntryUnreadable("no answer")
-            return cls(str(obj["operation"]), answer, usage, float(obj["created_at"]))
+            return cls(str(obj["operation"]), answer, usage, float(obj["created_at"]), len(raw))
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise EntryUnreadable(str(exc)) from None

@@ -69,8 +69,10 @@ def _choices(operation: str, answer: dict[str, Any], include_usage: bool) -> lis
 
 
 def _chat_chunks(chunk: Any, index: int, message: dict[str, Any]) -> list[bytes]:
-    out = [chunk(index, {"delta": {"role": message.get("role", "assistant"), "content": ""}})]
-    if isinstance(message.get("content"), str):
+    text = message.get("content")
+    out = [chunk(index, {"delta": {"role": message.get("role", "assistant"),
+                                   "content": "" if isinstance(text, str) else None}})]
+    if isinstance(text, str):
         out.extend(chunk(index, {"delta": {"content": p}}) for p in _pieces(message["content"]))
     if isinstance(message.get("refusal"), str):
         out.append(chunk(index, {"delta": {"refusal": message["refusal"]}}))

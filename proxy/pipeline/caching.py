@@ -11,12 +11,13 @@ charges it). The entry's answer is replayed in the form the client asked for."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 from aiohttp import hdrs, web
 
 from proxy.cache import replay
-from proxy.cache.cache import HIT_HEADER, Ask, Decision, Finished
+from proxy.cache.cache import HIT_HEADER, ON_LOOP_BYTES, Ask, Decision, Finished
 from proxy.errors import ErrorClass
 from proxy.pipeline.context import Outcome, RequestContext, Settlement
 from proxy.pipeline.relay import REQUEST_ID_HEADER
@@ -33,7 +34,7 @@ async def consult(request: web.Request, ctx: RequestContext, svc: Services,
     if cache is None:
         return None
     ask = Ask(ctx.operation, ctx.request_model, ctx.request.body, ctx.principal,
-              request.headers.get(hdrs.CACHE_CONTROL, ""))
+              request.headers.get(hdrs.CACHE_CONTROL, ""), len(ctx.request.raw))
     decision = await cache.consult(ctx.runtime.config.cache, ask)
     outcome.cache_decided(decision)
     if decision.entry is None:
@@ -54,18 +55,21 @@ async def _replay(request: web.Request, ctx: RequestContext, decision: Decision,
     assert entry is not None
     sent = {HIT_HEADER: "hit", hdrs.AGE: str(int(decision.age_s or 0)),
             REQUEST_ID_HEADER: outcome.request_id}
-    if not ctx.stream:
-        outcome.meter.content(time.perf_counter())
-        return web.Response(body=replay.as_json(entry.answer), headers=sent,
-                            content_type="application/json")
     options = ctx.request.body.get("stream_options")
     include_usage = isinstance(options, dict) and options.get("include_usage") is True
+    render = functools.partial(replay.as_stream, entry.operation, entry.answer, include_usage)
+    if not ctx.stream:
+        render = functools.partial(replay.as_json, entry.answer)
+    body = render() if entry.size <= ON_LOOP_BYTES else await asyncio.to_thread(render)
+    if not ctx.stream:
+        outcome.meter.content(time.perf_counter())
+        return web.Response(body=body, headers=sent, content_type="application/json")
     resp = web.StreamResponse(status=200, headers={
         **sent, hdrs.CONTENT_TYPE: "text/event-stream; charset=utf-8",
         hdrs.CACHE_CONTROL: "no-cache"})
     await resp.prepare(request)
     outcome.meter.content(time.perf_counter())
-    await resp.write(replay.as_stream(entry.operation, entry.answer, include_usage))
+    await resp.write(body)
     return resp
 
 
