@@ -31,9 +31,12 @@ def test_delivery_fields_do_not_change_the_key_and_content_fields_do() -> None:
     assert cache_key("chat", "m", delivered, "user:alice") == base
     reordered = dict(reversed(list(BODY.items())))
     assert cache_key("chat", "m", reordered, "user:alice") == base
-    for change in ({"max_tokens": 11}, {"temperature": 0.0001}, {"seed": 1}, {"stop": ["x"]},
-                   {"tools": []}, {"response_format": {"type": "json_object"}},
-                   {"messages": [{"role": "user", "content": "hi!"}]}):
+    changes: list[dict[str, Any]] = [
+        {"max_tokens": 11}, {"temperature": 0.0001}, {"seed": 1}, {"stop": ["x"]},
+        {"tools": []}, {"response_format": {"type": "json_object"}},
+        {"messages": [{"role": "user", "content": "hi!"}]},
+    ]
+    for change in changes:
         assert cache_key("chat", "m", {**BODY, **change}, "user:alice") != base, change
     assert cache_key("messages", "m", BODY, "user:alice") != base
     assert cache_key("chat", "m2", BODY, "user:alice") != base
