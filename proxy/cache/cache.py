@@ -233,21 +233,28 @@ def _make_entry(fill: Fill, finished: Finished, redact: tuple[str, ...],
     if answer is None or not assemble.finished(fill.operation, answer, finished.capped_ok):
         return None
     if redact:
-        answer = _redacted(answer, _patterns(redact))
+        answer = redact_answer(answer, redaction(redact))
     entry = Entry(fill.operation, answer, finished.usage, now)
     return dataclasses.replace(entry, size=len(entry.encode()))
 
 
 @functools.lru_cache(maxsize=8)
-def _patterns(redact: tuple[str, ...]) -> re.Pattern[str]:
+def redaction(redact: tuple[str, ...]) -> re.Pattern[str]:
     return re.compile("|".join(f"(?:{p})" for p in redact))
 
 
-def _redacted(value: Any, pattern: re.Pattern[str]) -> Any:
+# The fields of an answer that hold what the model wrote (everything within them is
+# redacted); ids, roles, finish reasons and usage are left as they are.
+_TEXT_FIELDS = frozenset({"content", "text", "refusal", "arguments", "thinking", "input"})
+
+
+def redact_answer(value: Any, pattern: re.Pattern[str], text: bool = False) -> Any:
     if isinstance(value, str):
-        return pattern.sub("[REDACTED]", value)
+        return pattern.sub("[REDACTED]", value) if text else value
     if isinstance(value, dict):
-        return {k: _redacted(v, pattern) for k, v in value.items()}
+        # Anthropic's `content` is a list of blocks (types, ids): only its texts are redacted.
+        return {k: redact_answer(v, pattern, text or (k in _TEXT_FIELDS and (
+            k != "content" or isinstance(v, str)))) for k, v in value.items()}
     if isinstance(value, list):
-        return [_redacted(v, pattern) for v in value]
+        return [redact_answer(v, pattern, text) for v in value]
     return value

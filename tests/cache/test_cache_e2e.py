@@ -17,7 +17,8 @@ import redis.asyncio as aioredis
 from aiohttp.test_utils import TestServer
 from openai.types.chat import ChatCompletionMessageParam
 
-from proxy.server.app import create_app
+from proxy.pipeline.services import SERVICES
+from proxy.server.app import build_runtime, create_app
 from proxy.testing.mock_settings import MOCK_STATE, MockSettings
 from tests.helpers import FakeClock, ServerFactory, daily_used, make_config, sample, scrape
 from tests.servers import RedisServer
@@ -37,8 +38,9 @@ def _seen(upstream: TestServer) -> int:
 
 async def _proxy(aiohttp_server: ServerFactory, upstream: TestServer, *, store: str = "memory",
                  clock: FakeClock | None = None, api: str = "openai",
-                 **cache: Any) -> TestServer:
-    config = make_config(str(upstream.make_url("/v1")), store=store, users=USERS, api=api,
+                 users: dict[str, Any] | None = None, **cache: Any) -> TestServer:
+    config = make_config(str(upstream.make_url("/v1")), store=store, users=users or USERS,
+                         api=api,
                          extra={"cache": {"enabled": True, **cache}})
     app = create_app(config, clock=clock) if clock is not None else create_app(config)
     return await aiohttp_server(app)
@@ -296,3 +298,42 @@ async def test_a_paused_redis_is_a_miss_and_the_request_is_served(
     assert served.id != first.id
     assert sample(await scrape(server), "tokenmeter_cache_errors_total", stage="lookup") >= 1
     assert _seen(upstream) == 2
+
+
+@pytest.mark.timeout(60)
+async def test_an_answer_cut_by_the_proxys_cap_is_not_stored(
+    aiohttp_server: ServerFactory, upstream: TestServer
+) -> None:
+    capped = {"alice": {"keys": [ALICE], "max_output_tokens": 3}}
+    proxy = await _proxy(aiohttp_server, upstream, users=capped)
+    for _ in range(2):
+        answer, h = await _chat(_openai(proxy))  # asks for 50, the proxy sends 3
+        assert h["x-tokenmeter-cache"] == "miss"
+        assert answer.choices[0].finish_reason == "length"
+    assert _seen(upstream) == 2
+
+
+@pytest.mark.timeout(60)
+async def test_overrides_reload_and_redaction(
+    aiohttp_server: ServerFactory, upstream: TestServer
+) -> None:
+    config = make_config(str(upstream.make_url("/v1")), store="memory", users=USERS)
+    proxy = await aiohttp_server(create_app(config))
+    _, h = await _chat(_openai(proxy))
+    assert "x-tokenmeter-cache" not in h  # off by default
+    # A reload that turns it on (for all but bob), redacting what it stores, applies to the
+    # next request: the runtime a request reads is replaced whole.
+    on = make_config(str(upstream.make_url("/v1")), store="memory", users=USERS, extra={
+        "cache": {"enabled": True, "redact": ["[A-Za-z]+"], "users": {"bob": {"enabled": False}}}})
+    proxy.app[SERVICES].runtime.current = build_runtime(on)
+    first, h = await _chat(_openai(proxy))
+    assert h["x-tokenmeter-cache"] == "miss" and "REDACTED" not in str(first.choices[0])
+    second, h = await _chat(_openai(proxy))
+    assert h["x-tokenmeter-cache"] == "hit"
+    content = second.choices[0].message.content or ""
+    assert second.id == first.id and second.choices[0].finish_reason == "stop"  # text only
+    assert content and set(content.replace("[REDACTED]", "")) <= set(" .,!?'0123456789")
+    for _ in range(2):
+        _, h = await _chat(_openai(proxy, BOB))
+        assert "x-tokenmeter-cache" not in h
+    assert _seen(upstream) == 4

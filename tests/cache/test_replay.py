@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from proxy.cache import assemble, replay
+from proxy.cache.cache import redact_answer, redaction
 from proxy.protocol.sse import SSEDecoder
 
 CHAT: dict[str, Any] = {
@@ -87,3 +88,16 @@ def test_cut_or_failed_streams_are_not_answers() -> None:
     assert answer is not None and not assemble.finished("chat", answer, capped_ok=True)
     assert assemble.from_stream("chat", b"data: {not json\n\n") is None
     assert assemble.from_body("chat", b"[1, 2]") is None
+
+
+def test_redaction_reaches_the_texts_only() -> None:
+    pattern = redaction(("[A-Za-z]+",))
+    message = redact_answer(MESSAGE, pattern)
+    assert [b["type"] for b in message["content"]] == ["thinking", "text", "tool_use"]
+    assert message["content"][1]["text"].strip().split() == ["[REDACTED]"] * 300
+    assert message["content"][2]["input"] == {"q": ["[REDACTED]", 1]}
+    assert message["stop_reason"] == "tool_use" and message["id"] == "msg_1"
+    chat = redact_answer(CHAT, pattern)
+    assert chat["choices"][0]["message"]["role"] == "assistant"
+    assert "Paris" not in chat["choices"][0]["message"]["content"]
+    assert chat["choices"][1]["message"]["tool_calls"][0]["function"]["name"] == "lookup"
