@@ -16,6 +16,7 @@ from typing import Any
 
 from proxy.budget.principal import Principal
 from proxy.cache import assemble
+from proxy.cache import outcome as cache_outcome
 from proxy.cache.entry import Entry, EntryUnreadable
 from proxy.cache.flight import Flights
 from proxy.cache.key import cache_key
@@ -99,6 +100,8 @@ class Decision:
 
     def outcome(self) -> CacheOutcome:
         """What settle is handed: on a hit, the stored answer's usage (what it saved)."""
+        if self.result is CacheResult.NONE:
+            return cache_outcome.NOT_CONSULTED
         if self.entry is None:
             return CacheOutcome(self.result)
         return CacheOutcome(self.result, saved=self.entry.usage, age_s=self.age_s)
@@ -132,7 +135,9 @@ class ResponseCache:
         if not config.enabled and not config.users and not config.keys and not config.teams \
                 and not config.routes:
             return NOT_CONSULTED
-        if ask.operation not in assemble.OPERATIONS:
+        if ask.operation not in assemble.OPERATIONS or ask.principal.forward_client_key:
+            # Pass-through: the proxy cannot tell a valid upstream key from another, and a
+            # hit must need one.
             return NOT_CONSULTED
         rule = rule_for(config, ask.principal, ask.model)
         if not rule.enabled or (not rule.cache_sampled and samples(ask.body)):
@@ -192,13 +197,13 @@ class ResponseCache:
         flight: the waiters get the entry, or None and go upstream themselves."""
         entry = None
         try:
+            made = None
             if finished is not None and not fill.over:
-                entry = await asyncio.to_thread(
+                made = await asyncio.to_thread(
                     _make_entry, fill, finished, tuple(config.redact), self._clock())
-            if entry is not None and entry.size > fill.rule.max_entry_bytes:
-                entry = None  # too large to keep
-            if entry is not None:
-                await self._put(fill, entry, config.lookup_timeout_ms / 1000)
+            if made is not None and made[0].size <= fill.rule.max_entry_bytes:
+                entry = made[0]  # else too large to keep
+                await self._put(fill, made[1], config.lookup_timeout_ms / 1000)
         except Exception:
             log.exception("making a cache entry failed; the answer is not stored")
             self._on_error(CacheStage.FILL)
@@ -207,9 +212,7 @@ class ResponseCache:
             if fill.leader:
                 self.flights.land(fill.key, entry)
 
-    async def _put(self, fill: Fill, entry: Entry, timeout_s: float) -> None:
-        raw = entry.encode() if entry.size <= ON_LOOP_BYTES else await asyncio.to_thread(
-            entry.encode)
+    async def _put(self, fill: Fill, raw: bytes, timeout_s: float) -> None:
         try:
             # A write waits a little longer than a lookup (its entry may be large), and is
             # never on a client's path.
@@ -224,7 +227,8 @@ class ResponseCache:
 
 
 def _make_entry(fill: Fill, finished: Finished, redact: tuple[str, ...],
-                now: float) -> Entry | None:
+                now: float) -> tuple[Entry, bytes] | None:
+    """The entry and its bytes as stored, or None when the answer is not to be stored."""
     raw = fill.data()
     if fill.stream:
         answer = assemble.from_stream(fill.operation, raw)
@@ -235,7 +239,8 @@ def _make_entry(fill: Fill, finished: Finished, redact: tuple[str, ...],
     if redact:
         answer = redact_answer(answer, redaction(redact))
     entry = Entry(fill.operation, answer, finished.usage, now)
-    return dataclasses.replace(entry, size=len(entry.encode()))
+    raw = entry.encode()
+    return dataclasses.replace(entry, size=len(raw)), raw
 
 
 @functools.lru_cache(maxsize=8)
