@@ -8,20 +8,31 @@ import asyncio
 import json
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
 import openai
 import pytest
 import redis.asyncio as aioredis
+import yaml
 from aiohttp.test_utils import TestServer
 from openai.types.chat import ChatCompletionMessageParam
 
 from proxy.pipeline.services import SERVICES
 from proxy.server.app import build_runtime, create_app
 from proxy.testing.mock_settings import MOCK_STATE, MockSettings
-from tests.helpers import FakeClock, ServerFactory, daily_used, make_config, sample, scrape
-from tests.servers import RedisServer
+from tests.helpers import (
+    FakeClock,
+    ServerFactory,
+    config_data,
+    daily_used,
+    make_config,
+    sample,
+    scrape,
+    until,
+)
+from tests.servers import RedisServer, ServedProxy
 
 ALICE = "sk-alice-cache-00001"
 ALICE_2 = "sk-alice-cache-00002"
@@ -255,27 +266,49 @@ def own_redis() -> Iterator[RedisServer]:
         server.stop()
 
 
-@pytest.mark.timeout(60)
-async def test_two_replicas_on_one_redis_share_a_hit_with_the_ttl_in_redis(
-    aiohttp_server: ServerFactory, upstream: TestServer, own_redis: RedisServer
+@pytest.mark.timeout(90)
+async def test_two_served_replicas_on_one_redis_share_a_hit_with_the_ttl_in_redis(
+    upstream: TestServer, own_redis: RedisServer, tmp_path: Path
 ) -> None:
-    a = await _proxy(aiohttp_server, upstream, store=own_redis.url, ttl_s=120)
-    b = await _proxy(aiohttp_server, upstream, store=own_redis.url, ttl_s=120)
-    first, _ = await _chat(_openai(a))
-    r = aioredis.Redis.from_url(own_redis.url)
+    config = tmp_path / "tokenmeter.yaml"
+    config.write_text(yaml.safe_dump(config_data(
+        str(upstream.make_url("/v1")), store=own_redis.url, users=USERS,
+        extra={"cache": {"enabled": True, "ttl_s": 120}})))
+    config.chmod(0o600)
+    a, b = (ServedProxy(config, tmp_path / f"{n}.log") for n in "ab")
     try:
-        keys = [k async for k in r.scan_iter(match="tokenmeter:cache:*")]
-        assert len(keys) == 1
-        assert 0 < await r.pttl(keys[0]) <= 120_000
-        raw = await r.get(keys[0])
-        assert isinstance(raw, bytes)
-        stored = json.loads(raw)
-        assert stored["answer"]["id"] == first.id  # the answer text is what is stored
+        await asyncio.gather(a.started(), b.started())
+        first, h = await _chat(_served(a))
+        assert h["x-tokenmeter-cache"] == "miss"
+        await until(lambda: _stored(own_redis))
+        r = aioredis.Redis.from_url(own_redis.url)
+        try:
+            keys = [k async for k in r.scan_iter(match="tokenmeter:cache:*")]
+            assert len(keys) == 1
+            assert 0 < await r.pttl(keys[0]) <= 120_000
+            raw = await r.get(keys[0])
+            assert isinstance(raw, bytes)
+            assert json.loads(raw)["answer"]["id"] == first.id  # the answer is what is stored
+        finally:
+            await r.aclose()
+        second, h = await _chat(_served(b))
+        assert h["x-tokenmeter-cache"] == "hit" and second.model_dump() == first.model_dump()
+        assert _seen(upstream) == 1
+    finally:
+        a.kill()
+        b.kill()
+
+
+async def _stored(server: RedisServer) -> bool:
+    r = aioredis.Redis.from_url(server.url)
+    try:
+        return bool([k async for k in r.scan_iter(match="tokenmeter:cache:*")])
     finally:
         await r.aclose()
-    second, h = await _chat(_openai(b))
-    assert h["x-tokenmeter-cache"] == "hit" and second.model_dump() == first.model_dump()
-    assert _seen(upstream) == 1
+
+
+def _served(proxy: ServedProxy) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key=ALICE, max_retries=0)
 
 
 @pytest.mark.timeout(60)
@@ -288,6 +321,7 @@ async def test_a_paused_redis_is_a_miss_and_the_request_is_served(
     server = await aiohttp_server(create_app(proxy))
     client = _openai(server)
     first, _ = await _chat(client)
+    await until(lambda: _stored(own_redis))  # the entry is there: a lookup would find it
     assert own_redis.proc is not None
     own_redis.proc.send_signal(signal.SIGSTOP)
     try:
