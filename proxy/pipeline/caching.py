@@ -61,6 +61,11 @@ async def _replay(request: web.Request, ctx: RequestContext, decision: Decision,
     if not ctx.stream:
         render = functools.partial(replay.as_json, entry.answer)
     body = render() if entry.size <= ON_LOOP_BYTES else await asyncio.to_thread(render)
+    if outcome.collector is not None:  # capture keeps the answer the client got, as for a miss
+        if ctx.stream:
+            outcome.collector.streamed(body, 0.0)
+        else:
+            outcome.collector.answered(body)
     if not ctx.stream:
         outcome.meter.content(time.perf_counter())
         return web.Response(body=body, headers=sent, content_type="application/json")
