@@ -86,6 +86,10 @@ class Fill:
     def data(self) -> bytes:
         return b"".join(self._parts)
 
+    @property
+    def size(self) -> int:
+        return self._size
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:
@@ -199,8 +203,10 @@ class ResponseCache:
         try:
             made = None
             if finished is not None and not fill.over:
-                made = await asyncio.to_thread(
-                    _make_entry, fill, finished, tuple(config.redact), self._clock())
+                make = functools.partial(_make_entry, fill, finished, tuple(config.redact),
+                                         self._clock())
+                # A small answer is made on the loop: a thread's hop would cost more.
+                made = make() if fill.size <= ON_LOOP_BYTES else await asyncio.to_thread(make)
             if made is not None and made[0].size <= fill.rule.max_entry_bytes:
                 entry = made[0]  # else too large to keep
                 await self._put(fill, made[1], config.lookup_timeout_ms / 1000)

@@ -266,7 +266,7 @@ def own_redis() -> Iterator[RedisServer]:
         server.stop()
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 async def test_two_served_replicas_on_one_redis_share_a_hit_with_the_ttl_in_redis(
     upstream: TestServer, own_redis: RedisServer, tmp_path: Path
 ) -> None:
@@ -277,7 +277,7 @@ async def test_two_served_replicas_on_one_redis_share_a_hit_with_the_ttl_in_redi
     config.chmod(0o600)
     a, b = (ServedProxy(config, tmp_path / f"{n}.log") for n in "ab")
     try:
-        await asyncio.gather(a.started(), b.started())
+        await asyncio.gather(a.started(90), b.started(90))  # a loaded box starts slowly
         first, h = await _chat(_served(a))
         assert h["x-tokenmeter-cache"] == "miss"
         await until(lambda: _stored(own_redis))
