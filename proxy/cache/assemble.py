@@ -6,6 +6,7 @@ loop by the cache. Returns None for anything that is not a whole, naturally fini
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -57,28 +58,22 @@ def from_stream(operation: str, raw: bytes) -> dict[str, Any] | None:
         return None  # a shape this reassembly does not know: not stored
 
 
+# One `data:` line of an event (SSE allows several per event: such a stream fails the one
+# parse below and goes through the SSE decoder instead).
+_DATA = re.compile(rb"^data: ?(.*)$", re.MULTILINE)
+
+
 def _datas(raw: bytes) -> list[dict[str, Any]] | None:
     """The stream's JSON events, parsed in one `json.loads` of them all (a call per event
-    costs several times more). Streams framed otherwise than one `data:` line an event with
-    `\n` line ends go through the SSE decoder."""
-    parts: list[bytes] = []
+    costs several times more). Streams framed otherwise (`\r` line ends, an event's data on
+    several lines) go through the SSE decoder."""
     if b"\r" in raw:
         return _decoded(raw)
-    for block in raw.split(b"\n\n"):
-        if not block:
-            continue
-        at = block.find(b"data: ")
-        if at < 0:
-            continue  # a comment or an event without data
-        data = block[at + 6:]
-        if b"\ndata:" in data or (at and block[at - 1:at] != b"\n"):
-            return _decoded(raw)
-        if data != b"[DONE]":
-            parts.append(data)
+    parts = [p for p in _DATA.findall(raw) if p != b"[DONE]"]
     try:
         events = json.loads(b"[" + b",".join(parts) + b"]")
     except ValueError:
-        return None
+        return _decoded(raw)
     return events if all(isinstance(e, dict) for e in events) else None
 
 
@@ -101,7 +96,9 @@ def _decoded(raw: bytes) -> list[dict[str, Any]] | None:
 def _choices(operation: str, chunks: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     head: dict[str, Any] | None = None
     choices: dict[int, dict[str, Any]] = {}
+    texts: dict[int, list[str]] = {}  # the content pieces of each choice, joined at the end
     usage = None
+    field = "text" if operation == "text_completion" else "content"
     for chunk in chunks:
         if "error" in chunk:
             return None
@@ -110,22 +107,37 @@ def _choices(operation: str, chunks: Iterable[dict[str, Any]]) -> dict[str, Any]
         if chunk.get("usage"):
             usage = chunk["usage"]
         for delta in chunk.get("choices") or ():
-            index = int(delta.get("index", 0))
-            choice = choices.setdefault(index, _choice(operation, index))
-            if operation == "chat":
-                _chat_delta(choice, delta.get("delta") or {})
-            else:
-                choice["text"] += delta.get("text") or ""
-            if delta.get("finish_reason"):
-                choice["finish_reason"] = delta["finish_reason"]
+            _take(delta, field, choices, texts)
     if head is None or not choices:
         return None
     answer = chunk_head(head)
     answer["object"] = "chat.completion" if operation == "chat" else "text_completion"
-    answer["choices"] = [_closed(choices[i]) for i in sorted(choices)]
+    answer["choices"] = [_closed(choices[i], texts[i]) for i in sorted(choices)]
     if usage is not None:
         answer["usage"] = usage
     return answer
+
+
+def _take(delta: dict[str, Any], field: str, choices: dict[int, dict[str, Any]],
+          texts: dict[int, list[str]]) -> None:
+    """One choice's delta of a chunk, into its choice."""
+    index = delta.get("index", 0)
+    body = delta if field == "text" else delta.get("delta") or {}
+    piece = body.get(field)
+    # The common event: one piece of text, nothing else (a dict look-up or two).
+    if isinstance(piece, str) and index in choices and (field == "text" or len(body) == 1):
+        texts[index].append(piece)
+    else:
+        if index not in choices:
+            choices[index] = _choice("text_completion" if field == "text" else "chat",
+                                     int(index))
+            texts[index] = []
+        if isinstance(piece, str):
+            texts[index].append(piece)
+        if field == "content":
+            _chat_delta(choices[index], body)
+    if delta.get("finish_reason"):
+        choices[index]["finish_reason"] = delta["finish_reason"]
 
 
 def _choice(operation: str, index: int) -> dict[str, Any]:
@@ -136,12 +148,14 @@ def _choice(operation: str, index: int) -> dict[str, Any]:
 
 
 def _chat_delta(choice: dict[str, Any], delta: dict[str, Any]) -> None:
+    """Everything of a chat delta but its content (`_choices` keeps that)."""
     message = choice["message"]
     if delta.get("role"):
         message["role"] = delta["role"]
-    for field in ("content", "refusal"):
-        if isinstance(delta.get(field), str):
-            message[field] = (message.get(field) or "") + delta[field]
+    if isinstance(delta.get("content"), str) and message["content"] is None:
+        message["content"] = ""  # some text came, if only an empty one
+    if isinstance(delta.get("refusal"), str):
+        message["refusal"] = (message.get("refusal") or "") + delta["refusal"]
     for call in delta.get("tool_calls") or ():
         tools = choice["_tools"]
         slot = tools.setdefault(int(call.get("index", len(tools))),
@@ -156,10 +170,15 @@ def _chat_delta(choice: dict[str, Any], delta: dict[str, Any]) -> None:
         slot["function"]["arguments"] += function.get("arguments") or ""
 
 
-def _closed(choice: dict[str, Any]) -> dict[str, Any]:
+def _closed(choice: dict[str, Any], texts: list[str]) -> dict[str, Any]:
     tools = choice.pop("_tools", None)
-    if tools:
-        choice["message"]["tool_calls"] = [tools[i] for i in sorted(tools)]
+    if "message" in choice:
+        if texts:
+            choice["message"]["content"] = "".join(texts)
+        if tools:
+            choice["message"]["tool_calls"] = [tools[i] for i in sorted(tools)]
+    else:
+        choice["text"] = "".join(texts)
     return choice
 
 

@@ -179,8 +179,11 @@ class ResponseCache:
 
     async def _lookup(self, key: str, timeout_s: float) -> Entry | None:
         try:
-            async with asyncio.timeout(timeout_s):
+            if self.store.in_process:  # a dict look-up: nothing to bound
                 raw = await self.store.get(key)
+            else:
+                async with asyncio.timeout(timeout_s):
+                    raw = await self.store.get(key)
         except Exception as exc:
             log.warning("cache lookup failed (a miss): %s", type(exc).__name__)
             self._on_error(CacheStage.LOOKUP)
@@ -222,8 +225,11 @@ class ResponseCache:
         try:
             # A write waits a little longer than a lookup (its entry may be large), and is
             # never on a client's path.
-            async with asyncio.timeout(max(timeout_s * 10, 0.5)):
+            if self.store.in_process:
                 await self.store.put(fill.key, raw, fill.rule.ttl_s)
+            else:
+                async with asyncio.timeout(max(timeout_s * 10, 0.5)):
+                    await self.store.put(fill.key, raw, fill.rule.ttl_s)
         except Exception as exc:
             log.warning("cache store failed (the answer is not stored): %s", type(exc).__name__)
             self._on_error(CacheStage.STORE)

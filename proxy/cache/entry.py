@@ -4,12 +4,13 @@ reported (what a hit saves), and when it was made. Stored as compact JSON bytes.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from proxy.protocol.usage import Usage
 
 _VERSION = 1
+_USAGE_FIELDS = tuple(f.name for f in fields(Usage))  # asdict() deep-copies: 10x slower
 
 
 class EntryUnreadable(ValueError):
@@ -27,7 +28,8 @@ class Entry:
     def encode(self) -> bytes:
         return json.dumps(
             {"v": _VERSION, "operation": self.operation, "answer": self.answer,
-             "usage": asdict(self.usage), "created_at": self.created_at},
+             "usage": {f: getattr(self.usage, f) for f in _USAGE_FIELDS},
+             "created_at": self.created_at},
             separators=(",", ":"), ensure_ascii=False,
         ).encode()
 

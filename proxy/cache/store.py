@@ -20,6 +20,9 @@ _MAX_CONNECTIONS = 32
 
 
 class CacheStore(Protocol):
+    # True: calls never wait on I/O (no timeout needed around them).
+    in_process: bool
+
     async def get(self, key: str) -> bytes | None: ...
 
     async def put(self, key: str, value: bytes, ttl_s: float) -> None: ...
@@ -30,6 +33,8 @@ class CacheStore(Protocol):
 class MemoryCacheStore:
     """An LRU of entries, at most `max_bytes` of them (keys and values), each dropped at its
     TTL too. Reads and writes are dict operations on the loop: no await, no lock needed."""
+
+    in_process = True
 
     def __init__(self, max_bytes: Callable[[], int], clock: Callable[[], float]) -> None:
         self._max_bytes = max_bytes  # read at each put: a reload may change it
@@ -75,6 +80,8 @@ class MemoryCacheStore:
 class RedisCacheStore:
     """The budget store's Redis (its URL; a cluster too), on a pool of the cache's own whose
     socket timeout is the lookup bound, so a paused server costs a request that much."""
+
+    in_process = False
 
     def __init__(self, url: str, prefix: str, timeout_s: float) -> None:
         self._prefix = f"{prefix}:cache:"

@@ -101,3 +101,13 @@ def test_redaction_reaches_the_texts_only() -> None:
     assert chat["choices"][0]["message"]["role"] == "assistant"
     assert "Paris" not in chat["choices"][0]["message"]["content"]
     assert chat["choices"][1]["message"]["tool_calls"][0]["function"]["name"] == "lookup"
+
+
+def test_streams_framed_otherwise_are_read_by_the_sse_decoder() -> None:
+    raw = replay.as_stream("chat", CHAT, include_usage=True)
+    assert assemble.from_stream("chat", raw.replace(b"\n", b"\r\n")) == CHAT
+    # An event whose JSON is split over two data lines (SSE joins them with a newline).
+    first = raw.index(b"data: ") + len(b"data: ")
+    comma = raw.index(b",", first)
+    split = raw[:comma + 1] + b"\ndata: " + raw[comma + 1:]
+    assert assemble.from_stream("chat", split) == CHAT
