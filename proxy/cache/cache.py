@@ -136,8 +136,7 @@ class ResponseCache:
         self._clock = clock
 
     async def consult(self, config: CacheConfig, ask: Ask) -> Decision:
-        if not config.enabled and not config.users and not config.keys and not config.teams \
-                and not config.routes:
+        if not config.maybe_enabled:
             return NOT_CONSULTED
         if ask.operation not in assemble.OPERATIONS or ask.principal.forward_client_key:
             # Pass-through: the proxy cannot tell a valid upstream key from another, and a

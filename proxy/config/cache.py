@@ -89,6 +89,11 @@ class CacheConfig(ConfigModel):
                 raise ValueError(f"name {name!r} must match {NAME}")
         return v
 
+    @property
+    def maybe_enabled(self) -> bool:
+        """Whether any request may be cached: on, or an override may turn it on."""
+        return self.enabled or bool(self.routes or self.teams or self.users or self.keys)
+
     def route_override(self, model: str) -> CacheOverride | None:
         """The first `routes` glob (in the file's order) that matches the model."""
         for glob, override in self.routes.items():

@@ -31,8 +31,8 @@ async def consult(request: web.Request, ctx: RequestContext, svc: Services,
     """The hit's answer, or None: the request goes upstream (a miss's fill kept in
     `outcome.cache` for the relay)."""
     cache = svc.cache
-    if cache is None:
-        return None
+    if cache is None or not ctx.runtime.config.cache.maybe_enabled:
+        return None  # the cache off costs a request this test
     ask = Ask(ctx.operation, ctx.request_model, ctx.request.body, ctx.principal,
               request.headers.get(hdrs.CACHE_CONTROL, ""), len(ctx.request.raw))
     decision = await cache.consult(ctx.runtime.config.cache, ask)
