@@ -25,6 +25,8 @@ import aiohttp
 
 from proxy.budget.accounting import Reservation
 from proxy.budget.principal import Principal
+from proxy.cache import cache as response_cache
+from proxy.cache.cache import Decision, Fill
 from proxy.cache.outcome import NOT_CONSULTED, CacheOutcome
 from proxy.capture.collect import Collector
 from proxy.config.tags import NO_TAGS, Tags
@@ -147,7 +149,8 @@ class Outcome:
 
     __slots__ = ("_answered", "_attempts", "_candidacy", "_context", "_error_class",
                  "_fallback_from", "_in_flight", "_model", "_principal", "_status", "_stream",
-                 "_tags", "collector", "meter", "operation", "request_id", "runtime", "trace")
+                 "_tags", "cache", "collector", "meter", "operation", "request_id", "runtime",
+                 "trace")
 
     def __init__(self, request_id: str, operation: str, meter: RequestMeter) -> None:
         self.request_id = request_id
@@ -160,6 +163,9 @@ class Outcome:
         # The request's spans when tracing is on (proxy.telemetry.tracing), else None: the
         # handler and the routing report the attempts to it, settle ends it.
         self.trace: RequestTrace | None = None
+        # What the response cache decided for the request (docs/cache.md): a hit's entry, or
+        # a miss's fill that the relay feeds; set once, by the pipeline's cache step.
+        self.cache: Decision = response_cache.NOT_CONSULTED
         self._principal: Principal | None = None
         self._model = ""
         self._stream = False
@@ -188,6 +194,19 @@ class Outcome:
 
     def admitted(self, context: RequestContext) -> None:
         self._context = context
+
+    def cache_decided(self, decision: Decision) -> None:
+        self.cache = decision
+
+    def served_from_cache(self) -> None:
+        """A hit: the answer went out whole without an upstream call (and nothing to charge:
+        no candidacy)."""
+        self._answered = True
+        self._status = 200
+
+    @property
+    def cache_fill(self) -> Fill | None:
+        return self.cache.fill
 
     # --- attempts -----------------------------------------------------------------------
     def candidate(self, candidacy: Candidacy, fallback_from: str | None) -> None:
@@ -274,4 +293,5 @@ class Outcome:
             collected=self.collector,
             tags=self._tags,
             trace=self.trace,
+            cache=self.cache.outcome(),
         )

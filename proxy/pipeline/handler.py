@@ -49,7 +49,7 @@ from proxy.errors import (
     UpstreamUnavailable,
 )
 from proxy.ids import new_id
-from proxy.pipeline import counting
+from proxy.pipeline import caching, counting
 from proxy.pipeline.context import Attempt, Candidacy, Outcome, RequestContext
 from proxy.pipeline.relay import REQUEST_ID_HEADER, client_gone, relay, tell_cost
 from proxy.pipeline.services import BODY_TIMED_OUT, SERVICES, Runtime, Services
@@ -104,6 +104,9 @@ async def handle(request: web.Request, svc: Services, shape: type[Translator]
         outcome.trace = svc.tracing.request(request.headers, shape.operation)
     try:
         ctx = await admit(request, svc, shape, outcome)
+        hit = await caching.consult(request, ctx, svc, outcome)
+        if hit is not None:
+            return hit
         attempt = await forward(request, ctx, svc, shape, outcome)
         relayed = await relay(request, attempt, svc, outcome)
         return relayed
@@ -147,7 +150,9 @@ async def _settle(request: web.Request, svc: Services, outcome: Outcome,
     """Settle the request, then tell the client what it cost: the answer's headers are not
     out yet (a JSON answer) or its stream's end is not (aiohttp ends it after the handler
     returns), so the figures are the ledger row's own."""
-    task = asyncio.ensure_future(settle(outcome.finish(), svc))
+    done = outcome.finish()
+    caching.finish(done, outcome, svc)
+    task = asyncio.ensure_future(settle(done, svc))
     svc.settling.tasks.add(task)
     task.add_done_callback(svc.settling.finished)
     # If we are cancelled while waiting, the settle task runs on; shutdown waits for it.
@@ -314,7 +319,8 @@ async def _try(request: web.Request, ctx: RequestContext, svc: Services, outcome
         if turn.last or up.status == 200 or not upstream_errors.fallback_worthy(failure):
             outcome.answered(up.status, failure)
             return Attempt(candidacy, up, deadline,
-                           _response_headers(candidacy, turn.fallback_from, svc))
+                           _response_headers(candidacy, turn.fallback_from, svc)
+                           | caching.headers(outcome))
         up.close()
         if outcome.trace is not None:
             outcome.trace.attempt_ended(failure)

@@ -98,6 +98,8 @@ async def _relay_body(attempt: Attempt, outcome: Outcome) -> web.StreamResponse:
         attempt.translator.on_body(body)
     if outcome.collector is not None:
         outcome.collector.answered(body)
+    if outcome.cache_fill is not None and up.status == 200:
+        outcome.cache_fill.take(body)  # for the response cache's entry
     headers = _client_headers(attempt, outcome.request_id)
     return web.Response(status=up.status, body=body, headers=headers)
 
@@ -133,7 +135,9 @@ async def _relay_stream(
         # a write to a client that left passes through as it is.
         with map_upstream_exceptions(attempt.route.upstream, Phase.STREAM,
                                      silent=lambda: watch.expired):
-            chunks = up.content.iter_any()
+            chunks: AsyncIterable[bytes] = up.content.iter_any()
+            if outcome.cache_fill is not None:  # a miss the response cache stores: kept too
+                chunks = outcome.cache_fill.tee(chunks)
             await (stream.pump(chunks) if topups is None else stream.pump_checked(chunks, topups))
             if watch.expired:  # the watchdog closed a silent upstream: not a clean end
                 raise TimeoutError

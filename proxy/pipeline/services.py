@@ -16,6 +16,7 @@ from aiohttp import web
 
 from proxy.auth import UserIndex
 from proxy.budget.accounting import Budget
+from proxy.cache.cache import ResponseCache
 from proxy.capture.writer import CaptureWriter
 from proxy.config.load import Config
 from proxy.config.policy import Price
@@ -108,6 +109,7 @@ class Services:
     auth_failures: AuthFailureLog = field(default_factory=AuthFailureLog)
     capture: CaptureWriter | None = None  # None: capture is off (capture.enabled is false)
     tracing: Tracing | None = None  # None: tracing is off (the default)
+    cache: ResponseCache | None = None  # the response cache (its config decides if it is used)
 
 
 SERVICES = web.AppKey("services", Services)

@@ -25,6 +25,8 @@ from proxy.budget.notify import Notifier
 from proxy.budget.spool import SettleSpool, default_dir
 from proxy.budget.store import Store
 from proxy.budget.store_factory import make_store
+from proxy.cache.cache import ResponseCache
+from proxy.cache.store import make_cache_store
 from proxy.capture.store import CaptureStore, default_url
 from proxy.capture.writer import CaptureWriter
 from proxy.config.load import Config, ConfigError
@@ -343,6 +345,24 @@ async def _ledger_ctx(app: web.Application) -> AsyncIterator[None]:
     await ledger.stop(svc.runtime.current.config.server.drain_seconds)
 
 
+def _response_cache(config: Config, holder: RuntimeHolder, metrics: Metrics,
+                    clock: Callable[[], float]) -> ResponseCache:
+    """Always made (a reload may enable the cache); its store follows the budget store's."""
+    def memory_bytes() -> int:
+        return int(holder.current.config.cache.memory_mb * 1024 * 1024)
+
+    store = make_cache_store(config.store.url, config.store.prefix,
+                             config.cache.lookup_timeout_ms / 1000, memory_bytes, clock)
+    return ResponseCache(store, metrics.cache_failed, clock)
+
+
+async def _cache_ctx(app: web.Application) -> AsyncIterator[None]:
+    yield
+    cache = app[SERVICES].cache
+    if cache is not None:
+        await cache.close()
+
+
 def _capture_writer(config: Config, holder: RuntimeHolder, metrics: Metrics) -> CaptureWriter:
     """Always made (a reload may enable capture); its store is opened by the first capture.
     The store's location and the queue's size are the starting configuration's."""
@@ -509,12 +529,13 @@ def create_app(
         ledger=make_ledger(config.ledger, metrics, clock=clock),
         capture=_capture_writer(config, holder, metrics),
         tracing=Tracing.of(config.tracing),
+        cache=_response_cache(config, holder, metrics, clock),
     )
     app[BODY_PARSERS] = asyncio.Semaphore(BODY_PARSER_SLOTS)
     app.cleanup_ctx.extend(
         [_tracing_ctx, _ledger_ctx, _capture_ctx, _session_ctx, _store_ctx,
          *([_audit_ctx] if placement.audit else []), _watchdog_ctx, _discover_models,
-         _drain_settling]
+         _cache_ctx, _drain_settling]
     )
     if config_path is not None:
         app.cleanup_ctx.append(_watch_ctx(config_path, placement.workers))

@@ -319,6 +319,15 @@ class CaptureStage(enum.Enum):
     RETENTION = "retention"  # deleting captures past capture.retention_days
 
 
+class CacheStage(enum.Enum):
+    """Where the response cache failed (the request was then a miss, or not stored)."""
+
+    LOOKUP = "lookup"  # the store failed or took longer than cache.lookup_timeout_ms
+    STORE = "store"  # the store failed to take an entry
+    ENTRY = "entry"  # an entry could not be read back (another version, damaged)
+    FILL = "fill"  # making an entry of a finished answer failed
+
+
 class Metrics:
     """Every collector of one app, updated only through the verbs below: each says what
     happened in the domain's words and names its labels, so no caller depends on label order."""
@@ -589,6 +598,11 @@ class Metrics:
         self._capture_errors = _Counter(
             "tokenmeter_capture_errors", "Capture failures by stage.", ("stage",), registry=r,
         )
+        self._cache_errors = _Counter(
+            "tokenmeter_cache_errors",
+            "Response cache failures by stage; each is a miss (or an answer not stored), "
+            "never a failed request.", ("stage",), registry=r,
+        )
         self._reconcile_drift = _Gauge(
             "tokenmeter_reconcile_drift_tokens",
             "Ledger total minus the store's counter, beyond what requests in flight explain, "
@@ -772,6 +786,9 @@ class Metrics:
 
     def capture_failed(self, stage: CaptureStage) -> None:
         self._capture_errors.labels(stage.value).inc()
+
+    def cache_failed(self, stage: CacheStage) -> None:
+        self._cache_errors.labels(stage.value).inc()
 
     def reconciled(self, drift_by_window: dict[str, int], orphans: int) -> None:
         for window, drift in drift_by_window.items():

@@ -1,0 +1,276 @@
+"""The response cache of one process: what a request's lookup decides (`consult`: a hit, a
+miss that fills an entry, a bypass, or not consulted), and the filling of an entry from a
+finished answer (`complete`). A store that fails or is slow is a miss, counted; a fill that
+fails is an answer not stored, counted; neither ever fails a request."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import re
+from collections.abc import AsyncIterable, AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.budget.principal import Principal
+from proxy.cache import assemble
+from proxy.cache import outcome as cache_outcome
+from proxy.cache.entry import Entry, EntryUnreadable
+from proxy.cache.flight import Flights
+from proxy.cache.key import cache_key
+from proxy.cache.outcome import CacheOutcome, CacheResult
+from proxy.cache.policy import CacheRule, rule_for, samples, scope_id
+from proxy.cache.store import CacheStore
+from proxy.config.cache import CacheConfig
+from proxy.protocol.usage import Usage
+from proxy.telemetry.metrics import CacheStage
+
+log = logging.getLogger("tokenmeter.cache")
+
+# A stream's bytes are kept for its entry up to this many times the entry's cap: a stream's
+# events carry some 10-40 times the bytes of the text they deliver.
+STREAM_FACTOR = 16
+# A request body (or a stored entry) larger than this is hashed (decoded) in a thread: a
+# canonical JSON of a 32 MB body is some 100 ms of CPU the loop must not spend.
+ON_LOOP_BYTES = 256 * 1024
+HIT_HEADER = "x-tokenmeter-cache"
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What the cache reads of a request."""
+
+    operation: str
+    model: str  # after routing
+    body: dict[str, Any]
+    principal: Principal
+    cache_control: str  # the request's Cache-Control header ("" without one)
+    body_bytes: int  # the body's size as sent
+
+
+class Fill:
+    """The bytes of a miss's answer, kept for its entry: the JSON body, or the upstream's
+    stream as it came (its usage chunk included). Past its bound it keeps nothing more and
+    the answer is not stored."""
+
+    __slots__ = ("_parts", "_size", "bound", "key", "leader", "operation", "over", "rule",
+                 "stream")
+
+    def __init__(self, key: str, operation: str, rule: CacheRule, *, stream: bool,
+                 leader: bool) -> None:
+        self.key, self.operation, self.rule = key, operation, rule
+        self.stream, self.leader = stream, leader
+        self.bound = rule.max_entry_bytes * (STREAM_FACTOR if stream else 1)
+        self._parts: list[bytes] = []
+        self._size = 0
+        self.over = False
+
+    def take(self, data: bytes) -> None:
+        if self.over:
+            return
+        self._size += len(data)
+        if self._size > self.bound:
+            self.over = True
+            self._parts.clear()
+            return
+        self._parts.append(data)
+
+    async def tee(self, chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+        take = self.take
+        async for chunk in chunks:
+            take(chunk)
+            yield chunk
+
+    def data(self) -> bytes:
+        return b"".join(self._parts)
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    result: CacheResult
+    entry: Entry | None = None  # a hit's
+    age_s: float | None = None
+    fill: Fill | None = None  # a miss's (or a no-cache bypass's): the answer to store
+
+    @property
+    def header(self) -> str | None:
+        return None if self.result is CacheResult.NONE else self.result.value
+
+    def outcome(self) -> CacheOutcome:
+        """What settle is handed: on a hit, the stored answer's usage (what it saved)."""
+        if self.result is CacheResult.NONE:
+            return cache_outcome.NOT_CONSULTED
+        if self.entry is None:
+            return CacheOutcome(self.result)
+        return CacheOutcome(self.result, saved=self.entry.usage, age_s=self.age_s)
+
+
+NOT_CONSULTED = Decision(CacheResult.NONE)
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A miss's answer, as the handler saw it end: whole and successful or not."""
+
+    usage: Usage  # reported by the upstream
+    capped_ok: bool  # an end at the output cap is the client's own cap, not the proxy's
+
+
+def directives(cache_control: str) -> frozenset[str]:
+    return frozenset(part.strip().lower().split("=", 1)[0]
+                     for part in cache_control.split(",") if part.strip())
+
+
+class ResponseCache:
+    def __init__(self, store: CacheStore, on_error: Callable[[CacheStage], None],
+                 clock: Callable[[], float]) -> None:
+        self.store = store
+        self.flights = Flights()
+        self._on_error = on_error
+        self._clock = clock
+
+    async def consult(self, config: CacheConfig, ask: Ask) -> Decision:
+        if not config.maybe_enabled:
+            return NOT_CONSULTED
+        if ask.operation not in assemble.OPERATIONS or ask.principal.forward_client_key:
+            # Pass-through: the proxy cannot tell a valid upstream key from another, and a
+            # hit must need one.
+            return NOT_CONSULTED
+        rule = rule_for(config, ask.principal, ask.model)
+        if not rule.enabled or (not rule.cache_sampled and samples(ask.body)):
+            return NOT_CONSULTED
+        parts = (ask.operation, ask.model, ask.body, scope_id(rule.scope, ask.principal))
+        key = (cache_key(*parts) if ask.body_bytes <= ON_LOOP_BYTES
+               else await asyncio.to_thread(cache_key, *parts))
+        stream = ask.body.get("stream") is True
+        said = directives(ask.cache_control) if ask.cache_control else frozenset()
+        if "no-store" in said:
+            return Decision(CacheResult.BYPASS)
+        if "no-cache" in said:  # a fresh answer, stored; those asking meanwhile wait for it
+            return Decision(CacheResult.BYPASS, fill=Fill(
+                key, ask.operation, rule, stream=stream, leader=self.flights.lead(key) is None))
+        # An answer on its way is waited for before the store is asked: it is the freshest.
+        flight = self.flights.open(key)
+        entry = None
+        if flight is None:
+            entry = await self._lookup(key, config.lookup_timeout_ms / 1000)
+            if entry is None:
+                flight = self.flights.lead(key)
+                if flight is None:
+                    return Decision(CacheResult.MISS, fill=Fill(
+                        key, ask.operation, rule, stream=stream, leader=True))
+        if flight is not None:
+            entry = await self.flights.wait(flight, config.lock_timeout_s)
+        if entry is None or entry.operation != ask.operation:
+            return Decision(CacheResult.MISS,
+                            fill=Fill(key, ask.operation, rule, stream=stream, leader=False))
+        age = max(0.0, self._clock() - entry.created_at)
+        if age >= rule.ttl_s:  # a reload shortened the TTL, or the store kept it longer
+            return Decision(CacheResult.MISS,
+                            fill=Fill(key, ask.operation, rule, stream=stream, leader=False))
+        return Decision(CacheResult.HIT, entry=entry, age_s=age)
+
+    async def _lookup(self, key: str, timeout_s: float) -> Entry | None:
+        try:
+            if self.store.in_process:  # a dict look-up: nothing to bound
+                raw = await self.store.get(key)
+            else:
+                async with asyncio.timeout(timeout_s):
+                    raw = await self.store.get(key)
+        except Exception as exc:
+            log.warning("cache lookup failed (a miss): %s", type(exc).__name__)
+            self._on_error(CacheStage.LOOKUP)
+            return None
+        if raw is None:
+            return None
+        try:
+            if len(raw) <= ON_LOOP_BYTES:
+                return Entry.decode(raw)
+            return await asyncio.to_thread(Entry.decode, raw)
+        except EntryUnreadable:
+            self._on_error(CacheStage.ENTRY)
+            return None
+
+    async def complete(self, fill: Fill, config: CacheConfig,
+                       finished: Finished | None) -> None:
+        """Store the miss's answer if it is whole and successful (`finished`), then end its
+        flight: the waiters get the entry, or None and go upstream themselves."""
+        entry = None
+        try:
+            made = None
+            if finished is not None and not fill.over:
+                make = functools.partial(_make_entry, fill, finished, tuple(config.redact),
+                                         self._clock())
+                # A small answer is made on the loop: a thread's hop would cost more.
+                made = make() if fill.size <= ON_LOOP_BYTES else await asyncio.to_thread(make)
+            if made is not None and made[0].size <= fill.rule.max_entry_bytes:
+                entry = made[0]  # else too large to keep
+                await self._put(fill, made[1], config.lookup_timeout_ms / 1000)
+        except Exception:
+            log.exception("making a cache entry failed; the answer is not stored")
+            self._on_error(CacheStage.FILL)
+            entry = None
+        finally:
+            if fill.leader:
+                self.flights.land(fill.key, entry)
+
+    async def _put(self, fill: Fill, raw: bytes, timeout_s: float) -> None:
+        try:
+            # A write waits a little longer than a lookup (its entry may be large), and is
+            # never on a client's path.
+            if self.store.in_process:
+                await self.store.put(fill.key, raw, fill.rule.ttl_s)
+            else:
+                async with asyncio.timeout(max(timeout_s * 10, 0.5)):
+                    await self.store.put(fill.key, raw, fill.rule.ttl_s)
+        except Exception as exc:
+            log.warning("cache store failed (the answer is not stored): %s", type(exc).__name__)
+            self._on_error(CacheStage.STORE)
+
+    async def close(self) -> None:
+        await self.store.close()
+
+
+def _make_entry(fill: Fill, finished: Finished, redact: tuple[str, ...],
+                now: float) -> tuple[Entry, bytes] | None:
+    """The entry and its bytes as stored, or None when the answer is not to be stored."""
+    raw = fill.data()
+    if fill.stream:
+        answer = assemble.from_stream(fill.operation, raw)
+    else:
+        answer = assemble.from_body(fill.operation, raw)
+    if answer is None or not assemble.finished(fill.operation, answer, finished.capped_ok):
+        return None
+    if redact:
+        answer = redact_answer(answer, redaction(redact))
+    entry = Entry(fill.operation, answer, finished.usage, now)
+    raw = entry.encode()
+    return dataclasses.replace(entry, size=len(raw)), raw
+
+
+@functools.lru_cache(maxsize=8)
+def redaction(redact: tuple[str, ...]) -> re.Pattern[str]:
+    return re.compile("|".join(f"(?:{p})" for p in redact))
+
+
+# The fields of an answer that hold what the model wrote (everything within them is
+# redacted); ids, roles, finish reasons and usage are left as they are.
+_TEXT_FIELDS = frozenset({"content", "text", "refusal", "arguments", "thinking", "input"})
+
+
+def redact_answer(value: Any, pattern: re.Pattern[str], text: bool = False) -> Any:
+    if isinstance(value, str):
+        return pattern.sub("[REDACTED]", value) if text else value
+    if isinstance(value, dict):
+        # Anthropic's `content` is a list of blocks (types, ids): only its texts are redacted.
+        return {k: redact_answer(v, pattern, text or (k in _TEXT_FIELDS and (
+            k != "content" or isinstance(v, str)))) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact_answer(v, pattern, text) for v in value]
+    return value

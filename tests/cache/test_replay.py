@@ -1,0 +1,113 @@
+"""An answer stored from a stream and replayed as one (and the other way round) is the same
+answer: the reassembly and the replay are each other's inverse on what the SDKs read. The
+streams here are the simulated upstream's, as a client would get them."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from proxy.cache import assemble, replay
+from proxy.cache.cache import redact_answer, redaction
+from proxy.protocol.sse import SSEDecoder
+
+CHAT: dict[str, Any] = {
+    "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
+    "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "Paris " * 200},
+         "logprobs": None, "finish_reason": "stop"},
+        {"index": 1, "message": {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "lookup", "arguments": "{\"q\": \"x\"}"}}]},
+         "logprobs": None, "finish_reason": "tool_calls"},
+    ],
+    "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12},
+}
+MESSAGE: dict[str, Any] = {
+    "id": "msg_1", "type": "message", "role": "assistant", "model": "claude",
+    "content": [
+        {"type": "thinking", "thinking": "hmm " * 300, "signature": "sig"},
+        {"type": "text", "text": "Hello " * 300},
+        {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {"q": ["a", 1]}},
+    ],
+    "stop_reason": "tool_use", "stop_sequence": None,
+    "usage": {"input_tokens": 9, "output_tokens": 30, "cache_read_input_tokens": 0},
+}
+
+
+def _events(raw: bytes) -> list[dict[str, Any]]:
+    decoder = SSEDecoder()
+    return [json.loads(e.data) for e in [*decoder.feed(raw), *decoder.flush()]
+            if e.data != b"[DONE]"]
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_chat_round_trip(include_usage: bool) -> None:
+    raw = replay.as_stream("chat", CHAT, include_usage)
+    assert raw.endswith(b"data: [DONE]\n\n")
+    usage_chunks = [e for e in _events(raw) if e.get("usage")]
+    assert len(usage_chunks) == (1 if include_usage else 0)
+    again = assemble.from_stream("chat", raw)
+    expected = CHAT if include_usage else {k: v for k, v in CHAT.items() if k != "usage"}
+    assert again == expected
+    assert assemble.finished("chat", CHAT, capped_ok=False)
+
+
+def test_text_completion_round_trip() -> None:
+    answer = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+              "choices": [{"index": 0, "text": "abc " * 400, "logprobs": None,
+                           "finish_reason": "length"}],
+              "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}
+    assert assemble.from_stream("text_completion",
+                                replay.as_stream("text_completion", answer, True)) == answer
+    assert not assemble.finished("text_completion", answer, capped_ok=False)
+    assert assemble.finished("text_completion", answer, capped_ok=True)
+
+
+def test_messages_round_trip() -> None:
+    raw = replay.as_stream("messages", MESSAGE, include_usage=False)
+    names = [e["type"] for e in _events(raw)]
+    assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
+    assert assemble.from_stream("messages", raw) == MESSAGE
+    assert assemble.finished("messages", MESSAGE, capped_ok=False)
+    assert not assemble.finished("messages", {**MESSAGE, "stop_reason": "max_tokens"},
+                                 capped_ok=False)
+
+
+def test_cut_or_failed_streams_are_not_answers() -> None:
+    raw = replay.as_stream("messages", MESSAGE, include_usage=False)
+    assert assemble.from_stream("messages", raw[: raw.index(b"event: message_stop")]) is None
+    error = b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error"}}\n\n'
+    assert assemble.from_stream("messages", raw[:200] + error) is None
+    chat = replay.as_stream("chat", CHAT, include_usage=False)
+    cut = chat[: chat.index(b'"finish_reason":"stop"')]
+    cut = cut[: cut.rindex(b"data: ")]
+    answer = assemble.from_stream("chat", cut)
+    assert answer is not None and not assemble.finished("chat", answer, capped_ok=True)
+    assert assemble.from_stream("chat", b"data: {not json\n\n") is None
+    assert assemble.from_body("chat", b"[1, 2]") is None
+
+
+def test_redaction_reaches_the_texts_only() -> None:
+    pattern = redaction(("[A-Za-z]+",))
+    message = redact_answer(MESSAGE, pattern)
+    assert [b["type"] for b in message["content"]] == ["thinking", "text", "tool_use"]
+    assert message["content"][1]["text"].strip().split() == ["[REDACTED]"] * 300
+    assert message["content"][2]["input"] == {"q": ["[REDACTED]", 1]}
+    assert message["stop_reason"] == "tool_use" and message["id"] == "msg_1"
+    chat = redact_answer(CHAT, pattern)
+    assert chat["choices"][0]["message"]["role"] == "assistant"
+    assert "Paris" not in chat["choices"][0]["message"]["content"]
+    assert chat["choices"][1]["message"]["tool_calls"][0]["function"]["name"] == "lookup"
+
+
+def test_streams_framed_otherwise_are_read_by_the_sse_decoder() -> None:
+    raw = replay.as_stream("chat", CHAT, include_usage=True)
+    assert assemble.from_stream("chat", raw.replace(b"\n", b"\r\n")) == CHAT
+    # An event whose JSON is split over two data lines (SSE joins them with a newline).
+    first = raw.index(b"data: ") + len(b"data: ")
+    comma = raw.index(b",", first)
+    split = raw[:comma + 1] + b"\ndata: " + raw[comma + 1:]
+    assert assemble.from_stream("chat", split) == CHAT

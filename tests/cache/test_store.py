@@ -1,0 +1,64 @@
+"""The in-process store: an LRU bounded in bytes whose entries also end at their TTL; and the
+single flight's bookkeeping."""
+
+from __future__ import annotations
+
+import asyncio
+
+from proxy.cache.entry import Entry, EntryUnreadable
+from proxy.cache.flight import Flights
+from proxy.cache.store import MemoryCacheStore
+from proxy.protocol.usage import Usage
+from tests.helpers import FakeClock
+
+
+async def test_the_lru_keeps_its_byte_bound_and_drops_the_least_recently_used() -> None:
+    clock = FakeClock(1000)
+    store = MemoryCacheStore(lambda: 300, clock)
+    for key in ("a", "b", "c"):
+        await store.put(key, b"x" * 99, ttl_s=60)
+    assert len(store) == 3 and store.size == 300
+    assert await store.get("a") == b"x" * 99  # a is now the most recent
+    await store.put("d", b"y" * 99, ttl_s=60)
+    assert await store.get("b") is None and await store.get("a") is not None
+    assert store.size <= 300
+    await store.put("huge", b"z" * 400, ttl_s=60)  # larger than the bound: not kept
+    assert await store.get("huge") is None and store.size <= 300
+
+
+async def test_entries_end_at_their_ttl() -> None:
+    clock = FakeClock(1000)
+    store = MemoryCacheStore(lambda: 10_000, clock)
+    await store.put("k", b"v", ttl_s=10)
+    clock.now += 9.9
+    assert await store.get("k") == b"v"
+    clock.now += 0.1
+    assert await store.get("k") is None and store.size == 0
+
+
+def test_entries_round_trip_and_damage_is_unreadable() -> None:
+    entry = Entry("chat", {"id": "x"}, Usage(input_tokens=3, output_tokens=4), 12.5)
+    back = Entry.decode(entry.encode())
+    assert back.answer == entry.answer and back.usage == entry.usage
+    assert back.size == len(entry.encode())
+    for raw in (b"{", b"[]", b'{"v": 99}', entry.encode().replace(b'"input_tokens"', b'"x"')):
+        try:
+            Entry.decode(raw)
+        except EntryUnreadable:
+            continue
+        raise AssertionError(raw)
+
+
+async def test_a_flight_has_one_leader_and_its_waiters_get_its_entry() -> None:
+    flights = Flights()
+    assert flights.lead("k") is None  # the caller leads
+    waiting = flights.lead("k")
+    assert waiting is not None
+    entry = Entry("chat", {}, Usage(), 0.0)
+    waiter = asyncio.ensure_future(Flights.wait(waiting, within_s=10))
+    flights.land("k", entry)
+    assert await waiter is entry and len(flights) == 0
+    assert flights.lead("k") is None
+    late = flights.lead("k")
+    assert late is not None
+    assert await Flights.wait(late, within_s=0.01) is None  # the bound: go upstream
