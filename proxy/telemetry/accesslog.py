@@ -102,6 +102,20 @@ def request_line(rec: RequestRecord) -> str:
     )
 
 
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        if record.name == "tokenmeter.access":
+            return record.getMessage()  # already one JSON object
+        out: dict[str, object] = {
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, separators=(",", ":"))
+
+
 class AuthFailureLog:
     """The sampled access-log line of failed authentications: the first at once, then at most
     one per AUTH_LOG_EVERY_S, when a failure comes (a flood that stops leaves its last count

@@ -1,0 +1,389 @@
+"""The ledger shipper as a process of its own: one per spool directory (per host), moving the
+rows every serving process appends to the spool into the database.
+
+Why a process: shipping (reading the spool, encoding rows for the database, SQLite's inserts,
+PostgreSQL's COPY) used to run on a thread and the event loop of the process serving requests,
+where it took the GIL and the loop from requests, and contended with the access log's lock. The
+serving process now only appends rows (proxy.ledger.spool.SpoolWriter); this process follows
+the segments of every writer in the directory (complete lines only, as they grow), ships them
+with proxy.ledger.shipper.Shipper, and adopts the files of writers that are gone. Its CPU is
+still tokenmeter's (the benchmarks count it), but no request waits on it.
+
+Who starts it: `serve` (one process) starts it as its child (`Ledger.start`) and starts it
+again if it dies; `serve --workers N` has the supervisor start one for all workers, supervised
+like them. A fresh interpreter (`python -m proxy.ledger.shipper_process`), its settings in the
+environment (`SHIPPER_ENV`, JSON), its metrics in a prometheus_client multiprocess directory
+(the supervisor's, or a private one that the single serving process adds to its /metrics).
+
+One per directory: it holds `ledger-shipper.lock` (flock) while it runs; a second one waits for
+it. Crash safety is the spool's: a cursor (`<segment>.pos`) moves only after the database
+committed, the database stores a request id once, so a shipper killed anywhere re-ships at most
+its last batch, which is stored once. It writes what `/readyz` reports into
+`ledger-shipper.json` (replaced whole, about once a second).
+
+Stopping: the process that started it sends DONE_SIGNAL once its writers have closed their
+spool files (`serve`: after its last request settled; the supervisor: after every worker
+exited), and it ships what is left for up to `drain_s`, then exits. On SIGTERM (a whole
+process group may get it at once) or when its parent is gone, it first keeps shipping until no
+writer holds its lock any more (EXIT_WAIT_S at most). What is left stays on disk for the next
+start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from proxy.config.ledger import LedgerConfig
+from proxy.ledger.shipper import BACKOFF_MAX_S, Shipper, Sink
+from proxy.ledger.sink_postgres import PostgresSink
+from proxy.ledger.sink_sqlite import SqliteSink
+from proxy.ledger.spool import RowSpool
+from proxy.telemetry.accesslog import JsonFormatter
+from proxy.telemetry.metrics import (
+    LedgerMetrics,
+    process_ledger_metrics,
+    publish_process_metrics,
+)
+
+log = logging.getLogger("tokenmeter.ledger")
+
+SHIPPER_ENV = "TOKENMETER_SHIPPER"
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+LOCK_FILE = "ledger-shipper.lock"
+STATUS_FILE = "ledger-shipper.json"
+SQLITE_FILE = "ledger.sqlite3"
+STATUS_EVERY_S = 1.0
+# A status older than this is from a shipper that is gone (it writes one every STATUS_EVERY_S).
+STATUS_STALE_S = 5.0
+EXIT_WAIT_S = 120.0  # after SIGTERM: the longest it waits for writers that do not leave
+PARENT_CHECK_S = 1.0
+# From the process that started it: its writers have closed their spool files, drain and exit.
+DONE_SIGNAL = signal.SIGUSR1
+# Restarts: as the workers' (proxy.server.workers), a shipper dying young waits longer.
+BACKOFF_FIRST_S = 0.5
+RESTART_MAX_S = 15.0
+HEALTHY_AFTER_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class ShipperSpec:
+    """What a shipper process is told by the process that starts it."""
+
+    ledger: dict[str, object]  # LedgerConfig, as JSON
+    state_dir: str
+    drain_s: float
+
+    @classmethod
+    def of(cls, config: LedgerConfig, state_dir: Path, drain_s: float) -> ShipperSpec:
+        return cls(config.model_dump(mode="json"), str(state_dir), drain_s)
+
+    @property
+    def config(self) -> LedgerConfig:
+        return LedgerConfig.model_validate(self.ledger)
+
+    @property
+    def spool_dir(self) -> Path:
+        spool = self.config.spool_dir
+        return Path(spool) if spool else Path(self.state_dir)
+
+
+def make_sink(config: LedgerConfig, state_dir: Path) -> Sink:
+    if config.url is not None and config.dialect == "postgresql":
+        return PostgresSink(config.url)
+    if config.url is not None:
+        return SqliteSink(Path(config.url.removeprefix("sqlite://")))
+    return SqliteSink(state_dir / SQLITE_FILE)
+
+
+# --- what /readyz says -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ShipperStatus:
+    ok: bool
+    detail: str  # one line, no secrets
+    pending_rows: int
+    at: float  # epoch seconds it was written
+    pid: int
+
+
+def read_status(spool_dir: Path, now: float) -> ShipperStatus | None:
+    """The running shipper's last word; None when there is none or it is stale."""
+    try:
+        raw = json.loads((spool_dir / STATUS_FILE).read_bytes())
+        status = ShipperStatus(bool(raw["ok"]), str(raw["detail"]), int(raw["pending_rows"]),
+                               float(raw["at"]), int(raw["pid"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return status if now - status.at <= STATUS_STALE_S else None
+
+
+def _write_status(spool_dir: Path, status: ShipperStatus) -> None:
+    tmp = spool_dir / f"{STATUS_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(asdict(status)))
+    os.replace(tmp, spool_dir / STATUS_FILE)
+
+
+def _health(shipper: Shipper, location: str) -> tuple[bool, str]:
+    pending = shipper.spool.pending_rows
+    if shipper.too_new is not None:
+        return False, str(shipper.too_new)
+    if shipper.down_since is not None:
+        down = time.monotonic() - shipper.down_since
+        return False, (f"{location} failing for {down:.0f} s ({shipper.error}); {pending} rows "
+                       "wait in the spool")
+    if not shipper.ever_connected:
+        return False, f"connecting to {location}; {pending} rows wait"
+    return True, f"{location}; {pending} rows waiting"
+
+
+# --- the process -------------------------------------------------------------------------------
+
+
+class ShipperProcess:
+    def __init__(self, spec: ShipperSpec, metrics: LedgerMetrics) -> None:
+        self._spec = spec
+        config = spec.config
+        self._sink = make_sink(config, Path(spec.state_dir))
+        self._spool = RowSpool(spec.spool_dir)
+        self._shipper = Shipper(self._spool, self._sink, metrics, config, clock=time.time)
+        self._stop = asyncio.Event()
+        self._writers_done = False  # the parent said its writers have closed their files
+
+    def _done(self) -> None:
+        self._writers_done = True
+        self._stop.set()
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self._stop.set)
+        loop.add_signal_handler(DONE_SIGNAL, self._done)
+        # ^C at a terminal reaches the whole process group: the serving process drains, then
+        # stops this one (SIGTERM) once its last rows are in the spool.
+        loop.add_signal_handler(signal.SIGINT, lambda: None)
+        directory = self._spec.spool_dir
+        directory.mkdir(parents=True, exist_ok=True)
+        lock = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            if not await self._lock(lock):
+                return 0
+            log.info("ledger shipper (pid %d) ships %s into %s", os.getpid(), directory,
+                     self._sink.location)
+            return await self._ship()
+        finally:
+            os.close(lock)
+
+    async def _lock(self, fd: int) -> bool:
+        """The directory's one shipper: wait while another holds it (unless told to stop)."""
+        waiting = False
+        while not self._stop.is_set():
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not waiting:
+                    log.warning("another ledger shipper runs on %s: waiting for it",
+                                self._spec.spool_dir)
+                    waiting = True
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(STATUS_EVERY_S):
+                        await self._stop.wait()
+                continue
+            return True
+        return False
+
+    async def _ship(self) -> int:
+        shipper = self._shipper
+        await shipper.scan()
+        if rows := self._spool.pending_rows:
+            log.info("ledger: %d rows wait in %s", rows, self._spool.directory)
+        task = asyncio.create_task(shipper.run(), name="tokenmeter-ledger-shipper")
+        status = asyncio.create_task(self._report())
+        parent = asyncio.create_task(_watch_parent(self._stop))
+        try:
+            await self._stop.wait()
+            stored = await self._drain()
+        finally:
+            for t in (status, parent):
+                t.cancel()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            try:
+                async with asyncio.timeout(BACKOFF_MAX_S):
+                    await self._sink.close()
+            except Exception as exc:
+                log.debug("ledger: closing %s: %s", self._sink.location, exc)
+            self._sink.shutdown()
+            left = self._spool.close()
+            publish_process_metrics()
+            with contextlib.suppress(FileNotFoundError):
+                (self._spool.directory / STATUS_FILE).unlink()
+        if left:
+            log.warning("ledger: %d rows not yet stored in %s stay in the spool %s for the next "
+                        "start", left, self._sink.location, self._spool.directory)
+        elif stored:
+            log.info("ledger: every row stored in %s", self._sink.location)
+        return 0
+
+    async def _drain(self) -> bool:
+        """Ship until nothing waits, for `drain_s` at most. After SIGTERM (which a whole
+        process group may get at once) or its parent's death, first until no writer is left
+        (EXIT_WAIT_S at most); after DONE_SIGNAL, its parent's word that they are, at once."""
+        shipper, spool = self._shipper, self._spool
+        loop = asyncio.get_running_loop()
+        hard = loop.time() + EXIT_WAIT_S
+        deadline = loop.time() + self._spec.drain_s
+        while loop.time() < min(hard, deadline):
+            await shipper.scan()
+            if shipper.live_writers and not self._writers_done:
+                deadline = loop.time() + self._spec.drain_s  # counted from the last leaving
+            elif spool.pending_rows <= 0:
+                return True
+            shipper.progress.clear()
+            shipper.kick()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(STATUS_EVERY_S / 4):
+                    await shipper.progress.wait()
+        return spool.pending_rows <= 0
+
+    async def _report(self) -> None:
+        while True:
+            ok, detail = _health(self._shipper, self._sink.location)
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(_write_status, self._spool.directory, ShipperStatus(
+                    ok, detail, self._spool.pending_rows, time.time(), os.getpid()))
+            publish_process_metrics()
+            await asyncio.sleep(STATUS_EVERY_S)
+
+
+async def _watch_parent(stop: asyncio.Event) -> None:
+    """The process that started this one is gone (killed without stopping it): drain and
+    exit rather than ship on unsupervised; the next start's shipper takes over."""
+    parent = os.getppid()
+    while True:
+        await asyncio.sleep(PARENT_CHECK_S)
+        if os.getppid() != parent:
+            log.error("the process that started the ledger shipper (pid %d) is gone: it "
+                      "drains and exits", parent)
+            stop.set()
+            return
+
+
+def main() -> int:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(os.environ.get("TOKENMETER_LOG_LEVEL", "INFO").upper())
+    raw = os.environ.pop(SHIPPER_ENV, None)
+    if raw is None:
+        print(f"{SHIPPER_ENV} is not set: this process is started by `tokenmeter serve`",
+              file=sys.stderr)
+        return 2
+    spec = ShipperSpec(**json.loads(raw))
+    metrics = process_ledger_metrics()
+    with asyncio.Runner() as runner:
+        return runner.run(ShipperProcess(spec, metrics).run())
+
+
+# --- the parent's side -------------------------------------------------------------------------
+
+
+class ShipperChild:
+    """A shipper process kept running by the process that starts it (`serve`'s serving process,
+    or the supervisor of `serve --workers`): started again when it dies, after a wait that
+    grows while it dies young; stopped with SIGTERM, then killed if it outlives `timeout`."""
+
+    def __init__(self, spec: ShipperSpec, env: Mapping[str, str],
+                 on_restart: Callable[[], None] = lambda: None) -> None:
+        self._env = {**env, SHIPPER_ENV: json.dumps(asdict(spec))}
+        self._on_restart = on_restart
+        self._stopping = asyncio.Event()
+        self._proc: asyncio.subprocess.Process | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.started = asyncio.Event()  # set at every start (a test waits for a restart)
+        self.on_exit: Callable[[int], None] = lambda pid: None  # the supervisor's metrics
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    async def start(self) -> None:
+        await self._spawn()
+        self._task = asyncio.create_task(self._keep(), name="tokenmeter-ledger-shipper-child")
+
+    async def _spawn(self) -> None:
+        self._proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "proxy.ledger.shipper_process", env=self._env,
+            stdin=asyncio.subprocess.DEVNULL,
+        )
+        self.started.set()
+
+    async def _keep(self) -> None:
+        backoff = BACKOFF_FIRST_S
+        while True:
+            proc = self._proc
+            assert proc is not None
+            began = time.monotonic()
+            code = await proc.wait()
+            self.on_exit(proc.pid)
+            if self._stopping.is_set():
+                return
+            lived = time.monotonic() - began
+            backoff = BACKOFF_FIRST_S if lived >= HEALTHY_AFTER_S else backoff
+            log.error("the ledger shipper (pid %d) died (%s) after %.1f s: starting it again "
+                      "in %.1f s; rows wait in the spool meanwhile", proc.pid, _describe(code),
+                      lived, backoff)
+            self._on_restart()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(backoff):
+                    await self._stopping.wait()
+            if self._stopping.is_set():
+                return
+            backoff = min(backoff * 2, RESTART_MAX_S)
+            await self._spawn()
+
+    async def stop(self, timeout_s: float) -> None:
+        """Once the writers it serves have closed their spool files: DONE_SIGNAL, then wait for
+        it to drain and exit (killed after `timeout_s`)."""
+        self._stopping.set()
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(DONE_SIGNAL)
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await proc.wait()
+            except TimeoutError:
+                log.error("the ledger shipper (pid %d) did not exit in %.0f s: killing it",
+                          proc.pid, timeout_s)
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-code).name}"
+        return f"signal {-code}"
+    return f"exit code {code}"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
