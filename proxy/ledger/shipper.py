@@ -235,15 +235,15 @@ class Shipper:
             _, poisoned = await self._store(batch.records)
         self._back()
         self._batch = None
-        self.spool.advance(batch)
         # A torn tail is one row; one this process already counted (a short write) is not
-        # counted again.
+        # counted again. Counted before the cursor moves: whoever sees it moved sees the count.
         lost = batch.bad + poisoned + (1 if batch.torn and not batch.torn_counted else 0)
         if lost:
             self._metrics.ledger_dropped(lost)
             log.error("ledger: dropped %d rows of %s (%d unreadable lines, %d refused by the "
                       "database, %d bytes of a row cut by a crash)", lost, batch.segment.path,
                       batch.bad, poisoned, batch.torn)
+        self.spool.advance(batch)
         self.progress.set()
 
     async def _store(self, records: list[tuple[Any, ...]]) -> tuple[int, int]:

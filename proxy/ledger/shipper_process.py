@@ -15,11 +15,11 @@ like them. A fresh interpreter (`python -m proxy.ledger.shipper_process`), its s
 environment (`SHIPPER_ENV`, JSON), its metrics in a prometheus_client multiprocess directory
 (the supervisor's, or a private one that the single serving process adds to its /metrics).
 
-One per directory: it holds `ledger-shipper.lock` (flock) while it runs; a second one waits for
+One per directory: it holds `shipper.lock` (flock) while it runs; a second one waits for
 it. Crash safety is the spool's: a cursor (`<segment>.pos`) moves only after the database
 committed, the database stores a request id once, so a shipper killed anywhere re-ships at most
 its last batch, which is stored once. It writes what `/readyz` reports into
-`ledger-shipper.json` (replaced whole, about once a second).
+`shipper.json` (replaced whole, about once a second).
 
 Stopping: the process that started it sends DONE_SIGNAL once its writers have closed their
 spool files (`serve`: after its last request settled; the supervisor: after every worker
@@ -50,20 +50,18 @@ from proxy.ledger.sink_postgres import PostgresSink
 from proxy.ledger.sink_sqlite import SqliteSink
 from proxy.ledger.spool import RowSpool
 from proxy.telemetry.accesslog import JsonFormatter
-from proxy.telemetry.metrics import (
-    LedgerMetrics,
-    process_ledger_metrics,
-    publish_process_metrics,
-)
+from proxy.telemetry.metrics import LedgerMetrics, process_ledger_metrics
 
 log = logging.getLogger("tokenmeter.ledger")
 
 SHIPPER_ENV = "TOKENMETER_SHIPPER"
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-LOCK_FILE = "ledger-shipper.lock"
-STATUS_FILE = "ledger-shipper.json"
+# Not named ledger-*: those are the writers' files.
+LOCK_FILE = "shipper.lock"
+STATUS_FILE = "shipper.json"
 SQLITE_FILE = "ledger.sqlite3"
 STATUS_EVERY_S = 1.0
+START_REPORT_S = 2.0
 # A status older than this is from a shipper that is gone (it writes one every STATUS_EVERY_S).
 STATUS_STALE_S = 5.0
 EXIT_WAIT_S = 120.0  # after SIGTERM: the longest it waits for writers that do not leave
@@ -226,7 +224,6 @@ class ShipperProcess:
                 log.debug("ledger: closing %s: %s", self._sink.location, exc)
             self._sink.shutdown()
             left = self._spool.close()
-            publish_process_metrics()
             with contextlib.suppress(FileNotFoundError):
                 (self._spool.directory / STATUS_FILE).unlink()
         if left:
@@ -258,13 +255,23 @@ class ShipperProcess:
         return spool.pending_rows <= 0
 
     async def _report(self) -> None:
+        # The first word once the first connection attempt is over (its parent waits for it,
+        # so /readyz is right from the first request), or after START_REPORT_S.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(START_REPORT_S):
+                await self._shipper.attempted.wait()
         while True:
             ok, detail = _health(self._shipper, self._sink.location)
             with contextlib.suppress(OSError):
                 await asyncio.to_thread(_write_status, self._spool.directory, ShipperStatus(
                     ok, detail, self._spool.pending_rows, time.time(), os.getpid()))
-            publish_process_metrics()
-            await asyncio.sleep(STATUS_EVERY_S)
+            # Again after each batch (a flush that saw the cursors move then reads a fresh one
+            # soon), at least every STATUS_EVERY_S.
+            progress = self._shipper.progress
+            progress.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(STATUS_EVERY_S):
+                    await progress.wait()
 
 
 async def _watch_parent(stop: asyncio.Event) -> None:

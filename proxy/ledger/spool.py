@@ -53,7 +53,7 @@ SEGMENT_MIN_BYTES = 64 * 1024
 SEGMENT_MAX_BYTES = 16 * 1024 * 1024
 _SEGMENT_RE = re.compile(r"^ledger-(\d+-[0-9a-f]+)-(\d+)\.jsonl$")
 _ENDED = COLUMNS.index("ended_at")
-RECLAIM_EVERY_S = 1.0  # a full spool looks again whether the shipper freed room
+RECLAIM_EVERY_S = 0.1  # a full spool looks again whether the shipper freed room
 _FILE_MODE = 0o600  # rows name users and teams: not for every local account to read
 
 # The row is a tuple: the C JSON encoder writes it as the array the spool holds, with no
@@ -372,7 +372,7 @@ class SpoolWriter:
         self.max_bytes = max_bytes
         self.segment_bytes = min(SEGMENT_MAX_BYTES, max(SEGMENT_MIN_BYTES, max_bytes // 16))
         self.owner = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self.pending_bytes = 0  # bytes of this writer's segments still on disk
+        self.pending_bytes = 0  # bytes of this writer's not known to be stored
         self.dropping = False  # the last append was refused or failed
         self._sealed: list[tuple[Path, int]] = []  # closed segments not yet seen deleted
         self._live: Path | None = None
@@ -387,9 +387,11 @@ class SpoolWriter:
         """Write rows' lines (whole lines, one `write`). False: the spool is full and they were
         not written. Raises OSError when the write failed (the caller counts them dropped)."""
         n = len(data)
-        if self.pending_bytes + n > self.max_bytes and not self._reclaim(force=False):
-            self.dropping = True
-            return False
+        if self.pending_bytes + n > self.max_bytes:
+            self._reclaim(force=False)
+            if self.pending_bytes + n > self.max_bytes:
+                self.dropping = True
+                return False
         if self._live is None:
             self._open_live()
         try:
@@ -407,17 +409,18 @@ class SpoolWriter:
             self._reclaim(force=True)
         return True
 
-    def _reclaim(self, *, force: bool) -> bool:
+    def _reclaim(self, *, force: bool) -> None:
         """Forget the closed segments the shipper has deleted (a stat each, at most once a
-        second unless `force`); whether there is room now."""
+        second unless `force`)."""
         now = time.monotonic()
         if force or now >= self._next_reclaim:
             self._next_reclaim = now + RECLAIM_EVERY_S
-            kept = [(path, size) for path, size in self._sealed if path.exists()]
-            self.pending_bytes -= sum(size for _, size in self._sealed) - sum(
-                size for _, size in kept)
-            self._sealed = kept
-        return self.pending_bytes < self.max_bytes
+            self._sealed = [(path, size) for path, size in self._sealed if path.exists()]
+            shipped = 0
+            if self._live is not None:  # the live segment's stored part: its cursor
+                with contextlib.suppress(FileNotFoundError, ValueError):
+                    shipped = int(self._live.with_name(self._live.name + ".pos").read_text())
+            self.pending_bytes = sum(size for _, size in self._sealed) + self._end - shipped
 
     def _short_write(self, written: int) -> None:
         """A partial line (a full disk): cut off again, so the shipper never sees it (the
@@ -459,12 +462,18 @@ class SpoolWriter:
 
     # --- what the shipper has done ----------------------------------------------------------
     def marks(self) -> list[tuple[Path, int]]:
-        """Where each of this writer's segments ends now: all written so far is stored once each
-        is gone or its cursor has reached its mark."""
-        out = list(self._sealed)
+        """Where each segment in the directory ends now (this writer's and any other's): all
+        written so far is stored once each is gone or its cursor has reached its mark."""
+        out = dict(self._sealed)
         if self._live is not None:
-            out.append((self._live, self._end))
-        return out
+            out[self._live] = self._end
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(self.directory):
+                path = self.directory / name
+                if path not in out and _SEGMENT_RE.match(name):
+                    with contextlib.suppress(FileNotFoundError):
+                        out[path] = path.stat().st_size
+        return list(out.items())
 
     # --- close ------------------------------------------------------------------------------
     def close(self) -> None:

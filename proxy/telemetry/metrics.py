@@ -365,17 +365,10 @@ class LedgerMetrics:
 
 
 def process_ledger_metrics() -> LedgerMetrics:
-    """The ledger's collectors alone, for the shipper process: in the multiprocess directory its
-    parent gave it (buffered as a worker's: `publish_process_metrics` writes them out)."""
-    if multiprocess_dir() is not None:
-        _BufferedValue.install()
+    """The ledger's collectors alone, for the shipper process, in the multiprocess directory
+    its parent gave it. Written through (prometheus_client's own multiprocess value, not a
+    worker's buffered one): a few updates per batch, and a scrape right after a batch sees it."""
     return LedgerMetrics(CollectorRegistry(auto_describe=True))
-
-
-def publish_process_metrics() -> None:
-    """What this (multiprocess) process counted since the last call, into its files."""
-    if multiprocess_dir() is not None:
-        _BufferedValue.flush()
 
 
 def _merged(registry: CollectorRegistry, directory: str) -> bytes:

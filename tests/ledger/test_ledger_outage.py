@@ -20,6 +20,7 @@ from proxy.ledger.ledger import Ledger
 from proxy.ledger.row import LedgerRow
 from proxy.ledger.schema import TABLE
 from proxy.telemetry.metrics import Metrics
+from tests.helpers import exported
 from tests.servers import PostgresServer
 
 NOW = 1_796_000_000.0
@@ -87,8 +88,7 @@ async def poll(condition: Callable[[], bool], step: Callable[[], Any] | None = N
 
 
 def sample(metrics: Metrics, name: str, labels: dict[str, str] | None = None) -> float:
-    value = metrics.registry.get_sample_value(name, labels or {})
-    return 0.0 if value is None else float(value)
+    return exported(metrics, name, labels)
 
 
 async def test_rows_wait_while_postgres_is_down_and_land_once(
