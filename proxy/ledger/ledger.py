@@ -173,7 +173,7 @@ class Ledger:
         self._writer.close()
         child, self._child = self._child, None
         if child is not None:
-            await child.stop(drain_s + STOP_GRACE_S)
+            await child.stop(drain_s, drain_s + STOP_GRACE_S)
         self._metrics.include_shipper(None)
         if self._metrics_dir is not None:
             shutil.rmtree(self._metrics_dir, ignore_errors=True)

@@ -115,6 +115,7 @@ class Shipper:
         self._next_ping = 0.0
         self._next_scan = 0.0
         self.live_writers = 0  # writers holding their lock at the last scan
+        self._scanned_at = -1.0  # when the last scan that ended began (monotonic)
         self._next_publish = 0.0
 
     def kick(self) -> None:
@@ -184,10 +185,15 @@ class Shipper:
         self.too_new = None
         self._next_ping = time.monotonic() + PING_EVERY_S
 
+    def scanned_after(self, moment: float) -> bool:
+        """Whether a scan began after `moment` (monotonic) and is over."""
+        return self._scanned_at > moment
+
     async def scan(self) -> None:
         """Look at the spool directory: what the writers appended, and adopt the files of
         those that are gone."""
-        self._next_scan = time.monotonic() + SCAN_S
+        began = time.monotonic()
+        self._next_scan = began + SCAN_S
         try:
             found = await asyncio.to_thread(self.spool.scan, self.spool.known())
         except OSError as exc:
@@ -196,6 +202,7 @@ class Shipper:
             return
         self.live_writers = found.live_owners
         rows = self.spool.take(found)
+        self._scanned_at = began
         if rows:
             log.warning("ledger: adopted %d rows a process that is gone left in %s", rows,
                         self.spool.directory)

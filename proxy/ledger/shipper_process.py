@@ -21,11 +21,12 @@ committed, the database stores a request id once, so a shipper killed anywhere r
 its last batch, which is stored once. It writes what `/readyz` reports into
 `shipper.json` (replaced whole, about once a second).
 
-Stopping: the process that started it sends DONE_SIGNAL once its writers have closed their
-spool files (`serve`: after its last request settled; the supervisor: after every worker
-exited), and it ships what is left for up to `drain_s`, then exits. On SIGTERM (a whole
-process group may get it at once) or when its parent is gone, it first keeps shipping until no
-writer holds its lock any more (EXIT_WAIT_S at most). What is left stays on disk for the next
+Stopping: its stdin is a pipe from the process that started it. That one writes
+`done <seconds>` once its writers have closed their spool files (`serve`: after its last
+request settled; the supervisor: after every worker exited), and it ships what is left for up
+to that long, then exits. On SIGTERM (a whole process group may get it at once) or at the
+pipe's end (its parent is gone), it first keeps shipping until no writer holds its lock any
+more, then for `drain_s` (EXIT_WAIT_S at most in all). What is left stays on disk for the next
 start.
 """
 
@@ -65,9 +66,7 @@ START_REPORT_S = 2.0
 # A status older than this is from a shipper that is gone (it writes one every STATUS_EVERY_S).
 STATUS_STALE_S = 5.0
 EXIT_WAIT_S = 120.0  # after SIGTERM: the longest it waits for writers that do not leave
-PARENT_CHECK_S = 1.0
-# From the process that started it: its writers have closed their spool files, drain and exit.
-DONE_SIGNAL = signal.SIGUSR1
+DONE = "done"  # on stdin, with the seconds to drain: the writers have closed their files
 # Restarts: as the workers' (proxy.server.workers), a shipper dying young waits longer.
 BACKOFF_FIRST_S = 0.5
 RESTART_MAX_S = 15.0
@@ -158,15 +157,12 @@ class ShipperProcess:
         self._shipper = Shipper(self._spool, self._sink, metrics, config, clock=time.time)
         self._stop = asyncio.Event()
         self._writers_done = False  # the parent said its writers have closed their files
-
-    def _done(self) -> None:
-        self._writers_done = True
-        self._stop.set()
+        self._drain_s = spec.drain_s
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
-        loop.add_signal_handler(DONE_SIGNAL, self._done)
+        parent = asyncio.create_task(self._listen())
         # ^C at a terminal reaches the whole process group: the serving process drains, then
         # stops this one (SIGTERM) once its last rows are in the spool.
         loop.add_signal_handler(signal.SIGINT, lambda: None)
@@ -181,6 +177,25 @@ class ShipperProcess:
             return await self._ship()
         finally:
             os.close(lock)
+            parent.cancel()
+
+    async def _listen(self) -> None:
+        """The parent's word on stdin: `done <seconds>`, or the pipe's end (it is gone)."""
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        while line := await reader.readline():
+            word, _, seconds = line.decode(errors="replace").strip().partition(" ")
+            if word == DONE:
+                with contextlib.suppress(ValueError):
+                    self._drain_s = max(0.0, float(seconds))
+                self._writers_done = True
+                self._stop.set()
+                return
+        if not self._stop.is_set():
+            log.error("the process that started the ledger shipper is gone: it ships until "
+                      "the writers have left, then exits")
+            self._stop.set()
 
     async def _lock(self, fd: int) -> bool:
         """The directory's one shipper: wait while another holds it (unless told to stop)."""
@@ -207,16 +222,12 @@ class ShipperProcess:
             log.info("ledger: %d rows wait in %s", rows, self._spool.directory)
         task = asyncio.create_task(shipper.run(), name="tokenmeter-ledger-shipper")
         status = asyncio.create_task(self._report())
-        parent = asyncio.create_task(_watch_parent(self._stop))
         try:
             await self._stop.wait()
             stored = await self._drain()
         finally:
-            for t in (status, parent):
-                t.cancel()
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            status.cancel()
+            await _cancel(task)
             try:
                 async with asyncio.timeout(BACKOFF_MAX_S):
                     await self._sink.close()
@@ -236,22 +247,23 @@ class ShipperProcess:
     async def _drain(self) -> bool:
         """Ship until nothing waits, for `drain_s` at most. After SIGTERM (which a whole
         process group may get at once) or its parent's death, first until no writer is left
-        (EXIT_WAIT_S at most); after DONE_SIGNAL, its parent's word that they are, at once."""
+        (EXIT_WAIT_S at most); after `done`, its parent's word that they are, at once."""
         shipper, spool = self._shipper, self._spool
         loop = asyncio.get_running_loop()
         hard = loop.time() + EXIT_WAIT_S
-        deadline = loop.time() + self._spec.drain_s
+        began = time.monotonic()
+        deadline = loop.time() + self._drain_s
         while loop.time() < min(hard, deadline):
-            await shipper.scan()
-            if shipper.live_writers and not self._writers_done:
-                deadline = loop.time() + self._spec.drain_s  # counted from the last leaving
-            elif spool.pending_rows <= 0:
-                return True
-            shipper.progress.clear()
+            # The shipper's own loop scans (kicked): one scan at a time, on its terms.
             shipper.kick()
+            shipper.progress.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(STATUS_EVERY_S / 4):
                     await shipper.progress.wait()
+            if shipper.live_writers and not self._writers_done:
+                deadline = loop.time() + self._drain_s  # counted from the last leaving
+            elif spool.pending_rows <= 0 and shipper.scanned_after(began):
+                return True
         return spool.pending_rows <= 0
 
     async def _report(self) -> None:
@@ -274,17 +286,16 @@ class ShipperProcess:
                     await progress.wait()
 
 
-async def _watch_parent(stop: asyncio.Event) -> None:
-    """The process that started this one is gone (killed without stopping it): drain and
-    exit rather than ship on unsupervised; the next start's shipper takes over."""
-    parent = os.getppid()
-    while True:
-        await asyncio.sleep(PARENT_CHECK_S)
-        if os.getppid() != parent:
-            log.error("the process that started the ledger shipper (pid %d) is gone: it "
-                      "drains and exits", parent)
-            stop.set()
-            return
+async def _cancel(task: asyncio.Task[None]) -> None:
+    """Cancel the shipper's loop and wait until it has ended, cancelling again while it has
+    not: Python 3.11's `asyncio.timeout` can turn a cancellation that arrives as its deadline
+    passes into a TimeoutError, which the loop's waits suppress (as proxy.server.app.stop_task
+    does for the app's tasks)."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=1.0)
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("ledger: the shipper failed: %s", exc)
 
 
 def main() -> int:
@@ -319,6 +330,7 @@ class ShipperChild:
         self._stopping = asyncio.Event()
         self._proc: asyncio.subprocess.Process | None = None
         self._task: asyncio.Task[None] | None = None
+        self._relay: asyncio.Task[None] | None = None
         self.started = asyncio.Event()  # set at every start (a test waits for a restart)
         self.on_exit: Callable[[int], None] = lambda pid: None  # the supervisor's metrics
 
@@ -333,8 +345,10 @@ class ShipperChild:
     async def _spawn(self) -> None:
         self._proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "proxy.ledger.shipper_process", env=self._env,
-            stdin=asyncio.subprocess.DEVNULL,
+            stdin=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )
+        assert self._proc.stderr is not None
+        self._relay = asyncio.create_task(_relay(self._proc.stderr))
         self.started.set()
 
     async def _keep(self) -> None:
@@ -344,6 +358,8 @@ class ShipperChild:
             assert proc is not None
             began = time.monotonic()
             code = await proc.wait()
+            if self._relay is not None:
+                await self._relay  # its last words, before saying it died
             self.on_exit(proc.pid)
             if self._stopping.is_set():
                 return
@@ -361,14 +377,16 @@ class ShipperChild:
             backoff = min(backoff * 2, RESTART_MAX_S)
             await self._spawn()
 
-    async def stop(self, timeout_s: float) -> None:
-        """Once the writers it serves have closed their spool files: DONE_SIGNAL, then wait for
-        it to drain and exit (killed after `timeout_s`)."""
+    async def stop(self, drain_s: float, timeout_s: float) -> None:
+        """Once the writers it serves have closed their spool files: it ships what is left for
+        up to `drain_s` and exits (killed after `timeout_s`)."""
         self._stopping.set()
         proc = self._proc
         if proc is not None and proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(DONE_SIGNAL)
+            assert proc.stdin is not None
+            with contextlib.suppress(ConnectionError):
+                proc.stdin.write(f"{DONE} {drain_s}\n".encode())
+                await proc.stdin.drain()
             try:
                 async with asyncio.timeout(timeout_s):
                     await proc.wait()
@@ -382,6 +400,22 @@ class ShipperChild:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+
+
+async def _relay(stream: asyncio.StreamReader) -> None:
+    """The shipper's log lines (JSON, as `main` writes them) logged again in this process, by
+    the same logger at the same level: one log, wherever this process's goes (and what a
+    test captures)."""
+    while line := await stream.readline():
+        try:
+            raw = json.loads(line)
+            level = logging.getLevelName(str(raw["level"]).upper())
+            name, message = str(raw["logger"]), str(raw["message"])
+        except (ValueError, KeyError, TypeError):
+            level, name, message = logging.WARNING, log.name, line.decode(errors="replace")
+        if not isinstance(level, int):
+            level = logging.WARNING
+        logging.getLogger(name).log(level, "%s", message.rstrip("\n"))
 
 
 def _describe(code: int) -> str:

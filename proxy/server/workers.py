@@ -281,7 +281,7 @@ class Supervisor:
             self._failed = True
         log.info("all workers have exited")
         if self._shipper is not None:  # their spool files closed: it ships what is left
-            await self._shipper.stop(self._drain_s + EXIT_GRACE_S)
+            await self._shipper.stop(self._drain_s, self._drain_s + EXIT_GRACE_S)
         return 1 if self._failed else 0
 
     def _stop(self, sig: signal.Signals) -> None:

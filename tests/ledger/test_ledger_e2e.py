@@ -302,7 +302,7 @@ async def test_postgres_down_for_ten_seconds_fails_no_request_and_loses_no_row(
     postgres.start()
     await load(0.5)
     assert await ledger.flush(60), ledger.health()
-    assert ledger.health().ok
+    await until(lambda: ledger.health().ok)  # the shipper process's word
     assert sample(await scrape(proxy), "tokenmeter_ledger_up") == 1
     db = await asyncpg.connect(postgres.url)
     try:
