@@ -60,7 +60,7 @@ from proxy.server.workers import (
     supervise,
     watch_supervisor,
 )
-from proxy.telemetry.accesslog import JsonFormatter
+from proxy.telemetry.accesslog import JsonFormatter, install_access_handler
 from proxy.telemetry.metrics import Metrics
 
 log = logging.getLogger("tokenmeter")
@@ -88,6 +88,7 @@ def setup_logging(level: str = "INFO") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    install_access_handler(sys.stderr.fileno())
     logging.getLogger("aiohttp.server").addFilter(ClientErrorFilter())
 
 

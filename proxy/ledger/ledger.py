@@ -47,7 +47,7 @@ log = logging.getLogger("tokenmeter.ledger")
 MIB = 1024 * 1024
 # How long `start` waits for the shipper's first word, so /readyz is right from the first
 # request in the usual case; a slow or absent database is left to the shipper.
-START_WAIT_S = 5.0
+START_WAIT_S = 10.0
 FLUSH_POLL_S = 0.02  # how often `flush` looks at the shipper's cursors
 STOP_GRACE_S = 15.0  # past `drain_s`, how long the shipper may take to exit before it is killed
 

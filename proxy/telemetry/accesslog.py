@@ -9,14 +9,17 @@ failed since the line before (`AuthFailureLog`); tokenmeter_auth_failures_total 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 
 from proxy.telemetry.metrics import RequestRecord
 
-access_log = logging.getLogger("tokenmeter.access")
+ACCESS_LOGGER = "tokenmeter.access"
+access_log = logging.getLogger(ACCESS_LOGGER)
 
 AUTH_LOG_EVERY_S = 10.0
 
@@ -61,7 +64,10 @@ def request_fields(rec: RequestRecord) -> dict[str, object]:
 
 def log_request(rec: RequestRecord) -> None:
     if access_log.isEnabledFor(logging.INFO):
-        access_log.info(request_line(rec))
+        # The record made here, not by `info`: its caller's frame and file are never read
+        # (logging's findCaller walks the stack for every line; the line names its request).
+        access_log.handle(access_log.makeRecord(
+            ACCESS_LOGGER, logging.INFO, __file__, 0, request_line(rec), (), None))
 
 
 _str = json.encoder.encode_basestring_ascii  # C: quoted and escaped, as json.dumps writes
@@ -143,3 +149,57 @@ class AuthFailureLog:
         self._count = 0
         self._since = now
         self._next = now + AUTH_LOG_EVERY_S
+
+
+class LoopLineHandler(logging.Handler):
+    """The access log's own handler (`serve` installs it; `propagate` off): each record's
+    message, already one JSON line, goes to `fd` with the other lines of the same turn of the
+    event loop in one `write` (`loop.call_soon`), and with no lock: lines come from the loop's
+    thread (settle), which alone touches the buffer. The stock StreamHandler took a lock per
+    line that every thread's logging shares, and wrote and flushed each line on its own.
+    A line from another thread (none today) is written at once, by itself."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self._fd = fd
+        self._lines: list[str] = []
+
+    def createLock(self) -> None:
+        self.lock = None  # Handler.acquire skips a None lock
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        line = record.getMessage()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._write(line + "\n")
+            return True
+        lines = self._lines
+        lines.append(line)
+        if len(lines) == 1:
+            loop.call_soon(self.flush)
+        return True
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.handle(record)
+
+    def flush(self) -> None:
+        lines = self._lines
+        if lines:
+            self._lines = []
+            lines.append("")
+            self._write("\n".join(lines))
+
+    def _write(self, text: str) -> None:
+        data = text.encode()
+        try:
+            while data:
+                data = data[os.write(self._fd, data):]
+        except OSError:
+            pass  # as a StreamHandler's: a log that cannot be written does not stop serving
+
+
+def install_access_handler(fd: int) -> None:
+    """Access-log lines to `fd` by LoopLineHandler, not through the root logger's handlers."""
+    access_log.handlers[:] = [LoopLineHandler(fd)]
+    access_log.propagate = False

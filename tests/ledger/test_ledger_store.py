@@ -439,7 +439,7 @@ async def test_two_replicas_migrate_together_postgres(pg_url: str, tmp_path: Pat
     ledgers = [ledger_for(pg_url, tmp_path / f"s{i}") for i in range(3)]
     await asyncio.gather(*(lg.start() for lg in ledgers))
     for i, lg in enumerate(ledgers):
-        assert lg.health().ok
+        await until(lambda lg=lg: lg.health().ok, deadline=30)  # type: ignore[misc]
         lg.record(make_row(i))
     assert all(await asyncio.gather(*(lg.flush(20) for lg in ledgers)))
     assert len(await stored_ids(pg_url)) == 3
