@@ -1,15 +1,16 @@
-"""The shipper: one background task moving spooled rows into the ledger database.
+"""The shipper: the loop moving spooled rows into the ledger database, in the shipper process
+(proxy.ledger.shipper_process), one per spool directory.
 
 It takes the spool's oldest waiting rows (up to `batch_rows`, whatever is there: it never waits
 for a batch to fill), stores them in one transaction, and only then moves the spool's cursor.
-Big reads are parsed in a worker thread and SQLite runs on a thread of its own, so the event
+Big reads are parsed in a worker thread and SQLite runs on a thread of its own, so its event
 loop never waits on a file or the database.
 
-Pacing: a batch costs a few thread hops and a commit whatever its size, so once the shipper has
-caught up it lets rows gather for `SHIP_INTERVAL_S` before the next batch (a flush or a drain
-cuts that short): at most four batches a second below saturation, back to back when behind.
-An idle shipper sleeps until `record` says a row is there (and wakes once a second for its
-gauges, a ping, retention), so a quiet proxy spends nothing on it.
+Pacing: the directory is looked at every SCAN_S (what the writers appended; writers that are
+gone, whose files are adopted). A batch costs a few thread hops and a commit whatever its size,
+so once the shipper has caught up it lets rows gather for `SHIP_INTERVAL_S` before the next
+batch (a flush or a drain cuts that short): at most four batches a second below saturation,
+back to back when behind.
 
 While the database is down or failing, rows wait in the spool; the shipper retries with a
 backoff capped at `BACKOFF_MAX_S`, says so once per outage (an error log, then a warning when it

@@ -1,33 +1,39 @@
 """The ledger's local spool: where each request's row waits between settle and the database.
 
-Settle appends one JSON line per request (`encode_row`) with one `os.write` to an `O_APPEND`
-file descriptor: once `append` returns, the row is in the OS's page cache, so a SIGKILL of the
-process loses nothing. There is no fsync per row: a power loss (or a kernel crash) may lose the
-rows of the last few seconds, which is out of scope (the database itself is the durable copy).
+Two sides, two processes. A serving process's `SpoolWriter` appends rows (`encode_row`, one
+JSON line each; the rows of one loop turn in one `os.write`) to an `O_APPEND` file descriptor:
+once the write returns, the rows are in the OS's page cache, so a SIGKILL of the process loses
+nothing. There is no fsync: a power loss (or a kernel crash) may lose the rows of the last few
+seconds, which is out of scope (the database itself is the durable copy). The shipper process's
+`RowSpool` follows every writer's segments in the directory and ships them
+(proxy.ledger.shipper_process); a writer never reads, ships or deletes.
 
 On disk, in the spool directory:
 - `ledger-<owner>-<seq>.jsonl`: append-only segments. `owner` is `<pid>-<random hex>` (a
   restarted container has the same pid, never the same owner); a segment is closed once it
-  passes `segment_bytes` and a new one is started.
-- `ledger-<owner>.lock`: flock'd by the owning process for its whole life. A process that can
-  take the lock of another owner knows that owner is gone, and adopts its segments (a restart,
-  or another replica sharing the directory). The lock is taken before the first segment exists.
+  passes `segment_bytes` and the next one is started. A segment of a live writer with a later
+  one beside it can no longer grow (the writer closed it before making the next).
+- `ledger-<owner>.lock`: flock'd by the writer for its whole life. A shipper that can take the
+  lock of an owner knows that owner is gone, and adopts its segments (its own cursors say where
+  they stand). The lock is taken before the first segment exists, so a segment found is always
+  under a lock: held (a live writer, followed) or free (gone, adopted).
 - `<segment>.pos`: the byte offset up to which the segment's rows are stored in the database,
-  written only after the database committed them. A crash between the commit and this write
-  ships those rows again: the database stores a request id once (primary key), so that is safe.
-  A fully stored, closed segment is deleted (with its `.pos`).
+  written by the shipper only after the database committed them. A crash of the shipper between
+  the commit and this write ships those rows again: the database stores a request id once
+  (primary key), so that is safe. A fully stored, closed segment is deleted (with its `.pos`).
 
 The shipper reads complete lines only. A segment's last line without its newline (the process
-was killed inside the write of a row whose `append` never returned) is skipped once the
-segment can no longer grow, and counted as dropped. A short write (a full disk) is cut off again
-at once: its row is counted when its `append` fails, once.
+was killed inside its write) is skipped once the segment can no longer grow, and counted as
+dropped. A short write (a full disk) is cut off again at once: its rows are counted when the
+write fails, once.
 
-The bound: rows not yet stored may take `max_bytes`; past it `append` refuses new rows (the
-caller counts them as dropped). Shipped rows of the segment being written still take disk until
-it is closed and deleted, at most one segment (`segment_bytes` is a sixteenth of the bound).
+The bound: a writer's rows not yet stored may take `max_bytes`; past it `append` refuses new
+rows (the caller counts them as dropped). The writer learns what is stored from the shipper's
+files (its closed segments deleted, the live one's cursor), looked at when it is full (at most
+every RECLAIM_EVERY_S) and at each new segment.
 
-Threads: `append`, `advance` and the bookkeeping run on the event loop's thread; `scan_dead`
-and big `read_batch`es do file I/O only and are run in a worker thread by the shipper.
+Threads: the shipper's `scan` and big `read_batch`es do file I/O only and run in a worker
+thread; `take`, `advance` and the bookkeeping on its event loop's thread.
 """
 
 from __future__ import annotations
