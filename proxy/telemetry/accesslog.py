@@ -63,11 +63,15 @@ def request_fields(rec: RequestRecord) -> dict[str, object]:
 
 
 def log_request(rec: RequestRecord) -> None:
-    if access_log.isEnabledFor(logging.INFO):
-        # The record made here, not by `info`: its caller's frame and file are never read
-        # (logging's findCaller walks the stack for every line; the line names its request).
-        access_log.handle(access_log.makeRecord(
-            ACCESS_LOGGER, logging.INFO, __file__, 0, request_line(rec), (), None))
+    if not access_log.isEnabledFor(logging.INFO):
+        return
+    if _direct is not None:  # `serve`: the line straight to its handler, no LogRecord
+        _direct.line(request_line(rec))
+        return
+    # The record made here, not by `info`: its caller's frame and file are never read
+    # (logging's findCaller walks the stack for every line; the line names its request).
+    access_log.handle(access_log.makeRecord(
+        ACCESS_LOGGER, logging.INFO, __file__, 0, request_line(rec), (), None))
 
 
 _str = json.encoder.encode_basestring_ascii  # C: quoted and escaped, as json.dumps writes
@@ -168,17 +172,20 @@ class LoopLineHandler(logging.Handler):
         self.lock = None  # Handler.acquire skips a None lock
 
     def handle(self, record: logging.LogRecord) -> bool:
-        line = record.getMessage()
+        self.line(record.getMessage())
+        return True
+
+    def line(self, line: str) -> None:
+        """One line (no newline): queued for this loop turn's write."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             self._write(line + "\n")
-            return True
+            return
         lines = self._lines
         lines.append(line)
         if len(lines) == 1:
             loop.call_soon(self.flush)
-        return True
 
     def emit(self, record: logging.LogRecord) -> None:
         self.handle(record)
@@ -199,7 +206,13 @@ class LoopLineHandler(logging.Handler):
             pass  # as a StreamHandler's: a log that cannot be written does not stop serving
 
 
+_direct: LoopLineHandler | None = None  # the access log's own handler, once installed
+
+
 def install_access_handler(fd: int) -> None:
-    """Access-log lines to `fd` by LoopLineHandler, not through the root logger's handlers."""
-    access_log.handlers[:] = [LoopLineHandler(fd)]
+    """Access-log lines to `fd` by LoopLineHandler, not through the root logger's handlers;
+    a request's line goes to it without a LogRecord (`log_request`)."""
+    global _direct  # noqa: PLW0603  one handler for the process, installed at its start
+    _direct = LoopLineHandler(fd)
+    access_log.handlers[:] = [_direct]
     access_log.propagate = False
