@@ -375,7 +375,19 @@ class ShipperChild:
             if self._stopping.is_set():
                 return
             backoff = min(backoff * 2, RESTART_MAX_S)
-            await self._spawn()
+            while True:
+                try:
+                    await self._spawn()
+                    break
+                except OSError as exc:  # no fork, no memory: tried again, never given up
+                    log.error("cannot start the ledger shipper again (%s); next try in %.1f s",
+                              exc, backoff)
+                    self._on_restart()
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(backoff):
+                            await self._stopping.wait()
+                    if self._stopping.is_set():
+                        return
 
     async def stop(self, drain_s: float, timeout_s: float) -> None:
         """Once the writers it serves have closed their spool files: it ships what is left for

@@ -167,6 +167,8 @@ def _metrics_handler(main: web.Application) -> Callable[[web.Request], Awaitable
         if metrics.shared:  # a worker: its own figures out, then every worker's files read
             metrics.publish()  # off the loop, as they are disk I/O
             body = await asyncio.to_thread(metrics.exposition)
+        elif metrics.reads_files:  # its ledger shipper's figures: files, off the loop too
+            body = await asyncio.to_thread(metrics.exposition)
         else:
             body = metrics.exposition()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -803,6 +803,11 @@ class Metrics:
         MultiProcessCollector(registry, self._shared_dir)  # type: ignore[no-untyped-call]
         return generate_latest(registry)
 
+    @property
+    def reads_files(self) -> bool:
+        """`exposition` reads another process's metric files (a worker's, or a shipper's)."""
+        return self._shared_dir is not None or self._shipper_dir is not None
+
     def include_shipper(self, directory: str | None) -> None:
         """/metrics of a single process also shows what its ledger shipper process counts in
         `directory` (prometheus_client multiprocess files); None: no longer."""
