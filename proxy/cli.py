@@ -88,7 +88,6 @@ def setup_logging(level: str = "INFO") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    install_access_handler(sys.stderr.fileno())
     logging.getLogger("aiohttp.server").addFilter(ClientErrorFilter())
 
 
@@ -517,6 +516,7 @@ def _serve_command(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             except OSError as exc:
                 print(f"cannot listen: {exc}", file=sys.stderr)
                 return 1
+    install_access_handler(sys.stderr)  # serving: its lines by the loop, no lock (accesslog)
     options = _ServeOptions(
         host=args.host, port=args.port, demo=args.command == "demo",
         once=getattr(args, "once", False),

@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
+from typing import TextIO
 
 from proxy.telemetry.metrics import RequestRecord
 
@@ -157,15 +157,15 @@ class AuthFailureLog:
 
 class LoopLineHandler(logging.Handler):
     """The access log's own handler (`serve` installs it; `propagate` off): each record's
-    message, already one JSON line, goes to `fd` with the other lines of the same turn of the
-    event loop in one `write` (`loop.call_soon`), and with no lock: lines come from the loop's
-    thread (settle), which alone touches the buffer. The stock StreamHandler took a lock per
+    message, already one JSON line, goes to `stream` with the other lines of the same turn of
+    the event loop in one write and flush (`loop.call_soon`), and with no lock of logging's:
+    lines come from the loop's thread (settle), which alone touches the buffer. The stock StreamHandler took a lock per
     line that every thread's logging shares, and wrote and flushed each line on its own.
     A line from another thread (none today) is written at once, by itself."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, stream: TextIO) -> None:
         super().__init__()
-        self._fd = fd
+        self._stream = stream
         self._lines: list[str] = []
 
     def createLock(self) -> None:
@@ -198,21 +198,20 @@ class LoopLineHandler(logging.Handler):
             self._write("\n".join(lines))
 
     def _write(self, text: str) -> None:
-        data = text.encode()
         try:
-            while data:
-                data = data[os.write(self._fd, data):]
-        except OSError:
+            self._stream.write(text)
+            self._stream.flush()
+        except (OSError, ValueError):
             pass  # as a StreamHandler's: a log that cannot be written does not stop serving
 
 
 _direct: LoopLineHandler | None = None  # the access log's own handler, once installed
 
 
-def install_access_handler(fd: int) -> None:
-    """Access-log lines to `fd` by LoopLineHandler, not through the root logger's handlers;
+def install_access_handler(stream: TextIO) -> None:
+    """Access-log lines to `stream` by LoopLineHandler, not through the root logger's handlers;
     a request's line goes to it without a LogRecord (`log_request`)."""
     global _direct  # noqa: PLW0603  one handler for the process, installed at its start
-    _direct = LoopLineHandler(fd)
+    _direct = LoopLineHandler(stream)
     access_log.handlers[:] = [_direct]
     access_log.propagate = False

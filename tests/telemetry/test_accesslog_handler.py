@@ -34,7 +34,7 @@ def pending(fd: int) -> bytes:
 async def test_lines_of_one_loop_turn_go_out_together_and_whole(
         pipe: tuple[int, int]) -> None:
     r, w = pipe
-    handler = LoopLineHandler(w)
+    handler = LoopLineHandler(os.fdopen(os.dup(w), "w", encoding="utf-8"))
     assert handler.lock is None  # nothing shared with another thread's logging
     logger = logging.getLogger("tests.access.loopline")
     logger.handlers[:] = [handler]
@@ -54,6 +54,6 @@ async def test_lines_of_one_loop_turn_go_out_together_and_whole(
 
 def test_without_a_loop_a_line_is_written_at_once(pipe: tuple[int, int]) -> None:
     r, w = pipe
-    handler = LoopLineHandler(w)
+    handler = LoopLineHandler(os.fdopen(os.dup(w), "w", encoding="utf-8"))
     handler.handle(logging.makeLogRecord({"msg": '{"a":1}', "levelno": logging.INFO}))
     assert pending(r) == b'{"a":1}\n'
