@@ -29,8 +29,10 @@ reserve and settle Lua scripts run on it for every request.
 
 Each round drives every target for `--seconds` per workload (small, stream), the order of the
 targets reversed every other round. CPU is utime + stime from /proc summed over the target's
-process group (supervisor and workers; nginx master and workers), read around each block, so
-CPU per request = CPU / requests answered in the block; redis-server's CPU per request is given
+process group (supervisor, workers and the ledger shipper process; nginx master and workers),
+read around each block, so CPU per request = CPU / requests answered in the block; for
+tokenmeter the serving processes' share (the one process, or the workers) and the shipper's
+are given apart too; redis-server's CPU per request is given
 for `tm-2-redis`. Throughput on this 2-core VM is shared with the load generator and the
 upstream (and whatever else runs on the box): read the CPU per request as the cost, and
 requests/s as what two cores give with everything on them. Ratios are to `bare` in the same run.
@@ -177,6 +179,31 @@ def group_cpu_s(pgid: int) -> float:
         if int(fields[2]) == pgid:
             total += int(fields[11]) + int(fields[12])
     return total / os.sysconf("SC_CLK_TCK")
+
+
+def group_cpu_parts(pgid: int, supervisor: bool) -> tuple[float, float]:
+    """(serving, shipper) CPU seconds in process group `pgid`: the processes that serve
+    requests (the one process, or the workers: not the supervisor, the group's leader), and
+    the ledger shipper process (proxy.ledger.shipper_process)."""
+    serving = shipper = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        fields = raw[raw.rindex(")") + 2:].split()
+        if int(fields[2]) != pgid:
+            continue
+        ticks = int(fields[11]) + int(fields[12])
+        if b"proxy.ledger.shipper_process" in cmdline:
+            shipper += ticks
+        elif not (supervisor and int(entry) == pgid):
+            serving += ticks
+    tck = os.sysconf("SC_CLK_TCK")
+    return serving / tck, shipper / tck
 
 
 def group_size(pgid: int) -> int:
@@ -366,6 +393,8 @@ def main() -> int:  # noqa: PLR0912, PLR0915  a benchmark script's main, read to
                     if w not in t.workloads:
                         continue
                     c0 = group_cpu_s(t.pgid)
+                    sup = t.name in ("tm-2", "tm-2-redis")
+                    p0 = group_cpu_parts(t.pgid, sup)
                     r0 = group_cpu_s(redis_pid) if t.name == "tm-2-redis" else 0.0
                     u0 = group_cpu_s(upstream_pid)
                     t0 = time.monotonic()
@@ -374,12 +403,16 @@ def main() -> int:  # noqa: PLR0912, PLR0915  a benchmark script's main, read to
                     time.sleep(0.2)  # settle work after the last byte is counted
                     wall = time.monotonic() - t0 - 0.2
                     cpu = group_cpu_s(t.pgid) - c0
+                    p1 = group_cpu_parts(t.pgid, sup)
                     s = {"requests": n, "bad": bad, "per_s": n / wall,
                          "cpu_ms": 1000 * cpu / max(1, n),
                          "cores": cpu / wall,
                          "wrk_cpu_ms": 1000 * wrk_cpu / max(1, n),
                          "upstream_cpu_ms": 1000 * (group_cpu_s(upstream_pid) - u0) / max(1, n),
-                         "procs": group_size(t.pgid)}
+                         "procs": group_size(t.pgid),
+                         # tokenmeter's parts: the serving processes, the ledger shipper
+                         "serving_cpu_ms": 1000 * (p1[0] - p0[0]) / max(1, n),
+                         "shipper_cpu_ms": 1000 * (p1[1] - p0[1]) / max(1, n)}
                     if t.name == "direct":
                         s["cpu_ms"] = 0.0  # the upstream's cost is upstream_cpu_ms
                     if t.name == "tm-2-redis":
@@ -387,6 +420,9 @@ def main() -> int:  # noqa: PLR0912, PLR0915  a benchmark script's main, read to
                     t.samples.setdefault(w, []).append(s)
                     print(f"round {r + 1} {w:6s} {t.name:10s} {s['per_s']:8.0f}/s  "
                           f"cpu {s['cpu_ms']:.3f} ms/req ({s['cores']:.2f} cores)  "
+                          + (f"serving {s['serving_cpu_ms']:.3f} shipper "
+                             f"{s['shipper_cpu_ms']:.3f}  " if t.name.startswith("tm") else "")
+                          +
                           f"wrk {s['wrk_cpu_ms']:.3f}  upstream {s['upstream_cpu_ms']:.3f}"
                           + (f"  redis {s['redis_cpu_ms']:.3f}" if "redis_cpu_ms" in s else "")
                           + (f"  BAD {bad}" if bad else ""), flush=True)
@@ -404,11 +440,13 @@ def main() -> int:  # noqa: PLR0912, PLR0915  a benchmark script's main, read to
     for w in WORKLOADS:
         bare = summary[w]["bare"]
         print(f"{w}: {'target':10s} {'per s':>8s} {'x bare':>7s} {'cpu ms/req':>10s} "
-              f"{'x bare':>7s} {'cores':>5s}")
+              f"{'x bare':>7s} {'cores':>5s}  serving (x bare) / shipper, ms/req")
         for name, s in summary[w].items():
             pad = " " * (len(w) + 2)
             print(f"{pad}{name:10s} {s['per_s']:8.0f} {s['per_s'] / bare['per_s']:7.2f} "
                   f"{s['cpu_ms']:10.3f} {s['cpu_ms'] / bare['cpu_ms']:7.2f} {s['cores']:5.2f}"
+                  + (f"  {s['serving_cpu_ms']:.3f} ({s['serving_cpu_ms'] / bare['cpu_ms']:.2f})"
+                     f" / {s['shipper_cpu_ms']:.3f}" if name.startswith("tm") else "")
                   + (f"   redis {s['redis_cpu_ms']:.3f} ms/req" if "redis_cpu_ms" in s else ""))
     for note in notes:
         print("note:", note)

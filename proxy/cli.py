@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import os
@@ -61,23 +60,10 @@ from proxy.server.workers import (
     supervise,
     watch_supervisor,
 )
+from proxy.telemetry.accesslog import JsonFormatter, install_access_handler
 from proxy.telemetry.metrics import Metrics
 
 log = logging.getLogger("tokenmeter")
-
-
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        if record.name == "tokenmeter.access":
-            return record.getMessage()  # already one JSON object
-        out: dict[str, object] = {
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        if record.exc_info:
-            out["exception"] = self.formatException(record.exc_info)
-        return json.dumps(out, separators=(",", ":"))
 
 
 class ClientErrorFilter(logging.Filter):
@@ -180,7 +166,7 @@ async def _serve(config: Config | None, options: _ServeOptions) -> None:
                         url)
             config = single_upstream_config(url, None)
         placement = Placement() if inherited is None else Placement(
-            workers=inherited.count, audit=inherited.index == 0)
+            workers=inherited.count, audit=inherited.index == 0, ship=False)
         app = create_app(config, config_path=options.config_path, placement=placement)
         base, metrics_url = await _start_listeners(app, config, options, fd_limit, runners)
         if inherited is not None:
@@ -530,6 +516,7 @@ def _serve_command(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             except OSError as exc:
                 print(f"cannot listen: {exc}", file=sys.stderr)
                 return 1
+    install_access_handler(sys.stderr)  # serving: its lines by the loop, no lock (accesslog)
     options = _ServeOptions(
         host=args.host, port=args.port, demo=args.command == "demo",
         once=getattr(args, "once", False),

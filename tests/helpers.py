@@ -400,3 +400,14 @@ def prompt_estimate(messages: list[ChatCompletionMessageParam] = MESSAGES) -> in
     """The proxy's own count of a chat request's prompt, as admission reserves it."""
     body = {"model": "mock-gpt", "messages": messages}
     return ChatTranslator(parse_body(json.dumps(body).encode())).estimate_prompt_tokens()
+
+
+def exported(metrics: Any, name: str, labels: dict[str, str] | None = None) -> float:
+    """A sample of `metrics` (a proxy.telemetry.metrics.Metrics) as its /metrics shows it: the
+    serving process's own series with those its ledger shipper process keeps (0 when absent)."""
+    want = labels or {}
+    for family in text_string_to_metric_families(metrics.exposition().decode()):
+        for smp in family.samples:
+            if smp.name == name and all(smp.labels.get(k) == v for k, v in want.items()):
+                return float(smp.value)
+    return 0.0

@@ -1,15 +1,16 @@
-"""The shipper: one background task moving spooled rows into the ledger database.
+"""The shipper: the loop moving spooled rows into the ledger database, in the shipper process
+(proxy.ledger.shipper_process), one per spool directory.
 
 It takes the spool's oldest waiting rows (up to `batch_rows`, whatever is there: it never waits
 for a batch to fill), stores them in one transaction, and only then moves the spool's cursor.
-Big reads are parsed in a worker thread and SQLite runs on a thread of its own, so the event
+Big reads are parsed in a worker thread and SQLite runs on a thread of its own, so its event
 loop never waits on a file or the database.
 
-Pacing: a batch costs a few thread hops and a commit whatever its size, so once the shipper has
-caught up it lets rows gather for `SHIP_INTERVAL_S` before the next batch (a flush or a drain
-cuts that short): at most four batches a second below saturation, back to back when behind.
-An idle shipper sleeps until `record` says a row is there (and wakes once a second for its
-gauges, a ping, retention), so a quiet proxy spends nothing on it.
+Pacing: the directory is looked at every SCAN_S (what the writers appended; writers that are
+gone, whose files are adopted). A batch costs a few thread hops and a commit whatever its size,
+so once the shipper has caught up it lets rows gather for `SHIP_INTERVAL_S` before the next
+batch (a flush or a drain cuts that short): at most four batches a second below saturation,
+back to back when behind.
 
 While the database is down or failing, rows wait in the spool; the shipper retries with a
 backoff capped at `BACKOFF_MAX_S`, says so once per outage (an error log, then a warning when it
@@ -33,7 +34,7 @@ from typing import Any, Protocol
 from proxy.config.ledger import LedgerConfig
 from proxy.ledger.migrate import SchemaTooNew
 from proxy.ledger.spool import Batch, RowSpool, read_batch, read_size
-from proxy.telemetry.metrics import LedgerStage, Metrics
+from proxy.telemetry.metrics import LedgerMetrics, LedgerStage
 
 log = logging.getLogger("tokenmeter.ledger")
 
@@ -42,12 +43,14 @@ BACKOFF_MAX_S = 5.0
 # Once caught up, how long rows gather before the next batch: the latency into the database,
 # against the per-batch cost (here about 1.5 ms of CPU with SQLite whatever the batch's size).
 SHIP_INTERVAL_S = 0.25
-TICK_S = 1.0  # an idle shipper's wake-up for its gauges, pings, adoption and retention
 # Reads up to this size are parsed on the loop (well under a millisecond); bigger in a thread.
 INLINE_READ_BYTES = 64 * 1024
 PUBLISH_EVERY_S = 1.0  # the spool gauges, when nothing else moves them
 PING_EVERY_S = 10.0  # an idle shipper still notices a database gone, for /readyz
-ADOPT_EVERY_S = 60.0  # files of another replica sharing the spool directory that died
+# How often the spool directory is looked at: rows the writers appended, segments they closed,
+# writers that are gone (a listdir, a stat per live segment: tens of microseconds). The
+# latency of a row into the database is this plus SHIP_INTERVAL_S at most.
+SCAN_S = 0.25
 PRUNE_SLICE = 5000
 PRUNE_EVERY_S = 3600.0
 PRUNE_RETRY_S = 300.0
@@ -86,7 +89,7 @@ class Sink(Protocol):
 
 
 class Shipper:
-    def __init__(self, spool: RowSpool, sink: Sink, metrics: Metrics, config: LedgerConfig, *,
+    def __init__(self, spool: RowSpool, sink: Sink, metrics: LedgerMetrics, config: LedgerConfig, *,
                  clock: Callable[[], float]) -> None:
         """`config`: its batch_rows and retention_days."""
         self.spool = spool
@@ -97,7 +100,7 @@ class Shipper:
         self._clock = clock
         self.progress = asyncio.Event()  # set after every batch stored or skipped
         self.attempted = asyncio.Event()  # the first connection attempt is over
-        self.rows = asyncio.Event()  # set by `record` (and a kick): rows wait
+        self.rows = asyncio.Event()  # set by a kick: look now
         self._kick = asyncio.Event()
         self._lock = asyncio.Lock()  # one statement at a time on the connection
         self._batch: Batch | None = None
@@ -111,7 +114,9 @@ class Shipper:
         self._next_prune = time.monotonic()  # at start
         self._pruned = 0
         self._next_ping = 0.0
-        self._next_adopt = time.monotonic() + ADOPT_EVERY_S
+        self._next_scan = 0.0
+        self.live_writers = 0  # writers holding their lock at the last scan
+        self._scanned_at = -1.0  # when the last scan that ended began (monotonic)
         self._next_publish = 0.0
 
     def kick(self) -> None:
@@ -125,9 +130,9 @@ class Shipper:
         while True:
             stage = LedgerStage.SPOOL
             try:
-                if time.monotonic() >= self._next_adopt:
-                    await self._adopt()
-                self.rows.clear()  # before looking: a row recorded after the look sets it again
+                if time.monotonic() >= self._next_scan or self.rows.is_set():
+                    self.rows.clear()
+                    await self.scan()
                 batch = await self._head_batch()
                 self._publish(force=False)
                 stage = LedgerStage.SHIP
@@ -151,7 +156,7 @@ class Shipper:
                     self._next_ping = time.monotonic() + PING_EVERY_S
                 self._back()
                 backoff = BACKOFF_MIN_S
-                await _wait(self.rows, TICK_S)
+                await _wait(self.rows, SCAN_S)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -181,15 +186,24 @@ class Shipper:
         self.too_new = None
         self._next_ping = time.monotonic() + PING_EVERY_S
 
-    async def _adopt(self) -> None:
-        self._next_adopt = time.monotonic() + ADOPT_EVERY_S
+    def scanned_after(self, moment: float) -> bool:
+        """Whether a scan began after `moment` (monotonic) and is over."""
+        return self._scanned_at > moment
+
+    async def scan(self) -> None:
+        """Look at the spool directory: what the writers appended, and adopt the files of
+        those that are gone."""
+        began = time.monotonic()
+        self._next_scan = began + SCAN_S
         try:
-            found = await asyncio.to_thread(self.spool.scan_dead)
+            found = await asyncio.to_thread(self.spool.scan, self.spool.known())
         except OSError as exc:
             self._metrics.ledger_failed(LedgerStage.SPOOL)
             log.error("ledger: cannot scan the spool %s: %s", self.spool.directory, exc)
             return
+        self.live_writers = found.live_owners
         rows = self.spool.take(found)
+        self._scanned_at = began
         if rows:
             log.warning("ledger: adopted %d rows a process that is gone left in %s", rows,
                         self.spool.directory)
@@ -229,15 +243,15 @@ class Shipper:
             _, poisoned = await self._store(batch.records)
         self._back()
         self._batch = None
-        self.spool.advance(batch)
         # A torn tail is one row; one this process already counted (a short write) is not
-        # counted again.
+        # counted again. Counted before the cursor moves: whoever sees it moved sees the count.
         lost = batch.bad + poisoned + (1 if batch.torn and not batch.torn_counted else 0)
         if lost:
             self._metrics.ledger_dropped(lost)
             log.error("ledger: dropped %d rows of %s (%d unreadable lines, %d refused by the "
                       "database, %d bytes of a row cut by a crash)", lost, batch.segment.path,
                       batch.bad, poisoned, batch.torn)
+        self.spool.advance(batch)
         self.progress.set()
 
     async def _store(self, records: list[tuple[Any, ...]]) -> tuple[int, int]:

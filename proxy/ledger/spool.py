@@ -1,33 +1,39 @@
 """The ledger's local spool: where each request's row waits between settle and the database.
 
-Settle appends one JSON line per request (`encode_row`) with one `os.write` to an `O_APPEND`
-file descriptor: once `append` returns, the row is in the OS's page cache, so a SIGKILL of the
-process loses nothing. There is no fsync per row: a power loss (or a kernel crash) may lose the
-rows of the last few seconds, which is out of scope (the database itself is the durable copy).
+Two sides, two processes. A serving process's `SpoolWriter` appends rows (`encode_row`, one
+JSON line each; the rows of one loop turn in one `os.write`) to an `O_APPEND` file descriptor:
+once the write returns, the rows are in the OS's page cache, so a SIGKILL of the process loses
+nothing. There is no fsync: a power loss (or a kernel crash) may lose the rows of the last few
+seconds, which is out of scope (the database itself is the durable copy). The shipper process's
+`RowSpool` follows every writer's segments in the directory and ships them
+(proxy.ledger.shipper_process); a writer never reads, ships or deletes.
 
 On disk, in the spool directory:
 - `ledger-<owner>-<seq>.jsonl`: append-only segments. `owner` is `<pid>-<random hex>` (a
   restarted container has the same pid, never the same owner); a segment is closed once it
-  passes `segment_bytes` and a new one is started.
-- `ledger-<owner>.lock`: flock'd by the owning process for its whole life. A process that can
-  take the lock of another owner knows that owner is gone, and adopts its segments (a restart,
-  or another replica sharing the directory). The lock is taken before the first segment exists.
+  passes `segment_bytes` and the next one is started. A segment of a live writer with a later
+  one beside it can no longer grow (the writer closed it before making the next).
+- `ledger-<owner>.lock`: flock'd by the writer for its whole life. A shipper that can take the
+  lock of an owner knows that owner is gone, and adopts its segments (its own cursors say where
+  they stand). The lock is taken before the first segment exists, so a segment found is always
+  under a lock: held (a live writer, followed) or free (gone, adopted).
 - `<segment>.pos`: the byte offset up to which the segment's rows are stored in the database,
-  written only after the database committed them. A crash between the commit and this write
-  ships those rows again: the database stores a request id once (primary key), so that is safe.
-  A fully stored, closed segment is deleted (with its `.pos`).
+  written by the shipper only after the database committed them. A crash of the shipper between
+  the commit and this write ships those rows again: the database stores a request id once
+  (primary key), so that is safe. A fully stored, closed segment is deleted (with its `.pos`).
 
 The shipper reads complete lines only. A segment's last line without its newline (the process
-was killed inside the write of a row whose `append` never returned) is skipped once the
-segment can no longer grow, and counted as dropped. A short write (a full disk) is cut off again
-at once: its row is counted when its `append` fails, once.
+was killed inside its write) is skipped once the segment can no longer grow, and counted as
+dropped. A short write (a full disk) is cut off again at once: its rows are counted when the
+write fails, once.
 
-The bound: rows not yet stored may take `max_bytes`; past it `append` refuses new rows (the
-caller counts them as dropped). Shipped rows of the segment being written still take disk until
-it is closed and deleted, at most one segment (`segment_bytes` is a sixteenth of the bound).
+The bound: a writer's rows not yet stored may take `max_bytes`; past it `append` refuses new
+rows (the caller counts them as dropped). The writer learns what is stored from the shipper's
+files (its closed segments deleted, the live one's cursor), looked at when it is full (at most
+every RECLAIM_EVERY_S) and at each new segment.
 
-Threads: `append`, `advance` and the bookkeeping run on the event loop's thread; `scan_dead`
-and big `read_batch`es do file I/O only and are run in a worker thread by the shipper.
+Threads: the shipper's `scan` and big `read_batch`es do file I/O only and run in a worker
+thread; `take`, `advance` and the bookkeeping on its event loop's thread.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import json
 import logging
 import os
 import re
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -52,6 +59,7 @@ SEGMENT_MIN_BYTES = 64 * 1024
 SEGMENT_MAX_BYTES = 16 * 1024 * 1024
 _SEGMENT_RE = re.compile(r"^ledger-(\d+-[0-9a-f]+)-(\d+)\.jsonl$")
 _ENDED = COLUMNS.index("ended_at")
+RECLAIM_EVERY_S = 0.1  # a full spool looks again whether the shipper freed room
 _FILE_MODE = 0o600  # rows name users and teams: not for every local account to read
 
 # The row is a tuple: the C JSON encoder writes it as the array the spool holds, with no
@@ -105,96 +113,46 @@ class _Adopted:
     segments: list[Segment] = field(default_factory=list)
 
 
-class RowSpool:
-    """The ledger's spool: request rows on their way to the database (not the budget's debts:
-    that is proxy.budget.spool.SettleSpool)."""
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    """One segment of a live writer as a scan found it (its rows are counted from `counted`,
+    where the shipper's count of it stopped, or from its cursor when it is new)."""
 
-    def __init__(self, directory: Path, max_bytes: int) -> None:
+    path: Path
+    owner: str
+    seq: int
+    size: int
+    start: int
+    new_rows: int  # complete lines in [counted or start, size)
+    sealed: bool  # its writer has moved on to a later segment: it can no longer grow
+
+
+@dataclass(frozen=True, slots=True)
+class Scan:
+    adopted: list[_Adopted]
+    seen: list[_Seen]
+    live_owners: int  # writers still holding their lock
+
+
+class RowSpool:
+    """The shipper process's view of the spool directory: the segments of every writer, live
+    (followed: their complete lines are shipped as they come) or gone (adopted under their lock),
+    with the cursors it keeps. Never appended to: writers are `SpoolWriter`s (not the budget's
+    debts either: that is proxy.budget.spool.SettleSpool)."""
+
+    def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.max_bytes = max_bytes
-        self.segment_bytes = min(SEGMENT_MAX_BYTES, max(SEGMENT_MIN_BYTES, max_bytes // 16))
-        self.owner = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.owner = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"  # never writes: adopts nothing of
         self.pending_rows = 0
         self.pending_bytes = 0
-        self.dropping = False  # the last append was refused or failed
         self.cursor_failing = False  # the last cursor write failed (logged once)
-        self._segments: list[Segment] = []  # in shipping order: adopted first, then ours
+        self._segments: list[Segment] = []  # in shipping order: adopted first, then followed
         self._adopted: dict[str, _Adopted] = {}
-        self._lock_fd = -1
-        self._fd = -1
-        self._live: Segment | None = None
-        self._seq = 0
+        self._followed: dict[Path, Segment] = {}  # segments of writers that are alive
 
     @property
     def segments(self) -> Sequence[Segment]:
         return self._segments
-
-    # --- the hot path: one row -------------------------------------------------------------
-    def append(self, line: bytes) -> bool:
-        """Write one row's line. False: the spool is full and the row was not written. Raises
-        OSError when the write failed (the caller counts the row as dropped)."""
-        n = len(line)
-        if self.pending_bytes + n > self.max_bytes:
-            self.dropping = True
-            return False
-        seg = self._live
-        if seg is None:
-            seg = self._open_live()
-        try:
-            written = os.write(self._fd, line)
-        except OSError:
-            self.dropping = True
-            raise
-        if written != n:
-            self._short_write(seg, written)
-        seg.end += n
-        seg.rows += 1
-        self.pending_bytes += n
-        self.pending_rows += 1
-        self.dropping = False
-        if seg.end >= self.segment_bytes:
-            self._roll()
-        return True
-
-    def _short_write(self, seg: Segment, written: int) -> None:
-        """A partial line (a full disk). The caller counts the row as dropped when this raises,
-        so its bytes are cut off again: a torn tail left in the file would be counted a second
-        time when the shipper (or an adopter after a restart) skips it. Should the cut fail, the
-        bytes stay as a torn tail that `read_batch` skips without counting. Either way the
-        segment ends here, so that once it is stored it can be deleted and free the disk."""
-        self.dropping = True
-        try:
-            os.ftruncate(self._fd, seg.end)
-        except OSError:
-            seg.end += written
-            seg.torn_counted = True
-            self.pending_bytes += written
-        self._roll()
-        raise OSError(f"short write to {seg.path}: {written} bytes")
-
-    def _open_live(self) -> Segment:
-        if self._lock_fd < 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            lock = self.directory / f"ledger-{self.owner}.lock"
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, _FILE_MODE)
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # ours: nobody else has this name
-            self._lock_fd = fd
-        self._seq += 1
-        path = self.directory / f"ledger-{self.owner}-{self._seq:06d}.jsonl"
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC,
-                           _FILE_MODE)
-        seg = Segment(path, self.owner, self._seq, 0, 0, 0, live=True)
-        self._segments.append(seg)
-        self._live = seg
-        return seg
-
-    def _roll(self) -> None:
-        if self._live is not None:
-            self._live.live = False
-            self._live = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
 
     # --- shipping (event loop side) ----------------------------------------------------------
     def head(self) -> Segment | None:
@@ -235,8 +193,6 @@ class RowSpool:
 
     def forget(self, seg: Segment) -> None:
         """A segment whose file vanished: its rows are lost (the caller says so)."""
-        if seg is self._live:
-            self._roll()  # appends to an unlinked file would vanish too
         self._delete(seg)
 
     def _delete(self, seg: Segment) -> None:
@@ -251,6 +207,7 @@ class RowSpool:
         self.pending_rows -= seg.rows
         self.pending_bytes -= seg.end - seg.start
         seg.rows = 0
+        self._followed.pop(seg.path, None)
         adopted = self._adopted.get(seg.owner)
         if adopted is not None:
             adopted.segments.remove(seg)
@@ -264,28 +221,42 @@ class RowSpool:
         os.close(adopted.lock_fd)
         del self._adopted[adopted.owner]
 
-    # --- adoption ---------------------------------------------------------------------------
-    def scan_dead(self) -> list[_Adopted]:
-        """The segments of owners that are gone, locked for us (blocking: run it in a thread;
-        `take` then adds them on the loop's thread)."""
-        found: list[_Adopted] = []
+    # --- the writers: followed while alive, adopted once gone -------------------------------
+    def known(self) -> dict[Path, int]:
+        """Where the count of each followed segment stopped (for `scan`, in a thread)."""
+        return {path: seg.end for path, seg in self._followed.items()}
+
+    def scan(self, known: dict[Path, int]) -> Scan:
+        """The directory now (blocking: run it in a thread; `take` then applies it on the
+        loop's thread): the segments of writers that are gone, locked for us, and how far the
+        live writers' segments have grown."""
         try:
             names = set(os.listdir(self.directory))
         except FileNotFoundError:
-            return found
-        owners: set[str] = set()
+            return Scan([], [], 0)
+        by_owner: dict[str, list[tuple[int, str]]] = {}
         for name in names:
             m = _SEGMENT_RE.match(name)
             if m is not None and m.group(1) != self.owner and m.group(1) not in self._adopted:
-                owners.add(m.group(1))
+                by_owner.setdefault(m.group(1), []).append((int(m.group(2)), name))
             elif name.endswith(".jsonl.pos") and name[:-4] not in names:
                 with contextlib.suppress(FileNotFoundError):
                     (self.directory / name).unlink()  # litter of a deleted segment
-        for owner in sorted(owners):
-            adopted = self._lock_owner(owner)
-            if adopted is not None:
-                found.append(adopted)
-        return found
+        adopted: list[_Adopted] = []
+        seen: list[_Seen] = []
+        live = 0
+        for owner in sorted(by_owner):
+            found = self._lock_owner(owner)
+            if found is not None:
+                adopted.append(found)
+                continue
+            live += 1
+            files = sorted(by_owner[owner])
+            for seq, name in files:
+                with contextlib.suppress(FileNotFoundError):
+                    seen.append(_see(self.directory / name, owner, seq, known,
+                                     sealed=seq != files[-1][0]))
+        return Scan(adopted, seen, live)
 
     def _lock_owner(self, owner: str) -> _Adopted | None:
         lock = self.directory / f"ledger-{owner}.lock"
@@ -325,11 +296,20 @@ class RowSpool:
             return None
         return adopted
 
-    def take(self, found: list[_Adopted]) -> int:
-        """Add adopted segments ahead of ours; the rows they hold."""
+    def take(self, scan: Scan) -> int:
+        """Apply a `scan`: adopted segments go ahead of the followed ones (a followed writer
+        that has died since is adopted: its segments are read again from its cursors, which
+        this process wrote); followed ones grow. The rows adopted."""
         rows = 0
-        at = sum(1 for s in self._segments if s.owner != self.owner)
-        for adopted in found:
+        at = sum(1 for s in self._segments if s.owner in self._adopted)
+        for adopted in scan.adopted:
+            for seg in [s for s in self._segments if s.owner == adopted.owner]:
+                self._segments.remove(seg)  # followed until now: replaced by its reread
+                self._followed.pop(seg.path, None)
+                self.pending_rows -= seg.rows
+                self.pending_bytes -= seg.end - seg.start
+                seg.gone = True
+                at = sum(1 for s in self._segments if s.owner in self._adopted)
             self._adopted[adopted.owner] = adopted
             for seg in adopted.segments:
                 self._segments.insert(at, seg)
@@ -337,32 +317,202 @@ class RowSpool:
                 rows += seg.rows
                 self.pending_rows += seg.rows
                 self.pending_bytes += seg.end - seg.start
+        for seen in scan.seen:
+            followed = self._followed.get(seen.path)
+            if followed is None:
+                if seen.owner in self._adopted:
+                    continue
+                followed = Segment(seen.path, seen.owner, seen.seq, seen.start, seen.start, 0,
+                                   live=True)
+                self._followed[seen.path] = followed
+                self._segments.append(followed)
+            if seen.size > followed.end:
+                self.pending_bytes += seen.size - followed.end
+                followed.end = seen.size
+                followed.rows += seen.new_rows
+                self.pending_rows += seen.new_rows
+            followed.live = not seen.sealed
         return rows
 
     # --- close ------------------------------------------------------------------------------
     def close(self) -> int:
-        """Stop writing and release every lock; the rows left wait for the next process."""
-        self._roll()
+        """Release every lock (cursors are on disk); the rows left wait for the next shipper."""
         for seg in list(self._segments):
-            if seg.start >= seg.end:
+            if seg.start >= seg.end and not seg.live:
                 self._delete(seg)
         for adopted in list(self._adopted.values()):
             self._release(adopted, unlink=False)
         left = self.pending_rows
+        self._segments = []
+        self._adopted = {}
+        self._followed = {}
+        self.pending_rows = 0
+        self.pending_bytes = 0
+        return left
+
+
+def _see(path: Path, owner: str, seq: int, known: dict[Path, int], *, sealed: bool) -> _Seen:
+    size = path.stat().st_size
+    counted = known.get(path)
+    start = 0
+    if counted is None:
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            start = min(size, max(0, int(path.with_name(path.name + ".pos").read_text())))
+        counted = start
+    rows = 0
+    if size > counted:
+        with path.open("rb") as f:
+            f.seek(counted)
+            rows = f.read(size - counted).count(b"\n")
+    return _Seen(path, owner, seq, size, start, rows, sealed)
+
+
+class SpoolWriter:
+    """A serving process's side of the spool: appends rows to its own segments (lock held for
+    its life), and never reads, ships or deletes them: the shipper process does. The bound on
+    the disk rows not yet stored may take is checked against this writer's own segment files
+    that are still there (the shipper deletes a segment once it is stored and closed)."""
+
+    def __init__(self, directory: Path, max_bytes: int) -> None:
+        self.directory = directory
+        self.max_bytes = max_bytes
+        self.segment_bytes = min(SEGMENT_MAX_BYTES, max(SEGMENT_MIN_BYTES, max_bytes // 16))
+        self.owner = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.pending_bytes = 0  # bytes of this writer's not known to be stored
+        self.dropping = False  # the last append was refused or failed
+        self._sealed: list[tuple[Path, int]] = []  # closed segments not yet seen deleted
+        self._live: Path | None = None
+        self._end = 0  # the live segment's size
+        self._lock_fd = -1
+        self._fd = -1
+        self._seq = 0
+        self._next_reclaim = 0.0
+
+    # --- the hot path -----------------------------------------------------------------------
+    def append(self, data: bytes) -> bool:
+        """Write rows' lines (whole lines, one `write`). False: the spool is full and they were
+        not written. Raises OSError when the write failed (the caller counts them dropped)."""
+        n = len(data)
+        if self.pending_bytes + n > self.max_bytes:
+            self._reclaim(force=False)
+            if self.pending_bytes + n > self.max_bytes:
+                self.dropping = True
+                return False
+        if self._live is None:
+            self._open_live()
+        try:
+            written = os.write(self._fd, data)
+        except OSError:
+            self.dropping = True
+            raise
+        if written != n:
+            self._short_write(written)
+        self._end += n
+        self.pending_bytes += n
+        self.dropping = False
+        if self._end >= self.segment_bytes:
+            self._roll()
+            self._reclaim(force=True)
+        return True
+
+    def _reclaim(self, *, force: bool) -> None:
+        """Forget the closed segments the shipper has deleted (a stat each, at most once a
+        second unless `force`)."""
+        now = time.monotonic()
+        if force or now >= self._next_reclaim:
+            self._next_reclaim = now + RECLAIM_EVERY_S
+            self._sealed = [(path, size) for path, size in self._sealed if path.exists()]
+            shipped = 0
+            if self._live is not None:  # the live segment's stored part: its cursor
+                with contextlib.suppress(FileNotFoundError, ValueError):
+                    shipped = int(self._live.with_name(self._live.name + ".pos").read_text())
+            self.pending_bytes = sum(size for _, size in self._sealed) + self._end - shipped
+
+    def _short_write(self, written: int) -> None:
+        """A partial line (a full disk): cut off again, so the shipper never sees it (the
+        caller counts the rows as dropped when this raises). Should the cut fail, the bytes
+        stay as a torn tail the shipper skips (and counts) once the segment is closed, which
+        it is at once."""
+        self.dropping = True
+        try:
+            os.ftruncate(self._fd, self._end)
+        except OSError:
+            self._end += written
+            self.pending_bytes += written
+        self._roll()
+        raise OSError(f"short write to the ledger spool: {written} bytes")
+
+    def _open_live(self) -> None:
+        if self._lock_fd < 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            lock = self.directory / f"ledger-{self.owner}.lock"
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, _FILE_MODE)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # ours: nobody else has this name
+            self._lock_fd = fd
+        self._seq += 1
+        path = self.directory / f"ledger-{self.owner}-{self._seq:06d}.jsonl"
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC,
+                           _FILE_MODE)
+        self._live = path
+        self._end = 0
+
+    def _roll(self) -> None:
+        """Close the live segment; the next append starts the next one, whose existence tells
+        the shipper this one can no longer grow."""
+        if self._live is not None:
+            self._sealed.append((self._live, self._end))
+            self._live = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    # --- what the shipper has done ----------------------------------------------------------
+    def marks(self) -> list[tuple[Path, int]]:
+        """Where each segment in the directory ends now (this writer's and any other's): all
+        written so far is stored once each is gone or its cursor has reached its mark."""
+        out = dict(self._sealed)
+        if self._live is not None:
+            out[self._live] = self._end
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(self.directory):
+                path = self.directory / name
+                if path not in out and _SEGMENT_RE.match(name):
+                    with contextlib.suppress(FileNotFoundError):
+                        out[path] = path.stat().st_size
+        return list(out.items())
+
+    # --- close ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop writing and release the lock: the shipper adopts what is left. A new `append`
+        starts a new owner."""
+        self._roll()
         if self._lock_fd >= 0:
-            if not any(s.owner == self.owner for s in self._segments):
+            if not any(path.exists() for path, _ in self._sealed):
                 with contextlib.suppress(FileNotFoundError):
                     (self.directory / f"ledger-{self.owner}.lock").unlink()
             os.close(self._lock_fd)
             self._lock_fd = -1
-        # What is left is a dead owner's now: a new `append` starts a new owner of its own.
-        self._segments = []
-        self._adopted = {}
-        self.pending_rows = 0
+        self._sealed = []
         self.pending_bytes = 0
         self.owner = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._seq = 0
-        return left
+
+
+def reached(marks: list[tuple[Path, int]]) -> bool:
+    """Whether the shipper has stored every segment up to its mark (a stat and a small read
+    per segment)."""
+    for path, mark in marks:
+        try:
+            pos = int(path.with_name(path.name + ".pos").read_text())
+        except FileNotFoundError:
+            if path.exists():
+                return False
+            continue
+        except ValueError:
+            return False
+        if pos < mark:
+            return False
+    return True
 
 
 def read_batch(seg: Segment, end: int, max_rows: int,

@@ -172,6 +172,8 @@ def _metrics_handler(main: web.Application) -> Callable[[web.Request], Awaitable
         if metrics.shared:  # a worker: its own figures out, then every worker's files read
             metrics.publish()  # off the loop, as they are disk I/O
             body = await asyncio.to_thread(metrics.exposition)
+        elif metrics.reads_files:  # its ledger shipper's figures: files, off the loop too
+            body = await asyncio.to_thread(metrics.exposition)
         else:
             body = metrics.exposition()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -227,7 +229,8 @@ async def _readyz(request: web.Request) -> web.Response:
     if (problem := await asyncio.to_thread(_state_problem, svc)) is not None:
         return web.json_response({"status": "unavailable", "state_dir": problem}, status=503)
     # A broken ledger is reported, never a reason to stop serving: rows wait in its spool.
-    ledger = svc.ledger.health() if svc.ledger is not None else None
+    # Off the loop: the shipper process's word is a file.
+    ledger = await asyncio.to_thread(svc.ledger.health) if svc.ledger is not None else None
     books: dict[str, object] = {} if ledger is None else {
         "ledger": "ok" if ledger.ok else ledger.detail, "ledger_pending_rows": ledger.pending_rows,
     }
@@ -340,7 +343,8 @@ async def _ledger_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
         return
     await ledger.start()
-    log.info("ledger: rows of replica %s go to %s", ledger.replica, ledger.location)
+    log.info("ledger: rows of replica %s go to %s (shipper process %s)", ledger.replica,
+             ledger.location, ledger.shipper_pid or "of the supervisor")
     yield
     await ledger.stop(svc.runtime.current.config.server.drain_seconds)
 
@@ -495,6 +499,7 @@ class Placement:
 
     workers: int = 1  # how many processes serve it
     audit: bool = True  # whether this one runs the ledger's reconciliation (one: worker 0)
+    ship: bool = True  # whether this one starts a ledger shipper (not a supervisor's worker)
 
 
 def create_app(
@@ -526,7 +531,8 @@ def create_app(
     app[SERVICES] = Services(
         runtime=holder, metrics=metrics, budget=budget, http=http, latency=LatencyTracker(),
         rng=random.Random(), settling=Settling(), watchdog=Watchdog(),
-        ledger=make_ledger(config.ledger, metrics, clock=clock),
+        ledger=make_ledger(config.ledger, metrics, ship=placement.ship,
+                           drain_s=config.server.drain_seconds),
         capture=_capture_writer(config, holder, metrics),
         tracing=Tracing.of(config.tracing),
         cache=_response_cache(config, holder, metrics, clock),

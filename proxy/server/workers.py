@@ -24,7 +24,10 @@ for replicas: a worker that dies leaves its reservations to expire with their le
 (`store.lease_seconds`), and the next reservation of that user reaps them. The in-process store
 cannot be shared, so `budget_sharing_problem` refuses to start N > 1 workers on it while any
 limit is configured. Each worker keeps its own settlement spool and ledger spool files (per
-process, flock'd; a restarted worker adopts a dead one's) and ships to the one ledger database.
+process, flock'd; a restarted worker adopts a dead one's settlement spool). One ledger shipper
+process (proxy.ledger.shipper_process), started first and supervised like the workers (started
+again when it dies), ships every worker's ledger rows into the database; it is stopped last,
+once every worker has exited, and ships what they left.
 
 Metrics: the supervisor makes a private directory for prometheus_client's multiprocess files
 before starting workers and removes it at exit; each worker writes its series there and any of
@@ -51,8 +54,11 @@ from typing import Literal
 from prometheus_client import multiprocess
 from prometheus_client.values import MultiProcessValue
 
+from proxy.budget.spool import default_dir
+from proxy.config.ledger import LedgerConfig
 from proxy.config.load import Config
 from proxy.config.policy import Limits, Policy
+from proxy.ledger.shipper_process import ShipperChild, ShipperSpec
 
 log = logging.getLogger("tokenmeter.workers")
 
@@ -218,10 +224,12 @@ async def watch_supervisor(stop: asyncio.Event) -> None:
 
 
 class Supervisor:
-    def __init__(
+    def __init__(  # noqa: PLR0913, PLR0917  what one supervisor runs, given once
         self, argv: Sequence[str], count: int, bound: BoundSockets, metrics_dir: str,
-        drain_seconds: float,
+        drain_seconds: float, shipper: ShipperSpec | None = None,
     ) -> None:
+        """`shipper`: the one ledger shipper process for all workers (None: the ledger is
+        off)."""
         self._argv = list(argv)
         self._count = count
         self._api = list(bound.api)
@@ -238,12 +246,25 @@ class Supervisor:
             "Worker processes that died and were started again (serve --workers).",
         )
         self._restarts.inc(0)  # present, at zero, from the start
+        self._shipper: ShipperChild | None = None
+        if shipper is not None:
+            deaths = MultiProcessValue()(  # type: ignore[no-untyped-call]
+                "counter", "tokenmeter_ledger_errors", "tokenmeter_ledger_errors_total",
+                ("stage",), ("shipper",), "Ledger failures by stage.",
+            )
+            self._shipper = ShipperChild(shipper, {**os.environ, MULTIPROC_ENV: metrics_dir},
+                                         on_restart=lambda: deaths.inc(1))
+            self._shipper.on_exit = lambda pid: multiprocess.mark_process_dead(  # type: ignore[no-untyped-call]
+                pid, metrics_dir)
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._stop, sig)
         loop.add_signal_handler(signal.SIGHUP, self._forward, signal.SIGHUP)
+        if self._shipper is not None:
+            await self._shipper.start()
+            log.info("ledger shipper started (pid %s)", self._shipper.pid)
         keepers = [asyncio.create_task(self._keep(i)) for i in range(self._count)]
         await self._stopping.wait()
         # Our copies closed first: once the workers close theirs, the port refuses.
@@ -259,6 +280,8 @@ class Supervisor:
             await asyncio.wait(pending, timeout=EXIT_GRACE_S)
             self._failed = True
         log.info("all workers have exited")
+        if self._shipper is not None:  # their spool files closed: it ships what is left
+            await self._shipper.stop(self._drain_s, self._drain_s + EXIT_GRACE_S)
         return 1 if self._failed else 0
 
     def _stop(self, sig: signal.Signals) -> None:
@@ -351,7 +374,11 @@ def supervise(
             drain = server.drain_seconds if server is not None else 30.0
             with asyncio.Runner() as runner:
                 bound = BoundSockets(tuple(api), tuple(metrics))
-                return runner.run(Supervisor(argv, count, bound, metrics_dir, drain).run())
+                ledger = config.ledger if config is not None else LedgerConfig()
+                shipper = ShipperSpec.of(ledger, default_dir(), drain) if ledger.enabled \
+                    else None
+                return runner.run(Supervisor(argv, count, bound, metrics_dir, drain,
+                                             shipper).run())
         finally:
             os.environ.pop(MULTIPROC_ENV, None)
             shutil.rmtree(metrics_dir, ignore_errors=True)

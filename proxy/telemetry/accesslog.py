@@ -9,14 +9,17 @@ failed since the line before (`AuthFailureLog`); tokenmeter_auth_failures_total 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 from collections.abc import Callable
+from typing import TextIO
 
 from proxy.telemetry.metrics import RequestRecord
 
-access_log = logging.getLogger("tokenmeter.access")
+ACCESS_LOGGER = "tokenmeter.access"
+access_log = logging.getLogger(ACCESS_LOGGER)
 
 AUTH_LOG_EVERY_S = 10.0
 
@@ -61,8 +64,15 @@ def request_fields(rec: RequestRecord) -> dict[str, object]:
 
 
 def log_request(rec: RequestRecord) -> None:
-    if access_log.isEnabledFor(logging.INFO):
-        access_log.info(request_line(rec))
+    if not access_log.isEnabledFor(logging.INFO):
+        return
+    if _direct is not None:  # `serve`: the line straight to its handler, no LogRecord
+        _direct.line(request_line(rec))
+        return
+    # The record made here, not by `info`: its caller's frame and file are never read
+    # (logging's findCaller walks the stack for every line; the line names its request).
+    access_log.handle(access_log.makeRecord(
+        ACCESS_LOGGER, logging.INFO, __file__, 0, request_line(rec), (), None))
 
 
 _str = json.encoder.encode_basestring_ascii  # C: quoted and escaped, as json.dumps writes
@@ -103,6 +113,20 @@ def request_line(rec: RequestRecord) -> str:
     )
 
 
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        if record.name == "tokenmeter.access":
+            return record.getMessage()  # already one JSON object
+        out: dict[str, object] = {
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, separators=(",", ":"))
+
+
 class AuthFailureLog:
     """The sampled access-log line of failed authentications: the first at once, then at most
     one per AUTH_LOG_EVERY_S, when a failure comes (a flood that stops leaves its last count
@@ -130,3 +154,66 @@ class AuthFailureLog:
         self._count = 0
         self._since = now
         self._next = now + AUTH_LOG_EVERY_S
+
+
+class LoopLineHandler(logging.Handler):
+    """The access log's own handler (`serve` installs it; `propagate` off): each record's
+    message, already one JSON line, goes to `stream` with the other lines of the same turn of
+    the event loop in one write and flush (`loop.call_soon`), and with no lock of logging's:
+    lines come from the loop's thread (settle), which alone touches the buffer. The stock
+    StreamHandler took a lock per line that every thread's logging shares, and wrote and
+    flushed each line on its own.
+    A line from another thread (none today) is written at once, by itself."""
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__()
+        self._stream = stream
+        self._lines: list[str] = []
+
+    def createLock(self) -> None:
+        self.lock = None  # Handler.acquire skips a None lock
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        self.line(record.getMessage())
+        return True
+
+    def line(self, line: str) -> None:
+        """One line (no newline): queued for this loop turn's write."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._write(line + "\n")
+            return
+        lines = self._lines
+        lines.append(line)
+        if len(lines) == 1:
+            loop.call_soon(self.flush)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.handle(record)
+
+    def flush(self) -> None:
+        lines = self._lines
+        if lines:
+            self._lines = []
+            lines.append("")
+            self._write("\n".join(lines))
+
+    def _write(self, text: str) -> None:
+        try:
+            self._stream.write(text)
+            self._stream.flush()
+        except (OSError, ValueError):
+            pass  # as a StreamHandler's: a log that cannot be written does not stop serving
+
+
+_direct: LoopLineHandler | None = None  # the access log's own handler, once installed
+
+
+def install_access_handler(stream: TextIO) -> None:
+    """Access-log lines to `stream` by LoopLineHandler, not through the root logger's handlers;
+    a request's line goes to it without a LogRecord (`log_request`)."""
+    global _direct  # noqa: PLW0603  one handler for the process, installed at its start
+    _direct = LoopLineHandler(stream)
+    access_log.handlers[:] = [_direct]
+    access_log.propagate = False

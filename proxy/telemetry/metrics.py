@@ -306,6 +306,7 @@ class LedgerStage(enum.Enum):
     CONNECT = "connect"  # opening the database (and migrating its schema)
     RETENTION = "retention"  # deleting rows past ledger.retention_days
     ROW = "row"  # the database refused one row (it is dropped; the others are stored)
+    SHIPPER = "shipper"  # the shipper process died (it is started again) or could not start
 
 
 class CaptureDrop(enum.Enum):
@@ -326,6 +327,110 @@ class CacheStage(enum.Enum):
     STORE = "store"  # the store failed to take an entry
     ENTRY = "entry"  # an entry could not be read back (another version, damaged)
     FILL = "fill"  # making an entry of a finished answer failed
+class LedgerMetrics:
+    """The ledger's collectors: the serving process counts rows it could not spool; the shipper
+    process (proxy.ledger.shipper_process), which registers these alone, everything else. Its
+    gauges are set by the shipper only, so across processes they combine as that one's value
+    (`livesum`/`livemax` over the others' zeros; `up` is `livemax` for that reason)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._ledger_rows = _Counter(
+            "tokenmeter_ledger_rows_written", "Ledger rows stored in the database.", ("sink",),
+            registry=registry,
+        )
+        self._ledger_spool_rows = _Gauge(
+            "tokenmeter_ledger_spool_rows", "Ledger rows in the local spool not yet stored.",
+            registry=registry, multiprocess_mode="livesum",
+        )
+        self._ledger_spool_bytes = _Gauge(
+            "tokenmeter_ledger_spool_bytes", "Disk taken by ledger rows not yet stored.",
+            registry=registry, multiprocess_mode="livesum",
+        )
+        self._ledger_ship = _Histogram(
+            "tokenmeter_ledger_ship_seconds", "Time to store one batch of ledger rows.",
+            buckets=DURATION_BUCKETS, registry=registry,
+        )
+        self._ledger_lag = _Gauge(
+            "tokenmeter_ledger_lag_seconds",
+            "Age of the oldest ledger row not yet stored (0: nothing waits).", registry=registry,
+            multiprocess_mode="livemax",
+        )
+        self._ledger_errors = _Counter(
+            "tokenmeter_ledger_errors", "Ledger failures by stage.", ("stage",), registry=registry,
+        )
+        self._ledger_dropped = _Counter(
+            "tokenmeter_ledger_rows_dropped",
+            "Ledger rows lost: the spool was full or could not be written.", registry=registry,
+        )
+        self._ledger_up = _Gauge(
+            "tokenmeter_ledger_up", "1 when the last write to the ledger database succeeded.",
+            registry=registry, multiprocess_mode="livemax",
+        )
+
+    def ledger_stored(self, sink: str, rows: int, seconds: float) -> None:
+        """A batch of `rows` reached the database (`sink`: sqlite or postgresql)."""
+        self._ledger_rows.labels(sink).inc(rows)
+        self._ledger_ship.observe(seconds)
+        self._ledger_up.set(1)
+
+    def ledger_pending(self, rows: int, spool_bytes: int, oldest_age_s: float) -> None:
+        self._ledger_spool_rows.set(rows)
+        self._ledger_spool_bytes.set(spool_bytes)
+        self._ledger_lag.set(oldest_age_s)
+
+    def ledger_connected(self) -> None:
+        """The database answered (a connect or an idle ping): up before any batch is stored."""
+        self._ledger_up.set(1)
+
+    def ledger_failed(self, stage: LedgerStage) -> None:
+        self._ledger_errors.labels(stage.value).inc()
+        if stage in (LedgerStage.CONNECT, LedgerStage.SHIP):
+            self._ledger_up.set(0)
+
+    def ledger_dropped(self, rows: int) -> None:
+        self._ledger_dropped.inc(rows)
+
+
+def process_ledger_metrics() -> LedgerMetrics:
+    """The ledger's collectors alone, for the shipper process, in the multiprocess directory
+    its parent gave it. Written through (prometheus_client's own multiprocess value, not a
+    worker's buffered one): a few updates per batch, and a scrape right after a batch sees it."""
+    return LedgerMetrics(CollectorRegistry(auto_describe=True))
+
+
+def _merged(registry: CollectorRegistry, directory: str) -> bytes:
+    """A single process's registry with the series another process (its shipper) keeps in
+    `directory`, samples of one name and labels summed: the shipper's ledger figures are set by
+    it alone, so the sum is its value (the serving process's own at zero) or the two counts."""
+    other = CollectorRegistry()
+    MultiProcessCollector(other, directory)  # type: ignore[no-untyped-call]
+    theirs = {family.name: family for family in other.collect()}
+    merged = CollectorRegistry(auto_describe=False)
+    families: list[Metric] = []
+    for family in registry.collect():
+        extra = theirs.pop(family.name, None)
+        if extra is not None:
+            sums: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+            for sample in (*family.samples, *extra.samples):
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                sums[key] = sums.get(key, 0.0) + sample.value
+            combined = Metric(family.name, family.documentation, family.type)
+            for (name, labels), value in sums.items():
+                combined.add_sample(name, dict(labels), value)
+            families.append(combined)
+        else:
+            families.append(family)
+    families.extend(theirs.values())
+    merged.register(_Fixed(families))
+    return generate_latest(merged)
+
+
+class _Fixed(Collector):
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families)
 
 
 class Metrics:
@@ -367,6 +472,8 @@ class Metrics:
             hist_labels, buckets=TOKENS_PER_SECOND_BUCKETS, registry=r,
         )
         self._shared_dir = multiprocess_dir()
+        # A single process's shipper child keeps its figures here (`include_shipper`).
+        self._shipper_dir: str | None = None
         if self._shared_dir is not None:
             _BufferedValue.install()
         gaps_doc = "Time between consecutive content chunks of a stream (inter-token latency)."
@@ -584,6 +691,7 @@ class Metrics:
             "tokenmeter_ledger_up", "1 when the last write to the ledger database succeeded.",
             registry=r, multiprocess_mode="livemin",
         )
+        self.ledger = LedgerMetrics(r)
         self._captures = _Counter(
             "tokenmeter_captures", "Requests captured whole (capture:), stored.", registry=r,
         )
@@ -753,28 +861,11 @@ class Metrics:
         self._settle_backlog_tokens.set(tokens)
 
     # --- the books ------------------------------------------------------------------------
-    def ledger_stored(self, sink: str, rows: int, seconds: float) -> None:
-        """A batch of `rows` reached the database (`sink`: sqlite or postgresql)."""
-        self._ledger_rows.labels(sink).inc(rows)
-        self._ledger_ship.observe(seconds)
-        self._ledger_up.set(1)
-
-    def ledger_pending(self, rows: int, spool_bytes: int, oldest_age_s: float) -> None:
-        self._ledger_spool_rows.set(rows)
-        self._ledger_spool_bytes.set(spool_bytes)
-        self._ledger_lag.set(oldest_age_s)
-
-    def ledger_connected(self) -> None:
-        """The database answered (a connect or an idle ping): up before any batch is stored."""
-        self._ledger_up.set(1)
-
     def ledger_failed(self, stage: LedgerStage) -> None:
-        self._ledger_errors.labels(stage.value).inc()
-        if stage in (LedgerStage.CONNECT, LedgerStage.SHIP):
-            self._ledger_up.set(0)
+        self.ledger.ledger_failed(stage)
 
     def ledger_dropped(self, rows: int) -> None:
-        self._ledger_dropped.inc(rows)
+        self.ledger.ledger_dropped(rows)
 
     # --- capture ---------------------------------------------------------------------------
     def captured(self, count: int, stored_bytes: int) -> None:
@@ -831,10 +922,22 @@ class Metrics:
         combined from the multiprocess files (file reads only: `publish` first, on the loop's
         thread, so this one's own figures are current)."""
         if self._shared_dir is None:
+            if self._shipper_dir is not None:
+                return _merged(self.registry, self._shipper_dir)
             return generate_latest(self.registry)
         registry = CollectorRegistry()
         MultiProcessCollector(registry, self._shared_dir)  # type: ignore[no-untyped-call]
         return generate_latest(registry)
+
+    @property
+    def reads_files(self) -> bool:
+        """`exposition` reads another process's metric files (a worker's, or a shipper's)."""
+        return self._shared_dir is not None or self._shipper_dir is not None
+
+    def include_shipper(self, directory: str | None) -> None:
+        """/metrics of a single process also shows what its ledger shipper process counts in
+        `directory` (prometheus_client multiprocess files); None: no longer."""
+        self._shipper_dir = directory
 
     def config_reloaded(self, ok: bool) -> None:
         self._config_reloads.labels("ok" if ok else "error").inc()

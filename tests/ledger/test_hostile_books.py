@@ -175,7 +175,7 @@ async def test_a_wrong_key_flood_books_no_row_and_displaces_none(
     assert sample(m, "tokenmeter_ledger_rows_dropped_total") == 0
     ledger = stack.app[st.SERVICES].ledger
     assert ledger is not None
-    assert ledger.health().pending_rows == 5  # alice's, waiting for the database
+    await until(lambda: ledger.health().pending_rows == 5)  # alice's, waiting for the database
     assert sample(m, "tokenmeter_auth_failures_total") == 300
     assert sample(m, "tokenmeter_requests_total", status="401",
                   error_class="invalid_api_key") == 300

@@ -127,8 +127,8 @@ def exported() -> dict[str, frozenset[str]]:
     """Sample name -> label names, from a real `Metrics` with every ledger verb called once
     (labelled series exist only once a label value has been used)."""
     m = Metrics()
-    m.ledger_stored("postgresql", 3, 0.01)
-    m.ledger_pending(5, 512, 1.5)
+    m.ledger.ledger_stored("postgresql", 3, 0.01)
+    m.ledger.ledger_pending(5, 512, 1.5)
     for stage in LedgerStage:
         m.ledger_failed(stage)
     m.ledger_dropped(1)
@@ -193,7 +193,7 @@ class Outage:
         n = self.scrapes
         self.metrics.ledger_failed(LedgerStage.CONNECT)
         self.metrics.ledger_failed(LedgerStage.SHIP)
-        self.metrics.ledger_pending(rows=100 * n, spool_bytes=40_000 * n, oldest_age_s=1000 + n)
+        self.metrics.ledger.ledger_pending(rows=100 * n, spool_bytes=40_000 * n, oldest_age_s=1000 + n)
         self.metrics.ledger_dropped(1)
         self.metrics.ledger_failed(LedgerStage.RETENTION)
         self.metrics.reconciled({"daily_tokens": 120, "monthly_tokens": 0}, 3)

@@ -44,7 +44,7 @@ from tests.helpers import (
     settled,
     until,
 )
-from tests.servers import PostgresServer, ServedProxy
+from tests.servers import PostgresServer, ServedProxy, ledger_shippers
 
 USERS = {
     "alice": {"keys": [ALICE_KEY], "daily_tokens": 50_000_000},
@@ -256,6 +256,50 @@ metrics: {{discover_models: false}}
     assert leftovers == []  # nothing left waiting in the spool
 
 
+async def test_a_killed_shipper_is_started_again_and_books_every_row_once(
+    paced_upstream: TestServer, tmp_path: Path
+) -> None:
+    """`serve` ships through a child process of its own; SIGKILLed while rows flow, it is
+    started again, and every answered request has exactly one row."""
+    config = tmp_path / "tokenmeter.yaml"
+    config.write_text(f"""
+upstreams:
+  mock: {{base_url: "{paced_upstream.make_url('/v1')}"}}
+metrics: {{discover_models: false}}
+""")
+    proxy = await ServedProxy(config, tmp_path / "proxy.log").started()
+    assert proxy.proc is not None
+    url = f"{proxy.url}/v1/chat/completions"
+    try:
+        async with aiohttp.ClientSession() as session:
+
+            async def load(n: int) -> list[str | None]:
+                return list(await asyncio.gather(*(
+                    _read_whole(session, url, stream=i % 2 == 0) for i in range(n))))
+
+            def children() -> set[int]:
+                assert proxy.proc is not None
+                return {p for p, parent in ledger_shippers().items()
+                        if parent == proxy.proc.pid}
+
+            (first,) = children()  # one, this process's child
+            ids = await load(20)
+            flowing = asyncio.create_task(load(60))
+            os.kill(first, signal.SIGKILL)
+            ids += await flowing
+            await until(lambda: len(children()) == 1 and first not in children(), deadline=30)
+            ids += await load(20)
+        assert await proxy.stopped(signal.SIGTERM) == 0, proxy.log_text()
+    finally:
+        proxy.kill()
+    assert f"the ledger shipper (pid {first}) died (signal SIGKILL)" in proxy.log_text()
+    ledger = Path(os.environ["TOKENMETER_STATE_DIR"]) / "ledger.sqlite3"
+    with sqlite3.connect(f"file:{ledger}?mode=ro", uri=True) as db:
+        stored = [r for (r,) in db.execute(f"SELECT request_id FROM {TABLE}")]
+    assert None not in ids and len(ids) == 100
+    assert sorted(stored) == sorted(str(i) for i in ids)  # none lost, none twice
+
+
 # --- PostgreSQL stopped under load --------------------------------------------------------------
 
 
@@ -302,7 +346,7 @@ async def test_postgres_down_for_ten_seconds_fails_no_request_and_loses_no_row(
     postgres.start()
     await load(0.5)
     assert await ledger.flush(60), ledger.health()
-    assert ledger.health().ok
+    await until(lambda: ledger.health().ok)  # the shipper process's word
     assert sample(await scrape(proxy), "tokenmeter_ledger_up") == 1
     db = await asyncpg.connect(postgres.url)
     try:

@@ -47,7 +47,7 @@ from tests.helpers import (
     sample,
     until,
 )
-from tests.servers import free_port
+from tests.servers import free_port, ledger_shippers
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -516,6 +516,55 @@ async def test_workers_drain_and_exit_when_their_supervisor_is_killed(
 
         await until(gone, deadline=20, every=0.1)
         await until(lambda: asyncio.to_thread(_refuses, workers.port), deadline=5)
+
+
+# --- the ledger's one shipper process ---------------------------------------------------------
+async def test_one_shipper_for_all_workers_restarted_when_killed_rows_neither_lost_nor_doubled(
+    upstream: TestServer, tmp_path: Path
+) -> None:
+    """`--workers 2` runs exactly one ledger shipper, the supervisor's child. SIGKILLed while
+    rows flow, it is started again, and every answered request has exactly one row."""
+    books = tmp_path / "books.sqlite3"
+    config = (f"upstreams:\n  mock:\n    base_url: {upstream.make_url('/v1')}\n"
+              f"metrics:\n  discover_models: false\nledger:\n  url: sqlite://{books}\n"
+              f"  spool_dir: {tmp_path / 'spool'}\n")
+    body = {"model": "mock-gpt", "messages": [{"role": "user", "content": "hi"}]}
+    ids: list[str] = []
+    async with supervised(tmp_path, config, "--workers", "2") as workers, \
+            aiohttp.ClientSession() as session:
+
+        async def load(n: int) -> None:
+            async def one() -> None:
+                async with session.post(workers.url + "/v1/chat/completions", json=body) as r:
+                    assert r.status == 200
+                    await r.read()
+                    ids.append(r.headers["x-tokenmeter-request-id"])
+            await asyncio.gather(*(one() for _ in range(n)))
+
+        family = {workers.proc.pid, *workers.pids().values()}
+        ours = {pid: parent for pid, parent in ledger_shippers().items() if parent in family}
+        assert list(ours.values()) == [workers.proc.pid]  # one, the supervisor's, none a worker's
+        (first,) = ours
+        await load(40)
+        rows_flow = asyncio.create_task(load(200))
+        os.kill(first, signal.SIGKILL)
+        await rows_flow
+
+        def restarted() -> bool:
+            now = {p for p, parent in ledger_shippers().items() if parent == workers.proc.pid}
+            return len(now) == 1 and first not in now
+
+        await until(restarted, deadline=START_S, every=0.05)
+        await load(40)
+        workers.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(workers.proc.wait, 60) == 0
+    assert any(f"the ledger shipper (pid {first}) died (signal SIGKILL)" in m
+               for m in workers.messages())
+    assert not {p for p, parent in ledger_shippers().items() if parent == workers.proc.pid}
+    with contextlib.closing(sqlite3.connect(books)) as conn:
+        stored = [r[0] for r in conn.execute("SELECT request_id FROM tokenmeter_requests")]
+    assert len(ids) == 280
+    assert sorted(stored) == sorted(ids)  # none lost, none twice
 
 
 # --- what cannot be shared ----------------------------------------------------------------------
