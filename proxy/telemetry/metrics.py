@@ -659,38 +659,6 @@ class Metrics:
             "tokenmeter_tags_dropped", "Client tags dropped by the `tags:` rules, by reason.",
             ("reason",), registry=r,
         )
-        self._ledger_rows = _Counter(
-            "tokenmeter_ledger_rows_written", "Ledger rows stored in the database.", ("sink",),
-            registry=r,
-        )
-        self._ledger_spool_rows = _Gauge(
-            "tokenmeter_ledger_spool_rows", "Ledger rows in the local spool not yet stored.",
-            registry=r, multiprocess_mode="livesum",
-        )
-        self._ledger_spool_bytes = _Gauge(
-            "tokenmeter_ledger_spool_bytes", "Disk taken by ledger rows not yet stored.",
-            registry=r, multiprocess_mode="livesum",
-        )
-        self._ledger_ship = _Histogram(
-            "tokenmeter_ledger_ship_seconds", "Time to store one batch of ledger rows.",
-            buckets=DURATION_BUCKETS, registry=r,
-        )
-        self._ledger_lag = _Gauge(
-            "tokenmeter_ledger_lag_seconds",
-            "Age of the oldest ledger row not yet stored (0: nothing waits).", registry=r,
-            multiprocess_mode="livemax",
-        )
-        self._ledger_errors = _Counter(
-            "tokenmeter_ledger_errors", "Ledger failures by stage.", ("stage",), registry=r,
-        )
-        self._ledger_dropped = _Counter(
-            "tokenmeter_ledger_rows_dropped",
-            "Ledger rows lost: the spool was full or could not be written.", registry=r,
-        )
-        self._ledger_up = _Gauge(
-            "tokenmeter_ledger_up", "1 when the last write to the ledger database succeeded.",
-            registry=r, multiprocess_mode="livemin",
-        )
         self.ledger = LedgerMetrics(r)
         self._captures = _Counter(
             "tokenmeter_captures", "Requests captured whole (capture:), stored.", registry=r,
