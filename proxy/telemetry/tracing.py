@@ -156,6 +156,12 @@ class RequestTrace:
         """An attempt goes out now, to `host`:`port`: its client span starts (the previous
         one, if still open, ends) and `headers` get the `traceparent` that names it."""
         self._end_attempt()
+        span_id = self._kit.ids.generate_span_id()
+        # W3C traceparent, written out (what the propagator's inject would write for this
+        # span). A client's `tracestate` is forwarded as it came, as the propagator would.
+        headers["traceparent"] = f"00-{self._trace_id:032x}-{span_id:016x}-{self._flags}"
+        if not self._sampled:  # its id is all an unsampled span is: nothing is exported
+            return
         target = self._target
         attributes: dict[str, Any] = {"gen_ai.operation.name": self._operation,
                                       "server.address": host}
@@ -169,11 +175,7 @@ class RequestTrace:
             attributes["tokenmeter.upstream"] = target.upstream
             if target.max_tokens is not None:
                 attributes["gen_ai.request.max_tokens"] = target.max_tokens
-        attempt = _Attempt(name, self._kit.ids.generate_span_id(), attributes)
-        self._attempt = attempt
-        # W3C traceparent, written out (what the propagator's inject would write for this
-        # span). A client's `tracestate` is forwarded as it came, as the propagator would.
-        headers["traceparent"] = f"00-{self._trace_id:032x}-{attempt.span_id:016x}-{self._flags}"
+        self._attempt = _Attempt(name, span_id, attributes)
 
     def attempt_answered(self, status: int, error_class: ErrorClass) -> None:
         """The attempt under way got an answer: its status and class (the span stays open: it
@@ -193,6 +195,8 @@ class RequestTrace:
 
     def settle(self, record: RequestRecord, decision: BudgetDecision) -> None:
         """The request is over: the spans still open get the record's figures and end."""
+        if not self._sampled:  # nothing to export (and no attempt was kept)
+            return
         usage = _usage(record)
         failed = record.error_class is not ErrorClass.NONE
         if (attempt := self._attempt) is not None:  # the one whose answer was relayed, or the last
@@ -211,14 +215,13 @@ class RequestTrace:
                 attributes["gen_ai.request.max_tokens"] = target.max_tokens
         if failed:
             attributes["error.type"] = record.error_class.value
-        if self._sampled:
-            kit = self._kit
-            kit.processor.on_end(kit.span(
-                name=f"{self._operation} {_short(record.requested_model)}",
-                context=self._context(self._server), parent=self._parent,
-                resource=kit.resource, attributes=attributes, kind=kit.server,
-                status=kit.error if failed else kit.ok, start_time=self._start,
-                end_time=time.time_ns(), instrumentation_scope=kit.scope))
+        kit = self._kit
+        kit.processor.on_end(kit.span(
+            name=f"{self._operation} {_short(record.requested_model)}",
+            context=self._context(self._server), parent=self._parent,
+            resource=kit.resource, attributes=attributes, kind=kit.server,
+            status=kit.error if failed else kit.ok, start_time=self._start,
+            end_time=time.time_ns(), instrumentation_scope=kit.scope))
 
     def _context(self, span_id: int) -> SpanContext:
         return self._kit.context(self._trace_id, span_id, False, self._kit.sampled,
@@ -226,7 +229,7 @@ class RequestTrace:
 
     def _end_attempt(self) -> None:
         attempt, self._attempt = self._attempt, None
-        if attempt is not None and self._sampled:
+        if attempt is not None:  # kept only when sampled
             kit = self._kit
             kit.processor.on_end(kit.span(
                 name=attempt.name, context=self._context(attempt.span_id),
