@@ -87,7 +87,7 @@ class _Kit:
     span: Callable[..., ReadableSpan]  # opentelemetry.sdk.trace.ReadableSpan
     context: Callable[..., SpanContext]  # opentelemetry.trace.SpanContext
     current_span: Callable[[Context], Span]  # opentelemetry.trace.get_current_span
-    sampled: TraceFlags  # the flags of every span exported (only sampled ones are)
+    flags: type[TraceFlags]
     sample: Decision  # RECORD_AND_SAMPLE: the sampler's answer for a span that is exported
     server: SpanKind
     client: SpanKind
@@ -123,7 +123,7 @@ class RequestTrace:
     share its trace id, and a parent-based one follows the server span)."""
 
     __slots__ = ("_attempt", "_flags", "_kit", "_operation", "_parent", "_sampled", "_server",
-                 "_start", "_target", "_trace_id", "_trace_state")
+                 "_start", "_target", "_trace_flags", "_trace_id", "_trace_state")
 
     def __init__(self, kit: _Kit, operation: str, headers: Mapping[str, str]) -> None:
         self._kit = kit
@@ -140,7 +140,12 @@ class RequestTrace:
         self._trace_id = kit.ids.generate_trace_id() if parent is None else parent.trace_id
         sampling = kit.sampler.should_sample(context, self._trace_id, operation, kit.server)
         self._sampled = sampling.decision is kit.sample
-        self._flags = "01" if self._sampled else "00"
+        # As the Tracer sets them: sampled or not, and (W3C level 2) whether the trace id is
+        # random: ours when the trace starts here, else as the client's flags say.
+        random_id = (kit.ids.is_trace_id_random() if parent is None
+                     else parent.trace_flags.random_trace_id)
+        self._trace_flags = kit.flags(int(self._sampled) | (2 * random_id))
+        self._flags = f"{self._trace_flags:02x}"
         self._trace_state: TraceState | None = sampling.trace_state
         self._server = kit.ids.generate_span_id()
         self._start = time.time_ns()
@@ -224,7 +229,7 @@ class RequestTrace:
             end_time=time.time_ns(), instrumentation_scope=kit.scope))
 
     def _context(self, span_id: int) -> SpanContext:
-        return self._kit.context(self._trace_id, span_id, False, self._kit.sampled,
+        return self._kit.context(self._trace_id, span_id, False, self._trace_flags,
                                  self._trace_state)
 
     def _end_attempt(self) -> None:
@@ -367,7 +372,7 @@ class Tracing:
         self._kit = _Kit(processor, provider.sampler, provider.id_generator, provider.resource,
                          InstrumentationScope("tokenmeter"), TraceContextTextMapPropagator(),
                          ReadableSpan, SpanContext, get_current_span,
-                         TraceFlags(TraceFlags.SAMPLED), Decision.RECORD_AND_SAMPLE,
+                         TraceFlags, Decision.RECORD_AND_SAMPLE,
                          SpanKind.SERVER, SpanKind.CLIENT, Status(StatusCode.UNSET),
                          Status(StatusCode.ERROR))
 
