@@ -11,9 +11,10 @@ spans. The spans' attributes follow the OpenTelemetry GenAI semantic conventions
 (`gen_ai.*`) plus tokenmeter's own (`tokenmeter.*`); they are read from the request's
 `RequestRecord` (made once, by settle) and from what the routing knew of each attempt, never
 from prompt or answer text, never a key. The server span ends when the request is settled:
-for a stream, after its last byte. Spans go to a `BatchSpanProcessor` (a bounded queue and a
-thread of its own: export is off the request path, and a full queue drops spans rather than
-delay a request); shutdown flushes it (`Tracing.stop`, from the server's cleanup).
+for a stream, after its last byte. A span is handed to the SDK once, finished (`RequestTrace`
+says why), to a `BatchSpanProcessor` (a bounded queue and a thread of its own: export is off
+the request path, and a full queue drops spans rather than delay a request) and the SDK's OTLP
+exporter; shutdown flushes it (`Tracing.stop`, from the server's cleanup).
 """
 
 from __future__ import annotations
@@ -118,9 +119,12 @@ class RequestTrace:
     batch processor queues and the OTLP exporter encodes as it would a span of the SDK's
     `Tracer`. The `Tracer`'s live spans cost ~60 us of the event loop per request (a lock, a
     check of every attribute value, a context per span, a copy at the end); this costs ~7
-    (benchmarks/bench_tracing.py). The sampler is asked once per trace, as the `Tracer` asks
-    it for the server span: every built-in sampler gives its children the same answer (they
-    share its trace id, and a parent-based one follows the server span)."""
+    (the same calls timed in a loop; the README's "Tracing" has the whole request's figures).
+    The sampler is asked once per trace, as the `Tracer` asks it for the server span: every
+    built-in sampler gives its children the same answer (they share its trace id, and a
+    parent-based one follows the server span). What the `Tracer` would add and this does not:
+    the OTEL_*_LIMIT span limits (the attributes here are a fixed, bounded set) and the SDK's
+    metrics about its own spans."""
 
     __slots__ = ("_attempt", "_flags", "_kit", "_operation", "_parent", "_sampled", "_server",
                  "_start", "_target", "_trace_flags", "_trace_id", "_trace_state")
