@@ -11,9 +11,10 @@ spans. The spans' attributes follow the OpenTelemetry GenAI semantic conventions
 (`gen_ai.*`) plus tokenmeter's own (`tokenmeter.*`); they are read from the request's
 `RequestRecord` (made once, by settle) and from what the routing knew of each attempt, never
 from prompt or answer text, never a key. The server span ends when the request is settled:
-for a stream, after its last byte. Spans go to a `BatchSpanProcessor` (a bounded queue and a
-thread of its own: export is off the request path, and a full queue drops spans rather than
-delay a request); shutdown flushes it (`Tracing.stop`, from the server's cleanup).
+for a stream, after its last byte. A span is handed to the SDK once, finished (`RequestTrace`
+says why), to a `BatchSpanProcessor` (a bounded queue and a thread of its own: export is off
+the request path, and a full queue drops spans rather than delay a request) and the SDK's OTLP
+exporter; shutdown flushes it (`Tracing.stop`, from the server's cleanup).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,8 +35,12 @@ from proxy.telemetry.metrics import RequestRecord
 if TYPE_CHECKING:
     from opentelemetry.context import Context
     from opentelemetry.propagators.textmap import TextMapPropagator
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+    from opentelemetry.sdk.trace.id_generator import IdGenerator
+    from opentelemetry.sdk.trace.sampling import Decision, Sampler
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+    from opentelemetry.trace import Span, SpanContext, SpanKind, Status, TraceFlags, TraceState
 
 log = logging.getLogger("tokenmeter.tracing")
 
@@ -73,27 +79,82 @@ class Target:
 class _Kit:
     """The SDK's parts a request uses, imported and made once, by `Tracing.start`."""
 
-    tracer: Tracer
+    processor: SpanProcessor  # the BatchSpanProcessor: takes each finished span
+    sampler: Sampler  # the provider's (OTEL_TRACES_SAMPLER, or `sample_ratio`)
+    ids: IdGenerator  # the provider's
+    resource: Resource
+    scope: InstrumentationScope
     propagator: TextMapPropagator
-    in_context: Callable[[Span], Context]  # opentelemetry.trace.set_span_in_context
+    span: Callable[..., ReadableSpan]  # opentelemetry.sdk.trace.ReadableSpan
+    context: Callable[..., SpanContext]  # opentelemetry.trace.SpanContext
+    current_span: Callable[[Context], Span]  # opentelemetry.trace.get_current_span
+    flags: type[TraceFlags]
+    sample: Decision  # RECORD_AND_SAMPLE: the sampler's answer for a span that is exported
     server: SpanKind
     client: SpanKind
-    error: StatusCode
+    ok: Status  # UNSET, as the SDK leaves a span nobody set a status on
+    error: Status
+
+
+class _Attempt:
+    """One attempt's client span while it is under way: its id and start (already sent in the
+    `traceparent`) and the attributes it has so far."""
+
+    __slots__ = ("attributes", "failed", "name", "span_id", "start")
+
+    def __init__(self, name: str, span_id: int, attributes: dict[str, Any]) -> None:
+        self.name = name
+        self.span_id = span_id
+        self.attributes = attributes
+        self.failed = False
+        self.start = time.time_ns()
 
 
 class RequestTrace:
     """The spans of one request. The pipeline and the routing call it at fixed points; it
-    never raises into them (the SDK does not raise) and holds no prompt or answer text."""
+    never raises into them and holds no prompt or answer text.
 
-    __slots__ = ("_context", "_kit", "_open", "_operation", "_server", "_target")
+    A span is handed to the SDK once, finished: its ids, times and attributes are kept here
+    while the request runs and made into the SDK's `ReadableSpan` when it ends, which the
+    batch processor queues and the OTLP exporter encodes as it would a span of the SDK's
+    `Tracer`. The `Tracer`'s live spans cost ~60 us of the event loop per request (a lock, a
+    check of every attribute value, a context per span, a copy at the end); this costs ~7
+    (the same calls timed in a loop; the README's "Tracing" has the whole request's figures).
+    The sampler is asked once per trace, as the `Tracer` asks it for the server span: every
+    built-in sampler gives its children the same answer (they share its trace id, and a
+    parent-based one follows the server span). What the `Tracer` would add and this does not:
+    the OTEL_*_LIMIT span limits (the attributes here are a fixed, bounded set) and the SDK's
+    metrics about its own spans."""
 
-    def __init__(self, kit: _Kit, operation: str, server: Span) -> None:
+    __slots__ = ("_attempt", "_flags", "_kit", "_operation", "_parent", "_sampled", "_server",
+                 "_start", "_target", "_trace_flags", "_trace_id", "_trace_state")
+
+    def __init__(self, kit: _Kit, operation: str, headers: Mapping[str, str]) -> None:
         self._kit = kit
         self._operation = operation  # gen_ai.operation.name
-        self._server = server
-        self._context = kit.in_context(server)  # every client span's parent
+        # The client's traceparent (and tracestate), read as the SDK's Tracer reads them.
+        context = kit.propagator.extract(headers) if "traceparent" in headers else None
+        parent = None  # the client's span, when it sent a (valid) traceparent
+        if context is not None:
+            if (found := kit.current_span(context).get_span_context()).is_valid:
+                parent = found
+            else:
+                context = None
+        self._parent = parent
+        self._trace_id = kit.ids.generate_trace_id() if parent is None else parent.trace_id
+        sampling = kit.sampler.should_sample(context, self._trace_id, operation, kit.server)
+        self._sampled = sampling.decision is kit.sample
+        # As the Tracer sets them: sampled or not, and (W3C level 2) whether the trace id is
+        # random: ours when the trace starts here, else as the client's flags say.
+        random_id = (kit.ids.is_trace_id_random() if parent is None
+                     else parent.trace_flags.random_trace_id)
+        self._trace_flags = kit.flags(int(self._sampled) | (2 * random_id))
+        self._flags = f"{self._trace_flags:02x}"
+        self._trace_state: TraceState | None = sampling.trace_state
+        self._server = kit.ids.generate_span_id()
+        self._start = time.time_ns()
         self._target: Target | None = None
-        self._open: Span | None = None  # the attempt under way, or the one that answered
+        self._attempt: _Attempt | None = None  # under way, or the one that answered
 
     def candidate(self, target: Target) -> None:
         """The next attempts go to `target` (a fallback's, after the primary's)."""
@@ -103,8 +164,14 @@ class RequestTrace:
                         port: int | None) -> None:
         """An attempt goes out now, to `host`:`port`: its client span starts (the previous
         one, if still open, ends) and `headers` get the `traceparent` that names it."""
-        self._end_open()
-        target, kit = self._target, self._kit
+        self._end_attempt()
+        span_id = self._kit.ids.generate_span_id()
+        # W3C traceparent, written out (what the propagator's inject would write for this
+        # span). A client's `tracestate` is forwarded as it came, as the propagator would.
+        headers["traceparent"] = f"00-{self._trace_id:032x}-{span_id:016x}-{self._flags}"
+        if not self._sampled:  # its id is all an unsampled span is: nothing is exported
+            return
+        target = self._target
         attributes: dict[str, Any] = {"gen_ai.operation.name": self._operation,
                                       "server.address": host}
         if port is not None:
@@ -112,71 +179,73 @@ class RequestTrace:
         name = self._operation
         if target is not None:
             name = f"{self._operation} {_short(target.model)}"
-            attributes.update({
-                "gen_ai.provider.name": target.provider,
-                "gen_ai.request.model": _short(target.model),
-                "tokenmeter.upstream": target.upstream,
-            })
+            attributes["gen_ai.provider.name"] = target.provider
+            attributes["gen_ai.request.model"] = _short(target.model)
+            attributes["tokenmeter.upstream"] = target.upstream
             if target.max_tokens is not None:
                 attributes["gen_ai.request.max_tokens"] = target.max_tokens
-        span = kit.tracer.start_span(name, self._context, kit.client, attributes)
-        self._open = span
-        # W3C traceparent, written out: the propagator's inject does the same in 4x the time
-        # (it validates what the SDK just made). A client's `tracestate` is forwarded as it
-        # came, which is also what the propagator would send (the span inherits it).
-        ids = span.get_span_context()
-        headers["traceparent"] = f"00-{ids.trace_id:032x}-{ids.span_id:016x}-{ids.trace_flags:02x}"
+        self._attempt = _Attempt(name, span_id, attributes)
 
     def attempt_answered(self, status: int, error_class: ErrorClass) -> None:
         """The attempt under way got an answer: its status and class (the span stays open: it
         ends with the next attempt, or at settle when its answer is the one relayed)."""
-        if (span := self._open) is not None:
-            if error_class is ErrorClass.NONE:
-                span.set_attribute("http.response.status_code", status)
-            else:
-                span.set_attributes({"http.response.status_code": status,
-                                     "error.type": error_class.value})
-                span.set_status(self._kit.error)
+        if (attempt := self._attempt) is not None:
+            attempt.attributes["http.response.status_code"] = status
+            if error_class is not ErrorClass.NONE:
+                attempt.attributes["error.type"] = error_class.value
+                attempt.failed = True
 
     def attempt_ended(self, error_class: ErrorClass) -> None:
         """The attempt under way failed and is given up on (retried, handed to a fallback)."""
-        if (span := self._open) is not None:
-            span.set_attribute("error.type", error_class.value)
-            span.set_status(self._kit.error)
-            self._end_open()
+        if (attempt := self._attempt) is not None:
+            attempt.attributes["error.type"] = error_class.value
+            attempt.failed = True
+            self._end_attempt()
 
     def settle(self, record: RequestRecord, decision: BudgetDecision) -> None:
-        """The request is over: the spans still open get the record's figures and end. Each
-        span's attributes are set in one call (the SDK takes a lock and checks each value)."""
+        """The request is over: the spans still open get the record's figures and end."""
+        if not self._sampled:  # nothing to export (and no attempt was kept)
+            return
         usage = _usage(record)
         failed = record.error_class is not ErrorClass.NONE
-        if (span := self._open) is not None:  # the attempt whose answer was relayed, or the last
-            attributes = dict(usage)
+        if (attempt := self._attempt) is not None:  # the one whose answer was relayed, or the last
+            attempt.attributes.update(usage)
             if (ttft := record.figures.upstream_ttft) is not None:
-                attributes["gen_ai.response.time_to_first_chunk"] = ttft
+                attempt.attributes["gen_ai.response.time_to_first_chunk"] = ttft
             if failed:
-                attributes["error.type"] = record.error_class.value
-                span.set_status(self._kit.error)
-            span.set_attributes(attributes)
-            self._end_open()
-        server = self._server
-        server.update_name(f"{self._operation} {_short(record.requested_model)}")
-        attributes = _server_attributes(record, decision)
-        attributes.update(usage)
+                attempt.attributes["error.type"] = record.error_class.value
+                attempt.failed = True
+            self._end_attempt()
+        attributes = {"gen_ai.operation.name": self._operation,
+                      **_server_attributes(record, decision), **usage}
         if (target := self._target) is not None:
             attributes["gen_ai.provider.name"] = target.provider
             if target.max_tokens is not None:
                 attributes["gen_ai.request.max_tokens"] = target.max_tokens
         if failed:
             attributes["error.type"] = record.error_class.value
-            server.set_status(self._kit.error)
-        server.set_attributes(attributes)
-        server.end()
+        kit = self._kit
+        kit.processor.on_end(kit.span(
+            name=f"{self._operation} {_short(record.requested_model)}",
+            context=self._context(self._server), parent=self._parent,
+            resource=kit.resource, attributes=attributes, kind=kit.server,
+            status=kit.error if failed else kit.ok, start_time=self._start,
+            end_time=time.time_ns(), instrumentation_scope=kit.scope))
 
-    def _end_open(self) -> None:
-        if self._open is not None:
-            self._open.end()
-            self._open = None
+    def _context(self, span_id: int) -> SpanContext:
+        return self._kit.context(self._trace_id, span_id, False, self._trace_flags,
+                                 self._trace_state)
+
+    def _end_attempt(self) -> None:
+        attempt, self._attempt = self._attempt, None
+        if attempt is not None:  # kept only when sampled
+            kit = self._kit
+            kit.processor.on_end(kit.span(
+                name=attempt.name, context=self._context(attempt.span_id),
+                parent=self._context(self._server), resource=kit.resource,
+                attributes=attempt.attributes, kind=kit.client,
+                status=kit.error if attempt.failed else kit.ok, start_time=attempt.start,
+                end_time=time.time_ns(), instrumentation_scope=kit.scope))
 
 
 def _short(text: str) -> str:
@@ -273,10 +342,18 @@ class Tracing:
         """Build the provider, its batch processor (a thread) and exporter. Raises ValueError
         for a protocol that cannot be used (grpc without its package)."""
         from opentelemetry.sdk.resources import OTELResourceDetector, Resource
-        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.sdk.trace.sampling import ParentBasedTraceIdRatio
-        from opentelemetry.trace import SpanKind, StatusCode, set_span_in_context
+        from opentelemetry.sdk.trace.sampling import Decision, ParentBasedTraceIdRatio
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+        from opentelemetry.trace import (
+            SpanContext,
+            SpanKind,
+            Status,
+            StatusCode,
+            TraceFlags,
+            get_current_span,
+        )
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         cfg = self._config
@@ -287,14 +364,21 @@ class Tracing:
         if cfg.service_name is not None:
             resource = resource.merge(Resource({"service.name": cfg.service_name}))
         sampler = None if cfg.sample_ratio is None else ParentBasedTraceIdRatio(cfg.sample_ratio)
+        # The provider reads OTEL_TRACES_SAMPLER(_ARG) when no sampler is given, and owns the
+        # processor (its shutdown flushes it); requests use its parts (RequestTrace).
         provider = TracerProvider(sampler=sampler, resource=resource)
         # A batch is at most the queue (the SDK refuses a larger one; its default is 512).
         batch = None if cfg.queue_size is None else min(cfg.queue_size, 512)
-        provider.add_span_processor(BatchSpanProcessor(
-            self._exporter(), max_queue_size=cfg.queue_size, max_export_batch_size=batch))
+        processor = BatchSpanProcessor(self._exporter(), max_queue_size=cfg.queue_size,
+                                       max_export_batch_size=batch)
+        provider.add_span_processor(processor)
         self._provider = provider
-        self._kit = _Kit(provider.get_tracer("tokenmeter"), TraceContextTextMapPropagator(),
-                         set_span_in_context, SpanKind.SERVER, SpanKind.CLIENT, StatusCode.ERROR)
+        self._kit = _Kit(processor, provider.sampler, provider.id_generator, provider.resource,
+                         InstrumentationScope("tokenmeter"), TraceContextTextMapPropagator(),
+                         ReadableSpan, SpanContext, get_current_span,
+                         TraceFlags, Decision.RECORD_AND_SAMPLE,
+                         SpanKind.SERVER, SpanKind.CLIENT, Status(StatusCode.UNSET),
+                         Status(StatusCode.ERROR))
 
     def _exporter(self) -> Any:
         endpoint = self._config.endpoint
@@ -327,8 +411,4 @@ class Tracing:
         kit = self._kit
         if kit is None:
             return None
-        parent = kit.propagator.extract(headers)
-        operation = _OPERATIONS.get(operation, operation)
-        server = kit.tracer.start_span(operation, parent, kit.server,
-                                       {"gen_ai.operation.name": operation})
-        return RequestTrace(kit, operation, server)
+        return RequestTrace(kit, _OPERATIONS.get(operation, operation), headers)

@@ -453,3 +453,35 @@ async def test_refusals_and_unreachable_upstreams_in_spans(
                                  "error.type": "budget_exceeded",
                                  "http.response.status_code": 429} == refused.attributes
     assert refused.error and refused.trace_id != served.trace_id  # no traceparent: new traces
+
+
+async def test_an_unsampled_client_trace_exports_nothing_but_carries_on(
+    receiver: tuple[Receiver, TestServer], upstream: TestServer, tmp_path: Path,
+) -> None:
+    """The default sampler follows the client: its unsampled `traceparent` (flags 00) gets no
+    spans, and the upstream is sent the same trace, unsampled; a trace begun by the proxy is
+    sampled and says its id is random (flags 03, as the SDK's Tracer sets them)."""
+    rec, collector = receiver
+    config = _config(tmp_path, {"mock": str(upstream.make_url("/v1"))},
+                     "  - {match: '*', upstream: mock}")
+    proxy = ServedProxy(config, tmp_path / "proxy.log", env=_otel_env(collector))
+    await proxy.started()
+    trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    try:
+        async with openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key=ALICE,
+                                      max_retries=0) as client:
+            await client.chat.completions.create(
+                model="mock-gpt", messages=MESSAGES,
+                extra_headers={"traceparent": f"00-{trace_id}-{client_span}-00"})
+            await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
+    finally:
+        await proxy.stopped()  # SIGTERM: everything queued is exported first
+    unsampled, sampled = (r.headers["traceparent"].split("-")
+                          for r in upstream.app[MOCK_STATE].requests)
+    assert unsampled[1] == trace_id and unsampled[2] != client_span and unsampled[3] == "00"
+    assert sampled[3] == "03"
+    spans = rec.spans
+    assert len(spans) == 2 and {s.trace_id for s in spans} == {sampled[1]}, spans
+    (srv,) = [s for s in spans if s.kind == SERVER]
+    (attempt,) = [s for s in spans if s.kind == CLIENT]
+    assert attempt.span_id == sampled[2] and attempt.parent == srv.span_id and srv.parent == ""
