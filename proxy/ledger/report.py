@@ -37,18 +37,20 @@ import io
 import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from datetime import date, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 from zoneinfo import ZoneInfo
 
-from proxy.errors import ErrorClass
-from proxy.ledger.query import Dialect, LedgerReader, Sql, as_int
+from proxy.ledger.query import Dialect, LedgerReader, Sql, as_int, rollups_ready
+from proxy.ledger.rollup import HOUR_S, USAGE
 from proxy.ledger.schema import TABLE
-from proxy.protocol.translators import MessagesTranslator
 from proxy.telemetry.shown_text import csv_cell, for_terminal
 
-SLICE_S = 900  # SQLite's UTC slice: every offset in use is a multiple of 15 minutes
+SLICE_S = 900
+# A report in a zone whose midnights cut UTC hours reads those hours from the rows, each one a
+# statement parameter: past this many (ten years of days) it reads all its rows instead.
+MAX_CUT_HOURS = 3660  # SQLite's UTC slice: every offset in use is a multiple of 15 minutes
 
 
 class GroupKey(enum.StrEnum):
@@ -68,41 +70,21 @@ class GroupKey(enum.StrEnum):
 
 _TIME_KEYS = frozenset({GroupKey.DAY, GroupKey.WEEK, GroupKey.MONTH})
 
-_COLUMN = {
+# The rollup's column of each group (`proxy.ledger.rollup.USAGE`; the rows' expression is there).
+_DIM = {
     GroupKey.USER: "user_name",
     GroupKey.TEAM: "team",
     GroupKey.KEY: "key_name",
-    GroupKey.MODEL: "COALESCE(model, requested_model)",
+    GroupKey.MODEL: "model",
     GroupKey.UPSTREAM: "upstream",
 }
+_DIM_EXPR = {d.name: d.expr for d in USAGE.dims}
 
 _PG_BUCKET = {
     GroupKey.DAY: "to_char(started_at AT TIME ZONE {tz}, 'YYYY-MM-DD')",
     GroupKey.WEEK: "to_char(date_trunc('week', started_at AT TIME ZONE {tz}), 'YYYY-MM-DD')",
     GroupKey.MONTH: "to_char(started_at AT TIME ZONE {tz}, 'YYYY-MM')",
 }
-
-# The error classes are a closed set of identifiers (proxy.errors), safe to write inline.
-_REFUSED = ErrorClass.BUDGET_EXCEEDED.value
-_AGGREGATES = (
-    "count(*)",
-    f"sum(CASE WHEN error_class = '{_REFUSED}' THEN 1 ELSE 0 END)",
-    f"sum(CASE WHEN error_class NOT IN ('{ErrorClass.NONE.value}', '{_REFUSED}') "
-    "THEN 1 ELSE 0 END)",
-    "sum(input_tokens)",
-    "sum(cached_input_tokens)",
-    "sum(output_tokens)",
-    "sum(reasoning_tokens)",
-    "sum(cost_nanousd)",
-    "count(*) - count(cost_nanousd)",
-    # An operation name of ours (a closed set), safe inline: the rows of the Messages API,
-    # whose cached input is Anthropic's cache reads (tokenmeter_tokens_total's
-    # cache_read_input).
-    f"sum(CASE WHEN operation = '{MessagesTranslator.operation}' THEN cached_input_tokens "
-    "ELSE 0 END)",
-    "sum(cache_creation_input_tokens)",
-)
-
 
 def parse_by(text: str) -> tuple[GroupKey, ...]:
     """`user,model,day` -> the group keys, in that order; ValueError names what is wrong."""
@@ -226,11 +208,12 @@ def labels(moment: float, tz: ZoneInfo, keys: Iterable[GroupKey]) -> tuple[str, 
 
 
 async def build_report(reader: LedgerReader, by: Sequence[GroupKey], period: Period) -> Report:
+    """One statement (one snapshot): the rollup's whole hours and the rows of the rest."""
     plain = [k for k in by if not k.is_time]
     timed = [k for k in by if k.is_time]
+    plan = await _plan(reader, period, timed)
     q = reader.sql()
-    where = _where(q, period)
-    select = [_COLUMN[k] for k in plain]
+    select = [_DIM[k] for k in plain]
     if timed and reader.dialect is Dialect.POSTGRESQL:
         tz = q.p(period.tz.key)
         select += [_PG_BUCKET[k].format(tz=tz) for k in timed]
@@ -238,7 +221,9 @@ async def build_report(reader: LedgerReader, by: Sequence[GroupKey], period: Per
         reader.define(_BUCKET_FN, _bucket_namer(period.tz, timed))
         select.append(f"{_BUCKET_FN}(started_at)")
     groups = ", ".join(str(i + 1) for i in range(len(select)))
-    text = (f"SELECT {', '.join([*select, *_AGGREGATES])} FROM {TABLE}{where}"
+    sums = [f"sum({m.name})" for m in USAGE.measures]
+    dims = [_DIM[k] for k in plain] + (["started_at"] if timed else [])
+    text = (f"SELECT {', '.join([*select, *sums])} FROM ({_branches(q, plan, dims)}) u"
             + (f" GROUP BY {groups}" if groups else ""))
     n = len(select)
     sqlite_timed = bool(timed) and reader.dialect is Dialect.SQLITE
@@ -256,6 +241,128 @@ async def build_report(reader: LedgerReader, by: Sequence[GroupKey], period: Per
         key=lambda item: tuple((v is None, v or "") for v in item[0]),
     )
     return Report(tuple(by), period, tuple(rows))
+
+
+Span = tuple[float | None, float | None]  # [start, end) in epoch seconds; None: open
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What a report reads: the rollup over `rolled` (whole UTC hours) but for the hours in
+    `cut`, whose rows it reads instead, and the rows over the spans in `raw` (the edges of the
+    period)."""
+
+    rolled: Span | None
+    cut: tuple[float, ...]
+    raw: tuple[Span, ...]
+
+
+def _ceil_hour(t: float) -> float:
+    return float(-(-t // HOUR_S) * HOUR_S)
+
+
+def _floor_hour(t: float) -> float:
+    return float(t // HOUR_S * HOUR_S)
+
+
+async def _plan(reader: LedgerReader, period: Period, timed: Sequence[GroupKey]) -> _Plan:
+    start = None if period.start is None else period.start.timestamp()
+    end = None if period.end is None else period.end.timestamp()
+    if not await rollups_ready(reader):
+        return _Plan(None, (), ((start, end),))
+    lo = None if start is None else _ceil_hour(start)
+    hi = None if end is None else _floor_hour(end)
+    if lo is not None and hi is not None and lo >= hi:
+        return _Plan(None, (), ((start, end),))  # within an hour or two: the rows
+    raw: list[Span] = []
+    if start is not None and lo != start:
+        raw.append((start, lo))
+    cut: tuple[float, ...] = ()
+    if timed:  # hours a local midnight cuts (zones whose offset is not whole hours)
+        ((low, high),) = await reader.fetch(
+            f"SELECT min(started_at), max(started_at) FROM {USAGE.table}")
+        if low is not None:  # only where the rollup has rows
+            first = _epoch(low) if lo is None else max(lo, _epoch(low))
+            last = _epoch(high) + HOUR_S if hi is None else min(hi, _epoch(high) + HOUR_S)
+            cut = _cut_hours(period.tz, first, last)
+        if len(cut) > MAX_CUT_HOURS:
+            return _Plan(None, (), ((start, end),))
+    if end is not None and hi != end:
+        raw.append((hi, end))
+    return _Plan((lo, hi), cut, _merged(raw))
+
+
+def _epoch(value: object) -> float:
+    return value.timestamp() if isinstance(value, datetime) else float(as_int(value))
+
+
+def _cut_hours(tz: ZoneInfo, first: float, last: float) -> tuple[float, ...]:
+    """The UTC hours in [first, last) a local midnight falls inside (not at their start). A
+    UTC day whose offset is one whole number of hours throughout has none; the others (a
+    zone such as +05:30, a day the clocks change) are looked at hour by hour."""
+    out: list[float] = []
+    day = first - first % 86400
+    while day < last:
+        offset = tz.utcoffset(datetime.fromtimestamp(day, UTC))
+        later = tz.utcoffset(datetime.fromtimestamp(day + 86399, UTC))
+        if offset != later or offset is None or offset.total_seconds() % HOUR_S:
+            for h in range(int(max(day, first)), int(min(day + 86400, last)), HOUR_S):
+                if (datetime.fromtimestamp(h, tz).date()
+                        != datetime.fromtimestamp(h + HOUR_S - 1, tz).date()):
+                    out.append(float(h))
+        day += 86400
+    return tuple(out)
+
+
+def _merged(spans: list[Span]) -> tuple[Span, ...]:
+    """Touching spans joined (they come in time order)."""
+    out: list[Span] = []
+    for span in spans:
+        if out and out[-1][1] is not None and out[-1][1] == span[0]:
+            out[-1] = (out[-1][0], span[1])
+        else:
+            out.append(span)
+    return tuple(out)
+
+
+def _raw_cols(dims: Sequence[str]) -> str:
+    return ", ".join([*(f"{_DIM_EXPR.get(d, d)} AS {d}" for d in dims),
+                      *(f"{m.expr} AS {m.name}" for m in USAGE.measures)])
+
+
+def _branches(q: Sql, plan: _Plan, dims: Sequence[str]) -> str:
+    """The rollup's rows and the ledger's, one shape (`dims`, then the measures): UNION ALL.
+    Written in the text's order, as SQLite's placeholders are positional."""
+    out = []
+    if plan.rolled is not None:
+        cols = [*dims, *(m.name for m in USAGE.measures)]
+        cond = _span_cond(q, plan.rolled)
+        if plan.cut:
+            cond.append(f"started_at NOT IN ({', '.join(q.ts(h) for h in plan.cut)})")
+        where = " WHERE " + " AND ".join(cond) if cond else ""
+        out.append(f"SELECT {', '.join(cols)} FROM {USAGE.table}{where}")
+    if plan.raw:
+        spans = [" AND ".join(c) for c in (_span_cond(q, s) for s in plan.raw)]
+        where = (" WHERE " + " OR ".join(f"({c})" for c in spans)) if all(spans) else ""
+        out.append(f"SELECT {_raw_cols(dims)} FROM {TABLE}{where}")
+    if plan.cut:
+        # One index range per hour (a join with the list: an OR of hundreds of ranges is
+        # deeper than SQLite's expression limit).
+        pg = q.dialect is Dialect.POSTGRESQL
+        hours = ", ".join(f"({q.ts(h)}{'::timestamptz' if pg else ''})" for h in plan.cut)
+        step = "interval '1 hour'" if pg else str(HOUR_S)
+        out.append(f"SELECT {_raw_cols(dims)} FROM (VALUES {hours}) AS c JOIN {TABLE} "
+                   f"ON started_at >= c.column1 AND started_at < c.column1 + {step}")
+    return " UNION ALL ".join(out)
+
+
+def _span_cond(q: Sql, span: Span) -> list[str]:
+    cond = []
+    if span[0] is not None:
+        cond.append(f"started_at >= {q.ts(span[0])}")
+    if span[1] is not None:
+        cond.append(f"started_at < {q.ts(span[1])}")
+    return cond
 
 
 _BUCKET_FN = "tm_bucket"
@@ -277,15 +384,6 @@ def _bucket_namer(tz: ZoneInfo, timed: Sequence[GroupKey]) -> Callable[[float], 
         return found if found is not None else "|".join(labels(moment, tz, timed))
 
     return name
-
-
-def _where(q: Sql, period: Period) -> str:
-    cond = []
-    if period.start is not None:
-        cond.append(f"started_at >= {q.ts(period.start.timestamp())}")
-    if period.end is not None:
-        cond.append(f"started_at < {q.ts(period.end.timestamp())}")
-    return " WHERE " + " AND ".join(cond) if cond else ""
 
 
 # --- output ---------------------------------------------------------------------------------
