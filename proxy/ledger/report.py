@@ -35,6 +35,7 @@ import csv
 import enum
 import io
 import json
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
@@ -43,7 +44,7 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 from proxy.ledger.query import Dialect, LedgerReader, Sql, as_int, rollups_ready
-from proxy.ledger.rollup import HOUR_S, USAGE
+from proxy.ledger.rollup import DAY_S, HOUR_S, USAGE, USAGE_DAILY, Rollup
 from proxy.ledger.schema import TABLE
 from proxy.telemetry.shown_text import csv_cell, for_terminal
 
@@ -247,82 +248,97 @@ Span = tuple[float | None, float | None]  # [start, end) in epoch seconds; None:
 
 
 @dataclass(frozen=True, slots=True)
-class _Plan:
-    """What a report reads: the rollup over `rolled` (whole UTC hours) but for the hours in
-    `cut`, whose rows it reads instead, and the rows over the spans in `raw` (the edges of the
-    period)."""
+class _Read:
+    """A rollup's rows over `span` but for those starting at `skip`."""
 
-    rolled: Span | None
+    rollup: Rollup
+    span: Span
+    skip: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What a report reads: rollups (`reads`, disjoint), the rows of the hours in `cut` (a
+    local midnight falls inside them), and the rows over the spans in `raw` (the edges of the
+    period that are not whole hours). Together: the period, each row once."""
+
+    reads: tuple[_Read, ...]
     cut: tuple[float, ...]
     raw: tuple[Span, ...]
 
 
-def _ceil_hour(t: float) -> float:
-    return float(-(-t // HOUR_S) * HOUR_S)
+def _ceil(t: float, grain: int) -> float:
+    return float(-(-t // grain) * grain)
 
 
-def _floor_hour(t: float) -> float:
-    return float(t // HOUR_S * HOUR_S)
+def _floor(t: float, grain: int) -> float:
+    return float(t // grain * grain)
 
 
 async def _plan(reader: LedgerReader, period: Period, timed: Sequence[GroupKey]) -> _Plan:
     start = None if period.start is None else period.start.timestamp()
     end = None if period.end is None else period.end.timestamp()
     if not await rollups_ready(reader):
-        return _Plan(None, (), ((start, end),))
-    lo = None if start is None else _ceil_hour(start)
-    hi = None if end is None else _floor_hour(end)
+        return _Plan((), (), ((start, end),))
+    lo = None if start is None else _ceil(start, HOUR_S)
+    hi = None if end is None else _floor(end, HOUR_S)
     if lo is not None and hi is not None and lo >= hi:
-        return _Plan(None, (), ((start, end),))  # within an hour or two: the rows
+        return _Plan((), (), ((start, end),))  # within an hour or two: the rows
     raw: list[Span] = []
     if start is not None and lo != start:
         raw.append((start, lo))
-    cut: tuple[float, ...] = ()
-    if timed:  # hours a local midnight cuts (zones whose offset is not whole hours)
-        ((low, high),) = await reader.fetch(
-            f"SELECT min(started_at), max(started_at) FROM {USAGE.table}")
-        if low is not None:  # only where the rollup has rows
-            first = _epoch(low) if lo is None else max(lo, _epoch(low))
-            last = _epoch(high) + HOUR_S if hi is None else min(hi, _epoch(high) + HOUR_S)
-            cut = _cut_hours(period.tz, first, last)
-        if len(cut) > MAX_CUT_HOURS:
-            return _Plan(None, (), ((start, end),))
     if end is not None and hi != end:
         raw.append((hi, end))
-    return _Plan((lo, hi), cut, _merged(raw))
+    # Where the rollup has rows, for the zone's arithmetic (the statement itself keeps the
+    # period's open ends; an open end reaches past now, for the rows landing meanwhile).
+    ((low, high),) = await reader.fetch(
+        f"SELECT min(started_at), max(started_at) FROM {USAGE.table}")
+    if low is None:
+        return _Plan((_Read(USAGE, (lo, hi)),), (), tuple(raw))
+    first = _epoch(low) if lo is None else max(lo, _epoch(low))
+    last = (max(_epoch(high), time.time()) + HOUR_S if hi is None
+            else min(hi, _epoch(high) + HOUR_S))
+    utc, cut = _zone_days(period.tz, first, last) if timed else (True, ())
+    if len(cut) > MAX_CUT_HOURS:
+        return _Plan((), (), ((start, end),))
+    if not utc:
+        return _Plan((_Read(USAGE, (lo, hi), cut),), cut, tuple(raw))
+    # Buckets are UTC days, or there are none: whole UTC days from the day rollup.
+    day_lo = None if lo is None else _ceil(lo, DAY_S)
+    day_hi = None if hi is None else _floor(hi, DAY_S)
+    if day_lo is not None and day_hi is not None and day_lo >= day_hi:
+        return _Plan((_Read(USAGE, (lo, hi)),), (), tuple(raw))
+    reads = [_Read(USAGE_DAILY, (day_lo, day_hi))]
+    if lo is not None and lo != day_lo:
+        reads.append(_Read(USAGE, (lo, day_lo)))
+    if hi is not None and hi != day_hi:
+        reads.append(_Read(USAGE, (day_hi, hi)))
+    return _Plan(tuple(reads), (), tuple(raw))
 
 
 def _epoch(value: object) -> float:
     return value.timestamp() if isinstance(value, datetime) else float(as_int(value))
 
 
-def _cut_hours(tz: ZoneInfo, first: float, last: float) -> tuple[float, ...]:
-    """The UTC hours in [first, last) a local midnight falls inside (not at their start). A
-    UTC day whose offset is one whole number of hours throughout has none; the others (a
-    zone such as +05:30, a day the clocks change) are looked at hour by hour."""
+def _zone_days(tz: ZoneInfo, first: float, last: float) -> tuple[bool, tuple[float, ...]]:
+    """Over [first, last): whether `tz` is UTC throughout (its days are UTC days), and the UTC
+    hours a local midnight falls inside (not at their start). A UTC day whose offset is one
+    whole number of hours throughout has none; the others (a zone such as +05:30, a day the
+    clocks change) are looked at hour by hour."""
     out: list[float] = []
-    day = first - first % 86400
+    utc = True
+    day = first - first % DAY_S
     while day < last:
         offset = tz.utcoffset(datetime.fromtimestamp(day, UTC))
-        later = tz.utcoffset(datetime.fromtimestamp(day + 86399, UTC))
+        later = tz.utcoffset(datetime.fromtimestamp(day + DAY_S - 1, UTC))
+        utc = utc and offset == later and offset is not None and not offset.total_seconds()
         if offset != later or offset is None or offset.total_seconds() % HOUR_S:
-            for h in range(int(max(day, first)), int(min(day + 86400, last)), HOUR_S):
+            for h in range(int(max(day, first)), int(min(day + DAY_S, last)), HOUR_S):
                 if (datetime.fromtimestamp(h, tz).date()
                         != datetime.fromtimestamp(h + HOUR_S - 1, tz).date()):
                     out.append(float(h))
-        day += 86400
-    return tuple(out)
-
-
-def _merged(spans: list[Span]) -> tuple[Span, ...]:
-    """Touching spans joined (they come in time order)."""
-    out: list[Span] = []
-    for span in spans:
-        if out and out[-1][1] is not None and out[-1][1] == span[0]:
-            out[-1] = (out[-1][0], span[1])
-        else:
-            out.append(span)
-    return tuple(out)
+        day += DAY_S
+    return utc, tuple(out)
 
 
 def _raw_cols(dims: Sequence[str]) -> str:
@@ -331,16 +347,16 @@ def _raw_cols(dims: Sequence[str]) -> str:
 
 
 def _branches(q: Sql, plan: _Plan, dims: Sequence[str]) -> str:
-    """The rollup's rows and the ledger's, one shape (`dims`, then the measures): UNION ALL.
+    """The rollups' rows and the ledger's, one shape (`dims`, then the measures): UNION ALL.
     Written in the text's order, as SQLite's placeholders are positional."""
     out = []
-    if plan.rolled is not None:
-        cols = [*dims, *(m.name for m in USAGE.measures)]
-        cond = _span_cond(q, plan.rolled)
-        if plan.cut:
-            cond.append(f"started_at NOT IN ({', '.join(q.ts(h) for h in plan.cut)})")
+    for read in plan.reads:
+        cols = [*dims, *(m.name for m in read.rollup.measures)]
+        cond = _span_cond(q, read.span)
+        if read.skip:
+            cond.append(f"started_at NOT IN ({', '.join(q.ts(h) for h in read.skip)})")
         where = " WHERE " + " AND ".join(cond) if cond else ""
-        out.append(f"SELECT {', '.join(cols)} FROM {USAGE.table}{where}")
+        out.append(f"SELECT {', '.join(cols)} FROM {read.rollup.table}{where}")
     if plan.raw:
         spans = [" AND ".join(c) for c in (_span_cond(q, s) for s in plan.raw)]
         where = (" WHERE " + " OR ".join(f"({c})" for c in spans)) if all(spans) else ""

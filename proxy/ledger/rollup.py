@@ -2,11 +2,13 @@
 in the same transaction as the rows they sum, so `tokenmeter usage` and `reconcile` read a few
 thousand rollup rows instead of millions of ledger rows.
 
-Why UTC hours. A report's days, weeks and months are those of its time zone, so rollups keyed
-by UTC day could serve only UTC reports; an hour serves every zone whose offset is a whole
-number of hours (all but a few; those still get exact answers: an hour a local midnight cuts
-is read from the rows, see `proxy.ledger.report`). A busy team's year is 8,760 hours times the
-groups active in each: hundreds of thousands of rollup rows at most, against billions of rows.
+Why UTC hours (and days). A report's days, weeks and months are those of its time zone, so
+rollups keyed by UTC day could serve only UTC reports; an hour serves every zone whose offset
+is a whole number of hours (all but a few; those still get exact answers: an hour a local
+midnight cuts is read from the rows, see `proxy.ledger.report`). A year is 8,760 hours times
+the groups active in each, which for a busy team is millions of rollup rows again: so the same
+sums are kept per UTC day too, which serve a report grouped by no time or by UTC days over
+whole days (the hours serve its edges, the rows what is left of a partial hour).
 
 Exact and idempotent. Each rollup is maintained from the rows a batch actually inserted (a
 row shipped twice is inserted once: `ON CONFLICT (request_id) DO NOTHING`), in the batch's own
@@ -32,6 +34,7 @@ from proxy.errors import ErrorClass
 from proxy.protocol.translators import MessagesTranslator
 
 HOUR_S = 3600
+DAY_S = 86400
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,10 +57,12 @@ class Measure:
 @dataclass(frozen=True, slots=True)
 class Rollup:
     table: str
-    # Time columns of the ledger row, each kept as its UTC hour under the same name.
+    # Time columns of the ledger row, each kept as the start of its UTC hour (or day: `grain`)
+    # under the same name.
     times: tuple[str, ...]
     dims: tuple[Dim, ...]
     measures: tuple[Measure, ...]
+    grain: int = HOUR_S
 
     @property
     def key(self) -> tuple[str, ...]:
@@ -69,7 +74,7 @@ _REFUSED = ErrorClass.BUDGET_EXCEEDED.value
 # `tokenmeter usage`: in `proxy.ledger.report.Totals`' order (a report reads them as its
 # aggregates, from the rows or from the rollup alike).
 USAGE = Rollup(
-    table="tokenmeter_rollup_usage",
+    table="tokenmeter_rollup_hour",
     times=("started_at",),
     dims=(
         Dim("user_name", "user_name", nullable=False),
@@ -100,6 +105,11 @@ USAGE = Rollup(
     ),
 )
 
+# The same per UTC day: 24 times fewer rows for a report over months or years that groups by
+# no time or by UTC days (the hours, then the rows, serve the edges and other zones).
+USAGE_DAILY = Rollup(table="tokenmeter_rollup_day", times=USAGE.times, dims=USAGE.dims,
+                     measures=USAGE.measures, grain=DAY_S)
+
 # `reconcile`: the budget windows each row charged, by the hour it ended and the hour it
 # started (a window takes the rows that started before its end and ended after its start).
 WINDOWS = Rollup(
@@ -118,13 +128,14 @@ WINDOWS = Rollup(
     ),
 )
 
-ROLLUPS = (USAGE, WINDOWS)
+ROLLUPS = (USAGE, USAGE_DAILY, WINDOWS)
 
 
-def hour_of(column: str, *, postgresql: bool) -> str:
+def truncated(column: str, grain: int, *, postgresql: bool) -> str:
+    """The start of the UTC hour or day `column` is in."""
     if postgresql:
-        return f"date_trunc('hour', {column}, 'UTC')"
-    return f"(CAST({column} AS INTEGER) / {HOUR_S}) * {HOUR_S}"
+        return f"date_trunc('{'day' if grain == DAY_S else 'hour'}', {column}, 'UTC')"
+    return f"(CAST({column} AS INTEGER) / {grain}) * {grain}"
 
 
 def _conflict_target(r: Rollup, postgresql: bool) -> str:
@@ -157,7 +168,7 @@ def aggregate(r: Rollup, source: str, where: str, *, postgresql: bool, sign: int
     them back out). Ordered by the key, so concurrent writers lock rollup rows in one order
     (two replicas' batches never deadlock on them)."""
     neg = "-" if sign < 0 else ""
-    cols = [*(hour_of(t, postgresql=postgresql) for t in r.times),
+    cols = [*(truncated(t, r.grain, postgresql=postgresql) for t in r.times),
             *(d.expr for d in r.dims),
             *(f"{neg}sum({m.expr})" for m in r.measures)]
     n = ", ".join(str(i + 1) for i in range(len(r.key)))
