@@ -38,7 +38,7 @@ import json
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, date, datetime, timedelta
+from datetime import date, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -49,9 +49,9 @@ from proxy.ledger.schema import TABLE
 from proxy.telemetry.shown_text import csv_cell, for_terminal
 
 SLICE_S = 900
-# A report in a zone whose midnights cut UTC hours reads those hours from the rows, each one a
-# statement parameter: past this many (ten years of days) it reads all its rows instead.
-MAX_CUT_HOURS = 3660  # SQLite's UTC slice: every offset in use is a multiple of 15 minutes
+# A report's UTC days and hours its buckets' boundaries cut are each one statement parameter:
+# past this many (ten years of days, and an hour in each) it reads all its rows instead.
+MAX_CUT = 7320  # SQLite's UTC slice: every offset in use is a multiple of 15 minutes
 
 
 class GroupKey(enum.StrEnum):
@@ -249,18 +249,20 @@ Span = tuple[float | None, float | None]  # [start, end) in epoch seconds; None:
 
 @dataclass(frozen=True, slots=True)
 class _Read:
-    """A rollup's rows over `span` but for those starting at `skip`."""
+    """A rollup's rows over `span` (or, when `days` are given, over those UTC days) but for
+    those starting at `skip`."""
 
     rollup: Rollup
     span: Span
     skip: tuple[float, ...] = ()
+    days: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
     """What a report reads: rollups (`reads`, disjoint), the rows of the hours in `cut` (a
-    local midnight falls inside them), and the rows over the spans in `raw` (the edges of the
-    period that are not whole hours). Together: the period, each row once."""
+    bucket's boundary falls inside them), and the rows over the spans in `raw` (the edges of
+    the period that are not whole hours). Together: the period, each row once."""
 
     reads: tuple[_Read, ...]
     cut: tuple[float, ...]
@@ -276,6 +278,10 @@ def _floor(t: float, grain: int) -> float:
 
 
 async def _plan(reader: LedgerReader, period: Period, timed: Sequence[GroupKey]) -> _Plan:
+    """Whole UTC days from the day rollup, unless a bucket's boundary (a local midnight, for a
+    report grouped by day, week or month) falls inside one; the hours of those days and of the
+    period's partial days from the hour rollup, unless a boundary falls inside the hour
+    (offsets that are not whole hours); what is left from the rows."""
     start = None if period.start is None else period.start.timestamp()
     end = None if period.end is None else period.end.timestamp()
     if not await rollups_ready(reader):
@@ -298,47 +304,45 @@ async def _plan(reader: LedgerReader, period: Period, timed: Sequence[GroupKey])
     first = _epoch(low) if lo is None else max(lo, _epoch(low))
     last = (max(_epoch(high), time.time()) + HOUR_S if hi is None
             else min(hi, _epoch(high) + HOUR_S))
-    utc, cut = _zone_days(period.tz, first, last) if timed else (True, ())
-    if len(cut) > MAX_CUT_HOURS:
+    cut_days, cut = _cuts(period.tz, timed, first, last) if timed else ((), ())
+    if len(cut_days) + len(cut) > MAX_CUT:
         return _Plan((), (), ((start, end),))
-    if not utc:
-        return _Plan((_Read(USAGE, (lo, hi), cut),), cut, tuple(raw))
-    # Buckets are UTC days, or there are none: whole UTC days from the day rollup.
     day_lo = None if lo is None else _ceil(lo, DAY_S)
     day_hi = None if hi is None else _floor(hi, DAY_S)
     if day_lo is not None and day_hi is not None and day_lo >= day_hi:
-        return _Plan((_Read(USAGE, (lo, hi)),), (), tuple(raw))
-    reads = [_Read(USAGE_DAILY, (day_lo, day_hi))]
+        return _Plan((_Read(USAGE, (lo, hi), cut),), cut, tuple(raw))
+    inside = tuple(d for d in cut_days if (day_lo is None or d >= day_lo)
+                   and (day_hi is None or d < day_hi))
+    reads = [_Read(USAGE_DAILY, (day_lo, day_hi), inside)]
+    if inside:
+        reads.append(_Read(USAGE, (None, None), cut, inside))
     if lo is not None and lo != day_lo:
-        reads.append(_Read(USAGE, (lo, day_lo)))
+        reads.append(_Read(USAGE, (lo, day_lo), cut))
     if hi is not None and hi != day_hi:
-        reads.append(_Read(USAGE, (day_hi, hi)))
-    return _Plan(tuple(reads), (), tuple(raw))
+        reads.append(_Read(USAGE, (day_hi, hi), cut))
+    return _Plan(tuple(reads), cut, tuple(raw))
 
 
 def _epoch(value: object) -> float:
     return value.timestamp() if isinstance(value, datetime) else float(as_int(value))
 
 
-def _zone_days(tz: ZoneInfo, first: float, last: float) -> tuple[bool, tuple[float, ...]]:
-    """Over [first, last): whether `tz` is UTC throughout (its days are UTC days), and the UTC
-    hours a local midnight falls inside (not at their start). A UTC day whose offset is one
-    whole number of hours throughout has none; the others (a zone such as +05:30, a day the
-    clocks change) are looked at hour by hour."""
-    out: list[float] = []
-    utc = True
+def _cuts(tz: ZoneInfo, timed: Sequence[GroupKey], first: float, last: float
+          ) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Over [first, last): the UTC days a bucket's boundary falls inside (not at their start),
+    and within those the hours it does. Buckets change only at local midnights, so a day (an
+    hour) whose first and last seconds are in one bucket lies in it whole."""
+    days: list[float] = []
+    hours: list[float] = []
     day = first - first % DAY_S
     while day < last:
-        offset = tz.utcoffset(datetime.fromtimestamp(day, UTC))
-        later = tz.utcoffset(datetime.fromtimestamp(day + DAY_S - 1, UTC))
-        utc = utc and offset == later and offset is not None and not offset.total_seconds()
-        if offset != later or offset is None or offset.total_seconds() % HOUR_S:
+        if labels(day, tz, timed) != labels(day + DAY_S - 1, tz, timed):
+            days.append(day)
             for h in range(int(max(day, first)), int(min(day + DAY_S, last)), HOUR_S):
-                if (datetime.fromtimestamp(h, tz).date()
-                        != datetime.fromtimestamp(h + HOUR_S - 1, tz).date()):
-                    out.append(float(h))
+                if labels(h, tz, timed) != labels(h + HOUR_S - 1, tz, timed):
+                    hours.append(float(h))
         day += DAY_S
-    return utc, tuple(out)
+    return tuple(days), tuple(hours)
 
 
 def _raw_cols(dims: Sequence[str]) -> str:
@@ -350,13 +354,18 @@ def _branches(q: Sql, plan: _Plan, dims: Sequence[str]) -> str:
     """The rollups' rows and the ledger's, one shape (`dims`, then the measures): UNION ALL.
     Written in the text's order, as SQLite's placeholders are positional."""
     out = []
+    pg = q.dialect is Dialect.POSTGRESQL
     for read in plan.reads:
-        cols = [*dims, *(m.name for m in read.rollup.measures)]
+        cols = ", ".join([*dims, *(m.name for m in read.rollup.measures)])
+        source = read.rollup.table
+        if read.days:  # one index range per day
+            source = (f"{_instants(q, read.days)} JOIN {source} ON started_at >= c.column1 "
+                      f"AND started_at < c.column1 + {_step(DAY_S, pg)}")
         cond = _span_cond(q, read.span)
         if read.skip:
             cond.append(f"started_at NOT IN ({', '.join(q.ts(h) for h in read.skip)})")
         where = " WHERE " + " AND ".join(cond) if cond else ""
-        out.append(f"SELECT {', '.join(cols)} FROM {read.rollup.table}{where}")
+        out.append(f"SELECT {cols} FROM {source}{where}")
     if plan.raw:
         spans = [" AND ".join(c) for c in (_span_cond(q, s) for s in plan.raw)]
         where = (" WHERE " + " OR ".join(f"({c})" for c in spans)) if all(spans) else ""
@@ -364,12 +373,20 @@ def _branches(q: Sql, plan: _Plan, dims: Sequence[str]) -> str:
     if plan.cut:
         # One index range per hour (a join with the list: an OR of hundreds of ranges is
         # deeper than SQLite's expression limit).
-        pg = q.dialect is Dialect.POSTGRESQL
-        hours = ", ".join(f"({q.ts(h)}{'::timestamptz' if pg else ''})" for h in plan.cut)
-        step = "interval '1 hour'" if pg else str(HOUR_S)
-        out.append(f"SELECT {_raw_cols(dims)} FROM (VALUES {hours}) AS c JOIN {TABLE} "
-                   f"ON started_at >= c.column1 AND started_at < c.column1 + {step}")
+        out.append(f"SELECT {_raw_cols(dims)} FROM {_instants(q, plan.cut)} JOIN {TABLE} "
+                   f"ON started_at >= c.column1 AND started_at < c.column1 + "
+                   f"{_step(HOUR_S, pg)}")
     return " UNION ALL ".join(out)
+
+
+def _instants(q: Sql, moments: Sequence[float]) -> str:
+    """A one-column table `c` of instants (`c.column1`, in both dialects)."""
+    cast = "::timestamptz" if q.dialect is Dialect.POSTGRESQL else ""
+    return f"(VALUES {', '.join(f'({q.ts(m)}{cast})' for m in moments)}) AS c"
+
+
+def _step(seconds: int, pg: bool) -> str:
+    return f"interval '{seconds} seconds'" if pg else str(seconds)
 
 
 def _span_cond(q: Sql, span: Span) -> list[str]:
