@@ -289,6 +289,8 @@ def main() -> int:
     ap.add_argument("--postgres", default="postgresql://postgres@127.0.0.1:5432")
     ap.add_argument("--raw-up-to", type=int, default=2_000_000,
                     help="also time reading the rows alone (before) up to this many rows")
+    ap.add_argument("--out", type=Path,
+                    default=ROOT / "benchmarks" / "results" / "reports-latest.json")
     ap.add_argument("--keep", type=Path, help="keep the SQLite files here (not deleted)")
     args = ap.parse_args()
     redis_exe = shutil.which("redis-server")
@@ -326,7 +328,7 @@ def main() -> int:
         redis.terminate()
         redis.wait(10)
         shutil.rmtree(tmp, ignore_errors=True)
-    out = ROOT / "benchmarks" / "results" / "reports-latest.json"
+    out: Path = args.out
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out}")
     return 0

@@ -297,8 +297,10 @@ async def _plan(reader: LedgerReader, period: Period, timed: Sequence[GroupKey])
         raw.append((hi, end))
     # Where the rollup has rows, for the zone's arithmetic (the statement itself keeps the
     # period's open ends; an open end reaches past now, for the rows landing meanwhile).
+    # (Two subqueries: SQLite finds a lone min or max in the index, not both at once.)
     ((low, high),) = await reader.fetch(
-        f"SELECT min(started_at), max(started_at) FROM {USAGE.table}")
+        f"SELECT (SELECT min(started_at) FROM {USAGE.table}), "
+        f"(SELECT max(started_at) FROM {USAGE.table})")
     if low is None:
         return _Plan((_Read(USAGE, (lo, hi)),), (), tuple(raw))
     first = _epoch(low) if lo is None else max(lo, _epoch(low))
