@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -134,20 +134,34 @@ async def _pg_fill(url: str, rows: int, step: float) -> None:
         values = _values(started, f"{started} + interval '1.5 seconds'",
                          f"to_char({started} AT TIME ZONE 'UTC', 'YYYYMMDD')",
                          f"to_char({started} AT TIME ZONE 'UTC', 'YYYYMM')", pg=True)
-        chunk = 2_000_000
+        chunk = 500_000
         for lo in range(0, rows, chunk):
             hi = min(rows, lo + chunk)
-            await conn.execute(f"INSERT INTO {TABLE} ({_COLS}) SELECT {values} "
-                               f"FROM generate_series({lo}::bigint, {hi - 1}) AS i")
+            await _retrying(conn, (f"INSERT INTO {TABLE} ({_COLS}) SELECT {values} "
+                                   f"FROM generate_series({lo}::bigint, {hi - 1}) AS i",))
             print(f"  postgresql: {hi:,} rows", flush=True)
-        for statement in MIGRATIONS[0].postgresql[1:]:
-            await conn.execute(statement)
-        async with conn.transaction():
-            for statement in rollup.rebuild(TABLE, postgresql=True):
-                await conn.execute(statement)
-        await conn.execute("VACUUM ANALYZE")
+        await _retrying(conn, MIGRATIONS[0].postgresql[1:])
+        await _retrying(conn, rollup.rebuild(TABLE, postgresql=True))
+        await _retrying(conn, ("VACUUM ANALYZE",))
     finally:
         await conn.close()
+
+
+async def _retrying(conn: asyncpg.Connection, statements: Sequence[str]) -> None:
+    """`statements` in one transaction, again if a statement is cancelled (on a machine
+    shared with other test suites, something cancels long statements now and then)."""
+    for attempt in range(5):
+        try:
+            if len(statements) == 1:  # VACUUM cannot run in a transaction
+                await conn.execute(statements[0])
+                return
+            async with conn.transaction():
+                for statement in statements:
+                    await conn.execute(statement)
+            return
+        except asyncpg.QueryCanceledError:
+            print(f"  cancelled; again ({attempt + 1})", flush=True)
+    raise RuntimeError("cancelled five times")
 
 
 def _timed(args: list[str]) -> tuple[float, int]:
