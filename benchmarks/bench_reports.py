@@ -178,15 +178,17 @@ def _timed(args: list[str]) -> tuple[float, int]:
     return statistics.median(times), code
 
 
-def _in_process(make: Callable[[], Awaitable[object]], runs: int = 3) -> float:
-    """Median wall seconds of `make()` run in this process (what the command does once it has
-    started: the process start, ~1 s of imports on a loaded machine, is not the report's)."""
-    times = []
+def _in_process(make: Callable[[], Awaitable[object]], runs: int = 3) -> tuple[float, float]:
+    """Median wall and CPU seconds (this process's, its SQLite thread included; not the
+    PostgreSQL server's) of `make()` run here: what the command does once started (its Python
+    start, ~1 s of imports on a loaded machine, is not the report's)."""
+    walls, cpus = [], []
     for _ in range(runs):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         asyncio.run(make())  # type: ignore[arg-type]
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        walls.append(time.perf_counter() - t)
+        cpus.append(time.process_time() - c)
+    return statistics.median(walls), statistics.median(cpus)
 
 
 async def _usage(url: str, by: str, start: str, end: str, zone: str) -> object:
@@ -231,7 +233,9 @@ def _measure(url: str, days: int, config: Path, raw: bool) -> dict[str, Any]:
                                                    f"{last}T15:42", "UTC"),
         "reconcile": lambda: _reconcile(config, url, middle),
     }
-    out: dict[str, Any] = {f"{k}_s": _in_process(make) for k, make in cases.items()}
+    out: dict[str, Any] = {}
+    for k, make in cases.items():
+        out[f"{k}_s"], out[f"{k}_cpu_s"] = _in_process(make)
     out["cli_usage_user_day_utc_s"], _ = _timed(
         ["usage", "--ledger", url, "--by", "user,day", "--from", str(first), "--to", str(last),
          "--timezone", "UTC", "--format", "csv"])
@@ -248,7 +252,7 @@ def _measure(url: str, days: int, config: Path, raw: bool) -> dict[str, Any]:
             setattr(module, name, never)
         try:
             for k in ("usage_user_day_utc", "reconcile"):
-                out[f"raw_{k}_s"] = _in_process(cases[k], runs=1)
+                out[f"raw_{k}_s"], out[f"raw_{k}_cpu_s"] = _in_process(cases[k], runs=1)
         finally:
             for module in modules:
                 setattr(module, name, ready)
