@@ -294,8 +294,12 @@ def _build(dialect: str, rows: int, where: Path, postgres: str) -> tuple[str, st
         await s.open()
         await s.close()
 
-    asyncio.run(migrate())
-    asyncio.run(_pg_fill(url, rows, step))
+    try:
+        asyncio.run(migrate())
+        asyncio.run(_pg_fill(url, rows, step))
+    except BaseException:
+        asyncio.run(_admin(postgres, f"DROP DATABASE {name} WITH (FORCE)"))
+        raise
     return url, name
 
 
