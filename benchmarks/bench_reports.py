@@ -8,17 +8,20 @@
 The ledger: a team sending 66,667 requests a day (46 a minute), so 2,000,000 rows are its
 month (30 days) and 20,000,000 ten months: 200 users with two keys each in 10 teams, three
 models on two upstreams, every 97th request unpriced, every 50th refused by its budget, each
-row naming its daily and monthly windows. Rows are synthesised in the database (a recursive
-CTE in SQLite, generate_series in PostgreSQL: minutes, not the hours shipping them would
-take), the secondary indexes built after them, then the rollups built by the very statements
-the migration's backfill runs (`proxy.ledger.rollup.rebuild`; the property tests check that
-rollups kept by shipping equal them). A fresh SQLite file, a fresh PostgreSQL database
+row naming its daily and monthly windows, every 20th a response-cache hit (its saved columns
+filled), each user's rows tagged with one of four `feature` values (so tags add no groups).
+Rows are synthesised in the database (a recursive CTE in SQLite, generate_series in
+PostgreSQL: minutes, not the hours shipping them would take), the secondary indexes built
+after them, then the rollups built by the very statements the migration's backfill runs
+(`proxy.ledger.rollup.rebuild`; the property tests check that rollups kept by shipping equal
+them). A fresh SQLite file, a fresh PostgreSQL database
 (dropped afterwards unless --keep).
 
 Timed, each as the command a user runs (a new `tokenmeter` process; the median of 3 runs,
 wall clock, the process start included):
 - `usage --by user,day` over every whole day of the ledger, UTC (the day rollup);
 - the same in Europe/Berlin (the hour rollup: its days are not UTC days);
+- `usage --by tag:feature,day` over the same days, UTC (the day rollup's tags column);
 - `usage --by user` from 10:17 on the first day to 15:42 on the last (both rollups, and the
   rows of the two partial hours);
 - `reconcile --recheck 0` of a day in the middle, against a Redis of its own (empty: every
@@ -71,7 +74,8 @@ _COLS = ("request_id, started_at, ended_at, replica, user_name, key_name, team, 
          "error_class, stream, input_tokens, output_tokens, cached_input_tokens, "
          "reasoning_tokens, token_source, ttft_ms, upstream_ttft_ms, overhead_ms, duration_ms, "
          "output_tokens_per_s, cost_nanousd, price_version, windows, "
-         "cache_creation_input_tokens")
+         "cache_creation_input_tokens, cache, saved_input_tokens, saved_output_tokens, "
+         "saved_cost_nanousd, tags")
 
 
 def _values(started: str, ended: str, day: str, month: str, *, pg: bool) -> str:
@@ -92,6 +96,11 @@ def _values(started: str, ended: str, day: str, month: str, *, pg: bool) -> str:
         "12.5", "11.0", "0.4", "1500.0", "13.3",
         f"(CASE WHEN {i} % 97 = 0 THEN NULL ELSE 1000 + {i} % 5000 END)", "'p1'",
         f"'u:daily_tokens:' || {day} || ' u:monthly_tokens:M' || {month}", "0",
+        f"(CASE WHEN {i} % 20 = 0 THEN 'hit' ELSE 'none' END)",
+        f"(CASE WHEN {i} % 20 = 0 THEN 500 ELSE 0 END)",
+        f"(CASE WHEN {i} % 20 = 0 THEN 50 ELSE 0 END)",
+        f"(CASE WHEN {i} % 20 = 0 THEN 2000 ELSE NULL END)",
+        f"'{{\"feature\":\"f' || ({i} % {USERS} % 4) || '\"}}'",
     ])
 
 
@@ -229,6 +238,8 @@ def _measure(url: str, days: int, config: Path, raw: bool) -> dict[str, Any]:
         "usage_user_day_utc": lambda: _usage(url, "user,day", str(first), str(last), "UTC"),
         "usage_user_day_berlin": lambda: _usage(url, "user,day", str(first), str(last),
                                                 "Europe/Berlin"),
+        "usage_tag_day_utc": lambda: _usage(url, "tag:feature,day", str(first), str(last),
+                                            "UTC"),
         "usage_user_mid_day_edges": lambda: _usage(url, "user", f"{first}T10:17",
                                                    f"{last}T15:42", "UTC"),
         "reconcile": lambda: _reconcile(config, url, middle),
