@@ -1,19 +1,21 @@
-"""Ledger rows and ledgers written as the proxy's sinks write them, for the books' tests
+"""Ledger rows and ledgers written by the proxy's sinks, for the books' tests
 (`usage`, reports, reconcile): one row builder and one writer per database."""
 
 from __future__ import annotations
 
-import sqlite3
+import asyncio
 from collections.abc import Sequence
-from contextlib import closing
-from datetime import UTC, datetime
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 
-from proxy.ledger.row import COLUMNS, LedgerRow
-from proxy.ledger.schema import MIGRATIONS, TABLE
+from proxy.ledger.rollup import ROLLUPS
+from proxy.ledger.row import LedgerRow
+from proxy.ledger.schema import SCHEMA_TABLE, TABLE
+from proxy.ledger.sink_postgres import PostgresSink
+from proxy.ledger.sink_sqlite import SqliteSink
 
 # A plain answered chat request: what every row of a test has unless it says otherwise.
 BASE_ROW = LedgerRow(
@@ -35,38 +37,39 @@ def ledger_row(request_id: str, started_at: float, **fields: Any) -> LedgerRow:
 
 
 def write_sqlite(path: Path, rows: Sequence[LedgerRow]) -> None:
-    """A SQLite ledger at `path`: the schema's migrations, then `rows`."""
-    with closing(sqlite3.connect(path)) as db:
-        db.execute("PRAGMA journal_mode = WAL")
-        for migration in MIGRATIONS:
-            for statement in migration.sqlite:
-                db.execute(statement)
-        marks = ", ".join("?" * len(COLUMNS))
-        db.executemany(f"INSERT INTO {TABLE} ({', '.join(COLUMNS)}) VALUES ({marks})",
-                       [tuple(getattr(r, c) for c in COLUMNS) for r in rows])
-        db.commit()
+    """A SQLite ledger at `path` written by the proxy's own sink: its migrations, then `rows`
+    (and their rollups). Callable from a test with or without an event loop running."""
+    async def go() -> None:
+        sink = SqliteSink(path)
+        await sink.open()
+        try:
+            if rows:
+                await sink.write([sink.prepare(list(r)) for r in rows])
+        finally:
+            await sink.close()
+            sink.shutdown()
 
-
-def _pg_values(row: LedgerRow) -> tuple[object, ...]:
-    return tuple(datetime.fromtimestamp(getattr(row, c), UTC)
-                 if c in ("started_at", "ended_at") else getattr(row, c) for c in COLUMNS)
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, go()).result()
 
 
 async def write_postgres(url: str, rows: Sequence[LedgerRow], *, fresh: bool = False) -> None:
-    """The PostgreSQL ledger at `url`: (after dropping its table, when `fresh`) the schema's
-    migrations, then `rows`."""
-    conn = await asyncpg.connect(url)
+    """The PostgreSQL ledger at `url` written by the proxy's own sink: (after dropping its
+    tables, when `fresh`) its migrations, then `rows` (and their rollups)."""
+    if fresh:
+        conn = await asyncpg.connect(url)
+        try:
+            for table in (TABLE, SCHEMA_TABLE, *(r.table for r in ROLLUPS)):
+                await conn.execute(f"DROP TABLE IF EXISTS {table}")
+        finally:
+            await conn.close()
+    sink = PostgresSink(url)
+    await sink.open()
     try:
-        if fresh:
-            await conn.execute(f"DROP TABLE IF EXISTS {TABLE}")
-        for migration in MIGRATIONS:
-            for statement in migration.postgresql:
-                await conn.execute(statement)
         if rows:
-            await conn.copy_records_to_table(TABLE, records=[_pg_values(r) for r in rows],
-                                             columns=list(COLUMNS))
+            await sink.write([sink.prepare(list(r)) for r in rows])
     finally:
-        await conn.close()
+        await sink.close()
 
 
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"  # the machine's own PostgreSQL

@@ -6,6 +6,10 @@ lock, so replicas starting together apply a migration once and never race on `CR
 (advisory locks are per database, so other databases on the server are not held up). In SQLite
 `BEGIN IMMEDIATE` takes the write lock before reading the version, to the same effect.
 
+Rollups are rebuilt from the rows (in the same transaction) when a migration being applied
+says so: an upgraded database's rollups are exact from the start. On a large ledger that is one
+pass over its rows, once, while the other replicas wait on the lock (their rows in their spools).
+
 A database at a version newer than this code's is refused (`SchemaTooNew`): an older replica
 must not write rows into a shape it does not know. Its rows wait in the spool meanwhile.
 """
@@ -17,7 +21,8 @@ import time
 
 import asyncpg
 
-from proxy.ledger.schema import MIGRATIONS, SCHEMA_TABLE, VERSION
+from proxy.ledger import rollup
+from proxy.ledger.schema import MIGRATIONS, SCHEMA_TABLE, TABLE, VERSION
 
 # pg_advisory_xact_lock's key: "tokenmet" in ASCII, a constant every replica agrees on.
 PG_MIGRATE_LOCK = 0x746F6B656E6D6574
@@ -51,6 +56,9 @@ def migrate_sqlite(conn: sqlite3.Connection) -> int:
                 conn.execute(statement)
             conn.execute(f"INSERT INTO {SCHEMA_TABLE} (version, applied_at) VALUES (?, ?)",
                          (migration.version, time.time()))
+        if _rebuilds(current):
+            for statement in rollup.rebuild(TABLE, postgresql=False):
+                conn.execute(statement)
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")
@@ -74,4 +82,13 @@ async def migrate_postgres(conn: asyncpg.Connection) -> int:
                 await conn.execute(statement)
             await conn.execute(f"INSERT INTO {SCHEMA_TABLE} (version) VALUES ($1)",
                                migration.version)
+        if _rebuilds(current):
+            for statement in rollup.rebuild(TABLE, postgresql=True):
+                await conn.execute(statement)
     return max(current, VERSION)
+
+
+def _rebuilds(current: int) -> bool:
+    """Whether a migration past `current` changes the rollups: they are then built again,
+    once, after every missing migration ran (their lists name the newest columns)."""
+    return any(m.rollups and m.version > current for m in MIGRATIONS)

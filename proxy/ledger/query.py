@@ -29,7 +29,7 @@ import asyncpg
 
 from proxy.budget.spool import default_dir
 from proxy.config.ledger import LedgerConfig
-from proxy.ledger.schema import TABLE
+from proxy.ledger.schema import ROLLUP_VERSION, SCHEMA_TABLE, TABLE
 
 DEFAULT_FILE = "ledger.sqlite3"
 
@@ -243,3 +243,11 @@ async def _require_table(reader: LedgerReader) -> None:
             f"{reader.location.describe()} holds no ledger table ({TABLE}) yet: no proxy has "
             "written to it"
         )
+
+
+async def rollups_ready(reader: LedgerReader) -> bool:
+    """Whether the ledger holds the rollups this code reads (`proxy.ledger.rollup`): its
+    schema is at least at the version that last built them. A database an older proxy still
+    writes is read from its rows."""
+    ((version,),) = await reader.fetch(f"SELECT max(version) FROM {SCHEMA_TABLE}")
+    return version is not None and as_int(version) >= ROLLUP_VERSION

@@ -44,6 +44,9 @@ script). The counter less what the reservations in it hold is what the store set
   down waits in the budget spool: until it is replayed the books lead the store, which is
   drift, truthfully (the budgets under-count until then). The current day is judged like any
   other. `ledger_newest` (the newest row's end) shows how far the ledger is behind.
+- The ledger's side is read from its windows rollup (`proxy.ledger.rollup.WINDOWS`) when the
+  day's span is whole UTC hours (every zone but the few whose offset is not): exact, and a
+  few thousand rollup rows instead of a month's rows.
 - Windows the store no longer holds (past their retention: a day's counters for eight days
   after it, a week's fifteen, a month's forty) are listed as `expired` and not judged.
 """
@@ -69,7 +72,16 @@ from proxy.budget.store import ScopeKind, Snapshot, StoreError
 from proxy.budget.store_redis import RedisStore
 from proxy.config.load import Config, ConfigError, load_config
 from proxy.config.policy import Limits
-from proxy.ledger.query import LedgerReader, LedgerUnavailable, as_int, locate, open_reader
+from proxy.ledger.query import (
+    LedgerReader,
+    LedgerUnavailable,
+    Sql,
+    as_int,
+    locate,
+    open_reader,
+    rollups_ready,
+)
+from proxy.ledger.rollup import HOUR_S, WINDOWS
 from proxy.ledger.schema import TABLE
 
 DEFAULT_USER = "default"  # open mode's one user (proxy.auth.DEFAULT_USER)
@@ -315,20 +327,25 @@ async def _ledger(reader: LedgerReader, config: Config, span: tuple[float, float
                   calendar: Mapping[str, tuple[str, float]], ended_by: float | None = None
                   ) -> dict[str, tuple[_Target, _Tally]]:
     """The ledger's totals per counter key, for the windows of the day (of the rows that ended
-    by `ended_by`, when given)."""
+    by `ended_by`, when given): the rows that started before the span's end and ended after its
+    start (a window's labels are chosen at admission, between the two)."""
     q = reader.sql()
-    text = (  # (placeholders are numbered as they are made: in the text's order)
-        # A response-cache hit used no tokens (its token columns are 0): one charged in full
-        # (`cache.charge_hits: full`) was charged what it saved, which its `saved_*` columns
-        # hold; one charged nothing names no window. Other rows saved nothing (0, NULL).
-        "SELECT user_name, team, windows, count(*), sum(input_tokens + saved_input_tokens), "
-        "sum(output_tokens + saved_output_tokens), "
-        "sum(coalesce(cost_nanousd, 0) + coalesce(saved_cost_nanousd, 0)) "
-        f"FROM {TABLE} WHERE started_at < {q.ts(span[1])} "
-        f"AND ended_at >= {q.ts(span[0])} "
-        + (f"AND ended_at <= {q.ts(ended_by)} " if ended_by is not None else "")
-        + "AND windows <> '' GROUP BY user_name, team, windows"
-    )
+    if await rollups_ready(reader) and span[0] % HOUR_S == 0 and span[1] % HOUR_S == 0:
+        text = _from_rollup(q, span, ended_by)
+    else:  # a zone whose midnights are not whole UTC hours: the rows
+        text = (  # (placeholders are numbered as they are made: in the text's order)
+            # A response-cache hit used no tokens (its token columns are 0): one charged in
+            # full (`cache.charge_hits: full`) was charged what it saved, which its `saved_*`
+            # columns hold; one charged nothing names no window. Other rows saved nothing (0,
+            # NULL). The windows rollup sums the same (`proxy.ledger.rollup.WINDOWS`).
+            "SELECT user_name, team, windows, count(*), sum(input_tokens + saved_input_tokens), "
+            "sum(output_tokens + saved_output_tokens), "
+            "sum(coalesce(cost_nanousd, 0) + coalesce(saved_cost_nanousd, 0)) "
+            f"FROM {TABLE} WHERE started_at < {q.ts(span[1])} "
+            f"AND ended_at >= {q.ts(span[0])} "
+            + (f"AND ended_at <= {q.ts(ended_by)} " if ended_by is not None else "")
+            + "AND windows <> '' GROUP BY user_name, team, windows"
+        )
     prefix = config.store.prefix
     out: dict[str, tuple[_Target, _Tally]] = {}
     for user, team, windows, n, inp, outp, cost in await reader.fetch(text, q.params):
@@ -359,8 +376,41 @@ async def _ledger(reader: LedgerReader, config: Config, span: tuple[float, float
     return out
 
 
+def _from_rollup(q: Sql, span: tuple[float, float], ended_by: float | None) -> str:
+    """`_ledger`'s statement over the windows rollup (`proxy.ledger.rollup.WINDOWS`: by the
+    hour rows ended and the hour they started; exact for a span of whole hours). With
+    `ended_by`, the rollup's hours that ended before its hour, and the rows of its hour up to
+    it (those started at or after the first hour any of them started)."""
+    w = WINDOWS
+    sums = ", ".join(f"sum({m.name})" for m in w.measures)
+    cols = ", ".join(["user_name", "team", "windows", *(m.name for m in w.measures)])
+    within = f"started_at < {q.ts(span[1])} AND ended_at >= {q.ts(span[0])} AND windows <> ''"
+    branches = f"SELECT {cols} FROM {w.table} WHERE {within}"
+    if ended_by is not None:
+        hour = ended_by - ended_by % HOUR_S
+        branches += f" AND ended_at < {q.ts(hour)}"
+        raw_cols = ", ".join(["user_name", "team", "windows",
+                              *(f"{m.expr} AS {m.name}" for m in w.measures)])
+        raw_within = (f"started_at < {q.ts(span[1])} AND ended_at >= {q.ts(span[0])} "
+                      "AND windows <> ''")
+        branches += (f" UNION ALL SELECT {raw_cols} FROM {TABLE} WHERE {raw_within} "
+                     f"AND ended_at >= {q.ts(hour)} AND ended_at <= {q.ts(ended_by)} "
+                     f"AND started_at >= (SELECT min(started_at) FROM {w.table} "
+                     f"WHERE ended_at = {q.ts(hour)})")
+    return f"SELECT user_name, team, windows, {sums} FROM ({branches}) u GROUP BY 1, 2, 3"
+
+
 async def _newest(reader: LedgerReader) -> float | None:
-    ((newest,),) = await reader.fetch(f"SELECT max(ended_at) FROM {TABLE}")
+    if await rollups_ready(reader):
+        # The newest row ended in the rollup's last hour, and started no earlier than the
+        # first hour any row ending then started: an index range, not the whole table.
+        w = WINDOWS.table
+        last = f"(SELECT max(ended_at) FROM {w})"
+        text = (f"SELECT max(ended_at) FROM {TABLE} WHERE ended_at >= {last} AND started_at "
+                f">= (SELECT min(started_at) FROM {w} WHERE ended_at = {last})")
+    else:
+        text = f"SELECT max(ended_at) FROM {TABLE}"
+    ((newest,),) = await reader.fetch(text)
     if newest is None:
         return None
     return newest.timestamp() if isinstance(newest, datetime) else float(newest)

@@ -35,6 +35,7 @@ import csv
 import enum
 import io
 import json
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta
@@ -43,14 +44,15 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 from proxy.config.tags import valid_key
-from proxy.errors import ErrorClass
-from proxy.ledger.query import Dialect, LedgerReader, Sql, as_int
+from proxy.ledger.query import Dialect, LedgerReader, Sql, as_int, rollups_ready
+from proxy.ledger.rollup import DAY_S, HOUR_S, USAGE, USAGE_DAILY, Rollup
 from proxy.ledger.schema import TABLE
-from proxy.protocol.translators import MessagesTranslator
-from proxy.telemetry.metrics import CACHE_HIT
 from proxy.telemetry.shown_text import csv_cell, for_terminal
 
-SLICE_S = 900  # SQLite's UTC slice: every offset in use is a multiple of 15 minutes
+SLICE_S = 900
+# A report's UTC days and hours its buckets' boundaries cut are each one statement parameter:
+# past this many (ten years of days, and an hour in each) it reads all its rows instead.
+MAX_CUT = 7320  # SQLite's UTC slice: every offset in use is a multiple of 15 minutes
 
 
 class GroupKey(enum.StrEnum):
@@ -74,7 +76,9 @@ _TIME_KEYS = frozenset({GroupKey.DAY, GroupKey.WEEK, GroupKey.MONTH})
 @dataclass(frozen=True, slots=True)
 class TagGroup:
     """`--by tag:feature`: the rows by one tag's value; rows without the tag in one group
-    whose key is None (`-` in the table, an empty CSV cell, JSON null)."""
+    whose key is None (`-` in the table, an empty CSV cell, JSON null). Read from the `tags`
+    column, of the rows or of the rollup alike (the rollup keeps the rows' tags text as they
+    are: `proxy.ledger.rollup.USAGE`)."""
 
     key: str  # a tag key (proxy.config.tags.KEY): safe to write into the SQL as it is
 
@@ -85,53 +89,28 @@ class TagGroup:
 
     def column(self, dialect: Dialect) -> str:
         if dialect is Dialect.SQLITE:
-            return f"json_extract(tags, '$.{self.key}')"
-        return f"(tags::jsonb ->> '{self.key}')"
+            return f"json_extract({_TAGS}, '$.{self.key}')"
+        return f"({_TAGS}::jsonb ->> '{self.key}')"
 
 
 Group = GroupKey | TagGroup
 
-_COLUMN = {
+# The rollup's column of each group (`proxy.ledger.rollup.USAGE`; the rows' expression is there).
+_DIM = {
     GroupKey.USER: "user_name",
     GroupKey.TEAM: "team",
     GroupKey.KEY: "key_name",
-    GroupKey.MODEL: "COALESCE(model, requested_model)",
+    GroupKey.MODEL: "model",
     GroupKey.UPSTREAM: "upstream",
 }
+_DIM_EXPR = {d.name: d.expr for d in USAGE.dims}
+_TAGS = "tags"  # the rollup's column of the rows' tags (one, whichever keys a report names)
 
 _PG_BUCKET = {
     GroupKey.DAY: "to_char(started_at AT TIME ZONE {tz}, 'YYYY-MM-DD')",
     GroupKey.WEEK: "to_char(date_trunc('week', started_at AT TIME ZONE {tz}), 'YYYY-MM-DD')",
     GroupKey.MONTH: "to_char(started_at AT TIME ZONE {tz}, 'YYYY-MM')",
 }
-
-# The error classes are a closed set of identifiers (proxy.errors), safe to write inline.
-_REFUSED = ErrorClass.BUDGET_EXCEEDED.value
-_AGGREGATES = (
-    "count(*)",
-    f"sum(CASE WHEN error_class = '{_REFUSED}' THEN 1 ELSE 0 END)",
-    f"sum(CASE WHEN error_class NOT IN ('{ErrorClass.NONE.value}', '{_REFUSED}') "
-    "THEN 1 ELSE 0 END)",
-    "sum(input_tokens)",
-    "sum(cached_input_tokens)",
-    "sum(output_tokens)",
-    "sum(reasoning_tokens)",
-    "sum(cost_nanousd)",
-    "count(*) - count(cost_nanousd)",
-    # An operation name of ours (a closed set), safe inline: the rows of the Messages API,
-    # whose cached input is Anthropic's cache reads (tokenmeter_tokens_total's
-    # cache_read_input).
-    f"sum(CASE WHEN operation = '{MessagesTranslator.operation}' THEN cached_input_tokens "
-    "ELSE 0 END)",
-    "sum(cache_creation_input_tokens)",
-    # The response cache: hits (a value of ours, a closed set, safe inline) and what they
-    # saved; NULL saved costs (no price) are left out of the sum.
-    f"sum(CASE WHEN cache = '{CACHE_HIT}' THEN 1 ELSE 0 END)",
-    "sum(saved_input_tokens)",
-    "sum(saved_output_tokens)",
-    "sum(saved_cost_nanousd)",
-)
-
 
 def parse_by(text: str) -> tuple[Group, ...]:
     """`user,model,day,tag:feature` -> the group keys, in that order; ValueError names what
@@ -279,12 +258,12 @@ def labels(moment: float, tz: ZoneInfo, keys: Iterable[GroupKey]) -> tuple[str, 
 
 
 async def build_report(reader: LedgerReader, by: Sequence[Group], period: Period) -> Report:
+    """One statement (one snapshot): the rollup's whole hours and the rows of the rest."""
     plain = [k for k in by if not k.is_time]
     timed = [k for k in by if isinstance(k, GroupKey) and k.is_time]
+    plan = await _plan(reader, period, timed)
     q = reader.sql()
-    where = _where(q, period)
-    select = [_COLUMN[k] if isinstance(k, GroupKey) else k.column(reader.dialect)
-              for k in plain]
+    select = [_DIM[k] if isinstance(k, GroupKey) else k.column(reader.dialect) for k in plain]
     if timed and reader.dialect is Dialect.POSTGRESQL:
         tz = q.p(period.tz.key)
         select += [_PG_BUCKET[k].format(tz=tz) for k in timed]
@@ -292,7 +271,11 @@ async def build_report(reader: LedgerReader, by: Sequence[Group], period: Period
         reader.define(_BUCKET_FN, _bucket_namer(period.tz, timed))
         select.append(f"{_BUCKET_FN}(started_at)")
     groups = ", ".join(str(i + 1) for i in range(len(select)))
-    text = (f"SELECT {', '.join([*select, *_AGGREGATES])} FROM {TABLE}{where}"
+    sums = [f"sum({m.name})" for m in USAGE.measures]
+    dims = [_DIM[k] for k in plain if isinstance(k, GroupKey)]
+    dims += [_TAGS] if any(isinstance(k, TagGroup) for k in plain) else []
+    dims += ["started_at"] if timed else []
+    text = (f"SELECT {', '.join([*select, *sums])} FROM ({_branches(q, plan, dims)}) u"
             + (f" GROUP BY {groups}" if groups else ""))
     n = len(select)
     sqlite_timed = bool(timed) and reader.dialect is Dialect.SQLITE
@@ -310,6 +293,162 @@ async def build_report(reader: LedgerReader, by: Sequence[Group], period: Period
         key=lambda item: tuple((v is None, v or "") for v in item[0]),
     )
     return Report(tuple(by), period, tuple(rows))
+
+
+Span = tuple[float | None, float | None]  # [start, end) in epoch seconds; None: open
+
+
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """A rollup's rows over `span` (or, when `days` are given, over those UTC days) but for
+    those starting at `skip`."""
+
+    rollup: Rollup
+    span: Span
+    skip: tuple[float, ...] = ()
+    days: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What a report reads: rollups (`reads`, disjoint), the rows of the hours in `cut` (a
+    bucket's boundary falls inside them), and the rows over the spans in `raw` (the edges of
+    the period that are not whole hours). Together: the period, each row once."""
+
+    reads: tuple[_Read, ...]
+    cut: tuple[float, ...]
+    raw: tuple[Span, ...]
+
+
+def _ceil(t: float, grain: int) -> float:
+    return float(-(-t // grain) * grain)
+
+
+def _floor(t: float, grain: int) -> float:
+    return float(t // grain * grain)
+
+
+async def _plan(reader: LedgerReader, period: Period, timed: Sequence[GroupKey]) -> _Plan:
+    """Whole UTC days from the day rollup, unless a bucket's boundary (a local midnight, for a
+    report grouped by day, week or month) falls inside one; the hours of those days and of the
+    period's partial days from the hour rollup, unless a boundary falls inside the hour
+    (offsets that are not whole hours); what is left from the rows."""
+    start = None if period.start is None else period.start.timestamp()
+    end = None if period.end is None else period.end.timestamp()
+    if not await rollups_ready(reader):
+        return _Plan((), (), ((start, end),))
+    lo = None if start is None else _ceil(start, HOUR_S)
+    hi = None if end is None else _floor(end, HOUR_S)
+    if lo is not None and hi is not None and lo >= hi:
+        return _Plan((), (), ((start, end),))  # within an hour or two: the rows
+    raw: list[Span] = []
+    if start is not None and lo != start:
+        raw.append((start, lo))
+    if end is not None and hi != end:
+        raw.append((hi, end))
+    # Where the rollup has rows, for the zone's arithmetic (the statement itself keeps the
+    # period's open ends; an open end reaches past now, for the rows landing meanwhile).
+    # (Two subqueries: SQLite finds a lone min or max in the index, not both at once.)
+    ((low, high),) = await reader.fetch(
+        f"SELECT (SELECT min(started_at) FROM {USAGE.table}), "
+        f"(SELECT max(started_at) FROM {USAGE.table})")
+    if low is None:
+        return _Plan((_Read(USAGE, (lo, hi)),), (), tuple(raw))
+    first = _epoch(low) if lo is None else max(lo, _epoch(low))
+    last = (max(_epoch(high), time.time()) + HOUR_S if hi is None
+            else min(hi, _epoch(high) + HOUR_S))
+    cut_days, cut = _cuts(period.tz, timed, first, last) if timed else ((), ())
+    if len(cut_days) + len(cut) > MAX_CUT:
+        return _Plan((), (), ((start, end),))
+    day_lo = None if lo is None else _ceil(lo, DAY_S)
+    day_hi = None if hi is None else _floor(hi, DAY_S)
+    if day_lo is not None and day_hi is not None and day_lo >= day_hi:
+        return _Plan((_Read(USAGE, (lo, hi), cut),), cut, tuple(raw))
+    inside = tuple(d for d in cut_days if (day_lo is None or d >= day_lo)
+                   and (day_hi is None or d < day_hi))
+    reads = [_Read(USAGE_DAILY, (day_lo, day_hi), inside)]
+    if inside:
+        reads.append(_Read(USAGE, (None, None), cut, inside))
+    if lo is not None and lo != day_lo:
+        reads.append(_Read(USAGE, (lo, day_lo), cut))
+    if hi is not None and hi != day_hi:
+        reads.append(_Read(USAGE, (day_hi, hi), cut))
+    return _Plan(tuple(reads), cut, tuple(raw))
+
+
+def _epoch(value: object) -> float:
+    return value.timestamp() if isinstance(value, datetime) else float(as_int(value))
+
+
+def _cuts(tz: ZoneInfo, timed: Sequence[GroupKey], first: float, last: float
+          ) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Over [first, last): the UTC days a bucket's boundary falls inside (not at their start),
+    and within those the hours it does. Buckets change only at local midnights, so a day (an
+    hour) whose first and last seconds are in one bucket lies in it whole."""
+    days: list[float] = []
+    hours: list[float] = []
+    day = first - first % DAY_S
+    while day < last:
+        if labels(day, tz, timed) != labels(day + DAY_S - 1, tz, timed):
+            days.append(day)
+            for h in range(int(max(day, first)), int(min(day + DAY_S, last)), HOUR_S):
+                if labels(h, tz, timed) != labels(h + HOUR_S - 1, tz, timed):
+                    hours.append(float(h))
+        day += DAY_S
+    return tuple(days), tuple(hours)
+
+
+def _raw_cols(dims: Sequence[str]) -> str:
+    return ", ".join([*(f"{_DIM_EXPR.get(d, d)} AS {d}" for d in dims),
+                      *(f"{m.expr} AS {m.name}" for m in USAGE.measures)])
+
+
+def _branches(q: Sql, plan: _Plan, dims: Sequence[str]) -> str:
+    """The rollups' rows and the ledger's, one shape (`dims`, then the measures): UNION ALL.
+    Written in the text's order, as SQLite's placeholders are positional."""
+    out = []
+    pg = q.dialect is Dialect.POSTGRESQL
+    for read in plan.reads:
+        cols = ", ".join([*dims, *(m.name for m in read.rollup.measures)])
+        source = read.rollup.table
+        if read.days:  # one index range per day
+            source = (f"{_instants(q, read.days)} JOIN {source} ON started_at >= c.column1 "
+                      f"AND started_at < c.column1 + {_step(DAY_S, pg)}")
+        cond = _span_cond(q, read.span)
+        if read.skip:
+            cond.append(f"started_at NOT IN ({', '.join(q.ts(h) for h in read.skip)})")
+        where = " WHERE " + " AND ".join(cond) if cond else ""
+        out.append(f"SELECT {cols} FROM {source}{where}")
+    if plan.raw:
+        spans = [" AND ".join(c) for c in (_span_cond(q, s) for s in plan.raw)]
+        where = (" WHERE " + " OR ".join(f"({c})" for c in spans)) if all(spans) else ""
+        out.append(f"SELECT {_raw_cols(dims)} FROM {TABLE}{where}")
+    if plan.cut:
+        # One index range per hour (a join with the list: an OR of hundreds of ranges is
+        # deeper than SQLite's expression limit).
+        out.append(f"SELECT {_raw_cols(dims)} FROM {_instants(q, plan.cut)} JOIN {TABLE} "
+                   f"ON started_at >= c.column1 AND started_at < c.column1 + "
+                   f"{_step(HOUR_S, pg)}")
+    return " UNION ALL ".join(out)
+
+
+def _instants(q: Sql, moments: Sequence[float]) -> str:
+    """A one-column table `c` of instants (`c.column1`, in both dialects)."""
+    cast = "::timestamptz" if q.dialect is Dialect.POSTGRESQL else ""
+    return f"(VALUES {', '.join(f'({q.ts(m)}{cast})' for m in moments)}) AS c"
+
+
+def _step(seconds: int, pg: bool) -> str:
+    return f"interval '{seconds} seconds'" if pg else str(seconds)
+
+
+def _span_cond(q: Sql, span: Span) -> list[str]:
+    cond = []
+    if span[0] is not None:
+        cond.append(f"started_at >= {q.ts(span[0])}")
+    if span[1] is not None:
+        cond.append(f"started_at < {q.ts(span[1])}")
+    return cond
 
 
 _BUCKET_FN = "tm_bucket"
@@ -331,15 +470,6 @@ def _bucket_namer(tz: ZoneInfo, timed: Sequence[GroupKey]) -> Callable[[float], 
         return found if found is not None else "|".join(labels(moment, tz, timed))
 
     return name
-
-
-def _where(q: Sql, period: Period) -> str:
-    cond = []
-    if period.start is not None:
-        cond.append(f"started_at >= {q.ts(period.start.timestamp())}")
-    if period.end is not None:
-        cond.append(f"started_at < {q.ts(period.end.timestamp())}")
-    return " WHERE " + " AND ".join(cond) if cond else ""
 
 
 # --- output ---------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ the generated `cost_usd`; columns added by later migrations come after it), so r
 dashboards read one shape. Timestamps are
 `timestamptz` in PostgreSQL and epoch seconds (REAL) in SQLite, which has no time type.
 A migration is only ever appended; `tokenmeter_schema` holds the version a database is at.
+Beside the table, the rollups (`proxy.ledger.rollup`): built by a migration with `rollups=True`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ class Migration:
     version: int
     postgresql: tuple[str, ...]
     sqlite: tuple[str, ...]
+    # Rebuild every rollup from the rows once this migration's statements ran (and those of
+    # any later one being applied with it): the rollups' lists changed (`proxy.ledger.rollup`).
+    rollups: bool = False
 
 
 _PG_V1 = f"""
@@ -134,6 +138,12 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(2, _V2_PG, _V2_SQLITE),
     Migration(3, _V3_PG, _V3_SQLITE),
     Migration(4, _TAGS_PG, _TAGS_SQLITE),
+    # v5: the rollups (proxy.ledger.rollup), built from the rows already stored; their lists
+    # name v3's cache columns and v4's tags.
+    Migration(5, (), (), rollups=True),
 )
 
 VERSION = MIGRATIONS[-1].version
+# The version whose migration last rebuilt the rollups: a database below it has none, or
+# rollups of other lists, and is read from its rows alone.
+ROLLUP_VERSION = max(m.version for m in MIGRATIONS if m.rollups)

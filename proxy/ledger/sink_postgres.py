@@ -7,6 +7,10 @@ with no SQL text built per row. A batch is one transaction: COPY into a temporar
 CONFLICT (request_id) DO NOTHING` into the ledger, so a row shipped twice (a crash between the
 commit and the spool's cursor write) is stored once. COPY alone cannot skip conflicts, and
 row-by-row INSERTs are the write path that becomes a bottleneck.
+
+The rollups (`proxy.ledger.rollup`) are kept by the same statement, from the rows the INSERT
+returns (those it actually inserted: a row already stored is not returned, so not counted
+again). Retention subtracts the rows its DELETE returns, also in one statement.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import asyncpg
 
+from proxy.ledger import rollup
 from proxy.ledger.migrate import migrate_postgres
 from proxy.ledger.row import COLUMNS, storable
 from proxy.ledger.schema import TABLE
@@ -34,12 +39,25 @@ _STAGE = "tokenmeter_stage"
 _COLS = ", ".join(COLUMNS)
 _CREATE_STAGE = (f"CREATE TEMP TABLE IF NOT EXISTS {_STAGE} ON COMMIT DELETE ROWS AS "
                  f"SELECT {_COLS} FROM {TABLE} WITH NO DATA")
-_MOVE = (f"INSERT INTO {TABLE} ({_COLS}) SELECT {_COLS} FROM {_STAGE} "
-         "ON CONFLICT (request_id) DO NOTHING")
+
+
+def _with_rollups(change: str, sign: int) -> str:
+    """`change` (an INSERT or DELETE ... RETURNING *) with every rollup kept from the rows it
+    returns (data-modifying CTEs all run, once); the statement's value is their count."""
+    parts = [f"changed AS ({change} RETURNING *)"]
+    for i, r in enumerate(rollup.ROLLUPS):
+        summed = rollup.aggregate(r, "changed", "true", sign=sign, postgresql=True)
+        parts.append(f"r{i} AS ({rollup.upsert(r, summed, postgresql=True)})")
+    return f"WITH {', '.join(parts)} SELECT count(*) FROM changed"
+
+
+_MOVE = _with_rollups(f"INSERT INTO {TABLE} ({_COLS}) SELECT {_COLS} FROM {_STAGE} "
+                      "ON CONFLICT (request_id) DO NOTHING", 1)
 # A slice of old rows by their physical address (ctid): the subselect walks the started_at
 # index, the delete is a TID scan, and the transaction holds row locks on `limit` rows only.
-_PRUNE = (f"DELETE FROM {TABLE} WHERE ctid = ANY(ARRAY("
-          f"SELECT ctid FROM {TABLE} WHERE started_at < $1 LIMIT $2))")
+_PRUNE = _with_rollups(f"DELETE FROM {TABLE} WHERE ctid = ANY(ARRAY("
+                       f"SELECT ctid FROM {TABLE} WHERE started_at < $1 LIMIT $2))", -1)
+_DROP_EMPTY = tuple(rollup.drop_empty(r) for r in rollup.ROLLUPS)
 # One replica prunes at a time (the others skip that round): "tokenprn" in ASCII.
 PG_PRUNE_LOCK = 0x746F6B656E70726E
 _STARTED = COLUMNS.index("started_at")
@@ -104,16 +122,20 @@ class PostgresSink:
         conn = self._require()
         async with conn.transaction():
             await conn.copy_records_to_table(_STAGE, records=records, columns=COLUMNS)
-            status = await conn.execute(_MOVE)
-        return int(status.rsplit(" ", 1)[1])  # "INSERT 0 <rows>"
+            inserted: int = await conn.fetchval(_MOVE)
+        return inserted
 
     async def prune(self, cutoff: float, limit: int) -> int:
         conn = self._require()
         async with conn.transaction():
             if not await conn.fetchval("SELECT pg_try_advisory_xact_lock($1)", PG_PRUNE_LOCK):
                 return 0  # another replica is pruning
-            status = await conn.execute(_PRUNE, datetime.fromtimestamp(cutoff, UTC), limit)
-        return int(status.rsplit(" ", 1)[1])  # "DELETE <rows>"
+            deleted: int = await conn.fetchval(_PRUNE, datetime.fromtimestamp(cutoff, UTC),
+                                               limit)
+            if deleted:
+                for statement in _DROP_EMPTY:
+                    await conn.execute(statement)
+        return deleted
 
     async def ping(self) -> None:
         await self._require().fetchval("SELECT 1")

@@ -10,6 +10,12 @@ scope too).
 Rows are inserted with `ON CONFLICT (request_id) DO NOTHING` rather than `INSERT OR IGNORE`:
 both store a re-shipped row once, but OR IGNORE would also silently skip a row that breaks a
 NOT NULL constraint, which must be loud instead.
+
+The rollups (`proxy.ledger.rollup`) are kept in the batch's transaction, from the rows it
+actually inserted: those past the table's largest rowid before the batch (SQLite gives a new
+row the largest rowid plus one; the write lock is ours from `BEGIN IMMEDIATE`). A row already
+stored is not inserted again, so it is not counted again. Retention subtracts the rows it
+deletes from the rollups in the same transaction.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+from proxy.ledger import rollup
 from proxy.ledger.migrate import migrate_sqlite
 from proxy.ledger.row import COLUMNS, storable
 from proxy.ledger.schema import TABLE
@@ -29,8 +36,18 @@ T = TypeVar("T")
 
 _INSERT = (f"INSERT INTO {TABLE} ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))}) "
            "ON CONFLICT (request_id) DO NOTHING")
-_PRUNE = (f"DELETE FROM {TABLE} WHERE rowid IN "
-          f"(SELECT rowid FROM {TABLE} WHERE started_at < ? LIMIT ?)")
+_NEWEST = f"SELECT coalesce(max(rowid), 0) FROM {TABLE}"
+_ROLL_NEW = tuple(rollup.upsert(r, rollup.aggregate(r, TABLE, "rowid > ?", postgresql=False),
+                                postgresql=False) for r in rollup.ROLLUPS)
+# Retention: the slice's rowids first, so the rows subtracted are the rows deleted.
+_DOOMED = "tm_prune"
+_CREATE_DOOMED = f"CREATE TEMP TABLE IF NOT EXISTS {_DOOMED} (id INTEGER PRIMARY KEY)"
+_PICK = (f"INSERT INTO {_DOOMED} (id) SELECT rowid FROM {TABLE} WHERE started_at < ? LIMIT ?")
+_IN_DOOMED = f"rowid IN (SELECT id FROM {_DOOMED})"
+_ROLL_OUT = tuple(rollup.upsert(r, rollup.aggregate(r, TABLE, _IN_DOOMED, postgresql=False,
+                                                    sign=-1), postgresql=False)
+                  for r in rollup.ROLLUPS)
+_PRUNE = f"DELETE FROM {TABLE} WHERE {_IN_DOOMED}"
 BUSY_TIMEOUT_MS = 10_000  # a report holding the file briefly is waited for, not an error
 
 
@@ -85,22 +102,43 @@ class SqliteSink:
 
     def _write(self, records: list[tuple[Any, ...]]) -> int:
         conn = self._require()
-        before = conn.total_changes
         conn.execute("BEGIN IMMEDIATE")
         try:
+            (newest,) = conn.execute(_NEWEST).fetchone()
+            before = conn.total_changes
             conn.executemany(_INSERT, records)
+            inserted = conn.total_changes - before
+            if inserted:
+                for statement in _ROLL_NEW:
+                    conn.execute(statement, (newest,))
             conn.execute("COMMIT")
         except BaseException:
             conn.execute("ROLLBACK")
             raise
-        return conn.total_changes - before
+        return inserted
 
     async def prune(self, cutoff: float, limit: int) -> int:
         return await self._run(lambda: self._prune(cutoff, limit))
 
     def _prune(self, cutoff: float, limit: int) -> int:
-        # One short transaction per slice (autocommit): writers wait at most one slice.
-        return self._require().execute(_PRUNE, (cutoff, limit)).rowcount
+        # One short transaction per slice: writers wait at most one slice.
+        conn = self._require()
+        conn.execute(_CREATE_DOOMED)
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            conn.execute(_PICK, (cutoff, limit))
+            for statement in _ROLL_OUT:
+                conn.execute(statement)
+            deleted = conn.execute(_PRUNE).rowcount
+            if deleted:
+                for r in rollup.ROLLUPS:
+                    conn.execute(rollup.drop_empty(r))
+            conn.execute(f"DELETE FROM {_DOOMED}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        return deleted
 
     async def ping(self) -> None:
         pass  # a file: nothing goes away between writes that the next write would not see

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sqlite3
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from contextlib import closing
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
@@ -35,16 +33,15 @@ from proxy.cli import main
 from proxy.config.ledger import LedgerConfig
 from proxy.config.load import Config
 from proxy.cost import CostLines, price_for
-from proxy.ledger.migrate import migrate_sqlite
 from proxy.ledger.query import LedgerReader, LedgerUnavailable, Location, locate, open_reader
 from proxy.ledger.reconcile import Reconciliation, Verdict, reconcile
-from proxy.ledger.row import COLUMNS, LedgerRow
+from proxy.ledger.row import LedgerRow
 from proxy.ledger.schema import TABLE
 from proxy.pipeline import services as st
 from proxy.protocol.usage import Usage
 from proxy.server.app import create_app
 from proxy.telemetry.metrics import Metrics
-from tests.books import write_postgres
+from tests.books import write_postgres, write_sqlite
 from tests.helpers import (
     ALICE_KEY,
     BOB_KEY,
@@ -99,15 +96,8 @@ class Books:
 
     async def write(self, rows: Sequence[LedgerRow]) -> None:
         if self.url.startswith("sqlite"):
-            path = self.url.removeprefix("sqlite://")
-            with closing(sqlite3.connect(path, isolation_level=None)) as fresh:
-                migrate_sqlite(fresh)
-            with sqlite3.connect(path) as db:
-                marks = ", ".join("?" * len(COLUMNS))
-                db.executemany(
-                    f"INSERT INTO {TABLE} ({', '.join(COLUMNS)}) VALUES ({marks})",
-                    [tuple(getattr(r, c) for c in COLUMNS) for r in rows])
-            db.close()
+            await asyncio.to_thread(write_sqlite, Path(self.url.removeprefix("sqlite://")),
+                                    rows)
             return
         await write_postgres(self.url, rows)
 

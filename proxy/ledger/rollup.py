@@ -1,0 +1,213 @@
+"""Rollups: the ledger's rows summed per UTC hour and per the dimensions reports group by, kept
+in the same transaction as the rows they sum, so `tokenmeter usage` and `reconcile` read a few
+thousand rollup rows instead of millions of ledger rows.
+
+Why UTC hours (and days). A report's days, weeks and months are those of its time zone, so
+rollups keyed by UTC day could serve only UTC reports; an hour serves every zone whose offset
+is a whole number of hours (all but a few; those still get exact answers: an hour a local
+midnight cuts is read from the rows, see `proxy.ledger.report`). A year is 8,760 hours times
+the groups active in each, which for a busy team is millions of rollup rows again: so the same
+sums are kept per UTC day too, which serve a report grouped by no time or by UTC days over
+whole days (the hours serve its edges, the rows what is left of a partial hour).
+
+Exact and idempotent. Each rollup is maintained from the rows a batch actually inserted (a
+row shipped twice is inserted once: `ON CONFLICT (request_id) DO NOTHING`), in the batch's own
+transaction, so a rollup always equals its rows' sums: a rolled-back batch changes neither.
+Retention subtracts what it deletes, in the same transaction: the rollup follows the rows.
+
+Extending. A new measure or dimension is one more entry in `USAGE` (or `WINDOWS`), a column
+in `Totals` for a report to show it, and a migration with `rollups=True` (which rebuilds every
+rollup from the rows after the migration's own statements: an upgraded database is exact).
+Every statement here is generated from these lists.
+
+Statements are built for one dialect each. SQL common to both is used wherever it exists; the
+hour is `date_trunc('hour', t, 'UTC')` in PostgreSQL (a timestamptz, like the rows') and the
+epoch second the hour starts at in SQLite (an integer: `CAST` truncates a positive REAL, and an
+integer hour compares exactly with the REAL `started_at`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proxy.errors import ErrorClass
+from proxy.protocol.translators import MessagesTranslator
+from proxy.telemetry.metrics import CACHE_HIT
+
+HOUR_S = 3600
+DAY_S = 86400
+
+
+@dataclass(frozen=True, slots=True)
+class Dim:
+    """A column a rollup groups by: `expr` over a ledger row (SQL of both dialects)."""
+
+    name: str
+    expr: str
+    nullable: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Measure:
+    """A sum a rollup keeps: `expr` is the row's part of it (SQL of both dialects)."""
+
+    name: str
+    expr: str
+
+
+@dataclass(frozen=True, slots=True)
+class Rollup:
+    table: str
+    # Time columns of the ledger row, each kept as the start of its UTC hour (or day: `grain`)
+    # under the same name.
+    times: tuple[str, ...]
+    dims: tuple[Dim, ...]
+    measures: tuple[Measure, ...]
+    grain: int = HOUR_S
+
+    @property
+    def key(self) -> tuple[str, ...]:
+        return (*self.times, *(d.name for d in self.dims))
+
+
+_REFUSED = ErrorClass.BUDGET_EXCEEDED.value
+
+# `tokenmeter usage`: in `proxy.ledger.report.Totals`' order (a report reads them as its
+# aggregates, from the rows or from the rollup alike).
+USAGE = Rollup(
+    table="tokenmeter_rollup_hour",
+    times=("started_at",),
+    dims=(
+        Dim("user_name", "user_name", nullable=False),
+        Dim("key_name", "key_name", nullable=True),
+        Dim("team", "team", nullable=True),
+        # The model sent upstream; the one asked for when none was.
+        Dim("model", "COALESCE(model, requested_model)", nullable=False),
+        Dim("upstream", "upstream", nullable=True),
+        # The rows' tags as they are (a JSON object's text, keys sorted: one text per set of
+        # tags), so `--by tag:KEY` reads a key from the rollup as from the rows. A tag with
+        # free values (`proxy.config.tags`) makes as many rollup rows as values per hour.
+        Dim("tags", "tags", nullable=False),
+    ),
+    measures=(
+        Measure("requests", "1"),
+        # The error classes are a closed set of identifiers (proxy.errors), safe inline.
+        Measure("refused", f"CASE WHEN error_class = '{_REFUSED}' THEN 1 ELSE 0 END"),
+        Measure("failed", f"CASE WHEN error_class NOT IN ('{ErrorClass.NONE.value}', "
+                          f"'{_REFUSED}') THEN 1 ELSE 0 END"),
+        Measure("input_tokens", "input_tokens"),
+        Measure("cached_input_tokens", "cached_input_tokens"),
+        Measure("output_tokens", "output_tokens"),
+        Measure("reasoning_tokens", "reasoning_tokens"),
+        Measure("cost_nanousd", "COALESCE(cost_nanousd, 0)"),
+        Measure("unpriced", "CASE WHEN cost_nanousd IS NULL THEN 1 ELSE 0 END"),
+        # An operation name of ours (a closed set), safe inline: the Messages API's cached
+        # input is Anthropic's cache reads (tokenmeter_tokens_total's cache_read_input).
+        Measure("cache_read_input_tokens",
+                f"CASE WHEN operation = '{MessagesTranslator.operation}' "
+                "THEN cached_input_tokens ELSE 0 END"),
+        Measure("cache_creation_input_tokens", "cache_creation_input_tokens"),
+        # The response cache: hits (a value of ours, a closed set, safe inline) and what they
+        # saved; a NULL saved cost (no price) adds nothing.
+        Measure("hits", f"CASE WHEN cache = '{CACHE_HIT}' THEN 1 ELSE 0 END"),
+        Measure("saved_input_tokens", "saved_input_tokens"),
+        Measure("saved_output_tokens", "saved_output_tokens"),
+        Measure("saved_cost_nanousd", "COALESCE(saved_cost_nanousd, 0)"),
+    ),
+)
+
+# The same per UTC day: 24 times fewer rows for a report over months or years that groups by
+# no time or by UTC days (the hours, then the rows, serve the edges and other zones).
+USAGE_DAILY = Rollup(table="tokenmeter_rollup_day", times=USAGE.times, dims=USAGE.dims,
+                     measures=USAGE.measures, grain=DAY_S)
+
+# `reconcile`: the budget windows each row charged, by the hour it ended and the hour it
+# started (a window takes the rows that started before its end and ended after its start).
+WINDOWS = Rollup(
+    table="tokenmeter_rollup_windows",
+    times=("ended_at", "started_at"),
+    dims=(
+        Dim("user_name", "user_name", nullable=False),
+        Dim("team", "team", nullable=True),
+        Dim("windows", "windows", nullable=False),
+    ),
+    # What the windows were charged: a response-cache hit charged in full (`cache.charge_hits:
+    # full`; one charged nothing names no window) used no tokens of its own and was charged
+    # what it saved (its `saved_*` columns); every other row saved nothing (0, NULL).
+    measures=(
+        Measure("requests", "1"),
+        Measure("input_tokens", "input_tokens + saved_input_tokens"),
+        Measure("output_tokens", "output_tokens + saved_output_tokens"),
+        Measure("cost_nanousd", "COALESCE(cost_nanousd, 0) + COALESCE(saved_cost_nanousd, 0)"),
+    ),
+)
+
+ROLLUPS = (USAGE, USAGE_DAILY, WINDOWS)
+
+
+def truncated(column: str, grain: int, *, postgresql: bool) -> str:
+    """The start of the UTC hour or day `column` is in."""
+    if postgresql:
+        return f"date_trunc('{'day' if grain == DAY_S else 'hour'}', {column}, 'UTC')"
+    return f"(CAST({column} AS INTEGER) / {grain}) * {grain}"
+
+
+def _conflict_target(r: Rollup, postgresql: bool) -> str:
+    if postgresql:  # the unique constraint takes NULLs as equal (NULLS NOT DISTINCT)
+        return ", ".join(r.key)
+    # SQLite's unique indexes take NULLs as distinct: a NULL is indexed as an empty blob,
+    # which no text value equals (the ledger's text columns hold text only).
+    return ", ".join([*r.times, *(f"ifnull({d.name}, x'')" if d.nullable else d.name
+                                  for d in r.dims)])
+
+
+def create(r: Rollup, *, postgresql: bool) -> tuple[str, ...]:
+    ts = "timestamptz" if postgresql else "INTEGER"
+    text = "text" if postgresql else "TEXT"
+    num = "bigint" if postgresql else "INTEGER"
+    cols = [*(f"{t} {ts} NOT NULL" for t in r.times),
+            *(f"{d.name} {text}{'' if d.nullable else ' NOT NULL'}" for d in r.dims),
+            *(f"{m.name} {num} NOT NULL" for m in r.measures)]
+    if postgresql:
+        cols.append(f"UNIQUE NULLS NOT DISTINCT ({', '.join(r.key)})")
+    out = [f"CREATE TABLE {r.table} ({', '.join(cols)})"]
+    if not postgresql:
+        out.append(f"CREATE UNIQUE INDEX {r.table}_key ON {r.table} "
+                   f"({_conflict_target(r, postgresql)})")
+    return tuple(out)
+
+
+def aggregate(r: Rollup, source: str, where: str, *, postgresql: bool, sign: int = 1) -> str:
+    """The rows of `source` matching `where`, summed as `r` keeps them (times sign: -1 takes
+    them back out). Ordered by the key, so concurrent writers lock rollup rows in one order
+    (two replicas' batches never deadlock on them)."""
+    neg = "-" if sign < 0 else ""
+    cols = [*(truncated(t, r.grain, postgresql=postgresql) for t in r.times),
+            *(d.expr for d in r.dims),
+            *(f"{neg}sum({m.expr})" for m in r.measures)]
+    n = ", ".join(str(i + 1) for i in range(len(r.key)))
+    return f"SELECT {', '.join(cols)} FROM {source} WHERE {where} GROUP BY {n} ORDER BY {n}"
+
+
+def upsert(r: Rollup, select: str, *, postgresql: bool) -> str:
+    """Add `select`'s sums (rows of `aggregate`) into the rollup."""
+    cols = ", ".join([*r.key, *(m.name for m in r.measures)])
+    sets = ", ".join(f"{m.name} = {r.table}.{m.name} + excluded.{m.name}" for m in r.measures)
+    return (f"INSERT INTO {r.table} ({cols}) {select} "
+            f"ON CONFLICT ({_conflict_target(r, postgresql)}) DO UPDATE SET {sets}")
+
+
+def rebuild(table: str, *, postgresql: bool) -> tuple[str, ...]:
+    """Every rollup made again from the rows of `table` (a migration's backfill)."""
+    out: list[str] = []
+    for r in ROLLUPS:
+        out.append(f"DROP TABLE IF EXISTS {r.table}")
+        out.extend(create(r, postgresql=postgresql))
+        out.append(upsert(r, aggregate(r, table, "true", postgresql=postgresql),
+                          postgresql=postgresql))
+    return tuple(out)
+
+
+def drop_empty(r: Rollup) -> str:
+    """Rollup rows retention emptied (every measure back to 0)."""
+    return f"DELETE FROM {r.table} WHERE requests = 0"

@@ -1,0 +1,325 @@
+"""The rollups (proxy.ledger.rollup) against the rows they sum, on an SQLite file and on the
+machine's PostgreSQL: after random loads shipped through the proxy's own sinks (duplicates in a
+batch, whole batches replayed, batches rolled back by a row the database refuses, retention
+slices, a database migrated from the schema before rollups with rows in it), every rollup
+equals the sums of the stored rows, and `usage` over random periods (starting and ending
+mid-day, in zones whose midnights are and are not whole UTC hours) equals the sums a plain
+Python loop makes of the rows that should be stored: response-cache hits' saved columns and
+tags (`--by tag:KEY`) included."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import sqlite3
+import tempfile
+import uuid
+from collections.abc import Iterator, Sequence
+from datetime import UTC, datetime
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+from zoneinfo import ZoneInfo
+
+import asyncpg
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from proxy.config.ledger import LedgerConfig
+from proxy.ledger import rollup
+from proxy.ledger.query import locate, open_reader
+from proxy.ledger.report import Group, GroupKey, Period, TagGroup, Totals, build_report, labels
+from proxy.ledger.row import COLUMNS, LedgerRow
+from proxy.ledger.schema import MIGRATIONS, SCHEMA_TABLE, TABLE
+from proxy.ledger.sink_postgres import PostgresSink
+from proxy.ledger.sink_sqlite import SqliteSink
+from tests.books import ledger_row, pg_admin
+
+T0 = datetime(2026, 3, 27, tzinfo=UTC).timestamp()  # Berlin's clocks change on the 29th
+SPAN_S = 4 * 86400
+ZONES = ("UTC", "Europe/Berlin", "Asia/Kathmandu")
+GROUPINGS: tuple[tuple[Group, ...], ...] = (
+    (GroupKey.USER,), (GroupKey.MODEL, GroupKey.DAY),
+    (GroupKey.TEAM, GroupKey.KEY, GroupKey.UPSTREAM), (GroupKey.WEEK,), (),
+    (TagGroup("feature"),), (GroupKey.USER, TagGroup("env"), GroupKey.DAY, TagGroup("feature")))
+# The tags column as the proxy writes it (keys sorted; '{}' for none).
+_TAGS = ("{}", '{"feature":"faq"}', '{"env":"prod","feature":"chat"}', '{"env":"dev"}')
+
+
+@pytest.fixture(scope="module")
+def module_pg() -> Iterator[str]:
+    name = f"tm_rollups_{uuid.uuid4().hex[:12]}"
+    asyncio.run(pg_admin(f'CREATE DATABASE "{name}"'))
+    yield f"postgresql://postgres@127.0.0.1:5432/{name}"
+    asyncio.run(pg_admin(f'DROP DATABASE "{name}" WITH (FORCE)'))
+
+
+# --- the load -------------------------------------------------------------------------------
+
+_names = st.sampled_from(["alice", "bob", "carol"])
+_opt = st.one_of(st.none(), st.sampled_from(["a", "b"]))
+_moment = st.one_of(
+    st.floats(0, SPAN_S, allow_nan=False),
+    st.integers(0, SPAN_S // 1800).map(lambda k: k * 1800.0),  # exactly on hours, half hours
+    # Around local midnights: Berlin's (22:00, 23:00 UTC) and Kathmandu's (18:15 UTC).
+    st.builds(lambda d, h, s: d * 86400.0 + h * 3600 + s, st.integers(0, 3),
+              st.sampled_from([17, 18, 21, 22, 23]), st.floats(0, 3600, allow_nan=False)),
+)
+
+
+@st.composite
+def _rows(draw: st.DrawFn) -> LedgerRow:
+    n = draw(st.integers(0, 10**9))
+    cache = draw(st.sampled_from(["none", "hit", "miss", "bypass"]))
+    # A hit spent nothing upstream and saved what the stored answer used; other rows saved
+    # nothing (the schema's defaults).
+    saved: dict[str, Any] = {} if cache != "hit" else {
+        "input_tokens": 0, "output_tokens": 0, "cached_input_tokens": 0,
+        "reasoning_tokens": 0, "cost_nanousd": 0,
+        "saved_input_tokens": draw(st.integers(0, 10**6)),
+        "saved_output_tokens": draw(st.integers(0, 10**6)),
+        "saved_cost_nanousd": draw(st.one_of(st.none(), st.integers(0, 10**12)))}
+    row = ledger_row(
+        f"r{n}", T0 + draw(_moment), user_name=draw(_names), key_name=draw(_opt),
+        team=draw(_opt), model=draw(st.one_of(st.none(), st.just("m1"))),
+        requested_model=draw(st.sampled_from(["m1", "m2"])), upstream=draw(_opt),
+        error_class=draw(st.sampled_from(["none", "budget_exceeded", "upstream_5xx"])),
+        operation=draw(st.sampled_from(["chat", "messages"])),
+        input_tokens=draw(st.integers(0, 10**6)), output_tokens=draw(st.integers(0, 10**6)),
+        cached_input_tokens=draw(st.integers(0, 1000)),
+        reasoning_tokens=draw(st.integers(0, 1000)),
+        cost_nanousd=draw(st.one_of(st.none(), st.integers(0, 10**12))),
+        cache_creation_input_tokens=draw(st.integers(0, 1000)),
+        windows=draw(st.sampled_from(["", "u:daily_tokens:20260327"])),
+        cache=cache, tags=draw(st.sampled_from(_TAGS)),
+    )
+    return row._replace(**saved)
+
+
+@st.composite
+def _loads(draw: st.DrawFn) -> dict[str, Any]:
+    rows = draw(st.lists(_rows(), min_size=5, max_size=40, unique_by=lambda r: r.request_id))
+    # A batch: rows by index (a row twice in a batch, again in later batches); some batches
+    # carry a row the database refuses, and roll back whole; some are followed by retention.
+    batches = draw(st.lists(st.tuples(
+        st.lists(st.integers(0, len(rows) - 1), min_size=1, max_size=15),
+        st.booleans(), st.one_of(st.none(), st.floats(0, SPAN_S))), max_size=6))
+    return {"rows": rows, "batches": batches, "before": draw(st.integers(0, len(rows))),
+            "periods": draw(st.lists(st.tuples(st.one_of(st.none(), _moment),
+                                               st.one_of(st.none(), _moment)),
+                                     min_size=1, max_size=2))}
+
+
+# --- the databases ----------------------------------------------------------------------------
+
+async def _old_database(url: str, rows: Sequence[LedgerRow]) -> None:
+    """A ledger at schema v2 (before rollups) holding `rows`, as an older proxy left it."""
+    older = [m for m in MIGRATIONS if not m.rollups and m.version < min(
+        m.version for m in MIGRATIONS if m.rollups)]
+    if url.startswith("sqlite"):
+        with sqlite3.connect(url.removeprefix("sqlite://")) as db:
+            db.execute(f"CREATE TABLE {SCHEMA_TABLE} (version INTEGER PRIMARY KEY, "
+                       "applied_at REAL NOT NULL)")
+            for m in older:
+                for statement in m.sqlite:
+                    db.execute(statement)
+                db.execute(f"INSERT INTO {SCHEMA_TABLE} VALUES (?, 0)", (m.version,))
+            db.executemany(f"INSERT INTO {TABLE} ({', '.join(COLUMNS)}) VALUES "
+                           f"({', '.join('?' * len(COLUMNS))})", [tuple(r) for r in rows])
+        return
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute(f"CREATE TABLE {SCHEMA_TABLE} (version integer PRIMARY KEY, "
+                           "applied_at timestamptz NOT NULL DEFAULT now())")
+        for m in older:
+            for statement in m.postgresql:
+                await conn.execute(statement)
+            await conn.execute(f"INSERT INTO {SCHEMA_TABLE} (version) VALUES ($1)", m.version)
+        await conn.copy_records_to_table(TABLE, records=[PostgresSink.prepare(list(r))
+                                                         for r in rows], columns=list(COLUMNS))
+    finally:
+        await conn.close()
+
+
+async def _fresh_pg(url: str) -> None:
+    conn = await asyncpg.connect(url)
+    try:
+        for table in (TABLE, SCHEMA_TABLE, *(r.table for r in rollup.ROLLUPS)):
+            await conn.execute(f"DROP TABLE IF EXISTS {table}")
+    finally:
+        await conn.close()
+
+
+async def _fetch(url: str, text: str) -> list[tuple[Any, ...]]:
+    if url.startswith("sqlite"):
+        with sqlite3.connect(url.removeprefix("sqlite://")) as db:
+            return [tuple(r) for r in db.execute(text).fetchall()]
+    conn = await asyncpg.connect(url)
+    try:
+        return [tuple(r) for r in await conn.fetch(text)]
+    finally:
+        await conn.close()
+
+
+def _plain(values: Sequence[Any]) -> tuple[Any, ...]:
+    return tuple(v.timestamp() if isinstance(v, datetime) else
+                 int(v) if isinstance(v, (Decimal, int)) and not isinstance(v, bool) else v
+                 for v in values)
+
+
+async def _rollups_match_rows(url: str) -> None:
+    """Every rollup is the sums of the stored rows (no more rollup rows, none missing)."""
+    pg = not url.startswith("sqlite")
+    for r in rollup.ROLLUPS:
+        cols = ", ".join([*r.key, *(m.name for m in r.measures)])
+        kept = sorted(map(_plain, await _fetch(url, f"SELECT {cols} FROM {r.table}")), key=repr)
+        summed = sorted(map(_plain, await _fetch(url, rollup.aggregate(
+            r, TABLE, "true", postgresql=pg))), key=repr)
+        assert kept == summed, r.table
+
+
+# --- the oracle -------------------------------------------------------------------------------
+
+def _totals(row: LedgerRow) -> Totals:
+    return Totals(
+        requests=1, refused=int(row.error_class == "budget_exceeded"),
+        failed=int(row.error_class not in ("none", "budget_exceeded")),
+        input_tokens=row.input_tokens, cached_input_tokens=row.cached_input_tokens,
+        output_tokens=row.output_tokens, reasoning_tokens=row.reasoning_tokens,
+        cost_nanousd=row.cost_nanousd or 0, unpriced=int(row.cost_nanousd is None),
+        cache_read_input_tokens=row.cached_input_tokens if row.operation == "messages" else 0,
+        cache_creation_input_tokens=row.cache_creation_input_tokens,
+        hits=int(row.cache == "hit"), saved_input_tokens=row.saved_input_tokens,
+        saved_output_tokens=row.saved_output_tokens,
+        saved_cost_nanousd=row.saved_cost_nanousd or 0)
+
+
+def _expected(rows: Sequence[LedgerRow], by: Sequence[Group], period: Period
+              ) -> dict[tuple[str | None, ...], Totals]:
+    out: dict[tuple[str | None, ...], Totals] = {}
+    start = None if period.start is None else period.start.timestamp()
+    end = None if period.end is None else period.end.timestamp()
+    for row in rows:
+        if (start is not None and row.started_at < start) or (
+                end is not None and row.started_at >= end):
+            continue
+        values = {GroupKey.USER: row.user_name, GroupKey.TEAM: row.team,
+                  GroupKey.KEY: row.key_name, GroupKey.MODEL: row.model or row.requested_model,
+                  GroupKey.UPSTREAM: row.upstream}
+        tags: dict[str, str] = json.loads(row.tags)
+        key = tuple(tags.get(k.key) if isinstance(k, TagGroup) else
+                    labels(row.started_at, period.tz, [k])[0] if k.is_time else values[k]
+                    for k in by)
+        out[key] = out.get(key, Totals()) + _totals(row)
+    return out
+
+
+# --- the property -----------------------------------------------------------------------------
+
+async def _ship(url: str, load: dict[str, Any]) -> list[LedgerRow]:
+    """`load` through the sink; the rows that should be stored, in the order they landed."""
+    rows: list[LedgerRow] = load["rows"]
+    stored: dict[str, LedgerRow] = {}
+    before = rows[:load["before"]]
+    await _old_database(url, before)
+    stored.update((r.request_id, r) for r in before)
+    sink: SqliteSink | PostgresSink = (SqliteSink(Path(url.removeprefix("sqlite://")))
+                                       if url.startswith("sqlite") else PostgresSink(url))
+    await sink.open()  # migrates: the rollups built from the rows already there
+    try:
+        await _rollups_match_rows(url)
+        for picks, refused, cutoff in load["batches"]:
+            batch = [rows[i] for i in picks]
+            records = [sink.prepare(list(r)) for r in batch]
+            if refused:  # user_name NULL: the database refuses the row, the batch rolls back
+                records.insert(len(records) // 2, sink.prepare(list(
+                    batch[0]._replace(request_id="refused", user_name=None))))
+                with pytest.raises(Exception) as caught:
+                    await sink.write(records)
+                assert sink.is_poison(caught.value)
+            else:
+                inserted = await sink.write(records)
+                new = {r.request_id: r for r in batch if r.request_id not in stored}
+                assert inserted == len(new)
+                stored.update(new)
+            if cutoff is not None:
+                await sink.prune(T0 + cutoff, 10_000)
+                stored = {k: r for k, r in stored.items() if r.started_at >= T0 + cutoff}
+            await _rollups_match_rows(url)
+    finally:
+        await sink.close()
+        sink.shutdown()
+    return list(stored.values())
+
+
+async def _check(url: str, load: dict[str, Any]) -> None:
+    stored = await _ship(url, load)
+    async with await open_reader(locate(LedgerConfig(), url)) as reader:
+        for (a, b), zone, by in itertools.product(load["periods"], ZONES, GROUPINGS):
+            tz = ZoneInfo(zone)
+            lo, hi = (a, b) if a is None or b is None or a <= b else (b, a)
+            period = Period(tz, None if lo is None else datetime.fromtimestamp(T0 + lo, tz),
+                            None if hi is None else datetime.fromtimestamp(T0 + hi, tz))
+            got = await build_report(reader, by, period)
+            want = _expected(stored, by, period)
+            assert dict(got.rows) == {k: t for k, t in want.items() if t.requests}, (zone, lo,
+                                                                                    hi, by)
+
+
+_SETTINGS = settings(max_examples=30, deadline=None,
+                     suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                            HealthCheck.too_slow])
+
+
+@_SETTINGS
+@given(load=_loads())
+def test_rollups_equal_the_rows_sqlite(load: dict[str, Any]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        asyncio.run(_check(f"sqlite://{tmp}/books.sqlite3", load))
+
+
+@_SETTINGS
+@given(load=_loads())
+def test_rollups_equal_the_rows_postgresql(module_pg: str, load: dict[str, Any]) -> None:
+    async def go() -> None:
+        await _fresh_pg(module_pg)
+        await _check(module_pg, load)
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_a_period_starting_and_ending_mid_day_is_exact(dialect: str, tmp_path: Path,
+                                                       request: pytest.FixtureRequest) -> None:
+    """From 10:17 on one day to 15:42 two days later: the rows of the partial hours and of the
+    partial days at both ends counted, the row just outside each end not."""
+    def at(day: int, hour: int, minute: int, second: float = 0.0) -> float:
+        return T0 + day * 86400 + hour * 3600 + minute * 60 + second
+
+    moments = [at(0, 10, 16, 59.999), at(0, 10, 17), at(0, 10, 59), at(0, 11, 0), at(0, 23, 59),
+               at(1, 12, 0), at(2, 15, 0), at(2, 15, 41, 59.9), at(2, 15, 42), at(2, 16, 0)]
+    rows = [ledger_row(f"m{i}", t, input_tokens=10**i, cost_nanousd=i) for i, t in
+            enumerate(moments)]
+    url = (f"sqlite://{tmp_path}/books.sqlite3" if dialect == "sqlite"
+           else request.getfixturevalue("module_pg"))
+    load = {"rows": rows, "before": 0, "batches": [(list(range(len(rows))), False, None)],
+            "periods": []}
+
+    async def go() -> None:
+        if dialect != "sqlite":
+            await _fresh_pg(url)
+        await _ship(url, load)
+        tz = ZoneInfo("UTC")
+        period = Period(tz, datetime.fromtimestamp(at(0, 10, 17), tz),
+                        datetime.fromtimestamp(at(2, 15, 42), tz))
+        async with await open_reader(locate(LedgerConfig(), url)) as reader:
+            report = await build_report(reader, (GroupKey.DAY,), period)
+        assert [(k, t.input_tokens, t.cost_nanousd) for k, t in report.rows] == [
+            (("2026-03-27",), 10 + 100 + 1000 + 10_000, 1 + 2 + 3 + 4),
+            (("2026-03-28",), 10**5, 5),
+            (("2026-03-29",), 10**6 + 10**7, 6 + 7),
+        ]
+
+    asyncio.run(go())
