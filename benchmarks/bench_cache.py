@@ -50,10 +50,16 @@ CACHE_HEADER = "x-tokenmeter-cache"
 PROMPT = ("The quick brown fox jumps over the lazy dog. " * 23)[:1000]  # ~1 KB with the nonce
 PACED = {"x-mock-ttft-ms": "20", "x-mock-tokens-per-second": "750"}
 TARGET = 1.05  # lookups on a 0% hit ratio: at most +5% CPU per request
+# A configured user's key: the cache answers only keys the proxy knows (open mode and
+# pass-through keys are never consulted), so both runs authenticate alike.
+API_KEY = "sk-bench-cache-0123456789"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def body(prompt: str) -> dict[str, object]:
+    # temperature 0: a request that samples is not cached by default.
     return {"model": "m", "messages": [{"role": "user", "content": prompt}], "stream": True,
+            "temperature": 0,
             "stream_options": {"include_usage": True}, "max_tokens": 64}
 
 
@@ -71,7 +77,7 @@ class Client:
         its end. `expect`: the x-tokenmeter-cache value the answer must carry (None: any)."""
         started = time.perf_counter()
         first: float | None = None
-        async with self.session.post(url, json=payload, headers=headers) as r:
+        async with self.session.post(url, json=payload, headers={**AUTH, **(headers or {})}) as r:
             assert r.status == 200, r.status
             got = r.headers.get(CACHE_HEADER)
             if expect is not None:
@@ -135,7 +141,8 @@ async def cpu_ms_per_request(c: Client, served: Served, requests: int,
 
 def config(mock_port: int, cache: bool, store: str | None) -> str:
     text = (f"upstreams:\n  mock: {{base_url: 'http://127.0.0.1:{mock_port}/v1'}}\n"
-            "metrics: {discover_models: false}\n")
+            "metrics: {discover_models: false}\n"
+            f"users: {{bench: {{keys: ['{API_KEY}']}}}}\n")
     if store is not None:
         text += f"store: {{url: '{store}'}}\n"
     if cache:
