@@ -186,7 +186,7 @@ class ResponseCache:
         options = asked.get("stream_options")
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
         make = functools.partial(render, entry, stream=stream, include_usage=include_usage)
-        body = make() if entry.work <= ON_LOOP_BYTES else await asyncio.to_thread(make)
+        body = make() if entry.size <= ON_LOOP_BYTES else await asyncio.to_thread(make)
         if body is None:
             self._on_error(CacheStage.ENTRY)
         return body
@@ -224,8 +224,11 @@ class ResponseCache:
                                          self._clock())
                 # A small answer is made on the loop: a thread's hop would cost more.
                 made = make() if fill.size <= ON_LOOP_BYTES else await asyncio.to_thread(make)
-            if made is not None and made[0].size <= fill.rule.max_entry_bytes:
-                entry = made[0]  # else too large to keep
+            # A stream's entry is its events: its bound is the fill's (the cap times
+            # STREAM_FACTOR, as for the answer it carries), its head of some 200 bytes aside.
+            # A redacted answer may have grown: else too large to keep.
+            if made is not None and len(made[0].payload) <= fill.bound:
+                entry = made[0]
                 await self._put(fill, made[1], config.lookup_timeout_ms / 1000)
         except Exception:
             log.exception("making a cache entry failed; the answer is not stored")
@@ -270,7 +273,7 @@ def _make_entry(fill: Fill, finished: Finished, redact: tuple[str, ...],
                 now: float) -> tuple[Entry, bytes] | None:
     """The entry and its bytes as stored, or None when the answer is not to be stored. The
     answer is stored as it came, unparsed (a miss's path pays a scan for its finish reasons
-    and, for a stream, its compression); redaction needs it parsed and stores its JSON."""
+    and the entry's head); redaction needs it parsed and stores its JSON."""
     raw, form = fill.data(), Form.STREAM if fill.stream else Form.JSON
     if redact:
         answer = (assemble.from_stream(fill.operation, raw) if fill.stream
@@ -280,7 +283,7 @@ def _make_entry(fill: Fill, finished: Finished, redact: tuple[str, ...],
         raw, form = replay.as_json(redact_answer(answer, redaction(redact))), Form.JSON
     elif not assemble.ended(fill.operation, raw, finished.capped_ok):
         return None
-    entry = Entry.of(fill.operation, form, raw, finished.usage, now)
+    entry = Entry(fill.operation, form, raw, finished.usage, now)
     data = entry.encode()
     return dataclasses.replace(entry, size=len(data)), data
 

@@ -4,15 +4,15 @@ usage it reported (what a hit saves), and when it was made.
 Stored as one line of JSON (version, operation, form, usage, time) then the payload's bytes as
 they are: a miss stores what it already holds, with no parse or re-encoding on its path (the
 cost every miss would pay on a workload that never hits). A hit pays instead: a stream is
-reassembled into its answer there, once per hit (`answer`). A stream's payload is compressed
-(zlib, its fastest level): its events repeat their head and carry some 10-40 times the bytes
-of their text, and `max_entry_kb` bounds the bytes as stored."""
+reassembled into its answer there, once per hit (`answer`). A stream is kept uncompressed:
+zlib's fastest level costs some 4 us per KB, 5% of a request's CPU on its own; its events carry
+some 10-40 times the bytes of their text, which the stores' bounds (`memory_mb`, Redis's
+`maxmemory`) count as they are."""
 
 from __future__ import annotations
 
 import enum
 import json
-import zlib
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -21,7 +21,6 @@ from proxy.protocol.usage import Usage
 
 _VERSION = 2
 _USAGE_FIELDS = tuple(f.name for f in fields(Usage))  # asdict() deep-copies: 10x slower
-_LEVEL = 1  # zlib's fastest: some 4 us per KB of stream, which it shrinks some 10-30 times
 
 
 class EntryUnreadable(ValueError):
@@ -32,24 +31,17 @@ class Form(enum.StrEnum):
     """What an entry's payload is."""
 
     JSON = "json"  # the answer's JSON body (as the upstream sent it, or redacted)
-    STREAM = "stream"  # the upstream's event stream as it came, compressed
+    STREAM = "stream"  # the upstream's event stream as it came
 
 
 @dataclass(frozen=True, slots=True)
 class Entry:
     operation: str  # the API shape's (`chat`, `messages`, ...): how it is replayed
     form: Form
-    payload: bytes  # as stored (a stream's compressed)
+    payload: bytes  # the answer's bytes
     usage: Usage
     created_at: float  # epoch seconds, by the cache's clock
     size: int = 0  # its bytes as stored, once encoded or read back
-
-    @classmethod
-    def of(cls, operation: str, form: Form, data: bytes, usage: Usage,
-           created_at: float) -> Entry:
-        """An entry of an answer's bytes (a stream's raw events: compressed here)."""
-        payload = zlib.compress(data, _LEVEL) if form is Form.STREAM else data
-        return cls(operation, form, payload, usage, created_at)
 
     def encode(self) -> bytes:
         # json.dumps escapes any newline: the first b"\n" ends the head.
@@ -79,14 +71,4 @@ class Entry:
         """The answer in its JSON form (a stream reassembled), or None if it is not one."""
         if self.form is Form.JSON:
             return assemble.from_body(self.operation, self.payload)
-        try:
-            data = zlib.decompress(self.payload)
-        except zlib.error:
-            return None
-        return assemble.from_stream(self.operation, data)
-
-    @property
-    def work(self) -> int:
-        """Roughly the bytes a hit's replay handles (a stream's uncompressed): what decides
-        whether it is made off the loop."""
-        return self.size * (16 if self.form is Form.STREAM else 1)
+        return assemble.from_stream(self.operation, self.payload)
