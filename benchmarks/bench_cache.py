@@ -42,6 +42,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import aiohttp
 
@@ -244,6 +245,64 @@ async def run(rounds: int, samples: int, requests: int, store: str | None) -> in
     return 0 if c.wrong == 0 and ratio <= TARGET else 1
 
 
+# --- in process: the cache's own part of a miss and of a hit, without the server's noise -------
+
+_HEAD = '{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m"'
+_DELTA = '"logprobs":null,"finish_reason":'
+# The mock's 64-token stream's shape: a role chunk, 64 content chunks, the finish, the usage.
+STREAM = [f'data: {_HEAD},"choices":[{{"index":0,"delta":{{"role":"assistant","content":""}},'
+          f'{_DELTA}null}}]}}\n\n'.encode()]
+STREAM += [f'data: {_HEAD},"choices":[{{"index":0,"delta":{{"content":" word{i}"}},'
+           f'{_DELTA}null}}]}}\n\n'.encode() for i in range(64)]
+STREAM += [f'data: {_HEAD},"choices":[{{"index":0,"delta":{{}},{_DELTA}"stop"}}]}}\n\n'.encode(),
+           f'data: {_HEAD},"choices":[],"usage":{{"prompt_tokens":250,"completion_tokens":64,'
+           '"total_tokens":314}}\n\n'.encode(), b"data: [DONE]\n\n"]
+JSON_ANSWER = (b'{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m","choices":'
+               b'[{"index":0,"message":{"role":"assistant","content":"' + b" word" * 64
+               + b'"},"logprobs":null,"finish_reason":"stop"}],"usage":{"prompt_tokens":250,'
+               b'"completion_tokens":64,"total_tokens":314}}')
+
+
+async def in_process_us(stream: bool, n: int) -> tuple[float, float]:
+    """CPU (us) of `ResponseCache` per miss (consult, fill, complete: entry made and stored)
+    and per hit (consult: lookup, and the answer rendered in the form asked for), 1 KB prompts
+    each unique, the in-process store."""
+    from proxy.budget.principal import Principal
+    from proxy.cache.cache import Ask, Finished, ResponseCache
+    from proxy.cache.store import MemoryCacheStore
+    from proxy.config.cache import CacheConfig
+    from proxy.protocol.usage import Usage
+
+    cache = ResponseCache(MemoryCacheStore(lambda: 1 << 30, time.time), lambda _: None,
+                          time.time)
+    config = CacheConfig(enabled=True)
+    principal = Principal("bench", cast(Any, None), key_id="0123456789ab")  # limits: unread
+    finished = Finished(Usage(input_tokens=250, output_tokens=64), capped_ok=False)
+    asks = [Ask("chat", "m", {**body(f"{PROMPT} {uuid.uuid4().hex}"), "stream": stream},
+                principal, "", 1100) for _ in range(n)]
+    started = time.process_time()
+    for ask in asks:
+        fill = (await cache.consult(config, ask)).fill
+        assert fill is not None
+        for part in STREAM if stream else [JSON_ANSWER]:
+            fill.take(part)
+        await cache.complete(fill, config, finished)
+    miss = (time.process_time() - started) / n * 1e6
+    started = time.process_time()
+    for ask in asks:
+        assert (await cache.consult(config, ask)).entry is not None
+    return miss, (time.process_time() - started) / n * 1e6
+
+
+async def in_process(rounds: int, n: int) -> int:
+    for stream in (False, True):
+        figures = [await in_process_us(stream, n) for _ in range(rounds)]
+        misses, hits = sorted(f[0] for f in figures), sorted(f[1] for f in figures)
+        print(f"{'stream' if stream else 'JSON'}: per miss {misses[0]:.1f}-{misses[-1]:.1f} us, "
+              f"per hit {hits[0]:.1f}-{hits[-1]:.1f} us ({rounds} x {n})")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--rounds", type=int, default=3)
@@ -251,7 +310,11 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=2000, help="requests per CPU figure")
     parser.add_argument("--store", default=None,
                         help="a redis:// URL: the budget store, and so the cache, on Redis")
+    parser.add_argument("--in-process", action="store_true",
+                        help="only the cache's own CPU per miss and per hit, without a server")
     args = parser.parse_args()
+    if args.in_process:
+        return asyncio.run(in_process(args.rounds, args.requests))
     return asyncio.run(run(args.rounds, args.samples, args.requests, args.store))
 
 
