@@ -38,6 +38,26 @@ def finished(operation: str, answer: dict[str, Any], capped_ok: bool) -> bool:
     return all(isinstance(c, dict) and c.get("finish_reason") in natural for c in choices)
 
 
+# A finish reason as the upstream wrote it (in an answer's body or a stream's events). Inside a
+# JSON string its quotes would be escaped: text the model wrote never matches.
+_ENDS = {
+    "chat": re.compile(rb'"finish_reason"\s*:\s*"([A-Za-z_]+)"'),
+    "text_completion": re.compile(rb'"finish_reason"\s*:\s*"([A-Za-z_]+)"'),
+    "messages": re.compile(rb'"stop_reason"\s*:\s*"([A-Za-z_]+)"'),
+}
+
+
+def ended(operation: str, raw: bytes, capped_ok: bool) -> bool:
+    """`finished` read off an answer's bytes (its JSON body or its stream) without parsing
+    them: some finish reason was given and every one is natural (or the client's own cap).
+    An answer of a shape the hit cannot reassemble is caught there (a miss, counted)."""
+    natural = _NATURAL[operation]
+    if capped_ok:
+        natural = natural | {_CAPPED[operation]}
+    reasons = _ENDS[operation].findall(raw)
+    return bool(reasons) and all(r.decode() in natural for r in reasons)
+
+
 def from_body(operation: str, body: bytes) -> dict[str, Any] | None:
     try:
         answer = json.loads(body)

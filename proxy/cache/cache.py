@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.budget.principal import Principal
-from proxy.cache import assemble
+from proxy.cache import assemble, replay
 from proxy.cache import outcome as cache_outcome
-from proxy.cache.entry import Entry, EntryUnreadable
+from proxy.cache.entry import Entry, EntryUnreadable, Form
 from proxy.cache.flight import Flights
 from proxy.cache.key import cache_key
 from proxy.cache.outcome import CacheOutcome, CacheResult
@@ -95,6 +95,7 @@ class Fill:
 class Decision:
     result: CacheResult
     entry: Entry | None = None  # a hit's
+    body: bytes = b""  # a hit's answer, in the form asked for
     age_s: float | None = None
     fill: Fill | None = None  # a miss's (or a no-cache bypass's): the answer to store
 
@@ -171,10 +172,26 @@ class ResponseCache:
             return Decision(CacheResult.MISS,
                             fill=Fill(key, ask.operation, rule, stream=stream, leader=False))
         age = max(0.0, self._clock() - entry.created_at)
-        if age >= rule.ttl_s:  # a reload shortened the TTL, or the store kept it longer
+        body = None
+        if age < rule.ttl_s:  # else a reload shortened the TTL, or the store kept it longer
+            body = await self._render(entry, ask.body, stream=stream)
+        if body is None:
             return Decision(CacheResult.MISS,
                             fill=Fill(key, ask.operation, rule, stream=stream, leader=False))
-        return Decision(CacheResult.HIT, entry=entry, age_s=age)
+        return Decision(CacheResult.HIT, entry=entry, body=body, age_s=age)
+
+    async def _render(self, entry: Entry, asked: dict[str, Any], *, stream: bool) -> bytes | None:
+        """The entry's answer in the form asked for (a large one made off the loop), or None
+        if it is not one (counted; the request is a miss)."""
+        options = asked.get("stream_options")
+        include_usage = isinstance(options, dict) and options.get("include_usage") is True
+        make = functools.partial(render, entry, stream=stream, include_usage=include_usage)
+        # A stream entry is reassembled: some 4 times the work per byte of a JSON one's render.
+        work = entry.size * (4 if entry.form is Form.STREAM else 1)
+        body = make() if work <= ON_LOOP_BYTES else await asyncio.to_thread(make)
+        if body is None:
+            self._on_error(CacheStage.ENTRY)
+        return body
 
     async def _lookup(self, key: str, timeout_s: float) -> Entry | None:
         try:
@@ -209,8 +226,11 @@ class ResponseCache:
                                          self._clock())
                 # A small answer is made on the loop: a thread's hop would cost more.
                 made = make() if fill.size <= ON_LOOP_BYTES else await asyncio.to_thread(make)
-            if made is not None and made[0].size <= fill.rule.max_entry_bytes:
-                entry = made[0]  # else too large to keep
+            # A stream's entry is its events: its bound is the fill's (the cap times
+            # STREAM_FACTOR, as for the answer it carries), its head of some 200 bytes aside.
+            # A redacted answer may have grown: else too large to keep.
+            if made is not None and len(made[0].payload) <= fill.bound:
+                entry = made[0]
                 await self._put(fill, made[1], config.lookup_timeout_ms / 1000)
         except Exception:
             log.exception("making a cache entry failed; the answer is not stored")
@@ -237,21 +257,37 @@ class ResponseCache:
         await self.store.close()
 
 
+def render(entry: Entry, *, stream: bool, include_usage: bool) -> bytes | None:
+    """A hit's answer as the client asked for it: a JSON entry asked as JSON is its bytes as
+    they are; anything else is made from the answer (a stream's reassembled here, once per
+    hit, rather than on every miss's path)."""
+    if not stream and entry.form is Form.JSON:
+        return entry.payload
+    answer = entry.answer()
+    if answer is None:
+        return None
+    if stream:
+        return replay.as_stream(entry.operation, answer, include_usage)
+    return replay.as_json(answer)
+
+
 def _make_entry(fill: Fill, finished: Finished, redact: tuple[str, ...],
                 now: float) -> tuple[Entry, bytes] | None:
-    """The entry and its bytes as stored, or None when the answer is not to be stored."""
-    raw = fill.data()
-    if fill.stream:
-        answer = assemble.from_stream(fill.operation, raw)
-    else:
-        answer = assemble.from_body(fill.operation, raw)
-    if answer is None or not assemble.finished(fill.operation, answer, finished.capped_ok):
-        return None
+    """The entry and its bytes as stored, or None when the answer is not to be stored. The
+    answer is stored as it came, unparsed (a miss's path pays a scan for its finish reasons
+    and the entry's head); redaction needs it parsed and stores its JSON."""
+    raw, form = fill.data(), Form.STREAM if fill.stream else Form.JSON
     if redact:
-        answer = redact_answer(answer, redaction(redact))
-    entry = Entry(fill.operation, answer, finished.usage, now)
-    raw = entry.encode()
-    return dataclasses.replace(entry, size=len(raw)), raw
+        answer = (assemble.from_stream(fill.operation, raw) if fill.stream
+                  else assemble.from_body(fill.operation, raw))
+        if answer is None or not assemble.finished(fill.operation, answer, finished.capped_ok):
+            return None
+        raw, form = replay.as_json(redact_answer(answer, redaction(redact))), Form.JSON
+    elif not assemble.ended(fill.operation, raw, finished.capped_ok):
+        return None
+    entry = Entry(fill.operation, form, raw, finished.usage, now)
+    data = entry.encode()
+    return dataclasses.replace(entry, size=len(data)), data
 
 
 @functools.lru_cache(maxsize=8)

@@ -1,15 +1,25 @@
-"""One stored answer: the complete, non-streamed answer in its API's JSON form, the usage it
-reported (what a hit saves), and when it was made. Stored as compact JSON bytes."""
+"""One stored answer: the answer as the upstream sent it (its JSON body, or its stream), the
+usage it reported (what a hit saves), and when it was made.
+
+Stored as one line of JSON (version, operation, form, usage, time) then the payload's bytes as
+they are: a miss stores what it already holds, with no parse or re-encoding on its path (the
+cost every miss would pay on a workload that never hits). A hit pays instead: a stream is
+reassembled into its answer there, once per hit (`answer`). A stream is kept uncompressed:
+zlib's fastest level costs some 4 us per KB, 5% of a request's CPU on its own; its events carry
+some 10-40 times the bytes of their text, which the stores' bounds (`memory_mb`, Redis's
+`maxmemory`) count as they are."""
 
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from proxy.cache import assemble
 from proxy.protocol.usage import Usage
 
-_VERSION = 1
+_VERSION = 2
 _USAGE_FIELDS = tuple(f.name for f in fields(Usage))  # asdict() deep-copies: 10x slower
 
 
@@ -17,32 +27,48 @@ class EntryUnreadable(ValueError):
     """Bytes from the store that are not an entry of this version (a miss)."""
 
 
+class Form(enum.StrEnum):
+    """What an entry's payload is."""
+
+    JSON = "json"  # the answer's JSON body (as the upstream sent it, or redacted)
+    STREAM = "stream"  # the upstream's event stream as it came
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
     operation: str  # the API shape's (`chat`, `messages`, ...): how it is replayed
-    answer: dict[str, Any]  # the JSON answer as a non-streamed request would have had it
+    form: Form
+    payload: bytes  # the answer's bytes
     usage: Usage
     created_at: float  # epoch seconds, by the cache's clock
-    size: int = 0  # its bytes as stored, once read back (0: not read from a store)
+    size: int = 0  # its bytes as stored, once encoded or read back
 
     def encode(self) -> bytes:
-        return json.dumps(
-            {"v": _VERSION, "operation": self.operation, "answer": self.answer,
+        # json.dumps escapes any newline: the first b"\n" ends the head.
+        head = json.dumps(
+            {"v": _VERSION, "operation": self.operation, "form": self.form.value,
              "usage": {f: getattr(self.usage, f) for f in _USAGE_FIELDS},
              "created_at": self.created_at},
-            separators=(",", ":"), ensure_ascii=False,
+            separators=(",", ":"),
         ).encode()
+        return head + b"\n" + self.payload
 
     @classmethod
     def decode(cls, raw: bytes) -> Entry:
+        head, newline, payload = raw.partition(b"\n")
         try:
-            obj = json.loads(raw)
+            if not newline:
+                raise EntryUnreadable("no head")
+            obj = json.loads(head)
             if obj.get("v") != _VERSION:
                 raise EntryUnreadable("another version")
-            usage = Usage(**obj["usage"])
-            answer = obj["answer"]
-            if not isinstance(answer, dict):
-                raise EntryUnreadable("no answer")
-            return cls(str(obj["operation"]), answer, usage, float(obj["created_at"]), len(raw))
+            return cls(str(obj["operation"]), Form(obj["form"]), payload, Usage(**obj["usage"]),
+                       float(obj["created_at"]), len(raw))
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise EntryUnreadable(str(exc)) from None
+
+    def answer(self) -> dict[str, Any] | None:
+        """The answer in its JSON form (a stream reassembled), or None if it is not one."""
+        if self.form is Form.JSON:
+            return assemble.from_body(self.operation, self.payload)
+        return assemble.from_stream(self.operation, self.payload)

@@ -25,6 +25,8 @@ class CacheRule:
 
 def rule_for(config: CacheConfig, principal: Principal, model: str) -> CacheRule:
     """The section's fields, each taken from the most specific level that sets it."""
+    if not (config.keys or config.users or config.teams or config.routes):
+        return _section_rule(config, model)  # no overrides: no per-request merging
     levels = (
         config.keys.get(principal.key_name or principal.key_id or "") if config.keys else None,
         config.users.get(principal.user) if config.users else None,
@@ -41,6 +43,10 @@ def rule_for(config: CacheConfig, principal: Principal, model: str) -> CacheRule
                 values.setdefault(name, value)
     for name in _FIELDS:
         values.setdefault(name, getattr(config, name))
+    return _rule(config, model, values)
+
+
+def _rule(config: CacheConfig, model: str, values: dict[str, Any]) -> CacheRule:
     enabled = bool(values["enabled"]) and (
         config.models is None or any(fnmatch.fnmatchcase(model, g) for g in config.models)
     )
@@ -48,6 +54,23 @@ def rule_for(config: CacheConfig, principal: Principal, model: str) -> CacheRule
                      max_entry_bytes=int(values["max_entry_kb"]) * 1024,
                      scope=CacheScope(values["scope"]),
                      cache_sampled=bool(values["cache_sampled"]))
+
+
+# The rule of a section without overrides, per model, for the one config in force (a reload
+# makes a new config object, and so a new slot): every request of the common case reads it.
+_SECTION: list[tuple[CacheConfig, dict[str, CacheRule]]] = []
+
+
+def _section_rule(config: CacheConfig, model: str) -> CacheRule:
+    if not _SECTION or _SECTION[0][0] is not config:
+        _SECTION[:] = [(config, {})]
+    rules = _SECTION[0][1]
+    rule = rules.get(model)
+    if rule is None:
+        if len(rules) >= 1024:  # models are the clients' to name: the slot stays bounded
+            rules.clear()
+        rule = rules[model] = _rule(config, model, {n: getattr(config, n) for n in _FIELDS})
+    return rule
 
 
 def samples(body: dict[str, Any]) -> bool:

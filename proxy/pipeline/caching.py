@@ -11,13 +11,11 @@ charges it). The entry's answer is replayed in the form the client asked for."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 
 from aiohttp import hdrs, web
 
-from proxy.cache import replay
-from proxy.cache.cache import HIT_HEADER, ON_LOOP_BYTES, Ask, Decision, Finished
+from proxy.cache.cache import HIT_HEADER, Ask, Decision, Finished
 from proxy.errors import ErrorClass
 from proxy.pipeline.context import Outcome, RequestContext, Settlement
 from proxy.pipeline.relay import REQUEST_ID_HEADER
@@ -55,12 +53,7 @@ async def _replay(request: web.Request, ctx: RequestContext, decision: Decision,
     assert entry is not None
     sent = {HIT_HEADER: "hit", hdrs.AGE: str(int(decision.age_s or 0)),
             REQUEST_ID_HEADER: outcome.request_id}
-    options = ctx.request.body.get("stream_options")
-    include_usage = isinstance(options, dict) and options.get("include_usage") is True
-    render = functools.partial(replay.as_stream, entry.operation, entry.answer, include_usage)
-    if not ctx.stream:
-        render = functools.partial(replay.as_json, entry.answer)
-    body = render() if entry.size <= ON_LOOP_BYTES else await asyncio.to_thread(render)
+    body = decision.body
     if outcome.collector is not None:  # capture keeps the answer the client got, as for a miss
         if ctx.stream:
             outcome.collector.streamed(body, 0.0)

@@ -111,3 +111,21 @@ def test_streams_framed_otherwise_are_read_by_the_sse_decoder() -> None:
     comma = raw.index(b",", first)
     split = raw[:comma + 1] + b"\ndata: " + raw[comma + 1:]
     assert assemble.from_stream("chat", split) == CHAT
+
+
+def test_ended_reads_the_finish_reasons_off_the_bytes_as_finished_does() -> None:
+    for operation, answer in (("chat", CHAT), ("messages", MESSAGE)):
+        for capped_ok in (False, True):
+            for raw in (replay.as_json(answer), replay.as_stream(operation, answer, True),
+                        json.dumps(answer, indent=2).encode()):  # spaced as some upstreams do
+                assert assemble.ended(operation, raw, capped_ok) == assemble.finished(
+                    operation, answer, capped_ok)
+    capped = {**MESSAGE, "stop_reason": "max_tokens"}
+    assert not assemble.ended("messages", replay.as_json(capped), capped_ok=False)
+    assert assemble.ended("messages", replay.as_json(capped), capped_ok=True)
+    chat = replay.as_stream("chat", CHAT, include_usage=False)
+    assert not assemble.ended("chat", chat[: chat.index(b'"finish_reason":"stop"')], True)
+    # Text the model wrote that looks like a finish reason is escaped inside its string.
+    said = {**CHAT, "choices": [{**CHAT["choices"][0], "message": {
+        "role": "assistant", "content": '"finish_reason":"length"'}}]}
+    assert assemble.ended("chat", replay.as_json(said), capped_ok=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from proxy.cache.entry import Entry, EntryUnreadable
+from proxy.cache.entry import Entry, EntryUnreadable, Form
 from proxy.cache.flight import Flights
 from proxy.cache.store import MemoryCacheStore
 from proxy.protocol.usage import Usage
@@ -36,12 +36,27 @@ async def test_entries_end_at_their_ttl() -> None:
     assert await store.get("k") is None and store.size == 0
 
 
+STREAM = (b'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m",'
+          b'"choices":[{"index":0,"delta":{"role":"assistant","content":"hi"},'
+          b'"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
+
+
 def test_entries_round_trip_and_damage_is_unreadable() -> None:
-    entry = Entry("chat", {"id": "x"}, Usage(input_tokens=3, output_tokens=4), 12.5)
+    usage = Usage(input_tokens=3, output_tokens=4)
+    entry = Entry("chat", Form.JSON, b'{"id": "x",\n "choices": []}', usage, 12.5)
     back = Entry.decode(entry.encode())
-    assert back.answer == entry.answer and back.usage == entry.usage
+    assert back.payload == entry.payload and back.usage == entry.usage  # the bytes as they came
+    assert back.answer() == {"id": "x", "choices": []}
     assert back.size == len(entry.encode())
-    for raw in (b"{", b"[]", b'{"v": 99}', entry.encode().replace(b'"input_tokens"', b'"x"')):
+    streamed = Entry.decode(Entry("chat", Form.STREAM, STREAM, usage, 1.0).encode())
+    assert streamed.form is Form.STREAM and streamed.payload == STREAM
+    answer = streamed.answer()
+    assert answer is not None and answer["choices"][0]["message"]["content"] == "hi"
+    damaged = Entry("chat", Form.STREAM, b"data: {not json\n\n", usage, 1.0)
+    assert damaged.answer() is None  # a miss (counted), never a 5xx
+    for raw in (b"{", b"[]", b'{"v": 99}\n', b'{"v": 1, "operation": "chat"}',
+                entry.encode().replace(b'"input_tokens"', b'"x"'),
+                entry.encode().replace(b'"json"', b'"xml"')):
         try:
             Entry.decode(raw)
         except EntryUnreadable:
@@ -54,7 +69,7 @@ async def test_a_flight_has_one_leader_and_its_waiters_get_its_entry() -> None:
     assert flights.lead("k") is None  # the caller leads
     waiting = flights.lead("k")
     assert waiting is not None
-    entry = Entry("chat", {}, Usage(), 0.0)
+    entry = Entry("chat", Form.JSON, b"{}", Usage(), 0.0)
     waiter = asyncio.ensure_future(Flights.wait(waiting, within_s=10))
     flights.land("k", entry)
     assert await waiter is entry and len(flights) == 0
