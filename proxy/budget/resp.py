@@ -21,7 +21,7 @@ import asyncio
 import collections
 import hashlib
 import ssl
-from typing import Any
+from typing import Any, cast
 
 import hiredis
 from redis.asyncio.connection import parse_url
@@ -64,8 +64,8 @@ class _Pipe(asyncio.Protocol):
         self._watch: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not subclasses of asyncio's: take it as the one asked for.
+        self.transport = cast("asyncio.Transport", transport)
 
     def data_received(self, data: bytes) -> None:
         self._reader.feed(data)
