@@ -23,6 +23,11 @@ unless the store is given a clock of its own. The reap step touches counters nam
 reservation records rather than in KEYS; they carry the same hash tag, so they are in the slot
 the script runs on.
 
+A single server: every script call (the reserve and the settle of each request among them) goes
+over one pipelined connection per store (`proxy.budget.resp`: written together per turn of the
+event loop, parsed by hiredis, one timer for the oldest reply); the few plain commands (the
+`usage` report's MGET, `leases`, the estimate's samples) through redis-py's pool.
+
 Redis Cluster: `redis+cluster://host:port` (or `rediss+cluster://`) makes the client a
 `RedisCluster`, which sends each script call to the node of its keys' slot (and loads scripts
 on every primary). Only `read` (the `usage` report's multi-user MGET) spans slots: it is split
