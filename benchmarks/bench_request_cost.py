@@ -24,6 +24,12 @@ in rotated order, bare, then each tree's `serve --upstream` (shipped defaults: a
 ledger on) and `serve --config` with one user, a key and daily and per-minute windows on the
 redis-server. CPU is utime+stime of each gateway's whole process tree; redis-server's CPU is
 given per budgeted request.
+
+    .venv/bin/python benchmarks/bench_request_cost.py --baseline DIR --store [--rounds 3]
+
+`--store` measures the Redis store alone, in a process of its own per tree: CPU time of
+`RedisStore.reserve` + `settle` of one request (a user's daily and per-minute windows, its
+in-flight set), 16 at a time, on one private redis-server.
 """
 
 from __future__ import annotations
@@ -219,6 +225,59 @@ def budget_rounds(trees: dict[str, Path], rounds: int, requests: int) -> None:
         stack.stop()
 
 
+async def _store_pairs(port: int, pairs: int, concurrency: int = 16) -> float:
+    """In the child: CPU ms per reserve + settle on this tree's RedisStore."""
+    from proxy.budget.store import USER, Entry, InFlightLimit, ReserveRequest
+    from proxy.budget.store_redis import RedisStore
+
+    store = RedisStore(f"redis://127.0.0.1:{port}/0", 5000)
+    slot, now = "tm:{bench}", time.time()
+    entries = (Entry(f"{slot}:u:daily_tokens:{int(now // 86400)}", 10**12, 30, 86400),
+               Entry(f"{slot}:u:tokens_per_minute:{int(now // 60)}", 10**12, 30, 120),
+               Entry(f"{slot}:u:requests_per_minute:{int(now // 60)}", 10**9, 1, 120))
+    request = ReserveRequest(entries, (InFlightLimit(USER, 1000),))
+    done = [0]
+
+    async def client(n: int) -> None:
+        while done[0] < n:
+            done[0] += 1
+            res_id = f"r{done[0]:020d}-{time.monotonic_ns()}"
+            if not (await store.reserve(slot, res_id, request, 60)).ok:
+                raise RuntimeError("refused")
+            await store.settle(slot, res_id, entries)
+
+    await asyncio.gather(*(client(pairs // 5) for _ in range(concurrency)))  # warm-up
+    done[0] = 0
+    started = time.process_time()
+    await asyncio.gather(*(client(pairs) for _ in range(concurrency)))
+    spent = time.process_time() - started
+    await store.close()
+    return 1000 * spent / pairs
+
+
+def store_rounds(trees: dict[str, Path], rounds: int, pairs: int) -> None:
+    port = free_port()
+    redis = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                              "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    try:
+        wait_port(port)
+        print("CPU ms per reserve + settle in the serving process (RedisStore alone)")
+        print(f"{'round':>5} " + " ".join(f"{t:>10}" for t in trees))
+        for r in range(1, rounds + 1):
+            cells = []
+            for tree in trees.values():
+                out = subprocess.run(
+                    [sys.executable, __file__, "--baseline", str(tree), "--store-child",
+                     str(port), "--requests", str(pairs)],
+                    env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tree, check=True,
+                    capture_output=True, text=True)
+                cells.append(float(out.stdout))
+            print(f"{r:>5} " + " ".join(f"{c:>10.4f}" for c in cells), flush=True)
+    finally:
+        redis.terminate()
+        redis.wait(timeout=30)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", required=True, type=Path)
@@ -227,8 +286,17 @@ def main() -> int:
                         help="CPU per small request, budgets on Redis vs off vs bare")
     parser.add_argument("--requests", type=int, default=2000,
                         help="--budget: small requests per gateway per round")
+    parser.add_argument("--store", action="store_true",
+                        help="CPU per reserve + settle of the Redis store alone")
+    parser.add_argument("--store-child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.store_child:
+        print(asyncio.run(_store_pairs(args.store_child, args.requests)))
+        return 0
     trees = {"baseline": args.baseline.resolve(), "this": Path(__file__).resolve().parents[1]}
+    if args.store:
+        store_rounds(trees, args.rounds, args.requests)
+        return 0
     if args.budget:
         budget_rounds(trees, args.rounds, args.requests)
         return 0
