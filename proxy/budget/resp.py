@@ -50,6 +50,13 @@ class Script:
         self.sha = hashlib.sha1(self.body, usedforsecurity=False).hexdigest().encode()
 
 
+_READY = pack(b"EVAL", b"return 1", b"0")
+
+
+def _loading(reply: object) -> bool:
+    return isinstance(reply, hiredis.ReplyError) and str(reply).startswith("LOADING")
+
+
 class _Pipe(asyncio.Protocol):
     """The protocol of one connection: a queue of callers waiting for their replies."""
 
@@ -83,6 +90,9 @@ class _Pipe(asyncio.Protocol):
 
     def send(self, command: bytes) -> asyncio.Future[Any]:
         future = self.loop.create_future()
+        if self.closed:
+            future.set_exception(RespError("the connection is closed"))
+            return future
         self._waiting.append((self.loop.time() + self.timeout, future))
         if not self._out:
             self.loop.call_soon(self._flush)
@@ -155,8 +165,11 @@ class Connection:
     async def _open(self) -> _Pipe:
         # Callers that find no connection share the one being opened.
         opening = self._opening
-        if opening is None or opening.get_loop() is not asyncio.get_running_loop():
+        if (opening is None or opening.done()
+                or opening.get_loop() is not asyncio.get_running_loop()):
             opening = asyncio.ensure_future(self._connect())
+            # Read, so that an opening every caller gave up on is not reported as unread.
+            opening.add_done_callback(lambda f: f.cancelled() or f.exception())
             self._opening = opening
         try:
             return await asyncio.shield(opening)
@@ -183,20 +196,28 @@ class Connection:
                                       arg(p["password"])))
                 if p.get("db"):
                     setup.append(pack(b"SELECT", arg(p["db"])))
-                for reply in await asyncio.gather(*(pipe.send(c) for c in setup)):
+                setup.append(_READY)
+                replies = await asyncio.gather(*(pipe.send(c) for c in setup))
+                # A server that has just started answers LOADING until its data is in memory
+                # (an AOF or RDB file): the connection is ready when a script runs, within
+                # the timeout.
+                while _loading(replies[-1]):
+                    await asyncio.sleep(0.01)
+                    replies[-1] = await pipe.send(_READY)
+                for reply in replies:
                     if isinstance(reply, hiredis.ReplyError):
                         pipe.abort(RespError(str(reply)))
                         raise RespError(str(reply))
         except (OSError, TimeoutError) as exc:
             raise RespError(f"cannot connect: {type(exc).__name__}: {exc}") from exc
         old, self._pipe = self._pipe, pipe
-        if old is not None and not old.closed and old.transport is not None:
-            old.transport.close()
+        if old is not None and not old.closed and not old.loop.is_closed():
+            old.abort(RespError("replaced by a connection in another event loop"))
         return pipe
 
     def close(self) -> None:
         pipe, self._pipe = self._pipe, None
-        if pipe is not None:
+        if pipe is not None and not pipe.closed and not pipe.loop.is_closed():
             pipe.abort(RespError("closed"))
 
 
