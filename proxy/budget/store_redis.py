@@ -23,6 +23,11 @@ unless the store is given a clock of its own. The reap step touches counters nam
 reservation records rather than in KEYS; they carry the same hash tag, so they are in the slot
 the script runs on.
 
+A single server: every script call (the reserve and the settle of each request among them) goes
+over one pipelined connection per store (`proxy.budget.resp`: written together per turn of the
+event loop, parsed by hiredis, one timer for the oldest reply); the few plain commands (the
+`usage` report's MGET, `leases`, the estimate's samples) through redis-py's pool.
+
 Redis Cluster: `redis+cluster://host:port` (or `rediss+cluster://`) makes the client a
 `RedisCluster`, which sends each script call to the node of its keys' slot (and loads scripts
 on every primary). Only `read` (the `usage` report's multi-user MGET) spans slots: it is split
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 from collections.abc import Awaitable, Callable, Sequence
 from importlib import resources
@@ -43,9 +49,11 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 
+from proxy.budget import resp
 from proxy.budget.store import (
     DONE_TTL_S,
     HELD_TTL_S,
@@ -71,9 +79,13 @@ _PRELUDE = (f"local REAPED_TTL_MS = {REAPED_TTL_S * 1000}\nlocal HELD_TTL_S = {H
 # Read once, when the module is imported; `RedisStore` registers them with its client, which
 # loads each (SCRIPT LOAD) on a node the first time it runs there.
 RESERVE, SETTLE, ADD_ONCE, TOPUP, RENEW, SNAPSHOT = (
-    _PRELUDE + _script(name)
+    resp.Script(_PRELUDE + _script(name))
     for name in ("reserve", "settle", "add_once", "top_up", "renew", "snapshot"))
-RECORD = _script("record")
+RECORD = resp.Script(_script("record"))
+# A script, not PING: what requests need is scripts that write, and a store that is paused or
+# stalled for writes still answers PING.
+PROBE = resp.Script("return 1")
+_SCRIPTS = (RESERVE, SETTLE, ADD_ONCE, TOPUP, RENEW, SNAPSHOT, RECORD, PROBE)
 
 
 _MAX_CONNECTIONS = 64
@@ -82,6 +94,18 @@ _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
 def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _n(value: int | None) -> bytes:
+    """A number argument; -1 for none (the scripts' convention)."""
+    return b"-1" if value is None else b"%d" % value
+
+
+@functools.lru_cache(maxsize=4096)
+def _slot_keys(slot: str) -> tuple[bytes, bytes, bytes, bytes]:
+    """A slot's inflight, reserved, sets and reaped keys, encoded once per slot."""
+    return (f"{slot}:inflight".encode(), f"{slot}:reserved".encode(),
+            f"{slot}:sets".encode(), f"{slot}:reaped".encode())
 
 
 def cluster_url(url: str) -> str | None:
@@ -130,18 +154,24 @@ class RedisStore:
             )
             self._redis = self._cluster
             self._gate = asyncio.Semaphore(_MAX_CONNECTIONS)
-        self._reserve = self._redis.register_script(RESERVE)
-        self._settle = self._redis.register_script(SETTLE)
-        self._add_once = self._redis.register_script(ADD_ONCE)
-        self._renew = self._redis.register_script(RENEW)
-        self._top_up = self._redis.register_script(TOPUP)
-        self._record = self._redis.register_script(RECORD)
-        self._snapshot = self._redis.register_script(SNAPSHOT)
-        self._probe = self._redis.register_script("return 1")
+        # Single server: the scripts go over one pipelined connection of our own (see
+        # proxy.budget.resp), the rare plain commands through redis-py's pool. Cluster: all
+        # through redis-py's cluster client, which routes each call to its slot's node.
+        self._conn = resp.Connection(url, timeout) if cluster is None else None
+        self._scripts: dict[resp.Script, AsyncScript] = {} if cluster is None else {
+            s: self._redis.register_script(s.body) for s in _SCRIPTS}
 
-    def _now(self) -> int:
+    def _now(self) -> bytes:
         """The scripts' ARGV[1]: the clock in ms, or -1 for Redis's (see `now_ms` there)."""
-        return -1 if self._clock is None else int(self._clock() * 1000)
+        return b"-1" if self._clock is None else b"%d" % int(self._clock() * 1000)
+
+    async def _eval(self, script: resp.Script, keys: list[bytes], args: list[bytes]) -> Any:
+        if self._conn is None:
+            return await self._call(self._scripts[script](keys=keys, args=args))
+        try:
+            return await self._conn.evalsha(script, keys, args)
+        except resp.RespError as exc:
+            raise StoreError(f"{type(exc).__name__}: {exc}") from exc
 
     async def _call(self, coro: Awaitable[Any]) -> Any:
         try:
@@ -170,18 +200,20 @@ class RedisStore:
                       lease_s: float) -> ReserveResult:
         entries, clamp = request.entries, request.clamp
         user, keys_sets = request.in_flight[0], request.in_flight[1:]
-        args: list[int | str] = [self._now(), len(keys_sets), int(lease_s * 1000), res_id,
-                                 -1 if user.limit is None else user.limit]
-        args += [-1 if f.limit is None else f.limit for f in keys_sets]
+        args = [self._now(), b"%d" % len(keys_sets), b"%d" % int(lease_s * 1000),
+                res_id.encode(), _n(user.limit)]
+        args += [_n(f.limit) for f in keys_sets]
         for e in entries:
-            args += [-1 if e.limit is None else e.limit, e.amount, e.ttl_s]
+            args += [_n(e.limit), b"%d" % e.amount, b"%d" % e.ttl_s]
         if clamp is not None:
-            args += [clamp.requested, clamp.minimum]
+            args += [b"%d" % clamp.requested, b"%d" % clamp.minimum]
             for b, r in zip(clamp.bases, clamp.rates, strict=True):
-                args += [b, r]
-        keys = [f"{slot}:inflight", f"{slot}:reserved", f"{slot}:sets", f"{slot}:reaped",
-                *(f"{slot}:inflight:{f.part}" for f in keys_sets), *(e.key for e in entries)]
-        ok, entry, held, used, granted = await self._call(self._reserve(keys=keys, args=args))
+                args += [b"%d" % b, b"%d" % r]
+        inflight, reserved, sets, reaped = _slot_keys(slot)
+        keys = [inflight, reserved, sets, reaped,
+                *(f"{slot}:inflight:{f.part}".encode() for f in keys_sets),
+                *(e.key.encode() for e in entries)]
+        ok, entry, held, used, granted = await self._eval(RESERVE, keys, args)
         return ReserveResult(
             ok=bool(ok), used=tuple(int(u) for u in used),
             refused_entry=int(entry) - 1 if int(entry) else None,
@@ -190,31 +222,33 @@ class RedisStore:
         )
 
     async def settle(self, slot: str, res_id: str, entries: Sequence[Entry]) -> tuple[int, ...]:
-        keys = [f"{slot}:inflight", f"{slot}:reserved", f"{slot}:reaped", f"{slot}:sets",
-                *(e.key for e in entries)]
-        args: list[int | str] = [self._now(), res_id]
+        inflight, reserved, sets, reaped = _slot_keys(slot)
+        keys = [inflight, reserved, reaped, sets, *(e.key.encode() for e in entries)]
+        args = [self._now(), res_id.encode()]
         for e in entries:
-            args += [e.amount, e.ttl_s]
-        out = await self._call(self._settle(keys=keys, args=args))
+            args += [b"%d" % e.amount, b"%d" % e.ttl_s]
+        out = await self._eval(SETTLE, keys, args)
         return tuple(int(v) for v in out)
 
     async def add_once(self, slot: str, batch_id: str, entries: Sequence[Entry],
                        done_ttl_s: int = DONE_TTL_S) -> tuple[int, ...]:
-        keys = [f"{slot}:inflight", f"{slot}:reserved", f"{slot}:done:{batch_id}",
-                f"{slot}:sets", *(e.key for e in entries)]
-        args: list[int | str] = [batch_id, done_ttl_s]
+        inflight, reserved, sets, _ = _slot_keys(slot)
+        keys = [inflight, reserved, f"{slot}:done:{batch_id}".encode(), sets,
+                *(e.key.encode() for e in entries)]
+        args = [batch_id.encode(), b"%d" % done_ttl_s]
         for e in entries:
-            args += [e.amount, e.ttl_s]
-        out = await self._call(self._add_once(keys=keys, args=args))
+            args += [b"%d" % e.amount, b"%d" % e.ttl_s]
+        out = await self._eval(ADD_ONCE, keys, args)
         return tuple(int(v) for v in out)
 
     async def top_up(self, slot: str, res_id: str, entries: Sequence[Entry], step: int,
                      minimum: int) -> TopUpResult:
-        keys = [f"{slot}:inflight", f"{slot}:reserved", *(e.key for e in entries)]
-        args: list[int | str] = [self._now(), res_id, step, minimum]
+        inflight, reserved, _, _ = _slot_keys(slot)
+        keys = [inflight, reserved, *(e.key.encode() for e in entries)]
+        args = [self._now(), res_id.encode(), b"%d" % step, b"%d" % minimum]
         for e in entries:
-            args += [-1 if e.limit is None else e.limit, e.amount, e.ttl_s]
-        ok, value = await self._call(self._top_up(keys=keys, args=args))
+            args += [_n(e.limit), b"%d" % e.amount, b"%d" % e.ttl_s]
+        ok, value = await self._eval(TOPUP, keys, args)
         if int(ok) == 1:
             return TopUpResult(int(value))
         if int(ok) == 0:
@@ -226,12 +260,12 @@ class RedisStore:
         return tuple(int(v) for k, v in held.items() if k not in (b"n", "n"))
 
     async def record_output(self, key: str, tokens: int, keep: int, ttl_s: int) -> None:
-        await self._call(self._record(keys=[key], args=[tokens, keep, ttl_s]))
+        await self._eval(RECORD, [key.encode()], [b"%d" % tokens, b"%d" % keep, b"%d" % ttl_s])
 
     async def renew(self, slot: str, res_ids: Sequence[str], lease_s: float) -> None:
         if res_ids:
-            args: list[int | str] = [self._now(), int(lease_s * 1000), *res_ids]
-            await self._call(self._renew(keys=[f"{slot}:inflight"], args=args))
+            args = [self._now(), b"%d" % int(lease_s * 1000), *(r.encode() for r in res_ids)]
+            await self._eval(RENEW, [_slot_keys(slot)[0]], args)
 
     async def leases(self, slot: str) -> dict[str, float]:
         held = await self._call(self._redis.zrange(f"{slot}:inflight", 0, -1, withscores=True))
@@ -248,9 +282,10 @@ class RedisStore:
         return tuple(int(v) if v is not None else 0 for v in values)
 
     async def snapshot(self, slot: str, keys: Sequence[str]) -> Snapshot:
-        now_ms, values, leases, records, reaped, size = await self._call(self._snapshot(
-            keys=[f"{slot}:inflight", f"{slot}:reserved", f"{slot}:reaped", *keys],
-            args=[self._now()]))
+        inflight, reserved_key, _, reaped_key = _slot_keys(slot)
+        now_ms, values, leases, records, reaped, size = await self._eval(
+            SNAPSHOT, [inflight, reserved_key, reaped_key, *(k.encode() for k in keys)],
+            [self._now()])
         reserved = {_text(records[i]): json.loads(_text(records[i + 1]))
                     for i in range(0, len(records), 2)}
         holds = []
@@ -268,9 +303,9 @@ class RedisStore:
         return bool(await self._call(self._redis.set(key, "1", nx=True, ex=ttl_s)))
 
     async def ping(self) -> None:
-        # A script, not PING: what requests need is scripts that write, and a store that is
-        # paused or stalled for writes still answers PING.
-        await self._call(self._probe(keys=[], args=[]))
+        await self._eval(PROBE, [], [])
 
     async def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
         await self._redis.aclose()
