@@ -205,8 +205,11 @@ class Shipper:
         rows = self.spool.take(found)
         self._scanned_at = began
         if rows:
-            log.warning("ledger: adopted %d rows a process that is gone left in %s", rows,
-                        self.spool.directory)
+            # Routine since shipping left the serving process: a writer that stopped (a clean
+            # shutdown, a worker restarted) leaves its last rows for the shipper. Not a loss, so
+            # not a warning; a crash is reported where it happens (the supervisor's restart).
+            log.info("ledger: took over %d rows from the spool files of a process that has "
+                     "exited, in %s", rows, self.spool.directory)
 
     async def _head_batch(self) -> Batch | None:
         """The oldest rows waiting, read once and kept until stored (a retry sends the same)."""
