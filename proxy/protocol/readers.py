@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import enum
 import json
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
+from itertools import accumulate, repeat
 from typing import Any, Protocol
 
 from proxy.errors import ErrorClass
@@ -58,10 +60,12 @@ def carries_usage(data: bytes) -> bool:
     return b'"usage":{' in data or b'"usage": {' in data
 
 
-# What ends a run of plain content events (`take_content_run`): a usage object, a finish, an
-# empty content, and any event whose data is not a JSON object (`[DONE]`, say).
-_RUN_ENDS_COMPACT = (b'"usage":{', b'"finish_reason":"', b'"content":""', b"\n\ndata: [")
-_RUN_ENDS = (*_RUN_ENDS_COMPACT, b'"usage": {', b'"finish_reason": "')
+# What ends a run of plain content events (`take_content_run`): a usage object, a finish or an
+# empty content, each mark as `on_event` looks for it (and so spelt both ways where it is), the
+# finish first (it comes before the usage: the scans after it stop there). An event whose data
+# is not a JSON object (`[DONE]`, say) ends a run too, found from the split events, not a scan.
+_RUN_ENDS = (b'"finish_reason":"', b'"finish_reason": "', b'"usage":{', b'"usage": {',
+             b'"content":""')
 
 
 def loads(data: bytes) -> dict[str, Any]:
@@ -284,29 +288,37 @@ class _ChoicesReader(Reader):
                          first: int) -> tuple[int, int]:
         # Exactly the events on_event takes by its last branch: after the first content, JSON
         # objects with no usage, no finish_reason, no empty content. The run ends at the event
-        # holding the first of those marks (found by C-speed scans; JSON text has no raw
-        # newline, so `\n\ndata: ` is only ever an event boundary).
+        # holding the first of those marks (found by C-speed scans, one per mark: JSON text has
+        # no raw newline, so `\n\ndata: ` is only ever an event boundary), or before the first
+        # event that is not an object. Each event is b"data: " + data + b"\n\n" (the caller's
+        # framing), so the events' lengths say where each ends: no counting scans.
         if not self.seen_content or chunk[start + 6 : start + 7] != b"{":
             return 0, start
-        end = stop = len(chunk)
-        # Each scan reads the bytes again: the marks written with a space after the colon
-        # (pretty-printing servers) are looked for only where such a colon is.
-        for mark in _RUN_ENDS if chunk.find(b'": ', start) >= 0 else _RUN_ENDS_COMPACT:
+        stop = len(chunk)
+        for mark in _RUN_ENDS:
             at = chunk.find(mark, start, stop)
             if at >= 0:
                 stop = at
-        if stop < end:
-            stop = chunk.rfind(b"\n\ndata: ", start, stop) + 2  # that event's start
+        run = events[first:]
+        if stop < len(chunk):
+            stop = chunk.rfind(b"\n\ndata: ", start, stop) + 2  # the marked event's start
             if stop < start + 2:
                 return 0, start  # the first event is the marked one
-            count = chunk.count(b"\n\n", start, stop)
-        else:
-            count = len(events) - first
-        if chunk.count(b"\n\ndata: {", start, stop) != count - 1:
-            return 0, start  # an event in it is not a JSON object: event by event
-        # Each event: b"data: " + data + b"\n\n".
-        self.output.hold_run(events[first : first + count], stop - start - 8 * count)
-        return count, stop
+            run = run[: _events_in(run, stop - start)]
+        if not all(map(bytes.startswith, run, repeat(b"{"))):
+            run = run[: next(i for i, data in enumerate(run) if data[:1] != b"{")]
+        if not run:
+            return 0, start
+        size = sum(map(len, run))
+        self.output.hold_run(run, size)
+        return len(run), start + size + 8 * len(run)
+
+
+def _events_in(events: list[bytes], length: int) -> int:
+    """How many of `events` (each framed as 8 more bytes) make up the first `length` bytes,
+    which end on an event boundary."""
+    ends = list(accumulate(map(len, events)))
+    return bisect_left(range(len(events)), length, key=lambda i: ends[i] + 8 * i + 8) + 1
 
 
 class ChatReader(_ChoicesReader):

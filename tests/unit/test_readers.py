@@ -129,3 +129,23 @@ def test_a_run_of_content_is_taken_as_event_by_event(words: list[str], finish: b
     assert end == sum(len(e) + 8 for e in events[1 : 1 + count])
     assert run.output.events == one.output.events
     assert run.usage(_prompt) == one.usage(_prompt)
+
+
+SPECIAL = [b"[DONE]", b"42", b'{"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2}}',
+           _chunk({}, "stop"), _chunk({"content": ""})]
+
+
+@given(st.lists(st.one_of(st.sampled_from(["a", " b", ' "c"', "\n"]),
+                          st.sampled_from(range(len(SPECIAL)))), min_size=1, max_size=16))
+def test_a_run_ends_before_the_first_event_it_may_not_take(items: list[str | int]) -> None:
+    """Any mix of content and of events a run may not take (not an object, usage, a finish,
+    an empty content): the run is the content events before the first of those, exactly."""
+    events = [_chunk({"content": x}) if isinstance(x, str) else SPECIAL[x] for x in items]
+    chunk = b"".join(b"data: " + e + b"\n\n" for e in events)
+    reader = _reader(ChatReader)
+    reader.on_event(_chunk({"content": "x"}), None)
+    count, end = reader.take_content_run(chunk, 0, events, 0)
+    plain = next((i for i, x in enumerate(items) if not isinstance(x, str)), len(items))
+    assert count == plain
+    assert end == (sum(len(e) + 8 for e in events[:count]) if count else 0)
+    assert reader.output.events == [_chunk({"content": "x"}), *events[:count]]
