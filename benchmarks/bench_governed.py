@@ -33,8 +33,7 @@ holds about one event), at concurrency 16 (TTFT p50/p99; added = minus direct's)
 (tokens/s received by all clients while all 64 are busy). Gateways: `direct` (client -> mock),
 `nginx-2` (pass-through, `worker_processes 2`), `tm` (one process) and `tm-2` (`--workers 2`).
 Target 5 compares `tm-2` with `nginx-2`: the same number of serving processes, the fair match
-(nginx-2 is no faster than nginx-1 when the cores are full, so this does not flatter
-tokenmeter).
+(a second nginx worker can only raise the bar tokenmeter is held to, never lower it).
 
 **The cores.** Nothing is pinned (no taskset): the load generator (wrk, or this process's
 aiohttp client), the upstream (static nginx, or the mock: one Python process), the gateway
