@@ -70,6 +70,7 @@ from bench_proxy import (
     Service,
     Services,
     cpu_times,
+    ends_with_done,
     ensure_alive,
     execute,
     free_ports,
@@ -107,8 +108,7 @@ CONCURRENCY = {"small": 16, "c1": 1, "c16": 16, "c64": 64}
 # LiteLLM re-serialises each chunk with other fields around it. The role chunk's content is ""
 # and the finish and usage chunks carry none, so each match is one token, in C.
 TOKEN_RE = re.compile(rb'"content": ?"[^"]')
-KEEP = 16
-DONE = b"data: [DONE]"
+KEEP = 512  # a stream's last bytes: [DONE] and any comment lines after it
 TIMEOUT = aiohttp.ClientTimeout(total=120, sock_connect=10, sock_read=60)
 STREAM_BODY = json.dumps({
     "model": MODEL, "stream": True, "stream_options": {"include_usage": True},
@@ -189,7 +189,7 @@ async def one_stream(session: aiohttp.ClientSession, url: str, headers: dict[str
                     first = now
                 tokens += n
                 bins.add(now, n)
-    if not end.rstrip().endswith(DONE):
+    if not ends_with_done(end):
         raise BenchError(f"stream did not end with [DONE] ({tokens} tokens)")
     if tokens != TOKENS:
         raise BenchError(f"got {tokens} content tokens, expected {TOKENS}")

@@ -56,6 +56,7 @@ CHAT = "/v1/chat/completions"
 MARK = b'"delta":{"content":"'
 KEEP = len(MARK) - 1  # bytes kept from one read to the next so a split marker is still found
 DONE = b"data: [DONE]\n\n"
+END_KEEP = 512  # a stream's last bytes: [DONE] and any comment lines after it
 BIN_S = 0.01  # width of the bins that record when tokens arrived, for the aggregate rate
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=60, sock_connect=10, sock_read=30)
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -394,6 +395,13 @@ class Stream:
         return (self.tokens - 1) / self.decode_s if self.decode_s > 0 else math.nan
 
 
+def ends_with_done(end: bytes) -> bool:
+    """Whether the last event of a stream (its last bytes) is `data: [DONE]`. SSE comment
+    lines after it are not events: tokenmeter closes a stream with one that tells its cost."""
+    lines = [ln for ln in end.splitlines() if ln.strip() and not ln.startswith(b":")]
+    return bool(lines) and lines[-1].rstrip() == DONE.rstrip()
+
+
 async def one_stream(
     session: aiohttp.ClientSession, url: str, wl: Workload, bins: Bins | None = None
 ) -> Stream:
@@ -406,10 +414,11 @@ async def one_stream(
             raise BenchError(f"HTTP {resp.status}: {text!r}")
         tokens = nbytes = 0
         first = last = 0.0
-        tail = b""
+        tail = end = b""
         async for chunk in resp.content.iter_any():
             now = perf()
             nbytes += len(chunk)
+            end = (end + chunk)[-END_KEEP:]
             buf = tail + chunk if tail else chunk
             n = buf.count(MARK)
             if n:
@@ -420,7 +429,7 @@ async def one_stream(
                 if bins is not None:
                     bins.add(now, n)
             tail = buf[-KEEP:]
-    if not tail.endswith(DONE):
+    if not ends_with_done(end):
         raise BenchError(f"stream did not end with [DONE] ({tokens} tokens)")
     if tokens != wl.tokens:
         raise BenchError(f"got {tokens} content tokens, expected {wl.tokens}")

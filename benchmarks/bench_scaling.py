@@ -164,6 +164,15 @@ def nginx_conf(d: Path, workers: int, server: str) -> Path:
     return conf
 
 
+def static_conf(d: Path, port: int) -> Path:
+    """The static upstream in directory `d` (its two answers and an nginx.conf, one worker,
+    listening on `port`); returns the conf's path."""
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "stream.txt").write_text(stream_body())
+    (d / "small.json").write_text(SMALL_BODY)
+    return nginx_conf(d, 1, STATIC_SERVER.format(port=port, d=d))
+
+
 def group_cpu_s(pgid: int) -> float:
     """utime + stime of every live process in process group `pgid` (supervisor and workers).
     Children that exited are counted in their parent's cutime; none should exit mid-run."""
@@ -294,6 +303,60 @@ def run_wrk(wrk: str, script: Path, port: int, seconds: float, connections: int
     return int(m.group(1)), bad, wrk_cpu
 
 
+def drive(wrk: str, script: Path, t: Target, seconds: float, connections: int,  # noqa: PLR0913, PLR0917
+          upstream_pid: int, redis_pid: int = 0, supervisor: bool = False) -> dict[str, float]:
+    """One block: wrk against `t` for `seconds`, and around it the CPU of t's process group
+    (its serving processes' and ledger shipper's parts apart; `supervisor`: the group's leader
+    is a supervisor, counted in the whole but not as serving), of the upstream and of
+    redis-server (`redis_pid`, 0 for none), each per request answered."""
+    c0 = group_cpu_s(t.pgid)
+    p0 = group_cpu_parts(t.pgid, supervisor)
+    r0 = group_cpu_s(redis_pid) if redis_pid else 0.0
+    u0 = group_cpu_s(upstream_pid)
+    t0 = time.monotonic()
+    n, bad, wrk_cpu = run_wrk(wrk, script, t.port, seconds, connections)
+    time.sleep(0.2)  # settle work after the last byte is counted
+    wall = time.monotonic() - t0 - 0.2
+    cpu = group_cpu_s(t.pgid) - c0
+    p1 = group_cpu_parts(t.pgid, supervisor)
+    s = {"requests": n, "bad": bad, "per_s": n / wall,
+         "cpu_ms": 1000 * cpu / max(1, n),
+         "cores": cpu / wall,
+         "wrk_cpu_ms": 1000 * wrk_cpu / max(1, n),
+         "upstream_cpu_ms": 1000 * (group_cpu_s(upstream_pid) - u0) / max(1, n),
+         "procs": group_size(t.pgid),
+         # tokenmeter's parts: the serving processes, the ledger shipper
+         "serving_cpu_ms": 1000 * (p1[0] - p0[0]) / max(1, n),
+         "shipper_cpu_ms": 1000 * (p1[1] - p0[1]) / max(1, n)}
+    if t.pgid == upstream_pid:
+        s["cpu_ms"] = 0.0  # direct: the upstream's cost is upstream_cpu_ms
+    if redis_pid:
+        s["redis_cpu_ms"] = 1000 * (group_cpu_s(redis_pid) - r0) / max(1, n)
+    return s
+
+
+def block_line(head: str, name: str, s: dict[str, float]) -> str:
+    """One block's progress line."""
+    return (f"{head} {name:10s} {s['per_s']:8.0f}/s  "
+            f"cpu {s['cpu_ms']:.3f} ms/req ({s['cores']:.2f} cores)  "
+            + (f"serving {s['serving_cpu_ms']:.3f} shipper "
+               f"{s['shipper_cpu_ms']:.3f}  " if name.startswith("tm") else "")
+            + f"wrk {s['wrk_cpu_ms']:.3f}  upstream {s['upstream_cpu_ms']:.3f}"
+            + (f"  redis {s['redis_cpu_ms']:.3f}" if "redis_cpu_ms" in s else "")
+            + (f"  BAD {s['bad']}" if s["bad"] else ""))
+
+
+def medians(targets: list[Target]) -> dict[str, dict[str, dict[str, float]]]:
+    """By workload, by target: the median over blocks of every figure."""
+    summary: dict[str, dict[str, dict[str, float]]] = {}
+    for t in targets:
+        for w, ss in t.samples.items():
+            summary.setdefault(w, {})[t.name] = {
+                k: statistics.median(s[k] for s in ss)
+                for k in ss[0] if isinstance(ss[0][k], (int, float))}
+    return summary
+
+
 def main() -> int:  # noqa: PLR0912, PLR0915  a benchmark script's main, read top to bottom
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=6.0, help="per target per block")
@@ -325,11 +388,7 @@ def main() -> int:  # noqa: PLR0912, PLR0915  a benchmark script's main, read to
     redis_pid = 0
     try:
         up = free_port()
-        static = tmp / "static"
-        static.mkdir()
-        (static / "stream.txt").write_text(stream_body())
-        (static / "small.json").write_text(SMALL_BODY)
-        sconf = nginx_conf(static, 1, STATIC_SERVER.format(port=up, d=static))
+        sconf = static_conf(tmp / "static", up)
         upstream_pid = procs.start("static", [args.nginx, "-c", str(sconf), "-p", str(tmp)])
         wait_port(up)
         upstream_url = f"http://127.0.0.1:{up}/v1"
@@ -392,50 +451,17 @@ def main() -> int:  # noqa: PLR0912, PLR0915  a benchmark script's main, read to
                 for t in order:
                     if w not in t.workloads:
                         continue
-                    c0 = group_cpu_s(t.pgid)
-                    sup = t.name in ("tm-2", "tm-2-redis")
-                    p0 = group_cpu_parts(t.pgid, sup)
-                    r0 = group_cpu_s(redis_pid) if t.name == "tm-2-redis" else 0.0
-                    u0 = group_cpu_s(upstream_pid)
-                    t0 = time.monotonic()
-                    n, bad, wrk_cpu = run_wrk(args.wrk, scripts[(w, t.auth)], t.port,
-                                              args.seconds, args.connections)
-                    time.sleep(0.2)  # settle work after the last byte is counted
-                    wall = time.monotonic() - t0 - 0.2
-                    cpu = group_cpu_s(t.pgid) - c0
-                    p1 = group_cpu_parts(t.pgid, sup)
-                    s = {"requests": n, "bad": bad, "per_s": n / wall,
-                         "cpu_ms": 1000 * cpu / max(1, n),
-                         "cores": cpu / wall,
-                         "wrk_cpu_ms": 1000 * wrk_cpu / max(1, n),
-                         "upstream_cpu_ms": 1000 * (group_cpu_s(upstream_pid) - u0) / max(1, n),
-                         "procs": group_size(t.pgid),
-                         # tokenmeter's parts: the serving processes, the ledger shipper
-                         "serving_cpu_ms": 1000 * (p1[0] - p0[0]) / max(1, n),
-                         "shipper_cpu_ms": 1000 * (p1[1] - p0[1]) / max(1, n)}
-                    if t.name == "direct":
-                        s["cpu_ms"] = 0.0  # the upstream's cost is upstream_cpu_ms
-                    if t.name == "tm-2-redis":
-                        s["redis_cpu_ms"] = 1000 * (group_cpu_s(redis_pid) - r0) / max(1, n)
+                    s = drive(args.wrk, scripts[(w, t.auth)], t, args.seconds,
+                              args.connections, upstream_pid,
+                              redis_pid if t.name == "tm-2-redis" else 0,
+                              supervisor=t.name in ("tm-2", "tm-2-redis"))
                     t.samples.setdefault(w, []).append(s)
-                    print(f"round {r + 1} {w:6s} {t.name:10s} {s['per_s']:8.0f}/s  "
-                          f"cpu {s['cpu_ms']:.3f} ms/req ({s['cores']:.2f} cores)  "
-                          + (f"serving {s['serving_cpu_ms']:.3f} shipper "
-                             f"{s['shipper_cpu_ms']:.3f}  " if t.name.startswith("tm") else "")
-                          +
-                          f"wrk {s['wrk_cpu_ms']:.3f}  upstream {s['upstream_cpu_ms']:.3f}"
-                          + (f"  redis {s['redis_cpu_ms']:.3f}" if "redis_cpu_ms" in s else "")
-                          + (f"  BAD {bad}" if bad else ""), flush=True)
+                    print(block_line(f"round {r + 1} {w:6s}", t.name, s), flush=True)
     finally:
         procs.stop_all()
         shutil.rmtree(tmp, ignore_errors=True)
 
-    summary: dict[str, dict[str, dict[str, float]]] = {}
-    for t in targets:
-        for w, ss in t.samples.items():
-            summary.setdefault(w, {})[t.name] = {
-                k: statistics.median(s[k] for s in ss)
-                for k in ss[0] if isinstance(ss[0][k], (int, float))}
+    summary = medians(targets)
     print()
     for w in WORKLOADS:
         bare = summary[w]["bare"]

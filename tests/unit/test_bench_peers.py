@@ -4,28 +4,16 @@ and a gateway that could not start shows why instead of figures."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.unit.bench_modules import load_bench
 
 
 @pytest.fixture(scope="module")
 def peers() -> Any:
-    sys.path.insert(0, str(BENCH))  # bench_peers imports its siblings as top-level modules
-    try:
-        spec = importlib.util.spec_from_file_location("bench_peers", BENCH / "bench_peers.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["bench_peers"] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
+    return load_bench("bench_peers")
 
 
 def batches(peers: Any, cpu_s: float, ttft_ms: float, tokens_per_s: float,
