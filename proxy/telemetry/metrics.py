@@ -22,8 +22,10 @@ import asyncio
 import contextlib
 import enum
 import os
+from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from math import isnan
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
@@ -104,7 +106,17 @@ class _Gauge(_Memo, Gauge):
 
 
 class _Histogram(_Memo, Histogram):
-    pass
+    def observe(self, amount: float, exemplar: dict[str, str] | None = None) -> None:
+        """prometheus_client's observe, its bucket found by bisection: it walks the bounds in
+        Python (up to 28 here, a dozen comparisons for a typical TTFT), and a request makes
+        about 17 observations. `le` buckets: the first bound >= amount. NaN, exemplars and a
+        labelled parent (which raises) take the library's own path."""
+        if exemplar is not None or isnan(amount) or (self._labelnames
+                                                     and not self._labelvalues):
+            super().observe(amount, exemplar)
+            return
+        self._sum.inc(amount)
+        self._buckets[bisect_left(self._upper_bounds, amount)].inc(1)
 
 
 @dataclass(frozen=True, slots=True)

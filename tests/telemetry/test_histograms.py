@@ -1,0 +1,78 @@
+"""proxy.telemetry.metrics' histograms find their bucket by bisection: the exposition is the
+library's own, value for value, whatever is observed (bounds, between them, past the last,
+negative, NaN), in a single process and in multiprocess mode."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Histogram, generate_latest, values
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from proxy.telemetry.metrics import TPOT_BUCKETS, TTFT_BUCKETS, _Histogram
+
+AMOUNTS = st.one_of(
+    st.sampled_from([*TTFT_BUCKETS, *TPOT_BUCKETS, 0.0, -1.0, 1e9, math.inf, math.nan]),
+    st.floats(min_value=-1.0, max_value=100.0, allow_nan=False),
+)
+
+
+def _pair(registry_a: CollectorRegistry, registry_b: CollectorRegistry,
+          buckets: tuple[float, ...]) -> tuple[Histogram, Histogram]:
+    ours = _Histogram("h_seconds", "h", ["model"], buckets=buckets, registry=registry_a)
+    theirs = Histogram("h_seconds", "h", ["model"], buckets=buckets, registry=registry_b)
+    return ours, theirs
+
+
+@pytest.mark.timeout(60)
+@settings(max_examples=200, deadline=None)
+@given(st.lists(AMOUNTS, max_size=40), st.sampled_from([TTFT_BUCKETS, TPOT_BUCKETS]))
+def test_bisection_exposes_what_the_library_does(amounts: list[float],
+                                                 buckets: tuple[float, ...]) -> None:
+    a, b = CollectorRegistry(), CollectorRegistry()
+    ours, theirs = _pair(a, b, buckets)
+    for x in amounts:
+        ours.labels("m").observe(x)
+        theirs.labels("m").observe(x)
+    assert _exposed(a) == _exposed(b)
+
+
+def _exposed(registry: CollectorRegistry) -> list[bytes]:
+    """The exposition, less the `_created` timestamps (each histogram's own clock reading)."""
+    return [line for line in generate_latest(registry).splitlines() if b"_created" not in line]
+
+
+@pytest.mark.timeout(60)
+def test_bisection_in_multiprocess_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    amounts = [*TTFT_BUCKETS, 0.0, 0.00049, 0.0011, 61.0, -2.0, math.nan]
+    exposed = []
+    for name in ("ours", "theirs"):
+        d = tmp_path / name
+        d.mkdir()
+        monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(d))
+        values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
+        try:
+            kind = _Histogram if name == "ours" else Histogram
+            h = kind("h_seconds", "h", ["model"], buckets=TTFT_BUCKETS,
+                     registry=CollectorRegistry())
+            for x in amounts:
+                h.labels("m").observe(x)
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, path=str(d))  # type: ignore[no-untyped-call]
+            exposed.append(generate_latest(registry))
+        finally:
+            monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
+            values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
+    assert exposed[0] == exposed[1]
+    assert b'h_seconds_bucket{le="0.0005",model="m"} 4.0' in exposed[0]  # 0.0005 and below
+
+
+@pytest.mark.timeout(60)
+def test_a_labelled_parent_still_refuses_an_observation() -> None:
+    h = _Histogram("h_seconds", "h", ["model"], registry=CollectorRegistry())
+    with pytest.raises(ValueError):
+        h.observe(1.0)
