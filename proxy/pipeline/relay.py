@@ -319,10 +319,11 @@ async def tell_cost(resp: web.StreamResponse, record: RequestRecord, switch: Cos
     if switch.streams and record.stream and record.error_class is ErrorClass.NONE:
         line = " ".join(f"{name}={value}" for name, value in figures)
         # A client that stopped reading at the very end is not waited for longer than one
-        # that stopped mid-stream.
+        # that stopped mid-stream. The line goes out with the stream's last chunk, in one
+        # write: aiohttp's own end of the response then finds it ended.
         with contextlib.suppress(ConnectionError, TimeoutError):
             async with asyncio.timeout(write_timeout):
-                await resp.write(f": tokenmeter {line}\n\n".encode())
+                await resp.write_eof(f": tokenmeter {line}\n\n".encode())
 
 
 def cost_figures(record: RequestRecord) -> tuple[tuple[str, str], ...]:
