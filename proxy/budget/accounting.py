@@ -207,6 +207,8 @@ class Budget:
         failures follow `policy.store.on_error`."""
         estimate = await self._estimate(ask) if ask.estimates else None
         claim = adm.claim_for(ask, estimate)
+        if ask.plan.holds_nothing:  # metered only: granted whole, nothing stored or settled
+            return _reservation(ask, adm.whole(ask, claim), new_id(), (), stored=False)
         res_id = new_id()
         answer = await self._ask_store(ask, claim, res_id, policy)
         if answer is None:
@@ -335,6 +337,8 @@ class Budget:
     async def _settle(self, reservation: Reservation, entries: tuple[Entry, ...],
                       tokens: int) -> None:
         plan = reservation.plan
+        if plan.holds_nothing:
+            return
         kind = SettleKind.RESERVED if reservation.stored else SettleKind.ADDITION
         charge = Charge(slot=plan.slot, res_id=reservation.res_id, entries=entries,
                         tokens=tokens, kind=kind, notice=_notice_window(plan),

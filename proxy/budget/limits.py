@@ -221,9 +221,15 @@ class Plan:
         return any(w.limit is not None and w.measure in _PROMPT_MEASURES for w in self.windows)
 
     def unenforced(self) -> Plan:
-        """Metered without limits (open and pass-through modes): only the unlimited windows."""
-        return Plan(self.slot, tuple(w for w in self.windows if w.limit is None),
-                    (InFlightLimit(self.in_flight[0].scope, None),), None)
+        """Metered without limits (open and pass-through modes): nothing for the budget store
+        to hold or count. Such a request is metered by the books and the metrics; a store
+        whose counters no limit reads would only cost it a reservation and a settlement."""
+        return Plan(self.slot, (), (), None)
+
+    @property
+    def holds_nothing(self) -> bool:
+        """No window and no in-flight set: the store is not asked (`Budget.reserve`)."""
+        return not self.windows and not self.in_flight
 
 
 _PROMPT_MEASURES = (Measure.TOTAL, Measure.INPUT, Measure.COST)

@@ -303,3 +303,35 @@ async def test_redis_keys_share_a_cluster_slot_and_expire(
             assert await r.ttl(k) > 0  # nothing lives forever
     finally:
         await r.aclose()
+
+
+@pytest.mark.parametrize("mode", ["open", "passthrough"])
+async def test_metered_only_modes_leave_the_budget_store_alone(
+    aiohttp_server: ServerFactory, upstream: TestServer, redis_url: str, mode: str
+) -> None:
+    """Open and pass-through modes meter without limits: the books and the metrics count every
+    token, and the budget store is never asked (no reservation, no counter, no budget gauge)."""
+    import redis.asyncio as aioredis
+
+
+    extra = {"mode": "passthrough"} if mode == "passthrough" else {}
+    proxy = await aiohttp_server(create_app(
+        make_config(str(upstream.make_url("/v1")), store=redis_url, extra=extra)))
+    client = sdk(proxy, "sk-team-own-upstream-key")
+    answer = await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
+    streamed = await _stream_usage(client)
+    assert answer.usage is not None
+    await settled(proxy.app, 2)
+    m = await scrape(proxy)
+    user = ("key-" + hashlib.sha256(b"sk-team-own-upstream-key").hexdigest()[:12]
+            if mode == "passthrough" else "default")
+    assert sample(m, "tokenmeter_requests_total", user=user, status="200") == 2
+    assert sample(m, "tokenmeter_tokens_total", user=user) == (
+        answer.usage.total_tokens + streamed)
+    assert not any(name.startswith("tokenmeter_budget_used_tokens") for name, _ in m)
+    assert sample(m, "tokenmeter_budget_reserved_tokens_total") == 0
+    r = aioredis.Redis.from_url(redis_url)
+    try:
+        assert await r.keys("tokenmeter:*") == []
+    finally:
+        await r.aclose()

@@ -96,9 +96,10 @@ def test_in_flight_limit_and_unenforced_plan() -> None:
     p = _plan(UserConfig(max_concurrent_requests=2, daily_tokens=10), 0.0)
     assert [f.limit for f in p.in_flight] == [2]
     assert p.needs_prompt_estimate
-    open_plan = p.unenforced()
-    assert all(w.limit is None for w in open_plan.windows)
-    assert [f.limit for f in open_plan.in_flight] == [None]
+    assert not p.holds_nothing
+    open_plan = p.unenforced()  # metered only: nothing for the store to hold or count
+    assert open_plan.windows == () and open_plan.in_flight == ()
+    assert open_plan.holds_nothing
     assert open_plan.output_cap is None
 
 
@@ -263,7 +264,8 @@ def test_open_modes_are_metered_without_limits_or_an_output_cap() -> None:
     limited = lim.plan(policy, "anyone", lim.limits_for(policy, "anyone"), "gpt-4o", 0.0)
     opened = limited.unenforced()
     assert opened.slot == limited.slot == "tokenmeter:{anyone}"
-    assert opened.windows == tuple(w for w in limited.windows if w.limit is None)
+    # ... and every window and in-flight set: the store holds and counts nothing for it.
+    assert opened.windows == () and opened.in_flight == () and opened.holds_nothing
 
 
 # --- the calendar: explicit instants, every zone --------------------------------------------
