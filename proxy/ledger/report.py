@@ -3,14 +3,22 @@
 A request belongs to the time it started (`started_at`), and to the group of its user, team, key
 name, model (the one sent upstream; the one asked for when none was) and upstream. Days, weeks
 (ISO: Monday to Sunday) and months are those of the configured time zone, DST and offsets of
-any size included:
-- PostgreSQL buckets in SQL (`AT TIME ZONE`, `date_trunc('week', ...)` starts on Monday);
-- SQLite has no time zones: a function of ours (`tm_bucket`, Python's zoneinfo) names each
-  row's local buckets, worked out once per 15-minute UTC slice, which is exact when no local
-  midnight falls inside the slice: true of every offset in use today (all are multiples of 15
-  minutes); in a slice a midnight does cut (historic offsets such as Monrovia's -0:44:30), per
-  row. SQLite then groups by the names, as PostgreSQL does.
-Both dialects give the same report from the same rows (the tests check it).
+any size included. The buckets are named in one place, `labels` (Python's zoneinfo):
+- the rollups' rows (whole UTC days and hours, `proxy.ledger.rollup`) get theirs from a table
+  of instants and bucket names the report's plan makes (`_timed`): a whole UTC day goes to the
+  bucket holding most of it, and the hours of it another bucket holds (those between the UTC
+  and the local midnight: one or two a day in Berlin, none in UTC) are taken out of that
+  bucket and put into theirs, from the hour rollup. So a report over whole local days reads
+  about one day-rollup row per group and day, not 24 hour-rollup rows;
+- an hour a local midnight cuts (offsets of 30 or 45 minutes: India, Nepal, Newfoundland) and
+  the minutes at the period's ends are read from the rows, each row bucketed by itself:
+  PostgreSQL in SQL (`_PG_BUCKET`: `AT TIME ZONE`, `date_trunc('week', ...)` starts on Monday);
+  SQLite, which has no time zones, by a function of ours (`tm_bucket`, `labels` worked out once
+  per 15-minute UTC slice, exact when no local midnight falls inside the slice: true of every
+  offset in use today; per row in a slice a midnight does cut, such as Monrovia's -0:44:30).
+The database groups and sums (each branch its own rows, then their sums): Python sees one row
+per group of the report. Both dialects give the same report from the same rows (the tests
+check it).
 
 Tokens: `total` is input + output; cached input is part of input, reasoning part of output, as
 the upstreams count them. The Anthropic Messages API's prompt cache adds two types, both part of
@@ -272,9 +280,13 @@ async def build_report(reader: LedgerReader, by: Sequence[Group], period: Period
 
         def row_bucket(q: Sql) -> str:
             return f"{_BUCKET_FN}(started_at)"
-    ctes, branches = _branches(q, plan, keys, row_bucket)
+    ctes, branches, by_instant = _branches(q, plan, keys, row_bucket)
     n = len(plain) + bool(timed)
     text = ctes + branches[0]
+    # A lone rollup read, all added: its rows come summed by instant (`_branches`), named here.
+    named: dict[int, str] | None = None
+    if by_instant:
+        named = {int(t): b for t, b, _ in plan.reads[0].at}
     if len(branches) > 1:  # each branch summed its own rows: the sums of their sums
         cols = [*(f"k{i}" for i in range(n)),
                 *(f"sum(s{j}){_cast(q)}" for j in range(len(USAGE.measures)))]
@@ -288,7 +300,8 @@ async def build_report(reader: LedgerReader, by: Sequence[Group], period: Period
     for r in await reader.fetch(text, q.params):
         if not r[n]:  # no requests: a group the rollups' corrections emptied, or none at all
             continue
-        key: Keys = (*r[:m], *r[m].split("|")) if timed else r[:m]
+        key: Keys = ((*r[:m], *(r[m] if named is None else named[r[m]]).split("|")) if timed
+                     else r[:m])
         if tags and any(not isinstance(key[i], str | None) for i in tags):
             key = tuple(None if v is None else str(v) for v in key)
         values.append(r[n:])
@@ -457,17 +470,28 @@ def _epoch(value: object) -> float:
 
 
 def _branches(q: Sql, plan: _Plan, keys: Callable[[bool], list[str]],
-              row_bucket: Callable[[Sql], str] | None) -> tuple[str, list[str]]:
+              row_bucket: Callable[[Sql], str] | None) -> tuple[str, list[str], bool]:
     """The rollups' rows and the ledger's, each summed by the group keys (`keys`, then the
-    bucket when grouped by time; columns k0.., then the measures' sums s0..); and the tables of
-    instants and buckets they read (`WITH`). Written in the text's order, as SQLite's
-    placeholders are positional."""
+    bucket when grouped by time; columns k0.., then the measures' sums s0..); the tables of
+    instants and buckets they read (`WITH`); and whether the one branch gives the instant in
+    place of the bucket. Written in the text's order, as SQLite's placeholders are
+    positional."""
     out = []
     pg = q.dialect is Dialect.POSTGRESQL
     # Each list of instants made a table once (SQLite would otherwise unpack its JSON for each
     # column of each rollup row it joins).
     ctes = [f"m{i} (t, label, sign) AS MATERIALIZED ({_entries(q, read.at)})"
             for i, read in enumerate(plan.reads) if read.at]
+    with_ = "WITH " + ", ".join(ctes) + " " if ctes else ""
+    lone = plan.reads[0] if len(plan.reads) == 1 and not plan.raw and not plan.cut else None
+    if lone is not None and lone.at and all(s == 1 for _, _, s in lone.at):
+        # One rollup, no corrections (UTC days, or buckets no midnight inside a UTC day cuts):
+        # summed by the instant, which the caller names (cheaper than a join per rollup row).
+        instant = "extract(epoch FROM r.started_at)::bigint" if pg else "r.started_at"
+        return with_, [_summed(q, [*keys(False), instant],
+                                 [f"r.{m.name}" for m in lone.rollup.measures],
+                                 f"{lone.rollup.table} r WHERE r.started_at IN "
+                                 "(SELECT t FROM m0)")], True
     for i, read in enumerate(plan.reads):
         table = read.rollup.table
         if read.at:  # one index range per instant
@@ -498,7 +522,7 @@ def _branches(q: Sql, plan: _Plan, keys: Callable[[bool], list[str]],
                            f"AND started_at < c.column1 + {_step(HOUR_S, pg)}"))
     if not out:  # nothing to read (the period holds no rollup rows, and is whole hours)
         out.append(_summed(q, rows(), measures, f"{TABLE} WHERE 1 = 0"))
-    return ("WITH " + ", ".join(ctes) + " " if ctes else ""), out
+    return with_, out, False
 
 
 def _summed(q: Sql, keys: Sequence[str], measures: Sequence[str], source: str) -> str:
