@@ -517,9 +517,11 @@ def _branches(q: Sql, plan: _Plan, keys: Callable[[bool], list[str]],
     if plan.cut:
         # One index range per hour (a join with the list: an OR of hundreds of ranges is
         # deeper than SQLite's expression limit).
-        out.append(_summed(q, rows(), measures,
-                           f"{_instants(q, plan.cut)} JOIN {TABLE} ON started_at >= c.column1 "
-                           f"AND started_at < c.column1 + {_step(HOUR_S, pg)}"))
+        within = f"started_at >= c.column1 AND started_at < c.column1 + {_step(HOUR_S, pg)}"
+        # (PostgreSQL, grouping, would rather sort the whole ledger: the fenced LATERAL again.)
+        source = (f"LATERAL (SELECT * FROM {TABLE} WHERE {within} OFFSET 0) r" if pg
+                  else f"{TABLE} WHERE {within}")
+        out.append(_summed(q, rows(), measures, f"{_instants(q, plan.cut)} CROSS JOIN {source}"))
     if not out:  # nothing to read (the period holds no rollup rows, and is whole hours)
         out.append(_summed(q, rows(), measures, f"{TABLE} WHERE 1 = 0"))
     return with_, out, False
