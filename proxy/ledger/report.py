@@ -41,14 +41,17 @@ from __future__ import annotations
 
 import csv
 import enum
+import gc
 import io
 import json
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from operator import itemgetter
+from typing import Any
 from zoneinfo import ZoneInfo
 
 from proxy.config.tags import valid_key
@@ -284,29 +287,17 @@ async def build_report(reader: LedgerReader, by: Sequence[Group], period: Period
     n = len(plain) + bool(timed)
     text = ctes + branches[0]
     # A lone rollup read, all added: its rows come summed by instant (`_branches`), named here.
-    named: dict[int, str] | None = None
+    named: dict[int, tuple[str, ...]] | None = None
     if by_instant:
-        named = {int(t): b for t, b, _ in plan.reads[0].at}
+        named = {int(t): tuple(b.split("|")) for t, b, _ in plan.reads[0].at}
     if len(branches) > 1:  # each branch summed its own rows: the sums of their sums
         cols = [*(f"k{i}" for i in range(n)),
                 *(f"sum(s{j}){_cast(q)}" for j in range(len(USAGE.measures)))]
         text = (f"{ctes}SELECT {', '.join(cols)} FROM ({' UNION ALL '.join(branches)}) u"
                 + _group_by(n))
-    grouped: dict[Keys, Totals] = {}
-    values: list[tuple[int, ...]] = []  # for the totals
-    m = len(plain)
-    # A tag's value may be a JSON number: shown as its text, like every other key.
-    tags = [i for i, k in enumerate(plain) if isinstance(k, TagGroup)]
-    for r in await reader.fetch(text, q.params):
-        if not r[n]:  # no requests: a group the rollups' corrections emptied, or none at all
-            continue
-        key: Keys = ((*r[:m], *(r[m] if named is None else named[r[m]]).split("|")) if timed
-                     else r[:m])
-        if tags and any(not isinstance(key[i], str | None) for i in tags):
-            key = tuple(None if v is None else str(v) for v in key)
-        values.append(r[n:])
-        t = Totals(*r[n:])
-        grouped[key] = grouped[key] + t if key in grouped else t
+    with _no_cycle_collection():
+        found = await reader.fetch(text, q.params)
+        grouped, values = _grouped(found, plain, timed, named)
     # Back in the order --by named them; no key (None) sorts after every text.
     order = [(plain + timed).index(k) for k in by]
     if order != sorted(order):
@@ -316,6 +307,43 @@ async def build_report(reader: LedgerReader, by: Sequence[Group], period: Period
     else:  # (the keys are unique: the Totals are never compared)
         rows = sorted(grouped.items(), key=itemgetter(0))
     return Report(tuple(by), period, tuple(rows), Totals(*map(sum, zip(*values, strict=True))))
+
+
+@contextmanager
+def _no_cycle_collection() -> Iterator[None]:
+    """Tens of thousands of groups are as many new objects, none of them in a cycle: the cycle
+    collector, woken by their count, would walk every object of the process again and again."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _grouped(found: Sequence[tuple[Any, ...]], plain: Sequence[Group],
+             timed: Sequence[GroupKey], named: dict[int, tuple[str, ...]] | None
+             ) -> tuple[dict[Keys, Totals], list[tuple[int, ...]]]:
+    """The statement's rows (the keys but time's, the bucket or the instant `named` names, then
+    the sums) by group, and their sums' values (for the totals)."""
+    grouped: dict[Keys, Totals] = {}
+    values: list[tuple[int, ...]] = []
+    m = len(plain)
+    n = m + bool(timed)
+    # A tag's value may be a JSON number: shown as its text, like every other key.
+    tags = [i for i, k in enumerate(plain) if isinstance(k, TagGroup)]
+    for r in found:
+        if not r[n]:  # no requests: a group the corrections emptied, or none at all
+            continue
+        key: Keys = (r[:m] if not timed else (*r[:m], *r[m].split("|")) if named is None
+                     else (*r[:m], *named[r[m]]))
+        if tags and any(not isinstance(key[i], str | None) for i in tags):
+            key = tuple(None if v is None else str(v) for v in key)
+        values.append(r[n:])
+        t = Totals(*r[n:])
+        grouped[key] = grouped[key] + t if key in grouped else t
+    return grouped, values
 
 
 def _cast(q: Sql) -> str:
@@ -661,8 +689,9 @@ def render_csv(report: Report) -> str:
             found = cells[k] = csv_cell(k)
         return found
 
-    for keys, t in report.rows:
-        w.writerow([*map(cell, keys), *_values(t, cache, hits)])
+    with _no_cycle_collection():
+        for keys, t in report.rows:
+            w.writerow([*map(cell, keys), *_values(t, cache, hits)])
     w.writerow(["total", *[""] * (len(report.by) - 1), *_values(report.totals, cache, hits)])
     return out.getvalue()
 
