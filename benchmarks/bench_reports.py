@@ -3,7 +3,7 @@
 
     .venv/bin/python benchmarks/bench_reports.py [--rows 2000000 20000000]
         [--dialect sqlite postgresql] [--postgres postgresql://postgres@127.0.0.1:5432]
-        [--keep DIR]
+        [--keep DIR [--reuse]] [--build-only] [--raw-up-to N] [--out FILE]
 
 The ledger: a team sending 66,667 requests a day (46 a minute), so 2,000,000 rows are its
 month (30 days) and 20,000,000 ten months: 200 users with two keys each in 10 teams, three
@@ -14,13 +14,17 @@ Rows are synthesised in the database (a recursive CTE in SQLite, generate_series
 PostgreSQL: minutes, not the hours shipping them would take), the secondary indexes built
 after them, then the rollups built by the very statements the migration's backfill runs
 (`proxy.ledger.rollup.rebuild`; the property tests check that rollups kept by shipping equal
-them). A fresh SQLite file, a fresh PostgreSQL database
-(dropped afterwards unless --keep).
+them). A fresh SQLite file, a fresh PostgreSQL database (dropped afterwards unless --keep;
+with --keep DIR --reuse a later run reads the ledgers kept, skipping minutes of synthesis).
 
-Timed, each as the command a user runs (a new `tokenmeter` process; the median of 3 runs,
-wall clock, the process start included):
-- `usage --by user,day` over every whole day of the ledger, UTC (the day rollup);
-- the same in Europe/Berlin (the hour rollup: its days are not UTC days);
+Timed in this process (open the ledger, build the report, render it as CSV; the median of 3
+runs, wall clock and this process's CPU), and `usage --by user,day` and `reconcile` also as the
+command a user runs (a new `tokenmeter` process, its start included):
+- `usage --by user,day` over every whole day of the ledger, UTC (the day rollup), and in
+  Europe/Berlin (the day rollup, each UTC day corrected by the one or two hours between its
+  midnight and Berlin's; the 20M ledger's ten months include both DST changes);
+- `--by model,day` the same two ways; `--by user` UTC, `--by key,model` and `--by team,week` in
+  Berlin over the same days;
 - `usage --by tag:feature,day` over the same days, UTC (the day rollup's tags column);
 - `usage --by user` from 10:17 on the first day to 15:42 on the last (both rollups, and the
   rows of the two partial hours);
@@ -234,12 +238,18 @@ def _measure(url: str, days: int, config: Path, raw: bool) -> dict[str, Any]:
     first = T0.date()
     last = first + timedelta(days=days - 1)
     middle = first + timedelta(days=days // 2)
+    def whole_days(by: str, zone: str) -> Callable[[], Awaitable[object]]:
+        return lambda: _usage(url, by, str(first), str(last), zone)
+
     cases: dict[str, Callable[[], Awaitable[object]]] = {
-        "usage_user_day_utc": lambda: _usage(url, "user,day", str(first), str(last), "UTC"),
-        "usage_user_day_berlin": lambda: _usage(url, "user,day", str(first), str(last),
-                                                "Europe/Berlin"),
-        "usage_tag_day_utc": lambda: _usage(url, "tag:feature,day", str(first), str(last),
-                                            "UTC"),
+        "usage_user_day_utc": whole_days("user,day", "UTC"),
+        "usage_user_day_berlin": whole_days("user,day", "Europe/Berlin"),
+        "usage_model_day_utc": whole_days("model,day", "UTC"),
+        "usage_model_day_berlin": whole_days("model,day", "Europe/Berlin"),
+        "usage_user_utc": whole_days("user", "UTC"),
+        "usage_key_model_berlin": whole_days("key,model", "Europe/Berlin"),
+        "usage_team_week_berlin": whole_days("team,week", "Europe/Berlin"),
+        "usage_tag_day_utc": whole_days("tag:feature,day", "UTC"),
         "usage_user_mid_day_edges": lambda: _usage(url, "user", f"{first}T10:17",
                                                    f"{last}T15:42", "UTC"),
         "reconcile": lambda: _reconcile(config, url, middle),
@@ -247,9 +257,10 @@ def _measure(url: str, days: int, config: Path, raw: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, make in cases.items():
         out[f"{k}_s"], out[f"{k}_cpu_s"] = _in_process(make)
-    out["cli_usage_user_day_utc_s"], _ = _timed(
-        ["usage", "--ledger", url, "--by", "user,day", "--from", str(first), "--to", str(last),
-         "--timezone", "UTC", "--format", "csv"])
+    for zone, name in (("UTC", "utc"), ("Europe/Berlin", "berlin")):
+        out[f"cli_usage_user_day_{name}_s"], _ = _timed(
+            ["usage", "--ledger", url, "--by", "user,day", "--from", str(first), "--to",
+             str(last), "--timezone", zone, "--format", "csv"])
     out["cli_reconcile_s"], _ = _timed(
         ["reconcile", "--config", str(config), "--ledger", url, "--date", str(middle),
          "--recheck", "0", "--json"])
@@ -283,12 +294,18 @@ async def _rollup_rows(url: str) -> int:
         await conn.close()
 
 
-def _build(dialect: str, rows: int, where: Path, postgres: str) -> tuple[str, str | None]:
-    """A ledger of `rows` rows: its URL, and the PostgreSQL database to drop afterwards."""
+def _build(dialect: str, rows: int, args: argparse.Namespace, tmp: Path
+           ) -> tuple[str, str | None]:
+    """A ledger of `rows` rows: its URL, and the PostgreSQL database to drop afterwards (None
+    when kept). With --reuse, a ledger kept by an earlier run (--keep) is read as it is."""
+    keep, reuse, postgres = args.keep is not None, args.reuse, args.postgres
+    where: Path = args.keep or tmp
     days = round(rows / PER_DAY)
     step = days * 86400 / rows
     if dialect == "sqlite":
         path = where / f"ledger-{rows}.sqlite3"
+        if reuse and path.is_file():
+            return f"sqlite://{path}", None
         path.unlink(missing_ok=True)
         sink = SqliteSink(path)  # the schema, as the proxy makes it
         asyncio.run(sink.open())
@@ -296,9 +313,13 @@ def _build(dialect: str, rows: int, where: Path, postgres: str) -> tuple[str, st
         sink.shutdown()
         _sqlite_fill(path, rows, step)
         return f"sqlite://{path}", None
-    name = f"tm_bench_reports_{uuid.uuid4().hex[:8]}"
-    asyncio.run(_admin(postgres, f"CREATE DATABASE {name}"))
+    name = f"tm_bench_reports_{rows}" if keep else f"tm_bench_reports_{uuid.uuid4().hex[:8]}"
     url = f"{postgres}/{name}"
+    if reuse and asyncio.run(_exists(postgres, name)):
+        return url, None
+    if keep:
+        asyncio.run(_admin(postgres, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+    asyncio.run(_admin(postgres, f"CREATE DATABASE {name}"))
 
     async def migrate() -> None:
         s = PostgresSink(url)
@@ -311,7 +332,15 @@ def _build(dialect: str, rows: int, where: Path, postgres: str) -> tuple[str, st
     except BaseException:
         asyncio.run(_admin(postgres, f"DROP DATABASE {name} WITH (FORCE)"))
         raise
-    return url, name
+    return url, None if keep else name
+
+
+async def _exists(base: str, name: str) -> bool:
+    conn = await asyncpg.connect(f"{base}/postgres")
+    try:
+        return bool(await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", name))
+    finally:
+        await conn.close()
 
 
 def main() -> int:
@@ -324,7 +353,14 @@ def main() -> int:
                     help="also time reading the rows alone (before) up to this many rows")
     ap.add_argument("--out", type=Path,
                     default=ROOT / "benchmarks" / "results" / "reports-latest.json")
-    ap.add_argument("--keep", type=Path, help="keep the SQLite files here (not deleted)")
+    ap.add_argument("--keep", type=Path,
+                    help="keep the ledgers: the SQLite files in this directory, the PostgreSQL "
+                         "databases as tm_bench_reports_<rows> (not dropped)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="with --keep: read the ledgers an earlier run kept instead of "
+                         "synthesising them again (minutes of CPU at 20M rows)")
+    ap.add_argument("--build-only", action="store_true",
+                    help="synthesise (and keep) the ledgers, time nothing")
     args = ap.parse_args()
     redis_exe = shutil.which("redis-server")
     if redis_exe is None:
@@ -339,8 +375,11 @@ def main() -> int:
         for rows in args.rows:
             for dialect in args.dialect:
                 t = time.perf_counter()
-                url, dropdb = _build(dialect, rows, args.keep or tmp, args.postgres)
+                url, dropdb = _build(dialect, rows, args, tmp)
                 built = time.perf_counter() - t
+                if args.build_only:
+                    print(f"{dialect} {rows:,}: {url} ({built:.0f} s)", flush=True)
+                    continue
                 try:
                     config = _config(tmp / "bench.yaml", f"redis://127.0.0.1:{port}/0", url)
                     figures = _measure(url, round(rows / PER_DAY), config,
@@ -361,6 +400,8 @@ def main() -> int:
         redis.terminate()
         redis.wait(10)
         shutil.rmtree(tmp, ignore_errors=True)
+    if args.build_only:
+        return 0
     out: Path = args.out
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out}")

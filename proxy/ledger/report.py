@@ -3,14 +3,22 @@
 A request belongs to the time it started (`started_at`), and to the group of its user, team, key
 name, model (the one sent upstream; the one asked for when none was) and upstream. Days, weeks
 (ISO: Monday to Sunday) and months are those of the configured time zone, DST and offsets of
-any size included:
-- PostgreSQL buckets in SQL (`AT TIME ZONE`, `date_trunc('week', ...)` starts on Monday);
-- SQLite has no time zones: a function of ours (`tm_bucket`, Python's zoneinfo) names each
-  row's local buckets, worked out once per 15-minute UTC slice, which is exact when no local
-  midnight falls inside the slice: true of every offset in use today (all are multiples of 15
-  minutes); in a slice a midnight does cut (historic offsets such as Monrovia's -0:44:30), per
-  row. SQLite then groups by the names, as PostgreSQL does.
-Both dialects give the same report from the same rows (the tests check it).
+any size included. The buckets are named in one place, `labels` (Python's zoneinfo):
+- the rollups' rows (whole UTC days and hours, `proxy.ledger.rollup`) get theirs from a table
+  of instants and bucket names the report's plan makes (`_timed`): a whole UTC day goes to the
+  bucket holding most of it, and the hours of it another bucket holds (those between the UTC
+  and the local midnight: one or two a day in Berlin, none in UTC) are taken out of that
+  bucket and put into theirs, from the hour rollup. So a report over whole local days reads
+  about one day-rollup row per group and day, not 24 hour-rollup rows;
+- an hour a local midnight cuts (offsets of 30 or 45 minutes: India, Nepal, Newfoundland) and
+  the minutes at the period's ends are read from the rows, each row bucketed by itself:
+  PostgreSQL in SQL (`_PG_BUCKET`: `AT TIME ZONE`, `date_trunc('week', ...)` starts on Monday);
+  SQLite, which has no time zones, by a function of ours (`tm_bucket`, `labels` worked out once
+  per 15-minute UTC slice, exact when no local midnight falls inside the slice: true of every
+  offset in use today; per row in a slice a midnight does cut, such as Monrovia's -0:44:30).
+The database groups and sums (each branch its own rows, then their sums): Python sees one row
+per group of the report. Both dialects give the same report from the same rows (the tests
+check it).
 
 Tokens: `total` is input + output; cached input is part of input, reasoning part of output, as
 the upstreams count them. The Anthropic Messages API's prompt cache adds two types, both part of
@@ -33,13 +41,16 @@ from __future__ import annotations
 
 import csv
 import enum
+import gc
 import io
 import json
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import date, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
+from operator import itemgetter
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -49,10 +60,7 @@ from proxy.ledger.rollup import DAY_S, HOUR_S, USAGE, USAGE_DAILY, Rollup
 from proxy.ledger.schema import TABLE
 from proxy.telemetry.shown_text import csv_cell, for_terminal
 
-SLICE_S = 900
-# A report's UTC days and hours its buckets' boundaries cut are each one statement parameter:
-# past this many (ten years of days, and an hour in each) it reads all its rows instead.
-MAX_CUT = 7320  # SQLite's UTC slice: every offset in use is a multiple of 15 minutes
+SLICE_S = 900  # SQLite's UTC slice: every offset in use is a multiple of 15 minutes
 
 
 class GroupKey(enum.StrEnum):
@@ -137,7 +145,7 @@ def parse_by(text: str) -> tuple[Group, ...]:
     return tuple(keys)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # (not frozen: a frozen dataclass is made 8x slower, once per group)
 class Totals:
     requests: int = 0
     refused: int = 0
@@ -193,7 +201,6 @@ class Totals:
         return Totals(*(as_int(v) for v in values))
 
 
-_ZERO = Totals()
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,13 +241,7 @@ class Report:
     by: tuple[Group, ...]
     period: Period
     rows: tuple[tuple[Keys, Totals], ...]  # sorted by the group keys
-
-    @property
-    def totals(self) -> Totals:
-        out = Totals()
-        for _, t in self.rows:
-            out += t
-        return out
+    totals: Totals  # the rows' sums
 
 
 def labels(moment: float, tz: ZoneInfo, keys: Iterable[GroupKey]) -> tuple[str, ...]:
@@ -258,62 +259,122 @@ def labels(moment: float, tz: ZoneInfo, keys: Iterable[GroupKey]) -> tuple[str, 
 
 
 async def build_report(reader: LedgerReader, by: Sequence[Group], period: Period) -> Report:
-    """One statement (one snapshot): the rollup's whole hours and the rows of the rest."""
+    """One statement (one snapshot), grouped and summed by the database: the rollups' whole UTC
+    days and hours, each put in its bucket by a table of instants and buckets the plan made,
+    and the rows of what is left, bucketed row by row."""
     plain = [k for k in by if not k.is_time]
     timed = [k for k in by if isinstance(k, GroupKey) and k.is_time]
     plan = await _plan(reader, period, timed)
     q = reader.sql()
-    select = [_DIM[k] if isinstance(k, GroupKey) else k.column(reader.dialect) for k in plain]
-    if timed and reader.dialect is Dialect.POSTGRESQL:
-        tz = q.p(period.tz.key)
-        select += [_PG_BUCKET[k].format(tz=tz) for k in timed]
+    pg = reader.dialect is Dialect.POSTGRESQL
+
+    def keys(rows: bool) -> list[str]:
+        """The group keys but time's, over a rollup (or the rows: `rows`)."""
+        return [k.column(reader.dialect) if isinstance(k, TagGroup)
+                else _DIM_EXPR[_DIM[k]] if rows else _DIM[k] for k in plain]
+
+    row_bucket = None
+    if timed and pg:  # the zone a parameter of the rows' branches: there when they are
+        def row_bucket(q: Sql) -> str:
+            tz = q.p(period.tz.key)
+            return " || '|' || ".join(_PG_BUCKET[k].format(tz=tz) for k in timed)
     elif timed:
         reader.define(_BUCKET_FN, _bucket_namer(period.tz, timed))
-        select.append(f"{_BUCKET_FN}(started_at)")
-    groups = ", ".join(str(i + 1) for i in range(len(select)))
-    sums = [f"sum({m.name})" for m in USAGE.measures]
-    dims = [_DIM[k] for k in plain if isinstance(k, GroupKey)]
-    dims += [_TAGS] if any(isinstance(k, TagGroup) for k in plain) else []
-    dims += ["started_at"] if timed else []
-    text = (f"SELECT {', '.join([*select, *sums])} FROM ({_branches(q, plan, dims)}) u"
-            + (f" GROUP BY {groups}" if groups else ""))
-    n = len(select)
-    sqlite_timed = bool(timed) and reader.dialect is Dialect.SQLITE
-    grouped: dict[Keys, Totals] = {}
-    for r in await reader.fetch(text, q.params):
-        keys: tuple[Any, ...] = tuple(r[:n])
-        if sqlite_timed:
-            keys = (*keys[:-1], *str(keys[-1]).split("|"))
-        key = tuple(None if v is None else str(v) for v in keys)
-        grouped[key] = grouped.get(key, _ZERO) + Totals.of(r[n:])
-    # Back in the order --by named them.
+
+        def row_bucket(q: Sql) -> str:
+            return f"{_BUCKET_FN}(started_at)"
+    ctes, branches, by_instant = _branches(q, plan, keys, row_bucket)
+    n = len(plain) + bool(timed)
+    text = ctes + branches[0]
+    # A lone rollup read, all added: its rows come summed by instant (`_branches`), named here.
+    named: dict[int, tuple[str, ...]] | None = None
+    if by_instant:
+        named = {int(t): tuple(b.split("|")) for t, b, _ in plan.reads[0].at}
+    if len(branches) > 1:  # each branch summed its own rows: the sums of their sums
+        cols = [*(f"k{i}" for i in range(n)),
+                *(f"sum(s{j}){_cast(q)}" for j in range(len(USAGE.measures)))]
+        text = (f"{ctes}SELECT {', '.join(cols)} FROM ({' UNION ALL '.join(branches)}) u"
+                + _group_by(n))
+    with _no_cycle_collection():
+        found = await reader.fetch(text, q.params)
+        grouped, values = _grouped(found, plain, timed, named)
+    # Back in the order --by named them; no key (None) sorts after every text.
     order = [(plain + timed).index(k) for k in by]
-    rows = sorted(
-        ((tuple(keys[i] for i in order), t) for keys, t in grouped.items() if t.requests),
-        key=lambda item: tuple((v is None, v or "") for v in item[0]),
-    )
-    return Report(tuple(by), period, tuple(rows))
+    if order != sorted(order):
+        grouped = {tuple(key[i] for i in order): t for key, t in grouped.items()}
+    if any(None in key for key in grouped):
+        rows = sorted(grouped.items(), key=lambda kv: tuple((v is None, v or "") for v in kv[0]))
+    else:  # (the keys are unique: the Totals are never compared)
+        rows = sorted(grouped.items(), key=itemgetter(0))
+    return Report(tuple(by), period, tuple(rows), Totals(*map(sum, zip(*values, strict=True))))
+
+
+@contextmanager
+def _no_cycle_collection() -> Iterator[None]:
+    """Tens of thousands of groups are as many new objects, none of them in a cycle: the cycle
+    collector, woken by their count, would walk every object of the process again and again."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _grouped(found: Sequence[tuple[Any, ...]], plain: Sequence[Group],
+             timed: Sequence[GroupKey], named: dict[int, tuple[str, ...]] | None
+             ) -> tuple[dict[Keys, Totals], list[tuple[int, ...]]]:
+    """The statement's rows (the keys but time's, the bucket or the instant `named` names, then
+    the sums) by group, and their sums' values (for the totals)."""
+    grouped: dict[Keys, Totals] = {}
+    values: list[tuple[int, ...]] = []
+    m = len(plain)
+    n = m + bool(timed)
+    # A tag's value may be a JSON number: shown as its text, like every other key.
+    tags = [i for i, k in enumerate(plain) if isinstance(k, TagGroup)]
+    for r in found:
+        if not r[n]:  # no requests: a group the corrections emptied, or none at all
+            continue
+        key: Keys = (r[:m] if not timed else (*r[:m], *r[m].split("|")) if named is None
+                     else (*r[:m], *named[r[m]]))
+        if tags and any(not isinstance(key[i], str | None) for i in tags):
+            key = tuple(None if v is None else str(v) for v in key)
+        values.append(r[n:])
+        t = Totals(*r[n:])
+        grouped[key] = grouped[key] + t if key in grouped else t
+    return grouped, values
+
+
+def _cast(q: Sql) -> str:
+    """PostgreSQL's sum of bigints is numeric: back to bigint, so both drivers give ints."""
+    return "::bigint" if q.dialect is Dialect.POSTGRESQL else ""
+
+
+def _group_by(n: int) -> str:
+    return f" GROUP BY {', '.join(str(i + 1) for i in range(n))}" if n else ""
 
 
 Span = tuple[float | None, float | None]  # [start, end) in epoch seconds; None: open
+# A rollup row's start (a UTC day or hour), the bucket its sums go to, and +1 or -1.
+Entry = tuple[float, str, int]
 
 
 @dataclass(frozen=True, slots=True)
 class _Read:
-    """A rollup's rows over `span` (or, when `days` are given, over those UTC days) but for
-    those starting at `skip`."""
+    """A rollup's rows: over `spans` (a report grouped by no time), or those starting at the
+    instants of `at`, each added to (or, -1, taken from) the bucket named beside it."""
 
     rollup: Rollup
-    span: Span
-    skip: tuple[float, ...] = ()
-    days: tuple[float, ...] = ()
+    spans: tuple[Span, ...] = ()
+    at: tuple[Entry, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    """What a report reads: rollups (`reads`, disjoint), the rows of the hours in `cut` (a
-    bucket's boundary falls inside them), and the rows over the spans in `raw` (the edges of
-    the period that are not whole hours). Together: the period, each row once."""
+    """What a report reads: rollups (`reads`), the rows of the hours in `cut` (a bucket's
+    boundary falls inside them) and the rows over the spans in `raw` (the edges of the period
+    that are not whole hours). Together, signs counted: the period, each row once."""
 
     reads: tuple[_Read, ...]
     cut: tuple[float, ...]
@@ -329,10 +390,10 @@ def _floor(t: float, grain: int) -> float:
 
 
 async def _plan(reader: LedgerReader, period: Period, timed: Sequence[GroupKey]) -> _Plan:
-    """Whole UTC days from the day rollup, unless a bucket's boundary (a local midnight, for a
-    report grouped by day, week or month) falls inside one; the hours of those days and of the
-    period's partial days from the hour rollup, unless a boundary falls inside the hour
-    (offsets that are not whole hours); what is left from the rows."""
+    """The period's whole UTC days from the day rollup, its other whole hours from the hour
+    rollup, the rest (the minutes at each end) from the rows. Grouped by day, week or month,
+    each UTC day goes to the bucket holding most of it, corrected by the hour rollup's rows of
+    its hours another bucket holds (`_timed`)."""
     start = None if period.start is None else period.start.timestamp()
     end = None if period.end is None else period.end.timestamp()
     if not await rollups_ready(reader):
@@ -346,90 +407,176 @@ async def _plan(reader: LedgerReader, period: Period, timed: Sequence[GroupKey])
         raw.append((start, lo))
     if end is not None and hi != end:
         raw.append((hi, end))
-    # Where the rollup has rows, for the zone's arithmetic (the statement itself keeps the
-    # period's open ends; an open end reaches past now, for the rows landing meanwhile).
-    # (Two subqueries: SQLite finds a lone min or max in the index, not both at once.)
+    if not timed:
+        return _Plan(_untimed(lo, hi), (), tuple(raw))
+    # The buckets' table lists the instants where the rollup has rows (the statement itself
+    # reads the rollup at those instants only). An open end reaches past now, for the rows
+    # landing meanwhile. (Two subqueries: SQLite finds a lone min or max in the index, not
+    # both at once.)
     ((low, high),) = await reader.fetch(
         f"SELECT (SELECT min(started_at) FROM {USAGE.table}), "
         f"(SELECT max(started_at) FROM {USAGE.table})")
-    if low is None:
-        return _Plan((_Read(USAGE, (lo, hi)),), (), tuple(raw))
-    first = _epoch(low) if lo is None else max(lo, _epoch(low))
-    last = (max(_epoch(high), time.time()) + HOUR_S if hi is None
-            else min(hi, _epoch(high) + HOUR_S))
-    cut_days, cut = _cuts(period.tz, timed, first, last) if timed else ((), ())
-    if len(cut_days) + len(cut) > MAX_CUT:
+    if low is None:  # no rows (but those landing now): read them
         return _Plan((), (), ((start, end),))
+    first = _epoch(low) if lo is None else max(lo, _epoch(low))
+    last = (_floor(max(_epoch(high), time.time()), HOUR_S) + HOUR_S if hi is None
+            else min(hi, _epoch(high) + HOUR_S))
+    if first >= last:
+        return _Plan((), (), tuple(raw))
+    reads, cut = _timed(period.tz, timed, first, last)
+    return _Plan(reads, cut, tuple(raw))
+
+
+def _untimed(lo: float | None, hi: float | None) -> tuple[_Read, ...]:
+    """[lo, hi) (whole hours, or open): its whole UTC days from the day rollup, the hours at
+    each end from the hour rollup."""
     day_lo = None if lo is None else _ceil(lo, DAY_S)
     day_hi = None if hi is None else _floor(hi, DAY_S)
     if day_lo is not None and day_hi is not None and day_lo >= day_hi:
-        return _Plan((_Read(USAGE, (lo, hi), cut),), cut, tuple(raw))
-    inside = tuple(d for d in cut_days if (day_lo is None or d >= day_lo)
-                   and (day_hi is None or d < day_hi))
-    reads = [_Read(USAGE_DAILY, (day_lo, day_hi), inside)]
-    if inside:
-        reads.append(_Read(USAGE, (None, None), cut, inside))
-    if lo is not None and lo != day_lo:
-        reads.append(_Read(USAGE, (lo, day_lo), cut))
-    if hi is not None and hi != day_hi:
-        reads.append(_Read(USAGE, (day_hi, hi), cut))
-    return _Plan(tuple(reads), cut, tuple(raw))
+        return (_Read(USAGE, ((lo, hi),)),)
+    hours = tuple(s for s in ((lo, day_lo), (day_hi, hi)) if s[0] != s[1])
+    return (_Read(USAGE_DAILY, ((day_lo, day_hi),)), *((_Read(USAGE, hours),) if hours else ()))
+
+
+def _timed(tz: ZoneInfo, timed: Sequence[GroupKey], first: float, last: float
+           ) -> tuple[tuple[_Read, ...], tuple[float, ...]]:
+    """The rollups' rows over [first, last) (whole hours), each with its bucket, and the hours
+    a bucket's boundary cuts (read from the rows). A whole UTC day goes to the bucket of its
+    noon UTC, which holds most of it; its hours in another bucket (those between the UTC and
+    the local midnight: one or two a day for Berlin, none in UTC) are taken out of that one
+    and put into theirs. Buckets change only at local midnights, so an hour (a day) whose first
+    and last seconds are in one bucket lies in it whole, and the hours in the noon's bucket
+    are one run around noon."""
+    def name(t: float) -> str:
+        return "|".join(labels(t, tz, timed))
+
+    days: list[Entry] = []
+    hours: list[Entry] = []
+    cut: list[float] = []
+
+    def hour(h: float, day: str | None) -> bool:
+        """Hour h, whose UTC day is in bucket `day` (None: not read from the day rollup);
+        whether it lies in that bucket."""
+        at = name(h)
+        if at != name(h + HOUR_S - 1):
+            cut.append(h)  # a 30 or 45 minute offset's midnight: its rows
+        elif at == day:
+            return True
+        else:
+            hours.append((h, at, 1))
+        if day is not None:
+            hours.append((h, day, -1))
+        return False
+
+    day_lo, day_hi = _ceil(first, DAY_S), _floor(last, DAY_S)
+    if day_lo >= day_hi:
+        day_lo = day_hi = last
+    for h in _range(first, day_lo, HOUR_S):
+        hour(h, None)
+    for d in _range(day_lo, day_hi, DAY_S):
+        noon = name(d + DAY_S // 2)
+        days.append((d, noon, 1))
+        if name(d) != noon or name(d + DAY_S - 1) != noon:
+            for h in _range(d, d + DAY_S // 2, HOUR_S):  # from midnight UTC up to the run
+                if hour(h, noon):
+                    break
+            for h in reversed(_range(d + DAY_S // 2, d + DAY_S, HOUR_S)):  # down to it
+                if hour(h, noon):
+                    break
+    for h in _range(max(day_hi, first), last, HOUR_S):
+        hour(h, None)
+    reads = [_Read(r, at=tuple(e)) for r, e in ((USAGE_DAILY, days), (USAGE, hours)) if e]
+    return tuple(reads), tuple(cut)
+
+
+def _range(lo: float, hi: float, step: int) -> list[float]:
+    return [float(t) for t in range(int(lo), int(hi), step)]
 
 
 def _epoch(value: object) -> float:
     return value.timestamp() if isinstance(value, datetime) else float(as_int(value))
 
 
-def _cuts(tz: ZoneInfo, timed: Sequence[GroupKey], first: float, last: float
-          ) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Over [first, last): the UTC days a bucket's boundary falls inside (not at their start),
-    and within those the hours it does. Buckets change only at local midnights, so a day (an
-    hour) whose first and last seconds are in one bucket lies in it whole."""
-    days: list[float] = []
-    hours: list[float] = []
-    day = first - first % DAY_S
-    while day < last:
-        if labels(day, tz, timed) != labels(day + DAY_S - 1, tz, timed):
-            days.append(day)
-            for h in range(int(max(day, first)), int(min(day + DAY_S, last)), HOUR_S):
-                if labels(h, tz, timed) != labels(h + HOUR_S - 1, tz, timed):
-                    hours.append(float(h))
-        day += DAY_S
-    return tuple(days), tuple(hours)
-
-
-def _raw_cols(dims: Sequence[str]) -> str:
-    return ", ".join([*(f"{_DIM_EXPR.get(d, d)} AS {d}" for d in dims),
-                      *(f"{m.expr} AS {m.name}" for m in USAGE.measures)])
-
-
-def _branches(q: Sql, plan: _Plan, dims: Sequence[str]) -> str:
-    """The rollups' rows and the ledger's, one shape (`dims`, then the measures): UNION ALL.
-    Written in the text's order, as SQLite's placeholders are positional."""
+def _branches(q: Sql, plan: _Plan, keys: Callable[[bool], list[str]],
+              row_bucket: Callable[[Sql], str] | None) -> tuple[str, list[str], bool]:
+    """The rollups' rows and the ledger's, each summed by the group keys (`keys`, then the
+    bucket when grouped by time; columns k0.., then the measures' sums s0..); the tables of
+    instants and buckets they read (`WITH`); and whether the one branch gives the instant in
+    place of the bucket. Written in the text's order, as SQLite's placeholders are
+    positional."""
     out = []
     pg = q.dialect is Dialect.POSTGRESQL
-    for read in plan.reads:
-        cols = ", ".join([*dims, *(m.name for m in read.rollup.measures)])
-        source = read.rollup.table
-        if read.days:  # one index range per day
-            source = (f"{_instants(q, read.days)} JOIN {source} ON started_at >= c.column1 "
-                      f"AND started_at < c.column1 + {_step(DAY_S, pg)}")
-        cond = _span_cond(q, read.span)
-        if read.skip:
-            cond.append(f"started_at NOT IN ({', '.join(q.ts(h) for h in read.skip)})")
-        where = " WHERE " + " AND ".join(cond) if cond else ""
-        out.append(f"SELECT {cols} FROM {source}{where}")
+    # Each list of instants made a table once (SQLite would otherwise unpack its JSON for each
+    # column of each rollup row it joins).
+    ctes = [f"m{i} (t, label, sign) AS MATERIALIZED ({_entries(q, read.at)})"
+            for i, read in enumerate(plan.reads) if read.at]
+    with_ = "WITH " + ", ".join(ctes) + " " if ctes else ""
+    lone = plan.reads[0] if len(plan.reads) == 1 and not plan.raw and not plan.cut else None
+    if lone is not None and lone.at and all(s == 1 for _, _, s in lone.at):
+        # One rollup, no corrections (UTC days, or buckets no midnight inside a UTC day cuts):
+        # summed by the instant, which the caller names (cheaper than a join per rollup row).
+        instant = "extract(epoch FROM r.started_at)::bigint" if pg else "r.started_at"
+        return with_, [_summed(q, [*keys(False), instant],
+                                 [f"r.{m.name}" for m in lone.rollup.measures],
+                                 f"{lone.rollup.table} r WHERE r.started_at IN "
+                                 "(SELECT t FROM m0)")], True
+    for i, read in enumerate(plan.reads):
+        table = read.rollup.table
+        if read.at:  # one index range per instant
+            sign = "" if all(s == 1 for _, _, s in read.at) else "m.sign * "
+            # The list outside, the rollup's index inside: SQLite keeps a CROSS JOIN's order;
+            # PostgreSQL, guessing the list's length, would rather scan the whole rollup (a
+            # LATERAL subquery fenced by OFFSET 0 is a nested loop).
+            source = (f"LATERAL (SELECT * FROM {table} WHERE started_at = m.t OFFSET 0) r" if pg
+                      else f"{table} r WHERE r.started_at = m.t")
+            out.append(_summed(q, [*keys(False), "m.label"],
+                               [f"{sign}r.{m.name}" for m in read.rollup.measures],
+                               f"m{i} AS m CROSS JOIN {source}"))
+        else:
+            out.append(_summed(q, keys(False), [m.name for m in read.rollup.measures],
+                               f"{table}{_where(q, read.spans)}"))
+    def rows() -> list[str]:  # (the zone a parameter in PostgreSQL: made where it is used)
+        return [*keys(True), *([row_bucket(q)] if row_bucket else [])]
+
+    measures = [m.expr for m in USAGE.measures]
     if plan.raw:
-        spans = [" AND ".join(c) for c in (_span_cond(q, s) for s in plan.raw)]
-        where = (" WHERE " + " OR ".join(f"({c})" for c in spans)) if all(spans) else ""
-        out.append(f"SELECT {_raw_cols(dims)} FROM {TABLE}{where}")
+        out.append(_summed(q, rows(), measures,
+                           f"{TABLE}{_where(q, plan.raw)}"))
     if plan.cut:
         # One index range per hour (a join with the list: an OR of hundreds of ranges is
         # deeper than SQLite's expression limit).
-        out.append(f"SELECT {_raw_cols(dims)} FROM {_instants(q, plan.cut)} JOIN {TABLE} "
-                   f"ON started_at >= c.column1 AND started_at < c.column1 + "
-                   f"{_step(HOUR_S, pg)}")
-    return " UNION ALL ".join(out)
+        within = f"started_at >= c.column1 AND started_at < c.column1 + {_step(HOUR_S, pg)}"
+        # (PostgreSQL, grouping, would rather sort the whole ledger: the fenced LATERAL again.)
+        source = (f"LATERAL (SELECT * FROM {TABLE} WHERE {within} OFFSET 0) r" if pg
+                  else f"{TABLE} WHERE {within}")
+        out.append(_summed(q, rows(), measures, f"{_instants(q, plan.cut)} CROSS JOIN {source}"))
+    if not out:  # nothing to read (the period holds no rollup rows, and is whole hours)
+        out.append(_summed(q, rows(), measures, f"{TABLE} WHERE 1 = 0"))
+    return with_, out, False
+
+
+def _summed(q: Sql, keys: Sequence[str], measures: Sequence[str], source: str) -> str:
+    cols = [*(f"{k} AS k{i}" for i, k in enumerate(keys)),
+            *(f"sum({m}){_cast(q)} AS s{j}" for j, m in enumerate(measures))]
+    return f"SELECT {', '.join(cols)} FROM {source}{_group_by(len(keys))}"
+
+
+def _where(q: Sql, spans: Sequence[Span]) -> str:
+    conds = [" AND ".join(c) for c in (_span_cond(q, s) for s in spans)]
+    return (" WHERE " + " OR ".join(f"({c})" for c in conds)) if all(conds) else ""
+
+
+def _entries(q: Sql, entries: Sequence[Entry]) -> str:
+    """A query of `entries` (t, label, sign) as one parameter (or three): no limit on their
+    number."""
+    if q.dialect is Dialect.POSTGRESQL:
+        return (f"SELECT * FROM unnest("
+                f"{q.p([datetime.fromtimestamp(t, UTC) for t, _, _ in entries])}::timestamptz[], "
+                f"{q.p([b for _, b, _ in entries])}::text[], "
+                f"{q.p([s for _, _, s in entries])}::int[])")
+    doc = json.dumps([[int(t), b, s] for t, b, s in entries], separators=(",", ":"))
+    return (f"SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]'), "
+            f"json_extract(value, '$[2]') FROM json_each({q.p(doc)})")
 
 
 def _instants(q: Sql, moments: Sequence[float]) -> str:
@@ -455,7 +602,8 @@ _BUCKET_FN = "tm_bucket"
 
 
 def _bucket_namer(tz: ZoneInfo, timed: Sequence[GroupKey]) -> Callable[[float], str]:
-    """SQLite's `tm_bucket(started_at)`: the row's local buckets, `|`-joined."""
+    """SQLite's `tm_bucket(started_at)` for the rows a report reads: the row's local buckets,
+    `|`-joined."""
     slices: dict[int, str | None] = {}
 
     def name(moment: float) -> str:
@@ -506,20 +654,22 @@ def _columns(report: Report, names: tuple[str, ...], cache: tuple[str, ...],
     return (*names, *hits) if _with_hits(report) else names
 
 
-def _usd(t: Totals) -> str:
-    return f"{t.cost_usd:f}"  # always nine decimals, exact
+def _usd(nanousd: int) -> str:
+    """Dollars, always nine decimals, exact (as `Decimal(nanousd).scaleb(-9)` prints them)."""
+    whole, nano = divmod(abs(nanousd), 1_000_000_000)
+    return f"{'-' if nanousd < 0 else ''}{whole}.{nano:09d}"
 
 
 def _values(t: Totals, cache: bool = False, hits: bool = False) -> tuple[int | str, ...]:
     out: tuple[int | str, ...] = (
         t.requests, t.refused, t.failed, t.input_tokens, t.cached_input_tokens,
-        t.output_tokens, t.reasoning_tokens, t.total_tokens, _usd(t), t.unpriced)
+        t.output_tokens, t.reasoning_tokens, t.total_tokens, _usd(t.cost_nanousd), t.unpriced)
     if cache:
         out = (*out[:_CACHE_AT], t.cache_read_input_tokens, t.cache_creation_input_tokens,
                *out[_CACHE_AT:])
     if hits:
         out = (*out, t.hits, t.saved_input_tokens, t.saved_output_tokens, t.saved_tokens,
-               f"{t.saved_cost_usd:f}")
+               _usd(t.saved_cost_nanousd))
     return out
 
 
@@ -530,9 +680,18 @@ def render_csv(report: Report) -> str:
     w = csv.writer(out, lineterminator="\n")
     cache, hits = _with_cache(report), _with_hits(report)
     w.writerow([*map(str, report.by), *_columns(report, COLUMNS, CACHE_COLUMNS, HIT_COLUMNS)])
-    for keys, t in report.rows:
-        w.writerow([*("" if k is None else csv_cell(k) for k in keys),
-                    *_values(t, cache, hits)])
+    cells: dict[str | None, str] = {None: ""}  # a key (a user, a day) shows on many lines
+
+    def cell(k: str | None) -> str:
+        found = cells.get(k)
+        if found is None:
+            assert k is not None
+            found = cells[k] = csv_cell(k)
+        return found
+
+    with _no_cycle_collection():
+        for keys, t in report.rows:
+            w.writerow([*map(cell, keys), *_values(t, cache, hits)])
     w.writerow(["total", *[""] * (len(report.by) - 1), *_values(report.totals, cache, hits)])
     return out.getvalue()
 

@@ -7,8 +7,10 @@ rollups keyed by UTC day could serve only UTC reports; an hour serves every zone
 is a whole number of hours (all but a few; those still get exact answers: an hour a local
 midnight cuts is read from the rows, see `proxy.ledger.report`). A year is 8,760 hours times
 the groups active in each, which for a busy team is millions of rollup rows again: so the same
-sums are kept per UTC day too, which serve a report grouped by no time or by UTC days over
-whole days (the hours serve its edges, the rows what is left of a partial hour).
+sums are kept per UTC day too. A report over whole days reads the day rollup in any zone: a
+local day is the UTC day holding most of it, corrected by the hour rollup's rows of the hours
+between the two midnights (one or two a day for Berlin; `proxy.ledger.report._timed`); the
+hours serve the period's partial days, the rows what is left of a partial hour.
 
 Exact and idempotent. Each rollup is maintained from the rows a batch actually inserted (a
 row shipped twice is inserted once: `ON CONFLICT (request_id) DO NOTHING`), in the batch's own

@@ -30,7 +30,17 @@ from hypothesis import strategies as st
 from proxy.config.ledger import LedgerConfig
 from proxy.ledger import rollup
 from proxy.ledger.query import locate, open_reader
-from proxy.ledger.report import Group, GroupKey, Period, TagGroup, Totals, build_report, labels
+from proxy.ledger.report import (
+    Group,
+    GroupKey,
+    Period,
+    TagGroup,
+    Totals,
+    _plan,
+    build_report,
+    labels,
+    parse_bound,
+)
 from proxy.ledger.row import COLUMNS, LedgerRow
 from proxy.ledger.schema import MIGRATIONS, SCHEMA_TABLE, TABLE
 from proxy.ledger.sink_postgres import PostgresSink
@@ -39,7 +49,7 @@ from tests.books import ledger_row, pg_admin
 
 T0 = datetime(2026, 3, 27, tzinfo=UTC).timestamp()  # Berlin's clocks change on the 29th
 SPAN_S = 4 * 86400
-ZONES = ("UTC", "Europe/Berlin", "Asia/Kathmandu")
+ZONES = ("UTC", "Europe/Berlin", "Asia/Kathmandu", "America/New_York")
 GROUPINGS: tuple[tuple[Group, ...], ...] = (
     (GroupKey.USER,), (GroupKey.MODEL, GroupKey.DAY),
     (GroupKey.TEAM, GroupKey.KEY, GroupKey.UPSTREAM), (GroupKey.WEEK,), (),
@@ -321,5 +331,58 @@ def test_a_period_starting_and_ending_mid_day_is_exact(dialect: str, tmp_path: P
             (("2026-03-28",), 10**5, 5),
             (("2026-03-29",), 10**6 + 10**7, 6 + 7),
         ]
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_local_days_over_a_dst_change_read_the_day_rollup_exactly(
+        dialect: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """Whole local days in Berlin over its spring change (+1 to +2 on the 29th), in New York
+    (west of UTC) and in Kathmandu (+5:45): a row every 20 minutes, and one on each side of
+    every local midnight. The report equals the rows' sums, and Berlin's and New York's days
+    read the day rollup corrected by one or two hours a day (not 24), Kathmandu's the rows of
+    the hour its midnight cuts."""
+    moments = [T0 + k * 1200.0 for k in range(SPAN_S // 1200)]
+    for day in range(5):
+        for zone in ("Europe/Berlin", "America/New_York", "Asia/Kathmandu"):
+            tz = ZoneInfo(zone)
+            midnight = datetime.fromtimestamp(T0 + day * 86400, tz).replace(
+                hour=0, minute=0, second=0).timestamp()
+            moments += [midnight - 0.001, midnight]
+    rows = [ledger_row(f"d{i}", t, user_name=("alice", "bob")[i % 2], input_tokens=i + 1,
+                       cost_nanousd=7 * i) for i, t in enumerate(moments) if T0 <= t < T0 + SPAN_S]
+    url = (f"sqlite://{tmp_path}/books.sqlite3" if dialect == "sqlite"
+           else request.getfixturevalue("module_pg"))
+    load = {"rows": rows, "before": 0, "batches": [(list(range(len(rows))), False, None)],
+            "periods": []}
+
+    async def go() -> None:
+        if dialect != "sqlite":
+            await _fresh_pg(url)
+        stored = await _ship(url, load)
+        async with await open_reader(locate(LedgerConfig(), url)) as reader:
+            for zone, first, last in (("Europe/Berlin", "2026-03-28", "2026-03-30"),
+                                      ("America/New_York", "2026-03-27", "2026-03-29"),
+                                      ("Asia/Kathmandu", "2026-03-28", "2026-03-29"),
+                                      ("UTC", "2026-03-27", "2026-03-30")):
+                tz = ZoneInfo(zone)
+                period = Period(tz, parse_bound(first, tz, end=False),
+                                parse_bound(last, tz, end=True))
+                for by in ((GroupKey.DAY,), (GroupKey.USER, GroupKey.DAY), (GroupKey.WEEK,),
+                           (GroupKey.USER,)):
+                    got = await build_report(reader, by, period)
+                    want = _expected(stored, by, period)
+                    assert dict(got.rows) == want, (zone, by)
+                    assert got.totals == sum(want.values(), Totals()), (zone, by)
+                plan = await _plan(reader, period, (GroupKey.DAY,))
+                days = [e for r in plan.reads if r.rollup is rollup.USAGE_DAILY for e in r.at]
+                hours = [e for r in plan.reads if r.rollup is rollup.USAGE for e in r.at]
+                assert days, zone
+                if zone == "Asia/Kathmandu":  # 18:15 UTC: that hour from the rows
+                    assert plan.cut and len(plan.cut) <= len(days) + 1
+                else:  # one or two hours a day moved (each once out, once in), and the edges
+                    assert not plan.cut
+                    assert len(hours) <= 4 * len(days) + 2 * 24, (zone, hours)
 
     asyncio.run(go())
