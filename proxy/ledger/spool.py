@@ -39,6 +39,7 @@ thread; `take`, `advance` and the bookkeeping on its event loop's thread.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -61,6 +62,7 @@ _SEGMENT_RE = re.compile(r"^ledger-(\d+-[0-9a-f]+)-(\d+)\.jsonl$")
 _ENDED = COLUMNS.index("ended_at")
 RECLAIM_EVERY_S = 0.1  # a full spool looks again whether the shipper freed room
 _FILE_MODE = 0o600  # rows name users and teams: not for every local account to read
+CURSOR_WIDTH = 20  # bytes of a `.pos` file: any offset, right-aligned (see `_write_cursor`)
 
 # The row is a tuple: the C JSON encoder writes it as the array the spool holds, with no
 # per-field Python (this is on every request's settle path).
@@ -579,10 +581,29 @@ def _load_segment(path: Path, owner: str, seq: int) -> Segment:
 def _write_cursor(seg: Segment) -> None:
     # Replaced whole, so a kill mid-write leaves the old offset (rows shipped again), never a
     # torn number. No fsync: a power loss is out of scope, and a lost cursor only re-ships.
+    # Always CURSOR_WIDTH bytes (the number right-aligned; `int` reads it), so that on a full
+    # disk, where the new file cannot be written, the cursor is overwritten in place: the
+    # same bytes of a file that has them, no new block. Without that, a disk filled by a
+    # segment whose rows are all stored could never say so, and the writer, which learns
+    # from this cursor that the segment's room is free, would go on dropping rows.
+    text = str(seg.start).encode().rjust(CURSOR_WIDTH)
     tmp = seg.path.with_name(seg.path.name + ".pos.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, _FILE_MODE)
     try:
-        os.write(fd, str(seg.start).encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, seg.cursor_path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, _FILE_MODE)
+        try:
+            if os.write(fd, text) != len(text):
+                raise OSError(errno.ENOSPC, "short write of a spool cursor")
+        finally:
+            os.close(fd)
+        os.replace(tmp, seg.cursor_path)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        fd = os.open(seg.cursor_path, os.O_WRONLY | os.O_CLOEXEC)  # no cursor yet: raises
+        try:
+            if os.fstat(fd).st_size != CURSOR_WIDTH or os.pwrite(fd, text, 0) != CURSOR_WIDTH:
+                raise exc
+        finally:
+            os.close(fd)

@@ -1,8 +1,11 @@
 """The ledger's own counts under a full disk (issue 20, item 14c): a row torn by a short write is
-counted as dropped once, so rows stored plus rows dropped is the number of requests."""
+counted as dropped once, so rows stored plus rows dropped is the number of requests; and a disk
+full of stored rows can still say so (the shipper's cursor)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +16,9 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from proxy.ledger.schema import TABLE
+from proxy.ledger.spool import RowSpool, SpoolWriter, encode_row, reached, read_batch
 from proxy.pipeline import services as st
+from tests.books import ledger_row
 from tests.helpers import MESSAGES, StackFactory, make_config, sample, scrape
 
 
@@ -59,3 +64,33 @@ async def test_a_row_torn_by_a_full_disk_is_dropped_once(
     # On main the torn row was counted twice: when its write failed, and when the shipper
     # skipped its bytes.
     assert stored + dropped == requests, (stored, dropped)
+
+
+@pytest.mark.timeout(60)
+def test_a_full_disk_still_takes_the_shippers_cursor(tiny_disk: Path) -> None:
+    """A disk filled up while the rows on it are all stored: the shipper's cursor (which the
+    writer and `flush` read to learn the room is free) is overwritten in place, since a new
+    file cannot be written. On main the cursor stayed behind and the spool could not drain."""
+    writer = SpoolWriter(tiny_disk, 1 << 20)
+    assert writer.append(b"".join(encode_row(ledger_row(f"r{i:04d}", 1_796_000_000.0 + i))
+                                  for i in range(40)))
+    spool = RowSpool(tiny_disk)
+    spool.take(spool.scan(spool.known()))
+    seg = spool.head()
+    assert seg is not None and seg.live
+    spool.advance(read_batch(seg, seg.end, 10, tuple))  # a cursor written as always
+    fd = os.open(tiny_disk / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        with contextlib.suppress(OSError):
+            while True:  # the disk full: not a byte more
+                os.write(fd, b"x" * 4096)
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError):
+        (tiny_disk / "probe").write_bytes(b"x")
+    assert not reached(writer.marks())
+    while (head := spool.head()) is not None:
+        spool.advance(read_batch(head, head.end, 10, tuple))
+    assert not spool.cursor_failing
+    assert int(seg.cursor_path.read_text()) == seg.end
+    assert reached(writer.marks())  # `Ledger.flush` sees everything stored
