@@ -21,6 +21,8 @@ On disk, in the spool directory:
   written by the shipper only after the database committed them. A crash of the shipper between
   the commit and this write ships those rows again: the database stores a request id once
   (primary key), so that is safe. A fully stored, closed segment is deleted (with its `.pos`).
+  Always `CURSOR_WIDTH` bytes (the number right-aligned), so a full disk can still take it:
+  overwritten in place when a new file cannot be written.
 
 The shipper reads complete lines only. A segment's last line without its newline (the process
 was killed inside its write) is skipped once the segment can no longer grow, and counted as
