@@ -98,11 +98,23 @@ class _Memo:
 
 
 class _Counter(_Memo, Counter):
-    pass
+    def inc(self, amount: float = 1, exemplar: dict[str, str] | None = None) -> None:
+        """prometheus_client's inc without its two checking calls on a labelled child (about
+        13 increments a request); a parent, a negative amount and exemplars take its path."""
+        if exemplar is not None or amount < 0 or (self._labelnames and not self._labelvalues):
+            super().inc(amount, exemplar)
+            return
+        self._value.inc(amount)
 
 
 class _Gauge(_Memo, Gauge):
-    pass
+    def set(self, value: float) -> None:
+        """prometheus_client's set without its checking call on a labelled child; a parent
+        and the `mostrecent` modes (which stamp the time) take its path."""
+        if self._is_most_recent or (self._labelnames and not self._labelvalues):
+            super().set(value)
+            return
+        self._value.set(float(value))
 
 
 class _Histogram(_Memo, Histogram):

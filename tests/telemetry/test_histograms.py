@@ -1,6 +1,7 @@
-"""proxy.telemetry.metrics' histograms find their bucket by bisection: the exposition is the
-library's own, value for value, whatever is observed (bounds, between them, past the last,
-negative, NaN), in a single process and in multiprocess mode."""
+"""proxy.telemetry.metrics' collectors skip prometheus_client's per-call checks on labelled
+children, and its histograms find their bucket by bisection: the exposition is the library's
+own, value for value, whatever is observed (bounds, between them, past the last, negative, NaN),
+in a single process and in multiprocess mode."""
 
 from __future__ import annotations
 
@@ -10,10 +11,17 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prometheus_client import CollectorRegistry, Histogram, generate_latest, values
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    values,
+)
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from proxy.telemetry.metrics import TPOT_BUCKETS, TTFT_BUCKETS, _Histogram
+from proxy.telemetry.metrics import TPOT_BUCKETS, TTFT_BUCKETS, _Counter, _Gauge, _Histogram
 
 AMOUNTS = st.one_of(
     st.sampled_from([*TTFT_BUCKETS, *TPOT_BUCKETS, 0.0, -1.0, 1e9, math.inf, math.nan]),
@@ -76,3 +84,25 @@ def test_a_labelled_parent_still_refuses_an_observation() -> None:
     h = _Histogram("h_seconds", "h", ["model"], registry=CollectorRegistry())
     with pytest.raises(ValueError):
         h.observe(1.0)
+
+
+@pytest.mark.timeout(60)
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(min_value=0.0, max_value=1e6, allow_nan=False), max_size=20),
+       st.lists(st.floats(min_value=-1e6, max_value=1e6, allow_nan=False), max_size=20))
+def test_counters_and_gauges_expose_what_the_library_does(increments: list[float],
+                                                          sets: list[float]) -> None:
+    a, b = CollectorRegistry(), CollectorRegistry()
+    counters = (_Counter("c", "c", ["u"], registry=a), Counter("c", "c", ["u"], registry=b))
+    gauges = (_Gauge("g", "g", ["u"], registry=a), Gauge("g", "g", ["u"], registry=b))
+    for x in increments:
+        for counter in counters:
+            counter.labels("x").inc(x)
+    for x in sets:
+        for gauge in gauges:
+            gauge.labels("x").set(x)
+    assert _exposed(a) == _exposed(b)
+    with pytest.raises(ValueError):
+        counters[0].labels("x").inc(-1)  # as the library: counters only go up
+    with pytest.raises(ValueError):
+        gauges[0].set(1.0)  # a labelled parent is not a series
