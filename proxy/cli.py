@@ -377,6 +377,11 @@ def _store_usage(args: argparse.Namespace) -> int:
         print("the in-process store lives inside the running proxy; usage needs a Redis store "
               "(see tokenmeter_budget_used_tokens on /metrics instead)", file=sys.stderr)
         return 2
+    if not config.users:
+        # Open and pass-through modes have no budgets: the store keeps no counters for them.
+        print("no users are configured, so there are no budgets and the store counts nothing; "
+              "what was used is in the ledger: tokenmeter usage --config FILE", file=sys.stderr)
+        return 2
 
     async def run() -> list[UserUsage]:
         store = RedisStore(config.store.url, max(config.store.timeout_ms, 2000))

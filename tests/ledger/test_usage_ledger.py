@@ -282,3 +282,13 @@ def test_an_empty_table_or_no_database(tmp_path: Path, capsys: pytest.CaptureFix
     assert "no ledger table" in capsys.readouterr().err
     assert main(["usage", "--ledger", "postgresql://postgres@127.0.0.1:1/none"]) == 1
     assert "cannot read the ledger" in capsys.readouterr().err
+
+
+def test_the_store_view_of_a_config_without_users_points_to_the_ledger(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Open and pass-through modes have no budgets: the store keeps no counters to show.
+    config = tmp_path / "open.yaml"
+    config.write_text("upstreams:\n  u:\n    base_url: http://127.0.0.1:9/v1\n"
+                      "store:\n  url: redis://127.0.0.1:1/0\n")
+    assert main(["usage", "--config", str(config), "--source", "store"]) == 2
+    assert "tokenmeter usage --config" in capsys.readouterr().err
