@@ -80,9 +80,11 @@ def tiktoken_cache(directory: Path) -> Path:
 
 
 def start(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    # tokenmeter's state (ledger, spools) beside the log, never in the user's state directory.
+    env = {**os.environ, "TOKENMETER_STATE_DIR": str(log.with_suffix(".state"))}
     with log.open("wb") as out:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

@@ -53,6 +53,7 @@ from bench_proxy import (
     Service,
     Services,
     cpu_times,
+    ends_with_done,
     ensure_alive,
     execute,
     find_pyspy,
@@ -80,6 +81,7 @@ NOMINAL_S = TTFT_MS / 1000 + OUTPUT_TOKENS / TOKENS_PER_SECOND
 # usage chunks do not. Counting it counts tokens without parsing JSON (see bench_proxy.py).
 MARK = b'"delta":{"content":"'
 KEEP = len(MARK) - 1
+END_BYTES = 512  # a stream's last bytes: `[DONE]` and the cost comment tokenmeter adds
 DONE = b"data: [DONE]\n\n"
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=30, sock_connect=10, sock_read=15)
 BODY = json.dumps(
@@ -222,7 +224,7 @@ async def one_request(session: aiohttp.ClientSession, url: str) -> float:
             raise BenchError(f"HTTP {resp.status}: {text!r}")
         tokens = 0
         first = 0.0
-        tail = b""
+        tail = end = b""
         async for chunk in resp.content.iter_any():
             buf = tail + chunk if tail else chunk
             n = buf.count(MARK)
@@ -231,7 +233,8 @@ async def one_request(session: aiohttp.ClientSession, url: str) -> float:
                     first = perf()
                 tokens += n
             tail = buf[-KEEP:]
-    if not tail.endswith(DONE):
+            end = (end + chunk)[-END_BYTES:]
+    if not ends_with_done(end):  # tokenmeter's cost comment may follow `[DONE]`
         raise BenchError(f"stream did not end with [DONE] ({tokens} tokens)")
     if tokens != OUTPUT_TOKENS:
         raise BenchError(f"got {tokens} content tokens, expected {OUTPUT_TOKENS}")

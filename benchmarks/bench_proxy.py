@@ -244,6 +244,11 @@ class Services:
 
     def start(self, name: str, argv: list[str]) -> Service:
         log = self.workdir / f"{name}.log"
+        # A tokenmeter of this run keeps its state (ledger, spools) in the run's directory, one
+        # per service (`<name>-restarted`, bench_soak's rolling restart, finds its own again),
+        # never in the state directory of the machine's user.
+        state = self.workdir / f"state-{name.partition('-restarted')[0]}"
+        env = {**os.environ, "TOKENMETER_STATE_DIR": str(state)}
         with log.open("wb") as out:
             proc = subprocess.Popen(
                 argv,
@@ -251,6 +256,7 @@ class Services:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 cwd=self.workdir,
+                env=env,
                 start_new_session=True,  # own process group: Ctrl-C reaches only us, we clean up
             )
         svc = Service(name, proc, log)

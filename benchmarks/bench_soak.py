@@ -111,6 +111,7 @@ from bench_proxy import (
     BenchError,
     Service,
     Services,
+    ends_with_done,
     execute,
     fmt,
     free_ports,
@@ -297,8 +298,11 @@ def stream_usage(kind: Kind, data: bytes) -> tuple[tuple[int, int] | None, int]:
         if at < 0 or not data.endswith(b"\n\n"):
             return None, count
         return _usage_of(json.loads(data[at:].split(b"\n", 2)[1][6:])), count
-    if not data.endswith(DONE):
+    # tokenmeter ends a clean stream with an SSE comment after `[DONE]` (its cost): not an event.
+    done = data.rfind(DONE)
+    if done < 0 or not ends_with_done(data[done:]):
         return None, count
+    data = data[: done + len(DONE)]
     for event in reversed(data[: -len(DONE)].split(b"\n\n")[-4:]):
         if event.startswith(b"data: {") and b'"usage":{' in event:
             return _usage_of(json.loads(event[6:])), count
