@@ -300,6 +300,21 @@ def test_rollups_equal_the_rows_postgresql(module_pg: str, load: dict[str, Any])
     asyncio.run(go())
 
 
+def _ledger_url(dialect: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
+    """A ledger of `dialect` for one test (PostgreSQL's: the module's database, emptied by
+    `_books_of`). Resolved outside the test's event loop: the fixture runs one of its own."""
+    return (f"sqlite://{tmp_path}/books.sqlite3" if dialect == "sqlite"
+            else request.getfixturevalue("module_pg"))
+
+
+async def _books_of(url: str, rows: list[LedgerRow]) -> list[LedgerRow]:
+    """The ledger at `url`, fresh, holding `rows` shipped in one batch: the rows stored."""
+    if not url.startswith("sqlite"):
+        await _fresh_pg(url)
+    return await _ship(url, {"rows": rows, "before": 0, "periods": [],
+                             "batches": [(list(range(len(rows))), False, None)]})
+
+
 @pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
 def test_a_period_starting_and_ending_mid_day_is_exact(dialect: str, tmp_path: Path,
                                                        request: pytest.FixtureRequest) -> None:
@@ -312,15 +327,10 @@ def test_a_period_starting_and_ending_mid_day_is_exact(dialect: str, tmp_path: P
                at(1, 12, 0), at(2, 15, 0), at(2, 15, 41, 59.9), at(2, 15, 42), at(2, 16, 0)]
     rows = [ledger_row(f"m{i}", t, input_tokens=10**i, cost_nanousd=i) for i, t in
             enumerate(moments)]
-    url = (f"sqlite://{tmp_path}/books.sqlite3" if dialect == "sqlite"
-           else request.getfixturevalue("module_pg"))
-    load = {"rows": rows, "before": 0, "batches": [(list(range(len(rows))), False, None)],
-            "periods": []}
+    url = _ledger_url(dialect, tmp_path, request)
 
     async def go() -> None:
-        if dialect != "sqlite":
-            await _fresh_pg(url)
-        await _ship(url, load)
+        await _books_of(url, rows)
         tz = ZoneInfo("UTC")
         period = Period(tz, datetime.fromtimestamp(at(0, 10, 17), tz),
                         datetime.fromtimestamp(at(2, 15, 42), tz))
@@ -352,15 +362,10 @@ def test_local_days_over_a_dst_change_read_the_day_rollup_exactly(
             moments += [midnight - 0.001, midnight]
     rows = [ledger_row(f"d{i}", t, user_name=("alice", "bob")[i % 2], input_tokens=i + 1,
                        cost_nanousd=7 * i) for i, t in enumerate(moments) if T0 <= t < T0 + SPAN_S]
-    url = (f"sqlite://{tmp_path}/books.sqlite3" if dialect == "sqlite"
-           else request.getfixturevalue("module_pg"))
-    load = {"rows": rows, "before": 0, "batches": [(list(range(len(rows))), False, None)],
-            "periods": []}
+    url = _ledger_url(dialect, tmp_path, request)
 
     async def go() -> None:
-        if dialect != "sqlite":
-            await _fresh_pg(url)
-        stored = await _ship(url, load)
+        stored = await _books_of(url, rows)
         async with await open_reader(locate(LedgerConfig(), url)) as reader:
             for zone, first, last in (("Europe/Berlin", "2026-03-28", "2026-03-30"),
                                       ("America/New_York", "2026-03-27", "2026-03-29"),
