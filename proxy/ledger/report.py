@@ -41,12 +41,10 @@ from __future__ import annotations
 
 import csv
 import enum
-import gc
 import io
 import json
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
@@ -54,6 +52,7 @@ from operator import itemgetter
 from typing import Any
 from zoneinfo import ZoneInfo
 
+from proxy.config.load import collector_paused
 from proxy.config.tags import valid_key
 from proxy.ledger.query import Dialect, LedgerReader, Sql, as_int, rollups_ready
 from proxy.ledger.rollup import DAY_S, HOUR_S, USAGE, USAGE_DAILY, Rollup
@@ -295,7 +294,7 @@ async def build_report(reader: LedgerReader, by: Sequence[Group], period: Period
                 *(f"sum(s{j}){_cast(q)}" for j in range(len(USAGE.measures)))]
         text = (f"{ctes}SELECT {', '.join(cols)} FROM ({' UNION ALL '.join(branches)}) u"
                 + _group_by(n))
-    with _no_cycle_collection():
+    with collector_paused():  # tens of thousands of groups, none in a cycle
         found = await reader.fetch(text, q.params)
         grouped, values = _grouped(found, plain, timed, named)
     # Back in the order --by named them; no key (None) sorts after every text.
@@ -307,19 +306,6 @@ async def build_report(reader: LedgerReader, by: Sequence[Group], period: Period
     else:  # (the keys are unique: the Totals are never compared)
         rows = sorted(grouped.items(), key=itemgetter(0))
     return Report(tuple(by), period, tuple(rows), Totals(*map(sum, zip(*values, strict=True))))
-
-
-@contextmanager
-def _no_cycle_collection() -> Iterator[None]:
-    """Tens of thousands of groups are as many new objects, none of them in a cycle: the cycle
-    collector, woken by their count, would walk every object of the process again and again."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def _grouped(found: Sequence[tuple[Any, ...]], plain: Sequence[Group],
@@ -689,7 +675,7 @@ def render_csv(report: Report) -> str:
             found = cells[k] = csv_cell(k)
         return found
 
-    with _no_cycle_collection():
+    with collector_paused():  # tens of thousands of groups, none in a cycle
         for keys, t in report.rows:
             w.writerow([*map(cell, keys), *_values(t, cache, hits)])
     w.writerow(["total", *[""] * (len(report.by) - 1), *_values(report.totals, cache, hits)])
