@@ -31,7 +31,9 @@ request for `tm+budgets`. Figures are medians over the rounds' blocks.
 `tokenmeter mock-upstream` (256-token streams at 750 tokens/s after a 20 ms TTFT, so a read
 holds about one event), at concurrency 16 (TTFT p50/p99; added = minus direct's) and 64
 (tokens/s received by all clients while all 64 are busy). Gateways: `direct` (client -> mock),
-`nginx-2` (pass-through, `worker_processes 2`), `tm` (one process) and `tm-2` (`--workers 2`).
+`nginx-2` (pass-through, `worker_processes 2`), `bare` (benchmarks/bare_proxy.py: what an aiohttp
+pass-through adds with no code of ours, the floor target 4 is read against), `tm` (one process)
+and `tm-2` (`--workers 2`).
 Target 5 compares `tm-2` with `nginx-2`: the same number of serving processes, the fair match
 (a second nginx worker can only raise the bar tokenmeter is held to, never lower it).
 
@@ -199,6 +201,9 @@ def verdict(cpu: dict[str, dict[str, dict[str, float]]], paced: dict[str, dict[s
         add(f"added TTFT {q} at concurrency 16 (tokenmeter, 1 process)", ("<", limit, " ms"), v,
             f"{v:+.2f} ms ({tm[f'ttft_{q}_c16']:.2f} vs direct "
             f"{paced['direct'][f'ttft_{q}_c16']:.2f})" if v is not None else "", errors)
+        b = paced.get("bare", {}).get(f"added_ttft_{q}_c16")
+        add("  the same for the bare aiohttp pass-through (the framework's floor)", None, b,
+            f"{b:+.2f} ms" if b is not None else "")
     tm2, ngx = paced.get("tm-2", {}), paced.get("nginx-2", {})
     x = _ratio(tm2.get("tokens_per_s_c64"), ngx.get("tokens_per_s_c64"))
     add("tokens/s at concurrency 64, --workers 2, x nginx (2 workers)", (">=", 0.95, "x"), x,
@@ -313,7 +318,7 @@ class Started:
 
 async def start_all(args: argparse.Namespace, services: Services, workdir: Path) -> Started:
     (static_port, mock_port, redis_port, bare_port, nginx_port, tm_port, tm2_port, tmb_port,
-     pn2_port, ptm_port, ptm2_port) = free_ports(11)
+     pn2_port, ptm_port, ptm2_port, pbare_port) = free_ports(12)
     tm = tokenmeter_argv()
     static = services.start("static", [args.nginx, "-c", str(static_conf(
         workdir / "static", static_port)), "-p", str(workdir)])
@@ -361,6 +366,12 @@ async def start_all(args: argparse.Namespace, services: Services, workdir: Path)
         Gateway("direct", LABELS["direct"], False, mock_url, 0),
         Gateway("nginx-2", LABELS["nginx-2"], False, f"http://{HOST}:{pn2_port}/v1",
                 nginx("nginx-2", pn2_port, 2, mock_port)),
+        # The framework's own floor: what an aiohttp pass-through adds to TTFT with no code
+        # of ours in it (target 4 is read against it).
+        Gateway("bare", LABELS["bare"], False, f"http://{HOST}:{pbare_port}/v1",
+                services.start("paced-bare", [
+                    sys.executable, str(HERE / "bare_proxy.py"), "--host", HOST, "--port",
+                    str(pbare_port), "--upstream", f"http://{HOST}:{mock_port}"]).proc.pid),
         Gateway("tm", LABELS["tm"], False, f"http://{HOST}:{ptm_port}/v1",
                 tokenmeter("paced-tm", ptm_port, "--upstream", mock_url)),
         Gateway("tm-2", LABELS["tm-2"], False, f"http://{HOST}:{ptm2_port}/v1",
@@ -368,7 +379,7 @@ async def start_all(args: argparse.Namespace, services: Services, workdir: Path)
     ]
     for svc, url in ready:  # tokenmeter answers /healthz once its workers serve
         await wait_ready(svc, url, 60.0)
-    for port in (static_port, bare_port, nginx_port, pn2_port):
+    for port in (static_port, bare_port, nginx_port, pn2_port, pbare_port):
         await asyncio.to_thread(wait_port, port, 60.0)
     return Started(cpu_targets, gateways, static.proc.pid, mock.proc.pid, redis.proc.pid,
                    nginx_version(args.nginx))

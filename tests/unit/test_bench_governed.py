@@ -44,6 +44,8 @@ def paced_summary() -> dict[str, dict[str, Any]]:
         "nginx-2": {"ttft_p50_c16": 24.2, "ttft_p99_c16": 31.0, "tokens_per_s_c64": 44000.0,
                     "added_ttft_p50_c16": 0.2, "added_ttft_p99_c16": 1.0, "c16_errors": 0,
                     "c64_errors": 0},
+        "bare": {"ttft_p50_c16": 25.2, "ttft_p99_c16": 33.0, "added_ttft_p50_c16": 1.2,
+                 "added_ttft_p99_c16": 3.0, "c16_errors": 0, "c64_errors": 0},
         "tm": {"ttft_p50_c16": 24.9, "ttft_p99_c16": 36.0, "added_ttft_p50_c16": 0.9,
                "added_ttft_p99_c16": 6.0, "tokens_per_s_c64": 30000.0, "cpu_ms_stream": 5.0,
                "c16_errors": 0, "c64_errors": 0},
@@ -57,7 +59,7 @@ def paced_summary() -> dict[str, dict[str, Any]]:
 def test_each_target_is_its_ratio_against_its_goal(governed: Any) -> None:
     rows = governed.verdict(cpu_summary(), paced_summary())
     by = {r["target"].strip(): r for r in rows}
-    assert len(rows) == 9
+    assert len(rows) == 11
     small = by["CPU per small request, all tokenmeter processes, x bare"]
     assert small["value"] == pytest.approx(1.9) and small["met"] is True
     assert small["goal"] == "<= 2x"
@@ -73,6 +75,8 @@ def test_each_target_is_its_ratio_against_its_goal(governed: Any) -> None:
     p99 = by["added TTFT p99 at concurrency 16 (tokenmeter, 1 process)"]
     assert (p50["met"], p99["met"]) == (True, False)  # 0.9 < 1 ms; 6.0 is not < 5 ms
     assert p50["measured"].startswith("+0.90 ms (24.90 vs direct 24.00)")
+    floor = [r for r in rows if "the framework's floor" in r["target"]]
+    assert [(r["measured"], r["met"]) for r in floor] == [("+1.20 ms", None), ("+3.00 ms", None)]
     c64 = by["tokens/s at concurrency 64, --workers 2, x nginx (2 workers)"]
     # 0.96x nginx would meet the goal, but two streams failed: not met, and said why.
     assert c64["value"] == pytest.approx(0.96) and c64["met"] is False
@@ -95,15 +99,16 @@ def test_a_refused_budgeted_request_fails_the_target_and_a_missing_one_is_not_me
 def test_tables_have_every_column_in_every_row(governed: Any) -> None:
     rows = governed.verdict(cpu_summary(), paced_summary())
     lines = governed.verdict_table(rows).splitlines()
-    assert len(lines) == 2 + 9 and {ln.count("|") for ln in lines} == {5}
+    assert len(lines) == 2 + 11 and {ln.count("|") for ln in lines} == {5}
     assert "| **no** |" in lines[4] and lines[2].endswith("| yes |")
     cpu = governed.cpu_table(cpu_summary()).splitlines()
     assert len(cpu) == 2 + 6 and len({ln.count("|") for ln in cpu}) == 1
     tm2 = next(ln for ln in cpu if ln.startswith("| tokenmeter --workers 2 |"))
     assert "0.350 / 0.050 / 0.000" in tm2  # serving / shipper / supervisor
     paced = governed.paced_table(paced_summary()).splitlines()
-    assert len(paced) == 2 + 4 and len({ln.count("|") for ln in paced}) == 1
-    assert "| 0.96 |" in paced[-1] and "0.90/0.30/0.30" in paced[-1]
+    assert len(paced) == 2 + 5 and len({ln.count("|") for ln in paced}) == 1
+    tm2 = next(ln for ln in paced if ln.startswith("| tokenmeter --workers 2 |"))
+    assert "| 0.96 |" in tm2 and "0.90/0.30/0.30" in tm2
 
 
 def test_the_budgets_user_has_day_and_minute_windows_that_never_refuse(governed: Any) -> None:
