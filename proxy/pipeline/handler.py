@@ -232,17 +232,21 @@ async def _read(request: web.Request, max_body_mb: float) -> bytes:
                 "Compressed request bodies are not accepted; send the body without "
                 "Content-Encoding.", headers={hdrs.ACCEPT_ENCODING: "identity"},
             )
-    too_large = RequestTooLarge(
-        f"The request body is larger than the proxy accepts ({max_body_mb:g} MB, "
-        "server.max_body_mb)."
-    )
     length = request.content_length
     if length is not None and length > request.client_max_size:
-        raise too_large  # known from the headers: nothing of it is read
+        raise _too_large(max_body_mb)  # known from the headers: nothing of it is read
     try:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise too_large from None
+        raise _too_large(max_body_mb) from None
+
+
+def _too_large(max_body_mb: float) -> RequestTooLarge:
+    # Made when it is raised: an error object per request that fits was a microsecond each.
+    return RequestTooLarge(
+        f"The request body is larger than the proxy accepts ({max_body_mb:g} MB, "
+        "server.max_body_mb)."
+    )
 
 
 async def _parse(request: web.Request, raw: bytes) -> ParsedRequest:
