@@ -208,8 +208,9 @@ class SSEDecoder:
         """The fast path for many events per chunk: if `chunk` is nothing but whole one-line
         `data: ` events, LF-framed, and nothing is pending, their data, as `feed` would return
         them, and the chunk is consumed; else None, and nothing changed. Exact: with the chunk
-        split on the event boundaries, a newline count of two per part leaves no room for a
-        line of any other kind."""
+        split on the event boundaries, a part without a newline leaves no room for a line of
+        any other kind. (Looked for in the parts joined: a copy and a memchr, a sixth of the
+        time of counting the chunk's newlines.)"""
         if (
             chunk[:6] != b"data: "
             or chunk[-2:] != b"\n\n"
@@ -219,7 +220,7 @@ class SSEDecoder:
         ):
             return None
         parts = chunk[6:-2].split(b"\n\ndata: ")
-        if chunk.count(b"\n") != 2 * len(parts):
+        if b"\n" in b"".join(parts):
             return None
         return parts
 
