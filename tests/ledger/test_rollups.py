@@ -16,7 +16,7 @@ import sqlite3
 import tempfile
 import uuid
 from collections.abc import Iterator, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 from proxy.config.ledger import LedgerConfig
 from proxy.ledger import rollup
+from proxy.ledger.migrate import add_zone_postgres, add_zone_sqlite
 from proxy.ledger.query import locate, open_reader
 from proxy.ledger.report import (
     Group,
@@ -49,7 +50,9 @@ from tests.books import ledger_row, pg_admin
 
 T0 = datetime(2026, 3, 27, tzinfo=UTC).timestamp()  # Berlin's clocks change on the 29th
 SPAN_S = 4 * 86400
-ZONES = ("UTC", "Europe/Berlin", "Asia/Kathmandu", "America/New_York")
+ZONES = ("UTC", "Europe/Berlin", "Asia/Kathmandu", "America/New_York", "Asia/Kolkata")
+# The zones the local-day rollup holds in these tests (Kolkata's reports read UTC days).
+LOCAL_ZONES = ("Europe/Berlin", "America/New_York", "Asia/Kathmandu")
 GROUPINGS: tuple[tuple[Group, ...], ...] = (
     (GroupKey.USER,), (GroupKey.MODEL, GroupKey.DAY),
     (GroupKey.TEAM, GroupKey.KEY, GroupKey.UPSTREAM), (GroupKey.WEEK,), (),
@@ -156,8 +159,24 @@ async def _old_database(url: str, rows: Sequence[LedgerRow]) -> None:
 async def _fresh_pg(url: str) -> None:
     conn = await asyncpg.connect(url)
     try:
-        for table in (TABLE, SCHEMA_TABLE, *(r.table for r in rollup.ROLLUPS)):
+        for table in (TABLE, SCHEMA_TABLE, rollup.ZONES, *(r.table for r in rollup.ROLLUPS)):
             await conn.execute(f"DROP TABLE IF EXISTS {table}")
+    finally:
+        await conn.close()
+
+
+async def _add_zones(url: str, zones: Sequence[str]) -> list[bool]:
+    """`zones` in the local-day rollup of the ledger at `url` (as a shipper adds its own)."""
+    if url.startswith("sqlite"):
+        db = sqlite3.connect(url.removeprefix("sqlite://"), isolation_level=None)
+        try:
+            rollup.register(db)
+            return [add_zone_sqlite(db, z) for z in zones]
+        finally:
+            db.close()
+    conn = await asyncpg.connect(url)
+    try:
+        return [await add_zone_postgres(conn, z) for z in zones]
     finally:
         await conn.close()
 
@@ -165,6 +184,7 @@ async def _fresh_pg(url: str) -> None:
 async def _fetch(url: str, text: str) -> list[tuple[Any, ...]]:
     if url.startswith("sqlite"):
         with sqlite3.connect(url.removeprefix("sqlite://")) as db:
+            rollup.register(db)
             return [tuple(r) for r in db.execute(text).fetchall()]
     conn = await asyncpg.connect(url)
     try:
@@ -180,7 +200,8 @@ def _plain(values: Sequence[Any]) -> tuple[Any, ...]:
 
 
 async def _rollups_match_rows(url: str) -> None:
-    """Every rollup is the sums of the stored rows (no more rollup rows, none missing)."""
+    """Every rollup is the sums of the stored rows (no more rollup rows, none missing); the
+    local-day rollup's in each zone its table lists."""
     pg = not url.startswith("sqlite")
     for r in rollup.ROLLUPS:
         cols = ", ".join([*r.key, *(m.name for m in r.measures)])
@@ -229,16 +250,21 @@ def _expected(rows: Sequence[LedgerRow], by: Sequence[Group], period: Period
 # --- the property -----------------------------------------------------------------------------
 
 async def _ship(url: str, load: dict[str, Any]) -> list[LedgerRow]:
-    """`load` through the sink; the rows that should be stored, in the order they landed."""
+    """`load` through the sink (configured in Berlin; New York and Kathmandu added to the
+    local-day rollup too); the rows that should be stored, in the order they landed."""
     rows: list[LedgerRow] = load["rows"]
+    zones: Sequence[str] = load.get("zones", LOCAL_ZONES)
     stored: dict[str, LedgerRow] = {}
     before = rows[:load["before"]]
     await _old_database(url, before)
     stored.update((r.request_id, r) for r in before)
-    sink: SqliteSink | PostgresSink = (SqliteSink(Path(url.removeprefix("sqlite://")))
-                                       if url.startswith("sqlite") else PostgresSink(url))
-    await sink.open()  # migrates: the rollups built from the rows already there
+    zone = zones[0] if zones else "UTC"
+    sink: SqliteSink | PostgresSink = (SqliteSink(Path(url.removeprefix("sqlite://")), zone)
+                                       if url.startswith("sqlite") else PostgresSink(url, zone))
+    # Migrates (the rollups built from the rows already there), then sums them in Berlin.
+    await sink.open()
     try:
+        assert await _add_zones(url, zones) == [False, *[True] * (len(zones) - 1)][:len(zones)]
         await _rollups_match_rows(url)
         for picks, refused, cutoff in load["batches"]:
             batch = [rows[i] for i in picks]
@@ -307,11 +333,13 @@ def _ledger_url(dialect: str, tmp_path: Path, request: pytest.FixtureRequest) ->
             else request.getfixturevalue("module_pg"))
 
 
-async def _books_of(url: str, rows: list[LedgerRow]) -> list[LedgerRow]:
-    """The ledger at `url`, fresh, holding `rows` shipped in one batch: the rows stored."""
+async def _books_of(url: str, rows: list[LedgerRow], zones: Sequence[str] = LOCAL_ZONES
+                    ) -> list[LedgerRow]:
+    """The ledger at `url`, fresh, holding `rows` shipped in one batch, its local-day rollup
+    holding `zones`: the rows stored."""
     if not url.startswith("sqlite"):
         await _fresh_pg(url)
-    return await _ship(url, {"rows": rows, "before": 0, "periods": [],
+    return await _ship(url, {"rows": rows, "before": 0, "periods": [], "zones": zones,
                              "batches": [(list(range(len(rows))), False, None)]})
 
 
@@ -345,14 +373,16 @@ def test_a_period_starting_and_ending_mid_day_is_exact(dialect: str, tmp_path: P
     asyncio.run(go())
 
 
+@pytest.mark.parametrize("local", [False, True], ids=["utc-days", "local-days"])
 @pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
 def test_local_days_over_a_dst_change_read_the_day_rollup_exactly(
-        dialect: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+        dialect: str, local: bool, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """Whole local days in Berlin over its spring change (+1 to +2 on the 29th), in New York
     (west of UTC) and in Kathmandu (+5:45): a row every 20 minutes, and one on each side of
-    every local midnight. The report equals the rows' sums, and Berlin's and New York's days
-    read the day rollup corrected by one or two hours a day (not 24), Kathmandu's the rows of
-    the hour its midnight cuts."""
+    every local midnight. The report equals the rows' sums. Without the local-day rollup
+    holding the zones, Berlin's and New York's days read the UTC day rollup corrected by one
+    or two hours a day (not 24), Kathmandu's the rows of the hour its midnight cuts; with it,
+    every zone's days are one read of the local-day rollup alone."""
     moments = [T0 + k * 1200.0 for k in range(SPAN_S // 1200)]
     for day in range(5):
         for zone in ("Europe/Berlin", "America/New_York", "Asia/Kathmandu"):
@@ -365,7 +395,7 @@ def test_local_days_over_a_dst_change_read_the_day_rollup_exactly(
     url = _ledger_url(dialect, tmp_path, request)
 
     async def go() -> None:
-        stored = await _books_of(url, rows)
+        stored = await _books_of(url, rows, LOCAL_ZONES if local else ())
         async with await open_reader(locate(LedgerConfig(), url)) as reader:
             for zone, first, last in (("Europe/Berlin", "2026-03-28", "2026-03-30"),
                                       ("America/New_York", "2026-03-27", "2026-03-29"),
@@ -381,6 +411,13 @@ def test_local_days_over_a_dst_change_read_the_day_rollup_exactly(
                     assert dict(got.rows) == want, (zone, by)
                     assert got.totals == sum(want.values(), Totals()), (zone, by)
                 plan = await _plan(reader, period, (GroupKey.DAY,))
+                if local and zone != "UTC":  # whole local days, each once, nothing else
+                    (read,) = plan.reads
+                    assert read.rollup is rollup.USAGE_LOCAL and read.zone == zone
+                    assert len(read.at) == (date.fromisoformat(last)
+                                            - date.fromisoformat(first)).days + 1
+                    assert not plan.cut and not plan.raw
+                    continue
                 days = [e for r in plan.reads if r.rollup is rollup.USAGE_DAILY for e in r.at]
                 hours = [e for r in plan.reads if r.rollup is rollup.USAGE for e in r.at]
                 assert days, zone
