@@ -288,10 +288,14 @@ def _measure(url: str, days: int, config: Path, raw: bool) -> dict[str, Any]:
     async def not_rolled(reader: query.LedgerReader, zone: str) -> bool:
         return False
 
+    berlin = ("usage_user_day_berlin", "usage_model_day_berlin")
+    local: dict[str, object] = {k: asyncio.run(cases[k]()) for k in berlin}  # type: ignore[arg-type]
     setattr(report, "zone_rolled", not_rolled)  # noqa: B010
     try:
-        for k in ("usage_user_day_berlin", "usage_model_day_berlin"):
+        for k in berlin:
             out[f"utc_days_{k}_s"], out[f"utc_days_{k}_cpu_s"] = _in_process(cases[k])
+            # The same report both ways, to the token and the nano-dollar.
+            assert asyncio.run(cases[k]()) == local[k], k  # type: ignore[arg-type]
     finally:
         setattr(report, "zone_rolled", rolled)  # noqa: B010
     if raw:  # before: the same, from the rows alone (as a ledger without rollups is read)
