@@ -4,14 +4,21 @@ A request belongs to the time it started (`started_at`), and to the group of its
 name, model (the one sent upstream; the one asked for when none was) and upstream. Days, weeks
 (ISO: Monday to Sunday) and months are those of the configured time zone, DST and offsets of
 any size included. The buckets are named in one place, `labels` (Python's zoneinfo):
-- the rollups' rows (whole UTC days and hours, `proxy.ledger.rollup`) get theirs from a table
+- in a zone the local-day rollup holds (the configured `timezone`: the shipper adds it,
+  `proxy.ledger.rollup.USAGE_LOCAL`), whole local days come from it, each in the bucket of its
+  start: a day, week or month of the zone never cuts one, so a report over whole days is one
+  read of it with nothing to correct, like UTC's of the day rollup. Its partial days at the
+  period's ends come from the hour rollup, and the minutes between a local midnight and its
+  hour's start (Kathmandu's) from the rows. Why not in every zone: the rollup is kept per zone,
+  at one more sum per batch each, so it holds the zones a shipper was configured with;
+- in any other zone, the rollups' rows (whole UTC days and hours, `proxy.ledger.rollup`) get theirs from a table
   of instants and bucket names the report's plan makes (`_timed`): a whole UTC day goes to the
   bucket holding most of it, and the hours of it another bucket holds (those between the UTC
   and the local midnight: one or two a day in Berlin, none in UTC) are taken out of that
   bucket and put into theirs, from the hour rollup. So a report over whole local days reads
   about one day-rollup row per group and day, not 24 hour-rollup rows;
-- an hour a local midnight cuts (offsets of 30 or 45 minutes: India, Nepal, Newfoundland) and
-  the minutes at the period's ends are read from the rows, each row bucketed by itself:
+- an hour a local midnight cuts (offsets of 30 or 45 minutes: India, Nepal, Newfoundland, where
+  UTC days are read) and the minutes at the period's ends are read from the rows, each row bucketed by itself:
   PostgreSQL in SQL (`_PG_BUCKET`: `AT TIME ZONE`, `date_trunc('week', ...)` starts on Monday);
   SQLite, which has no time zones, by a function of ours (`tm_bucket`, `labels` worked out once
   per 15-minute UTC slice, exact when no local midnight falls inside the slice: true of every
@@ -268,9 +275,9 @@ def labels(moment: float, tz: ZoneInfo, keys: Iterable[GroupKey]) -> tuple[str, 
 
 
 async def build_report(reader: LedgerReader, by: Sequence[Group], period: Period) -> Report:
-    """One statement (one snapshot), grouped and summed by the database: the rollups' whole UTC
-    days and hours, each put in its bucket by a table of instants and buckets the plan made,
-    and the rows of what is left, bucketed row by row."""
+    """One statement (one snapshot), grouped and summed by the database: the rollups' whole
+    days (local or UTC) and hours, each put in its bucket by a table of instants and buckets
+    the plan made, and the rows of what is left, bucketed row by row."""
     plain = [k for k in by if not k.is_time]
     timed = [k for k in by if isinstance(k, GroupKey) and k.is_time]
     plan = await _plan(reader, period, timed)

@@ -16,6 +16,7 @@ import sqlite3
 import tempfile
 import uuid
 from collections.abc import Iterator, Sequence
+from dataclasses import asdict
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -28,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.config.ledger import LedgerConfig
-from proxy.ledger import rollup
+from proxy.ledger import rollup, sink_postgres
 from proxy.ledger.migrate import add_zone_postgres, add_zone_sqlite
 from proxy.ledger.query import locate, open_reader
 from proxy.ledger.report import (
@@ -44,6 +45,7 @@ from proxy.ledger.report import (
 )
 from proxy.ledger.row import COLUMNS, LedgerRow
 from proxy.ledger.schema import MIGRATIONS, SCHEMA_TABLE, TABLE
+from proxy.ledger.shipper_process import ShipperSpec, make_sink
 from proxy.ledger.sink_postgres import PostgresSink
 from proxy.ledger.sink_sqlite import SqliteSink
 from tests.books import ledger_row, pg_admin
@@ -426,5 +428,195 @@ def test_local_days_over_a_dst_change_read_the_day_rollup_exactly(
                 else:  # one or two hours a day moved (each once out, once in), and the edges
                     assert not plan.cut
                     assert len(hours) <= 4 * len(days) + 2 * 24, (zone, hours)
+
+    asyncio.run(go())
+
+
+# --- the local-day rollup -----------------------------------------------------------------------
+
+def _around_midnights(zones: Sequence[str], days: int) -> list[float]:
+    """A moment every 20 minutes over `days` days from T0, and one each side of every local
+    midnight of `zones`."""
+    moments = [T0 + k * 1200.0 for k in range(days * 86400 // 1200)]
+    for day in range(days + 1):
+        for zone in zones:
+            tz = ZoneInfo(zone)
+            start = rollup.midnight((datetime.fromtimestamp(T0, tz) + timedelta(days=day)).date(),
+                                    tz)
+            moments += [start - 0.001, start]
+    return [t for t in moments if T0 <= t < T0 + days * 86400]
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_a_report_in_the_configured_zone_reads_the_local_day_rollup(
+        dialect: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """Berlin over its DST change and Kathmandu (+5:45): whole local days and periods starting
+    and ending mid-day equal the rows' sums, to the token and the nano-dollar; and the report
+    read the local-day rollup: a change made to one of its rows shows in the report (and in
+    no report of a zone it does not hold)."""
+    rows = [ledger_row(f"z{i}", t, user_name=("alice", "bob")[i % 3 % 2], input_tokens=i + 1,
+                       cost_nanousd=7 * i + 1, output_tokens=i % 13)
+            for i, t in enumerate(_around_midnights(LOCAL_ZONES, 4))]
+    url = _ledger_url(dialect, tmp_path, request)
+    pg = dialect == "postgresql"
+
+    async def go() -> None:
+        stored = await _books_of(url, rows)
+        async with await open_reader(locate(LedgerConfig(), url)) as reader:
+            for zone, first, last in (("Europe/Berlin", "2026-03-28", "2026-03-30"),
+                                      ("Europe/Berlin", "2026-03-27T10:17", "2026-03-30T15:42"),
+                                      ("Asia/Kathmandu", "2026-03-28", "2026-03-29"),
+                                      ("Asia/Kathmandu", "2026-03-27T18:40",
+                                       "2026-03-30T18:05:30"),
+                                      ("America/New_York", "2026-03-27T03:59:59.999",
+                                       "2026-03-29T23:00")):
+                tz = ZoneInfo(zone)
+                period = Period(tz, parse_bound(first, tz, end=False),
+                                parse_bound(last, tz, end=True))
+                for by in ((GroupKey.DAY,), (GroupKey.USER, GroupKey.DAY), (GroupKey.WEEK,),
+                           (GroupKey.USER,), ()):
+                    got = await build_report(reader, by, period)
+                    want = _expected(stored, by, period)
+                    assert dict(got.rows) == want, (zone, first, by)
+                    assert got.totals == sum(want.values(), Totals()), (zone, first, by)
+                plan = await _plan(reader, period, (GroupKey.DAY,))
+                assert plan.reads[0].rollup is rollup.USAGE_LOCAL, (zone, first)
+
+        # Proof of the path: Berlin's 29 March, and only in the local-day rollup, grows.
+        berlin = ZoneInfo("Europe/Berlin")
+        day = rollup.midnight(date(2026, 3, 29), berlin)
+        at = f"to_timestamp({day})" if pg else str(int(day))
+        await _execute(url, f"UPDATE {rollup.USAGE_LOCAL.table} SET input_tokens = input_tokens "
+                            f"+ 1000000 WHERE zone = 'Europe/Berlin' AND started_at = {at} "
+                            "AND user_name = 'alice'")
+        async with await open_reader(locate(LedgerConfig(), url)) as reader:
+            for zone, grown in (("Europe/Berlin", 10**6), ("Asia/Kolkata", 0)):
+                tz = ZoneInfo(zone)
+                period = Period(tz, parse_bound("2026-03-28", tz, end=False),
+                                parse_bound("2026-03-30", tz, end=True))
+                got = dict((await build_report(reader, (GroupKey.USER, GroupKey.DAY),
+                                               period)).rows)
+                want = _expected(stored, (GroupKey.USER, GroupKey.DAY), period)
+                assert (got[("alice", "2026-03-29")].input_tokens
+                        == want[("alice", "2026-03-29")].input_tokens + grown), zone
+                assert got[("bob", "2026-03-29")] == want[("bob", "2026-03-29")], zone
+
+    asyncio.run(go())
+
+
+async def _execute(url: str, text: str) -> None:
+    if url.startswith("sqlite"):
+        with sqlite3.connect(url.removeprefix("sqlite://")) as db:
+            assert db.execute(text).rowcount == 1
+        return
+    conn = await asyncpg.connect(url)
+    try:
+        assert await conn.execute(text) == "UPDATE 1"
+    finally:
+        await conn.close()
+
+
+async def _zones_of(url: str) -> list[str]:
+    return sorted(z for (z,) in await _fetch(url, f"SELECT zone FROM {rollup.ZONES}"))
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_the_shipper_adds_its_zone_once_and_a_new_zone_on_a_change(
+        dialect: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """The shipper's sink (`make_sink`, given the zone `serve` hands the shipper process)
+    configured in Berlin sums the rows already stored once, at its first start; started again
+    it adds nothing (the rollup is not counted twice); configured in New York it adds New
+    York's days, Berlin's still kept; the report in New York is exact; a retention slice
+    leaves every zone's local-day rollup equal to the rows."""
+    url = _ledger_url(dialect, tmp_path, request)
+    moments = _around_midnights(LOCAL_ZONES, 4)
+    rows = [ledger_row(f"s{i}", t, user_name=("alice", "bob", "carol")[i % 3],
+                       input_tokens=i + 1, cost_nanousd=None if i % 11 == 0 else 3 * i)
+            for i, t in enumerate(moments)]
+    config = LedgerConfig(url=url)
+
+    async def start(zone: str, batch: Sequence[LedgerRow] = (), cutoff: float | None = None
+                    ) -> None:
+        spec = ShipperSpec(**json.loads(json.dumps(asdict(ShipperSpec.of(
+            config, tmp_path, 1.0, zone)))))  # as the process is told (SHIPPER_ENV)
+        sink = make_sink(spec.config, Path(spec.state_dir), spec.zone)
+        await sink.open()
+        try:
+            if batch:
+                assert await sink.write([sink.prepare(list(r)) for r in batch]) == len(batch)
+            if cutoff is not None:
+                assert await sink.prune(cutoff, 10_000) > 0
+        finally:
+            await sink.close()
+            sink.shutdown()
+
+    async def go() -> None:
+        await _books_of(url, rows[: len(rows) // 2], zones=())  # an older shipper's rows: UTC
+        assert await _zones_of(url) == []
+        await start("Europe/Berlin")
+        assert await _zones_of(url) == ["Europe/Berlin"]
+        await _rollups_match_rows(url)
+        await start("Europe/Berlin", rows[len(rows) // 2:])  # again: nothing added twice
+        await _rollups_match_rows(url)
+        await start("America/New_York")
+        assert await _zones_of(url) == ["America/New_York", "Europe/Berlin"]
+        await _rollups_match_rows(url)
+        async with await open_reader(locate(LedgerConfig(), url)) as reader:
+            tz = ZoneInfo("America/New_York")
+            for first, last in (("2026-03-27", "2026-03-29"),
+                                ("2026-03-26T22:10", "2026-03-30T11:30")):
+                period = Period(tz, parse_bound(first, tz, end=False),
+                                parse_bound(last, tz, end=True))
+                plan = await _plan(reader, period, (GroupKey.DAY,))
+                assert plan.reads[0].rollup is rollup.USAGE_LOCAL
+                assert plan.reads[0].zone == "America/New_York"
+                for by in ((GroupKey.USER, GroupKey.DAY), (GroupKey.MONTH,), ()):
+                    got = await build_report(reader, by, period)
+                    assert dict(got.rows) == _expected(rows, by, period), (first, by)
+        # Retention: a slice ending mid-day in every zone.
+        await start("America/New_York", cutoff=T0 + 86400 + 13 * 3600 + 0.5)
+        await _rollups_match_rows(url)
+        kept = await _fetch(url, f"SELECT count(*) FROM {rollup.USAGE_LOCAL.table} "
+                                 "WHERE requests = 0")
+        assert kept == [(0,)]  # emptied rollup rows dropped
+
+    asyncio.run(go())
+
+
+@pytest.mark.timeout(60)
+def test_a_zone_added_while_another_replica_ships_misses_no_row(module_pg: str) -> None:
+    """Another replica's batch, its rows inserted (and its rollups kept, in the zones listed
+    then: none) but not committed, while a shipper adds Berlin: the backfill waits for that
+    batch to commit and sums its rows too (without its SHARE lock it would sum neither)."""
+    rows = [ledger_row(f"c{i}", T0 + i * 900.0, input_tokens=i + 1) for i in range(200)]
+
+    async def go() -> None:
+        await _books_of(module_pg, rows[:100], zones=())
+        other, adder, watcher = [await asyncpg.connect(module_pg) for _ in range(3)]
+        try:
+            tx = other.transaction()
+            await tx.start()
+            await other.execute(sink_postgres._CREATE_STAGE)
+            await other.copy_records_to_table(
+                sink_postgres._STAGE, records=[PostgresSink.prepare(list(r)) for r in rows[100:]],
+                columns=list(COLUMNS))
+            assert await other.fetchval(sink_postgres._MOVE) == 100
+            adding = asyncio.create_task(add_zone_postgres(adder, "Europe/Berlin"))
+            pid = adder.get_server_pid()
+            # The backfill is waiting for the batch's lock (a state the server shows).
+            while not await watcher.fetchval(
+                    "SELECT count(*) FROM pg_locks WHERE pid = $1 AND NOT granted", pid):
+                assert not adding.done()
+                await asyncio.sleep(0.01)
+            await tx.commit()
+            assert await adding
+        finally:
+            for conn in (other, adder, watcher):
+                await conn.close()
+        assert await _zones_of(module_pg) == ["Europe/Berlin"]
+        await _rollups_match_rows(module_pg)
+        (count,) = await _fetch(module_pg, f"SELECT sum(requests) FROM "
+                                           f"{rollup.USAGE_LOCAL.table}")
+        assert int(count[0]) == 200
 
     asyncio.run(go())
