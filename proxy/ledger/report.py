@@ -11,18 +11,20 @@ any size included. The buckets are named in one place, `labels` (Python's zonein
   period's ends come from the hour rollup, and the minutes between a local midnight and its
   hour's start (Kathmandu's) from the rows. Why not in every zone: the rollup is kept per zone,
   at one more sum per batch each, so it holds the zones a shipper was configured with;
-- in any other zone, the rollups' rows (whole UTC days and hours, `proxy.ledger.rollup`) get theirs from a table
-  of instants and bucket names the report's plan makes (`_timed`): a whole UTC day goes to the
-  bucket holding most of it, and the hours of it another bucket holds (those between the UTC
-  and the local midnight: one or two a day in Berlin, none in UTC) are taken out of that
-  bucket and put into theirs, from the hour rollup. So a report over whole local days reads
-  about one day-rollup row per group and day, not 24 hour-rollup rows;
+- in any other zone, the rollups' rows (whole UTC days and hours, `proxy.ledger.rollup`) get
+  theirs from a table of instants and bucket names the report's plan makes (`_timed`): a whole
+  UTC day goes to the bucket holding most of it, and the hours of it another bucket holds
+  (those between the UTC and the local midnight: one or two a day in Berlin, none in UTC) are
+  taken out of that bucket and put into theirs, from the hour rollup. So a report over whole
+  local days reads about one day-rollup row per group and day, not 24 hour-rollup rows (but
+  2-5 times the rows of a report the local-day rollup serves);
 - an hour a local midnight cuts (offsets of 30 or 45 minutes: India, Nepal, Newfoundland, where
-  UTC days are read) and the minutes at the period's ends are read from the rows, each row bucketed by itself:
-  PostgreSQL in SQL (`_PG_BUCKET`: `AT TIME ZONE`, `date_trunc('week', ...)` starts on Monday);
-  SQLite, which has no time zones, by a function of ours (`tm_bucket`, `labels` worked out once
-  per 15-minute UTC slice, exact when no local midnight falls inside the slice: true of every
-  offset in use today; per row in a slice a midnight does cut, such as Monrovia's -0:44:30).
+  UTC days are read) and the minutes at the period's ends are read from the rows, each row
+  bucketed by itself: PostgreSQL in SQL (`_PG_BUCKET`: `AT TIME ZONE`, `date_trunc('week',
+  ...)` starts on Monday); SQLite, which has no time zones, by a function of ours (`tm_bucket`,
+  `labels` worked out once per 15-minute UTC slice, exact when no local midnight falls inside
+  the slice: true of every offset in use today; per row in a slice a midnight does cut, such
+  as Monrovia's -0:44:30).
 The database groups and sums (each branch its own rows, then their sums): Python sees one row
 per group of the report. Both dialects give the same report from the same rows (the tests
 check it).
