@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.config.ledger import LedgerConfig
-from proxy.ledger import rollup, sink_postgres
+from proxy.ledger import migrate, rollup, sink_postgres
 from proxy.ledger.migrate import add_zone_postgres, add_zone_sqlite
 from proxy.ledger.query import locate, open_reader
 from proxy.ledger.report import (
@@ -587,7 +587,8 @@ def test_the_shipper_adds_its_zone_once_and_a_new_zone_on_a_change(
 def test_a_zone_added_while_another_replica_ships_misses_no_row(module_pg: str) -> None:
     """Another replica's batch, its rows inserted (and its rollups kept, in the zones listed
     then: none) but not committed, while a shipper adds Berlin: the backfill waits for that
-    batch to commit and sums its rows too (without its SHARE lock it would sum neither)."""
+    batch to commit and sums its rows too (without its SHARE lock it would sum neither); and a
+    batch arriving while a backfill holds that lock waits for it, then keeps the new zone."""
     rows = [ledger_row(f"c{i}", T0 + i * 900.0, input_tokens=i + 1) for i in range(200)]
 
     async def go() -> None:
@@ -618,5 +619,37 @@ def test_a_zone_added_while_another_replica_ships_misses_no_row(module_pg: str) 
         (count,) = await _fetch(module_pg, f"SELECT sum(requests) FROM "
                                            f"{rollup.USAGE_LOCAL.table}")
         assert int(count[0]) == 200
+
+        # The other way round: a batch arriving while New York's backfill holds its lock
+        # waits, then sees New York listed and keeps it.
+        adder, watcher = [await asyncpg.connect(module_pg) for _ in range(2)]
+        sink = PostgresSink(module_pg)
+        await sink.open()
+        try:
+            tx = adder.transaction()
+            await tx.start()
+            await adder.execute(f"LOCK TABLE {TABLE} IN SHARE MODE")
+            await adder.execute(f"INSERT INTO {rollup.ZONES} VALUES ('America/New_York')")
+            for statement in migrate._backfill(postgresql=True):
+                await adder.execute(statement, "America/New_York")
+            more = [ledger_row(f"c{i}", T0 + i * 900.0, input_tokens=i + 1)
+                    for i in range(200, 260)]
+            writing = asyncio.create_task(sink.write([sink.prepare(list(r)) for r in more]))
+            while not await watcher.fetchval(
+                    "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+                    "WHERE NOT l.granted AND a.application_name = 'tokenmeter-ledger'"):
+                assert not writing.done()
+                await asyncio.sleep(0.01)
+            await tx.commit()
+            assert await writing == 60
+        finally:
+            await sink.close()
+            for conn in (adder, watcher):
+                await conn.close()
+        await _rollups_match_rows(module_pg)
+        summed = await _fetch(module_pg, f"SELECT zone, sum(requests) FROM "
+                                         f"{rollup.USAGE_LOCAL.table} GROUP BY zone")
+        assert sorted((z, int(n)) for z, n in summed) == [("America/New_York", 260),
+                                                            ("Europe/Berlin", 260)]
 
     asyncio.run(go())
