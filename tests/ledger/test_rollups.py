@@ -653,3 +653,42 @@ def test_a_zone_added_while_another_replica_ships_misses_no_row(module_pg: str) 
                                                             ("Europe/Berlin", 260)]
 
     asyncio.run(go())
+
+
+_ODD_ZONES = ("Europe/Berlin", "America/New_York", "Asia/Kathmandu", "Asia/Kolkata",
+              "Australia/Lord_Howe", "Pacific/Chatham", "America/St_Johns",
+              # Midnight twice (Havana's clocks go back from 01:00 to 00:00), midnight skipped
+              # (Santiago's jump from 00:00 to 01:00), -0:44:30 until 1972 (Monrovia).
+              "America/Havana", "America/Santiago", "Africa/Monrovia")
+
+
+@pytest.mark.timeout(120)
+def test_a_local_day_starts_where_the_reports_say_in_both_dialects(module_pg: str) -> None:
+    """`tm_local_day` (SQLite, cached per 15-minute slice) and PostgreSQL's expression give
+    every instant the start of its local day as the reports' day boundaries have it
+    (`rollup.midnight` of its local date, worked out here per instant), in zones with DST,
+    offsets of 30 and 45 minutes, a midnight that happens twice or not at all, and seconds."""
+    moments = [*(datetime(1971, 6, 1, tzinfo=UTC).timestamp() + k * 29 * 60.0
+                 for k in range(365 * 24 * 2)),
+               *(datetime(2025, 3, 1, tzinfo=UTC).timestamp() + k * 13 * 60.0 + 0.25
+                 for k in range(400 * 24 * 60 // 13))]
+    fn = rollup.local_day()
+    expr = rollup.truncated("t", rollup.DAY_S, postgresql=True, zoned=True)
+
+    async def pg(zone: str) -> list[float]:
+        conn = await asyncpg.connect(module_pg)
+        try:
+            got = await conn.fetch(
+                f"SELECT extract(epoch FROM {expr}) FROM unnest($1::timestamptz[], "
+                "$2::text[]) AS z(t, zone)",
+                [datetime.fromtimestamp(t, UTC) for t in moments], [zone] * len(moments))
+            return [float(r[0]) for r in got]
+        finally:
+            await conn.close()
+
+    for zone in _ODD_ZONES:
+        tz = ZoneInfo(zone)
+        want = [rollup.midnight(datetime.fromtimestamp(t, tz).date(), tz) for t in moments]
+        assert all(w <= t for w, t in zip(want, moments, strict=True)), zone
+        assert [fn(t, zone) for t in moments] == want, zone
+        assert asyncio.run(pg(zone)) == want, zone
