@@ -14,15 +14,20 @@ Rows are synthesised in the database (a recursive CTE in SQLite, generate_series
 PostgreSQL: minutes, not the hours shipping them would take), the secondary indexes built
 after them, then the rollups built by the very statements the migration's backfill runs
 (`proxy.ledger.rollup.rebuild`; the property tests check that rollups kept by shipping equal
-them). A fresh SQLite file, a fresh PostgreSQL database (dropped afterwards unless --keep;
-with --keep DIR --reuse a later run reads the ledgers kept, skipping minutes of synthesis).
+them), and Europe/Berlin's local days summed by the backfill a shipper configured with that
+zone runs when it starts (`proxy.ledger.migrate.add_zone_*`; on a kept ledger, through the
+sink's own `open`). A fresh SQLite file, a fresh PostgreSQL database (dropped afterwards
+unless --keep; with --keep DIR --reuse a later run reads the ledgers kept, skipping minutes of
+synthesis).
 
 Timed in this process (open the ledger, build the report, render it as CSV; the median of 3
 runs, wall clock and this process's CPU), and `usage --by user,day` and `reconcile` also as the
 command a user runs (a new `tokenmeter` process, its start included):
 - `usage --by user,day` over every whole day of the ledger, UTC (the day rollup), and in
-  Europe/Berlin (the day rollup, each UTC day corrected by the one or two hours between its
-  midnight and Berlin's; the 20M ledger's ten months include both DST changes);
+  Europe/Berlin (the local-day rollup; the 20M ledger's ten months include both DST changes);
+  and the Berlin cases again read as a zone the local-day rollup does not hold is (the UTC
+  day rollup, each UTC day corrected by the one or two hours between its midnight and
+  Berlin's: `utc_days_*`);
 - `--by model,day` the same two ways; `--by user` UTC, `--by key,model` and `--by team,week` in
   Berlin over the same days;
 - `usage --by tag:feature,day` over the same days, UTC (the day rollup's tags column);
@@ -58,6 +63,7 @@ from proxy.budget.store_redis import RedisStore
 from proxy.config.ledger import LedgerConfig
 from proxy.config.load import load_config
 from proxy.ledger import query, reconcile, report, rollup
+from proxy.ledger.migrate import add_zone_postgres, add_zone_sqlite
 from proxy.ledger.schema import MIGRATIONS, TABLE
 from proxy.ledger.sink_postgres import PostgresSink
 from proxy.ledger.sink_sqlite import SqliteSink
@@ -70,6 +76,10 @@ TOKENMETER = str(Path(sys.executable).with_name("tokenmeter"))
 PER_DAY = 66_667
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 USERS = 200
+# The configured zone of the bench's proxy: its local days summed by the shipper's own backfill
+# (`proxy.ledger.migrate.add_zone_*`), as a shipper configured with it does when it starts.
+ZONE = "Europe/Berlin"
+BACKFILL: dict[str, float] = {}  # per ledger URL, the seconds its backfill took
 _INDEXES = ("started", "user", "team")  # schema v1's secondary indexes, built after the rows
 
 # One row per i: the same expressions in both dialects but for text and time.
@@ -124,16 +134,20 @@ def _sqlite_fill(path: Path, rows: int, step: float) -> None:
                        f"WHERE i < {hi - 1}) INSERT INTO {TABLE} ({_COLS}) "
                        f"SELECT {values} FROM s")
             print(f"  sqlite: {hi:,} rows", flush=True)
-        _finish_sqlite(db)
+        _finish_sqlite(db, f"sqlite://{path}")
 
 
-def _finish_sqlite(db: sqlite3.Connection) -> None:
+def _finish_sqlite(db: sqlite3.Connection, url: str) -> None:
     for statement in MIGRATIONS[0].sqlite[1:]:  # the indexes
         db.execute(statement)
+    rollup.register(db)  # tm_local_day, as the sink's connection has it
     db.execute("BEGIN")
     for statement in rollup.rebuild(TABLE, postgresql=False):
         db.execute(statement)
     db.execute("COMMIT")
+    t = time.perf_counter()
+    assert add_zone_sqlite(db, ZONE)
+    BACKFILL[url] = time.perf_counter() - t
     db.execute("ANALYZE")
 
 
@@ -155,6 +169,9 @@ async def _pg_fill(url: str, rows: int, step: float) -> None:
             print(f"  postgresql: {hi:,} rows", flush=True)
         await _retrying(conn, MIGRATIONS[0].postgresql[1:])
         await _retrying(conn, rollup.rebuild(TABLE, postgresql=True))
+        t = time.perf_counter()
+        assert await add_zone_postgres(conn, ZONE)
+        BACKFILL[url] = time.perf_counter() - t
         await _retrying(conn, ("VACUUM ANALYZE",))
     finally:
         await conn.close()
@@ -264,6 +281,23 @@ def _measure(url: str, days: int, config: Path, raw: bool) -> dict[str, Any]:
     out["cli_reconcile_s"], _ = _timed(
         ["reconcile", "--config", str(config), "--ledger", url, "--date", str(middle),
          "--recheck", "0", "--json"])
+    # Before: Berlin read through the UTC day rollup (as a ledger whose local-day rollup does
+    # not hold the zone is read).
+    rolled = query.zone_rolled
+
+    async def not_rolled(reader: query.LedgerReader, zone: str) -> bool:
+        return False
+
+    berlin = ("usage_user_day_berlin", "usage_model_day_berlin")
+    local: dict[str, object] = {k: asyncio.run(cases[k]()) for k in berlin}  # type: ignore[arg-type]
+    setattr(report, "zone_rolled", not_rolled)  # noqa: B010
+    try:
+        for k in berlin:
+            out[f"utc_days_{k}_s"], out[f"utc_days_{k}_cpu_s"] = _in_process(cases[k])
+            # The same report both ways, to the token and the nano-dollar.
+            assert asyncio.run(cases[k]()) == local[k], k  # type: ignore[arg-type]
+    finally:
+        setattr(report, "zone_rolled", rolled)  # noqa: B010
     if raw:  # before: the same, from the rows alone (as a ledger without rollups is read)
         ready, name, modules = query.rollups_ready, "rollups_ready", (report, reconcile)
 
@@ -281,17 +315,31 @@ def _measure(url: str, days: int, config: Path, raw: bool) -> dict[str, Any]:
     return out
 
 
-async def _rollup_rows(url: str) -> int:
+async def _rollup_rows(url: str, tables: Sequence[str]) -> int:
     if url.startswith("sqlite"):
         with sqlite3.connect(url.removeprefix("sqlite://")) as db:
-            return sum(int(db.execute(f"SELECT count(*) FROM {r.table}").fetchone()[0])
-                       for r in rollup.ROLLUPS if r.table != rollup.WINDOWS.table)
+            return sum(int(db.execute(f"SELECT count(*) FROM {t}").fetchone()[0])
+                       for t in tables)
     conn = await asyncpg.connect(url)
     try:
-        return sum([int(await conn.fetchval(f"SELECT count(*) FROM {r.table}"))
-                    for r in rollup.ROLLUPS if r.table != rollup.WINDOWS.table])
+        return sum([int(await conn.fetchval(f"SELECT count(*) FROM {t}")) for t in tables])
     finally:
         await conn.close()
+
+
+_UTC_ROLLUPS = (rollup.USAGE.table, rollup.USAGE_DAILY.table)
+
+
+async def _zone_on_reuse(url: str) -> None:
+    """A ledger kept by an earlier run, opened as the shipper opens it (configured in ZONE):
+    migrated to this code's schema, ZONE's local days summed if they are not yet."""
+    sink: SqliteSink | PostgresSink = (SqliteSink(Path(url.removeprefix("sqlite://")), ZONE)
+                                       if url.startswith("sqlite") else PostgresSink(url, ZONE))
+    t = time.perf_counter()
+    await sink.open()
+    await sink.close()
+    sink.shutdown()
+    BACKFILL[url] = time.perf_counter() - t
 
 
 def _build(dialect: str, rows: int, args: argparse.Namespace, tmp: Path
@@ -305,6 +353,7 @@ def _build(dialect: str, rows: int, args: argparse.Namespace, tmp: Path
     if dialect == "sqlite":
         path = where / f"ledger-{rows}.sqlite3"
         if reuse and path.is_file():
+            asyncio.run(_zone_on_reuse(f"sqlite://{path}"))
             return f"sqlite://{path}", None
         path.unlink(missing_ok=True)
         sink = SqliteSink(path)  # the schema, as the proxy makes it
@@ -316,6 +365,7 @@ def _build(dialect: str, rows: int, args: argparse.Namespace, tmp: Path
     name = f"tm_bench_reports_{rows}" if keep else f"tm_bench_reports_{uuid.uuid4().hex[:8]}"
     url = f"{postgres}/{name}"
     if reuse and asyncio.run(_exists(postgres, name)):
+        asyncio.run(_zone_on_reuse(url))
         return url, None
     if keep:
         asyncio.run(_admin(postgres, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
@@ -385,7 +435,10 @@ def main() -> int:
                     figures = _measure(url, round(rows / PER_DAY), config,
                                        rows <= args.raw_up_to)
                     entry = {"dialect": dialect, "rows": rows, "days": round(rows / PER_DAY),
-                             "usage_rollup_rows": asyncio.run(_rollup_rows(url)),
+                             "usage_rollup_rows": asyncio.run(_rollup_rows(url, _UTC_ROLLUPS)),
+                             "localday_rollup_rows": asyncio.run(_rollup_rows(
+                                 url, (rollup.USAGE_LOCAL.table,))),
+                             "berlin_backfill_s": round(BACKFILL.get(url, 0.0), 1),
                              "synthesis_s": round(built, 1),
                              **{k: round(v, 3) if isinstance(v, float) else v
                                 for k, v in figures.items()}}

@@ -11,7 +11,7 @@ from typing import Any
 
 import asyncpg
 
-from proxy.ledger.rollup import ROLLUPS
+from proxy.ledger.rollup import ROLLUPS, ZONES
 from proxy.ledger.row import LedgerRow
 from proxy.ledger.schema import SCHEMA_TABLE, TABLE
 from proxy.ledger.sink_postgres import PostgresSink
@@ -59,7 +59,7 @@ async def write_postgres(url: str, rows: Sequence[LedgerRow], *, fresh: bool = F
     if fresh:
         conn = await asyncpg.connect(url)
         try:
-            for table in (TABLE, SCHEMA_TABLE, *(r.table for r in ROLLUPS)):
+            for table in (TABLE, SCHEMA_TABLE, ZONES, *(r.table for r in ROLLUPS)):
                 await conn.execute(f"DROP TABLE IF EXISTS {table}")
         finally:
             await conn.close()

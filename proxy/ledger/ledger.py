@@ -53,6 +53,15 @@ STOP_GRACE_S = 15.0  # past `drain_s`, how long the shipper may take to exit bef
 
 
 @dataclass(frozen=True, slots=True)
+class Shipping:
+    """How the shipper process runs: how long it drains at a stop, and the config's
+    `timezone`, whose local days it keeps a rollup of (`proxy.ledger.rollup.USAGE_LOCAL`)."""
+
+    drain_s: float = 30.0
+    zone: str = "UTC"
+
+
+@dataclass(frozen=True, slots=True)
 class LedgerHealth:
     ok: bool  # False: the database is unreachable/failing, or rows are being dropped
     detail: str  # one line for /readyz, no secrets (no password from the URL)
@@ -61,13 +70,13 @@ class LedgerHealth:
 
 class Ledger:
     def __init__(self, config: LedgerConfig, metrics: Metrics, *, state_dir: Path | None = None,
-                 ship: bool = True, drain_s: float = 30.0) -> None:
+                 ship: bool = True, shipping: Shipping = Shipping()) -> None:
         """`ship`: start (and keep) a shipper process of our own; False when a supervisor runs
         the one for all its workers."""
         state = state_dir if state_dir is not None else default_dir()
         self.replica: str = config.replica_id or f"{socket.gethostname()}-{os.getpid()}"
         self.location: str = make_sink(config, state).location
-        self._spec = ShipperSpec.of(config, state, drain_s)
+        self._spec = ShipperSpec.of(config, state, shipping.drain_s, shipping.zone)
         self._writer = SpoolWriter(self._spec.spool_dir, int(config.spool_max_mb * MIB))
         self._metrics = metrics
         self._ship = ship
@@ -194,8 +203,8 @@ class Ledger:
 
 
 def make_ledger(config: LedgerConfig, metrics: Metrics, *, state_dir: Path | None = None,
-                ship: bool = True, drain_s: float = 30.0) -> Ledger | None:
+                ship: bool = True, shipping: Shipping = Shipping()) -> Ledger | None:
     """The ledger `config` asks for; None when it is off."""
     if not config.enabled:
         return None
-    return Ledger(config, metrics, state_dir=state_dir, ship=ship, drain_s=drain_s)
+    return Ledger(config, metrics, state_dir=state_dir, ship=ship, shipping=shipping)

@@ -29,7 +29,8 @@ import asyncpg
 
 from proxy.budget.spool import default_dir
 from proxy.config.ledger import LedgerConfig
-from proxy.ledger.schema import ROLLUP_VERSION, SCHEMA_TABLE, TABLE
+from proxy.ledger.rollup import ZONES
+from proxy.ledger.schema import LOCAL_DAY_VERSION, ROLLUP_VERSION, SCHEMA_TABLE, TABLE
 
 DEFAULT_FILE = "ledger.sqlite3"
 
@@ -253,5 +254,20 @@ async def rollups_ready(reader: LedgerReader) -> bool:
     """Whether the ledger holds the rollups this code reads (`proxy.ledger.rollup`): its
     schema is at least at the version that last built them. A database an older proxy still
     writes is read from its rows."""
+    return await _version(reader) >= ROLLUP_VERSION
+
+
+async def zone_rolled(reader: LedgerReader, zone: str) -> bool:
+    """Whether the local-day rollup holds `zone` (`proxy.ledger.rollup.USAGE_LOCAL`): the
+    schema has it and a shipper configured with the zone added it."""
+    if await _version(reader) < LOCAL_DAY_VERSION:
+        return False
+    q = reader.sql()
+    ((found,),) = await reader.fetch(f"SELECT count(*) FROM {ZONES} WHERE zone = {q.p(zone)}",
+                                     q.params)
+    return as_int(found) > 0
+
+
+async def _version(reader: LedgerReader) -> int:
     ((version,),) = await reader.fetch(f"SELECT max(version) FROM {SCHEMA_TABLE}")
-    return version is not None and as_int(version) >= ROLLUP_VERSION
+    return 0 if version is None else as_int(version)

@@ -4,18 +4,27 @@ A request belongs to the time it started (`started_at`), and to the group of its
 name, model (the one sent upstream; the one asked for when none was) and upstream. Days, weeks
 (ISO: Monday to Sunday) and months are those of the configured time zone, DST and offsets of
 any size included. The buckets are named in one place, `labels` (Python's zoneinfo):
-- the rollups' rows (whole UTC days and hours, `proxy.ledger.rollup`) get theirs from a table
-  of instants and bucket names the report's plan makes (`_timed`): a whole UTC day goes to the
-  bucket holding most of it, and the hours of it another bucket holds (those between the UTC
-  and the local midnight: one or two a day in Berlin, none in UTC) are taken out of that
-  bucket and put into theirs, from the hour rollup. So a report over whole local days reads
-  about one day-rollup row per group and day, not 24 hour-rollup rows;
-- an hour a local midnight cuts (offsets of 30 or 45 minutes: India, Nepal, Newfoundland) and
-  the minutes at the period's ends are read from the rows, each row bucketed by itself:
-  PostgreSQL in SQL (`_PG_BUCKET`: `AT TIME ZONE`, `date_trunc('week', ...)` starts on Monday);
-  SQLite, which has no time zones, by a function of ours (`tm_bucket`, `labels` worked out once
-  per 15-minute UTC slice, exact when no local midnight falls inside the slice: true of every
-  offset in use today; per row in a slice a midnight does cut, such as Monrovia's -0:44:30).
+- in a zone the local-day rollup holds (the configured `timezone`: the shipper adds it,
+  `proxy.ledger.rollup.USAGE_LOCAL`), whole local days come from it, each in the bucket of its
+  start: a day, week or month of the zone never cuts one, so a report over whole days is one
+  read of it with nothing to correct, like UTC's of the day rollup. Its partial days at the
+  period's ends come from the hour rollup, and the minutes between a local midnight and its
+  hour's start (Kathmandu's) from the rows. Why not in every zone: the rollup is kept per zone,
+  at one more sum per batch each, so it holds the zones a shipper was configured with;
+- in any other zone, the rollups' rows (whole UTC days and hours, `proxy.ledger.rollup`) get
+  theirs from a table of instants and bucket names the report's plan makes (`_timed`): a whole
+  UTC day goes to the bucket holding most of it, and the hours of it another bucket holds
+  (those between the UTC and the local midnight: one or two a day in Berlin, none in UTC) are
+  taken out of that bucket and put into theirs, from the hour rollup. So a report over whole
+  local days reads about one day-rollup row per group and day, not 24 hour-rollup rows (but
+  2-5 times the rows of a report the local-day rollup serves);
+- an hour a local midnight cuts (offsets of 30 or 45 minutes: India, Nepal, Newfoundland, where
+  UTC days are read) and the minutes at the period's ends are read from the rows, each row
+  bucketed by itself: PostgreSQL in SQL (`_PG_BUCKET`: `AT TIME ZONE`, `date_trunc('week',
+  ...)` starts on Monday); SQLite, which has no time zones, by a function of ours (`tm_bucket`,
+  `labels` worked out once per 15-minute UTC slice, exact when no local midnight falls inside
+  the slice: true of every offset in use today; per row in a slice a midnight does cut, such
+  as Monrovia's -0:44:30).
 The database groups and sums (each branch its own rows, then their sums): Python sees one row
 per group of the report. Both dialects give the same report from the same rows (the tests
 check it).
@@ -42,6 +51,7 @@ from __future__ import annotations
 import csv
 import enum
 import io
+import itertools
 import json
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -54,8 +64,17 @@ from zoneinfo import ZoneInfo
 
 from proxy.config.load import collector_paused
 from proxy.config.tags import valid_key
-from proxy.ledger.query import Dialect, LedgerReader, Sql, as_int, rollups_ready
-from proxy.ledger.rollup import DAY_S, HOUR_S, USAGE, USAGE_DAILY, Rollup
+from proxy.ledger.query import Dialect, LedgerReader, Sql, as_int, rollups_ready, zone_rolled
+from proxy.ledger.rollup import (
+    DAY_S,
+    HOUR_S,
+    USAGE,
+    USAGE_DAILY,
+    USAGE_LOCAL,
+    Rollup,
+    midnight,
+    needs_zone,
+)
 from proxy.ledger.schema import TABLE
 from proxy.telemetry.shown_text import csv_cell, for_terminal
 
@@ -258,9 +277,9 @@ def labels(moment: float, tz: ZoneInfo, keys: Iterable[GroupKey]) -> tuple[str, 
 
 
 async def build_report(reader: LedgerReader, by: Sequence[Group], period: Period) -> Report:
-    """One statement (one snapshot), grouped and summed by the database: the rollups' whole UTC
-    days and hours, each put in its bucket by a table of instants and buckets the plan made,
-    and the rows of what is left, bucketed row by row."""
+    """One statement (one snapshot), grouped and summed by the database: the rollups' whole
+    days (local or UTC) and hours, each put in its bucket by a table of instants and buckets
+    the plan made, and the rows of what is left, bucketed row by row."""
     plain = [k for k in by if not k.is_time]
     timed = [k for k in by if isinstance(k, GroupKey) and k.is_time]
     plan = await _plan(reader, period, timed)
@@ -354,6 +373,7 @@ class _Read:
     rollup: Rollup
     spans: tuple[Span, ...] = ()
     at: tuple[Entry, ...] = ()
+    zone: str | None = None  # the local-day rollup's: the zone read
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,17 +395,63 @@ def _floor(t: float, grain: int) -> float:
     return float(t // grain * grain)
 
 
+@dataclass(frozen=True, slots=True)
+class _Days:
+    """The days a report reads whole from a day rollup: UTC's (`USAGE_DAILY`, for any zone:
+    `tz` None), or the report's zone's own (`USAGE_LOCAL`, when it holds the zone: `tz`)."""
+
+    rollup: Rollup
+    tz: ZoneInfo | None = None
+
+    @property
+    def zone(self) -> str | None:
+        return None if self.tz is None else self.tz.key
+
+    def floor(self, t: float) -> float:
+        """The start of the day `t` is in."""
+        if self.tz is None:
+            return _floor(t, DAY_S)
+        return midnight(datetime.fromtimestamp(t, self.tz).date(), self.tz)
+
+    def ceil(self, t: float) -> float:
+        """The start of the first day starting at or after `t`."""
+        start = self.floor(t)
+        if start == t:
+            return start
+        if self.tz is None:
+            return start + DAY_S
+        return midnight(datetime.fromtimestamp(t, self.tz).date() + timedelta(days=1), self.tz)
+
+    def starts(self, lo: float, hi: float) -> list[float]:
+        """The days' starts in [lo, hi]."""
+        out: list[float] = []
+        t = self.ceil(lo)
+        while t <= hi:
+            out.append(t)
+            t = self.ceil(t + 1)  # (a day is 23 hours at least)
+        return out
+
+
 async def _plan(reader: LedgerReader, period: Period, timed: Sequence[GroupKey]) -> _Plan:
-    """The period's whole UTC days from the day rollup, its other whole hours from the hour
-    rollup, the rest (the minutes at each end) from the rows. Grouped by day, week or month,
-    each UTC day goes to the bucket holding most of it, corrected by the hour rollup's rows of
-    its hours another bucket holds (`_timed`)."""
+    """The period's whole days from a day rollup (the zone's own local days when the local-day
+    rollup holds the zone, else UTC's), its other whole hours from the hour rollup, the rest
+    (the minutes at each end; the minutes between a local midnight and its hour's start where
+    a midnight is not on the hour) from the rows. Grouped by day, week or month over UTC days,
+    each UTC day goes to the bucket holding most of it, corrected by the hour rollup's rows
+    of its hours another bucket holds (`_timed`); a local day lies in one bucket whole."""
     start = None if period.start is None else period.start.timestamp()
     end = None if period.end is None else period.end.timestamp()
     if not await rollups_ready(reader):
         return _Plan((), (), ((start, end),))
-    lo = None if start is None else _ceil(start, HOUR_S)
-    hi = None if end is None else _floor(end, HOUR_S)
+    # The zones table read once: whether this zone's days are summed (a zone the shipper was
+    # never configured with is not, nor is UTC, whose days are the UTC day rollup's).
+    days = (_Days(USAGE_LOCAL, period.tz)
+            if needs_zone(period.tz.key) and await zone_rolled(reader, period.tz.key)
+            else _Days(USAGE_DAILY))
+    # Whole hours, or the start of a day (a local midnight need not be on the hour).
+    lo = None if start is None else start if days.floor(start) == start else _ceil(start,
+                                                                                   HOUR_S)
+    hi = None if end is None else end if days.floor(end) == end else _floor(end, HOUR_S)
     if lo is not None and hi is not None and lo >= hi:
         return _Plan((), (), ((start, end),))  # within an hour or two: the rows
     raw: list[Span] = []
@@ -394,7 +460,8 @@ async def _plan(reader: LedgerReader, period: Period, timed: Sequence[GroupKey])
     if end is not None and hi != end:
         raw.append((hi, end))
     if not timed:
-        return _Plan(_untimed(lo, hi), (), tuple(raw))
+        reads, edges = _untimed(lo, hi, days)
+        return _Plan(reads, (), (*raw, *edges))
     # The buckets' table lists the instants where the rollup has rows (the statement itself
     # reads the rollup at those instants only). An open end reaches past now, for the rows
     # landing meanwhile. (Two subqueries: SQLite finds a lone min or max in the index, not
@@ -404,45 +471,79 @@ async def _plan(reader: LedgerReader, period: Period, timed: Sequence[GroupKey])
         f"(SELECT max(started_at) FROM {USAGE.table})")
     if low is None:  # no rows (but those landing now): read them
         return _Plan((), (), ((start, end),))
-    first = _epoch(low) if lo is None else max(lo, _epoch(low))
-    last = (_floor(max(_epoch(high), time.time()), HOUR_S) + HOUR_S if hi is None
-            else min(hi, _epoch(high) + HOUR_S))
+    # Out to the starts of the days holding the first and the last rows (no rows lie between
+    # those and the rows'): the edges of the rows' span are then whole days, read from the
+    # day rollup like the others, not hour by hour.
+    first = days.floor(_epoch(low)) if lo is None else max(lo, days.floor(_epoch(low)))
+    after = (_floor(max(_epoch(high), time.time()), HOUR_S) + HOUR_S if hi is None
+             else _epoch(high) + HOUR_S)
+    last = days.ceil(after) if hi is None else min(hi, days.ceil(after))
     if first >= last:
         return _Plan((), (), tuple(raw))
-    reads, cut = _timed(period.tz, timed, first, last)
-    return _Plan(reads, cut, tuple(raw))
+    reads, cut, edges = _timed(period.tz, timed, first, last, days)
+    return _Plan(reads, cut, (*raw, *edges))
 
 
-def _untimed(lo: float | None, hi: float | None) -> tuple[_Read, ...]:
-    """[lo, hi) (whole hours, or open): its whole UTC days from the day rollup, the hours at
-    each end from the hour rollup."""
-    day_lo = None if lo is None else _ceil(lo, DAY_S)
-    day_hi = None if hi is None else _floor(hi, DAY_S)
-    if day_lo is not None and day_hi is not None and day_lo >= day_hi:
-        return (_Read(USAGE, ((lo, hi),)),)
-    hours = tuple(s for s in ((lo, day_lo), (day_hi, hi)) if s[0] != s[1])
-    return (_Read(USAGE_DAILY, ((day_lo, day_hi),)), *((_Read(USAGE, hours),) if hours else ()))
+_Whole = tuple[float, float]
 
 
-def _timed(tz: ZoneInfo, timed: Sequence[GroupKey], first: float, last: float
-           ) -> tuple[tuple[_Read, ...], tuple[float, ...]]:
-    """The rollups' rows over [first, last) (whole hours), each with its bucket, and the hours
-    a bucket's boundary cuts (read from the rows). A whole UTC day goes to the bucket of its
-    noon UTC, which holds most of it; its hours in another bucket (those between the UTC and
-    the local midnight: one or two a day for Berlin, none in UTC) are taken out of that one
-    and put into theirs. Buckets change only at local midnights, so an hour (a day) whose first
+def _split(a: float, b: float) -> tuple[_Whole, tuple[_Whole, ...]]:
+    """[a, b): the whole hours in it, and the minutes around them (or all of it: no hour)."""
+    h0, h1 = _ceil(a, HOUR_S), _floor(b, HOUR_S)
+    if h0 >= h1:
+        return (a, a), (((a, b),) if a < b else ())
+    return (h0, h1), tuple(s for s in ((a, h0), (h1, b)) if s[0] < s[1])
+
+
+def _untimed(lo: float | None, hi: float | None, days: _Days
+             ) -> tuple[tuple[_Read, ...], tuple[Span, ...]]:
+    """[lo, hi) (whole hours or starts of `days`, or open): its whole days from the day rollup
+    of `days`, the whole hours at each end from the hour rollup, and (a day starting inside an
+    hour) the minutes left between them, from the rows."""
+    day_lo = None if lo is None else days.ceil(lo)
+    day_hi = None if hi is None else days.floor(hi)
+    reads: list[_Read] = []
+    edges: list[_Whole] = []
+    if lo is not None and hi is not None and days.ceil(lo) >= days.floor(hi):
+        edges.append((lo, hi))
+    else:
+        reads.append(_Read(days.rollup, ((day_lo, day_hi),), zone=days.zone))
+        if lo is not None:
+            edges.append((lo, days.ceil(lo)))
+        if hi is not None:
+            edges.append((days.floor(hi), hi))
+    hours: list[Span] = []
+    rows: list[Span] = []
+    for a, b in edges:
+        whole, rest = _split(a, b)
+        hours += [whole] if whole[0] != whole[1] else []
+        rows += rest
+    return (*reads, *((_Read(USAGE, tuple(hours)),) if hours else ())), tuple(rows)
+
+
+def _timed(tz: ZoneInfo, timed: Sequence[GroupKey], first: float, last: float, days: _Days
+           ) -> tuple[tuple[_Read, ...], tuple[float, ...], tuple[Span, ...]]:
+    """The rollups' rows over [first, last) (whole hours, or starts of `days`), each with its
+    bucket; the hours a bucket's boundary cuts (read from the rows); and the minutes between
+    the first day's start and its hour's (and after the last day's end), where a day starts
+    inside an hour (read from the rows too).
+
+    A whole day goes to the bucket of its middle. A local day (`USAGE_LOCAL`) lies in that
+    bucket whole: buckets change only at local midnights. A UTC day may not: its hours in
+    another bucket (those between the UTC and the local midnight: one or two a day for Berlin,
+    none in UTC) are taken out of that one and put into theirs. An hour (a day) whose first
     and last seconds are in one bucket lies in it whole, and the hours in the noon's bucket
     are one run around noon."""
     def name(t: float) -> str:
         return "|".join(labels(t, tz, timed))
 
-    days: list[Entry] = []
+    whole: list[Entry] = []
     hours: list[Entry] = []
     cut: list[float] = []
 
     def hour(h: float, day: str | None) -> bool:
-        """Hour h, whose UTC day is in bucket `day` (None: not read from the day rollup);
-        whether it lies in that bucket."""
+        """Hour h, whose day is in bucket `day` (None: not read from a day rollup); whether it
+        lies in that bucket."""
         at = name(h)
         if at != name(h + HOUR_S - 1):
             cut.append(h)  # a 30 or 45 minute offset's midnight: its rows
@@ -454,25 +555,34 @@ def _timed(tz: ZoneInfo, timed: Sequence[GroupKey], first: float, last: float
             hours.append((h, day, -1))
         return False
 
-    day_lo, day_hi = _ceil(first, DAY_S), _floor(last, DAY_S)
-    if day_lo >= day_hi:
-        day_lo = day_hi = last
-    for h in _range(first, day_lo, HOUR_S):
+    bounds = days.starts(first, last)
+    if len(bounds) < 2:
+        bounds = []
+    # The whole hours before the first whole day, and after the last, from the hour rollup; a
+    # day starting inside an hour (Kathmandu's) leaves that hour's minutes to the rows.
+    head, tail = ((first, bounds[0]), (bounds[-1], last)) if bounds else ((first, last), None)
+    (h0, h1), rows = _split(*head)
+    for h in _range(h0, h1, HOUR_S):
         hour(h, None)
-    for d in _range(day_lo, day_hi, DAY_S):
-        noon = name(d + DAY_S // 2)
-        days.append((d, noon, 1))
-        if name(d) != noon or name(d + DAY_S - 1) != noon:
-            for h in _range(d, d + DAY_S // 2, HOUR_S):  # from midnight UTC up to the run
+    for d, e in itertools.pairwise(bounds):
+        mid = d + (e - d) // 2
+        noon = name(mid)
+        whole.append((d, noon, 1))
+        if name(d) != noon or name(e - 1) != noon:  # (a UTC day: its hours from both ends)
+            for h in _range(d, mid, HOUR_S):  # from midnight UTC up to the run
                 if hour(h, noon):
                     break
-            for h in reversed(_range(d + DAY_S // 2, d + DAY_S, HOUR_S)):  # down to it
+            for h in reversed(_range(mid, e, HOUR_S)):  # down to it
                 if hour(h, noon):
                     break
-    for h in _range(max(day_hi, first), last, HOUR_S):
-        hour(h, None)
-    reads = [_Read(r, at=tuple(e)) for r, e in ((USAGE_DAILY, days), (USAGE, hours)) if e]
-    return tuple(reads), tuple(cut)
+    if tail is not None:
+        (h0, h1), more = _split(*tail)
+        rows += more
+        for h in _range(h0, h1, HOUR_S):
+            hour(h, None)
+    reads = [_Read(r, at=tuple(e), zone=z) for r, e, z in
+             ((days.rollup, whole, days.zone), (USAGE, hours, None)) if e]
+    return tuple(reads), tuple(cut), tuple(rows)
 
 
 def _range(lo: float, hi: float, step: int) -> list[float]:
@@ -504,8 +614,8 @@ def _branches(q: Sql, plan: _Plan, keys: Callable[[bool], list[str]],
         instant = "extract(epoch FROM r.started_at)::bigint" if pg else "r.started_at"
         return with_, [_summed(q, [*keys(False), instant],
                                  [f"r.{m.name}" for m in lone.rollup.measures],
-                                 f"{lone.rollup.table} r WHERE r.started_at IN "
-                                 "(SELECT t FROM m0)")], True
+                                 f"{lone.rollup.table} r WHERE {_zone(q, lone, 'r.')}"
+                                 "r.started_at IN (SELECT t FROM m0)")], True
     for i, read in enumerate(plan.reads):
         table = read.rollup.table
         if read.at:  # one index range per instant
@@ -513,14 +623,15 @@ def _branches(q: Sql, plan: _Plan, keys: Callable[[bool], list[str]],
             # The list outside, the rollup's index inside: SQLite keeps a CROSS JOIN's order;
             # PostgreSQL, guessing the list's length, would rather scan the whole rollup (a
             # LATERAL subquery fenced by OFFSET 0 is a nested loop).
-            source = (f"LATERAL (SELECT * FROM {table} WHERE started_at = m.t OFFSET 0) r" if pg
-                      else f"{table} r WHERE r.started_at = m.t")
+            zone = _zone(q, read, "")
+            source = (f"LATERAL (SELECT * FROM {table} WHERE {zone}started_at = m.t OFFSET 0) r"
+                      if pg else f"{table} r WHERE {zone}r.started_at = m.t")
             out.append(_summed(q, [*keys(False), "m.label"],
                                [f"{sign}r.{m.name}" for m in read.rollup.measures],
                                f"m{i} AS m CROSS JOIN {source}"))
         else:
             out.append(_summed(q, keys(False), [m.name for m in read.rollup.measures],
-                               f"{table}{_where(q, read.spans)}"))
+                               f"{table}{_where(q, read.spans, read.zone)}"))
     def rows() -> list[str]:  # (the zone a parameter in PostgreSQL: made where it is used)
         return [*keys(True), *([row_bucket(q)] if row_bucket else [])]
 
@@ -547,9 +658,17 @@ def _summed(q: Sql, keys: Sequence[str], measures: Sequence[str], source: str) -
     return f"SELECT {', '.join(cols)} FROM {source}{_group_by(len(keys))}"
 
 
-def _where(q: Sql, spans: Sequence[Span]) -> str:
+def _where(q: Sql, spans: Sequence[Span], zone: str | None = None) -> str:
+    first = f"zone = {q.p(zone)}" if zone is not None else ""
     conds = [" AND ".join(c) for c in (_span_cond(q, s) for s in spans)]
-    return (" WHERE " + " OR ".join(f"({c})" for c in conds)) if all(conds) else ""
+    within = " OR ".join(f"({c})" for c in conds) if all(conds) else ""
+    both = [c for c in (first, within and f"({within})") if c]
+    return f" WHERE {' AND '.join(both)}" if both else ""
+
+
+def _zone(q: Sql, read: _Read, prefix: str) -> str:
+    """The local-day rollup's rows of the report's zone, ANDed before a condition."""
+    return "" if read.zone is None else f"{prefix}zone = {q.p(read.zone)} AND "
 
 
 def _entries(q: Sql, entries: Sequence[Entry]) -> str:

@@ -5,12 +5,15 @@ the generated `cost_usd`; columns added by later migrations come after it), so r
 dashboards read one shape. Timestamps are
 `timestamptz` in PostgreSQL and epoch seconds (REAL) in SQLite, which has no time type.
 A migration is only ever appended; `tokenmeter_schema` holds the version a database is at.
-Beside the table, the rollups (`proxy.ledger.rollup`): built by a migration with `rollups=True`.
+Beside the table, the rollups (`proxy.ledger.rollup`): built by a migration with `rollups=True`
+(the local-day rollup's zones, listed in their own table, are added by the shipper).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from proxy.ledger import rollup
 
 TABLE = "tokenmeter_requests"
 # One row per applied migration (version, applied_at); a database is at its highest version.
@@ -141,9 +144,18 @@ MIGRATIONS: tuple[Migration, ...] = (
     # v5: the rollups (proxy.ledger.rollup), built from the rows already stored; their lists
     # name v3's cache columns and v4's tags.
     Migration(5, (), (), rollups=True),
+    # v6: the rollup by local day (`proxy.ledger.rollup.USAGE_LOCAL`) and its list of zones,
+    # empty: a shipper adds its configured zone, and its sums, when it starts
+    # (`proxy.ledger.migrate.add_zone_sqlite`). The other rollups are as they were.
+    Migration(6, (rollup.create_zones(postgresql=True),
+                  *rollup.create(rollup.USAGE_LOCAL, postgresql=True)),
+              (rollup.create_zones(postgresql=False),
+               *rollup.create(rollup.USAGE_LOCAL, postgresql=False))),
 )
 
 VERSION = MIGRATIONS[-1].version
 # The version whose migration last rebuilt the rollups: a database below it has none, or
 # rollups of other lists, and is read from its rows alone.
 ROLLUP_VERSION = max(m.version for m in MIGRATIONS if m.rollups)
+# The version that made the local-day rollup: a database below it has no zones table.
+LOCAL_DAY_VERSION = 6

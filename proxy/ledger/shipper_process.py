@@ -80,10 +80,14 @@ class ShipperSpec:
     ledger: dict[str, object]  # LedgerConfig, as JSON
     state_dir: str
     drain_s: float
+    # The config's `timezone`: the sink adds it to the local-day rollup when it opens (the
+    # rollup then serves that zone's reports by day, week and month).
+    zone: str = "UTC"
 
     @classmethod
-    def of(cls, config: LedgerConfig, state_dir: Path, drain_s: float) -> ShipperSpec:
-        return cls(config.model_dump(mode="json"), str(state_dir), drain_s)
+    def of(cls, config: LedgerConfig, state_dir: Path, drain_s: float,
+           zone: str = "UTC") -> ShipperSpec:
+        return cls(config.model_dump(mode="json"), str(state_dir), drain_s, zone)
 
     @property
     def config(self) -> LedgerConfig:
@@ -95,12 +99,13 @@ class ShipperSpec:
         return Path(spool) if spool else Path(self.state_dir)
 
 
-def make_sink(config: LedgerConfig, state_dir: Path) -> Sink:
+def make_sink(config: LedgerConfig, state_dir: Path, zone: str = "UTC") -> Sink:
+    """The sink `config` names; `zone`: the configured time zone (its local-day sums)."""
     if config.url is not None and config.dialect == "postgresql":
-        return PostgresSink(config.url)
+        return PostgresSink(config.url, zone)
     if config.url is not None:
-        return SqliteSink(Path(config.url.removeprefix("sqlite://")))
-    return SqliteSink(state_dir / SQLITE_FILE)
+        return SqliteSink(Path(config.url.removeprefix("sqlite://")), zone)
+    return SqliteSink(state_dir / SQLITE_FILE, zone)
 
 
 # --- what /readyz says -------------------------------------------------------------------------
@@ -152,7 +157,7 @@ class ShipperProcess:
     def __init__(self, spec: ShipperSpec, metrics: LedgerMetrics) -> None:
         self._spec = spec
         config = spec.config
-        self._sink = make_sink(config, Path(spec.state_dir))
+        self._sink = make_sink(config, Path(spec.state_dir), spec.zone)
         self._spool = RowSpool(spec.spool_dir)
         self._shipper = Shipper(self._spool, self._sink, metrics, config, clock=time.time)
         self._stop = asyncio.Event()

@@ -10,7 +10,9 @@ row-by-row INSERTs are the write path that becomes a bottleneck.
 
 The rollups (`proxy.ledger.rollup`) are kept by the same statement, from the rows the INSERT
 returns (those it actually inserted: a row already stored is not returned, so not counted
-again). Retention subtracts the rows its DELETE returns, also in one statement.
+again). Retention subtracts the rows its DELETE returns, also in one statement. The local-day
+rollup is kept in every zone its table lists (the returned rows joined with it); the sink's
+configured zone is added to the list, with its sums, when it opens.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import asyncpg
 
 from proxy.ledger import rollup
-from proxy.ledger.migrate import migrate_postgres
+from proxy.ledger.migrate import add_zone_postgres, migrate_postgres, needs_zone
 from proxy.ledger.row import COLUMNS, storable
 from proxy.ledger.schema import TABLE
 
@@ -83,8 +85,10 @@ def mask_url(url: str) -> str:
 class PostgresSink:
     name = "postgresql"
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, zone: str = "UTC") -> None:
+        """`zone`: the configured time zone, added to the local-day rollup at `open`."""
         self._url = url
+        self.zone = zone
         self.location = mask_url(url)
         self._conn: asyncpg.Connection | None = None
 
@@ -99,6 +103,8 @@ class PostgresSink:
                                      server_settings=_SESSION)
         try:
             await migrate_postgres(conn)
+            if needs_zone(self.zone):
+                await add_zone_postgres(conn, self.zone)
             await conn.execute(_CREATE_STAGE)
         except BaseException:
             conn.terminate()

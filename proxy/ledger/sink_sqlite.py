@@ -15,7 +15,9 @@ The rollups (`proxy.ledger.rollup`) are kept in the batch's transaction, from th
 actually inserted: those past the table's largest rowid before the batch (SQLite gives a new
 row the largest rowid plus one; the write lock is ours from `BEGIN IMMEDIATE`). A row already
 stored is not inserted again, so it is not counted again. Retention subtracts the rows it
-deletes from the rollups in the same transaction.
+deletes from the rollups in the same transaction. The local-day rollup is kept in every zone
+its table lists (`tm_local_day`, a function of ours: SQLite has no time zones); the sink's
+configured zone is added to the list, with its sums, when it opens.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from proxy.ledger import rollup
-from proxy.ledger.migrate import migrate_sqlite
+from proxy.ledger.migrate import add_zone_sqlite, migrate_sqlite, needs_zone
 from proxy.ledger.row import COLUMNS, storable
 from proxy.ledger.schema import TABLE
 
@@ -54,8 +56,10 @@ BUSY_TIMEOUT_MS = 10_000  # a report holding the file briefly is waited for, not
 class SqliteSink:
     name = "sqlite"
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, zone: str = "UTC") -> None:
+        """`zone`: the configured time zone, added to the local-day rollup at `open`."""
         self.path = path
+        self.zone = zone
         self.location = f"sqlite://{path.absolute()}"
         self._conn: sqlite3.Connection | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -81,7 +85,9 @@ class SqliteSink:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-            migrate_sqlite(conn)
+            migrate_sqlite(conn)  # (registers tm_local_day, which the batches call)
+            if needs_zone(self.zone):
+                add_zone_sqlite(conn, self.zone)
         except BaseException:
             conn.close()
             raise

@@ -42,7 +42,7 @@ from proxy.errors import (
     UpstreamUnavailable,
 )
 from proxy.ledger.audit import Auditor
-from proxy.ledger.ledger import make_ledger
+from proxy.ledger.ledger import Shipping, make_ledger
 from proxy.pipeline.handler import BODY_PARSER_SLOTS, BODY_PARSERS, REQUEST_ID, make_handler
 from proxy.pipeline.relay import REQUEST_ID_HEADER
 from proxy.pipeline.services import SERVICES, HttpClient, Runtime, RuntimeHolder, Services, Settling
@@ -532,7 +532,7 @@ def create_app(
         runtime=holder, metrics=metrics, budget=budget, http=http, latency=LatencyTracker(),
         rng=random.Random(), settling=Settling(), watchdog=Watchdog(),
         ledger=make_ledger(config.ledger, metrics, ship=placement.ship,
-                           drain_s=config.server.drain_seconds),
+                           shipping=Shipping(config.server.drain_seconds, config.timezone)),
         capture=_capture_writer(config, holder, metrics),
         tracing=Tracing.of(config.tracing),
         cache=_response_cache(config, holder, metrics, clock),

@@ -375,7 +375,8 @@ def supervise(
             with asyncio.Runner() as runner:
                 bound = BoundSockets(tuple(api), tuple(metrics))
                 ledger = config.ledger if config is not None else LedgerConfig()
-                shipper = ShipperSpec.of(ledger, default_dir(), drain) if ledger.enabled \
+                zone = config.timezone if config is not None else "UTC"
+                shipper = ShipperSpec.of(ledger, default_dir(), drain, zone) if ledger.enabled \
                     else None
                 return runner.run(Supervisor(argv, count, bound, metrics_dir, drain,
                                              shipper).run())

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.config.ledger import LedgerConfig
 from proxy.ledger import shipper as shipper_mod
-from proxy.ledger.ledger import Ledger, make_ledger
+from proxy.ledger.ledger import Ledger, Shipping, make_ledger
 from proxy.ledger.migrate import migrate_postgres, migrate_sqlite
 from proxy.ledger.row import COLUMNS, LedgerRow
 from proxy.ledger.schema import MIGRATIONS, SCHEMA_TABLE, TABLE, VERSION
@@ -366,6 +366,28 @@ async def test_password_never_shown(state: Path) -> None:
     assert not health.ok and "s3cret" not in health.detail and health.pending_rows == 1
     await ledger.stop(0.2)
     assert any(n.endswith(".jsonl") for n in spool_files(state))  # the row waits on disk
+
+
+async def test_the_shipper_process_sums_its_configured_zone_once(db_url: str,
+                                                                  state: Path) -> None:
+    """The shipper process is handed the config's `timezone`: at its first start it adds the
+    zone to the local-day rollup, with the rows already stored; started again (and with
+    another zone after a config change) it adds no row twice and keeps every zone listed."""
+    for i, zone in enumerate(("Europe/Berlin", "Europe/Berlin", "America/New_York")):
+        ledger = Ledger(LedgerConfig(url=db_url), Metrics(), state_dir=state,
+                        shipping=Shipping(5.0, zone))
+        ledger.record(make_row(i, started_at=NOW + i * 3600))
+        await ledger.start()
+        assert await ledger.flush(20)
+        await until(lambda ledger=ledger: ledger.health().pending_rows == 0)  # type: ignore[misc]
+        await ledger.stop(5.0)
+    assert sorted(await fetch(db_url, "SELECT zone FROM tokenmeter_rollup_zones")) == [
+        ("America/New_York",), ("Europe/Berlin",)]
+    summed = await fetch(db_url, "SELECT zone, sum(requests), sum(input_tokens) FROM "
+                                 "tokenmeter_rollup_localday GROUP BY zone ORDER BY zone")
+    stored = await fetch(db_url, f"SELECT count(*), sum(input_tokens) FROM {TABLE}")
+    assert [tuple(int(v) for v in r[1:]) for r in summed] == [
+        tuple(int(v) for v in stored[0])] * 2
 
 
 def test_disabled_is_none(state: Path) -> None:

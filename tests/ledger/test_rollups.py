@@ -16,7 +16,8 @@ import sqlite3
 import tempfile
 import uuid
 from collections.abc import Iterator, Sequence
-from datetime import UTC, datetime
+from dataclasses import asdict
+from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.config.ledger import LedgerConfig
-from proxy.ledger import rollup
+from proxy.ledger import migrate, rollup, sink_postgres
+from proxy.ledger.migrate import add_zone_postgres, add_zone_sqlite
 from proxy.ledger.query import locate, open_reader
 from proxy.ledger.report import (
     Group,
@@ -43,13 +45,16 @@ from proxy.ledger.report import (
 )
 from proxy.ledger.row import COLUMNS, LedgerRow
 from proxy.ledger.schema import MIGRATIONS, SCHEMA_TABLE, TABLE
+from proxy.ledger.shipper_process import ShipperSpec, make_sink
 from proxy.ledger.sink_postgres import PostgresSink
 from proxy.ledger.sink_sqlite import SqliteSink
 from tests.books import ledger_row, pg_admin
 
 T0 = datetime(2026, 3, 27, tzinfo=UTC).timestamp()  # Berlin's clocks change on the 29th
 SPAN_S = 4 * 86400
-ZONES = ("UTC", "Europe/Berlin", "Asia/Kathmandu", "America/New_York")
+ZONES = ("UTC", "Europe/Berlin", "Asia/Kathmandu", "America/New_York", "Asia/Kolkata")
+# The zones the local-day rollup holds in these tests (Kolkata's reports read UTC days).
+LOCAL_ZONES = ("Europe/Berlin", "America/New_York", "Asia/Kathmandu")
 GROUPINGS: tuple[tuple[Group, ...], ...] = (
     (GroupKey.USER,), (GroupKey.MODEL, GroupKey.DAY),
     (GroupKey.TEAM, GroupKey.KEY, GroupKey.UPSTREAM), (GroupKey.WEEK,), (),
@@ -156,8 +161,24 @@ async def _old_database(url: str, rows: Sequence[LedgerRow]) -> None:
 async def _fresh_pg(url: str) -> None:
     conn = await asyncpg.connect(url)
     try:
-        for table in (TABLE, SCHEMA_TABLE, *(r.table for r in rollup.ROLLUPS)):
+        for table in (TABLE, SCHEMA_TABLE, rollup.ZONES, *(r.table for r in rollup.ROLLUPS)):
             await conn.execute(f"DROP TABLE IF EXISTS {table}")
+    finally:
+        await conn.close()
+
+
+async def _add_zones(url: str, zones: Sequence[str]) -> list[bool]:
+    """`zones` in the local-day rollup of the ledger at `url` (as a shipper adds its own)."""
+    if url.startswith("sqlite"):
+        db = sqlite3.connect(url.removeprefix("sqlite://"), isolation_level=None)
+        try:
+            rollup.register(db)
+            return [add_zone_sqlite(db, z) for z in zones]
+        finally:
+            db.close()
+    conn = await asyncpg.connect(url)
+    try:
+        return [await add_zone_postgres(conn, z) for z in zones]
     finally:
         await conn.close()
 
@@ -165,6 +186,7 @@ async def _fresh_pg(url: str) -> None:
 async def _fetch(url: str, text: str) -> list[tuple[Any, ...]]:
     if url.startswith("sqlite"):
         with sqlite3.connect(url.removeprefix("sqlite://")) as db:
+            rollup.register(db)
             return [tuple(r) for r in db.execute(text).fetchall()]
     conn = await asyncpg.connect(url)
     try:
@@ -180,7 +202,8 @@ def _plain(values: Sequence[Any]) -> tuple[Any, ...]:
 
 
 async def _rollups_match_rows(url: str) -> None:
-    """Every rollup is the sums of the stored rows (no more rollup rows, none missing)."""
+    """Every rollup is the sums of the stored rows (no more rollup rows, none missing); the
+    local-day rollup's in each zone its table lists."""
     pg = not url.startswith("sqlite")
     for r in rollup.ROLLUPS:
         cols = ", ".join([*r.key, *(m.name for m in r.measures)])
@@ -229,16 +252,21 @@ def _expected(rows: Sequence[LedgerRow], by: Sequence[Group], period: Period
 # --- the property -----------------------------------------------------------------------------
 
 async def _ship(url: str, load: dict[str, Any]) -> list[LedgerRow]:
-    """`load` through the sink; the rows that should be stored, in the order they landed."""
+    """`load` through the sink (configured in Berlin; New York and Kathmandu added to the
+    local-day rollup too); the rows that should be stored, in the order they landed."""
     rows: list[LedgerRow] = load["rows"]
+    zones: Sequence[str] = load.get("zones", LOCAL_ZONES)
     stored: dict[str, LedgerRow] = {}
     before = rows[:load["before"]]
     await _old_database(url, before)
     stored.update((r.request_id, r) for r in before)
-    sink: SqliteSink | PostgresSink = (SqliteSink(Path(url.removeprefix("sqlite://")))
-                                       if url.startswith("sqlite") else PostgresSink(url))
-    await sink.open()  # migrates: the rollups built from the rows already there
+    zone = zones[0] if zones else "UTC"
+    sink: SqliteSink | PostgresSink = (SqliteSink(Path(url.removeprefix("sqlite://")), zone)
+                                       if url.startswith("sqlite") else PostgresSink(url, zone))
+    # Migrates (the rollups built from the rows already there), then sums them in Berlin.
+    await sink.open()
     try:
+        assert await _add_zones(url, zones) == [False, *[True] * (len(zones) - 1)][:len(zones)]
         await _rollups_match_rows(url)
         for picks, refused, cutoff in load["batches"]:
             batch = [rows[i] for i in picks]
@@ -307,11 +335,13 @@ def _ledger_url(dialect: str, tmp_path: Path, request: pytest.FixtureRequest) ->
             else request.getfixturevalue("module_pg"))
 
 
-async def _books_of(url: str, rows: list[LedgerRow]) -> list[LedgerRow]:
-    """The ledger at `url`, fresh, holding `rows` shipped in one batch: the rows stored."""
+async def _books_of(url: str, rows: list[LedgerRow], zones: Sequence[str] = LOCAL_ZONES
+                    ) -> list[LedgerRow]:
+    """The ledger at `url`, fresh, holding `rows` shipped in one batch, its local-day rollup
+    holding `zones`: the rows stored."""
     if not url.startswith("sqlite"):
         await _fresh_pg(url)
-    return await _ship(url, {"rows": rows, "before": 0, "periods": [],
+    return await _ship(url, {"rows": rows, "before": 0, "periods": [], "zones": zones,
                              "batches": [(list(range(len(rows))), False, None)]})
 
 
@@ -345,14 +375,16 @@ def test_a_period_starting_and_ending_mid_day_is_exact(dialect: str, tmp_path: P
     asyncio.run(go())
 
 
+@pytest.mark.parametrize("local", [False, True], ids=["utc-days", "local-days"])
 @pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
 def test_local_days_over_a_dst_change_read_the_day_rollup_exactly(
-        dialect: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+        dialect: str, local: bool, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """Whole local days in Berlin over its spring change (+1 to +2 on the 29th), in New York
     (west of UTC) and in Kathmandu (+5:45): a row every 20 minutes, and one on each side of
-    every local midnight. The report equals the rows' sums, and Berlin's and New York's days
-    read the day rollup corrected by one or two hours a day (not 24), Kathmandu's the rows of
-    the hour its midnight cuts."""
+    every local midnight. The report equals the rows' sums. Without the local-day rollup
+    holding the zones, Berlin's and New York's days read the UTC day rollup corrected by one
+    or two hours a day (not 24), Kathmandu's the rows of the hour its midnight cuts; with it,
+    every zone's days are one read of the local-day rollup alone."""
     moments = [T0 + k * 1200.0 for k in range(SPAN_S // 1200)]
     for day in range(5):
         for zone in ("Europe/Berlin", "America/New_York", "Asia/Kathmandu"):
@@ -365,7 +397,7 @@ def test_local_days_over_a_dst_change_read_the_day_rollup_exactly(
     url = _ledger_url(dialect, tmp_path, request)
 
     async def go() -> None:
-        stored = await _books_of(url, rows)
+        stored = await _books_of(url, rows, LOCAL_ZONES if local else ())
         async with await open_reader(locate(LedgerConfig(), url)) as reader:
             for zone, first, last in (("Europe/Berlin", "2026-03-28", "2026-03-30"),
                                       ("America/New_York", "2026-03-27", "2026-03-29"),
@@ -381,6 +413,13 @@ def test_local_days_over_a_dst_change_read_the_day_rollup_exactly(
                     assert dict(got.rows) == want, (zone, by)
                     assert got.totals == sum(want.values(), Totals()), (zone, by)
                 plan = await _plan(reader, period, (GroupKey.DAY,))
+                if local and zone != "UTC":  # whole local days, each once, nothing else
+                    (read,) = plan.reads
+                    assert read.rollup is rollup.USAGE_LOCAL and read.zone == zone
+                    assert len(read.at) == (date.fromisoformat(last)
+                                            - date.fromisoformat(first)).days + 1
+                    assert not plan.cut and not plan.raw
+                    continue
                 days = [e for r in plan.reads if r.rollup is rollup.USAGE_DAILY for e in r.at]
                 hours = [e for r in plan.reads if r.rollup is rollup.USAGE for e in r.at]
                 assert days, zone
@@ -391,3 +430,265 @@ def test_local_days_over_a_dst_change_read_the_day_rollup_exactly(
                     assert len(hours) <= 4 * len(days) + 2 * 24, (zone, hours)
 
     asyncio.run(go())
+
+
+# --- the local-day rollup -----------------------------------------------------------------------
+
+def _around_midnights(zones: Sequence[str], days: int) -> list[float]:
+    """A moment every 20 minutes over `days` days from T0, and one each side of every local
+    midnight of `zones`."""
+    moments = [T0 + k * 1200.0 for k in range(days * 86400 // 1200)]
+    for day in range(days + 1):
+        for zone in zones:
+            tz = ZoneInfo(zone)
+            start = rollup.midnight((datetime.fromtimestamp(T0, tz) + timedelta(days=day)).date(),
+                                    tz)
+            moments += [start - 0.001, start]
+    return [t for t in moments if T0 <= t < T0 + days * 86400]
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_a_report_in_the_configured_zone_reads_the_local_day_rollup(
+        dialect: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """Berlin over its DST change and Kathmandu (+5:45): whole local days and periods starting
+    and ending mid-day equal the rows' sums, to the token and the nano-dollar; and the report
+    read the local-day rollup: a change made to one of its rows shows in the report (and in
+    no report of a zone it does not hold)."""
+    rows = [ledger_row(f"z{i}", t, user_name=("alice", "bob")[i % 3 % 2], input_tokens=i + 1,
+                       cost_nanousd=7 * i + 1, output_tokens=i % 13)
+            for i, t in enumerate(_around_midnights(LOCAL_ZONES, 4))]
+    url = _ledger_url(dialect, tmp_path, request)
+    pg = dialect == "postgresql"
+
+    async def go() -> None:
+        stored = await _books_of(url, rows)
+        async with await open_reader(locate(LedgerConfig(), url)) as reader:
+            for zone, first, last in (("Europe/Berlin", "2026-03-28", "2026-03-30"),
+                                      ("Europe/Berlin", "2026-03-27T10:17", "2026-03-30T15:42"),
+                                      ("Asia/Kathmandu", "2026-03-28", "2026-03-29"),
+                                      ("Asia/Kathmandu", "2026-03-27T18:40",
+                                       "2026-03-30T18:05:30"),
+                                      ("America/New_York", "2026-03-27T03:59:59.999",
+                                       "2026-03-29T23:00")):
+                tz = ZoneInfo(zone)
+                period = Period(tz, parse_bound(first, tz, end=False),
+                                parse_bound(last, tz, end=True))
+                for by in ((GroupKey.DAY,), (GroupKey.USER, GroupKey.DAY), (GroupKey.WEEK,),
+                           (GroupKey.USER,), ()):
+                    got = await build_report(reader, by, period)
+                    want = _expected(stored, by, period)
+                    assert dict(got.rows) == want, (zone, first, by)
+                    assert got.totals == sum(want.values(), Totals()), (zone, first, by)
+                plan = await _plan(reader, period, (GroupKey.DAY,))
+                assert plan.reads[0].rollup is rollup.USAGE_LOCAL, (zone, first)
+
+        # Proof of the path: Berlin's 29 March, and only in the local-day rollup, grows.
+        berlin = ZoneInfo("Europe/Berlin")
+        day = rollup.midnight(date(2026, 3, 29), berlin)
+        at = f"to_timestamp({day})" if pg else str(int(day))
+        await _execute(url, f"UPDATE {rollup.USAGE_LOCAL.table} SET input_tokens = input_tokens "
+                            f"+ 1000000 WHERE zone = 'Europe/Berlin' AND started_at = {at} "
+                            "AND user_name = 'alice'")
+        async with await open_reader(locate(LedgerConfig(), url)) as reader:
+            for zone, grown in (("Europe/Berlin", 10**6), ("Asia/Kolkata", 0)):
+                tz = ZoneInfo(zone)
+                period = Period(tz, parse_bound("2026-03-28", tz, end=False),
+                                parse_bound("2026-03-30", tz, end=True))
+                got = dict((await build_report(reader, (GroupKey.USER, GroupKey.DAY),
+                                               period)).rows)
+                want = _expected(stored, (GroupKey.USER, GroupKey.DAY), period)
+                assert (got[("alice", "2026-03-29")].input_tokens
+                        == want[("alice", "2026-03-29")].input_tokens + grown), zone
+                assert got[("bob", "2026-03-29")] == want[("bob", "2026-03-29")], zone
+
+    asyncio.run(go())
+
+
+async def _execute(url: str, text: str) -> None:
+    if url.startswith("sqlite"):
+        with sqlite3.connect(url.removeprefix("sqlite://")) as db:
+            assert db.execute(text).rowcount == 1
+        return
+    conn = await asyncpg.connect(url)
+    try:
+        assert await conn.execute(text) == "UPDATE 1"
+    finally:
+        await conn.close()
+
+
+async def _zones_of(url: str) -> list[str]:
+    return sorted(z for (z,) in await _fetch(url, f"SELECT zone FROM {rollup.ZONES}"))
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_the_shipper_adds_its_zone_once_and_a_new_zone_on_a_change(
+        dialect: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """The shipper's sink (`make_sink`, given the zone `serve` hands the shipper process)
+    configured in Berlin sums the rows already stored once, at its first start; started again
+    it adds nothing (the rollup is not counted twice); configured in New York it adds New
+    York's days, Berlin's still kept; the report in New York is exact; a retention slice
+    leaves every zone's local-day rollup equal to the rows."""
+    url = _ledger_url(dialect, tmp_path, request)
+    moments = _around_midnights(LOCAL_ZONES, 4)
+    rows = [ledger_row(f"s{i}", t, user_name=("alice", "bob", "carol")[i % 3],
+                       input_tokens=i + 1, cost_nanousd=None if i % 11 == 0 else 3 * i)
+            for i, t in enumerate(moments)]
+    config = LedgerConfig(url=url)
+
+    async def start(zone: str, batch: Sequence[LedgerRow] = (), cutoff: float | None = None
+                    ) -> None:
+        spec = ShipperSpec(**json.loads(json.dumps(asdict(ShipperSpec.of(
+            config, tmp_path, 1.0, zone)))))  # as the process is told (SHIPPER_ENV)
+        sink = make_sink(spec.config, Path(spec.state_dir), spec.zone)
+        await sink.open()
+        try:
+            if batch:
+                assert await sink.write([sink.prepare(list(r)) for r in batch]) == len(batch)
+            if cutoff is not None:
+                assert await sink.prune(cutoff, 10_000) > 0
+        finally:
+            await sink.close()
+            sink.shutdown()
+
+    async def go() -> None:
+        await _books_of(url, rows[: len(rows) // 2], zones=())  # an older shipper's rows: UTC
+        assert await _zones_of(url) == []
+        await start("Europe/Berlin")
+        assert await _zones_of(url) == ["Europe/Berlin"]
+        await _rollups_match_rows(url)
+        await start("Europe/Berlin", rows[len(rows) // 2:])  # again: nothing added twice
+        await _rollups_match_rows(url)
+        await start("America/New_York")
+        assert await _zones_of(url) == ["America/New_York", "Europe/Berlin"]
+        await _rollups_match_rows(url)
+        async with await open_reader(locate(LedgerConfig(), url)) as reader:
+            tz = ZoneInfo("America/New_York")
+            for first, last in (("2026-03-27", "2026-03-29"),
+                                ("2026-03-26T22:10", "2026-03-30T11:30")):
+                period = Period(tz, parse_bound(first, tz, end=False),
+                                parse_bound(last, tz, end=True))
+                plan = await _plan(reader, period, (GroupKey.DAY,))
+                assert plan.reads[0].rollup is rollup.USAGE_LOCAL
+                assert plan.reads[0].zone == "America/New_York"
+                for by in ((GroupKey.USER, GroupKey.DAY), (GroupKey.MONTH,), ()):
+                    got = await build_report(reader, by, period)
+                    assert dict(got.rows) == _expected(rows, by, period), (first, by)
+        # Retention: a slice ending mid-day in every zone.
+        await start("America/New_York", cutoff=T0 + 86400 + 13 * 3600 + 0.5)
+        await _rollups_match_rows(url)
+        kept = await _fetch(url, f"SELECT count(*) FROM {rollup.USAGE_LOCAL.table} "
+                                 "WHERE requests = 0")
+        assert kept == [(0,)]  # emptied rollup rows dropped
+
+    asyncio.run(go())
+
+
+@pytest.mark.timeout(60)
+def test_a_zone_added_while_another_replica_ships_misses_no_row(module_pg: str) -> None:
+    """Another replica's batch, its rows inserted (and its rollups kept, in the zones listed
+    then: none) but not committed, while a shipper adds Berlin: the backfill waits for that
+    batch to commit and sums its rows too (without its SHARE lock it would sum neither); and a
+    batch arriving while a backfill holds that lock waits for it, then keeps the new zone."""
+    rows = [ledger_row(f"c{i}", T0 + i * 900.0, input_tokens=i + 1) for i in range(200)]
+
+    async def go() -> None:
+        await _books_of(module_pg, rows[:100], zones=())
+        other, adder, watcher = [await asyncpg.connect(module_pg) for _ in range(3)]
+        try:
+            tx = other.transaction()
+            await tx.start()
+            await other.execute(sink_postgres._CREATE_STAGE)
+            await other.copy_records_to_table(
+                sink_postgres._STAGE, records=[PostgresSink.prepare(list(r)) for r in rows[100:]],
+                columns=list(COLUMNS))
+            assert await other.fetchval(sink_postgres._MOVE) == 100
+            adding = asyncio.create_task(add_zone_postgres(adder, "Europe/Berlin"))
+            pid = adder.get_server_pid()
+            # The backfill is waiting for the batch's lock (a state the server shows).
+            while not await watcher.fetchval(
+                    "SELECT count(*) FROM pg_locks WHERE pid = $1 AND NOT granted", pid):
+                assert not adding.done()
+                await asyncio.sleep(0.01)
+            await tx.commit()
+            assert await adding
+        finally:
+            for conn in (other, adder, watcher):
+                await conn.close()
+        assert await _zones_of(module_pg) == ["Europe/Berlin"]
+        await _rollups_match_rows(module_pg)
+        (count,) = await _fetch(module_pg, f"SELECT sum(requests) FROM "
+                                           f"{rollup.USAGE_LOCAL.table}")
+        assert int(count[0]) == 200
+
+        # The other way round: a batch arriving while New York's backfill holds its lock
+        # waits, then sees New York listed and keeps it.
+        adder, watcher = [await asyncpg.connect(module_pg) for _ in range(2)]
+        sink = PostgresSink(module_pg)
+        await sink.open()
+        try:
+            tx = adder.transaction()
+            await tx.start()
+            await adder.execute(f"LOCK TABLE {TABLE} IN SHARE MODE")
+            await adder.execute(f"INSERT INTO {rollup.ZONES} VALUES ('America/New_York')")
+            for statement in migrate._backfill(postgresql=True):
+                await adder.execute(statement, "America/New_York")
+            more = [ledger_row(f"c{i}", T0 + i * 900.0, input_tokens=i + 1)
+                    for i in range(200, 260)]
+            writing = asyncio.create_task(sink.write([sink.prepare(list(r)) for r in more]))
+            while not await watcher.fetchval(
+                    "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+                    "WHERE NOT l.granted AND a.application_name = 'tokenmeter-ledger'"):
+                assert not writing.done()
+                await asyncio.sleep(0.01)
+            await tx.commit()
+            assert await writing == 60
+        finally:
+            await sink.close()
+            for conn in (adder, watcher):
+                await conn.close()
+        await _rollups_match_rows(module_pg)
+        summed = await _fetch(module_pg, f"SELECT zone, sum(requests) FROM "
+                                         f"{rollup.USAGE_LOCAL.table} GROUP BY zone")
+        assert sorted((z, int(n)) for z, n in summed) == [("America/New_York", 260),
+                                                            ("Europe/Berlin", 260)]
+
+    asyncio.run(go())
+
+
+_ODD_ZONES = ("Europe/Berlin", "America/New_York", "Asia/Kathmandu", "Asia/Kolkata",
+              "Australia/Lord_Howe", "Pacific/Chatham", "America/St_Johns",
+              # Midnight twice (Havana's clocks go back from 01:00 to 00:00), midnight skipped
+              # (Santiago's jump from 00:00 to 01:00), -0:44:30 until 1972 (Monrovia).
+              "America/Havana", "America/Santiago", "Africa/Monrovia")
+
+
+@pytest.mark.timeout(120)
+def test_a_local_day_starts_where_the_reports_say_in_both_dialects(module_pg: str) -> None:
+    """`tm_local_day` (SQLite, cached per 15-minute slice) and PostgreSQL's expression give
+    every instant the start of its local day as the reports' day boundaries have it
+    (`rollup.midnight` of its local date, worked out here per instant), in zones with DST,
+    offsets of 30 and 45 minutes, a midnight that happens twice or not at all, and seconds."""
+    moments = [*(datetime(1971, 6, 1, tzinfo=UTC).timestamp() + k * 29 * 60.0
+                 for k in range(365 * 24 * 2)),
+               *(datetime(2025, 3, 1, tzinfo=UTC).timestamp() + k * 13 * 60.0 + 0.25
+                 for k in range(400 * 24 * 60 // 13))]
+    fn = rollup.local_day()
+    expr = rollup.truncated("t", rollup.DAY_S, postgresql=True, zoned=True)
+
+    async def pg(zone: str) -> list[float]:
+        conn = await asyncpg.connect(module_pg)
+        try:
+            got = await conn.fetch(
+                f"SELECT extract(epoch FROM {expr}) FROM unnest($1::timestamptz[], "
+                "$2::text[]) AS z(t, zone)",
+                [datetime.fromtimestamp(t, UTC) for t in moments], [zone] * len(moments))
+            return [float(r[0]) for r in got]
+        finally:
+            await conn.close()
+
+    for zone in _ODD_ZONES:
+        tz = ZoneInfo(zone)
+        want = [rollup.midnight(datetime.fromtimestamp(t, tz).date(), tz) for t in moments]
+        assert all(w <= t for w, t in zip(want, moments, strict=True)), zone
+        assert [fn(t, zone) for t in moments] == want, zone
+        assert asyncio.run(pg(zone)) == want, zone
