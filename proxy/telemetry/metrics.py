@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import enum
 import os
+import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -109,12 +110,15 @@ class _Counter(_Memo, Counter):
 
 class _Gauge(_Memo, Gauge):
     def set(self, value: float) -> None:
-        """prometheus_client's set without its checking call on a labelled child; a parent
-        and the `mostrecent` modes (which stamp the time) take its path."""
-        if self._is_most_recent or (self._labelnames and not self._labelvalues):
+        """prometheus_client's set without its checking call on a labelled child (the budget
+        gauges: up to 30 sets a request under limits); a labelled parent takes its path, which
+        refuses. The `mostrecent` modes stamp the time as the library does."""
+        if self._labelnames and not self._labelvalues:
             super().set(value)
-            return
-        self._value.set(float(value))
+        elif self._is_most_recent:
+            self._value.set(float(value), timestamp=time.time())
+        else:
+            self._value.set(float(value))
 
 
 class _Histogram(_Memo, Histogram):
@@ -552,6 +556,8 @@ class Metrics:
             "tokenmeter_budget_limit_tokens", "Configured limit of a budget window.", budget,
             registry=r, multiprocess_mode="mostrecent",
         )
+        # The limit last set per (user, window), as the gauge holds it (`budget_state`).
+        self._budget_limits: dict[tuple[str, str], int] = {}
         self._budget_used = _Gauge(
             "tokenmeter_budget_used_tokens",
             "Used (settled plus in-flight reservations) in the current window.", budget,
@@ -822,7 +828,12 @@ class Metrics:
     def budget_state(self, user: str, window: str, used: int, limit: int | None) -> None:
         self._budget_used.labels(user, window).set(used)
         if limit is not None:
-            self._budget_limit.labels(user, window).set(limit)
+            # A limit changes with the configuration only: set when it does, not twice a
+            # request (every worker sets the new one at its next request: `mostrecent` keeps
+            # the latest).
+            if self._budget_limits.get((user, window)) != limit:
+                self._budget_limits[(user, window)] = limit
+                self._budget_limit.labels(user, window).set(limit)
             self._budget_remaining.labels(user, window).set(max(0, limit - used))
 
     def threshold_crossed(self, user: str, threshold: float) -> None:

@@ -6,6 +6,7 @@ in a single process and in multiprocess mode."""
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -19,9 +20,17 @@ from prometheus_client import (
     generate_latest,
     values,
 )
+from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from proxy.telemetry.metrics import TPOT_BUCKETS, TTFT_BUCKETS, _Counter, _Gauge, _Histogram
+from proxy.telemetry.metrics import (
+    TPOT_BUCKETS,
+    TTFT_BUCKETS,
+    Metrics,
+    _Counter,
+    _Gauge,
+    _Histogram,
+)
 
 AMOUNTS = st.one_of(
     st.sampled_from([*TTFT_BUCKETS, *TPOT_BUCKETS, 0.0, -1.0, 1e9, math.inf, math.nan]),
@@ -87,6 +96,50 @@ def test_a_labelled_parent_still_refuses_an_observation() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_mostrecent_gauges_in_multiprocess_mode(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # The budget gauges: `mostrecent`, whose value files carry the time of each set (two
+    # workers' values are merged by it). Ours stamps it as the library does.
+    exposed = []
+    for name in ("ours", "theirs"):
+        d = tmp_path / name
+        d.mkdir()
+        monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(d))
+        values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
+        try:
+            kind = _Gauge if name == "ours" else Gauge
+            g = kind("g", "g", ["user", "window"], registry=CollectorRegistry(),
+                     multiprocess_mode="mostrecent")
+            before = time.time()
+            for x in (5, 0, 1e12, 7.5):
+                g.labels("u", "daily_tokens").set(x)
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, path=str(d))  # type: ignore[no-untyped-call]
+            exposed.append(generate_latest(registry))
+            ((_, (value, stamp)),) = [
+                (k, v) for f in d.iterdir()
+                for k, v in _read_values(f) if "daily_tokens" in k]
+            assert value == 7.5 and before <= stamp <= time.time()  # stamped, as the library
+        finally:
+            monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
+            values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
+    assert exposed[0] == exposed[1]
+    assert b'g{user="u",window="daily_tokens"} 7.5' in exposed[0]
+    with pytest.raises(ValueError):
+        _Gauge("g2", "g", ["u"], registry=CollectorRegistry(),
+               multiprocess_mode="mostrecent").set(1.0)  # a labelled parent is not a series
+
+
+def _read_values(path: Path) -> list[tuple[str, tuple[float, float]]]:
+    """(key, (value, timestamp)) of every series in a multiprocess value file."""
+    d = MmapedDict(str(path), read_mode=True)  # type: ignore[no-untyped-call]
+    try:
+        return [(k, (v, t)) for k, v, t in d.read_all_values()]  # type: ignore[no-untyped-call]
+    finally:
+        d.close()  # type: ignore[no-untyped-call]
+
+
+@pytest.mark.timeout(60)
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.floats(min_value=0.0, max_value=1e6, allow_nan=False), max_size=20),
        st.lists(st.floats(min_value=-1e6, max_value=1e6, allow_nan=False), max_size=20))
@@ -106,3 +159,19 @@ def test_counters_and_gauges_expose_what_the_library_does(increments: list[float
         counters[0].labels("x").inc(-1)  # as the library: counters only go up
     with pytest.raises(ValueError):
         gauges[0].set(1.0)  # a labelled parent is not a series
+
+
+@pytest.mark.timeout(30)
+def test_budget_gauges_follow_a_changed_limit() -> None:
+    # The limit gauge is set when the limit changes (a reload), not on every request.
+    metrics = Metrics()
+    metrics.budget_state("ana", "daily_tokens", 10, 100)
+    metrics.budget_state("ana", "daily_tokens", 30, 100)
+    text = metrics.exposition()
+    assert b'tokenmeter_budget_limit_tokens{user="ana",window="daily_tokens"} 100.0' in text
+    assert b'tokenmeter_budget_remaining_tokens{user="ana",window="daily_tokens"} 70.0' in text
+    metrics.budget_state("ana", "daily_tokens", 40, 250)
+    text = metrics.exposition()
+    assert b'tokenmeter_budget_limit_tokens{user="ana",window="daily_tokens"} 250.0' in text
+    assert b'tokenmeter_budget_used_tokens{user="ana",window="daily_tokens"} 40.0' in text
+    assert b'tokenmeter_budget_remaining_tokens{user="ana",window="daily_tokens"} 210.0' in text
