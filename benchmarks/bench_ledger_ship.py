@@ -3,7 +3,7 @@
 second one replica's shipper stores in PostgreSQL and in SQLite.
 
     .venv/bin/python benchmarks/bench_ledger_ship.py [--rows 200000] [--quick]
-        [--postgres postgresql://postgres@127.0.0.1:5432] [--batch-rows 2000]
+        [--postgres postgresql://postgres@127.0.0.1:5432] [--batch-rows 2000] [--zone ZONE]
 
 1. `record`: a started ledger (SQLite), rows built beforehand (building the row is settle's
    work, not the ledger's); the time and CPU of `record` alone, per row, over a tight loop (the
@@ -36,7 +36,7 @@ from pathlib import Path
 import asyncpg
 
 from proxy.config.ledger import LedgerConfig
-from proxy.ledger.ledger import Ledger
+from proxy.ledger.ledger import Ledger, Shipping
 from proxy.ledger.row import LedgerRow
 from proxy.ledger.schema import TABLE
 from proxy.telemetry.metrics import Metrics
@@ -81,14 +81,16 @@ async def record_cost(n: int, work: Path) -> tuple[float, float]:
     return wall / count * 1e6, cpu / count * 1e6
 
 
-async def ship(url: str, n: int, state: Path, batch_rows: int) -> tuple[float, float]:
-    """(rows/s, CPU us per row) shipping `n` spooled rows into `url`."""
+async def ship(url: str, n: int, state: Path, batch_rows: int, zone: str = "UTC"
+               ) -> tuple[float, float]:
+    """(rows/s, CPU us per row) shipping `n` spooled rows into `url`; `zone`: the configured
+    time zone, whose local days the shipper sums too (none for UTC)."""
     config = LedgerConfig(url=url, batch_rows=batch_rows)
     spooler = Ledger(config, Metrics(), state_dir=state)
     for row in rows(n, "ship"):
         spooler.record(row)  # never started: the rows wait in the spool
     await spooler.stop(0)
-    ledger = Ledger(config, Metrics(), state_dir=state)
+    ledger = Ledger(config, Metrics(), state_dir=state, shipping=Shipping(zone=zone))
     # The shipping runs in the ledger's shipper process: its CPU is counted once it has
     # exited (RUSAGE_CHILDREN), with a start-up of an interpreter in it.
     children0 = _children_cpu()
@@ -129,7 +131,8 @@ async def run(args: argparse.Namespace) -> int:
               f"({args.record_rows - 1000:,} rows, one os.write each)")
 
         pg_url = f"{server}/{name}"
-        pg_rate, pg_cpu = await ship(pg_url, args.rows, work / "pg", args.batch_rows)
+        pg_rate, pg_cpu = await ship(pg_url, args.rows, work / "pg", args.batch_rows,
+                                     args.zone)
         stored = await count_pg(pg_url)
         verdict = "PASS" if pg_rate >= TARGET_ROWS_S and stored == args.rows else "MISS"
         ok = verdict == "PASS"
@@ -139,7 +142,7 @@ async def run(args: argparse.Namespace) -> int:
 
         db = work / "ship.sqlite3"
         lite_rate, lite_cpu = await ship(f"sqlite://{db}", args.rows, work / "lite",
-                                         args.batch_rows)
+                                         args.batch_rows, args.zone)
         with sqlite3.connect(db) as conn:
             lite_stored = int(conn.execute(f"SELECT count(*) FROM {TABLE}").fetchone()[0])
         ok = ok and lite_stored == args.rows
@@ -159,6 +162,8 @@ def main() -> int:
     parser.add_argument("--batch-rows", type=int, default=2000)
     parser.add_argument("--postgres", default="postgresql://postgres@127.0.0.1:5432",
                         help="a server where a database may be created (and is dropped)")
+    parser.add_argument("--zone", default="UTC",
+                        help="the config's timezone: another than UTC adds its local-day rollup")
     parser.add_argument("--quick", action="store_true", help="20,000 rows: well under 30 s")
     args = parser.parse_args()
     if args.quick:
