@@ -494,12 +494,12 @@ def test_a_report_in_the_configured_zone_reads_the_local_day_rollup(
                 tz = ZoneInfo(zone)
                 period = Period(tz, parse_bound("2026-03-28", tz, end=False),
                                 parse_bound("2026-03-30", tz, end=True))
-                got = dict((await build_report(reader, (GroupKey.USER, GroupKey.DAY),
-                                               period)).rows)
+                seen = dict((await build_report(reader, (GroupKey.USER, GroupKey.DAY),
+                                                period)).rows)
                 want = _expected(stored, (GroupKey.USER, GroupKey.DAY), period)
-                assert (got[("alice", "2026-03-29")].input_tokens
+                assert (seen[("alice", "2026-03-29")].input_tokens
                         == want[("alice", "2026-03-29")].input_tokens + grown), zone
-                assert got[("bob", "2026-03-29")] == want[("bob", "2026-03-29")], zone
+                assert seen[("bob", "2026-03-29")] == want[("bob", "2026-03-29")], zone
 
     asyncio.run(go())
 
