@@ -62,7 +62,7 @@ import time
 import urllib.parse
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, date, datetime, timedelta
 from typing import Protocol
 from zoneinfo import ZoneInfo
@@ -197,8 +197,9 @@ class Reconciliation:
     day: date
     timezone: str
     at: float  # the store's clock at the (first) snapshot
-    checks: tuple[Check, ...]
-    orphans: tuple[Orphan, ...]
+    # Not in the repr: asyncio.run formats its main task's result (`report.Report.rows`).
+    checks: tuple[Check, ...] = field(repr=False)
+    orphans: tuple[Orphan, ...] = field(repr=False)
     ledger_newest: float | None  # the newest row's end, epoch seconds; None: no rows at all
     # Rows that ended by this time (epoch seconds) include every row the store had settled
     # when it was read: its clock at the last snapshot, plus `CUT_MARGIN_S`.
