@@ -32,7 +32,7 @@ def _bytes_find(haystack: bytes, needle: bytes, start: int, stop: int) -> int:
 def _c_find() -> Find | None:
     try:
         memmem = ctypes.CDLL(None).memmem  # the C library this process already runs on
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # (Windows: no handle of the process itself)
         return None
     memmem.restype = ctypes.c_void_p
     memmem.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t)
