@@ -5,8 +5,10 @@ in a single process and in multiprocess mode."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -68,22 +70,13 @@ def test_bisection_in_multiprocess_mode(tmp_path: Path, monkeypatch: pytest.Monk
     amounts = [*TTFT_BUCKETS, 0.0, 0.00049, 0.0011, 61.0, -2.0, math.nan]
     exposed = []
     for name in ("ours", "theirs"):
-        d = tmp_path / name
-        d.mkdir()
-        monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(d))
-        values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
-        try:
+        with _multiprocess(tmp_path / name, monkeypatch) as d:
             kind = _Histogram if name == "ours" else Histogram
             h = kind("h_seconds", "h", ["model"], buckets=TTFT_BUCKETS,
                      registry=CollectorRegistry())
             for x in amounts:
                 h.labels("m").observe(x)
-            registry = CollectorRegistry()
-            MultiProcessCollector(registry, path=str(d))  # type: ignore[no-untyped-call]
-            exposed.append(generate_latest(registry))
-        finally:
-            monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
-            values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
+            exposed.append(_merged(d))
     assert exposed[0] == exposed[1]
     assert b'h_seconds_bucket{le="0.0005",model="m"} 4.0' in exposed[0]  # 0.0005 and below
 
@@ -102,32 +95,43 @@ def test_mostrecent_gauges_in_multiprocess_mode(tmp_path: Path,
     # workers' values are merged by it). Ours stamps it as the library does.
     exposed = []
     for name in ("ours", "theirs"):
-        d = tmp_path / name
-        d.mkdir()
-        monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(d))
-        values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
-        try:
+        with _multiprocess(tmp_path / name, monkeypatch) as d:
             kind = _Gauge if name == "ours" else Gauge
             g = kind("g", "g", ["user", "window"], registry=CollectorRegistry(),
                      multiprocess_mode="mostrecent")
             before = time.time()
             for x in (5, 0, 1e12, 7.5):
                 g.labels("u", "daily_tokens").set(x)
-            registry = CollectorRegistry()
-            MultiProcessCollector(registry, path=str(d))  # type: ignore[no-untyped-call]
-            exposed.append(generate_latest(registry))
+            exposed.append(_merged(d))
             ((_, (value, stamp)),) = [
                 (k, v) for f in d.iterdir()
                 for k, v in _read_values(f) if "daily_tokens" in k]
             assert value == 7.5 and before <= stamp <= time.time()  # stamped, as the library
-        finally:
-            monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
-            values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
     assert exposed[0] == exposed[1]
     assert b'g{user="u",window="daily_tokens"} 7.5' in exposed[0]
     with pytest.raises(ValueError):
         _Gauge("g2", "g", ["u"], registry=CollectorRegistry(),
                multiprocess_mode="mostrecent").set(1.0)  # a labelled parent is not a series
+
+
+@contextlib.contextmanager
+def _multiprocess(d: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """prometheus_client in multiprocess mode, its value files in `d`, for the block."""
+    d.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(d))
+    values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
+    try:
+        yield d
+    finally:
+        monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
+        values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
+
+
+def _merged(d: Path) -> bytes:
+    """The exposition the value files in `d` merge into."""
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(d))  # type: ignore[no-untyped-call]
+    return generate_latest(registry)
 
 
 def _read_values(path: Path) -> list[tuple[str, tuple[float, float]]]:
