@@ -302,16 +302,20 @@ class _ChoicesReader(Reader):
             if at >= 0:
                 stop = at
         run = events[first:]
+        size = None  # the run's data bytes, where its end already says
         if stop < len(chunk):
             stop = chunk.rfind(b"\n\ndata: ", start, stop) + 2  # the marked event's start
             if stop < start + 2:
                 return 0, start  # the first event is the marked one
             run = run[: _events_in(run, stop - start)]
+            size = stop - start - 8 * len(run)  # its events fill [start, stop) exactly
         if not all(map(bytes.startswith, run, repeat(b"{"))):
             run = run[: next(i for i, data in enumerate(run) if data[:1] != b"{")]
+            size = None
         if not run:
             return 0, start
-        size = sum(map(len, run))
+        if size is None:
+            size = sum(map(len, run))
         self.output.hold_run(run, size)
         return len(run), start + size + 8 * len(run)
 
