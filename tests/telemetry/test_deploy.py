@@ -1049,6 +1049,39 @@ def test_readme_mentions_the_commands() -> None:
         assert needle in text, needle
 
 
+def test_readme_alert_tables_and_metrics_port_match_the_rules_and_manifests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """deploy/README.md's alert tables list every alert of every rules file (and no other), and
+    every metrics port it writes is the one the compose config, prometheus.yml and the
+    Kubernetes manifests use (issue 31, item 24: it said Prometheus discovers replicas on 8080,
+    and left TokenmeterCapturesDropped out)."""
+    text = (DEPLOY / "README.md").read_text(encoding="utf-8")
+    rule_files = sorted(p for p in RULES.parent.glob("*.rules.yml"))
+    assert len(rule_files) >= 2
+    alerts = {r["alert"] for p in rule_files for g in load_yaml(p)["groups"] for r in g["rules"]
+              if "alert" in r}
+    rows = set(re.findall(r"^\| `(Tokenmeter\w+)` \| (?:warning|critical) \|", text, re.M))
+    assert rows == alerts, (f"missing from the README: {sorted(alerts - rows)}; "
+                            f"not a rule: {sorted(rows - alerts)}")
+
+    compose = _compose_config(monkeypatch).metrics.port
+    (container,) = k8s_objects()["Deployment"]["spec"]["template"]["spec"]["containers"]
+    k8s = {p["name"]: p["containerPort"] for p in container["ports"]}["metrics"]
+    job = next(j for j in load_yaml(PROM_CONFIG)["scrape_configs"]
+               if j["job_name"] == "tokenmeter")
+    assert compose == k8s == job["dns_sd_configs"][0]["port"]
+    flat = " ".join(text.split())  # a sentence may wrap anywhere
+    written = [
+        *re.findall(r"dns_sd_configs` \(type A, name `tokenmeter`, port (\d+)", flat),
+        *re.findall(r"`metrics\.port: (\d+)`", flat),
+        *re.findall(r"prometheus\.io/port: \"(\d+)\"", flat),
+        *re.findall(r"`/metrics` on :(\d+)", flat),
+    ]
+    assert len(written) >= 4, written
+    assert set(written) == {str(compose)}, written
+
+
 def test_the_settlement_spool_has_a_writable_volume_everywhere() -> None:
     """The image runs as a user without a home on a read-only root: without a state directory
     set and mounted, the spool could not be written and an outage's usage would be lost."""
