@@ -1156,6 +1156,19 @@ def test_compose_ledger_database_and_grafana_datasource() -> None:
     assert "ledger-db" in graf["depends_on"]
 
 
+def test_readme_upgrade_runs_the_init_script_compose_mounts() -> None:
+    """The upgrade of an existing ledger-data volume (issue 31, item 23): the README's command
+    runs the very script compose mounts as the database's init script (its variables are the
+    container's environment); ledger-reader.sql is safe to run again
+    (tests/ledger/test_hostile_ledger_reader.py runs it twice)."""
+    db = load_yaml(COMPOSE)["services"]["ledger-db"]
+    init = next(v.split(":")[1] for v in db["volumes"]
+                if v.split(":")[1].startswith("/docker-entrypoint-initdb.d/"))
+    text = (DEPLOY / "README.md").read_text(encoding="utf-8")
+    assert "#### Upgrading the ledger database" in text
+    assert f"docker compose -f deploy/docker-compose.yml exec ledger-db {init}" in text
+
+
 def test_kubernetes_grafana_ledger_datasource_example() -> None:
     """The example for a Kubernetes Grafana is the provisioned datasource with values filled
     in: same name, uid, type and settings, so the dashboard finds it."""
