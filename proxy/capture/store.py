@@ -38,6 +38,7 @@ from proxy.capture.collect import completed, redactor
 from proxy.capture.record import Capture
 from proxy.config.capture import DEFAULT_REDACT, CaptureConfig
 from proxy.config.ledger import LedgerConfig
+from proxy.files import create_private
 from proxy.ledger.query import Dialect, Sql, ledger_path
 from proxy.ledger.sink_postgres import COMMAND_TIMEOUT_S, CONNECT_TIMEOUT_S, mask_url
 
@@ -327,7 +328,7 @@ class _SqliteStore(CaptureStore):
         await self._run(self._open_file)
 
     def _open_file(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        create_private(self.path)  # 0600 before SQLite makes it (and its -wal, -shm, alike)
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
                                timeout=BUSY_TIMEOUT_MS / 1000)
         try:
