@@ -3,9 +3,10 @@
 What the proxy keeps on disk names users, keys' names, teams and what they spent (the ledger's
 rows and its SQLite file, the budget's settlement spool, the shipper's status) and, with capture
 on, whole prompts and answers: not for every local account to read. Every file the proxy creates
-there is 0600 and every directory it creates 0700, whatever the umask (which can only take bits
-away, and an operator's 077 changes nothing here). What exists already keeps its mode: a
-directory made by the operator (a volume, a group-readable spool) is the operator's choice.
+there is 0600 and every directory it creates 0700 (created with that mode, which a umask can
+only narrow, and set again where the proxy has just made the file or directory). What exists
+already keeps its mode: a directory made by the operator (a volume, a group-readable spool) is
+the operator's choice.
 
 SQLite creates a database's `-wal` and `-shm` files with the database file's own permissions,
 so creating that file 0600 before SQLite opens it (`create_private`) makes all three private.
