@@ -489,6 +489,10 @@ def test_dockerfile() -> None:
     assert user and user[-1].split(":")[0] not in {"", "0", "root"}
     assert any(k == "COPY" and "--from=" in v for k, v in final), "runtime copies the venv"
     assert ("EXPOSE", "8080") in final
+    # The state directory is its user's alone, as the proxy makes one (issue 31, item 13).
+    (state,) = [m[1] for k, v in final if k == "ENV"
+                for m in re.finditer(r"TOKENMETER_STATE_DIR=(\S+)", v)]
+    assert any(k == "RUN" and f"chmod 0700 {state}" in v for k, v in final), state
     health = next(v for k, v in final if k == "HEALTHCHECK")
     assert "/healthz" in health and "python" in health and "curl" not in health
     entry = next(v for k, v in reversed(final) if k == "ENTRYPOINT")
