@@ -5,8 +5,10 @@ In PostgreSQL the table lives in a schema of its own, `tokenmeter_capture`, not 
 the ledger's read-only role (deploy/compose/ledger-reader.sql, Grafana's) reads every table of
 `public`, those created later included, and captures hold whole prompts and answers. A new
 schema grants nothing to anyone but its owner, so that role cannot reach them by construction.
-A table left in `public` by an earlier version is moved there at open (once; the grants it got
-from `public`'s default privileges are revoked as it moves). SQLite has no schemas (and no
+A table left in `public` by an earlier version is moved there at open (the grants it got from
+`public`'s default privileges revoked as it moves), or, should both exist (a replica of the
+earlier version started during a rolling upgrade made it again), its rows are copied over and it
+is dropped. SQLite has no schemas (and no
 roles): the table is `tokenmeter_captures` in the file.
 
 One row per captured request: the columns a listing filters on, and `data`, the zlib-compressed
@@ -57,7 +59,7 @@ _COLUMNS = ("request_id", "started_at", "user_name", "key_name", "team", "reques
 _LISTED = ", ".join(_COLUMNS[:-1])
 # One statement, one transaction: the schema (created only when missing, so a role that may not
 # create schemas can use one an administrator made for it), the move of an earlier version's
-# table out of `public` with its grants stripped, then the table and its index.
+# table out of `public` with its grants stripped (or its rows), then the table and its index.
 _PG_CREATE = (f"""
 DO $$
 DECLARE
@@ -67,7 +69,9 @@ BEGIN
   IF to_regnamespace('{SCHEMA}') IS NULL THEN
     CREATE SCHEMA {SCHEMA};
   END IF;
-  IF to_regclass('public.{TABLE}') IS NOT NULL AND to_regclass('{PG_TABLE}') IS NULL THEN
+  IF to_regclass('public.{TABLE}') IS NULL THEN
+    NULL;
+  ELSIF to_regclass('{PG_TABLE}') IS NULL THEN
     ALTER TABLE public.{TABLE} SET SCHEMA {SCHEMA};
     FOR grantee IN
       SELECT DISTINCT CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(r.rolname) END
@@ -77,6 +81,11 @@ BEGIN
     LOOP
       EXECUTE format('REVOKE ALL ON {PG_TABLE} FROM %s', grantee);
     END LOOP;
+  ELSE
+    -- Both: a replica of the earlier version made it again (started during a rolling upgrade).
+    -- Its rows join the others (the same columns: the same DDL), and it goes.
+    INSERT INTO {PG_TABLE} SELECT * FROM public.{TABLE} ON CONFLICT (request_id) DO NOTHING;
+    DROP TABLE public.{TABLE};
   END IF;
   CREATE TABLE IF NOT EXISTS {PG_TABLE} (
     request_id text PRIMARY KEY,

@@ -23,7 +23,7 @@ import asyncpg
 import pytest
 import yaml
 
-from proxy.capture.store import CaptureStore
+from proxy.capture.store import CaptureFilter, CaptureStore
 from proxy.ledger.migrate import migrate_postgres
 from proxy.ledger.schema import TABLE as LEDGER_TABLE
 from tests.capture.captures import capture
@@ -264,5 +264,35 @@ async def test_a_captures_table_an_earlier_version_left_in_public_moves_out_of_r
         await _reader_cannot_read_captures(ledger, table)
         await run_reader_sql(ledger.admin_url.rsplit("/", 1)[1], ledger.reader)
         await _reader_cannot_read_captures(ledger, table)
+    finally:
+        await admin.close()
+
+
+async def test_a_captures_table_an_earlier_replica_made_again_is_merged_and_dropped(
+    ledger: Ledger,
+) -> None:
+    """A rolling upgrade: the new replica moved the table, then a replica of the earlier
+    version started and made `public.tokenmeter_captures` again (with the reader's grant) and
+    wrote to it. The next start of a new replica copies its rows over and drops it."""
+    admin = await asyncpg.connect(ledger.admin_url)
+    try:
+        await migrate_postgres(admin)
+        store = await CaptureStore.open(ledger.admin_url)
+        await store.write([capture("r1", 1_764_000_000.0)])
+        await store.close()
+        await admin.execute("CREATE TABLE public.tokenmeter_captures "
+                            "(LIKE tokenmeter_capture.tokenmeter_captures INCLUDING ALL)")
+        await admin.execute("INSERT INTO public.tokenmeter_captures SELECT * FROM "
+                            "tokenmeter_capture.tokenmeter_captures")
+        await admin.execute("UPDATE public.tokenmeter_captures SET request_id = 'r2'")
+        await admin.execute(f'GRANT SELECT ON public.tokenmeter_captures TO "{ledger.reader}"')
+
+        store = await CaptureStore.open(ledger.admin_url)
+        try:
+            assert {r.request_id for r in await store.list(CaptureFilter())} == {"r1", "r2"}
+        finally:
+            await store.close()
+        assert await admin.fetchval("SELECT to_regclass('public.tokenmeter_captures')") is None
+        await _reader_cannot_read_captures(ledger, await _captures_table(admin))
     finally:
         await admin.close()
