@@ -46,7 +46,7 @@ import aiohttp
 import asyncpg
 
 from proxy.capture.collect import Collector, Meta, Pending, redactor
-from proxy.capture.store import CaptureStore
+from proxy.capture.store import PG_TABLE, TABLE, CaptureStore
 from proxy.capture.writer import BATCH
 from proxy.config.capture import DEFAULT_REDACT
 
@@ -59,7 +59,6 @@ BODIES = ({"model": "m", "messages": [{"role": "user", "content": PROMPT}]},
           {"model": "m", "messages": [{"role": "user", "content": PROMPT}], "stream": True})
 VARIANTS = ("off", "sqlite", "postgresql")
 BEFORE = "before"  # the code of the commit before capture existed (--before DIR)
-TABLE = "tokenmeter_captures"
 
 
 class Proxy:
@@ -83,16 +82,16 @@ class Proxy:
 
     async def stored(self) -> tuple[int, int]:
         """(captures, bytes of their compressed data)."""
-        query = f"SELECT count(*), coalesce(sum(length(data)), 0) FROM {TABLE}"
+        query = "SELECT count(*), coalesce(sum(length(data)), 0) FROM {}"
         if self.variant in ("off", BEFORE):
             return 0, 0
         if self.variant == "sqlite":
             with sqlite3.connect(self.state / "ledger.sqlite3") as db:
-                n, size = db.execute(query).fetchone()
+                n, size = db.execute(query.format(TABLE)).fetchone()
                 return int(n), int(size)
         conn = await asyncpg.connect(f"{PG}/{self.pg_db}")
         try:
-            row = await conn.fetchrow(query)
+            row = await conn.fetchrow(query.format(PG_TABLE))
             assert row is not None  # an aggregate always has its one row
             return int(row[0]), int(row[1])
         finally:

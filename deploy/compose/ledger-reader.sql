@@ -2,19 +2,25 @@
 -- or any other reporting tool: it reads the ledger's tables, those there now and those the
 -- proxy's migrations create later, and can change nothing.
 --
--- The compose stack runs it once, when the ledger-db volume is first created
+-- The compose stack runs it when the ledger-db volume is first created
 -- (deploy/compose/ledger-init.sh). For an external database, run it as an administrator:
 --
 --   psql "postgresql://admin@ledger-db.example:5432/tokenmeter" \
 --     -v owner=tokenmeter -v reader=grafana_reader -v reader_password='...' \
 --     -f deploy/compose/ledger-reader.sql
 --
--- owner: the role in the proxy's ledger.url (it creates the tables); reader: the new role.
+-- owner: the role in the proxy's ledger.url (it creates the tables); reader: the read-only role.
+-- Safe to run again, and run it again after every upgrade of tokenmeter (deploy/README.md,
+-- "Upgrading the ledger database"): it creates what is missing, replaces the guard function,
+-- sets the reader's password and limits again, and changes nothing else.
 \set ON_ERROR_STOP on
 
--- At most 4 sessions at once: a limit the role cannot lift (only an administrator may ALTER its
--- connection limit), so whatever it runs, it holds at most 4 backends of the ledger database.
-CREATE ROLE :"reader" LOGIN PASSWORD :'reader_password' CONNECTION LIMIT 4;
+-- Created only when missing (CREATE ROLE has no IF NOT EXISTS); then, every run, its password
+-- and limits. At most 4 sessions at once: a limit the role cannot lift (only an administrator
+-- may ALTER its connection limit), so whatever it runs, it holds at most 4 backends.
+SELECT format('CREATE ROLE %I LOGIN', :'reader')
+  WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = :'reader') \gexec
+ALTER ROLE :"reader" LOGIN PASSWORD :'reader_password' CONNECTION LIMIT 4;
 -- Defaults for every session (Grafana never changes them): read-only even if someone grants it
 -- more later, and a dashboard over a long time range cannot keep the database busy for long.
 -- They are defaults, not limits: PostgreSQL lets any role SET its own statement_timeout (a
@@ -29,6 +35,18 @@ GRANT CONNECT ON DATABASE :"DBNAME" TO :"reader";
 GRANT USAGE ON SCHEMA public TO :"reader";
 GRANT SELECT ON ALL TABLES IN SCHEMA public TO :"reader";
 ALTER DEFAULT PRIVILEGES FOR ROLE :"owner" IN SCHEMA public GRANT SELECT ON TABLES TO :"reader";
+
+-- Captures (capture:, when it writes to this database) hold whole prompts and answers: they are
+-- not the books and this role never reads them. The proxy keeps them in a schema of their own
+-- (proxy/capture/store.py's SCHEMA), out of reach of the grants above, which are `public`'s.
+-- Made here when missing, owned by the proxy's role (which may then lack CREATE on the
+-- database), and every run stripped of anything granted to the reader, now or by default.
+CREATE SCHEMA IF NOT EXISTS tokenmeter_capture AUTHORIZATION :"owner";
+REVOKE ALL ON SCHEMA tokenmeter_capture FROM PUBLIC;
+REVOKE ALL ON SCHEMA tokenmeter_capture FROM :"reader";
+REVOKE ALL ON ALL TABLES IN SCHEMA tokenmeter_capture FROM :"reader";
+ALTER DEFAULT PRIVILEGES FOR ROLE :"owner" IN SCHEMA tokenmeter_capture
+  REVOKE ALL ON TABLES FROM :"reader";
 
 -- The limit the role cannot lift: cancel its queries running past max_runtime, and end its
 -- sessions idle in a transaction that long. Run by an administrator (or a role granted

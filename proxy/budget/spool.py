@@ -42,6 +42,7 @@ from typing import IO, Any
 
 from proxy.budget.limits import Window
 from proxy.budget.store import Entry, SettleKind
+from proxy.files import private_dir, private_opener
 
 log = logging.getLogger("tokenmeter.spool")
 
@@ -146,8 +147,9 @@ class SettleSpool:
     def open(self) -> int:
         """Create this process's file and adopt the files of processes that are gone. Returns
         how many of their lines were unreadable (skipped, logged with their file and number)."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._lock = (self.directory / f"spool-{self._id}.lock").open("w")
+        private_dir(self.directory)
+        self._lock = open(self.directory / f"spool-{self._id}.lock", "w",  # noqa: SIM115
+                          opener=private_opener)  # held open: the lock lives as long as we do
         fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._reopen()
         for data in sorted(self.directory.glob("spool-*.jsonl")):
@@ -311,7 +313,7 @@ class SettleSpool:
         """Replace the file with this state, whole or not at all."""
         tmp = self.directory / f"spool-{self._id}.tmp"
         try:
-            with tmp.open("w", encoding="utf-8") as out:
+            with open(tmp, "w", encoding="utf-8", opener=private_opener) as out:
                 for o in owed.values():
                     out.write(json.dumps(_owed_record(o), separators=(",", ":")) + "\n")
                 by_slot: dict[str, list[list[Any]]] = {}
@@ -336,8 +338,7 @@ class SettleSpool:
     def _reopen(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
-                           0o666)
+        self._fd = private_opener(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         self._size = os.fstat(self._fd).st_size
         self._appended = 0
 
@@ -346,7 +347,7 @@ class SettleSpool:
         sealed under an id derived from its name, so adopting it twice (a crash between
         writing ours and deleting theirs) yields the same id, which the store applies once."""
         try:
-            lock = lock_path.open("a")
+            lock = open(lock_path, "a", opener=private_opener)  # noqa: SIM115  closed below
         except OSError:
             return
         try:

@@ -1,6 +1,16 @@
 """Where captures are kept: the table `tokenmeter_captures`, beside the ledger's (in the ledger's
 database by default, or in `capture.url`'s), never inside the ledger's rows.
 
+In PostgreSQL the table lives in a schema of its own, `tokenmeter_capture`, not in `public`:
+the ledger's read-only role (deploy/compose/ledger-reader.sql, Grafana's) reads every table of
+`public`, those created later included, and captures hold whole prompts and answers. A new
+schema grants nothing to anyone but its owner, so that role cannot reach them by construction.
+A table left in `public` by an earlier version is moved there at open (the grants it got from
+`public`'s default privileges revoked as it moves), or, should both exist (a replica of the
+earlier version started during a rolling upgrade made it again), its rows are copied over and it
+is dropped. SQLite has no schemas (and no
+roles): the table is `tokenmeter_captures` in the file.
+
 One row per captured request: the columns a listing filters on, and `data`, the zlib-compressed
 JSON of `Capture.to_json()` (a capture is read whole or not at all, and its texts compress
 well). The capture format carries its own version inside `data`, so the table needs no
@@ -30,6 +40,7 @@ from proxy.capture.collect import completed, redactor
 from proxy.capture.record import Capture
 from proxy.config.capture import DEFAULT_REDACT, CaptureConfig
 from proxy.config.ledger import LedgerConfig
+from proxy.files import create_private
 from proxy.ledger.query import Dialect, Sql, ledger_path
 from proxy.ledger.sink_postgres import COMMAND_TIMEOUT_S, CONNECT_TIMEOUT_S, mask_url
 
@@ -38,11 +49,45 @@ T = TypeVar("T")
 _Rows = list[tuple[Any, ...]]
 
 TABLE = "tokenmeter_captures"
+SCHEMA = "tokenmeter_capture"  # PostgreSQL's: see the module's docstring
+PG_TABLE = f"{SCHEMA}.{TABLE}"
+# pg_advisory_xact_lock's key: "tokencap" in ASCII. Replicas starting together create the
+# schema and move an old table one at a time (two CREATE SCHEMAs at once: a unique violation).
+PG_CREATE_LOCK = 0x746F6B656E636170
 _COLUMNS = ("request_id", "started_at", "user_name", "key_name", "team", "requested_model",
             "model", "status", "error_class", "stream", "size", "data")
 _LISTED = ", ".join(_COLUMNS[:-1])
+# One statement, one transaction: the schema (created only when missing, so a role that may not
+# create schemas can use one an administrator made for it), the move of an earlier version's
+# table out of `public` with its grants stripped (or its rows), then the table and its index.
 _PG_CREATE = (f"""
-CREATE TABLE IF NOT EXISTS {TABLE} (
+DO $$
+DECLARE
+  grantee text;
+BEGIN
+  PERFORM pg_advisory_xact_lock({PG_CREATE_LOCK});
+  IF to_regnamespace('{SCHEMA}') IS NULL THEN
+    CREATE SCHEMA {SCHEMA};
+  END IF;
+  IF to_regclass('public.{TABLE}') IS NULL THEN
+    NULL;
+  ELSIF to_regclass('{PG_TABLE}') IS NULL THEN
+    ALTER TABLE public.{TABLE} SET SCHEMA {SCHEMA};
+    FOR grantee IN
+      SELECT DISTINCT CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE quote_ident(r.rolname) END
+      FROM pg_class c CROSS JOIN LATERAL aclexplode(c.relacl) a
+      LEFT JOIN pg_roles r ON r.oid = a.grantee
+      WHERE c.oid = '{PG_TABLE}'::regclass AND a.grantee <> c.relowner
+    LOOP
+      EXECUTE format('REVOKE ALL ON {PG_TABLE} FROM %s', grantee);
+    END LOOP;
+  ELSE
+    -- Both: a replica of the earlier version made it again (started during a rolling upgrade).
+    -- Its rows join the others (the same columns: the same DDL), and it goes.
+    INSERT INTO {PG_TABLE} SELECT * FROM public.{TABLE} ON CONFLICT (request_id) DO NOTHING;
+    DROP TABLE public.{TABLE};
+  END IF;
+  CREATE TABLE IF NOT EXISTS {PG_TABLE} (
     request_id text PRIMARY KEY,
     started_at timestamptz NOT NULL,
     user_name text,
@@ -55,7 +100,10 @@ CREATE TABLE IF NOT EXISTS {TABLE} (
     stream boolean NOT NULL,
     size bigint NOT NULL,
     data bytea NOT NULL
-)""", f"CREATE INDEX IF NOT EXISTS {TABLE}_started ON {TABLE} (started_at)")
+  );
+  CREATE INDEX IF NOT EXISTS {TABLE}_started ON {PG_TABLE} (started_at);
+END
+$$""",)
 _SQLITE_CREATE = (f"""
 CREATE TABLE IF NOT EXISTS {TABLE} (
     request_id TEXT PRIMARY KEY,
@@ -70,15 +118,15 @@ CREATE TABLE IF NOT EXISTS {TABLE} (
     stream INTEGER NOT NULL,
     size INTEGER NOT NULL,
     data BLOB NOT NULL
-)""", _PG_CREATE[1])
+)""", f"CREATE INDEX IF NOT EXISTS {TABLE}_started ON {TABLE} (started_at)")
 _SQLITE_PRUNE = (f"DELETE FROM {TABLE} WHERE rowid IN "
                  f"(SELECT rowid FROM {TABLE} WHERE started_at < ? LIMIT ?)")
 # By physical address, as the ledger's retention does: the transaction locks `limit` rows only.
-_PG_PRUNE = (f"DELETE FROM {TABLE} WHERE ctid = ANY(ARRAY("
-             f"SELECT ctid FROM {TABLE} WHERE started_at < $1 LIMIT $2))")
+_PG_PRUNE = (f"DELETE FROM {PG_TABLE} WHERE ctid = ANY(ARRAY("
+             f"SELECT ctid FROM {PG_TABLE} WHERE started_at < $1 LIMIT $2))")
 _PG_TYPES = ("text", "timestamptz", "text", "text", "text", "text", "text", "integer", "text",
              "boolean", "bigint", "bytea")
-_PG_INSERT = (f"INSERT INTO {TABLE} ({', '.join(_COLUMNS)}) SELECT * FROM unnest("
+_PG_INSERT = (f"INSERT INTO {PG_TABLE} ({', '.join(_COLUMNS)}) SELECT * FROM unnest("
               + ", ".join(f"${i + 1}::{t}[]" for i, t in enumerate(_PG_TYPES))
               + ") ON CONFLICT (request_id) DO NOTHING RETURNING size")
 BUSY_TIMEOUT_MS = 10_000
@@ -190,6 +238,7 @@ class CaptureStore:
     """The captures table in one database. `open` creates the table when it is missing."""
 
     dialect: Dialect
+    table: str  # its name as this dialect's statements write it
     location: str
 
     @staticmethod
@@ -232,14 +281,14 @@ class CaptureStore:
                   redact: Callable[[str], str] | None = None) -> Capture | None:
         """The capture of `request_id`, as `decode` reads it (with `redact`)."""
         q = Sql(self.dialect)
-        rows = await self._fetch(f"SELECT data FROM {TABLE} WHERE request_id = "
+        rows = await self._fetch(f"SELECT data FROM {self.table} WHERE request_id = "
                                  f"{q.p(request_id)}", q.params)
         return decode(bytes(rows[0][0]), redact) if rows else None
 
     async def list(self, filters: CaptureFilter) -> list[CaptureRow]:
         q = Sql(self.dialect)
         where = filters.where(q)
-        text = (f"SELECT {_LISTED} FROM {TABLE} WHERE {where} "
+        text = (f"SELECT {_LISTED} FROM {self.table} WHERE {where} "
                 f"ORDER BY started_at DESC, request_id LIMIT {q.p(filters.limit)}")
         return [CaptureRow.of(r) for r in await self._fetch(text, q.params)]
 
@@ -273,6 +322,7 @@ class CaptureStore:
 
 class _SqliteStore(CaptureStore):
     dialect = Dialect.SQLITE
+    table = TABLE
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -287,7 +337,7 @@ class _SqliteStore(CaptureStore):
         await self._run(self._open_file)
 
     def _open_file(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        create_private(self.path)  # 0600 before SQLite makes it (and its -wal, -shm, alike)
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
                                timeout=BUSY_TIMEOUT_MS / 1000)
         try:
@@ -342,6 +392,7 @@ class _SqliteStore(CaptureStore):
 
 class _PostgresStore(CaptureStore):
     dialect = Dialect.POSTGRESQL
+    table = PG_TABLE
 
     def __init__(self, url: str) -> None:
         self._url = url

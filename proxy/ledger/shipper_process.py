@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from proxy.config.ledger import LedgerConfig
+from proxy.files import FILE_MODE, private_dir, private_opener
 from proxy.ledger.shipper import BACKOFF_MAX_S, Shipper, Sink
 from proxy.ledger.sink_postgres import PostgresSink
 from proxy.ledger.sink_sqlite import SqliteSink
@@ -133,7 +134,8 @@ def read_status(spool_dir: Path, now: float) -> ShipperStatus | None:
 
 def _write_status(spool_dir: Path, status: ShipperStatus) -> None:
     tmp = spool_dir / f"{STATUS_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(asdict(status)))
+    with open(tmp, "w", encoding="utf-8", opener=private_opener) as out:
+        out.write(json.dumps(asdict(status)))
     os.replace(tmp, spool_dir / STATUS_FILE)
 
 
@@ -172,8 +174,8 @@ class ShipperProcess:
         # stops this one (SIGTERM) once its last rows are in the spool.
         loop.add_signal_handler(signal.SIGINT, lambda: None)
         directory = self._spec.spool_dir
-        directory.mkdir(parents=True, exist_ok=True)
-        lock = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        private_dir(directory)
+        lock = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
         try:
             if not await self._lock(lock):
                 return 0

@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+from proxy.files import create_private
 from proxy.ledger import rollup
 from proxy.ledger.migrate import add_zone_sqlite, migrate_sqlite, needs_zone
 from proxy.ledger.row import COLUMNS, storable
@@ -78,7 +79,7 @@ class SqliteSink:
 
     def _open(self) -> None:
         self._close()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        create_private(self.path)  # 0600 before SQLite makes it (and its -wal, -shm, alike)
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
                                timeout=BUSY_TIMEOUT_MS / 1000)
         try:

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from proxy.files import FILE_MODE, private_dir
 from proxy.ledger.row import COLUMNS, LedgerRow, complete
 
 log = logging.getLogger("tokenmeter.ledger")
@@ -63,7 +64,6 @@ SEGMENT_MAX_BYTES = 16 * 1024 * 1024
 _SEGMENT_RE = re.compile(r"^ledger-(\d+-[0-9a-f]+)-(\d+)\.jsonl$")
 _ENDED = COLUMNS.index("ended_at")
 RECLAIM_EVERY_S = 0.1  # a full spool looks again whether the shipper freed room
-_FILE_MODE = 0o600  # rows name users and teams: not for every local account to read
 CURSOR_WIDTH = 20  # bytes of a `.pos` file: any offset, right-aligned (see `_write_cursor`)
 
 # The row is a tuple: the C JSON encoder writes it as the array the spool holds, with no
@@ -265,7 +265,7 @@ class RowSpool:
     def _lock_owner(self, owner: str) -> _Adopted | None:
         lock = self.directory / f"ledger-{owner}.lock"
         try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, _FILE_MODE)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
         except OSError:
             return None
         try:
@@ -448,15 +448,15 @@ class SpoolWriter:
 
     def _open_live(self) -> None:
         if self._lock_fd < 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            private_dir(self.directory)
             lock = self.directory / f"ledger-{self.owner}.lock"
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, _FILE_MODE)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # ours: nobody else has this name
             self._lock_fd = fd
         self._seq += 1
         path = self.directory / f"ledger-{self.owner}-{self._seq:06d}.jsonl"
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC,
-                           _FILE_MODE)
+                           FILE_MODE)
         self._live = path
         self._end = 0
 
@@ -591,7 +591,7 @@ def _write_cursor(seg: Segment) -> None:
     text = str(seg.start).encode().rjust(CURSOR_WIDTH)
     tmp = seg.path.with_name(seg.path.name + ".pos.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, _FILE_MODE)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
         try:
             if os.write(fd, text) != len(text):
                 raise OSError(errno.ENOSPC, "short write of a spool cursor")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from proxy.capture.record import Body, Chunks
-from proxy.capture.store import TABLE, CaptureFilter, CaptureStore, decode, default_url, encode
+from proxy.capture.store import CaptureFilter, CaptureStore, decode, default_url, encode
 from proxy.capture.writer import CaptureSink
 from proxy.config.capture import CaptureConfig
 from proxy.config.ledger import LedgerConfig
@@ -83,7 +83,7 @@ async def test_the_stored_data_is_compressed_json(store_url: str) -> None:
         await store.write([big])
         (row,) = await store.list(CaptureFilter())
         assert row.size < 10_000  # 100 kB of repetitive text, compressed
-        ((data,),) = await store._fetch(f"SELECT data FROM {TABLE}", ())
+        ((data,),) = await store._fetch(f"SELECT data FROM {store.table}", ())
         assert zlib.decompress(bytes(data)).startswith(b'{"request_id":"r1"')
     finally:
         await store.close()

@@ -3,7 +3,12 @@
 liked. PostgreSQL lets every role set its own statement_timeout (and even ALTER ROLE itself),
 so the limit it cannot lift is enforced from outside: `tokenmeter_cancel_slow_queries`, run
 by an administrator (the compose stack's `ledger-guard`), and a connection limit the role
-cannot raise. The test creates its own database and role and drops both."""
+cannot raise. The test creates its own database and role and drops both.
+
+Issue 31: the SQL runs again on an existing database (item 23: the upgrade path; it stopped at
+"role already exists", and the guard function of a volume made before it existed was never
+created), and the role cannot read captures, which live in the ledger's database by default
+(item 21): the proxy keeps them in a schema of their own, which grants it nothing."""
 
 from __future__ import annotations
 
@@ -18,6 +23,10 @@ import asyncpg
 import pytest
 import yaml
 
+from proxy.capture.store import CaptureFilter, CaptureStore
+from proxy.ledger.migrate import migrate_postgres
+from proxy.ledger.schema import TABLE as LEDGER_TABLE
+from tests.capture.captures import capture
 from tests.helpers import ROOT, until
 
 pytestmark = pytest.mark.timeout(90)
@@ -33,18 +42,24 @@ class Ledger:
     reader: str
 
 
+async def run_reader_sql(db: str, reader: str, password: str = "test") -> None:
+    """deploy/compose/ledger-reader.sql as compose's ledger-init.sh runs it (ON_ERROR_STOP),
+    as the database's owner."""
+    run = await asyncio.to_thread(
+        subprocess.run,
+        ["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-h", "127.0.0.1", "-U", "postgres",
+         "-d", db, "-v", "owner=postgres", "-v", f"reader={reader}",
+         "-v", f"reader_password={password}", "-f", str(READER_SQL)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
 @pytest.fixture
 async def ledger(pg_url: str) -> AsyncIterator[Ledger]:
     db = pg_url.rsplit("/", 1)[1]
     reader = f"tm_reader_{uuid.uuid4().hex[:12]}"
-    run = await asyncio.to_thread(
-        subprocess.run,
-        ["psql", "-X", "-q", "-h", "127.0.0.1", "-U", "postgres", "-d", db,
-         "-v", "owner=postgres", "-v", f"reader={reader}", "-v", "reader_password=test",
-         "-f", str(READER_SQL)],
-        capture_output=True, text=True, timeout=60, check=False,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
+    await run_reader_sql(db, reader)
     try:
         yield Ledger(pg_url, f"postgresql://{reader}@127.0.0.1:5432/{db}", reader)
     finally:
@@ -138,3 +153,146 @@ def test_compose_runs_the_guard_for_the_reader_grafana_uses() -> None:
     (timeout,) = re.findall(r"SET statement_timeout = '(\d+)s'", sql)
     assert f"interval '{timeout} seconds'" in script
     assert guard["depends_on"]["ledger-db"]["condition"] == "service_healthy"
+
+
+GUARD = "tokenmeter_cancel_slow_queries(name, interval)"
+
+
+async def test_the_sql_runs_again_on_an_existing_database(ledger: Ledger) -> None:
+    """The upgrade (deploy/README.md): a volume made before the guard function existed has the
+    role but not the function; running the SQL again creates it and keeps the role as it
+    should be, and a third run changes nothing."""
+    db = ledger.admin_url.rsplit("/", 1)[1]
+    admin = await asyncpg.connect(ledger.admin_url)
+    try:
+        await admin.execute(f"DROP FUNCTION {GUARD}")
+        await admin.execute(f'ALTER ROLE "{ledger.reader}" CONNECTION LIMIT 40')
+        for _ in range(2):
+            await run_reader_sql(db, ledger.reader, password="rotated")
+            assert await admin.fetchval("SELECT to_regprocedure($1) IS NOT NULL", GUARD)
+            assert await admin.fetchval(
+                "SELECT rolconnlimit FROM pg_roles WHERE rolname = $1", ledger.reader) == 4
+        assert await admin.fetchval(
+            "SELECT tokenmeter_cancel_slow_queries($1)", ledger.reader) == 0
+        assert not await admin.fetchval(
+            "SELECT has_function_privilege($1, $2, 'EXECUTE')", ledger.reader, GUARD)
+    finally:
+        await admin.close()
+    reader = await asyncpg.connect(ledger.reader_url)
+    try:
+        assert await reader.fetchval("SHOW statement_timeout") == "1min"
+    finally:
+        await reader.close()
+
+
+async def _captures_table(admin: asyncpg.Connection) -> str:
+    """Where the proxy put its captures table, schema-qualified."""
+    (name,) = await admin.fetch(
+        "SELECT quote_ident(n.nspname) || '.' || quote_ident(c.relname) FROM pg_class c "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE c.relname = 'tokenmeter_captures' AND c.relkind = 'r'")
+    return str(name[0])
+
+
+async def _reader_cannot_read_captures(ledger: Ledger, table: str) -> None:
+    reader = await asyncpg.connect(ledger.reader_url)
+    try:
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await reader.fetchval(f"SELECT count(*) FROM {table}")
+        # The name the issue's operator typed: not in the role's search path either.
+        with pytest.raises(asyncpg.UndefinedTableError):
+            await reader.fetchval("SELECT count(*) FROM tokenmeter_captures")
+        # The books, created by the proxy after the role: readable as before.
+        assert await reader.fetchval(f"SELECT count(*) FROM {LEDGER_TABLE}") == 0
+    finally:
+        await reader.close()
+
+
+async def test_the_reader_cannot_read_captures(ledger: Ledger) -> None:
+    """The compose order: the role first (initdb), then the proxy creates the ledger's tables
+    and, with capture on, the captures table in the same database."""
+    admin = await asyncpg.connect(ledger.admin_url)
+    try:
+        await migrate_postgres(admin)
+        store = await CaptureStore.open(ledger.admin_url)
+        try:
+            await store.write([capture("r1", 1_764_000_000.0)])
+        finally:
+            await store.close()
+        table = await _captures_table(admin)
+        assert await admin.fetchval(f"SELECT count(*) FROM {table}") == 1
+        await _reader_cannot_read_captures(ledger, table)
+    finally:
+        await admin.close()
+
+
+async def test_a_captures_table_an_earlier_version_left_in_public_moves_out_of_reach(
+    ledger: Ledger,
+) -> None:
+    """An upgrade: the table is in `public` with the reader's grant (what `public`'s default
+    privileges gave it); the proxy's next start moves it, with its rows and index, and strips
+    the grant; running the SQL again afterwards is fine too."""
+    admin = await asyncpg.connect(ledger.admin_url)
+    try:
+        await migrate_postgres(admin)
+        store = await CaptureStore.open(ledger.admin_url)
+        await store.write([capture("r1", 1_764_000_000.0)])
+        await store.close()
+        # Put back as an earlier version kept it.
+        await admin.execute("ALTER TABLE tokenmeter_capture.tokenmeter_captures "
+                            "SET SCHEMA public")
+        await admin.execute("DROP SCHEMA tokenmeter_capture")
+        await admin.execute(f'GRANT SELECT ON public.tokenmeter_captures TO "{ledger.reader}"')
+        reader = await asyncpg.connect(ledger.reader_url)
+        try:
+            assert await reader.fetchval("SELECT count(*) FROM tokenmeter_captures") == 1
+        finally:
+            await reader.close()
+
+        store = await CaptureStore.open(ledger.admin_url)
+        try:
+            assert await store.get("r1") == capture("r1", 1_764_000_000.0)
+        finally:
+            await store.close()
+        table = await _captures_table(admin)
+        assert table == "tokenmeter_capture.tokenmeter_captures"
+        assert await admin.fetchval(
+            "SELECT count(*) FROM pg_indexes WHERE schemaname = 'tokenmeter_capture' "
+            "AND indexname = 'tokenmeter_captures_started'") == 1
+        assert not await admin.fetchval(
+            "SELECT has_table_privilege($1, $2, 'SELECT')", ledger.reader, table)
+        await _reader_cannot_read_captures(ledger, table)
+        await run_reader_sql(ledger.admin_url.rsplit("/", 1)[1], ledger.reader)
+        await _reader_cannot_read_captures(ledger, table)
+    finally:
+        await admin.close()
+
+
+async def test_a_captures_table_an_earlier_replica_made_again_is_merged_and_dropped(
+    ledger: Ledger,
+) -> None:
+    """A rolling upgrade: the new replica moved the table, then a replica of the earlier
+    version started and made `public.tokenmeter_captures` again (with the reader's grant) and
+    wrote to it. The next start of a new replica copies its rows over and drops it."""
+    admin = await asyncpg.connect(ledger.admin_url)
+    try:
+        await migrate_postgres(admin)
+        store = await CaptureStore.open(ledger.admin_url)
+        await store.write([capture("r1", 1_764_000_000.0)])
+        await store.close()
+        await admin.execute("CREATE TABLE public.tokenmeter_captures "
+                            "(LIKE tokenmeter_capture.tokenmeter_captures INCLUDING ALL)")
+        await admin.execute("INSERT INTO public.tokenmeter_captures SELECT * FROM "
+                            "tokenmeter_capture.tokenmeter_captures")
+        await admin.execute("UPDATE public.tokenmeter_captures SET request_id = 'r2'")
+        await admin.execute(f'GRANT SELECT ON public.tokenmeter_captures TO "{ledger.reader}"')
+
+        store = await CaptureStore.open(ledger.admin_url)
+        try:
+            assert {r.request_id for r in await store.list(CaptureFilter())} == {"r1", "r2"}
+        finally:
+            await store.close()
+        assert await admin.fetchval("SELECT to_regclass('public.tokenmeter_captures')") is None
+        await _reader_cannot_read_captures(ledger, await _captures_table(admin))
+    finally:
+        await admin.close()

@@ -489,6 +489,10 @@ def test_dockerfile() -> None:
     assert user and user[-1].split(":")[0] not in {"", "0", "root"}
     assert any(k == "COPY" and "--from=" in v for k, v in final), "runtime copies the venv"
     assert ("EXPOSE", "8080") in final
+    # The state directory is its user's alone, as the proxy makes one (issue 31, item 13).
+    (state,) = [m[1] for k, v in final if k == "ENV"
+                for m in re.finditer(r"TOKENMETER_STATE_DIR=(\S+)", v)]
+    assert any(k == "RUN" and f"chmod 0700 {state}" in v for k, v in final), state
     health = next(v for k, v in final if k == "HEALTHCHECK")
     assert "/healthz" in health and "python" in health and "curl" not in health
     entry = next(v for k, v in reversed(final) if k == "ENTRYPOINT")
@@ -1049,6 +1053,39 @@ def test_readme_mentions_the_commands() -> None:
         assert needle in text, needle
 
 
+def test_readme_alert_tables_and_metrics_port_match_the_rules_and_manifests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """deploy/README.md's alert tables list every alert of every rules file (and no other), and
+    every metrics port it writes is the one the compose config, prometheus.yml and the
+    Kubernetes manifests use (issue 31, item 24: it said Prometheus discovers replicas on 8080,
+    and left TokenmeterCapturesDropped out)."""
+    text = (DEPLOY / "README.md").read_text(encoding="utf-8")
+    rule_files = sorted(p for p in RULES.parent.glob("*.rules.yml"))
+    assert len(rule_files) >= 2
+    alerts = {r["alert"] for p in rule_files for g in load_yaml(p)["groups"] for r in g["rules"]
+              if "alert" in r}
+    rows = set(re.findall(r"^\| `(Tokenmeter\w+)` \| (?:warning|critical) \|", text, re.M))
+    assert rows == alerts, (f"missing from the README: {sorted(alerts - rows)}; "
+                            f"not a rule: {sorted(rows - alerts)}")
+
+    compose = _compose_config(monkeypatch).metrics.port
+    (container,) = k8s_objects()["Deployment"]["spec"]["template"]["spec"]["containers"]
+    k8s = {p["name"]: p["containerPort"] for p in container["ports"]}["metrics"]
+    job = next(j for j in load_yaml(PROM_CONFIG)["scrape_configs"]
+               if j["job_name"] == "tokenmeter")
+    assert compose == k8s == job["dns_sd_configs"][0]["port"]
+    flat = " ".join(text.split())  # a sentence may wrap anywhere
+    written = [
+        *re.findall(r"dns_sd_configs` \(type A, name `tokenmeter`, port (\d+)", flat),
+        *re.findall(r"`metrics\.port: (\d+)`", flat),
+        *re.findall(r"prometheus\.io/port: \"(\d+)\"", flat),
+        *re.findall(r"`/metrics` on :(\d+)", flat),
+    ]
+    assert len(written) >= 4, written
+    assert set(written) == {str(compose)}, written
+
+
 def test_the_settlement_spool_has_a_writable_volume_everywhere() -> None:
     """The image runs as a user without a home on a read-only root: without a state directory
     set and mounted, the spool could not be written and an outage's usage would be lost."""
@@ -1121,6 +1158,19 @@ def test_compose_ledger_database_and_grafana_datasource() -> None:
     assert _compose_default(genv["TOKENMETER_LEDGER_DB_PASSWORD"]) == _compose_default(
         env["LEDGER_READER_PASSWORD"])
     assert "ledger-db" in graf["depends_on"]
+
+
+def test_readme_upgrade_runs_the_init_script_compose_mounts() -> None:
+    """The upgrade of an existing ledger-data volume (issue 31, item 23): the README's command
+    runs the very script compose mounts as the database's init script (its variables are the
+    container's environment); ledger-reader.sql is safe to run again
+    (tests/ledger/test_hostile_ledger_reader.py runs it twice)."""
+    db = load_yaml(COMPOSE)["services"]["ledger-db"]
+    init = next(v.split(":")[1] for v in db["volumes"]
+                if v.split(":")[1].startswith("/docker-entrypoint-initdb.d/"))
+    text = (DEPLOY / "README.md").read_text(encoding="utf-8")
+    assert "#### Upgrading the ledger database" in text
+    assert f"docker compose -f deploy/docker-compose.yml exec ledger-db {init}" in text
 
 
 def test_kubernetes_grafana_ledger_datasource_example() -> None:
