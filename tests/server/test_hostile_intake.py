@@ -536,6 +536,50 @@ async def test_two_different_keys_in_one_request_are_refused(
     assert len(stack.mock.requests) == 1
 
 
+async def test_two_lines_of_one_key_header_with_different_keys_are_refused(
+    make_stack: StackFactory, upstream: TestServer,
+) -> None:
+    """Issue 31, item 16: two `Authorization` (or two `x-api-key`) lines with different keys
+    used to be accepted and the first one billed. Now a 401 in the route's shape, as for two
+    different key headers; the same key on two lines is fine. Raw HTTP: no client library
+    sends a header twice."""
+    url = str(upstream.make_url("/v1"))
+    stack = await make_stack(make_config(url, store="memory", users={
+        "alice": {"keys": [ALICE_KEY]}, "bob": {"keys": [BOB_KEY]},
+    }, extra={
+        "upstreams": {"mock": {"base_url": url}, "claude": {"base_url": url, "api": "anthropic"}},
+        "models": [{"match": "claude-*", "upstream": "claude"}, {"match": "*", "upstream": "mock"}],
+    }))
+    claude = json.dumps({"model": "claude-x", "max_tokens": 4,
+                         "messages": [{"role": "user", "content": "x"}]}).encode()
+
+    def ask(path: str, lines: str, body: bytes) -> tuple[int, dict[str, str], bytes]:
+        head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"anthropic-version: 2023-06-01\r\n{lines}Content-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n").encode()
+        with socket.create_connection(("127.0.0.1", stack.proxy.port), timeout=WAIT_S) as s:
+            s.sendall(head + body)
+            return _parse(_read_to_end(s))
+
+    bearer = f"Authorization: Bearer {ALICE_KEY}\r\nAuthorization: Bearer {BOB_KEY}\r\n"
+    status, headers, body = await asyncio.to_thread(ask, "/v1/chat/completions", bearer, SMALL)
+    assert status == 401, body
+    assert json.loads(body)["error"]["code"] == "invalid_api_key"
+    assert headers["connection"] == "close"
+    assert ALICE_KEY.encode() not in body and BOB_KEY.encode() not in body
+    two = f"x-api-key: {BOB_KEY}\r\nx-api-key: {ALICE_KEY}\r\n"
+    status, _, body = await asyncio.to_thread(ask, "/v1/messages", two, claude)
+    assert status == 401, body
+    error = json.loads(body)
+    assert error["type"] == "error" and error["error"]["type"] == "authentication_error"
+    assert ALICE_KEY.encode() not in body and BOB_KEY.encode() not in body
+    # The same key on two lines is one key.
+    same = f"x-api-key: {ALICE_KEY}\r\nx-api-key: {ALICE_KEY}\r\n"
+    status, _, body = await asyncio.to_thread(ask, "/v1/messages", same, claude)
+    assert status == 200, body
+    assert len(stack.mock.requests) == 1
+
+
 async def test_a_large_body_is_parsed_in_a_thread_with_the_same_answers(
     make_stack: StackFactory, upstream: TestServer,
 ) -> None:
