@@ -27,6 +27,9 @@ _HOP_BY_HOP = frozenset(
 _REQUEST_DROP = _HOP_BY_HOP | {"host", "authorization", "api-key", "x-api-key",
                                "content-length", "accept-encoding", TAGS_HEADER}
 _RESPONSE_DROP = _HOP_BY_HOP | {"content-length"}
+# The proxy's own response headers (its cost, tokens, cache verdict, request id, clamp...) are
+# the proxy's to write: one an upstream sends would read as the proxy's word to the client.
+_OWN_PREFIX = "x-tokenmeter-"
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +144,8 @@ def redirect_refused(upstream: Upstream, status: int) -> UpstreamRedirect | None
 
 def client_response_headers(upstream: Mapping[str, str]) -> CIMultiDict[str]:
     drop = _RESPONSE_DROP | _connection_tokens(upstream)
-    return CIMultiDict((k, v) for k, v in upstream.items() if k.lower() not in drop)
+    return CIMultiDict((k, v) for k, v in upstream.items()
+                       if (name := k.lower()) not in drop and not name.startswith(_OWN_PREFIX))
 
 
 def _connection_tokens(headers: Mapping[str, str]) -> frozenset[str]:
