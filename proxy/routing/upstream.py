@@ -13,6 +13,7 @@ from multidict import CIMultiDict
 from proxy.config.load import Config, LatencyFallback, RetryConfig, UpstreamApi, UpstreamConfig
 from proxy.config.tags import HEADER as TAGS_HEADER
 from proxy.errors import UpstreamRedirect
+from proxy.protocol.upstream_errors import secret_forms
 
 # RFC 9110 7.6.1 hop-by-hop fields, plus what the proxy itself must own: the client's credentials
 # (never forwarded), framing (recomputed), Host, and Accept-Encoding (we ask for identity so the
@@ -79,6 +80,8 @@ class Route:
 class Router:
     def __init__(self, config: Config) -> None:
         self.upstreams = {name: Upstream.of(name, u) for name, u in config.upstreams.items()}
+        # The upstream keys as an error body may echo them: scrubbed before it is relayed.
+        self.key_forms = secret_forms(u.api_key for u in self.upstreams.values() if u.api_key)
         self._routes = [
             (
                 re.compile(fnmatch.translate(r.match)),
