@@ -338,6 +338,42 @@ async def test_a_body_without_a_key_is_refused_from_the_headers_alone(
         assert headers["x-tokenmeter-request-id"]
 
 
+async def test_a_body_without_a_key_is_not_drained_the_connection_is_closed(
+    start_proxy: StartProxy,
+) -> None:
+    """Issue 31, item 8: after its 401, the rest of a keyless body used to be read and thrown
+    away (aiohttp's lingering close: up to 10 s of reading, CPU for every byte). Now the proxy
+    stops reading once the 401 is out: a client that sent the head and 1 MB of a 30 MB body
+    gets the 401 (`Connection: close`) and the end of the connection, and what it tries to send
+    after that stays in the kernel's buffers, unread, until the proxy closes (old: the proxy
+    took all 29 MB of the rest at once)."""
+    proxy = await start_proxy()
+    length = 30 << 20
+
+    def hostile() -> tuple[bytes, int, bytes]:
+        with socket.create_connection((LEGIT, proxy.port), timeout=WAIT_S,
+                                      source_address=(HOSTILE, 0)) as s:
+            s.sendall(_head("/v1/chat/completions", length))
+            s.sendall(b"0" * (1 << 20))
+            answer = b""
+            while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):
+                chunk = s.recv(65536)
+                assert chunk, "closed without an answer"
+                answer += chunk
+            sent = 1 << 20
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                while sent < length:  # blocks once the buffers are full: nobody reads
+                    sent += s.send(b"0" * 65536)
+            return answer, sent, _read_to_end(s)
+
+    answer, sent, rest = await asyncio.to_thread(hostile)
+    assert _assert_openai_error(answer, 401, "invalid_api_key")["connection"] == "close"
+    assert rest == b""  # nothing after the answer: the proxy ended the connection
+    # What the client got into the kernel's buffers before the proxy closed: a few MB (here
+    # about 3), never the whole body.
+    assert sent < length // 2, sent
+
+
 def _big_body(mb: int) -> bytes:
     """A JSON chat body of `mb` MB made of many small values: costly to parse (a long list)."""
     head = b'{"model": "mock-gpt", "messages": [{"role": "user", "content": "hi"}], "pad": ['
