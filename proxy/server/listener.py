@@ -339,12 +339,11 @@ class _GuardedHandler(RequestHandler):
         self._force_close = True
         self.transport = None
         self._disarm()  # the body's deadline: the body is not awaited any more
-        tcp = cast(asyncio.Transport, transport)
-        tcp.pause_reading()
-        if tcp.can_write_eof():
-            tcp.write_eof()
+        transport.pause_reading()
+        if transport.can_write_eof():
+            transport.write_eof()
         # connection_lost (which releases the slot) comes when the linger closes it.
-        self._loop.call_later(REFUSAL_LINGER_S, tcp.close)
+        self._loop.call_later(REFUSAL_LINGER_S, transport.close)
 
     def _head_deadline(self) -> None:
         self._head_timer = None
