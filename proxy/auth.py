@@ -104,23 +104,25 @@ KEY_HEADERS = ("Authorization", "api-key", "x-api-key")
 def client_key(request: web.Request) -> str | None:
     """The client's key, from whichever of KEY_HEADERS carries it.
 
-    Two headers carrying different keys are refused (401), not settled by a precedence rule:
-    a client (or a gateway in front of it that adds a header) that sends two keys cannot know
-    which one is billed, and a silent choice would bill the other principal. The same key twice
-    is accepted. The message never names a key."""
-    found: dict[str, str] = {}
-    auth = request.headers.get("Authorization", "")
-    scheme, _, value = auth.partition(" ")
-    if scheme.lower() == "bearer" and value.strip():
-        found["Authorization"] = value.strip()
-    for name in KEY_HEADERS[1:]:
-        value = request.headers.get(name, "").strip()
-        if value:
-            found[name] = value
-    keys = set(found.values())
+    Two headers (or two lines of one header) carrying different keys are refused (401), not
+    settled by a precedence rule: a client (or a gateway in front of it that adds a header)
+    that sends two keys cannot know which one is billed, and a silent choice would bill the
+    other principal. The same key twice is accepted. The message never names a key."""
+    found: dict[str, set[str]] = {}
+    # Every line of each header, not the first: two `Authorization` lines with different keys
+    # are two keys as much as a bearer and an `x-api-key` are.
+    for name in KEY_HEADERS:
+        for line in request.headers.getall(name, ()):
+            value = line.strip()
+            if name == "Authorization":
+                scheme, _, value = value.partition(" ")
+                value = value.strip() if scheme.lower() == "bearer" else ""
+            if value:
+                found.setdefault(name, set()).add(value)
+    keys = set().union(*found.values())
     if len(keys) > 1:
+        where = " and ".join(found) if len(found) > 1 else f"two {next(iter(found))} lines"
         raise AuthenticationFailed(
-            f"The request carries different API keys in {' and '.join(found)}; "
-            "send one key, in one header."
+            f"The request carries different API keys in {where}; send one key, in one header."
         )
     return keys.pop() if keys else None

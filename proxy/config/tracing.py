@@ -32,10 +32,20 @@ class TracingConfig(ConfigModel):
     protocol: TracingProtocol | None = None
     # None: OTEL_SERVICE_NAME (or service.name in OTEL_RESOURCE_ATTRIBUTES), else "tokenmeter".
     service_name: str | None = None
-    # The fraction of new traces kept (parentbased_traceidratio: a request whose client sent a
-    # sampled `traceparent` is kept whatever the ratio). None: OTEL_TRACES_SAMPLER(_ARG), else
-    # every trace.
+    # The fraction of requests traced, drawn by the proxy (traceidratio on an id of its own).
+    # None: OTEL_TRACES_SAMPLER(_ARG) (a parentbased_ one's root sampler), else every request.
     sample_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
+    # Whether a client's `traceparent` flags decide if its request is traced. Off (the
+    # default): clients are not trusted with the exporter's load, so the proxy's own draw
+    # decides every request, one that continues a client's trace included (its server span is
+    # still the child of the client's span). On: a client's flag is followed (parent-based
+    # sampling, as OpenTelemetry's parentbased_* samplers do), both ways, but the traces only
+    # a client's flag made are at most `client_traces_per_s`.
+    parent_based: bool = False
+    # With parent_based: traces per second (per process, all clients together) kept only
+    # because a client's `traceparent` said sampled, past what the proxy's own draw keeps: a
+    # token bucket holding one second's worth (at least one). 0: a client's flag adds none.
+    client_traces_per_s: float = Field(default=10.0, ge=0.0, le=1_000_000.0)
     # Spans waiting to be exported; past it, new ones are dropped (the request never waits).
     # None: OTEL_BSP_MAX_QUEUE_SIZE, else 2048.
     queue_size: int | None = Field(default=None, ge=1, le=1_000_000)

@@ -119,8 +119,9 @@ async def handle(request: web.Request, svc: Services, shape: type[Translator]
             # A client without a valid key gets no kept-alive connection: it would hold one of
             # server.max_connections for keepalive_timeout_s (authentication is admission's
             # first step, so this is every answer to an unauthenticated request). Nor does a
-            # request whose body was refused unread (413, 415): aiohttp discards what still
-            # arrives of it for a moment, so the client can read the answer, then closes.
+            # request whose body was refused unread (401, 413, 415): the listener stops
+            # reading once the answer is out and closes the connection after a moment, so
+            # the client can read the answer; the rest of the body is never drained.
             response.force_close()
         return response
     except asyncio.CancelledError:

@@ -35,6 +35,7 @@ from proxy.pipeline.context import Attempt, Outcome
 from proxy.pipeline.services import Services
 from proxy.pipeline.topup import StoreFailed, TopUps
 from proxy.pipeline.watchdog import Watch
+from proxy.protocol import upstream_errors
 from proxy.protocol.tap import StreamTap
 from proxy.protocol.translators import Translator
 from proxy.routing.exceptions_map import Phase, map_upstream_exceptions
@@ -96,6 +97,8 @@ async def _relay_body(attempt: Attempt, outcome: Outcome) -> web.StreamResponse:
             body = await up.read()
     if up.status < 300:  # an error's class was decided as it came (attempts.answer_class)
         attempt.translator.on_body(body)
+    elif outcome.runtime is not None:  # an error may echo the key it was sent: not relayed
+        body = upstream_errors.scrub(body, outcome.runtime.router.key_forms)
     if outcome.collector is not None:
         outcome.collector.answered(body)
     if outcome.cache_fill is not None and up.status == 200:

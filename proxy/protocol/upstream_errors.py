@@ -9,6 +9,7 @@ would fail the same way anywhere) and `fallback_worthy` (another model may do be
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 
 from proxy.errors import ErrorClass
 
@@ -139,3 +140,32 @@ def error_message(body: bytes, limit: int = 200) -> str:
         elif obj.get("object") == "error" and obj.get("message"):
             message = str(obj["message"])
     return message[:limit]
+
+
+# What stands in for a secret scrubbed from an upstream's error body (capture's word for it).
+SCRUBBED = b"[REDACTED]"
+
+
+def secret_forms(secrets: Iterable[str]) -> tuple[bytes, ...]:
+    """The byte strings `secrets` can appear as in a JSON body: as they are, and JSON-escaped
+    (`\\uXXXX` for what is not ASCII, `\\/` for a slash, as some encoders write it), longest
+    first so a longer form goes before a shorter one inside it. Made once per configuration."""
+    forms: set[bytes] = set()
+    for secret in secrets:
+        if not secret:
+            continue
+        for text in (secret, json.dumps(secret)[1:-1],
+                     json.dumps(secret, ensure_ascii=False)[1:-1]):
+            forms.add(text.encode())
+            forms.add(text.replace("/", "\\/").encode())
+    return tuple(sorted(forms, key=len, reverse=True))
+
+
+def scrub(body: bytes, forms: tuple[bytes, ...]) -> bytes:
+    """`body` with every one of `forms` (`secret_forms`) replaced by `[REDACTED]`: an upstream
+    that echoes the key it was sent (Anthropic's 401 and 400 answers can) must not hand the
+    operator's key to the client. For error bodies only: small, and never an answer's text."""
+    for form in forms:
+        if form in body:
+            body = body.replace(form, SCRUBBED)
+    return body

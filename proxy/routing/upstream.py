@@ -13,6 +13,7 @@ from multidict import CIMultiDict
 from proxy.config.load import Config, LatencyFallback, RetryConfig, UpstreamApi, UpstreamConfig
 from proxy.config.tags import HEADER as TAGS_HEADER
 from proxy.errors import UpstreamRedirect
+from proxy.protocol.upstream_errors import secret_forms
 
 # RFC 9110 7.6.1 hop-by-hop fields, plus what the proxy itself must own: the client's credentials
 # (never forwarded), framing (recomputed), Host, and Accept-Encoding (we ask for identity so the
@@ -27,6 +28,9 @@ _HOP_BY_HOP = frozenset(
 _REQUEST_DROP = _HOP_BY_HOP | {"host", "authorization", "api-key", "x-api-key",
                                "content-length", "accept-encoding", TAGS_HEADER}
 _RESPONSE_DROP = _HOP_BY_HOP | {"content-length"}
+# The proxy's own response headers (its cost, tokens, cache verdict, request id, clamp...) are
+# the proxy's to write: one an upstream sends would read as the proxy's word to the client.
+_OWN_PREFIX = "x-tokenmeter-"
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +80,8 @@ class Route:
 class Router:
     def __init__(self, config: Config) -> None:
         self.upstreams = {name: Upstream.of(name, u) for name, u in config.upstreams.items()}
+        # The upstream keys as an error body may echo them: scrubbed before it is relayed.
+        self.key_forms = secret_forms(u.api_key for u in self.upstreams.values() if u.api_key)
         self._routes = [
             (
                 re.compile(fnmatch.translate(r.match)),
@@ -141,7 +147,8 @@ def redirect_refused(upstream: Upstream, status: int) -> UpstreamRedirect | None
 
 def client_response_headers(upstream: Mapping[str, str]) -> CIMultiDict[str]:
     drop = _RESPONSE_DROP | _connection_tokens(upstream)
-    return CIMultiDict((k, v) for k, v in upstream.items() if k.lower() not in drop)
+    return CIMultiDict((k, v) for k, v in upstream.items()
+                       if (name := k.lower()) not in drop and not name.startswith(_OWN_PREFIX))
 
 
 def _connection_tokens(headers: Mapping[str, str]) -> frozenset[str]:

@@ -47,7 +47,7 @@ from proxy.pipeline.handler import BODY_PARSER_SLOTS, BODY_PARSERS, REQUEST_ID, 
 from proxy.pipeline.relay import REQUEST_ID_HEADER
 from proxy.pipeline.services import SERVICES, HttpClient, Runtime, RuntimeHolder, Services, Settling
 from proxy.pipeline.watchdog import Watchdog
-from proxy.protocol import tokenizer
+from proxy.protocol import tokenizer, upstream_errors
 from proxy.protocol.translators import (
     TRANSLATORS,
     CountTokensTranslator,
@@ -134,6 +134,8 @@ async def _models(request: web.Request) -> web.StreamResponse:
                 if (refused := redirect_refused(upstream, up.status)) is not None:
                     raise refused
                 body = await up.read()
+                if not 200 <= up.status < 300:  # as a metered request's error (relay)
+                    body = upstream_errors.scrub(body, runtime.router.key_forms)
                 if len(upstreams) == 1:
                     return web.Response(
                         status=up.status, body=body, headers=client_response_headers(up.headers)

@@ -13,7 +13,13 @@ the process runs out of file descriptors and cannot open upstream sockets any mo
 - at most `max_connections_per_source` of them come from one client address (one source cannot
   take every slot); one more from that address is answered at once with a 429 and closed;
 - request bodies are never inflated by aiohttp (`auto_decompress` off): a compressed body is
-  refused by the handler (415) before it is read, so a gzip bomb costs its compressed bytes.
+  refused by the handler (415) before it is read, so a gzip bomb costs its compressed bytes;
+- a body the handler answered without reading (a 401 from the headers alone, a 413, a 415) is
+  never drained: aiohttp would read and discard it for up to 10 s (its lingering close), which
+  costs the loop CPU for every byte a client without a key sends. The answer goes out with
+  `Connection: close`, then the end of the proxy's side (FIN), reading stops at once (what the
+  client still sends waits in the kernel, unread), and the connection is closed after
+  `REFUSAL_LINGER_S`, so the client can read the answer before the close resets it.
 
 A late request is answered 408 (when nothing of a response was sent yet) and the connection is
 closed. Each deadline is one timer per request head, armed and checked outside the per-chunk
@@ -38,6 +44,7 @@ from aiohttp.http_parser import RawRequestMessage
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
+from aiohttp.web_response import StreamResponse
 from aiohttp.web_server import Server
 
 from proxy.config.load import ServerConfig
@@ -309,6 +316,34 @@ class _GuardedHandler(RequestHandler):
                 self._guard.limits.body_timeout_s, self._body_deadline, request, payload, writer
             )
         return request
+
+    async def finish_response(
+        self, request: BaseRequest, resp: StreamResponse, start_time: float | None
+    ) -> tuple[StreamResponse, bool]:
+        unread = not request.content.is_eof()
+        if unread and not resp.prepared:
+            resp.force_close()  # `Connection: close`: nothing more is read on this connection
+        done = await super().finish_response(request, resp, start_time)
+        if unread and not request.content.is_eof() and not done[1]:
+            self._close_unread()
+        return done
+
+    def _close_unread(self) -> None:
+        """The answer is written and the rest of the body is not wanted: end the proxy's side,
+        stop reading, and close after the linger. The transport is taken from aiohttp (its
+        `start` then neither drains the body nor closes the connection at once, which would
+        reset it under an answer the client may not have read yet)."""
+        transport = self.transport
+        if transport is None:
+            return
+        self._force_close = True
+        self.transport = None
+        self._disarm()  # the body's deadline: the body is not awaited any more
+        transport.pause_reading()
+        if transport.can_write_eof():
+            transport.write_eof()
+        # connection_lost (which releases the slot) comes when the linger closes it.
+        self._loop.call_later(REFUSAL_LINGER_S, transport.close)
 
     def _head_deadline(self) -> None:
         self._head_timer = None

@@ -5,7 +5,9 @@ enabled (`tracing:` or the standard `OTEL_*` variables, `Tracing.of`), and the p
 `None` instead of a `RequestTrace`, so a request pays one attribute check.
 
 When on, a request's server span continues the client's W3C `traceparent` (it is the child of
-the client's span), each attempt's client span is the server span's child, and the upstream is
+the client's span; whether it is sampled is the proxy's own draw unless `tracing.parent_based`,
+and then the traces a client's flag alone adds are bounded: `RequestTrace._sample`), each
+attempt's client span is the server span's child, and the upstream is
 sent a `traceparent` naming that client span: retries and fallbacks show as sibling client
 spans. The spans' attributes follow the OpenTelemetry GenAI semantic conventions
 (`gen_ai.*`) plus tokenmeter's own (`tokenmeter.*`); they are read from the request's
@@ -81,6 +83,9 @@ class _Kit:
 
     processor: SpanProcessor  # the BatchSpanProcessor: takes each finished span
     sampler: Sampler  # the provider's (OTEL_TRACES_SAMPLER, or `sample_ratio`)
+    root: Context  # an empty context: the sampler asked as if no client sent a traceparent
+    parent_based: bool  # tracing.parent_based: a client's flags are followed
+    forced: ClientTraces  # ... and the traces only they made are bounded by this
     ids: IdGenerator  # the provider's
     resource: Resource
     scope: InstrumentationScope
@@ -94,6 +99,29 @@ class _Kit:
     client: SpanKind
     ok: Status  # UNSET, as the SDK leaves a span nobody set a status on
     error: Status
+
+
+class ClientTraces:
+    """`tracing.client_traces_per_s`: a token bucket of the traces a client's sampled
+    `traceparent` may add to what the proxy's own draw keeps, holding one second's worth (at
+    least one). Asked on the event loop only."""
+
+    __slots__ = ("_at", "_burst", "_rate", "_tokens")
+
+    def __init__(self, per_s: float) -> None:
+        self._rate = per_s
+        self._burst = max(per_s, 1.0) if per_s > 0 else 0.0
+        self._tokens = self._burst
+        self._at = time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self._tokens = min(self._burst, self._tokens + (now - self._at) * self._rate)
+        self._at = now
+        if self._tokens < 1.0:
+            return False
+        self._tokens -= 1.0
+        return True
 
 
 class _Attempt:
@@ -120,9 +148,10 @@ class RequestTrace:
     `Tracer`. The `Tracer`'s live spans cost ~60 us of the event loop per request (a lock, a
     check of every attribute value, a context per span, a copy at the end); this costs ~7
     (the same calls timed in a loop; the README's "Tracing" has the whole request's figures).
-    The sampler is asked once per trace, as the `Tracer` asks it for the server span: every
-    built-in sampler gives its children the same answer (they share its trace id, and a
-    parent-based one follows the server span). What the `Tracer` would add and this does not:
+    The sampler is asked once per trace, for the server span, as the `Tracer` asks it (twice
+    when a client's `traceparent` is followed: `_sample`): every built-in sampler gives its
+    children the same answer (they share its trace id, and a parent-based one follows the
+    server span). What the `Tracer` would add and this does not:
     the OTEL_*_LIMIT span limits (the attributes here are a fixed, bounded set) and the SDK's
     metrics about its own spans."""
 
@@ -142,19 +171,38 @@ class RequestTrace:
                 context = None
         self._parent = parent
         self._trace_id = kit.ids.generate_trace_id() if parent is None else parent.trace_id
-        sampling = kit.sampler.should_sample(context, self._trace_id, operation, kit.server)
-        self._sampled = sampling.decision is kit.sample
+        self._sampled, self._trace_state = self._sample(kit, operation, context, parent)
         # As the Tracer sets them: sampled or not, and (W3C level 2) whether the trace id is
         # random: ours when the trace starts here, else as the client's flags say.
         random_id = (kit.ids.is_trace_id_random() if parent is None
                      else parent.trace_flags.random_trace_id)
         self._trace_flags = kit.flags(int(self._sampled) | (2 * random_id))
         self._flags = f"{self._trace_flags:02x}"
-        self._trace_state: TraceState | None = sampling.trace_state
         self._server = kit.ids.generate_span_id()
         self._start = time.time_ns()
         self._target: Target | None = None
         self._attempt: _Attempt | None = None  # under way, or the one that answered
+
+    def _sample(self, kit: _Kit, operation: str, context: Context | None,
+                parent: SpanContext | None) -> tuple[bool, TraceState | None]:
+        """Whether the trace is kept, and its trace state. A trace begun here is the
+        sampler's, as the SDK's Tracer asks it. One that continues a client's is the proxy's
+        own draw, on a trace id of its own (a ratio sampler reads the id, which the client
+        chose), unless `parent_based`: then the client's flag is followed, and what it alone
+        made sampled takes a token of `client_traces_per_s` (none left: the proxy's draw)."""
+        if parent is None:
+            sampling = kit.sampler.should_sample(kit.root, self._trace_id, operation,
+                                                 kit.server)
+            return sampling.decision is kit.sample, sampling.trace_state
+        own = kit.sampler.should_sample(kit.root, kit.ids.generate_trace_id(), operation,
+                                        kit.server).decision is kit.sample
+        if kit.parent_based:
+            theirs = kit.sampler.should_sample(context, self._trace_id, operation, kit.server)
+            if theirs.decision is not kit.sample:
+                own = False
+            elif not own:
+                own = kit.forced.take()
+        return own, parent.trace_state
 
     def candidate(self, target: Target) -> None:
         """The next attempts go to `target` (a fallback's, after the primary's)."""
@@ -292,7 +340,9 @@ def _server_attributes(record: RequestRecord, decision: BudgetDecision) -> dict[
         attributes["tokenmeter.fallback_from"] = _short(record.fallback_from)
     if record.usage.source != "reported":
         attributes["tokenmeter.usage.source"] = record.usage.source
-    for tag in record.tags.items:  # values the `tags:` rules let through: bounded, no text
+    # Closed-list tags only, as the metrics take them: a free tag's value is the client's
+    # text (it may name a customer), kept in the ledger row, never in a span.
+    for tag in record.tags.closed:
         attributes[f"tokenmeter.tags.{tag.key}"] = tag.value
     return attributes
 
@@ -341,6 +391,7 @@ class Tracing:
     def start(self) -> None:
         """Build the provider, its batch processor (a thread) and exporter. Raises ValueError
         for a protocol that cannot be used (grpc without its package)."""
+        from opentelemetry.context import Context
         from opentelemetry.sdk.resources import OTELResourceDetector, Resource
         from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -373,7 +424,9 @@ class Tracing:
                                        max_export_batch_size=batch)
         provider.add_span_processor(processor)
         self._provider = provider
-        self._kit = _Kit(processor, provider.sampler, provider.id_generator, provider.resource,
+        self._kit = _Kit(processor, provider.sampler, Context(), cfg.parent_based,
+                         ClientTraces(cfg.client_traces_per_s), provider.id_generator,
+                         provider.resource,
                          InstrumentationScope("tokenmeter"), TraceContextTextMapPropagator(),
                          ReadableSpan, SpanContext, get_current_span,
                          TraceFlags, Decision.RECORD_AND_SAMPLE,

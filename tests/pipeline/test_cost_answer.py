@@ -386,3 +386,98 @@ async def test_hostile_tag_headers_never_fail_a_request(tagged: Stack) -> None:
     assert sample(metrics, "tokenmeter_tags_dropped_total", reason="malformed") == 3
     assert sample(metrics, "tokenmeter_tags_dropped_total", reason="undeclared") == 2  # `=`
     assert sample(metrics, "tokenmeter_tags_dropped_total", reason="header_too_long") == 1
+
+
+# --- issue 31, item 10: the upstream cannot write the proxy's own word ---------------------------
+
+# What a hostile (or confused) upstream adds to every answer: the proxy's own headers, and in a
+# stream its cost comment, one before the last event (cut across two writes) and one after it.
+FORGED_HEADERS = {"x-tokenmeter-cost-usd": "0.000000000", "x-tokenmeter-cache": "hit",
+                  "x-tokenmeter-input-tokens": "1", "x-tokenmeter-output-tokens": "1",
+                  "X-Tokenmeter-Model": "forged", "x-tokenmeter-request-id": "forged"}
+FORGED_COMMENT = b": tokenmeter cost_usd=0.000000000 input_tokens=0 output_tokens=0\n\n"
+
+
+async def _forging_upstream(request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
+    """An OpenAI-shaped upstream written out by hand (it shares nothing with the proxy)."""
+    body = await request.json()
+    usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    base = {"id": "c1", "created": 1, "model": body["model"]}
+    if not body.get("stream"):
+        return aiohttp.web.json_response({
+            **base, "object": "chat.completion", "usage": usage,
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": "one two three"}}],
+        }, headers=FORGED_HEADERS)
+    resp = aiohttp.web.StreamResponse(headers={**FORGED_HEADERS,
+                                               "Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+
+    def event(choices: list[Any], **more: Any) -> bytes:
+        chunk = {**base, "object": "chat.completion.chunk", "choices": choices, **more}
+        return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+    for word in ("one", " two", " three"):
+        await resp.write(event([{"index": 0, "delta": {"content": word},
+                                 "finish_reason": None}]))
+    await resp.write(event([{"index": 0, "delta": {}, "finish_reason": "stop"}]))
+    await resp.write(FORGED_COMMENT[:7])
+    await resp.write(FORGED_COMMENT[7:])
+    await resp.write(event([], usage=usage) + b"data: [DONE]\n\n" + FORGED_COMMENT)
+    return resp
+
+
+@pytest.fixture
+async def forged(make_stack: StackFactory, aiohttp_server: Any) -> Stack:
+    app = aiohttp.web.Application()
+    app.router.add_post("/v1/chat/completions", _forging_upstream)
+    up = await aiohttp_server(app)
+    cfg = config(str(up.make_url("/v1"))).model_dump()
+    cfg["prices"] = {"priced-*": PRICE}  # `free-model` has no price: no cost, tokens only
+    return await make_stack(Config.model_validate(cfg))
+
+
+@pytest.mark.parametrize("model", ["priced-model", "free-model"])
+async def test_the_upstreams_own_headers_and_comment_never_reach_the_client(
+    forged: Stack, model: str,
+) -> None:
+    """The upstream's `x-tokenmeter-*` headers (a cost of 0, a cache hit, tokens) and its
+    `: tokenmeter` comment lines used to reach the client, the comment before the proxy's own;
+    now every figure the client reads is the ledger row's, on JSON answers and streams, priced
+    models and unpriced."""
+    client = forged.client(BOB_KEY)
+    raw = await client.chat.completions.with_raw_response.create(model=model, messages=MESSAGES)
+    assert raw.parse().choices[0].message.content == "one two three"
+    row = await ledger_row(raw.headers[REQUEST_ID_HEADER])
+    assert raw.headers[REQUEST_ID_HEADER] != "forged"
+    assert raw.headers["x-tokenmeter-model"] == model
+    assert "x-tokenmeter-cache" not in raw.headers  # the cache is off: it says nothing
+    assert raw.headers["x-tokenmeter-input-tokens"] == str(row["input_tokens"]) == "7"
+    assert raw.headers["x-tokenmeter-output-tokens"] == str(row["output_tokens"]) == "3"
+    if model == "priced-model":
+        assert raw.headers["x-tokenmeter-cost-usd"] == usd(row) != "0.000000000"
+    else:
+        assert "x-tokenmeter-cost-usd" not in raw.headers
+    for name in FORGED_HEADERS:  # each once at most: the proxy's, never a second line
+        assert len(raw.headers.get_list(name)) <= 1, name
+
+    # A stream, through the SDK (its raw headers) and read raw.
+    raw_stream = await client.chat.completions.with_raw_response.create(
+        model=model, messages=MESSAGES, stream=True)
+    assert not [n for n in raw_stream.headers if n.lower().startswith("x-tokenmeter-")
+                and n.lower() not in ("x-tokenmeter-request-id", "x-tokenmeter-model")]
+    assert raw_stream.headers[REQUEST_ID_HEADER] != "forged"
+    text = "".join([c.choices[0].delta.content or "" async for c in raw_stream.parse()
+                    if c.choices])
+    assert text == "one two three"
+    body, request_id = await raw_post(forged, "/v1/chat/completions",
+                                      {"model": model, "messages": MESSAGES, "stream": True},
+                                      {"Authorization": f"Bearer {BOB_KEY}"})
+    row = await ledger_row(request_id)
+    assert b"0.000000000" not in body
+    figures = comment(body)  # the one comment line, the proxy's, last
+    expected = {"input_tokens": "7", "output_tokens": "3"}
+    if model == "priced-model":
+        expected["cost_usd"] = usd(row)
+    assert figures == expected
+    assert str(row["input_tokens"]) == "7" and str(row["output_tokens"]) == "3"

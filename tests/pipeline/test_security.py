@@ -8,8 +8,10 @@ import logging
 from typing import Any
 
 import aiohttp
+import anthropic
 import openai
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 from openai.types.chat import ChatCompletionMessageParam
 
@@ -216,3 +218,70 @@ async def test_metrics_on_their_own_port_with_a_token(
             assert r.status == 401
     m = await scrape(metrics, headers={"Authorization": "Bearer scrape-token-123"})
     assert sample(m, "tokenmeter_requests_total", user="alice", status="200") == 1
+
+
+# --- issue 31, item 12: an upstream's error body that echoes its key ------------------------------
+
+# A key with a slash: JSON encoders that escape it (`\/`) write it another way.
+ECHOED_KEY = "sk-ant-api03-echo/Secret+for-security-test"
+
+
+async def _echoing_upstream(request: web.Request) -> web.Response:
+    """An upstream, written out by hand, that answers 400 with the key it was sent in its
+    message: as it came, JSON-escaped with `\\/`, and (OpenAI's route) in the error's param."""
+    sent = (request.headers.get("x-api-key")
+            or request.headers.get("Authorization", "").removeprefix("Bearer "))
+    escaped = sent.replace("/", "\\/")
+    if request.path.endswith("/messages"):
+        text = ('{"type":"error","error":{"type":"invalid_request_error",'
+                f'"message":"invalid x-api-key: {sent} (also {escaped})"}}}}')
+    else:
+        text = ('{"error":{"type":"invalid_request_error","code":null,'
+                f'"message":"bad key {escaped}","param":"{sent}"}}}}')
+    return web.Response(status=400, text=text, content_type="application/json")
+
+
+async def test_an_upstream_error_that_echoes_its_key_reaches_the_client_without_it(
+    aiohttp_server: ServerFactory,
+) -> None:
+    """Both APIs: the upstream's 400 names the operator's key (literally and JSON-escaped); the
+    client (the SDKs' exception bodies) gets the error with `[REDACTED]` in its place, still
+    JSON in the API's shape. A successful answer is never rewritten (tested elsewhere: the
+    cost and stream tests compare bytes)."""
+    app = web.Application()
+    app.router.add_post("/v1/messages", _echoing_upstream)
+    app.router.add_post("/v1/chat/completions", _echoing_upstream)
+    up = await aiohttp_server(app)
+    config = parse_config(f"""
+upstreams:
+  claude: {{base_url: "{up.make_url('/v1')}", api: anthropic, api_key: "{ECHOED_KEY}"}}
+  openai: {{base_url: "{up.make_url('/v1')}", api_key: "{ECHOED_KEY}"}}
+models:
+  - {{match: "claude-*", upstream: claude}}
+  - {{match: "*", upstream: openai}}
+metrics: {{discover_models: false}}
+users:
+  alice: {{keys: ["{CLIENT_KEY}"]}}
+""")
+    proxy = await aiohttp_server(create_app(config))
+    escaped = ECHOED_KEY.replace("/", "\\/")
+    async with anthropic.AsyncAnthropic(base_url=str(proxy.make_url("")), api_key=CLIENT_KEY,
+                                        max_retries=0) as claude:
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            await claude.messages.create(model="claude-x", max_tokens=8,
+                                         messages=[{"role": "user", "content": "hi"}])
+    text = caught.value.response.text
+    assert ECHOED_KEY not in text and escaped not in text, text
+    assert "Secret+for" not in str(caught.value.body)
+    body = caught.value.response.json()
+    assert body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["message"] == "invalid x-api-key: [REDACTED] (also [REDACTED])"
+    async with openai.AsyncOpenAI(base_url=str(proxy.make_url("/v1")), api_key=CLIENT_KEY,
+                                  max_retries=0) as client:
+        with pytest.raises(openai.BadRequestError) as bad:
+            await client.chat.completions.create(model="gpt-x", messages=MESSAGES)
+    text = bad.value.response.text
+    assert ECHOED_KEY not in text and escaped not in text, text
+    assert bad.value.response.json()["error"] == {
+        "type": "invalid_request_error", "code": None, "message": "bad key [REDACTED]",
+        "param": "[REDACTED]"}

@@ -289,3 +289,70 @@ def test_runs_end_at_marks_written_with_spaces_too(cuts: list[int], asked: bool)
     assert (m_fast.chunks, m_fast.gap_buckets()) == (m_slow.chunks, m_slow.gap_buckets())
     assert tr_fast.usage() == tr_slow.usage()
     assert tr_fast.usage().output_tokens == 12 and m_fast.chunks == 12
+
+
+# --- issue 31, item 10: the upstream's `: tokenmeter` comment lines -----------------------------
+
+FORGED = b": tokenmeter cost_usd=0.000000000 input_tokens=0 output_tokens=0\n"
+# An upstream's stream with forged cost comments everywhere (before the first event, between two,
+# inside an event between its lines, after the last) and look-alikes that are not the proxy's
+# (another comment, a shorter one, the words inside a data line, a bare colon) and must stay.
+FORGING = (
+    FORGED + _chunk({"role": "assistant", "content": ""})
+    + b": keep-alive\n" + _chunk({"content": "a: tokenmeter b"})
+    + b"data: " + json.dumps({"id": "c1", "object": "chat.completion.chunk", "created": 1,
+                              "model": "m", "usage": None,
+                              "choices": [{"index": 0, "delta": {"content": "c"},
+                                           "finish_reason": None}]}).encode()
+    + b"\n" + FORGED + b"\n" + b": token\n:\n" + FORGED + FORGED
+    + _chunk({}, "stop") + USAGE_EVENT + FORGED + b"\n" + b"data: [DONE]\n\n" + FORGED
+)
+
+
+def _unforged(stream: bytes) -> bytes:
+    """The reference: every line starting with `: tokenmeter` dropped with its line end."""
+    return b"".join(line for line in stream.splitlines(keepends=True)
+                    if not line.startswith(b": tokenmeter"))
+
+
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n", b"\r"])
+@given(cuts=st.lists(st.integers(0, len(FORGING) * 2), max_size=12))
+def test_the_upstreams_own_comment_lines_are_dropped_at_any_cuts(
+    newline: bytes, cuts: list[int],
+) -> None:
+    stream = FORGING.replace(b"\n", newline)
+    out, tr, chunks = _run(_cut(stream, cuts), client_asked=True)
+    assert out == _unforged(stream)
+    assert b"tokenmeter cost" not in out
+    assert b"a: tokenmeter b" in out and b": keep-alive" in out and b": token" + newline in out
+    assert chunks == 2
+    u = tr.usage()
+    assert (u.input_tokens, u.output_tokens, u.source) == (11, 3, "reported")
+
+
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n", b"\r"])
+def test_the_upstreams_own_comment_lines_are_dropped_byte_by_byte(newline: bytes) -> None:
+    stream = FORGING.replace(b"\n", newline)
+    out, tr, chunks = _run([stream[i : i + 1] for i in range(len(stream))], client_asked=True)
+    assert out == _unforged(stream) and chunks == 2 and tr.usage().output_tokens == 3
+    # A stream the proxy strips the usage of too.
+    out, tr, chunks = _run(_cut(stream, list(range(0, len(stream), 7))))
+    assert out in (_unforged(stream), _unforged(stream).replace(USAGE_EVENT.replace(
+        b"\n", newline), b""))
+    assert chunks == 2 and tr.usage().output_tokens == 3
+
+
+def test_a_cut_short_look_alike_at_the_end_is_forwarded() -> None:
+    """A stream ending in the first bytes of the mark (no line end after them): held until the
+    end, then forwarded; nothing else is held."""
+    stream = STREAM + b": tokenme"
+    out, _, _ = _run([stream], client_asked=True)
+    assert out == stream
+    tap = StreamTap(ChatTranslator(parse_body(b'{"model":"m","messages":[],"stream":true,'
+                                              b'"stream_options":{"include_usage":true}}')),
+                    RequestMeter())
+    assert tap.feed(STREAM + b": tok", 0.0) == STREAM  # its tail waits for the next bytes
+    tap.look()
+    assert tap.feed(b"enmeter x\n", 1.0) == b""
+    tap.look()
+    assert tap.feed(b": other\n", 2.0) == b": other\n"

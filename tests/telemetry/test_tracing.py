@@ -134,6 +134,7 @@ prices:
   "*": {{input: 2.5, output: 10}}
 tags:
   feature: {{values: [faq, search]}}
+  customer: {{free: true}}
 users:
   alice:
     team: research
@@ -184,7 +185,8 @@ async def test_retry_and_fallback_are_client_spans_under_the_clients_trace(
                                       max_retries=0) as client:
             raw = await client.chat.completions.with_raw_response.create(
                 model="primary-model", messages=MESSAGES, max_tokens=50,
-                extra_headers={"traceparent": traceparent, "x-tokenmeter-tags": "feature=faq"})
+                extra_headers={"traceparent": traceparent,
+                               "x-tokenmeter-tags": "feature=faq, customer=acme-7731"})
         answer = raw.parse()
         assert answer.usage is not None and answer.model == "backup-model"
         spans = await rec.wait_for(4)
@@ -218,6 +220,9 @@ async def test_retry_and_fallback_are_client_spans_under_the_clients_trace(
         "tokenmeter.tags.feature": "faq",
     }
     assert "error.type" not in server.attributes and not server.error
+    # A closed-list tag is an attribute; a free one's value is the client's text, kept out of
+    # every span (issue 31, item 16: it used to be `tokenmeter.tags.customer`).
+    assert "tokenmeter.tags.customer" not in server.attributes
     # Cache figures only when there are some (this upstream reports none).
     assert not any("cache" in name for name in server.attributes)
     # A JSON answer has no chunks: time to first chunk is a stream's figure.
@@ -248,7 +253,8 @@ async def test_retry_and_fallback_are_client_spans_under_the_clients_trace(
     assert [_parent_of(tp) for tp in sent] == [(trace_id, c.span_id) for c in clients]
 
     # No prompt, no answer, no key in any span.
-    _no_secret_text(spans, PROMPT, "zebra", generated_text(7).strip(), ALICE, UPSTREAM_SECRET)
+    _no_secret_text(spans, PROMPT, "zebra", generated_text(7).strip(), ALICE, UPSTREAM_SECRET,
+                    "acme-7731")
 
 
 @dataclass
@@ -458,12 +464,14 @@ async def test_refusals_and_unreachable_upstreams_in_spans(
 async def test_an_unsampled_client_trace_exports_nothing_but_carries_on(
     receiver: tuple[Receiver, TestServer], upstream: TestServer, tmp_path: Path,
 ) -> None:
-    """The default sampler follows the client: its unsampled `traceparent` (flags 00) gets no
-    spans, and the upstream is sent the same trace, unsampled; a trace begun by the proxy is
-    sampled and says its id is random (flags 03, as the SDK's Tracer sets them)."""
+    """With `parent_based: true` the client's flag is followed: its unsampled `traceparent`
+    (flags 00) gets no spans, and the upstream is sent the same trace, unsampled; a trace
+    begun by the proxy is sampled and says its id is random (flags 03, as the SDK's Tracer
+    sets them)."""
     rec, collector = receiver
     config = _config(tmp_path, {"mock": str(upstream.make_url("/v1"))},
                      "  - {match: '*', upstream: mock}")
+    config.write_text(config.read_text() + "tracing: {parent_based: true}\n")
     proxy = ServedProxy(config, tmp_path / "proxy.log", env=_otel_env(collector))
     await proxy.started()
     trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
@@ -485,3 +493,57 @@ async def test_an_unsampled_client_trace_exports_nothing_but_carries_on(
     (srv,) = [s for s in spans if s.kind == SERVER]
     (attempt,) = [s for s in spans if s.kind == CLIENT]
     assert attempt.span_id == sampled[2] and attempt.parent == srv.span_id and srv.parent == ""
+
+
+async def _traced_requests(proxy: ServedProxy, flags: list[str]) -> tuple[list[str], float]:
+    """One request per entry of `flags`, each with a `traceparent` of its own carrying those
+    flags: their trace ids, and the seconds from the first request's start to the last's end."""
+    ids: list[str] = []
+    async with openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key=ALICE,
+                                  max_retries=0) as client:
+        start = time.monotonic()
+        for flag in flags:
+            trace_id = secrets.token_hex(16)
+            ids.append(trace_id)
+            await client.chat.completions.create(
+                model="mock-gpt", messages=MESSAGES,
+                extra_headers={"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-{flag}"})
+        return ids, time.monotonic() - start
+
+
+async def test_a_clients_sampled_flag_forces_no_trace_unless_followed_and_then_bounded(
+    receiver: tuple[Receiver, TestServer], upstream: TestServer, tmp_path: Path,
+) -> None:
+    """Issue 31, item 9: with `sample_ratio: 0`, requests whose `traceparent` says sampled
+    (-01) were all traced (1,500 requests made 2,865 spans). By default a client's flag now
+    decides nothing: none is traced. With `parent_based: true` it is followed, but the traces
+    only it made are at most `client_traces_per_s` (a bucket of one second's worth): of 20
+    requests sent in `elapsed` seconds, at most 1 + elapsed are traced, each under its
+    client's trace; an unsampled flag (-00) is followed too."""
+    rec, collector = receiver
+    config = _config(tmp_path, {"mock": str(upstream.make_url("/v1"))},
+                     "  - {match: '*', upstream: mock}")
+    base = config.read_text()
+    config.write_text(base + "tracing: {sample_ratio: 0}\n")
+    proxy = ServedProxy(config, tmp_path / "proxy.log", env=_otel_env(collector))
+    await proxy.started()
+    try:
+        await _traced_requests(proxy, ["01"] * 20)
+    finally:
+        assert await proxy.stopped() == 0  # SIGTERM: everything queued is exported first
+    assert rec.spans == []
+    assert len(upstream.app[MOCK_STATE].requests) == 20
+
+    config.write_text(base + "tracing: {sample_ratio: 0, parent_based: true, "
+                             "client_traces_per_s: 1}\n")
+    proxy = ServedProxy(config, tmp_path / "proxy2.log", env=_otel_env(collector))
+    await proxy.started()
+    try:
+        ids, elapsed = await _traced_requests(proxy, ["00"] + ["01"] * 20)
+    finally:
+        assert await proxy.stopped() == 0
+    servers = [s for s in rec.spans if s.kind == SERVER]
+    assert 1 <= len(servers) <= 1 + int(elapsed) + 1, (len(servers), elapsed)
+    assert len(servers) < 20
+    assert {s.trace_id for s in servers} <= set(ids[1:])  # the -00 one is never traced
+    assert len(rec.spans) == 2 * len(servers)  # each with its attempt's client span

@@ -261,3 +261,15 @@ def test_error_message_is_cut_to_its_limit() -> None:
     assert error_message(long, 10) == "m" * 10
     assert error_message(_json({"error": "e" * 300}), 5) == "eeeee"
     assert error_message(_json({"object": "error", "message": "f" * 300})) == "f" * 200
+
+
+def test_scrub_replaces_a_key_in_every_json_form() -> None:
+    from proxy.protocol.upstream_errors import scrub, secret_forms
+
+    key = 'sk-a/b"\u00e9'
+    forms = secret_forms([key, ""])
+    for body in (json.dumps({"m": key}).encode(),
+                 json.dumps({"m": key}, ensure_ascii=False).encode(),
+                 json.dumps({"m": key}).replace("/", "\\/").encode()):
+        assert json.loads(scrub(body, forms)) == {"m": "[REDACTED]"}
+    assert scrub(b'{"m": "nothing"}', forms) == b'{"m": "nothing"}'
