@@ -480,7 +480,10 @@ async def reconcile(config: Config, view: StoreView, reader: LedgerReader, day: 
     if earlier is None or earlier.day != day:
         return reading
     reached: dict[str, int] = {}
-    if earlier.behind:
+    # Every window the earlier store was ahead in is judged by the rows that reached it since,
+    # whatever that reading's verdict was: one judged drift (a persisting loss) is still short
+    # of what its store had settled, and is judged so again, not against no rows at all.
+    if any(c.judged and c.gap < 0 for c in earlier.checks):
         for key, (target, tally) in (await _ledger(reader, config, span, calendar,
                                                    ended_by=earlier.cut)).items():
             reached[key] = tally.amount(target.name.measure)

@@ -27,12 +27,13 @@ from proxy.budget.accounting import Budget, Reservation
 from proxy.budget.admission import Ask
 from proxy.budget.notify import Notifier
 from proxy.budget.principal import Principal
-from proxy.budget.store import MemoryStore, Store
+from proxy.budget.store import Entry, MemoryStore, ScopeKind, Store
 from proxy.budget.store_redis import RedisStore
 from proxy.cli import main
 from proxy.config.ledger import LedgerConfig
 from proxy.config.load import Config
 from proxy.cost import CostLines, price_for
+from proxy.ledger.audit import Auditor
 from proxy.ledger.query import LedgerReader, LedgerUnavailable, Location, locate, open_reader
 from proxy.ledger.reconcile import Reconciliation, Verdict, reconcile
 from proxy.ledger.row import LedgerRow
@@ -394,6 +395,36 @@ async def test_a_second_reading_confirms_drift(world: World) -> None:
     assert {c.verdict for c in fifth.checks if c.user == "carol"} >= {Verdict.PENDING}
     sixth = await world.reconcile(earlier=fifth)
     assert {c.verdict for c in sixth.checks if c.user == "carol"} >= {Verdict.DRIFT}
+
+
+async def test_the_in_process_audit_reports_a_persisting_drift_at_every_reading(
+    world: World
+) -> None:
+    """A counter edited up by 700 and left so: every reading the audit exports says -700, the
+    difference, never the whole counter (on main the third and later readings said the day's
+    total, 700 + the rows', as if no row had reached the ledger)."""
+    for _ in range(3):
+        await world.request("bob")
+    plan = world.budget.plan(world.principal("bob"), "gpt-4o", world.config)
+    daily = next(w for w in plan.windows
+                 if w.name is lim.WindowName.DAILY_TOKENS and w.scope.kind is ScopeKind.USER)
+    await world.budget.store.add_once(plan.slot, "hand-edit", [Entry(daily.key, None, 700,
+                                                                     daily.ttl_s)])
+    metrics = Metrics()
+    auditor = Auditor(world.budget.store, metrics)
+    gauge: list[float | None] = []
+    try:
+        for _ in range(5):
+            judged = await auditor.once(world.config)
+            assert judged is not None
+            gauge.append(metrics.registry.get_sample_value(
+                "tokenmeter_reconcile_drift_tokens", {"window": "daily_tokens"}))
+            (bob,) = by_label(judged, "bob", "u:daily_tokens")
+            assert bob.store == 3 * 27 + 700
+    finally:
+        await auditor.close()
+    # The first reading exports nothing (one reading cannot tell lag from loss).
+    assert gauge == [None, -700, -700, -700, -700]
 
 
 async def test_windows_past_retention_are_not_judged(
