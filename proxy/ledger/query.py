@@ -29,6 +29,7 @@ import asyncpg
 
 from proxy.budget.spool import default_dir
 from proxy.config.ledger import LedgerConfig
+from proxy.ledger.pg import PgConnection
 from proxy.ledger.rollup import ZONES
 from proxy.ledger.schema import LOCAL_DAY_VERSION, ROLLUP_VERSION, SCHEMA_TABLE, TABLE
 
@@ -172,19 +173,25 @@ class _SqliteReader(LedgerReader):
 
 
 class _PostgresReader(LedgerReader):
-    def __init__(self, location: Location, conn: asyncpg.Connection) -> None:
+    """Its connection is a `PgConnection`: one that broke (the server restarted) fails the
+    statement that found it so (`LedgerUnavailable`), and the next statement opens another."""
+
+    def __init__(self, location: Location, pg: PgConnection) -> None:
         self.location = location
-        self._conn = conn
+        self._pg = pg
 
     async def fetch(self, text: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
+        async def job(conn: asyncpg.Connection) -> list[asyncpg.Record]:
+            return await conn.fetch(text, *params)
+
         try:
-            records = await self._conn.fetch(text, *params)
-        except (asyncpg.PostgresError, OSError) as exc:
+            records = await self._pg.run(job)
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
             raise LedgerUnavailable(f"{self.location.describe()}: {exc}") from exc
         return [tuple(r) for r in records]
 
     async def close(self) -> None:
-        await self._conn.close()
+        await self._pg.close()
 
 
 async def open_reader(location: Location, timeout_s: float = 10.0) -> LedgerReader:
@@ -196,19 +203,19 @@ async def open_reader(location: Location, timeout_s: float = 10.0) -> LedgerRead
         reader = await asyncio.to_thread(_open_sqlite, location, timeout_s)
     else:
         assert location.url is not None
+        pg = PgConnection(location.url, {
+            "default_transaction_read_only": "on", "application_name": "tokenmeter-books",
+            # A report groups up to a few hundred thousand rollup rows: in memory, not in
+            # sorts and hashes spilled to disk; no JIT (its compiling costs more than it
+            # saves here).
+            "work_mem": "64MB", "jit": "off"},
+            # A report's statements may rightly run long: no timeout of the writers'.
+            connect_timeout_s=timeout_s, command_timeout_s=None)
         try:
-            conn = await asyncpg.connect(
-                location.url, timeout=timeout_s,
-                server_settings={"default_transaction_read_only": "on",
-                                 "application_name": "tokenmeter-books",
-                                 # A report groups up to a few hundred thousand rollup rows:
-                                 # in memory, not in sorts and hashes spilled to disk;
-                                 # no JIT (its compiling costs more than it saves here).
-                                 "work_mem": "64MB", "jit": "off"},
-            )
-        except (asyncpg.PostgresError, OSError, TimeoutError) as exc:
+            await pg.connect()
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
             raise LedgerUnavailable(f"{location.describe()}: {exc}") from exc
-        reader = _PostgresReader(location, conn)
+        reader = _PostgresReader(location, pg)
     try:
         await _require_table(reader)
     except BaseException:
