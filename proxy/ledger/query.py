@@ -110,6 +110,10 @@ class LedgerReader:
     back as `int` or (PostgreSQL's `sum(bigint)` is numeric) `Decimal`: use `as_int`."""
 
     location: Location
+    # Whether the rollups may answer (`rollups_ready`); False: every total from the rows
+    # themselves (`reconcile --deep`: a row deleted or changed by hand, outside the sinks
+    # that keep the rollups, shows only there).
+    rollups: bool = True
 
     @property
     def dialect(self) -> Dialect:
@@ -194,9 +198,10 @@ class _PostgresReader(LedgerReader):
         await self._pg.close()
 
 
-async def open_reader(location: Location, timeout_s: float = 10.0) -> LedgerReader:
+async def open_reader(location: Location, timeout_s: float = 10.0, *,
+                      rollups: bool = True) -> LedgerReader:
     """Open `location` read-only; `LedgerUnavailable` when there is no ledger to read there
-    (no file, no table yet, the server not answering)."""
+    (no file, no table yet, the server not answering). `rollups`: see `LedgerReader`."""
     reader: LedgerReader
     if location.dialect is Dialect.SQLITE:
         assert location.path is not None
@@ -216,6 +221,7 @@ async def open_reader(location: Location, timeout_s: float = 10.0) -> LedgerRead
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
             raise LedgerUnavailable(f"{location.describe()}: {exc}") from exc
         reader = _PostgresReader(location, pg)
+    reader.rollups = rollups
     try:
         await _require_table(reader)
     except BaseException:
@@ -260,14 +266,14 @@ async def _require_table(reader: LedgerReader) -> None:
 async def rollups_ready(reader: LedgerReader) -> bool:
     """Whether the ledger holds the rollups this code reads (`proxy.ledger.rollup`): its
     schema is at least at the version that last built them. A database an older proxy still
-    writes is read from its rows."""
-    return await _version(reader) >= ROLLUP_VERSION
+    writes is read from its rows, and so is any ledger by a reader opened without them."""
+    return reader.rollups and await _version(reader) >= ROLLUP_VERSION
 
 
 async def zone_rolled(reader: LedgerReader, zone: str) -> bool:
     """Whether the local-day rollup holds `zone` (`proxy.ledger.rollup.USAGE_LOCAL`): the
     schema has it and a shipper configured with the zone added it."""
-    if await _version(reader) < LOCAL_DAY_VERSION:
+    if not reader.rollups or await _version(reader) < LOCAL_DAY_VERSION:
         return False
     q = reader.sql()
     ((found,),) = await reader.fetch(f"SELECT count(*) FROM {ZONES} WHERE zone = {q.p(zone)}",

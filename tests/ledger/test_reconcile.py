@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -425,6 +426,42 @@ async def test_the_in_process_audit_reports_a_persisting_drift_at_every_reading(
         await auditor.close()
     # The first reading exports nothing (one reading cannot tell lag from loss).
     assert gauge == [None, -700, -700, -700, -700]
+
+
+async def test_a_row_deleted_by_hand_is_drift_to_the_deep_reconcile(
+    world: World, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The rollup keeps a row deleted by hand (the sinks keep it, not the database), so the
+    usual reading still agrees; `--deep` sums the rows and reports the missing one."""
+    for _ in range(2):
+        await world.request("bob")
+    gone = f"DELETE FROM {TABLE} WHERE request_id = (SELECT min(request_id) FROM {TABLE})"
+    if world.books.url.startswith("sqlite"):
+        def delete() -> None:
+            with sqlite3.connect(world.books.url.removeprefix("sqlite://")) as conn:
+                assert conn.execute(gone).rowcount == 1
+
+        await asyncio.to_thread(delete)
+    else:
+        conn = await asyncpg.connect(world.books.url)
+        try:
+            assert await conn.execute(gone) == "DELETE 1"
+        finally:
+            await conn.close()
+    code, out = await run_command(world, capsys)
+    assert code == 0, out  # the rollup still counts it
+    code, out = await run_command(world, capsys, "--deep", "--json")
+    doc = json.loads(out)
+    assert code == 1 and doc["agrees"] is False
+    drifts = {(w["user"], w["scope"], w["window"]): w["unexplained"] for w in doc["windows"]
+              if w["verdict"] == "drift"}
+    assert drifts[("bob", "u", "daily_tokens")] == -27
+    assert drifts[(None, "t.platform", "daily_tokens")] == -27
+    # Judged with a second reading too (the command's default): still drift, by the row.
+    code, out = await asyncio.to_thread(main, ["reconcile", "--config", str(world.path),
+                                               "--recheck", "0.01", "--deep"]), \
+        capsys.readouterr().out
+    assert code == 1 and "(its rows: --deep)" in out and "DRIFT" in out
 
 
 async def test_windows_past_retention_are_not_judged(
