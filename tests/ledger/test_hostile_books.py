@@ -383,3 +383,76 @@ async def test_a_stream_final_event_reaches_the_client_only_after_its_row(
         rows = db.execute(f"SELECT status, input_tokens, output_tokens FROM {TABLE} "
                           "WHERE request_id = ?", (request_id,)).fetchall()
     assert rows == [(200, 9, 2)]
+
+
+def _anthropic_event(name: str, payload: dict[str, Any]) -> bytes:
+    return f"event: {name}\ndata: {json.dumps(payload)}\n\n".encode()
+
+
+@pytest.mark.timeout(120)
+async def test_an_anthropic_message_stop_reaches_the_client_only_after_its_row(
+    aiohttp_server: ServerFactory, tmp_path: Path
+) -> None:
+    """The same for Anthropic's Messages API, whose stream ends at `event: message_stop`."""
+    release = asyncio.Event()
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"".join([
+            _anthropic_event("message_start", {"type": "message_start", "message": {
+                "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-test",
+                "content": [], "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": 12, "output_tokens": 1}}}),
+            _anthropic_event("content_block_start", {
+                "type": "content_block_start", "index": 0,
+                "content_block": {"type": "text", "text": ""}}),
+            _anthropic_event("content_block_delta", {
+                "type": "content_block_delta", "index": 0,
+                "delta": {"type": "text_delta", "text": " two"}}),
+            _anthropic_event("content_block_stop", {"type": "content_block_stop", "index": 0}),
+            _anthropic_event("message_delta", {
+                "type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                "usage": {"output_tokens": 2}}),
+            _anthropic_event("message_stop", {"type": "message_stop"}),
+        ]))
+        await release.wait()  # the upstream ends its response later
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/messages", handle)
+    upstream = await aiohttp_server(app)
+    state = Path(os.environ["TOKENMETER_STATE_DIR"])
+    config = tmp_path / "tokenmeter.yaml"
+    config.write_text(f"""
+upstreams:
+  claude:
+    base_url: {upstream.make_url("/v1")}
+    api: anthropic
+    api_key: sk-upstream-0123456789
+models:
+  - match: "*"
+    upstream: claude
+metrics:
+  discover_models: false
+""")
+    proxy = await ServedProxy(config, tmp_path / "proxy.log").started()
+    try:
+        async with aiohttp.ClientSession() as session, session.post(
+            f"{proxy.url}/v1/messages",
+            json={"model": "claude-test", "max_tokens": 50, "stream": True,
+                  "messages": [{"role": "user", "content": "hi"}]},
+            headers={"x-api-key": "sk-any", "anthropic-version": "2023-06-01"},
+        ) as resp:
+            assert resp.status == 200
+            request_id = resp.headers[REQUEST_ID_HEADER]
+            seen = await read_until(resp.content, lambda got: b'" two"' in got)
+            assert b"message_stop" not in seen or request_id in _booked(state)
+            release.set()
+            await read_until(resp.content, lambda got: b"event: message_stop" in got,
+                             initial=seen)
+            assert request_id in _booked(state)  # before the client could have message_stop
+    finally:
+        release.set()
+        proxy.kill()
