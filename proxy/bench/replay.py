@@ -26,7 +26,7 @@ from proxy.capture.store import CaptureFilter
 from proxy.config.load import ConfigError, load_config
 from proxy.config.policy import Price
 from proxy.cost import NANOS_PER_USD, CostLines, price_for
-from proxy.ledger.sink_postgres import mask_url
+from proxy.ledger.pg import mask_url
 from proxy.protocol.export_line import Recording, ReplayFileError, parse_line, read_lines
 from proxy.protocol.tokenizer import count_text
 from proxy.protocol.usage import Usage

@@ -41,8 +41,8 @@ from proxy.capture.record import Capture
 from proxy.config.capture import DEFAULT_REDACT, CaptureConfig
 from proxy.config.ledger import LedgerConfig
 from proxy.files import create_private
+from proxy.ledger.pg import PgConnection
 from proxy.ledger.query import Dialect, Sql, ledger_path
-from proxy.ledger.sink_postgres import COMMAND_TIMEOUT_S, CONNECT_TIMEOUT_S, mask_url
 
 T = TypeVar("T")
 # `CaptureStore.list` hides the builtin inside the classes.
@@ -391,48 +391,39 @@ class _SqliteStore(CaptureStore):
 
 
 class _PostgresStore(CaptureStore):
+    """Its connection is a `PgConnection` (the ledger's way of holding one): a batch that
+    finds it broken (the server restarted) is lost as before, and the next one reconnects."""
+
     dialect = Dialect.POSTGRESQL
     table = PG_TABLE
 
     def __init__(self, url: str) -> None:
-        self._url = url
-        self.location = mask_url(url)
-        self._conn: asyncpg.Connection | None = None
+        self._pg = PgConnection(url, _PG_SESSION, setup=self._create)
+        self.location = self._pg.location
 
     async def _open(self) -> None:
-        conn = await asyncpg.connect(self._url, timeout=CONNECT_TIMEOUT_S,
-                                     command_timeout=COMMAND_TIMEOUT_S,
-                                     server_settings=_PG_SESSION)
-        try:
-            for statement in _PG_CREATE:
-                await conn.execute(statement)
-        except BaseException:
-            conn.terminate()
-            raise
-        self._conn = conn
+        await self._pg.connect()
 
-    def _require(self) -> asyncpg.Connection:
-        if self._conn is None or self._conn.is_closed():
-            raise asyncpg.ConnectionDoesNotExistError("the capture store is not connected")
-        return self._conn
+    @staticmethod
+    async def _create(conn: asyncpg.Connection) -> None:
+        for statement in _PG_CREATE:
+            await conn.execute(statement)
 
     async def _insert(self, captures: Sequence[Capture]) -> int:
         # One statement and one round trip for the batch: each column as an array.
         rows = await asyncio.to_thread(self._rows, captures)
         columns = [list(c) for c in zip(*rows, strict=True)]
-        new = await self._require().fetch(_PG_INSERT, *columns)
+        new = await self._pg.run(lambda conn: conn.fetch(_PG_INSERT, *columns))
         return sum(int(r[0]) for r in new)
 
     async def _fetch(self, text: str, params: Sequence[object]) -> _Rows:
-        return [tuple(r) for r in await self._require().fetch(text, *params)]
+        return [tuple(r) for r in await self._pg.run(lambda conn: conn.fetch(text, *params))]
 
     async def _prune(self, cutoff: float, limit: int) -> int:
         q = Sql(self.dialect)
         q.ts(cutoff)
-        status = await self._require().execute(_PG_PRUNE, q.params[0], limit)
+        status = await self._pg.run(lambda conn: conn.execute(_PG_PRUNE, q.params[0], limit))
         return int(status.rsplit(" ", 1)[1])  # "DELETE <rows>"
 
     async def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None and not conn.is_closed():
-            await conn.close(timeout=2)
+        await self._pg.close()

@@ -10,6 +10,7 @@ cannot tell lag from loss. Nothing is exported before a second reading of the da
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from proxy.budget.store import Store, StoreError
 from proxy.config.load import Config
 from proxy.ledger.query import LedgerReader, LedgerUnavailable, locate, open_reader
 from proxy.ledger.reconcile import Reconciliation, reconcile
-from proxy.telemetry.metrics import Metrics
+from proxy.telemetry.metrics import Metrics, ReconcileFailure
 
 log = logging.getLogger("tokenmeter.reconcile")
 
@@ -37,17 +38,35 @@ class Auditor:
         self._previous: Reconciliation | None = None
 
     async def once(self, config: Config) -> Reconciliation | None:
-        """One reading, exported; None when the store or the ledger cannot be read now."""
+        """One reading, exported; None when the store or the ledger cannot be read now (or a
+        bug of ours stopped it): counted by reason in `tokenmeter_reconcile_failures_total`,
+        whose alert watches that the audit goes on. After any failure the ledger's reader is
+        closed and the next reading opens a new one: a database that restarted (its
+        connections closed) or a ledger file replaced does not blind the audit for good."""
         try:
-            if self._reader is None:
-                self._reader = await open_reader(locate(config.ledger))
-            day = datetime.fromtimestamp(self._clock(), ZoneInfo(config.timezone)).date()
-            previous = self._previous if self._previous and self._previous.day == day \
-                else None
-            judged = await reconcile(config, self._store, self._reader, day, earlier=previous)
-        except (StoreError, LedgerUnavailable, OSError) as exc:
-            log.warning("reconcile skipped: %s", exc)
-            return None
+            return await self._once(config)
+        except StoreError as exc:
+            self._failed(ReconcileFailure.STORE)
+            log.warning("reconcile skipped: cannot read the store: %s", exc)
+        except (LedgerUnavailable, OSError) as exc:
+            self._failed(ReconcileFailure.LEDGER)
+            log.warning("reconcile skipped: cannot read the ledger: %s", exc)
+        except Exception:
+            # The audit must outlive its own bugs: the next round runs anyway. Loud.
+            self._failed(ReconcileFailure.INTERNAL)
+            log.exception("reconcile failed")
+        await self.close()
+        return None
+
+    def _failed(self, reason: ReconcileFailure) -> None:
+        self._metrics.reconcile_failed(reason)
+
+    async def _once(self, config: Config) -> Reconciliation:
+        if self._reader is None:
+            self._reader = await open_reader(locate(config.ledger))
+        day = datetime.fromtimestamp(self._clock(), ZoneInfo(config.timezone)).date()
+        previous = self._previous if self._previous and self._previous.day == day else None
+        judged = await reconcile(config, self._store, self._reader, day, earlier=previous)
         self._previous = judged  # its figures are the reading's own, whatever its verdicts
         if previous is None:
             return judged
@@ -61,13 +80,10 @@ class Auditor:
         while True:
             every = config().ledger.reconcile_every_s or 60.0  # 0: off (checked at start)
             await asyncio.sleep(every)
-            try:
-                await self.once(config())
-            except Exception:
-                # The audit must outlive its own bugs: the next round runs anyway. Loud.
-                log.exception("reconcile failed")
+            await self.once(config())
 
     async def close(self) -> None:
-        if self._reader is not None:
-            await self._reader.close()
-            self._reader = None
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            with contextlib.suppress(Exception):  # a broken connection: nothing to wait for
+                await reader.close()

@@ -26,6 +26,7 @@ import shutil
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,6 +84,7 @@ class Ledger:
         self._child: ShipperChild | None = None
         self._metrics_dir: str | None = None
         self._queued: list[bytes] = []
+        self._then: list[Callable[[], None]] = []  # to run after the queued rows' write
         self._first_id = ""  # of the first row queued: named when they are dropped
         self._dropped = 0  # rows dropped in the current episode (since the last row spooled)
         self._drop_reason = ""
@@ -96,10 +98,14 @@ class Ledger:
         return None if self._child is None else self._child.pid
 
     # --- settle's path ----------------------------------------------------------------------
-    def record(self, row: LedgerRow) -> None:
-        """Queue the row for this loop turn's one write to the spool. Never raises."""
+    def record(self, row: LedgerRow, then: Callable[[], None] | None = None) -> None:
+        """Queue the row for this loop turn's one write to the spool. Never raises. `then`
+        runs once that write is over (the row is in the OS's hands, or was dropped and
+        counted): a stream's final event waits for it (proxy.pipeline.ending)."""
         queued = self._queued
         queued.append(encode_row(row))
+        if then is not None:
+            self._then.append(then)
         if len(queued) == 1:
             self._first_id = row.request_id
             try:
@@ -112,6 +118,14 @@ class Ledger:
         if not queued:
             return
         self._queued = []
+        thens, self._then = self._then, []
+        try:
+            self._spool(queued)
+        finally:
+            for then in thens:
+                then()
+
+    def _spool(self, queued: list[bytes]) -> None:
         try:
             if self._writer.append(b"".join(queued)):
                 if self._dropped:

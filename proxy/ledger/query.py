@@ -29,6 +29,7 @@ import asyncpg
 
 from proxy.budget.spool import default_dir
 from proxy.config.ledger import LedgerConfig
+from proxy.ledger.pg import PgConnection
 from proxy.ledger.rollup import ZONES
 from proxy.ledger.schema import LOCAL_DAY_VERSION, ROLLUP_VERSION, SCHEMA_TABLE, TABLE
 
@@ -109,6 +110,10 @@ class LedgerReader:
     back as `int` or (PostgreSQL's `sum(bigint)` is numeric) `Decimal`: use `as_int`."""
 
     location: Location
+    # Whether the rollups may answer (`rollups_ready`); False: every total from the rows
+    # themselves (`reconcile --deep`: a row deleted or changed by hand, outside the sinks
+    # that keep the rollups, shows only there).
+    rollups: bool = True
 
     @property
     def dialect(self) -> Dialect:
@@ -172,43 +177,51 @@ class _SqliteReader(LedgerReader):
 
 
 class _PostgresReader(LedgerReader):
-    def __init__(self, location: Location, conn: asyncpg.Connection) -> None:
+    """Its connection is a `PgConnection`: one that broke (the server restarted) fails the
+    statement that found it so (`LedgerUnavailable`), and the next statement opens another."""
+
+    def __init__(self, location: Location, pg: PgConnection) -> None:
         self.location = location
-        self._conn = conn
+        self._pg = pg
 
     async def fetch(self, text: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
+        async def job(conn: asyncpg.Connection) -> list[asyncpg.Record]:
+            return await conn.fetch(text, *params)
+
         try:
-            records = await self._conn.fetch(text, *params)
-        except (asyncpg.PostgresError, OSError) as exc:
+            records = await self._pg.run(job)
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
             raise LedgerUnavailable(f"{self.location.describe()}: {exc}") from exc
         return [tuple(r) for r in records]
 
     async def close(self) -> None:
-        await self._conn.close()
+        await self._pg.close()
 
 
-async def open_reader(location: Location, timeout_s: float = 10.0) -> LedgerReader:
+async def open_reader(location: Location, timeout_s: float = 10.0, *,
+                      rollups: bool = True) -> LedgerReader:
     """Open `location` read-only; `LedgerUnavailable` when there is no ledger to read there
-    (no file, no table yet, the server not answering)."""
+    (no file, no table yet, the server not answering). `rollups`: see `LedgerReader`."""
     reader: LedgerReader
     if location.dialect is Dialect.SQLITE:
         assert location.path is not None
         reader = await asyncio.to_thread(_open_sqlite, location, timeout_s)
     else:
         assert location.url is not None
+        pg = PgConnection(location.url, {
+            "default_transaction_read_only": "on", "application_name": "tokenmeter-books",
+            # A report groups up to a few hundred thousand rollup rows: in memory, not in
+            # sorts and hashes spilled to disk; no JIT (its compiling costs more than it
+            # saves here).
+            "work_mem": "64MB", "jit": "off"},
+            # A report's statements may rightly run long: no timeout of the writers'.
+            connect_timeout_s=timeout_s, command_timeout_s=None)
         try:
-            conn = await asyncpg.connect(
-                location.url, timeout=timeout_s,
-                server_settings={"default_transaction_read_only": "on",
-                                 "application_name": "tokenmeter-books",
-                                 # A report groups up to a few hundred thousand rollup rows:
-                                 # in memory, not in sorts and hashes spilled to disk;
-                                 # no JIT (its compiling costs more than it saves here).
-                                 "work_mem": "64MB", "jit": "off"},
-            )
-        except (asyncpg.PostgresError, OSError, TimeoutError) as exc:
+            await pg.connect()
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
             raise LedgerUnavailable(f"{location.describe()}: {exc}") from exc
-        reader = _PostgresReader(location, conn)
+        reader = _PostgresReader(location, pg)
+    reader.rollups = rollups
     try:
         await _require_table(reader)
     except BaseException:
@@ -253,14 +266,14 @@ async def _require_table(reader: LedgerReader) -> None:
 async def rollups_ready(reader: LedgerReader) -> bool:
     """Whether the ledger holds the rollups this code reads (`proxy.ledger.rollup`): its
     schema is at least at the version that last built them. A database an older proxy still
-    writes is read from its rows."""
-    return await _version(reader) >= ROLLUP_VERSION
+    writes is read from its rows, and so is any ledger by a reader opened without them."""
+    return reader.rollups and await _version(reader) >= ROLLUP_VERSION
 
 
 async def zone_rolled(reader: LedgerReader, zone: str) -> bool:
     """Whether the local-day rollup holds `zone` (`proxy.ledger.rollup.USAGE_LOCAL`): the
     schema has it and a shipper configured with the zone added it."""
-    if await _version(reader) < LOCAL_DAY_VERSION:
+    if not reader.rollups or await _version(reader) < LOCAL_DAY_VERSION:
         return False
     q = reader.sql()
     ((found,),) = await reader.fetch(f"SELECT count(*) FROM {ZONES} WHERE zone = {q.p(zone)}",

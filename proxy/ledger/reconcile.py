@@ -46,7 +46,10 @@ script). The counter less what the reservations in it hold is what the store set
   other. `ledger_newest` (the newest row's end) shows how far the ledger is behind.
 - The ledger's side is read from its windows rollup (`proxy.ledger.rollup.WINDOWS`) when the
   day's span is whole UTC hours (every zone but the few whose offset is not): exact, and a
-  few thousand rollup rows instead of a month's rows.
+  few thousand rollup rows instead of a month's rows. The rollup is kept by the sinks' own
+  statements: a row deleted or changed by hand leaves it as it was, so only `--deep` (a
+  reader opened without the rollups), which sums the rows themselves, sees that. The
+  in-process `Auditor` reads the rollup.
 - Windows the store no longer holds (past their retention: a day's counters for eight days
   after it, a week's fifteen, a month's forty) are listed as `expired` and not judged.
 """
@@ -329,7 +332,9 @@ async def _ledger(reader: LedgerReader, config: Config, span: tuple[float, float
                   ) -> dict[str, tuple[_Target, _Tally]]:
     """The ledger's totals per counter key, for the windows of the day (of the rows that ended
     by `ended_by`, when given): the rows that started before the span's end and ended after its
-    start (a window's labels are chosen at admission, between the two)."""
+    start (a window's labels are chosen at admission, between the two). From the rows
+    themselves when the reader was opened without the rollups (`--deep`: the rollup does not
+    see a row deleted or changed by hand, outside the sinks)."""
     q = reader.sql()
     if await rollups_ready(reader) and span[0] % HOUR_S == 0 and span[1] % HOUR_S == 0:
         text = _from_rollup(q, span, ended_by)
@@ -480,7 +485,10 @@ async def reconcile(config: Config, view: StoreView, reader: LedgerReader, day: 
     if earlier is None or earlier.day != day:
         return reading
     reached: dict[str, int] = {}
-    if earlier.behind:
+    # Every window the earlier store was ahead in is judged by the rows that reached it since,
+    # whatever that reading's verdict was: one judged drift (a persisting loss) is still short
+    # of what its store had settled, and is judged so again, not against no rows at all.
+    if any(c.judged and c.gap < 0 for c in earlier.checks):
         for key, (target, tally) in (await _ledger(reader, config, span, calendar,
                                                    ended_by=earlier.cut)).items():
             reached[key] = tally.amount(target.name.measure)
@@ -583,6 +591,11 @@ under-count). A store above the books is rows on their way to the ledger ("on it
 --recheck seconds the rows that ended by the first reading must reach what the store had
 settled then, else it is drift. --recheck 0 judges one reading alone.
 
+The ledger's side is read from its hourly windows rollup, which the shipper keeps with every
+row it writes (the in-process reconcile and its drift alert read it so, every minute). A row
+deleted or changed by hand in the database leaves the rollup as it was: --deep sums the rows
+themselves instead (a scan of the weeks and month around the day), and reports that as drift.
+
 Exit status: 0 agree (orphans are listed, they do not fail the run), 1 drift, 2 could not
 reconcile (configuration, store or ledger unreadable).
 """
@@ -597,6 +610,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="read this ledger instead of the configuration's")
     r.add_argument("--recheck", type=float, default=3.0, metavar="SECONDS",
                    help="wait before reading a difference again (default 3; 0: one reading)")
+    r.add_argument("--deep", action="store_true",
+                   help="sum the ledger's rows rather than its rollup: slower, and catches rows "
+                        "deleted or changed by hand (which the rollup does not see)")
     r.add_argument("--json", action="store_true", help="JSON instead of a table")
 
 
@@ -620,7 +636,7 @@ def run(args: argparse.Namespace) -> int:
     async def go() -> Reconciliation:
         store = RedisStore(config.store.url, max(config.store.timeout_ms, 2000))
         try:
-            async with await open_reader(location) as reader:
+            async with await open_reader(location, rollups=not args.deep) as reader:
                 first = await reconcile(config, store, reader, day)
                 if args.recheck <= 0:
                     return first.single()
@@ -643,6 +659,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_json(), indent=2))
     else:
         caption = (f"reconcile {day.isoformat()} ({config.timezone}): ledger "
-                   f"{location.describe()} against store {_redact(config.store.url)}")
+                   f"{location.describe()}{' (its rows: --deep)' if args.deep else ''} "
+                   f"against store {_redact(config.store.url)}")
         print(render_table(result, caption))
     return 0 if result.agrees else 1

@@ -19,19 +19,15 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import asyncpg
 
 from proxy.ledger import rollup
 from proxy.ledger.migrate import add_zone_postgres, migrate_postgres, needs_zone
+from proxy.ledger.pg import PgConnection
 from proxy.ledger.row import COLUMNS, storable
 from proxy.ledger.schema import TABLE
 
-CONNECT_TIMEOUT_S = 5.0
-# A statement stuck longer than this (a network partition) fails the batch: the rows stay in
-# the spool and the shipper reconnects.
-COMMAND_TIMEOUT_S = 60.0
 # The spool forgets a batch once its commit returns, so the commit must be durable even where
 # the server defaults to `synchronous_commit = off` (which acknowledges before the WAL is
 # written: a crash of PostgreSQL then loses batches we no longer hold; a test saw exactly that).
@@ -66,50 +62,29 @@ _STARTED = COLUMNS.index("started_at")
 _ENDED = COLUMNS.index("ended_at")
 
 
-def mask_url(url: str) -> str:
-    """The URL with any password replaced by ***: for logs and /readyz."""
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    if parts.password is not None:
-        userinfo, _, hostinfo = netloc.rpartition("@")
-        user = userinfo.split(":", 1)[0]
-        netloc = f"{user}:***@{hostinfo}"
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, "***" if k.lower() in ("password", "passfile") else v)
-                           for k, v in pairs], safe="*")
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
-
-
 class PostgresSink:
     name = "postgresql"
 
     def __init__(self, url: str, zone: str = "UTC") -> None:
         """`zone`: the configured time zone, added to the local-day rollup at `open`."""
-        self._url = url
         self.zone = zone
-        self.location = mask_url(url)
-        self._conn: asyncpg.Connection | None = None
+        # A statement stuck past the connection's command timeout (a network partition) fails
+        # the batch: the rows stay in the spool and the shipper reconnects.
+        self._pg = PgConnection(url, _SESSION, setup=self._setup)
+        self.location = self._pg.location
 
     @property
     def connected(self) -> bool:
-        return self._conn is not None and not self._conn.is_closed()
+        return self._pg.connected
 
     async def open(self) -> None:
-        await self.close()
-        conn = await asyncpg.connect(self._url, timeout=CONNECT_TIMEOUT_S,
-                                     command_timeout=COMMAND_TIMEOUT_S,
-                                     server_settings=_SESSION)
-        try:
-            await migrate_postgres(conn)
-            if needs_zone(self.zone):
-                await add_zone_postgres(conn, self.zone)
-            await conn.execute(_CREATE_STAGE)
-        except BaseException:
-            conn.terminate()
-            raise
-        self._conn = conn
+        await self._pg.connect()
+
+    async def _setup(self, conn: asyncpg.Connection) -> None:
+        await migrate_postgres(conn)
+        if needs_zone(self.zone):
+            await add_zone_postgres(conn, self.zone)
+        await conn.execute(_CREATE_STAGE)
 
     @staticmethod
     def prepare(values: list[Any]) -> tuple[Any, ...]:
@@ -147,17 +122,10 @@ class PostgresSink:
         await self._require().fetchval("SELECT 1")
 
     async def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None and not conn.is_closed():
-            try:
-                await conn.close(timeout=2)
-            except Exception:
-                conn.terminate()  # a dead server: just drop the socket
+        await self._pg.close()
 
     def shutdown(self) -> None:
         pass
 
     def _require(self) -> asyncpg.Connection:
-        if self._conn is None or self._conn.is_closed():
-            raise asyncpg.ConnectionDoesNotExistError("the ledger database is not connected")
-        return self._conn
+        return self._pg.current()

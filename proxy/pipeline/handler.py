@@ -51,6 +51,7 @@ from proxy.errors import (
 from proxy.ids import new_id
 from proxy.pipeline import caching, counting
 from proxy.pipeline.context import Attempt, Candidacy, Outcome, RequestContext
+from proxy.pipeline.ending import ENDING, resolves
 from proxy.pipeline.relay import REQUEST_ID_HEADER, client_gone, relay, tell_cost
 from proxy.pipeline.services import BODY_TIMED_OUT, SERVICES, Runtime, Services
 from proxy.pipeline.settle import settle
@@ -153,14 +154,25 @@ async def _settle(request: web.Request, svc: Services, outcome: Outcome,
     returns), so the figures are the ledger row's own."""
     done = outcome.finish()
     caching.finish(done, outcome, svc)
-    task = asyncio.ensure_future(settle(done, svc))
+    ending = relayed.get(ENDING) if relayed is not None else None
+    booked: asyncio.Future[None] | None = None
+    if ending is not None and ending.holding:
+        booked = asyncio.get_running_loop().create_future()
+    task = asyncio.ensure_future(settle(done, svc, None if booked is None else resolves(booked)))
     svc.settling.tasks.add(task)
     task.add_done_callback(svc.settling.finished)
     # If we are cancelled while waiting, the settle task runs on; shutdown waits for it.
     with contextlib.suppress(asyncio.CancelledError):
+        config = (outcome.runtime or svc.runtime.current).config
+        if ending is not None and booked is not None:
+            # The stream's final event, once its row is spooled (or settle is over without
+            # one), not after the store's charge: a slow store does not hold the client.
+            await asyncio.wait((task, booked), return_when=asyncio.FIRST_COMPLETED)
+            with contextlib.suppress(ConnectionError, TimeoutError):
+                async with asyncio.timeout(config.server.client_write_timeout_s):
+                    await ending.release()
         record = await asyncio.shield(task)
         if relayed is not None and record is not None and not client_gone(request):
-            config = (outcome.runtime or svc.runtime.current).config
             await tell_cost(relayed, record, config.cost_headers,
                             config.server.client_write_timeout_s)
 

@@ -32,6 +32,7 @@ from proxy.errors import (
     stream_error_event,
 )
 from proxy.pipeline.context import Attempt, Outcome
+from proxy.pipeline.ending import ENDING, EndHeld
 from proxy.pipeline.services import Services
 from proxy.pipeline.topup import StoreFailed, TopUps
 from proxy.pipeline.watchdog import Watch
@@ -128,6 +129,8 @@ async def _relay_stream(
     # wrapper is there only then; the hot path of a stream without capture is untouched.
     writer: Writer = resp if outcome.collector is None else Kept(
         resp, outcome.collector, outcome.meter.upstream_start or time.perf_counter())
+    if svc.ledger is not None:  # the final event waits for the row (proxy.pipeline.ending)
+        writer = resp[ENDING] = EndHeld(writer, translator.final_events)
     stream = Stream(writer, watch, tap, translator, outcome, lambda: _abort(request))
     # Under `admission: estimate`: the reservation grows as the stream runs (proxy.pipeline.
     # topup); between its checks the loop pays one comparison per chunk.

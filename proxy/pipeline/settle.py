@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from proxy.budget.accounting import Reservation
 from proxy.budget.refusals import Refused
@@ -37,9 +38,11 @@ from proxy.telemetry.tracing import BudgetDecision
 log = logging.getLogger("tokenmeter.settle")
 
 
-async def settle(done: Settlement, svc: Services) -> RequestRecord | None:
+async def settle(done: Settlement, svc: Services,
+                 booked: Callable[[], None] | None = None) -> RequestRecord | None:
     """The request settled; its record (None when settling failed), whose cost and tokens the
-    handler may tell the client (`cost_headers:`)."""
+    handler may tell the client (`cost_headers:`). `booked` is called once the request's row
+    is spooled (not at all when it has none): the handler then lets its stream end."""
     metrics = svc.metrics
     try:
         runtime = done.runtime or svc.runtime.current
@@ -54,11 +57,12 @@ async def settle(done: Settlement, svc: Services) -> RequestRecord | None:
         # them, and a flood of them would fill the spool and push real rows out), no log line
         # each; counted, and sampled into the access log, below.
         unauthenticated = done.error_class is ErrorClass.INVALID_API_KEY
-        # The row first, before the store is charged: one append to the local spool. The client may
-        # already have its whole answer (the relay forwards `[DONE]` before settling), so a
-        # process killed while the store is slow to take the charge must not take the row too.
+        # The row first, before the store is charged: one append to the local spool. A stream's
+        # final event waits for it (`booked`, proxy.pipeline.ending), not for the charge: a
+        # slow store must neither hold the client's end nor, if the process is killed while
+        # it is slow to take the charge, take the row with it.
         if svc.ledger is not None and not unauthenticated:
-            _book(svc.ledger, record, metrics)
+            _book(svc.ledger, record, metrics, booked)
         if done.trace is not None:  # before the store's round trips, which may fail or stall
             _trace(done, record)
         if hit:
@@ -197,10 +201,12 @@ def _budget_decision(done: Settlement) -> BudgetDecision:
     return BudgetDecision.CLAMPED if reservation.clamped else BudgetDecision.ADMITTED
 
 
-def _book(ledger: Ledger, record: RequestRecord, metrics: Metrics) -> None:
-    """The request's ledger row, handed to the ledger's spool (one append, no I/O wait)."""
+def _book(ledger: Ledger, record: RequestRecord, metrics: Metrics,
+          then: Callable[[], None] | None) -> None:
+    """The request's ledger row, handed to the ledger's spool (one append, no I/O wait);
+    `then` runs once it is written."""
     try:
-        ledger.record(LedgerRow.of(record, ledger.replica))
+        ledger.record(LedgerRow.of(record, ledger.replica), then)
     except Exception:
         # A row that could not even be made: the books miss this request. Loud.
         metrics.metering_failed(MeteringStage.LEDGER)

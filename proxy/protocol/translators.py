@@ -54,6 +54,10 @@ class Translator:
     upstream_api: ClassVar[str] = "openai"  # the UpstreamApi of the upstreams that serve it
     shape_type: ClassVar[type[Shape]]
     reader_type: ClassVar[type[Reader]] = Reader
+    # The lines that start a stream's final event, as the upstream sends them: the relay keeps
+    # that event from the client until the request's ledger row is spooled
+    # (proxy.pipeline.ending), so a client that has it is in the books.
+    final_events: ClassVar[tuple[bytes, ...]] = (b"data: [DONE]",)
 
     def __init__(
         self, request: ParsedRequest, ask_usage: bool = True, model: str | None = None,
@@ -175,6 +179,8 @@ class ResponsesTranslator(Translator):
     operation = "responses"
     path = "/responses"
     named_events = True
+    final_events = (b"event: response.completed", b"event: response.incomplete",
+                    b"event: response.failed", b"data: [DONE]")
     shape_type = ResponsesShape
     reader_type = ResponsesReader
 
@@ -194,6 +200,7 @@ class MessagesTranslator(Translator):
     named_events = True
     error_shape = ErrorShape.ANTHROPIC
     upstream_api = "anthropic"
+    final_events = (b"event: message_stop",)
     shape_type = MessagesShape
     reader_type = MessagesReader
 

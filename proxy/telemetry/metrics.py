@@ -365,6 +365,14 @@ class CaptureStage(enum.Enum):
     RETENTION = "retention"  # deleting captures past capture.retention_days
 
 
+class ReconcileFailure(enum.Enum):
+    """Why an in-process reconcile reading (proxy.ledger.audit) was not made."""
+
+    STORE = "store"  # the budget store could not be read
+    LEDGER = "ledger"  # the ledger could not be opened or read (its reader is opened again)
+    INTERNAL = "internal"  # a bug of ours (logged with its traceback)
+
+
 class CacheStage(enum.Enum):
     """Where the response cache failed (the request was then a miss, or not stored)."""
 
@@ -737,6 +745,13 @@ class Metrics:
             "Reservations still held past their lease at the last reconcile.", registry=r,
             multiprocess_mode="mostrecent",
         )
+        self._reconcile_failures = _Counter(
+            "tokenmeter_reconcile_failures",
+            "In-process reconcile readings that could not be made, by reason: while they fail "
+            "the drift gauge keeps its last value.", ("reason",), registry=r,
+        )
+        for failure in ReconcileFailure:  # every reason from 0, so an increase shows at once
+            self._reconcile_failures.labels(failure.value)
         self._cache_requests = _Counter(
             "tokenmeter_cache_requests",
             "Requests the response cache was consulted for, by result (hit: answered from an "
@@ -899,6 +914,9 @@ class Metrics:
         for window, drift in drift_by_window.items():
             self._reconcile_drift.labels(window).set(drift)
         self._reconcile_orphans.set(orphans)
+
+    def reconcile_failed(self, reason: ReconcileFailure) -> None:
+        self._reconcile_failures.labels(reason.value).inc()
 
     # --- the process -----------------------------------------------------------------------
     def connection_closed(self, reason: str) -> None:

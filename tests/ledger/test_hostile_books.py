@@ -242,6 +242,26 @@ class HeldStream:
         return resp
 
 
+class DoneThenHeld:
+    """An upstream that sends its whole answer, `[DONE]` included, in one write, then keeps its
+    response open until the test lets it end (a gateway may close its side late)."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(_event({"role": "assistant", "content": "one"})
+                         + _event({"content": " two"}, finish="stop")
+                         + _event({}, usage={"prompt_tokens": 9, "completion_tokens": 2,
+                                             "total_tokens": 11})
+                         + b"data: [DONE]\n\n")
+        await self.release.wait()
+        return resp
+
+
 def _booked(state: Path) -> set[str]:
     """Request ids with a row in the ledger spool or already in the SQLite ledger."""
     ids: set[str] = set()
@@ -309,3 +329,130 @@ async def test_a_stream_read_to_done_keeps_its_row_through_a_sigkill_while_redis
         rows = db.execute(f"SELECT status, input_tokens, output_tokens, user_name FROM {TABLE} "
                           "WHERE request_id = ?", (request_id,)).fetchall()
     assert rows == [(200, 9, 2, "alice")]
+
+
+# --- issue 31 item 19: the final event reaches the client only after its row ------------------
+
+
+@pytest.mark.timeout(120)
+async def test_a_stream_final_event_reaches_the_client_only_after_its_row(
+    aiohttp_server: ServerFactory, redis_url: str, tmp_path: Path
+) -> None:
+    """On main the relay forwarded `[DONE]` as it came, and settling (the row) waited for the
+    upstream to end its response: a client had its whole answer (the openai SDK returns at
+    `[DONE]`) with no row anywhere, for as long as the upstream kept its response open, and a
+    SIGKILL then lost the request. Now the final event waits for the row: whenever the client
+    has it, the row is in the spool."""
+    held = DoneThenHeld()
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", held.handle)
+    upstream = await aiohttp_server(app)
+    state = Path(os.environ["TOKENMETER_STATE_DIR"])
+    config = tmp_path / "tokenmeter.yaml"
+    config.write_text(budget_yaml(str(upstream.make_url("/v1")), redis_url,
+                                  f"  alice:\n    keys: [{ALICE_KEY}]\n    daily_tokens: 100000"))
+    proxy = await ServedProxy(config, tmp_path / "proxy.log").started()
+    try:
+        async with aiohttp.ClientSession() as session, session.post(
+            f"{proxy.url}/v1/chat/completions",
+            json={"model": "mock-gpt", "messages": [{"role": "user", "content": "hi"}],
+                  "stream": True, "max_tokens": 50},
+            headers={"Authorization": f"Bearer {ALICE_KEY}"},
+        ) as resp:
+            assert resp.status == 200
+            request_id = resp.headers[REQUEST_ID_HEADER]
+            # The answer's content comes as it came (the upstream still holds its response).
+            seen = await read_until(resp.content, lambda got: b'" two"' in got)
+            assert b"[DONE]" not in seen or request_id in _booked(state)
+            held.release.set()
+            seen = await read_until(resp.content, lambda got: b"data: [DONE]" in got,
+                                    initial=seen)
+            assert request_id in _booked(state)  # before the client could have [DONE]
+            assert await proxy.stopped(signal.SIGKILL) == -signal.SIGKILL
+    finally:
+        held.release.set()
+        proxy.kill()
+    # The next start ships it, once.
+    ledger = Ledger(LedgerConfig(), Metrics(), state_dir=state)
+    await ledger.start()
+    try:
+        assert await ledger.flush(20), ledger.health()
+    finally:
+        await ledger.stop(5)
+    with sqlite3.connect(f"file:{state / 'ledger.sqlite3'}?mode=ro", uri=True) as db:
+        rows = db.execute(f"SELECT status, input_tokens, output_tokens FROM {TABLE} "
+                          "WHERE request_id = ?", (request_id,)).fetchall()
+    assert rows == [(200, 9, 2)]
+
+
+def _anthropic_event(name: str, payload: dict[str, Any]) -> bytes:
+    return f"event: {name}\ndata: {json.dumps(payload)}\n\n".encode()
+
+
+@pytest.mark.timeout(120)
+async def test_an_anthropic_message_stop_reaches_the_client_only_after_its_row(
+    aiohttp_server: ServerFactory, tmp_path: Path
+) -> None:
+    """The same for Anthropic's Messages API, whose stream ends at `event: message_stop`."""
+    release = asyncio.Event()
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"".join([
+            _anthropic_event("message_start", {"type": "message_start", "message": {
+                "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-test",
+                "content": [], "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": 12, "output_tokens": 1}}}),
+            _anthropic_event("content_block_start", {
+                "type": "content_block_start", "index": 0,
+                "content_block": {"type": "text", "text": ""}}),
+            _anthropic_event("content_block_delta", {
+                "type": "content_block_delta", "index": 0,
+                "delta": {"type": "text_delta", "text": " two"}}),
+            _anthropic_event("content_block_stop", {"type": "content_block_stop", "index": 0}),
+            _anthropic_event("message_delta", {
+                "type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                "usage": {"output_tokens": 2}}),
+            _anthropic_event("message_stop", {"type": "message_stop"}),
+        ]))
+        await release.wait()  # the upstream ends its response later
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/messages", handle)
+    upstream = await aiohttp_server(app)
+    state = Path(os.environ["TOKENMETER_STATE_DIR"])
+    config = tmp_path / "tokenmeter.yaml"
+    config.write_text(f"""
+upstreams:
+  claude:
+    base_url: {upstream.make_url("/v1")}
+    api: anthropic
+    api_key: sk-upstream-0123456789
+models:
+  - match: "*"
+    upstream: claude
+metrics:
+  discover_models: false
+""")
+    proxy = await ServedProxy(config, tmp_path / "proxy.log").started()
+    try:
+        async with aiohttp.ClientSession() as session, session.post(
+            f"{proxy.url}/v1/messages",
+            json={"model": "claude-test", "max_tokens": 50, "stream": True,
+                  "messages": [{"role": "user", "content": "hi"}]},
+            headers={"x-api-key": "sk-any", "anthropic-version": "2023-06-01"},
+        ) as resp:
+            assert resp.status == 200
+            request_id = resp.headers[REQUEST_ID_HEADER]
+            seen = await read_until(resp.content, lambda got: b'" two"' in got)
+            assert b"message_stop" not in seen or request_id in _booked(state)
+            release.set()
+            await read_until(resp.content, lambda got: b"event: message_stop" in got,
+                             initial=seen)
+            assert request_id in _booked(state)  # before the client could have message_stop
+    finally:
+        release.set()
+        proxy.kill()

@@ -28,7 +28,7 @@ from aiohttp.test_utils import TestServer
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.telemetry.metrics import CaptureDrop, LedgerStage, Metrics
+from proxy.telemetry.metrics import CaptureDrop, LedgerStage, Metrics, ReconcileFailure
 from tests.helpers import ROOT, ServerFactory
 from tests.servers import Prometheus, running_prometheus
 
@@ -40,7 +40,8 @@ RULES_TEST = PROM_DIR / "rules" / "ledger.rules.test.yml"
 ALERTS = frozenset({
     "TokenmeterLedgerDown", "TokenmeterLedgerSpoolGrowing", "TokenmeterLedgerLagging",
     "TokenmeterLedgerRowsDropped", "TokenmeterLedgerRetentionFailing",
-    "TokenmeterReconcileDrift", "TokenmeterReconcileOrphans", "TokenmeterCapturesDropped",
+    "TokenmeterReconcileDrift", "TokenmeterReconcileOrphans", "TokenmeterReconcileFailing",
+    "TokenmeterCapturesDropped",
 })
 # Labels Prometheus adds to every scraped series; the rest must come from the exporter.
 TARGET_LABELS = frozenset({"job", "instance"})
@@ -133,6 +134,8 @@ def exported() -> dict[str, frozenset[str]]:
         m.ledger_failed(stage)
     m.ledger_dropped(1)
     m.reconciled({"daily_tokens": 0}, 0)
+    for failure in ReconcileFailure:
+        m.reconcile_failed(failure)
     m.captured(1, 100)
     for reason in CaptureDrop:
         m.capture_dropped(reason)
@@ -197,6 +200,7 @@ class Outage:
         self.metrics.ledger_dropped(1)
         self.metrics.ledger_failed(LedgerStage.RETENTION)
         self.metrics.reconciled({"daily_tokens": 120, "monthly_tokens": 0}, 3)
+        self.metrics.reconcile_failed(ReconcileFailure.LEDGER)
         self.metrics.capture_dropped(CaptureDrop.QUEUE_FULL)
 
 

@@ -5,22 +5,34 @@ on a free port (the machine's is never stopped)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 import pytest
+from aiohttp.test_utils import TestServer
 
+from proxy.budget import limits as lim
+from proxy.budget.store import USER, Entry
+from proxy.capture.record import Capture
+from proxy.capture.store import CaptureFilter, CaptureStore
+from proxy.capture.writer import CaptureWriter
 from proxy.config.ledger import LedgerConfig
+from proxy.ledger.audit import Auditor
 from proxy.ledger.ledger import Ledger
 from proxy.ledger.row import LedgerRow
 from proxy.ledger.schema import TABLE
+from proxy.ledger.sink_postgres import PostgresSink
+from proxy.pipeline import services as st
 from proxy.telemetry.metrics import Metrics
-from tests.helpers import exported, until
+from tests.capture.captures import capture
+from tests.helpers import ALICE_KEY, MESSAGES, StackFactory, exported, make_config, until
 from tests.servers import PostgresServer
 
 NOW = 1_796_000_000.0
@@ -187,3 +199,128 @@ async def test_a_database_down_at_start_does_not_block_it(
     assert sorted(await stored_ids(db)) == sorted(r.request_id for r in rows)
     await until(lambda: ledger.health().ok)
     await ledger.stop(5)
+
+
+# --- every wing with a PostgreSQL connection comes back after a restart -------------------------
+
+async def _restart(postgres: PostgresServer) -> None:
+    """A clean restart: every connection to it is closed under its holder."""
+    await asyncio.to_thread(postgres.stop)
+    await asyncio.to_thread(postgres.start)
+
+
+async def test_the_in_process_reconcile_comes_back_after_postgres_restarts(
+        postgres: PostgresServer, db: str, redis_url: str, make_stack: StackFactory,
+        upstream: TestServer) -> None:
+    """On main the audit's reader kept its closed connection: `connection is closed` at every
+    round until the proxy restarted, the drift gauge frozen. Now a reading that cannot read
+    the ledger is counted (`tokenmeter_reconcile_failures_total{reason="ledger"}`, which
+    TokenmeterReconcileFailing watches), the reader is opened again, and drift made after the
+    restart is reported."""
+    config = make_config(str(upstream.make_url("/v1")), store=redis_url,
+                         users={"alice": {"keys": [ALICE_KEY], "daily_tokens": 100_000}},
+                         extra={"ledger": {"url": db, "reconcile_every_s": 0}})
+    stack = await make_stack(config)
+    client = stack.client(ALICE_KEY)
+    for _ in range(2):
+        await client.chat.completions.create(model="mock-gpt", messages=MESSAGES)
+    await stack.settled(2)
+    svc = stack.app[st.SERVICES]
+    assert svc.ledger is not None and await svc.ledger.flush(30)
+    metrics = svc.metrics
+    auditor = Auditor(svc.budget.store, metrics)
+
+    def failures() -> float:
+        return exported(metrics, "tokenmeter_reconcile_failures_total", {"reason": "ledger"})
+
+    try:
+        for _ in range(2):
+            judged = await auditor.once(config)
+            assert judged is not None and judged.agrees
+        assert failures() == 0
+        # Down: the reading fails, counted.
+        await asyncio.to_thread(postgres.stop)
+        assert await auditor.once(config) is None
+        assert failures() == 1
+        # Back (a restart; the shipper reconnects on its own): the audit reads again, and sees
+        # drift made since.
+        await asyncio.to_thread(postgres.start)
+        daily = next(w for w in lim.windows_at(config, "alice", time.time())
+                     if w.name is lim.WindowName.DAILY_TOKENS and w.scope == USER)
+        plan = lim.plan(config, "alice", lim.limits_for(config, "alice"), "mock-gpt",
+                        time.time())
+        await svc.budget.store.add_once(plan.slot, "phantom",
+                                        [Entry(daily.key, None, 500, daily.ttl_s)])
+        assert await auditor.once(config) is not None
+        judged = await auditor.once(config)
+        assert judged is not None and not judged.agrees
+        assert exported(metrics, "tokenmeter_reconcile_drift_tokens",
+                        {"window": "daily_tokens"}) == -500
+        # A restart under an open reader: the next reading reconnects by itself.
+        await _restart(postgres)
+        judged = await auditor.once(config)
+        assert judged is not None and not judged.agrees
+        assert failures() == 1
+    finally:
+        await auditor.close()
+
+
+async def test_captures_come_back_after_postgres_restarts(postgres: PostgresServer,
+                                                          db: str) -> None:
+    """On main the capture store kept its first connection: after a restart every batch failed
+    with `the capture store is not connected` until the replica restarted. Now the batch that
+    finds the connection closed reconnects (at worst it is the one batch lost)."""
+    metrics = Metrics()
+    writer = CaptureWriter(lambda: CaptureStore.open(db), metrics, 100,
+                           lambda: (True, 30))
+    writer.start()
+
+    def stored() -> float:
+        return exported(metrics, "tokenmeter_captures_total")
+
+    def dropped() -> float:
+        return exported(metrics, "tokenmeter_captures_dropped_total", {"reason": "store"})
+
+    try:
+        writer.offer(_Made(capture("before", time.time())))
+        await until(lambda: stored() == 1, deadline=20)
+        await _restart(postgres)
+        for i in range(3):  # one batch at a time: each is written (or lost) before the next
+            writer.offer(_Made(capture(f"after-{i}", time.time())))
+            await until(lambda i=i: stored() + dropped() == 2 + i, deadline=20)  # type: ignore[misc]
+        assert dropped() <= 1 and stored() >= 3
+    finally:
+        await writer.stop(5)
+    store = await CaptureStore.open(db)
+    try:
+        ids = {r.request_id for r in await store.list(CaptureFilter())}
+    finally:
+        await store.close()
+    assert {"before", "after-1", "after-2"} <= ids
+
+
+@dataclass(frozen=True)
+class _Made:
+    made: Capture
+
+    def capture(self) -> Capture:
+        return self.made
+
+
+async def test_the_shipper_sink_reconnects_after_postgres_restarts(postgres: PostgresServer,
+                                                                   db: str) -> None:
+    """The ledger's sink holds its connection the same way (`PgConnection`): closed under it by
+    a restart, it says it is not connected, and the shipper opens it again."""
+    sink = PostgresSink(db)
+    await sink.open()
+    try:
+        assert await sink.write([sink.prepare(list(make_row(1)))]) == 1
+        await _restart(postgres)
+        with contextlib.suppress(Exception):
+            await sink.ping()  # the first statement may be the one that finds it closed
+        assert not sink.connected
+        await sink.open()
+        assert await sink.write([sink.prepare(list(make_row(2)))]) == 1
+    finally:
+        await sink.close()
+    assert sorted(await stored_ids(db)) == ["out-000001", "out-000002"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -27,12 +28,13 @@ from proxy.budget.accounting import Budget, Reservation
 from proxy.budget.admission import Ask
 from proxy.budget.notify import Notifier
 from proxy.budget.principal import Principal
-from proxy.budget.store import MemoryStore, Store
+from proxy.budget.store import Entry, MemoryStore, ScopeKind, Store
 from proxy.budget.store_redis import RedisStore
 from proxy.cli import main
 from proxy.config.ledger import LedgerConfig
 from proxy.config.load import Config
 from proxy.cost import CostLines, price_for
+from proxy.ledger.audit import Auditor
 from proxy.ledger.query import LedgerReader, LedgerUnavailable, Location, locate, open_reader
 from proxy.ledger.reconcile import Reconciliation, Verdict, reconcile
 from proxy.ledger.row import LedgerRow
@@ -394,6 +396,72 @@ async def test_a_second_reading_confirms_drift(world: World) -> None:
     assert {c.verdict for c in fifth.checks if c.user == "carol"} >= {Verdict.PENDING}
     sixth = await world.reconcile(earlier=fifth)
     assert {c.verdict for c in sixth.checks if c.user == "carol"} >= {Verdict.DRIFT}
+
+
+async def test_the_in_process_audit_reports_a_persisting_drift_at_every_reading(
+    world: World
+) -> None:
+    """A counter edited up by 700 and left so: every reading the audit exports says -700, the
+    difference, never the whole counter (on main the third and later readings said the day's
+    total, 700 + the rows', as if no row had reached the ledger)."""
+    for _ in range(3):
+        await world.request("bob")
+    plan = world.budget.plan(world.principal("bob"), "gpt-4o", world.config)
+    daily = next(w for w in plan.windows
+                 if w.name is lim.WindowName.DAILY_TOKENS and w.scope.kind is ScopeKind.USER)
+    await world.budget.store.add_once(plan.slot, "hand-edit", [Entry(daily.key, None, 700,
+                                                                     daily.ttl_s)])
+    metrics = Metrics()
+    auditor = Auditor(world.budget.store, metrics)
+    gauge: list[float | None] = []
+    try:
+        for _ in range(5):
+            judged = await auditor.once(world.config)
+            assert judged is not None
+            gauge.append(metrics.registry.get_sample_value(
+                "tokenmeter_reconcile_drift_tokens", {"window": "daily_tokens"}))
+            (bob,) = by_label(judged, "bob", "u:daily_tokens")
+            assert bob.store == 3 * 27 + 700
+    finally:
+        await auditor.close()
+    # The first reading exports nothing (one reading cannot tell lag from loss).
+    assert gauge == [None, -700, -700, -700, -700]
+
+
+async def test_a_row_deleted_by_hand_is_drift_to_the_deep_reconcile(
+    world: World, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The rollup keeps a row deleted by hand (the sinks keep it, not the database), so the
+    usual reading still agrees; `--deep` sums the rows and reports the missing one."""
+    for _ in range(2):
+        await world.request("bob")
+    gone = f"DELETE FROM {TABLE} WHERE request_id = (SELECT min(request_id) FROM {TABLE})"
+    if world.books.url.startswith("sqlite"):
+        def delete() -> None:
+            with sqlite3.connect(world.books.url.removeprefix("sqlite://")) as conn:
+                assert conn.execute(gone).rowcount == 1
+
+        await asyncio.to_thread(delete)
+    else:
+        conn = await asyncpg.connect(world.books.url)
+        try:
+            assert await conn.execute(gone) == "DELETE 1"
+        finally:
+            await conn.close()
+    code, out = await run_command(world, capsys)
+    assert code == 0, out  # the rollup still counts it
+    code, out = await run_command(world, capsys, "--deep", "--json")
+    doc = json.loads(out)
+    assert code == 1 and doc["agrees"] is False
+    drifts = {(w["user"], w["scope"], w["window"]): w["unexplained"] for w in doc["windows"]
+              if w["verdict"] == "drift"}
+    assert drifts[("bob", "u", "daily_tokens")] == -27
+    assert drifts[(None, "t.platform", "daily_tokens")] == -27
+    # Judged with a second reading too (the command's default): still drift, by the row.
+    code, out = await asyncio.to_thread(main, ["reconcile", "--config", str(world.path),
+                                               "--recheck", "0.01", "--deep"]), \
+        capsys.readouterr().out
+    assert code == 1 and "(its rows: --deep)" in out and "DRIFT" in out
 
 
 async def test_windows_past_retention_are_not_judged(
