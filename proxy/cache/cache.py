@@ -22,6 +22,7 @@ from proxy.cache.flight import Flights
 from proxy.cache.key import cache_key
 from proxy.cache.outcome import CacheOutcome, CacheResult
 from proxy.cache.policy import CacheRule, rule_for, samples, scope_id
+from proxy.cache.replays import ReplayForm, Replays
 from proxy.cache.store import CacheStore
 from proxy.config.cache import CacheConfig
 from proxy.protocol.usage import Usage
@@ -48,6 +49,10 @@ class Ask:
     principal: Principal
     cache_control: str  # the request's Cache-Control header ("" without one)
     body_bytes: int  # the body's size as sent
+    # The most output tokens the request itself may be answered with, all choices together
+    # (its body's cap under its key's, user's and team's; 0: unbounded): asked only when an
+    # entry is found, since working it out needs the budget's plan.
+    output_cap: Callable[[], int] = lambda: 0
 
 
 class Fill:
@@ -95,9 +100,17 @@ class Fill:
 class Decision:
     result: CacheResult
     entry: Entry | None = None  # a hit's
-    body: bytes = b""  # a hit's answer, in the form asked for
+    key: str = ""  # a hit's: where its entry is, the key of its replays
     age_s: float | None = None
-    fill: Fill | None = None  # a miss's (or a no-cache bypass's): the answer to store
+    # A miss's (or a no-cache bypass's): the answer to store. A hit's, should its entry turn
+    # out to hold no answer (`missed`); `served` drops it.
+    fill: Fill | None = None
+
+    def served(self) -> Decision:
+        return dataclasses.replace(self, fill=None)
+
+    def missed(self) -> Decision:
+        return Decision(CacheResult.MISS, fill=self.fill)
 
     @property
     def header(self) -> str | None:
@@ -130,9 +143,11 @@ def directives(cache_control: str) -> frozenset[str]:
 
 class ResponseCache:
     def __init__(self, store: CacheStore, on_error: Callable[[CacheStage], None],
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], settings: Callable[[], CacheConfig]) -> None:
+        """`settings`: the cache section in force (a reload may change its bounds)."""
         self.store = store
         self.flights = Flights()
+        self.replays = Replays(lambda: int(settings().memory_mb * 1024 * 1024))
         self._on_error = on_error
         self._clock = clock
 
@@ -168,29 +183,48 @@ class ResponseCache:
                         key, ask.operation, rule, stream=stream, leader=True))
         if flight is not None:
             entry = await self.flights.wait(flight, config.lock_timeout_s)
-        if entry is None or entry.operation != ask.operation:
+        age = None if entry is None else max(0.0, self._clock() - entry.created_at)
+        # Not a hit: another API's entry; one older than the TTL (a reload shortened it, or
+        # the store kept it longer); or an answer longer than this request may be answered
+        # with (its key's output cap is lower than the one whose answer was stored).
+        if (entry is None or age is None or entry.operation != ask.operation
+                or age >= rule.ttl_s or 0 < ask.output_cap() < entry.usage.output_tokens):
             return Decision(CacheResult.MISS,
                             fill=Fill(key, ask.operation, rule, stream=stream, leader=False))
-        age = max(0.0, self._clock() - entry.created_at)
-        body = None
-        if age < rule.ttl_s:  # else a reload shortened the TTL, or the store kept it longer
-            body = await self._render(entry, ask.body, stream=stream)
-        if body is None:
-            return Decision(CacheResult.MISS,
-                            fill=Fill(key, ask.operation, rule, stream=stream, leader=False))
-        return Decision(CacheResult.HIT, entry=entry, body=body, age_s=age)
+        return Decision(CacheResult.HIT, entry=entry, key=key, age_s=age,
+                        fill=Fill(key, ask.operation, rule, stream=stream, leader=False))
 
-    async def _render(self, entry: Entry, asked: dict[str, Any], *, stream: bool) -> bytes | None:
-        """The entry's answer in the form asked for (a large one made off the loop), or None
-        if it is not one (counted; the request is a miss)."""
+    async def replay(self, hit: Decision, asked: dict[str, Any], *, stream: bool) -> bytes | None:
+        """A hit's answer in the form asked for, or None if its entry is not an answer
+        (counted; the request is then a miss). Each form of an entry is made once and kept
+        (`Replays`): a stream entry is reassembled once, whatever its size and its hits."""
+        entry = hit.entry
+        assert entry is not None
         options = asked.get("stream_options")
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
-        make = functools.partial(render, entry, stream=stream, include_usage=include_usage)
+        if not stream and entry.form is Form.JSON:
+            return entry.payload  # as stored: nothing to make
+        form = ((ReplayForm.STREAM_USAGE if include_usage else ReplayForm.STREAM) if stream
+                else ReplayForm.JSON)
+        made = self.replays.get(hit.key, entry.created_at, form)
+        if made is not None:
+            return made
+        base = entry
+        if entry.form is Form.STREAM:  # the reassembled answer, if a hit has made it
+            answer = self.replays.get(hit.key, entry.created_at, ReplayForm.JSON)
+            if answer is not None:
+                base = dataclasses.replace(entry, form=Form.JSON, payload=answer)
+        make = functools.partial(render, base, stream=stream, include_usage=include_usage)
         # A stream entry is reassembled: some 4 times the work per byte of a JSON one's render.
-        work = entry.size * (4 if entry.form is Form.STREAM else 1)
-        body = make() if work <= ON_LOOP_BYTES else await asyncio.to_thread(make)
-        if body is None:
+        work = base.size * (4 if base.form is Form.STREAM else 1)
+        forms = make() if work <= ON_LOOP_BYTES else await asyncio.to_thread(make)
+        if forms is None:
             self._on_error(CacheStage.ENTRY)
+            return None
+        body, as_json = forms
+        if as_json is not None:
+            self.replays.put(hit.key, entry.created_at, ReplayForm.JSON, as_json)
+        self.replays.put(hit.key, entry.created_at, form, body)
         return body
 
     async def _lookup(self, key: str, timeout_s: float) -> Entry | None:
@@ -257,18 +291,21 @@ class ResponseCache:
         await self.store.close()
 
 
-def render(entry: Entry, *, stream: bool, include_usage: bool) -> bytes | None:
-    """A hit's answer as the client asked for it: a JSON entry asked as JSON is its bytes as
-    they are; anything else is made from the answer (a stream's reassembled here, once per
-    hit, rather than on every miss's path)."""
+def render(entry: Entry, *, stream: bool,
+           include_usage: bool) -> tuple[bytes, bytes | None] | None:
+    """A hit's answer as the client asked for it, and, when `entry` is a stream (reassembled
+    here, on the first hit of a form rather than on every miss's path), the answer's JSON,
+    which the entry's other forms are made from. None: the entry holds no answer."""
     if not stream and entry.form is Form.JSON:
-        return entry.payload
+        return entry.payload, None
     answer = entry.answer()
     if answer is None:
         return None
+    as_json = replay.as_json(answer)
     if stream:
-        return replay.as_stream(entry.operation, answer, include_usage)
-    return replay.as_json(answer)
+        body = replay.as_stream(entry.operation, answer, include_usage)
+        return body, as_json if entry.form is Form.STREAM else None
+    return as_json, as_json
 
 
 def _make_entry(fill: Fill, finished: Finished, redact: tuple[str, ...],
