@@ -9,7 +9,9 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import math
 import re
+import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -53,33 +55,68 @@ class Ask:
     # (its body's cap under its key's, user's and team's; 0: unbounded): asked only when an
     # entry is found, since working it out needs the budget's plan.
     output_cap: Callable[[], int] = lambda: 0
+    # The longest it waits for an identical request's answer on its way (its upstream's
+    # first-byte timeout): at most `lock_timeout_s`.
+    wait_s: float = math.inf
+
+
+class FillBytes:
+    """The bytes every fill in flight holds, together, bounded (`cache.fills_mb`, read at each
+    claim: a reload may change it): a fill that would pass the bound keeps nothing more, and
+    its answer is not stored (counted, `stage="bound"`)."""
+
+    __slots__ = ("_bound", "_skipped", "held")
+
+    def __init__(self, bound: Callable[[], int], skipped: Callable[[], None]) -> None:
+        self._bound, self._skipped = bound, skipped
+        self.held = 0
+
+    def claim(self, size: int) -> bool:
+        if self.held + size > self._bound():
+            self._skipped()
+            return False
+        self.held += size
+        return True
+
+    def release(self, size: int) -> None:
+        self.held -= size
 
 
 class Fill:
     """The bytes of a miss's answer, kept for its entry: the JSON body, or the upstream's
-    stream as it came (its usage chunk included). Past its bound it keeps nothing more and
-    the answer is not stored."""
+    stream as it came (its usage chunk included). Past its bound, or the process's
+    (`FillBytes`), it keeps nothing more and the answer is not stored. A leader's fill also
+    tells its flight's waiters whether its client keeps up (`stalled`)."""
 
-    __slots__ = ("_parts", "_size", "bound", "key", "leader", "operation", "over", "rule",
-                 "stream")
+    __slots__ = ("_bytes", "_handed", "_held", "_parts", "_size", "bound", "key", "leader",
+                 "operation", "over", "rule", "stream")
 
-    def __init__(self, key: str, operation: str, rule: CacheRule, *, stream: bool,
-                 leader: bool) -> None:
+    def __init__(self, key: str, operation: str, rule: CacheRule, held: FillBytes, *,
+                 stream: bool) -> None:
         self.key, self.operation, self.rule = key, operation, rule
-        self.stream, self.leader = stream, leader
+        self.stream = stream
+        self.leader = False  # it leads its key's flight (and lands it)
         self.bound = rule.max_entry_bytes * (STREAM_FACTOR if stream else 1)
+        self._bytes = held
         self._parts: list[bytes] = []
         self._size = 0
+        self._held = 0  # claimed of `_bytes`
+        # When the relay was handed the last chunk it has not come back from (monotonic
+        # seconds; None: it is reading the upstream): a client that does not read holds it.
+        self._handed: float | None = None
         self.over = False
 
     def take(self, data: bytes) -> None:
+        self._handed = time.monotonic()
         if self.over:
             return
         self._size += len(data)
-        if self._size > self.bound:
+        if self._size > self.bound or not self._bytes.claim(len(data)):
             self.over = True
             self._parts.clear()
+            self.release()
             return
+        self._held += len(data)
         self._parts.append(data)
 
     async def tee(self, chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
@@ -87,6 +124,18 @@ class Fill:
         async for chunk in chunks:
             take(chunk)
             yield chunk
+            self._handed = None
+
+    def stalled(self, now: float, stall_s: float) -> bool:
+        """Whether waiting for this answer is pointless: it will not be stored, or its relay
+        has held a chunk (a JSON answer: its whole body) `stall_s` without coming back."""
+        handed = self._handed
+        return self.over or (handed is not None and now - handed > stall_s)
+
+    def release(self) -> None:
+        """Gives back what it holds of the process's bound (its bytes stay readable)."""
+        self._bytes.release(self._held)
+        self._held = 0
 
     def data(self) -> bytes:
         return b"".join(self._parts)
@@ -148,6 +197,8 @@ class ResponseCache:
         self.store = store
         self.flights = Flights()
         self.replays = Replays(lambda: int(settings().memory_mb * 1024 * 1024))
+        self.fill_bytes = FillBytes(lambda: int(settings().fills_mb * 1024 * 1024),
+                                    lambda: on_error(CacheStage.BOUND))
         self._on_error = on_error
         self._clock = clock
 
@@ -168,31 +219,30 @@ class ResponseCache:
         said = directives(ask.cache_control) if ask.cache_control else frozenset()
         if "no-store" in said:
             return Decision(CacheResult.BYPASS)
+        fill = Fill(key, ask.operation, rule, self.fill_bytes, stream=stream)
         if "no-cache" in said:  # a fresh answer, stored; those asking meanwhile wait for it
-            return Decision(CacheResult.BYPASS, fill=Fill(
-                key, ask.operation, rule, stream=stream, leader=self.flights.lead(key) is None))
+            fill.leader = self.flights.lead(key, fill) is None
+            return Decision(CacheResult.BYPASS, fill=fill)
         # An answer on its way is waited for before the store is asked: it is the freshest.
         flight = self.flights.open(key)
         entry = None
         if flight is None:
             entry = await self._lookup(key, config.lookup_timeout_ms / 1000)
             if entry is None:
-                flight = self.flights.lead(key)
+                flight = self.flights.lead(key, fill)
                 if flight is None:
-                    return Decision(CacheResult.MISS, fill=Fill(
-                        key, ask.operation, rule, stream=stream, leader=True))
+                    fill.leader = True
+                    return Decision(CacheResult.MISS, fill=fill)
         if flight is not None:
-            entry = await self.flights.wait(flight, config.lock_timeout_s)
+            entry = await self.flights.wait(flight, min(config.lock_timeout_s, ask.wait_s))
         age = None if entry is None else max(0.0, self._clock() - entry.created_at)
         # Not a hit: another API's entry; one older than the TTL (a reload shortened it, or
         # the store kept it longer); or an answer longer than this request may be answered
         # with (its key's output cap is lower than the one whose answer was stored).
         if (entry is None or age is None or entry.operation != ask.operation
                 or age >= rule.ttl_s or 0 < ask.output_cap() < entry.usage.output_tokens):
-            return Decision(CacheResult.MISS,
-                            fill=Fill(key, ask.operation, rule, stream=stream, leader=False))
-        return Decision(CacheResult.HIT, entry=entry, key=key, age_s=age,
-                        fill=Fill(key, ask.operation, rule, stream=stream, leader=False))
+            return Decision(CacheResult.MISS, fill=fill)
+        return Decision(CacheResult.HIT, entry=entry, key=key, age_s=age, fill=fill)
 
     async def replay(self, hit: Decision, asked: dict[str, Any], *, stream: bool) -> bytes | None:
         """A hit's answer in the form asked for, or None if its entry is not an answer
@@ -271,6 +321,7 @@ class ResponseCache:
             self._on_error(CacheStage.FILL)
             entry = None
         finally:
+            fill.release()
             if fill.leader:
                 self.flights.land(fill.key, entry)
 

@@ -62,8 +62,12 @@ class CacheConfig(ConfigModel):
     memory_mb: float = Field(default=64.0, gt=0)
     # A lookup that takes longer is a miss (counted): a slow store never slows a request much.
     lookup_timeout_ms: float = Field(default=50.0, gt=0)
-    # How long identical requests wait for the one already upstream before going themselves.
+    # How long identical requests wait for the one already upstream before going themselves
+    # (never longer than their upstream's first-byte timeout).
     lock_timeout_s: float = Field(default=60.0, gt=0)
+    # The bytes all answers on their way to becoming entries may hold together, per process:
+    # past it, an answer is not kept for an entry (counted).
+    fills_mb: float = Field(default=64.0, gt=0)
     routes: dict[str, CacheOverride] = Field(default_factory=dict)  # model glob -> override
     teams: dict[str, CacheOverride] = Field(default_factory=dict)
     users: dict[str, CacheOverride] = Field(default_factory=dict)

@@ -48,7 +48,7 @@ async def consult(request: web.Request, ctx: RequestContext, svc: Services, outc
         return None  # the cache off costs a request this test
     ask = Ask(ctx.operation, ctx.request_model, ctx.request.body, ctx.principal,
               request.headers.get(hdrs.CACHE_CONTROL, ""), len(ctx.request.raw),
-              _own_cap(ctx, svc, shape))
+              _own_cap(ctx, svc, shape), ctx.route.upstream.first_byte_timeout_s)
     decision = await cache.consult(ctx.runtime.config.cache, ask)
     if decision.entry is None:
         outcome.cache_decided(decision)
