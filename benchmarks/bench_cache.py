@@ -278,7 +278,7 @@ async def in_process_us(stream: bool, n: int) -> tuple[float, float]:
                           time.time, lambda: config)
     principal = Principal("bench", cast(Any, None), key_id="0123456789ab")  # limits: unread
     finished = Finished(Usage(input_tokens=250, output_tokens=64), capped_ok=False)
-    asks = [Ask("chat", "m", {**body(f"{PROMPT} {uuid.uuid4().hex}"), "stream": stream},
+    asks = [Ask("chat", "m", "mock", {**body(f"{PROMPT} {uuid.uuid4().hex}"), "stream": stream},
                 principal, "", 1100) for _ in range(n)]
     started = time.process_time()
     for ask in asks:

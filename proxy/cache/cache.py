@@ -46,7 +46,8 @@ class Ask:
     """What the cache reads of a request."""
 
     operation: str
-    model: str  # after routing
+    model: str  # the model sent upstream (the one asked for: a fallback's answer is not stored)
+    upstream: str  # the upstream it is routed to: its name and URL
     body: dict[str, Any]
     principal: Principal
     cache_control: str  # the request's Cache-Control header ("" without one)
@@ -212,7 +213,8 @@ class ResponseCache:
         rule = rule_for(config, ask.principal, ask.model)
         if not rule.enabled or (not rule.cache_sampled and samples(ask.body)):
             return NOT_CONSULTED
-        parts = (ask.operation, ask.model, ask.body, scope_id(rule.scope, ask.principal))
+        parts = (ask.operation, ask.model, ask.upstream, ask.body,
+                 scope_id(rule.scope, ask.principal))
         key = (cache_key(*parts) if ask.body_bytes <= ON_LOOP_BYTES
                else await asyncio.to_thread(cache_key, *parts))
         stream = ask.body.get("stream") is True

@@ -46,9 +46,11 @@ async def consult(request: web.Request, ctx: RequestContext, svc: Services, outc
     cache = svc.cache
     if cache is None or not ctx.runtime.config.cache.maybe_enabled:
         return None  # the cache off costs a request this test
-    ask = Ask(ctx.operation, ctx.request_model, ctx.request.body, ctx.principal,
+    upstream = ctx.route.upstream
+    ask = Ask(ctx.operation, ctx.request_model, f"{upstream.name} {upstream.base_url}",
+              ctx.request.body, ctx.principal,
               request.headers.get(hdrs.CACHE_CONTROL, ""), len(ctx.request.raw),
-              _own_cap(ctx, svc, shape), ctx.route.upstream.first_byte_timeout_s)
+              _own_cap(ctx, svc, shape), upstream.first_byte_timeout_s)
     decision = await cache.consult(ctx.runtime.config.cache, ask)
     if decision.entry is None:
         outcome.cache_decided(decision)
