@@ -22,7 +22,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 from openai.types.chat import ChatCompletionMessageParam
 
-from proxy.cache import entry as cache_entry
+from proxy.cache import assemble
 from proxy.config.policy import DEFAULT_MAX_OUTPUT_TOKENS
 from proxy.cost import CostLines
 from proxy.pipeline.services import SERVICES
@@ -83,7 +83,8 @@ async def test_a_key_capped_at_50_never_gets_a_400_token_entry(
     assert _seen(upstream) == 2
     # Streamed too.
     raw = await _client(proxy, SMALL).chat.completions.with_raw_response.create(
-        model="mock-gpt", messages=ASK, temperature=0, stream=True, **long)
+        model="mock-gpt", messages=ASK, temperature=0, stream=True,
+        **long)  # type: ignore[call-overload]
     text = "".join([c.choices[0].delta.content or "" async for c in raw.parse() if c.choices])
     assert raw.headers["x-tokenmeter-cache"] == "miss" and text != first.choices[0].message.content
     # And an entry within the cap is a hit for the capped key: 30 tokens under a 50 cap.
@@ -218,19 +219,21 @@ async def test_a_stream_entry_is_reassembled_once_whatever_its_hits(
     monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[str] = []
-    reassemble = cache_entry.assemble.from_stream
+    reassemble = assemble.from_stream
 
     def counted(operation: str, raw: bytes) -> dict[str, Any] | None:
         calls.append(operation)
-        return reassemble(operation, raw)
+        answer: dict[str, Any] | None = reassemble(operation, raw)
+        return answer
 
-    monkeypatch.setattr(cache_entry.assemble, "from_stream", counted)
+    monkeypatch.setattr(assemble, "from_stream", counted)
     proxy = await _proxy(aiohttp_server, upstream, redis_url, {})
     client = _client(proxy)
     long = {"extra_headers": {"x-mock-output-tokens": "2000"},
             "max_tokens": DEFAULT_MAX_OUTPUT_TOKENS}
     raw = await client.chat.completions.with_raw_response.create(
-        model="mock-gpt", messages=ASK, temperature=0, stream=True, **long)
+        model="mock-gpt", messages=ASK, temperature=0, stream=True,
+        **long)  # type: ignore[call-overload]
     text = "".join([c.choices[0].delta.content or "" async for c in raw.parse() if c.choices])
     assert raw.headers["x-tokenmeter-cache"] == "miss"
     for _ in range(3):  # as JSON, as a stream, as a stream with usage: each several times
@@ -239,7 +242,8 @@ async def test_a_stream_entry_is_reassembled_once_whatever_its_hits(
         for usage in (False, True):
             options = {"stream_options": {"include_usage": True}} if usage else {}
             again = await client.chat.completions.create(
-                model="mock-gpt", messages=ASK, temperature=0, stream=True, **options, **long)
+                model="mock-gpt", messages=ASK, temperature=0, stream=True, **options,
+                **long)  # type: ignore[call-overload]
             chunks = [c async for c in again]
             assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert calls == ["chat"]
