@@ -1373,7 +1373,7 @@ def cache_check(phase: CachePhase, hostile: HostileTally) -> dict[str, Any]:
                  f"answered, every fill answered; the probe's p50 during it under "
                  f"{PROBE_BOUND_MS} ms",
                  not problems and p50 is not None and p50 * 1000 < PROBE_BOUND_MS,
-                 problems=problems, probe_during_ms={
+                 probe_during_ms={
                      "n": len(during), "p50": None if p50 is None else round(p50 * 1000, 1),
                      "p99": round(during[int(0.99 * (len(during) - 1))] * 1000, 1)
                      if during else None,

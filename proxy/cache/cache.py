@@ -24,7 +24,7 @@ from proxy.cache.flight import Flights
 from proxy.cache.key import cache_key
 from proxy.cache.outcome import CacheOutcome, CacheResult
 from proxy.cache.policy import CacheRule, rule_for, samples, scope_id
-from proxy.cache.replays import ReplayForm, Replays
+from proxy.cache.replays import Hot, ReplayForm, Replays
 from proxy.cache.store import CacheStore
 from proxy.config.cache import CacheConfig
 from proxy.protocol.usage import Usage
@@ -198,6 +198,7 @@ class ResponseCache:
         self.store = store
         self.flights = Flights()
         self.replays = Replays(lambda: int(settings().memory_mb * 1024 * 1024))
+        self.hot = Hot(lambda: int(settings().memory_mb * 1024 * 1024))
         self.fill_bytes = FillBytes(lambda: int(settings().fills_mb * 1024 * 1024),
                                     lambda: on_error(CacheStage.BOUND))
         self._on_error = on_error
@@ -229,7 +230,11 @@ class ResponseCache:
         flight = self.flights.open(key)
         entry = None
         if flight is None:
-            entry = await self._lookup(key, config.lookup_timeout_ms / 1000)
+            entry = self.hot.get(key)
+            if entry is None or self._clock() - entry.created_at >= rule.ttl_s:
+                entry = await self._lookup(key, config.lookup_timeout_ms / 1000)
+                if entry is not None:
+                    self.hot.put(key, entry)
             if entry is None:
                 flight = self.flights.lead(key, fill)
                 if flight is None:
@@ -317,6 +322,7 @@ class ResponseCache:
             # A redacted answer may have grown: else too large to keep.
             if made is not None and len(made[0].payload) <= fill.bound:
                 entry = made[0]
+                self.hot.put(fill.key, entry)  # the freshest answer: hits here read it
                 await self._put(fill, made[1], config.lookup_timeout_ms / 1000)
         except Exception:
             log.exception("making a cache entry failed; the answer is not stored")
