@@ -1271,14 +1271,14 @@ async def run(  # noqa: PLR0912, PLR0915  the soak's script: start, load, drill,
     spools_end = {f"replica-{rep.index}": spool_on_disk(rep.spool_dir) for rep in replicas}
     checks = accounting(tally, texts, finals, mock_stats, redis_usage, leftovers, logs, alive,
                         drill, spools_end, hostile_tally)
-    if phase is not None:
-        checks.append(cache_check(phase, hostile_tally))
     peaks = {n: max((s.get(n, 0.0) for s in samples), default=0.0) for n in pids
              if n.startswith("tokenmeter")}
     checks.append(check(f"8. every replica's RSS stayed under the shipped pod's "
                         f"{POD_MEMORY_MB} MB limit (gzip bombs, huge prompts, large bodies)",
                         all(v < POD_MEMORY_MB for v in peaks.values()),
                         peak_rss_mb={n: round(v, 1) for n, v in peaks.items()}))
+    if phase is not None:
+        checks.append(cache_check(phase, hostile_tally))
     names = [*(f"tokenmeter-{rep.index}" for rep in replicas), "mock", "redis"]
     starts = {}
     if drill is not None and drill.restart:
