@@ -73,6 +73,12 @@ At the end it checks, exactly:
    requests) for every process alive at the end; for the first process of replica 0, its access
    log holds at least what its last scrape before SIGTERM showed (plus the drained requests).
 
+With the hostile client, the cache phase (`soak_cache.py`) runs once the outage drill is over
+(else after the warm-up), against the last replica: a rate-limited user's hits of a large entry,
+a stalled single-flight leader, long fills at once; its requests join the tally like the rest,
+and check 9 asks its own checks (hits within the rate limit, the leader's team-mate answered,
+every fill answered) and that the probe's p50 while it ran stayed under 300 ms.
+
 Memory: RSS start (after the warm-up, the first 10% of the run), end, peak, growth, growth per
 10k requests, and a verdict from the second half of the run against the first (replica 0 after
 a restart: from its second process only).
