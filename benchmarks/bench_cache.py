@@ -273,12 +273,12 @@ async def in_process_us(stream: bool, n: int) -> tuple[float, float]:
     from proxy.config.cache import CacheConfig
     from proxy.protocol.usage import Usage
 
-    cache = ResponseCache(MemoryCacheStore(lambda: 1 << 30, time.time), lambda _: None,
-                          time.time)
     config = CacheConfig(enabled=True)
+    cache = ResponseCache(MemoryCacheStore(lambda: 1 << 30, time.time), lambda _: None,
+                          time.time, lambda: config)
     principal = Principal("bench", cast(Any, None), key_id="0123456789ab")  # limits: unread
     finished = Finished(Usage(input_tokens=250, output_tokens=64), capped_ok=False)
-    asks = [Ask("chat", "m", {**body(f"{PROMPT} {uuid.uuid4().hex}"), "stream": stream},
+    asks = [Ask("chat", "m", "mock", {**body(f"{PROMPT} {uuid.uuid4().hex}"), "stream": stream},
                 principal, "", 1100) for _ in range(n)]
     started = time.process_time()
     for ask in asks:
@@ -290,7 +290,8 @@ async def in_process_us(stream: bool, n: int) -> tuple[float, float]:
     miss = (time.process_time() - started) / n * 1e6
     started = time.process_time()
     for ask in asks:
-        assert (await cache.consult(config, ask)).entry is not None
+        hit = await cache.consult(config, ask)
+        assert await cache.replay(hit, ask.body, stream=stream) is not None
     return miss, (time.process_time() - started) / n * 1e6
 
 

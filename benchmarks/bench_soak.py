@@ -73,6 +73,12 @@ At the end it checks, exactly:
    requests) for every process alive at the end; for the first process of replica 0, its access
    log holds at least what its last scrape before SIGTERM showed (plus the drained requests).
 
+With the hostile client, the cache phase (`soak_cache.py`) runs once the outage drill is over
+(else after the warm-up), against the last replica: a rate-limited user's hits of a large entry,
+a stalled single-flight leader, long fills at once; its requests join the tally like the rest,
+and check 9 asks its own checks (hits within the rate limit, the leader's team-mate answered,
+every fill answered) and that the probe's p50 while it ran stayed under 300 ms.
+
 Memory: RSS start (after the warm-up, the first 10% of the run), end, peak, growth, growth per
 10k requests, and a verdict from the second half of the run against the first (replica 0 after
 a restart: from its second process only).
@@ -119,6 +125,8 @@ from bench_proxy import (
     tokenmeter_argv,
     wait_ready,
 )
+from soak_cache import CACHE_MODEL, DAVE_KEY, ERIN_KEYS, FULL, QUICK, CachePhase, cache_config
+from soak_cache import users as cache_users
 from soak_hostile import HOSTILE_MODEL, MALLORY_KEY, Hostile, HostileTally, probe_argv
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,7 +145,8 @@ PROMPTS = ("Say hi.", "Write a short paragraph about soak tests and memory leaks
            "Summarise: " + "the proxy meters every token it relays, " * 12,
            "List three reasons why accounting must be exact, and explain each one briefly.")
 KEYS = {"alice": ("sk-soak-alice-000", "sk-soak-alice-ci0"), "bob": ("sk-soak-bob-000",),
-        "carol": ("sk-soak-carol-000",), "mallory": (MALLORY_KEY,)}
+        "carol": ("sk-soak-carol-000",), "mallory": (MALLORY_KEY,),
+        "dave": (DAVE_KEY,), "erin": ERIN_KEYS}  # dave and erin: the cache phase's
 CAROL_DAILY = 4000
 DISCONNECT_AFTER = 3  # content chunks, of a 400-token stream at 200 tokens/s
 # 2 s from its first token to its tail: a stall of the client, proxy or mock (the mock keeps every
@@ -918,7 +927,10 @@ def proxy_config(mock_port: int, redis_port: int, spool_dir: Path,
                       "max_output_tokens": 64},
             # The hostile client's valid key (soak_hostile): huge prompts, gzip bombs.
             "mallory": {"keys": list(KEYS["mallory"]), **big},
+            **cache_users(),  # the cache phase's (soak_cache)
         },
+        # On for the cache phase's model only: the rest of the load is never cached.
+        "cache": cache_config(),
     }
 
 
@@ -1122,8 +1134,9 @@ async def run(  # noqa: PLR0912, PLR0915  the soak's script: start, load, drill,
 ) -> dict[str, Any]:
     progress = progress_printer(t_start)
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
-    mock_port, probe_port, hostile_port, redis_port, *ports = free_ports(4 + args.replicas)
-    side_ports = {PROBE_MODEL: probe_port, HOSTILE_MODEL: hostile_port}
+    mock_port, probe_port, hostile_port, cache_port, redis_port, *ports = free_ports(
+        5 + args.replicas)
+    side_ports = {PROBE_MODEL: probe_port, HOSTILE_MODEL: hostile_port, CACHE_MODEL: cache_port}
     tm = tokenmeter_argv()
     mock = services.start("mock", [*tm, "mock-upstream", "--host", HOST, "--port",
                                    str(mock_port)])
@@ -1173,7 +1186,7 @@ async def run(  # noqa: PLR0912, PLR0915  the soak's script: start, load, drill,
                           random.Random(i), -1, tally, prompt=p)
             if len(tally.calib) != 3 * len(PROMPTS):
                 raise BenchError(f"calibration failed: {tally.calib}; {tally.samples}")
-            hostile = None
+            hostile, phase = None, None
             if args.hostile:
                 hostile = Hostile(
                     urls=lambda: [urls[i] for i in range(len(urls)) if i not in router.out],
@@ -1183,6 +1196,8 @@ async def run(  # noqa: PLR0912, PLR0915  the soak's script: start, load, drill,
                     record=lambda name, status, usage: tally.add(
                         Kind(name, "chat", 0, user="mallory"), "mallory", status,
                         "complete" if usage is not None else f"http_{status}", usage))
+                phase = CachePhase(urls[-1], cache_record(tally, hostile_tally),
+                                   QUICK if args.quick else FULL)
                 progress("building the hostile client's bodies (gzip bombs, 28 MB JSON)")
                 await hostile.prepare()
                 cluster.hostile_busy = hostile.busy.__getitem__
@@ -1205,9 +1220,14 @@ async def run(  # noqa: PLR0912, PLR0915  the soak's script: start, load, drill,
                     *probe_argv(urls[-1], KEYS["bob"][0], t_load + args.duration),
                     stdout=asyncio.subprocess.PIPE)
                 tasks.append(asyncio.ensure_future(collect_probe(probe, tally, hostile_tally)))
+            drilled: asyncio.Future[None] | None = None
             if drill is not None:
                 background.append(asyncio.ensure_future(cluster.monitor(drill)))
-                tasks.append(asyncio.ensure_future(cluster.drill(drill)))
+                drilled = asyncio.ensure_future(cluster.drill(drill))
+                tasks.append(drilled)
+            if phase is not None:
+                tasks.append(asyncio.ensure_future(cache_phase(
+                    phase, session, drilled, t_load + warm_s, hostile_tally, progress)))
             try:
                 await asyncio.wait_for(asyncio.gather(*tasks), args.duration + 240)
             except TimeoutError:
@@ -1263,6 +1283,8 @@ async def run(  # noqa: PLR0912, PLR0915  the soak's script: start, load, drill,
                         f"{POD_MEMORY_MB} MB limit (gzip bombs, huge prompts, large bodies)",
                         all(v < POD_MEMORY_MB for v in peaks.values()),
                         peak_rss_mb={n: round(v, 1) for n, v in peaks.items()}))
+    if phase is not None:
+        checks.append(cache_check(phase, hostile_tally))
     names = [*(f"tokenmeter-{rep.index}" for rep in replicas), "mock", "redis"]
     starts = {}
     if drill is not None and drill.restart:
@@ -1290,6 +1312,7 @@ async def run(  # noqa: PLR0912, PLR0915  the soak's script: start, load, drill,
                      {f"{e}/{p}": n for (e, p), n in sorted(tally.calib.items())}},
         "outage": outage_results(drill, cluster, logs, tally, finals) if drill else None,
         "hostile": hostile_tally.summary() if args.hostile else None,
+        "cache_phase": phase.tally.summary(phase.sizes) if phase is not None else None,
         "logs": {n: lg.summary() for n, lg in logs.items()},
         "checks": checks,
         "memory": {"summary": memory_summary(samples, names, warm_s, starts),
@@ -1314,6 +1337,57 @@ async def collect_probe(proc: asyncio.subprocess.Process, tally: Tally,
         hostile.probed(r["t0"], r["took"], status == 200)
 
 
+def cache_record(tally: Tally, hostile: HostileTally) -> Callable[
+        [str, str, int | None, tuple[int, int] | None], None]:
+    """How the cache phase's requests join the soak's tally: a miss with the usage its client
+    read, a hit (no upstream call) and a refusal as requests without usage (a refusal counted
+    with the budget's refusals), the stalled leader as a hostile request without a status."""
+    def record(kind: str, user: str, status: int | None, usage: tuple[int, int] | None) -> None:
+        if status is None:
+            hostile.add(f"cache-{kind}", None)
+            return
+        tally.refused += status == 429
+        result = ("complete" if usage is not None else "refused" if status == 429
+                  else "hit" if status == 200 else f"http_{status}")
+        tally.add(Kind(f"cache-{kind}", "chat", 0, user=user), user, status, result, usage)
+    return record
+
+
+async def cache_phase(  # noqa: PLR0913, PLR0917  the phase, when: after the drill or the warm-up
+    phase: CachePhase, session: aiohttp.ClientSession, drilled: asyncio.Future[None] | None,
+    after: float, hostile: HostileTally, progress: Callable[[str], None],
+) -> None:
+    """The cache phase (soak_cache), once the outage drill is over (a store down would admit
+    its rate-limited user unchecked, `fail_open`), else after the warm-up."""
+    if drilled is not None:
+        await asyncio.shield(drilled)
+    await asyncio.sleep(max(0.0, after - time.monotonic()))
+    progress(f"cache phase: {phase.sizes}")
+    try:
+        await phase.run(session)
+    finally:
+        hostile.cache_window = phase.tally.window
+    progress(f"cache phase done: {phase.tally.summary(phase.sizes)}")
+
+
+def cache_check(phase: CachePhase, hostile: HostileTally) -> dict[str, Any]:
+    """9. The cache phase: its own checks (soak_cache) and the probe's latency during it."""
+    during = sorted(hostile.probe_cache)
+    p50 = during[len(during) // 2] if during else None
+    problems = phase.tally.problems(phase.sizes)
+    return check(f"9. cache phase: hits within the rate limit, a stalled leader's team-mate "
+                 f"answered, every fill answered; the probe's p50 during it under "
+                 f"{PROBE_BOUND_MS} ms",
+                 not problems and p50 is not None and p50 * 1000 < PROBE_BOUND_MS,
+                 probe_during_ms={
+                     "n": len(during), "p50": None if p50 is None else round(p50 * 1000, 1),
+                     "p99": round(during[int(0.99 * (len(during) - 1))] * 1000, 1)
+                     if during else None,
+                     "max": round(during[-1] * 1000, 1) if during else None},
+                 **phase.tally.summary(phase.sizes))
+
+
+PROBE_BOUND_MS = 300  # another client's p50 while one client works the cache against it
 PROBE = Kind("probe", "chat", 0)
 PROBE_MODEL = "probe-gpt"  # soak_hostile's probe asks for it
 POD_MEMORY_MB = 1024  # deploy/kubernetes/deployment.yaml's memory limit

@@ -96,10 +96,17 @@ class HostileTally:
     probe_quiet: list[float] = field(default_factory=list)  # seconds
     probe_burst: list[float] = field(default_factory=list)
     probe_failed: int = 0
+    # The soak's cache phase (soak_cache), and the probe's requests that overlapped it.
+    cache_window: tuple[float, float] | None = None
+    probe_cache: list[float] = field(default_factory=list)
 
     def probed(self, started: float, took: float, ok: bool) -> None:
         self.probe_failed += not ok
         end = started + took
+        if self.cache_window is not None and (
+                self.cache_window[0] <= end and started <= self.cache_window[1]):
+            self.probe_cache.append(took)
+            return
         busy = any(a <= end and started <= b for a, b in self.windows)
         (self.probe_burst if busy else self.probe_quiet).append(took)
 
@@ -132,7 +139,8 @@ class HostileTally:
                        "max": round(max(xs) * 1000, 1) if xs else None,
                        "mean": round(statistics.fmean(xs) * 1000, 1) if xs else None}
                 for name, xs in (("outside_bursts", self.probe_quiet),
-                                 ("during_bursts", self.probe_burst))},
+                                 ("during_bursts", self.probe_burst),
+                                 ("during_cache_phase", self.probe_cache))},
             "probe_failed": self.probe_failed,
         }
 

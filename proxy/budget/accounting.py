@@ -39,6 +39,7 @@ from proxy.budget.refusals import Refusal, Refused, unpriced
 from proxy.budget.spool import REPLAY_DONE_TTL_S, Charge, SettleSpool
 from proxy.budget.store import (
     Entry,
+    ReserveRequest,
     ReserveResult,
     ScopeKind,
     SettleKind,
@@ -206,7 +207,23 @@ class Budget:
         reservation's `upstream_cap` is the output cap its body is built with. The store's
         failures follow `policy.store.on_error`."""
         estimate = await self._estimate(ask) if ask.estimates else None
-        claim = adm.claim_for(ask, estimate)
+        return await self._hold(ask, adm.claim_for(ask, estimate), policy)
+
+    async def reserve_hit(self, ask: adm.Ask, usage: Usage, cost_nanousd: int,
+                          policy: Policy) -> Reservation:
+        """A response-cache hit admitted as the request it stands for: through the same
+        checks (its in-flight sets, its request-rate windows), holding exactly what it will
+        be charged, `usage` and `cost_nanousd` (zero under `cache.charge_hits: none`), all
+        or nothing: a hit is never clamped. Raises `Refused` as `reserve` does."""
+        plan = ask.plan
+        entries = tuple(Entry(w.key, w.limit, lim.amount(w, usage.input_tokens,
+                                                         usage.output_tokens, cost_nanousd),
+                              w.ttl_s) for w in plan.windows)
+        claim = adm.Claim(usage.output_tokens, cost_nanousd,
+                          ReserveRequest(entries, plan.in_flight), None)
+        return await self._hold(ask, claim, policy)
+
+    async def _hold(self, ask: adm.Ask, claim: adm.Claim, policy: Policy) -> Reservation:
         if ask.plan.holds_nothing:  # metered only: granted whole, nothing stored or settled
             return _reservation(ask, adm.whole(ask, claim), new_id(), (), stored=False)
         res_id = new_id()

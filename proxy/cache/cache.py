@@ -9,7 +9,9 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import math
 import re
+import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +24,7 @@ from proxy.cache.flight import Flights
 from proxy.cache.key import cache_key
 from proxy.cache.outcome import CacheOutcome, CacheResult
 from proxy.cache.policy import CacheRule, rule_for, samples, scope_id
+from proxy.cache.replays import Hot, ReplayForm, Replays
 from proxy.cache.store import CacheStore
 from proxy.config.cache import CacheConfig
 from proxy.protocol.usage import Usage
@@ -43,38 +46,78 @@ class Ask:
     """What the cache reads of a request."""
 
     operation: str
-    model: str  # after routing
+    model: str  # the model sent upstream (the one asked for: a fallback's answer is not stored)
+    upstream: str  # the upstream it is routed to: its name and URL
     body: dict[str, Any]
     principal: Principal
     cache_control: str  # the request's Cache-Control header ("" without one)
     body_bytes: int  # the body's size as sent
+    # The most output tokens the request itself may be answered with, all choices together
+    # (its body's cap under its key's, user's and team's; 0: unbounded): asked only when an
+    # entry is found, since working it out needs the budget's plan.
+    output_cap: Callable[[], int] = lambda: 0
+    # The longest it waits for an identical request's answer on its way (its upstream's
+    # first-byte timeout): at most `lock_timeout_s`.
+    wait_s: float = math.inf
+
+
+class FillBytes:
+    """The bytes every fill in flight holds, together, bounded (`cache.fills_mb`, read at each
+    claim: a reload may change it): a fill that would pass the bound keeps nothing more, and
+    its answer is not stored (counted, `stage="bound"`)."""
+
+    __slots__ = ("_bound", "_skipped", "held")
+
+    def __init__(self, bound: Callable[[], int], skipped: Callable[[], None]) -> None:
+        self._bound, self._skipped = bound, skipped
+        self.held = 0
+
+    def claim(self, size: int) -> bool:
+        if self.held + size > self._bound():
+            self._skipped()
+            return False
+        self.held += size
+        return True
+
+    def release(self, size: int) -> None:
+        self.held -= size
 
 
 class Fill:
     """The bytes of a miss's answer, kept for its entry: the JSON body, or the upstream's
-    stream as it came (its usage chunk included). Past its bound it keeps nothing more and
-    the answer is not stored."""
+    stream as it came (its usage chunk included). Past its bound, or the process's
+    (`FillBytes`), it keeps nothing more and the answer is not stored. A leader's fill also
+    tells its flight's waiters whether its client keeps up (`stalled`)."""
 
-    __slots__ = ("_parts", "_size", "bound", "key", "leader", "operation", "over", "rule",
-                 "stream")
+    __slots__ = ("_bytes", "_handed", "_held", "_parts", "_size", "bound", "key", "leader",
+                 "operation", "over", "rule", "stream")
 
-    def __init__(self, key: str, operation: str, rule: CacheRule, *, stream: bool,
-                 leader: bool) -> None:
+    def __init__(self, key: str, operation: str, rule: CacheRule, held: FillBytes, *,
+                 stream: bool) -> None:
         self.key, self.operation, self.rule = key, operation, rule
-        self.stream, self.leader = stream, leader
+        self.stream = stream
+        self.leader = False  # it leads its key's flight (and lands it)
         self.bound = rule.max_entry_bytes * (STREAM_FACTOR if stream else 1)
+        self._bytes = held
         self._parts: list[bytes] = []
         self._size = 0
+        self._held = 0  # claimed of `_bytes`
+        # When the relay was handed the last chunk it has not come back from (monotonic
+        # seconds; None: it is reading the upstream): a client that does not read holds it.
+        self._handed: float | None = None
         self.over = False
 
     def take(self, data: bytes) -> None:
+        self._handed = time.monotonic()
         if self.over:
             return
         self._size += len(data)
-        if self._size > self.bound:
+        if self._size > self.bound or not self._bytes.claim(len(data)):
             self.over = True
             self._parts.clear()
+            self.release()
             return
+        self._held += len(data)
         self._parts.append(data)
 
     async def tee(self, chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
@@ -82,6 +125,18 @@ class Fill:
         async for chunk in chunks:
             take(chunk)
             yield chunk
+            self._handed = None
+
+    def stalled(self, now: float, stall_s: float) -> bool:
+        """Whether waiting for this answer is pointless: it will not be stored, or its relay
+        has held a chunk (a JSON answer: its whole body) `stall_s` without coming back."""
+        handed = self._handed
+        return self.over or (handed is not None and now - handed > stall_s)
+
+    def release(self) -> None:
+        """Gives back what it holds of the process's bound (its bytes stay readable)."""
+        self._bytes.release(self._held)
+        self._held = 0
 
     def data(self) -> bytes:
         return b"".join(self._parts)
@@ -95,9 +150,17 @@ class Fill:
 class Decision:
     result: CacheResult
     entry: Entry | None = None  # a hit's
-    body: bytes = b""  # a hit's answer, in the form asked for
+    key: str = ""  # a hit's: where its entry is, the key of its replays
     age_s: float | None = None
-    fill: Fill | None = None  # a miss's (or a no-cache bypass's): the answer to store
+    # A miss's (or a no-cache bypass's): the answer to store. A hit's, should its entry turn
+    # out to hold no answer (`missed`); `served` drops it.
+    fill: Fill | None = None
+
+    def served(self) -> Decision:
+        return dataclasses.replace(self, fill=None)
+
+    def missed(self) -> Decision:
+        return Decision(CacheResult.MISS, fill=self.fill)
 
     @property
     def header(self) -> str | None:
@@ -130,9 +193,14 @@ def directives(cache_control: str) -> frozenset[str]:
 
 class ResponseCache:
     def __init__(self, store: CacheStore, on_error: Callable[[CacheStage], None],
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], settings: Callable[[], CacheConfig]) -> None:
+        """`settings`: the cache section in force (a reload may change its bounds)."""
         self.store = store
         self.flights = Flights()
+        self.replays = Replays(lambda: int(settings().memory_mb * 1024 * 1024))
+        self.hot = Hot(lambda: int(settings().memory_mb * 1024 * 1024))
+        self.fill_bytes = FillBytes(lambda: int(settings().fills_mb * 1024 * 1024),
+                                    lambda: on_error(CacheStage.BOUND))
         self._on_error = on_error
         self._clock = clock
 
@@ -146,51 +214,74 @@ class ResponseCache:
         rule = rule_for(config, ask.principal, ask.model)
         if not rule.enabled or (not rule.cache_sampled and samples(ask.body)):
             return NOT_CONSULTED
-        parts = (ask.operation, ask.model, ask.body, scope_id(rule.scope, ask.principal))
+        parts = (ask.operation, ask.model, ask.upstream, ask.body,
+                 scope_id(rule.scope, ask.principal))
         key = (cache_key(*parts) if ask.body_bytes <= ON_LOOP_BYTES
                else await asyncio.to_thread(cache_key, *parts))
         stream = ask.body.get("stream") is True
         said = directives(ask.cache_control) if ask.cache_control else frozenset()
         if "no-store" in said:
             return Decision(CacheResult.BYPASS)
+        fill = Fill(key, ask.operation, rule, self.fill_bytes, stream=stream)
         if "no-cache" in said:  # a fresh answer, stored; those asking meanwhile wait for it
-            return Decision(CacheResult.BYPASS, fill=Fill(
-                key, ask.operation, rule, stream=stream, leader=self.flights.lead(key) is None))
+            fill.leader = self.flights.lead(key, fill) is None
+            return Decision(CacheResult.BYPASS, fill=fill)
         # An answer on its way is waited for before the store is asked: it is the freshest.
         flight = self.flights.open(key)
         entry = None
         if flight is None:
-            entry = await self._lookup(key, config.lookup_timeout_ms / 1000)
+            entry = self.hot.get(key)
+            if entry is None or self._clock() - entry.created_at >= rule.ttl_s:
+                entry = await self._lookup(key, config.lookup_timeout_ms / 1000)
+                if entry is not None:
+                    self.hot.put(key, entry)
             if entry is None:
-                flight = self.flights.lead(key)
+                flight = self.flights.lead(key, fill)
                 if flight is None:
-                    return Decision(CacheResult.MISS, fill=Fill(
-                        key, ask.operation, rule, stream=stream, leader=True))
+                    fill.leader = True
+                    return Decision(CacheResult.MISS, fill=fill)
         if flight is not None:
-            entry = await self.flights.wait(flight, config.lock_timeout_s)
-        if entry is None or entry.operation != ask.operation:
-            return Decision(CacheResult.MISS,
-                            fill=Fill(key, ask.operation, rule, stream=stream, leader=False))
-        age = max(0.0, self._clock() - entry.created_at)
-        body = None
-        if age < rule.ttl_s:  # else a reload shortened the TTL, or the store kept it longer
-            body = await self._render(entry, ask.body, stream=stream)
-        if body is None:
-            return Decision(CacheResult.MISS,
-                            fill=Fill(key, ask.operation, rule, stream=stream, leader=False))
-        return Decision(CacheResult.HIT, entry=entry, body=body, age_s=age)
+            entry = await self.flights.wait(flight, min(config.lock_timeout_s, ask.wait_s))
+        age = None if entry is None else max(0.0, self._clock() - entry.created_at)
+        # Not a hit: another API's entry; one older than the TTL (a reload shortened it, or
+        # the store kept it longer); or an answer longer than this request may be answered
+        # with (its key's output cap is lower than the one whose answer was stored).
+        if (entry is None or age is None or entry.operation != ask.operation
+                or age >= rule.ttl_s or 0 < ask.output_cap() < entry.usage.output_tokens):
+            return Decision(CacheResult.MISS, fill=fill)
+        return Decision(CacheResult.HIT, entry=entry, key=key, age_s=age, fill=fill)
 
-    async def _render(self, entry: Entry, asked: dict[str, Any], *, stream: bool) -> bytes | None:
-        """The entry's answer in the form asked for (a large one made off the loop), or None
-        if it is not one (counted; the request is a miss)."""
+    async def replay(self, hit: Decision, asked: dict[str, Any], *, stream: bool) -> bytes | None:
+        """A hit's answer in the form asked for, or None if its entry is not an answer
+        (counted; the request is then a miss). Each form of an entry is made once and kept
+        (`Replays`): a stream entry is reassembled once, whatever its size and its hits."""
+        entry = hit.entry
+        assert entry is not None
         options = asked.get("stream_options")
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
-        make = functools.partial(render, entry, stream=stream, include_usage=include_usage)
+        if not stream and entry.form is Form.JSON:
+            return entry.payload  # as stored: nothing to make
+        form = ((ReplayForm.STREAM_USAGE if include_usage else ReplayForm.STREAM) if stream
+                else ReplayForm.JSON)
+        made = self.replays.get(hit.key, entry.created_at, form)
+        if made is not None:
+            return made
+        base = entry
+        if entry.form is Form.STREAM:  # the reassembled answer, if a hit has made it
+            answer = self.replays.get(hit.key, entry.created_at, ReplayForm.JSON)
+            if answer is not None:
+                base = dataclasses.replace(entry, form=Form.JSON, payload=answer)
+        make = functools.partial(render, base, stream=stream, include_usage=include_usage)
         # A stream entry is reassembled: some 4 times the work per byte of a JSON one's render.
-        work = entry.size * (4 if entry.form is Form.STREAM else 1)
-        body = make() if work <= ON_LOOP_BYTES else await asyncio.to_thread(make)
-        if body is None:
+        work = base.size * (4 if base.form is Form.STREAM else 1)
+        forms = make() if work <= ON_LOOP_BYTES else await asyncio.to_thread(make)
+        if forms is None:
             self._on_error(CacheStage.ENTRY)
+            return None
+        body, as_json = forms
+        if as_json is not None:
+            self.replays.put(hit.key, entry.created_at, ReplayForm.JSON, as_json)
+        self.replays.put(hit.key, entry.created_at, form, body)
         return body
 
     async def _lookup(self, key: str, timeout_s: float) -> Entry | None:
@@ -231,12 +322,14 @@ class ResponseCache:
             # A redacted answer may have grown: else too large to keep.
             if made is not None and len(made[0].payload) <= fill.bound:
                 entry = made[0]
+                self.hot.put(fill.key, entry)  # the freshest answer: hits here read it
                 await self._put(fill, made[1], config.lookup_timeout_ms / 1000)
         except Exception:
             log.exception("making a cache entry failed; the answer is not stored")
             self._on_error(CacheStage.FILL)
             entry = None
         finally:
+            fill.release()
             if fill.leader:
                 self.flights.land(fill.key, entry)
 
@@ -257,18 +350,21 @@ class ResponseCache:
         await self.store.close()
 
 
-def render(entry: Entry, *, stream: bool, include_usage: bool) -> bytes | None:
-    """A hit's answer as the client asked for it: a JSON entry asked as JSON is its bytes as
-    they are; anything else is made from the answer (a stream's reassembled here, once per
-    hit, rather than on every miss's path)."""
+def render(entry: Entry, *, stream: bool,
+           include_usage: bool) -> tuple[bytes, bytes | None] | None:
+    """A hit's answer as the client asked for it, and, when `entry` is a stream (reassembled
+    here, on the first hit of a form rather than on every miss's path), the answer's JSON,
+    which the entry's other forms are made from. None: the entry holds no answer."""
     if not stream and entry.form is Form.JSON:
-        return entry.payload
+        return entry.payload, None
     answer = entry.answer()
     if answer is None:
         return None
+    as_json = replay.as_json(answer)
     if stream:
-        return replay.as_stream(entry.operation, answer, include_usage)
-    return replay.as_json(answer)
+        body = replay.as_stream(entry.operation, answer, include_usage)
+        return body, as_json if entry.form is Form.STREAM else None
+    return as_json, as_json
 
 
 def _make_entry(fill: Fill, finished: Finished, redact: tuple[str, ...],

@@ -1,6 +1,8 @@
 """The key of a request's entry: a sha256 of what decides its answer.
 
-That is the API shape (its operation), the model after routing, and the body's fields but
+That is the API shape (its operation), the model sent upstream and the upstream it is sent to
+(its name and URL: a reload that routes the model elsewhere makes its entries misses), and the
+body's fields but
 those that change only how the answer is delivered or labelled (`stream`, `stream_options`)
 or who asked (`user`, `metadata`), in canonical JSON (sorted keys, no spaces); and whose entry
 it is (the scope's principal id). Never the client's key (its hash's prefix at most, for
@@ -25,9 +27,10 @@ def canonical(body: dict[str, Any]) -> bytes:
                       allow_nan=False).encode()
 
 
-def cache_key(operation: str, model: str, body: dict[str, Any], scope_id: str) -> str:
+def cache_key(operation: str, model: str, upstream: str, body: dict[str, Any],
+              scope_id: str) -> str:
     digest = hashlib.sha256()
-    for part in (operation.encode(), model.encode(), scope_id.encode()):
+    for part in (operation.encode(), model.encode(), upstream.encode(), scope_id.encode()):
         digest.update(len(part).to_bytes(4, "big"))
         digest.update(part)
     digest.update(canonical(body))

@@ -28,7 +28,7 @@ def rule_for(config: CacheConfig, principal: Principal, model: str) -> CacheRule
     if not (config.keys or config.users or config.teams or config.routes):
         return _section_rule(config, model)  # no overrides: no per-request merging
     levels = (
-        config.keys.get(principal.key_name or principal.key_id or "") if config.keys else None,
+        _key_override(config, principal) if config.keys else None,
         config.users.get(principal.user) if config.users else None,
         config.teams.get(principal.team or "") if config.teams else None,
         config.route_override(model) if config.routes else None,
@@ -44,6 +44,16 @@ def rule_for(config: CacheConfig, principal: Principal, model: str) -> CacheRule
     for name in _FIELDS:
         values.setdefault(name, getattr(config, name))
     return _rule(config, model, values)
+
+
+def _key_override(config: CacheConfig, principal: Principal) -> CacheOverride | None:
+    """The key's own override: by `user/name`, by its bare name (an older config's, which
+    the config's load checks names one key only), or by its id."""
+    keys, name = config.keys, principal.key_name
+    found = (keys.get(f"{principal.user}/{name}") or keys.get(name)) if name else None
+    if found is None and principal.key_id:
+        found = keys.get(principal.key_id)
+    return found
 
 
 def _rule(config: CacheConfig, model: str, values: dict[str, Any]) -> CacheRule:

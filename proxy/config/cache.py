@@ -62,13 +62,18 @@ class CacheConfig(ConfigModel):
     memory_mb: float = Field(default=64.0, gt=0)
     # A lookup that takes longer is a miss (counted): a slow store never slows a request much.
     lookup_timeout_ms: float = Field(default=50.0, gt=0)
-    # How long identical requests wait for the one already upstream before going themselves.
+    # How long identical requests wait for the one already upstream before going themselves
+    # (never longer than their upstream's first-byte timeout).
     lock_timeout_s: float = Field(default=60.0, gt=0)
+    # The bytes all answers on their way to becoming entries may hold together, per process:
+    # past it, an answer is not kept for an entry (counted).
+    fills_mb: float = Field(default=64.0, gt=0)
     routes: dict[str, CacheOverride] = Field(default_factory=dict)  # model glob -> override
     teams: dict[str, CacheOverride] = Field(default_factory=dict)
     users: dict[str, CacheOverride] = Field(default_factory=dict)
-    # By key name (`users.<u>.keys[].name`), or a plain key's id: the first 12 hex digits of
-    # its sha256 (as the logs show it).
+    # By `user/name` (`users.<user>.keys[].name`), or a key's id: the first 12 hex digits of
+    # its sha256 (as the logs show it). A bare name, as older configs wrote it, still names
+    # the one key of that name; it is refused at load when several users have one.
     keys: dict[str, CacheOverride] = Field(default_factory=dict)
 
     @field_validator("redact")
@@ -81,12 +86,21 @@ class CacheConfig(ConfigModel):
                 raise ValueError(f"redact pattern {pattern!r} does not compile: {exc}") from None
         return v
 
-    @field_validator("teams", "users", "keys")
+    @field_validator("teams", "users")
     @classmethod
     def _names(cls, v: dict[str, CacheOverride]) -> dict[str, CacheOverride]:
         for name in v:
             if not re.match(NAME, name):
                 raise ValueError(f"name {name!r} must match {NAME}")
+        return v
+
+    @field_validator("keys")
+    @classmethod
+    def _key_names(cls, v: dict[str, CacheOverride]) -> dict[str, CacheOverride]:
+        for name in v:
+            if not all(re.match(NAME, part) for part in name.split("/", 1)):
+                raise ValueError(f"key {name!r} must be `user/name` or a key's id, each part "
+                                 f"matching {NAME}")
         return v
 
     @property

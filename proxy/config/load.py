@@ -232,6 +232,20 @@ class Config(Policy):
     tracing: TracingConfig = Field(default_factory=TracingConfig)
 
     @model_validator(mode="after")
+    def _cache_keys(self) -> Config:
+        """A bare key name in `cache.keys` (older configs) must name one key: a name two
+        users give their keys would set the cache of both."""
+        for name in self.cache.keys:
+            if "/" in name:
+                continue
+            owners = sorted(user for user, cfg in self.users.items()
+                            if any(not isinstance(k, str) and k.name == name for k in cfg.keys))
+            if len(owners) > 1:
+                raise ValueError(f"cache.keys.{name}: keys of that name belong to "
+                                 f"{', '.join(owners)}: write `{owners[0]}/{name}`")
+        return self
+
+    @model_validator(mode="after")
     def _routes(self) -> Config:
         if not self.models:
             if len(self.upstreams) != 1:

@@ -1,44 +1,117 @@
 """The response cache's steps in a request's path (docs/cache.md), between admission and the
 budget's reservation:
 
-    admit -> consult: a hit is replayed here (no reservation, no upstream call) -> forward ...
-    ... -> finish: a miss's answer, if whole and successful, becomes an entry
+    admit -> consult: a hit is admitted by the budget and replayed here (no upstream call)
+    -> forward ... -> finish: a miss's answer, if whole and successful, becomes an entry
 
-A hit still needs a valid key (admission authenticated it); it is not refused by a budget or
-a rate limit, since it costs the upstream nothing (`cache.charge_hits` decides what settle
-charges it). The entry's answer is replayed in the form the client asked for."""
+A hit is an answer to the request as asked, so it must fit what that request would have been
+allowed: an entry longer than the request's own output cap is not a hit for it, and a hit is
+admitted through the budget's own checks (its rate and concurrency limits; under `cache.
+charge_hits: full` the charge it stands for, refused with the 429 the request would get when it
+does not fit). The entry's answer is replayed in the form the client asked for."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
+from collections.abc import Callable
 
 from aiohttp import hdrs, web
 
+from proxy.budget import admission as adm
+from proxy.budget import limits as lim
+from proxy.budget import refusals
+from proxy.budget.accounting import Reservation
+from proxy.budget.refusals import Refused
 from proxy.cache.cache import HIT_HEADER, Ask, Decision, Finished
+from proxy.cache.outcome import CacheResult
+from proxy.config.cache import ChargeHits
+from proxy.cost import CostLines
 from proxy.errors import ErrorClass
 from proxy.pipeline.context import Outcome, RequestContext, Settlement
 from proxy.pipeline.relay import REQUEST_ID_HEADER
 from proxy.pipeline.services import Services
+from proxy.protocol.translators import Translator
+from proxy.protocol.usage import ZERO
+from proxy.telemetry.metrics import RequestRecord
 
 _CAP_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
-async def consult(request: web.Request, ctx: RequestContext, svc: Services,
-                  outcome: Outcome) -> web.StreamResponse | None:
+async def consult(request: web.Request, ctx: RequestContext, svc: Services, outcome: Outcome,
+                  shape: type[Translator]) -> web.StreamResponse | None:
     """The hit's answer, or None: the request goes upstream (a miss's fill kept in
     `outcome.cache` for the relay)."""
     cache = svc.cache
     if cache is None or not ctx.runtime.config.cache.maybe_enabled:
         return None  # the cache off costs a request this test
-    ask = Ask(ctx.operation, ctx.request_model, ctx.request.body, ctx.principal,
-              request.headers.get(hdrs.CACHE_CONTROL, ""), len(ctx.request.raw))
+    upstream = ctx.route.upstream
+    ask = Ask(ctx.operation, ctx.request_model, f"{upstream.name} {upstream.base_url}",
+              ctx.request.body, ctx.principal,
+              request.headers.get(hdrs.CACHE_CONTROL, ""), len(ctx.request.raw),
+              _own_cap(ctx, svc, shape), upstream.first_byte_timeout_s)
     decision = await cache.consult(ctx.runtime.config.cache, ask)
-    outcome.cache_decided(decision)
     if decision.entry is None:
+        outcome.cache_decided(decision)
         return None
-    outcome.served_from_cache()
-    return await _replay(request, ctx, decision, outcome)
+    reservation = await _admit(ctx, svc, decision)
+    outcome.cache_decided(decision.served())
+    outcome.served_from_cache(reservation)
+    body = await cache.replay(decision, ctx.request.body, stream=ctx.stream)
+    if body is None:  # its entry holds no answer (counted): a miss, which goes upstream
+        outcome.not_served_from_cache()
+        outcome.cache_decided(decision.missed())
+        await svc.budget.release(reservation)
+        return None
+    return await _replay(request, ctx, decision, body, outcome)
+
+
+def _plan(ctx: RequestContext, svc: Services) -> lim.Plan:
+    """The request's budget plan, as admission makes it (a 429 for a cost window the model
+    has no price for)."""
+    policy = ctx.runtime.config
+    try:
+        return svc.budget.plan(ctx.principal, ctx.request_model, policy)
+    except Refused as exc:
+        raise refusals.render(exc.refusal, svc.budget.clock(), policy.timezone) from None
+
+
+def _own_cap(ctx: RequestContext, svc: Services, shape: type[Translator]) -> Callable[[], int]:
+    """The most output tokens the request may be answered with (its body's cap under its
+    plan's; 0: unbounded), as admission reads it, worked out only when an entry is found."""
+    def cap() -> int:
+        return shape(ctx.request).max_output(_plan(ctx, svc).output_cap)
+    return cap
+
+
+async def _admit(ctx: RequestContext, svc: Services, hit: Decision) -> Reservation:
+    """A hit admitted like the request it stands for: its in-flight sets and request-rate
+    windows, holding 0 tokens under `charge_hits: none`, and under `full` the usage and cost
+    it will be charged, all or nothing (a 429 in the API's shape when it does not fit: a hit
+    is never clamped, its answer being whole)."""
+    assert hit.entry is not None
+    policy = ctx.runtime.config
+    plan = _plan(ctx, svc)
+    full = policy.cache.charge_hits is ChargeHits.FULL
+    usage = hit.entry.usage if full else ZERO
+    cost = CostLines.of(plan.price, usage).nanousd if full and plan.price is not None else 0
+    ask = adm.Ask(principal=ctx.principal, model=ctx.request_model, plan=plan,
+                  prompt_tokens=usage.input_tokens, asked_output=usage.output_tokens,
+                  choices=1, stream=ctx.stream, hidden_output=False)
+    try:
+        return await svc.budget.reserve_hit(ask, usage, cost, policy)
+    except Refused as exc:
+        raise refusals.render(exc.refusal, svc.budget.clock(), policy.timezone) from None
+
+
+def told(record: RequestRecord) -> RequestRecord:
+    """The figures a request's answer tells (`relay.tell_cost`): a hit charged in full
+    (`charge_hits: full`: its row names the windows charged) tells what it was charged, its
+    saved usage and cost; any other request, its row's own (a hit charged nothing: 0)."""
+    if record.cache == CacheResult.HIT.value and record.windows:
+        return dataclasses.replace(record, usage=record.saved_usage, cost=record.saved_cost)
+    return record
 
 
 def headers(outcome: Outcome) -> dict[str, str]:
@@ -47,13 +120,10 @@ def headers(outcome: Outcome) -> dict[str, str]:
     return {HIT_HEADER: value} if value is not None else {}
 
 
-async def _replay(request: web.Request, ctx: RequestContext, decision: Decision,
+async def _replay(request: web.Request, ctx: RequestContext, decision: Decision, body: bytes,
                   outcome: Outcome) -> web.StreamResponse:
-    entry = decision.entry
-    assert entry is not None
     sent = {HIT_HEADER: "hit", hdrs.AGE: str(int(decision.age_s or 0)),
             REQUEST_ID_HEADER: outcome.request_id}
-    body = decision.body
     if outcome.collector is not None:  # capture keeps the answer the client got, as for a miss
         if ctx.stream:
             outcome.collector.streamed(body, 0.0)

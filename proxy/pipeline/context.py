@@ -118,6 +118,8 @@ class Settlement:
     cache: CacheOutcome = NOT_CONSULTED  # what the response cache did
     tags: Tags = NO_TAGS  # the request's tags, its principal's defaults under them
     trace: RequestTrace | None = None  # its spans, when tracing is on
+    # A cache hit's admission (`Budget.reserve_hit`): what it holds until settled.
+    hit_reservation: Reservation | None = None
 
     @property
     def model(self) -> str:
@@ -148,9 +150,9 @@ class Outcome:
     """The mutable facts of one request, written only through these methods."""
 
     __slots__ = ("_answered", "_attempts", "_candidacy", "_context", "_error_class",
-                 "_fallback_from", "_in_flight", "_model", "_principal", "_status", "_stream",
-                 "_tags", "cache", "collector", "meter", "operation", "request_id", "runtime",
-                 "trace")
+                 "_fallback_from", "_hit", "_in_flight", "_model", "_principal", "_status",
+                 "_stream", "_tags", "cache", "collector", "meter", "operation", "request_id",
+                 "runtime", "trace")
 
     def __init__(self, request_id: str, operation: str, meter: RequestMeter) -> None:
         self.request_id = request_id
@@ -178,6 +180,7 @@ class Outcome:
         self._fallback_from: str | None = None
         self._attempts = 1
         self._tags = NO_TAGS
+        self._hit: Reservation | None = None
 
     # --- admission: known before the context is complete, needed if admission fails -----
     def configured(self, runtime: Runtime) -> None:
@@ -198,11 +201,18 @@ class Outcome:
     def cache_decided(self, decision: Decision) -> None:
         self.cache = decision
 
-    def served_from_cache(self) -> None:
-        """A hit: the answer went out whole without an upstream call (and nothing to charge:
-        no candidacy)."""
+    def served_from_cache(self, reservation: Reservation) -> None:
+        """A hit: the answer goes out without an upstream call (no candidacy), admitted by
+        the budget like any request (`reservation`: held until settled)."""
         self._answered = True
         self._status = 200
+        self._hit = reservation
+
+    def not_served_from_cache(self) -> None:
+        """The hit's entry held no answer (its reservation given back): a miss after all."""
+        self._answered = False
+        self._status = 500
+        self._hit = None
 
     @property
     def cache_fill(self) -> Fill | None:
@@ -294,4 +304,5 @@ class Outcome:
             tags=self._tags,
             trace=self.trace,
             cache=self.cache.outcome(),
+            hit_reservation=self._hit,
         )

@@ -105,8 +105,9 @@ async def handle(request: web.Request, svc: Services, shape: type[Translator]
         outcome.trace = svc.tracing.request(request.headers, shape.operation)
     try:
         ctx = await admit(request, svc, shape, outcome)
-        hit = await caching.consult(request, ctx, svc, outcome)
+        hit = await caching.consult(request, ctx, svc, outcome, shape)
         if hit is not None:
+            relayed = hit  # told its cost like any answer
             return hit
         attempt = await forward(request, ctx, svc, shape, outcome)
         relayed = await relay(request, attempt, svc, outcome)
@@ -173,7 +174,7 @@ async def _settle(request: web.Request, svc: Services, outcome: Outcome,
                     await ending.release()
         record = await asyncio.shield(task)
         if relayed is not None and record is not None and not client_gone(request):
-            await tell_cost(relayed, record, config.cost_headers,
+            await tell_cost(relayed, caching.told(record), config.cost_headers,
                             config.server.client_write_timeout_s)
 
 

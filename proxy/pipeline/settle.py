@@ -111,10 +111,13 @@ def _reserved(done: Settlement) -> Reservation | None:
 
 def _hit_charged(done: Settlement, svc: Services, runtime: Runtime) -> Reservation | None:
     """What a cache hit is charged against: nothing under `cache.charge_hits: none` (the
-    user's counters do not move); under `full`, its reservation when it has one, else an
-    addition to the windows its plan names (`Budget.unreserved`)."""
+    user's token and cost counters do not move); under `full`, the reservation its admission
+    made (`Budget.reserve_hit`), else an addition to the windows its plan names
+    (`Budget.unreserved`)."""
     if runtime.config.cache.charge_hits is ChargeHits.NONE:
         return None
+    if done.hit_reservation is not None:
+        return done.hit_reservation
     if done.candidacy is not None:
         return done.candidacy.reservation
     if done.principal is None:  # a hit is served to someone: never, but never a 5xx either
@@ -134,9 +137,13 @@ def _hit_charged(done: Settlement, svc: Services, runtime: Runtime) -> Reservati
 async def _charge_hit(done: Settlement, svc: Services, record: RequestRecord,
                       charged: Reservation | None) -> None:
     """A hit charged in full settles what it saved, at the cost the row books; one charged
-    nothing gives back whole whatever it reserved, if the cache answered after admission."""
+    nothing settles its admission at no tokens (it counted as a request in its rate windows
+    and held its place in the in-flight sets), and gives back whole whatever it reserved, if
+    the cache answered after admission."""
     if charged is not None:
         await svc.budget.settle(charged, record.saved_usage, record.saved_cost)
+    elif done.hit_reservation is not None:
+        await svc.budget.settle(done.hit_reservation, ZERO, None)
     elif done.candidacy is not None:
         await svc.budget.release(done.candidacy.reservation)
 

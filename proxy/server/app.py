@@ -359,7 +359,7 @@ def _response_cache(config: Config, holder: RuntimeHolder, metrics: Metrics,
 
     store = make_cache_store(config.store.url, config.store.prefix,
                              config.cache.lookup_timeout_ms / 1000, memory_bytes, clock)
-    return ResponseCache(store, metrics.cache_failed, clock)
+    return ResponseCache(store, metrics.cache_failed, clock, lambda: holder.current.config.cache)
 
 
 async def _cache_ctx(app: web.Application) -> AsyncIterator[None]:

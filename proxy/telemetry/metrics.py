@@ -380,6 +380,8 @@ class CacheStage(enum.Enum):
     STORE = "store"  # the store failed to take an entry
     ENTRY = "entry"  # an entry could not be read back (another version, damaged)
     FILL = "fill"  # making an entry of a finished answer failed
+    # An answer not kept for an entry: the fills in flight held cache.fills_mb already.
+    BOUND = "bound"
 class LedgerMetrics:
     """The ledger's collectors: the serving process counts rows it could not spool; the shipper
     process (proxy.ledger.shipper_process), which registers these alone, everything else. Its

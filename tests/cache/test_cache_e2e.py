@@ -320,9 +320,11 @@ async def test_a_paused_redis_is_a_miss_and_the_request_is_served(
     proxy = make_config(str(upstream.make_url("/v1")),
                         store={"url": own_redis.url, "timeout_ms": 200}, users=USERS,
                         extra={"cache": {"enabled": True}})
+    # Another replica makes the entry (the one that made it keeps it in its memory too).
+    maker = await aiohttp_server(create_app(proxy))
     server = await aiohttp_server(create_app(proxy))
     client = _openai(server)
-    first, _ = await _chat(client)
+    first, _ = await _chat(_openai(maker))
     await until(lambda: _stored(own_redis))  # the entry is there: a lookup would find it
     assert own_redis.proc is not None
     own_redis.proc.send_signal(signal.SIGSTOP)

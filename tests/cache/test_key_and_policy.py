@@ -25,22 +25,23 @@ def _principal(user: str = "alice", key_id: str = "abc123", key_name: str | None
 
 
 def test_delivery_fields_do_not_change_the_key_and_content_fields_do() -> None:
-    base = cache_key("chat", "m", BODY, "user:alice")
+    base = cache_key("chat", "m", "up", BODY, "user:alice")
     delivered = {**BODY, "stream": True, "stream_options": {"include_usage": True},
                  "user": "u1", "metadata": {"a": 1}}
-    assert cache_key("chat", "m", delivered, "user:alice") == base
+    assert cache_key("chat", "m", "up", delivered, "user:alice") == base
     reordered = dict(reversed(list(BODY.items())))
-    assert cache_key("chat", "m", reordered, "user:alice") == base
+    assert cache_key("chat", "m", "up", reordered, "user:alice") == base
     changes: list[dict[str, Any]] = [
         {"max_tokens": 11}, {"temperature": 0.0001}, {"seed": 1}, {"stop": ["x"]},
         {"tools": []}, {"response_format": {"type": "json_object"}},
         {"messages": [{"role": "user", "content": "hi!"}]},
     ]
     for change in changes:
-        assert cache_key("chat", "m", {**BODY, **change}, "user:alice") != base, change
-    assert cache_key("messages", "m", BODY, "user:alice") != base
-    assert cache_key("chat", "m2", BODY, "user:alice") != base
-    assert cache_key("chat", "m", BODY, "user:bob") != base
+        assert cache_key("chat", "m", "up", {**BODY, **change}, "user:alice") != base, change
+    assert cache_key("messages", "m", "up", BODY, "user:alice") != base
+    assert cache_key("chat", "m2", "up", BODY, "user:alice") != base
+    assert cache_key("chat", "m", "up", BODY, "user:bob") != base
+    assert cache_key("chat", "m", "other", BODY, "user:alice") != base  # routed elsewhere
 
 
 def test_scope_ids() -> None:

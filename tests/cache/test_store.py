@@ -64,16 +64,38 @@ def test_entries_round_trip_and_damage_is_unreadable() -> None:
         raise AssertionError(raw)
 
 
+class _Leader:
+    """A leader's answer as a waiter sees it: stalled or not, as the test says."""
+
+    def __init__(self) -> None:
+        self.stuck = False
+
+    def stalled(self, now: float, stall_s: float) -> bool:
+        return self.stuck
+
+
 async def test_a_flight_has_one_leader_and_its_waiters_get_its_entry() -> None:
     flights = Flights()
-    assert flights.lead("k") is None  # the caller leads
-    waiting = flights.lead("k")
+    leader = _Leader()
+    assert flights.lead("k", leader) is None  # the caller leads
+    waiting = flights.lead("k", _Leader())
     assert waiting is not None
     entry = Entry("chat", Form.JSON, b"{}", Usage(), 0.0)
     waiter = asyncio.ensure_future(Flights.wait(waiting, within_s=10))
     flights.land("k", entry)
     assert await waiter is entry and len(flights) == 0
-    assert flights.lead("k") is None
-    late = flights.lead("k")
+    assert flights.lead("k", leader) is None
+    late = flights.lead("k", _Leader())
     assert late is not None
     assert await Flights.wait(late, within_s=0.01) is None  # the bound: go upstream
+
+
+async def test_a_waiter_leaves_a_stalled_leader_at_once() -> None:
+    flights = Flights()
+    leader = _Leader()
+    assert flights.lead("k", leader) is None
+    flight = flights.lead("k", _Leader())
+    assert flight is not None
+    leader.stuck = True  # its client stopped reading: the next check lets the waiter go
+    assert await Flights.wait(flight, within_s=3600, stall_s=0.02) is None
+    assert len(flights) == 1  # the leader still lands it
