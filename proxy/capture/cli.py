@@ -243,11 +243,23 @@ def _shown(text: str) -> list[str]:
 def _export(args: argparse.Namespace, url: str) -> int:
     lines, skipped = exported(url, filters_of(args), redactor(_configs(args)[0].redact))
     for line in lines:
-        sys.stdout.write(json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n")
+        sys.stdout.write(jsonl(line))
     if skipped:
         print(f"{skipped} captures left out: their request is not whole JSON (truncated at "
               "capture.max_body_kb, or not JSON)", file=sys.stderr)
     return 0
+
+
+# Characters JSON leaves raw (ensure_ascii=False) that some readers take for a line break
+# (Python's str.splitlines, JavaScript's line terminators): escaped, so that one export line
+# is one line for every reader. Inside JSON they can only be in strings, where `\uXXXX` means
+# the same character.
+_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
+def jsonl(line: dict[str, Any]) -> str:
+    """One export line as written: compact JSON, UTF-8 kept, ending with its one `\\n`."""
+    return json.dumps(line, ensure_ascii=False, separators=(",", ":")).translate(_BREAKS) + "\n"
 
 
 def exported(url: str, filters: CaptureFilter,

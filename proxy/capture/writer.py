@@ -10,7 +10,8 @@ like ledger rows.
 The store is opened when the first capture comes (or when retention first runs while capture is
 enabled), so a replica that never captures never creates the table; a reload that enables
 capture needs no restart. Retention deletes captures older than `capture.retention_days` (read
-from the configuration in force) once an hour, a slice at a time."""
+from the configuration in force) when the writer starts, then once an hour, a slice at a time:
+a replica restarted more often than that still deletes."""
 
 from __future__ import annotations
 
@@ -128,9 +129,11 @@ class CaptureWriter:
             self._metrics.captured(len(captures), stored)
 
     async def _retain(self) -> None:
+        # At start first: waiting the period first would never delete on a replica restarted
+        # more often than that (a deploy a day, a crash loop).
         while True:
-            await asyncio.sleep(RETENTION_EVERY_S)  # a timer, not a synchronisation
             await self.retain()
+            await asyncio.sleep(RETENTION_EVERY_S)  # a timer, not a synchronisation
 
     async def retain(self) -> int:
         """One retention run (when capture is enabled): the captures deleted."""

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
+
+from proxy.bench.replay import load_replay
 from proxy.capture.record import Body, Capture, StreamEvent
 from proxy.capture.store import CaptureStore
 from proxy.testing.replay import load_recordings
@@ -148,3 +152,36 @@ def test_a_bad_url_is_a_usage_error() -> None:
     assert done.returncode == 2 and "sqlite:///<path> or postgresql://" in done.stderr
     done = captures("list", "--url", "sqlite:///x.db", "--limit", "0")
     assert done.returncode == 2 and "--limit must be at least 1" in done.stderr
+
+
+def test_an_export_holding_unicode_line_breaks_replays_and_a_bad_line_is_skipped_by_name(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """U+2028, U+2029 and U+0085 in a prompt and an answer: the export escapes them, both
+    replays (mock-upstream's and the bench's) read the file line by line on `\\n` alone, and a
+    line that is not a capture is skipped with a warning naming it, the others kept."""
+    url = f"sqlite://{tmp_path / 'c.sqlite3'}"
+    odd = "one\u2028two\u2029three\x85four"
+    request = json.dumps({"model": "gpt-4o-mini", "max_tokens": 9, "stream": True,
+                          "messages": [{"role": "user", "content": odd}]})
+    event = "data: " + json.dumps({"choices": [{"delta": {"content": odd}}]}, ensure_ascii=False)
+    write(url, [capture("odd", T0, request=Body(request, len(request)),
+                        events=(StreamEvent(1.0, event), StreamEvent(2.0, "data: [DONE]")),
+                        output_text=odd),
+                capture("plain", T0 + 1)])
+    done = captures("export", "--format", "jsonl", "--url", url)
+    assert done.returncode == 0, done.stderr
+    assert "\u2028" not in done.stdout and "\x85" not in done.stdout
+    exported = tmp_path / "export.jsonl"
+    exported.write_text(done.stdout + "{not a capture\n" + done.stdout.split("\n")[1] + "\n",
+                        encoding="utf-8")
+    with caplog.at_level(logging.WARNING, logger="tokenmeter.replay"):
+        recordings = load_recordings(exported)
+        prompts = load_replay(str(exported), "/v1/chat/completions", "gpt-4o-mini")
+    found = recordings.find("/v1/chat/completions", [{"role": "user", "content": odd}], True)
+    assert found is not None and json.loads(found.events[0].text[6:])["choices"][0]["delta"][
+        "content"] == odd
+    assert [p.line for p in prompts] == [1, 2, 4]
+    assert prompts[0].messages == ({"role": "user", "content": odd},)
+    warned = [r.getMessage() for r in caplog.records if r.name == "tokenmeter.replay"]
+    assert warned and all(f"{exported}: line 3: " in w and "skipped" in w for w in warned)
