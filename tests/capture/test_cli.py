@@ -84,11 +84,46 @@ def test_show_json_holds_the_capture_and_the_ledgers_figures(tmp_path: Path) -> 
     assert shown["stream_text"] == "hello r1" and shown["events"][0]["at_ms"] == 12.5
     ledger = shown["ledger"]
     assert (ledger["input_tokens"], ledger["output_tokens"], ledger["ttft_ms"]) == (42, 7, 33.0)
-    assert ledger["cost_usd"] == 0.0015
+    assert ledger["cost_usd"] == "0.001500000" and ledger["cache"] == "none"
     done = captures("show", "r2", "--format", "json", "--url", url, "--ledger", url)
     shown = json.loads(done.stdout)
     assert shown["response"]["text"] == '{"id": 1}' and shown["ledger"] is None
     assert "stream_text" not in shown
+
+
+def test_show_puts_the_ledgers_cache_field_and_exact_cost_beside_a_cache_hit(
+        tmp_path: Path) -> None:
+    """A cache hit's capture holds the answer's usage while its ledger row charges 0 tokens:
+    both formats say `cache: hit` (and what the stored answer used); the text format prints
+    the ledger's figures; cost_usd is the exact nano-dollar decimal, never a binary float."""
+    db = tmp_path / "ledger.sqlite3"
+    write_sqlite(db, [
+        ledger_row("hit", T0, input_tokens=0, output_tokens=0, cost_nanousd=0, ttft_ms=1.5,
+                   token_source="none", cache="hit", saved_input_tokens=40,
+                   saved_output_tokens=300, saved_cost_nanousd=3),
+        ledger_row("big", T0, input_tokens=42, output_tokens=7, ttft_ms=33.0,
+                   cost_nanousd=123_456_789_012_345_678),
+    ])
+    url = f"sqlite://{db}"
+    write(url, [capture("hit", T0), capture("big", T0)])
+    done = captures("show", "hit", "--format", "json", "--url", url, "--ledger", url)
+    assert done.returncode == 0, done.stderr
+    ledger = json.loads(done.stdout)["ledger"]
+    assert (ledger["cache"], ledger["cost_usd"], ledger["saved_output_tokens"],
+            ledger["saved_cost_usd"]) == ("hit", "0.000000000", 300, "0.000000003")
+    done = captures("show", "big", "--format", "json", "--url", url, "--ledger", url)
+    assert json.loads(done.stdout)["ledger"]["cost_usd"] == "123456789.012345678"
+    done = captures("show", "hit", "--url", url, "--ledger", url)
+    assert done.returncode == 0, done.stderr
+    block = done.stdout[done.stdout.index("--- ledger"):].splitlines()
+    assert block[1].split() == ["tokens", "input", "0", "(cached", "0,", "cache", "writes",
+                                "0),", "output", "0", "(reasoning", "0),", "none"]
+    assert block[2].split()[:3] == ["timing", "ttft", "1.5"]
+    assert block[3].split() == ["cost_usd", "0.000000000"]
+    assert block[4].split() == ["cache", "hit"]
+    assert "output 300 (cost_usd 0.000000003" in block[5]
+    done = captures("show", "big", "--url", url, "--ledger", url)
+    assert "cost_usd     123456789.012345678\ncache        none" in done.stdout
 
 
 def test_show_text_and_a_missing_request(tmp_path: Path) -> None:
