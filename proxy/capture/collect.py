@@ -7,31 +7,43 @@ their arrival offsets). Nothing is parsed, decoded or redacted on the request pa
 the `Collector` to the capture writer (`Pending`), which turns it into a `Capture` off the loop
 (`record`, a batch at a time): every text redacted and bounded, a stream kept as its chunks.
 Cutting a stream into its events and reassembling its output wait until it is read
-(`completed`)."""
+(`completed`), unless the stream's texts hold something to redact that its events split between
+them (a key or an address streamed token by token, in the text, a tool call's arguments, the
+reasoning...): then the events that carry its pieces are rewritten at record time, the secret's
+pieces dropped and `[REDACTED]` in the first's place, so that no field of the capture holds it,
+joined or not."""
 
 from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import Any
 
+from multidict import CIMultiDictProxy
+
+from proxy.auth import KEY_HEADERS
 from proxy.capture.record import Body, Capture, Chunks, StreamEvent
-from proxy.capture.redact import Redactor
+from proxy.capture.redact import REDACTED, Redactor
+from proxy.protocol.readers import loads_all
 from proxy.protocol.sse import SSEDecoder
 
 
 class Collector:
     """One request's bytes, bounded; owned by the request (written only as its bytes pass)."""
 
-    __slots__ = ("_chunk_bytes", "answer", "api", "chunks", "chunks_cut", "limit", "path",
-                 "request", "upstream")
+    __slots__ = ("_chunk_bytes", "answer", "api", "chunks", "chunks_cut", "keys", "limit",
+                 "path", "request", "upstream")
 
-    def __init__(self, limit_bytes: int, api: str = "openai", path: str = "") -> None:
+    def __init__(self, limit_bytes: int, api: str = "openai", path: str = "",
+                 keys: tuple[str, ...] = ()) -> None:
         self.limit = limit_bytes
         self.api, self.path = api, path  # the client's API shape and route
+        # The keys the client sent (`sent_keys`): removed from the capture literally, whatever
+        # they look like; never written anywhere.
+        self.keys = keys
         self.request: tuple[bytes, int] | None = None  # (kept bytes, size as sent)
         self.upstream: tuple[bytes, int] | None = None
         self.answer: tuple[bytes, int] | None = None
@@ -61,15 +73,29 @@ class Collector:
         self._chunk_bytes += len(chunk)
 
 
+def sent_keys(headers: CIMultiDictProxy[str]) -> tuple[str, ...]:
+    """Every value of every header a client's key comes in (proxy.auth.KEY_HEADERS; a bearer
+    token without its scheme), each line of a repeated header too: what a capture of the
+    request removes literally, the key authentication took and any other the client sent."""
+    found: list[str] = []
+    for name in KEY_HEADERS:
+        for line in headers.getall(name, ()):
+            value = (line.partition(" ")[2] if name == "Authorization" else line).strip()
+            if value:
+                found.append(value)
+    return tuple(found)
+
+
 @functools.lru_cache(maxsize=8)
-def _compiled(patterns: tuple[str, ...]) -> Redactor:
-    return Redactor.of(patterns)
+def _compiled(patterns: tuple[str, ...], keys: tuple[str, ...]) -> Redactor:
+    return Redactor.of(patterns, keys)
 
 
-def redactor(patterns: list[str]) -> Callable[[str], str]:
-    """`capture.redact` as one function: every match replaced by `[REDACTED]` (compiled once
-    per pattern list; proxy.capture.redact is the one definition of redaction)."""
-    return _compiled(tuple(patterns)).text
+def redactor(patterns: list[str], keys: Iterable[str | None] = ()) -> Redactor:
+    """`capture.redact` (and the known `keys`, removed literally) as one redactor, called as a
+    function: every match replaced by `[REDACTED]` (compiled once per pattern list and keys;
+    proxy.capture.redact is the one definition of redaction)."""
+    return _compiled(tuple(patterns), tuple(k for k in keys if k))
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +124,7 @@ def _body(kept: tuple[bytes, int] | None, limit: int, redact: Callable[[str], st
     if kept is None:
         return None
     data, size = kept
-    text = redact(data.decode("utf-8", "replace"))
+    text = _deep(redact(data.decode("utf-8", "replace")), redact)
     cut = size > limit or len(text.encode()) > limit
     if cut:
         text = text.encode()[:limit].decode("utf-8", "ignore")
@@ -122,18 +148,21 @@ def events_of(chunks: list[tuple[float, bytes]]) -> list[tuple[float, bytes, byt
     return out
 
 
-def record(collected: Collector, meta: Meta, redact: Callable[[str], str]) -> Capture:
+def record(collected: Collector, meta: Meta, redact: Redactor) -> Capture:
     """The capture of a settled request (CPU work: run it off the event loop). A stream is kept
     as its chunks, redacted in one pass over its whole text; it is cut into events and its
     output reassembled when read (`completed`). Only when the redaction changed the stream's
-    text (a chunk's offsets would no longer hold) or it is not UTF-8 is it cut here, event by
-    event."""
+    text (a chunk's offsets would no longer hold), it is not UTF-8, or its events split a
+    secret between them (`_unsplit`) is it cut here, event by event."""
     limit = collected.limit
-    chunks = _chunks(collected.chunks, redact)
+    redact = redact.with_keys(collected.keys)
+    framed = events_of(collected.chunks) if collected.chunks else []
+    unsplit = _unsplit(framed, redact)
+    chunks = None if unsplit is not None else _chunks(collected.chunks, redact)
     events: tuple[StreamEvent, ...] = ()
     output: dict[str, Any] = {}
     if chunks is None:  # nothing streamed, or a stream that must be cut here
-        framed = events_of(collected.chunks) if collected.chunks else []
+        framed = unsplit if unsplit is not None else framed
         if framed:
             events = _redacted_events(framed, redact)
         output = _output_fields(reassemble([data for _, _, data in framed]), meta.stream, redact)
@@ -172,9 +201,144 @@ def _chunks(kept: list[tuple[float, bytes]], redact: Callable[[str], str]) -> Ch
 
 def _output_fields(output: Output, stream: bool,
                    redact: Callable[[str], str]) -> dict[str, Any]:
+    # Every text kind redacted, a tool call's arguments, name and id included.
     return {"output_text": redact(output.text) if stream else None,
-            "tool_calls": output.tool_calls,
+            "tool_calls": tuple(_redacted_json(call, redact) for call in output.tool_calls),
             "reasoning": redact(output.reasoning) if output.reasoning else None}
+
+
+def _redacted_json(value: Any, redact: Callable[[str], str]) -> Any:
+    """`value` (parsed JSON) with each string in it redacted."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {k: _redacted_json(v, redact) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redacted_json(v, redact) for v in value]
+    return value
+
+
+def _deep(text: str, redact: Callable[[str], str]) -> str:
+    """A JSON body's text whose strings, decoded, still hold something to redact (a secret
+    the escaping hid from the patterns: `\\u0040` for `@`, a key inside a JSON string inside
+    JSON) made again from its redacted value; any other text as it is. Only a text with an
+    escape can hide anything, so only that is parsed."""
+    if "\\" not in text:
+        return text
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text  # not JSON, or cut at the limit
+    redacted = _redacted_json(value, redact)
+    if redacted == value:
+        return text
+    return redact(json.dumps(redacted, ensure_ascii=False))
+
+
+# The fields of a stream's events that carry the answer's texts, in every API the proxy
+# speaks: chat's `content`, `refusal`, `reasoning_content`, a tool call's `arguments`;
+# Anthropic's `text`, `thinking`, `partial_json`; Responses' `delta` and `text`, legacy
+# completions' `text`. A secret is looked for in each one's pieces joined across events.
+_TEXT_FIELDS = frozenset({"content", "refusal", "reasoning_content", "reasoning", "arguments",
+                          "text", "thinking", "partial_json", "delta"})
+# What tells apart, in an event, the streams its texts belong to (besides the field's place):
+# the event's type and the indices of its content block, output item and content part.
+_STREAM_IDS = ("type", "index", "output_index", "content_index", "summary_index", "item_id")
+
+# (event's position, the string's place in it) and the string
+_Piece = tuple[int, tuple[Any, ...], str]
+
+
+def _pieces(value: Any, place: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], str]]:
+    """The text strings in an event's value and where each is; a list's element by its
+    position and, when it has one, its `index` field (a choice, a tool call: what tells its
+    stream, `_stream`)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(v, str):
+                if k in _TEXT_FIELDS and v:
+                    yield (*place, k), v
+            else:
+                yield from _pieces(v, (*place, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            index = v.get("index") if isinstance(v, dict) else None
+            yield from _pieces(v, (*place, (i, index if isinstance(index, int) else None)))
+
+
+def _stream(obj: dict[str, Any], place: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Which stream of text a piece at `place` in an event belongs to: the event's ids and the
+    place, a list's element named by its `index` field when it has one (a tool call's deltas
+    all come at position 0, told apart by `index`)."""
+    ids = tuple(v if isinstance(v, str | int | float) else None
+                for v in (obj.get(k) for k in _STREAM_IDS))
+    return (ids, *(s if not isinstance(s, tuple) else s[1] if s[1] is not None else ("@", s[0])
+                   for s in place))
+
+
+def _unsplit(framed: list[tuple[float, bytes, bytes]],
+             redact: Redactor) -> list[tuple[float, bytes, bytes]] | None:
+    """The stream's events with every secret its texts hold removed, when some text (the
+    pieces of one field joined across the events, as a client reassembles them) holds one;
+    None when none does (then redacting the stream's text, as written, is enough)."""
+    if not framed:
+        return None
+    objs = loads_all([data for _, _, data in framed])
+    streams: dict[tuple[Any, ...], list[_Piece]] = {}
+    for n, obj in enumerate(objs):
+        for place, text in _pieces(obj, ()):
+            streams.setdefault(_stream(obj, place), []).append((n, place, text))
+    changed: dict[int, list[tuple[tuple[Any, ...], str]]] = {}
+    for pieces in streams.values():
+        texts = [text for _, _, text in pieces]
+        spans = redact.spans("".join(texts))
+        if not spans:
+            continue
+        for (n, place, old), new in zip(pieces, _cut(texts, spans), strict=True):
+            if new != old:
+                changed.setdefault(n, []).append((place, new))
+    if not changed:
+        return None
+    out = list(framed)
+    for n, edits in changed.items():
+        obj = objs[n]
+        for place, new in edits:
+            _put(obj, place, new)
+        at, raw, _ = framed[n]
+        data = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+        kept = [line for line in raw.split(b"\n") if not line.startswith(b"data:")]
+        out[n] = (at, b"\n".join([*kept, b"data: " + data]), data)
+    return out
+
+
+def _cut(texts: list[str], spans: list[tuple[int, int]]) -> list[str]:
+    """`texts` (pieces of one text) with the parts `spans` (of the joined text) covers taken
+    out: `[REDACTED]` where a span starts, nothing where it goes on into later pieces."""
+    out: list[str] = []
+    start = 0
+    for text in texts:
+        end = start + len(text)
+        parts: list[str] = []
+        at = start
+        for a, b in spans:
+            if b <= start or a >= end:
+                continue
+            parts.append(text[at - start : max(a, start) - start])
+            if a >= start:
+                parts.append(REDACTED)
+            at = min(b, end)
+        parts.append(text[at - start :])
+        out.append("".join(parts))
+        start = end
+    return out
+
+
+def _put(value: Any, place: tuple[Any, ...], new: str) -> None:
+    """Set the string at `place` (as `_pieces` names it) in `value` to `new`."""
+    *path, last = place
+    for step in path:
+        value = value[step[0] if isinstance(step, tuple) else step]
+    value[last] = new
 
 
 def completed(capture: Capture, redact: Callable[[str], str]) -> Capture:
@@ -202,7 +366,7 @@ class Pending:
 
     collected: Collector
     meta: Meta
-    redact: Callable[[str], str]
+    redact: Redactor  # the configured patterns and upstream keys (the client's: `collected`)
 
     def capture(self) -> Capture:
         return record(self.collected, self.meta, self.redact)

@@ -5,9 +5,9 @@ reassembled, every text redacted before it is cut."""
 from __future__ import annotations
 
 import json
-import re
 
 from proxy.capture.collect import Collector, Meta, completed, events_of, reassemble, record
+from proxy.capture.redact import Redactor
 
 META = Meta(request_id="r1", started_at=1.0, api="openai", path="/v1/chat/completions",
             operation="chat", user="alice", key_name=None, team=None,
@@ -16,8 +16,7 @@ META = Meta(request_id="r1", started_at=1.0, api="openai", path="/v1/chat/comple
 KEY = "sk-proj-0123456789abcdefABCDEF"
 
 
-def _redact(text: str) -> str:
-    return re.sub(r"sk-[A-Za-z0-9_-]{16,}", "[REDACTED]", text)
+_redact = Redactor.of([r"sk-[A-Za-z0-9_-]{16,}"])
 
 
 def _chunk(delta: dict[str, object]) -> bytes:
