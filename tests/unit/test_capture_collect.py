@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 
 from proxy.capture.collect import Collector, Meta, completed, events_of, reassemble, record
+from proxy.capture.record import Capture, StreamEvent
 from proxy.capture.redact import Redactor
+from proxy.config.capture import DEFAULT_REDACT
 
 META = Meta(request_id="r1", started_at=1.0, api="openai", path="/v1/chat/completions",
             operation="chat", user="alice", key_name=None, team=None,
@@ -113,3 +115,67 @@ def test_a_secret_split_across_two_events_is_redacted_in_the_output_read() -> No
         c.streamed(_chunk({"content": piece}), float(i))
     capture = completed(record(c, META, _redact), _redact)
     assert capture.output_text == "[REDACTED]"
+
+
+MAIL = "jane.doe@example.com"
+
+
+def _joined(capture_events: tuple[StreamEvent, ...], field: str) -> str:
+    """A field's pieces joined across the stored events, as a client joins them."""
+    out = ""
+    for event in capture_events:
+        data = event.text.rpartition("data: ")[2]
+        if data.startswith("{"):
+            out += _find(json.loads(data), field)
+    return out
+
+
+def _find(value: object, field: str) -> str:
+    if isinstance(value, dict):
+        return "".join(v if k == field and isinstance(v, str) else _find(v, field)
+                       for k, v in value.items())
+    if isinstance(value, list):
+        return "".join(_find(v, field) for v in value)
+    return ""
+
+
+def _split_stream(events: list[bytes]) -> Capture:
+    c = Collector(limit_bytes=64 * 1024)
+    c.sent(b"{}")
+    for i, event in enumerate(events):
+        c.streamed(event, float(i))
+    return completed(record(c, META, Redactor.of(DEFAULT_REDACT)), Redactor.of([]))
+
+
+def test_secrets_split_across_events_leave_no_field_whatever_the_text_kind() -> None:
+    """Chat's content (two choices interleaved), reasoning and refusal, and a Responses
+    stream's text deltas: each field's pieces are joined per choice or item; what a secret
+    split between events leaves in them is [REDACTED] where it began, nothing after."""
+    chat = []
+    for a, b in zip([MAIL[:5], MAIL[5:12], MAIL[12:]], ["ok ", "fine ", "done"], strict=True):
+        chat.append(b"data: " + json.dumps({"choices": [
+            {"index": 0, "delta": {"content": a, "reasoning_content": KEY[:12] if a == MAIL[:5]
+                                   else KEY[12:] if a == MAIL[5:12] else ""}},
+            {"index": 1, "delta": {"refusal": b}}]}).encode() + b"\n\n")
+    capture = _split_stream([*chat, b"data: [DONE]\n\n"])
+    assert _joined(capture.events, "content") == "[REDACTED]"
+    assert _joined(capture.events, "reasoning_content") == "[REDACTED]"
+    assert _joined(capture.events, "refusal") == "ok fine done"  # the other choice untouched
+    assert capture.output_text == "[REDACTED]" and capture.reasoning == "[REDACTED]"
+    responses = [
+        b"event: response.output_text.delta\ndata: " + json.dumps(
+            {"type": "response.output_text.delta", "output_index": 0, "content_index": 0,
+             "delta": piece}).encode() + b"\n\n"
+        for piece in ["mail ", MAIL[:4], MAIL[4:9], MAIL[9:], " now"]]
+    capture = _split_stream(responses)
+    assert _joined(capture.events, "delta") == "mail [REDACTED] now"
+    assert all(e.text.startswith("event: response.output_text.delta\ndata: ")
+               for e in capture.events)
+
+
+def test_a_clean_stream_is_still_kept_as_chunks() -> None:
+    c = Collector(limit_bytes=4096)
+    c.sent(b"{}")
+    for i, piece in enumerate(["no ", "secret ", "here"]):
+        c.streamed(_chunk({"content": piece}), float(i))
+    assert record(c, META, Redactor.of(DEFAULT_REDACT)).chunks is not None
