@@ -156,13 +156,13 @@ def record(collected: Collector, meta: Meta, redact: Redactor) -> Capture:
     secret between them (`_unsplit`) is it cut here, event by event."""
     limit = collected.limit
     redact = redact.with_keys(collected.keys)
-    framed = events_of(collected.chunks) if collected.chunks else []
-    unsplit = _unsplit(framed, redact)
+    unsplit = _unsplit(collected.chunks, redact)
     chunks = None if unsplit is not None else _chunks(collected.chunks, redact)
     events: tuple[StreamEvent, ...] = ()
     output: dict[str, Any] = {}
     if chunks is None:  # nothing streamed, or a stream that must be cut here
-        framed = unsplit if unsplit is not None else framed
+        framed = unsplit if unsplit is not None else (
+            events_of(collected.chunks) if collected.chunks else [])
         if framed:
             events = _redacted_events(framed, redact)
         output = _output_fields(reassemble([data for _, _, data in framed]), meta.stream, redact)
@@ -236,76 +236,118 @@ def _deep(text: str, redact: Callable[[str], str]) -> str:
 
 
 # The fields of a stream's events that carry the answer's texts, in every API the proxy
-# speaks: chat's `content`, `refusal`, `reasoning_content`, a tool call's `arguments`;
-# Anthropic's `text`, `thinking`, `partial_json`; Responses' `delta` and `text`, legacy
-# completions' `text`. A secret is looked for in each one's pieces joined across events.
-_TEXT_FIELDS = frozenset({"content", "refusal", "reasoning_content", "reasoning", "arguments",
-                          "text", "thinking", "partial_json", "delta"})
-# What tells apart, in an event, the streams its texts belong to (besides the field's place):
-# the event's type and the indices of its content block, output item and content part.
-_STREAM_IDS = ("type", "index", "output_index", "content_index", "summary_index", "item_id")
+# speaks (`_texts`). A secret is looked for in each one's pieces joined across the events.
+_CHAT_TEXTS = ("content", "reasoning_content", "reasoning", "refusal")  # a choice's delta
+_MESSAGES_TEXTS = ("text", "thinking", "partial_json")  # Anthropic's content_block_delta
+_RESPONSES_IDS = ("type", "item_id", "output_index", "content_index", "summary_index")
 
-# (event's position, the string's place in it) and the string
-_Piece = tuple[int, tuple[Any, ...], str]
+# (which text it is a piece of, the object holding it, its field, the piece)
+_Text = tuple[tuple[Any, ...], dict[str, Any], str, str]
 
 
-def _pieces(value: Any, place: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], str]]:
-    """The text strings in an event's value and where each is; a list's element by its
-    position and, when it has one, its `index` field (a choice, a tool call: what tells its
-    stream, `_stream`)."""
-    if isinstance(value, dict):
-        for k, v in value.items():
-            if isinstance(v, str):
-                if k in _TEXT_FIELDS and v:
-                    yield (*place, k), v
-            else:
-                yield from _pieces(v, (*place, k))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            index = v.get("index") if isinstance(v, dict) else None
-            yield from _pieces(v, (*place, (i, index if isinstance(index, int) else None)))
+def _id(value: Any) -> str | int | None:
+    return value if isinstance(value, str | int) else None
 
 
-def _stream(obj: dict[str, Any], place: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Which stream of text a piece at `place` in an event belongs to: the event's ids and the
-    place, a list's element named by its `index` field when it has one (a tool call's deltas
-    all come at position 0, told apart by `index`)."""
-    ids = tuple(v if isinstance(v, str | int | float) else None
-                for v in (obj.get(k) for k in _STREAM_IDS))
-    return (ids, *(s if not isinstance(s, tuple) else s[1] if s[1] is not None else ("@", s[0])
-                   for s in place))
+def _texts(obj: dict[str, Any]) -> Iterator[_Text]:
+    """The pieces of the answer's texts an event carries: Chat's content, reasoning, refusal and
+    tool-call arguments (by choice and call), legacy Completions' text, Anthropic's text,
+    thinking and tool input (by content block), a Responses event's delta (by item and part).
+    Told apart by what a client reassembles them by."""
+    choices = obj.get("choices")
+    if isinstance(choices, list):
+        for choice in choices:
+            if isinstance(choice, dict):
+                yield from _choice_texts(choice)
+        return
+    delta = obj.get("delta")
+    if isinstance(delta, dict):
+        for field in _MESSAGES_TEXTS:
+            text = delta.get(field)
+            if isinstance(text, str) and text:
+                yield (_id(obj.get("index")), field), delta, field, text
+    elif isinstance(delta, str) and delta:
+        yield tuple(_id(obj.get(k)) for k in _RESPONSES_IDS), obj, "delta", delta
 
 
-def _unsplit(framed: list[tuple[float, bytes, bytes]],
+def _choice_texts(choice: dict[str, Any]) -> Iterator[_Text]:
+    at = _id(choice.get("index"))
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        for field in _CHAT_TEXTS:
+            text = delta.get(field)
+            if isinstance(text, str) and text:
+                yield (at, field), delta, field, text
+        calls = delta.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            text = fn.get("arguments") if isinstance(fn, dict) else None
+            if isinstance(fn, dict) and isinstance(text, str) and text:
+                yield (at, "tool", _id(call.get("index"))), fn, "arguments", text
+    text = choice.get("text")  # legacy Completions
+    if isinstance(text, str) and text:
+        yield (at, "text"), choice, "text", text
+
+
+def _redact_joined(objs: list[dict[str, Any]], redact: Redactor) -> set[int]:
+    """Each text's pieces joined across `objs` (events' data, parsed) and looked at: a secret
+    found is taken out of the pieces, in place (`_cut`). Returns the events changed."""
+    texts: dict[tuple[Any, ...], list[tuple[int, dict[str, Any], str, str]]] = {}
+    for n, obj in enumerate(objs):
+        # Most events of most streams: one choice whose delta is a piece of content alone,
+        # taken without the general walk (a third of the whole look's cost).
+        choices = obj.get("choices")
+        if type(choices) is list and len(choices) == 1:
+            choice = choices[0]
+            delta = choice.get("delta") if type(choice) is dict else None
+            if type(delta) is dict and len(delta) == 1:
+                piece = delta.get("content")
+                if type(piece) is str:
+                    if piece:
+                        texts.setdefault((_id(choice.get("index")), "content"), []).append(
+                            (n, delta, "content", piece))
+                    continue
+        for key, holder, field, piece in _texts(obj):
+            texts.setdefault(key, []).append((n, holder, field, piece))
+    changed: set[int] = set()
+    for pieces in texts.values():
+        olds = [piece for _, _, _, piece in pieces]
+        spans = redact.spans("".join(olds))
+        if not spans:
+            continue
+        for (n, holder, field, old), new in zip(pieces, _cut(olds, spans), strict=True):
+            if new != old:
+                holder[field] = new
+                changed.add(n)
+    return changed
+
+
+def _datas(raw: bytes) -> list[bytes]:
+    """The JSON objects' data among a whole stream's events (framed in one call: the codec's
+    fast path for one-line `data:` events, else its full framing)."""
+    decoder = SSEDecoder()
+    datas = decoder.whole_events(raw)
+    if datas is None:
+        datas = [e.data for e in (*decoder.feed(raw), *decoder.flush())]
+    return [d for d in datas if d[:1] == b"{"]  # `[DONE]` would make loads_all parse each
+
+
+def _unsplit(chunks: list[tuple[float, bytes]],
              redact: Redactor) -> list[tuple[float, bytes, bytes]] | None:
     """The stream's events with every secret its texts hold removed, when some text (the
     pieces of one field joined across the events, as a client reassembles them) holds one;
-    None when none does (then redacting the stream's text, as written, is enough)."""
-    if not framed:
+    None when none does (then redacting the stream's text, as written, is enough). The look
+    is one framing and one JSON parse of the whole stream; only a stream that holds a secret
+    is cut into its timed events and those that carry its pieces made again."""
+    if not chunks or not _redact_joined(
+            loads_all(_datas(b"".join([data for _, data in chunks]))), redact):
         return None
+    framed = events_of(chunks)
     objs = loads_all([data for _, _, data in framed])
-    streams: dict[tuple[Any, ...], list[_Piece]] = {}
-    for n, obj in enumerate(objs):
-        for place, text in _pieces(obj, ()):
-            streams.setdefault(_stream(obj, place), []).append((n, place, text))
-    changed: dict[int, list[tuple[tuple[Any, ...], str]]] = {}
-    for pieces in streams.values():
-        texts = [text for _, _, text in pieces]
-        spans = redact.spans("".join(texts))
-        if not spans:
-            continue
-        for (n, place, old), new in zip(pieces, _cut(texts, spans), strict=True):
-            if new != old:
-                changed.setdefault(n, []).append((place, new))
-    if not changed:
-        return None
     out = list(framed)
-    for n, edits in changed.items():
-        obj = objs[n]
-        for place, new in edits:
-            _put(obj, place, new)
+    for n in _redact_joined(objs, redact):
         at, raw, _ = framed[n]
-        data = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+        data = json.dumps(objs[n], ensure_ascii=False, separators=(",", ":")).encode()
         kept = [line for line in raw.split(b"\n") if not line.startswith(b"data:")]
         out[n] = (at, b"\n".join([*kept, b"data: " + data]), data)
     return out
@@ -331,14 +373,6 @@ def _cut(texts: list[str], spans: list[tuple[int, int]]) -> list[str]:
         out.append("".join(parts))
         start = end
     return out
-
-
-def _put(value: Any, place: tuple[Any, ...], new: str) -> None:
-    """Set the string at `place` (as `_pieces` names it) in `value` to `new`."""
-    *path, last = place
-    for step in path:
-        value = value[step[0] if isinstance(step, tuple) else step]
-    value[last] = new
 
 
 def completed(capture: Capture, redact: Callable[[str], str]) -> Capture:
