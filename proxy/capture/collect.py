@@ -208,8 +208,17 @@ def _output_fields(output: Output, stream: bool,
 
 
 def _redacted_json(value: Any, redact: Callable[[str], str]) -> Any:
-    """`value` (parsed JSON) with each string in it redacted."""
+    """`value` (parsed JSON) with each string in it redacted; a string that is JSON with an
+    escape in it (a tool call's arguments) is decoded and redacted the same way."""
     if isinstance(value, str):
+        if value[:1] in ("{", "[") and "\\" in value:
+            try:
+                inner = json.loads(value)
+            except ValueError:
+                return redact(value)
+            redacted = _redacted_json(inner, redact)
+            if redacted != inner:
+                return redact(json.dumps(redacted, ensure_ascii=False))
         return redact(value)
     if isinstance(value, dict):
         return {k: _redacted_json(v, redact) for k, v in value.items()}
@@ -227,9 +236,9 @@ def _deep(text: str, redact: Callable[[str], str]) -> str:
         return text
     try:
         value = json.loads(text)
-    except ValueError:
-        return text  # not JSON, or cut at the limit
-    redacted = _redacted_json(value, redact)
+        redacted = _redacted_json(value, redact)
+    except (ValueError, RecursionError):
+        return text  # not JSON, cut at the limit, or nested past what is walked
     if redacted == value:
         return text
     return redact(json.dumps(redacted, ensure_ascii=False))

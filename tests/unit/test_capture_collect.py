@@ -5,6 +5,7 @@ reassembled, every text redacted before it is cut."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from proxy.capture.collect import Collector, Meta, completed, events_of, reassemble, record
 from proxy.capture.record import Capture, StreamEvent
@@ -179,3 +180,25 @@ def test_a_clean_stream_is_still_kept_as_chunks() -> None:
     for i, piece in enumerate(["no ", "secret ", "here"]):
         c.streamed(_chunk({"content": piece}), float(i))
     assert record(c, META, Redactor.of(DEFAULT_REDACT)).chunks is not None
+
+
+def test_a_json_answer_hiding_a_secret_behind_escapes_is_written_again_redacted() -> None:
+    """Not streamed: an e-mail written `\\u0040` in the text and inside a tool call's
+    arguments (JSON in a JSON string), found once the body's strings are decoded."""
+    c = Collector(limit_bytes=4096)
+    c.sent(b"{}")
+    args = '{"to": "jane.doe\\u0040example.com"}'  # JSON with the `@` escaped
+    body = ('{"choices": [{"message": {"content": "mail jane.doe\\u0040example.com", '
+            '"tool_calls": [{"function": {"name": "f", "arguments": ' + json.dumps(args)
+            + '}}]}}]}')
+    c.answered(body.encode())
+    capture = record(c, replace(META, stream=False), Redactor.of(DEFAULT_REDACT))
+    assert capture.response is not None
+    answer = json.loads(capture.response.text)
+    message = answer["choices"][0]["message"]
+    assert message["content"] == "mail [REDACTED]"
+    assert "example" not in message["tool_calls"][0]["function"]["arguments"]
+    clean = b'{"choices": [{"message": {"content": "line\\none"}}]}'
+    c.answered(clean)
+    kept = record(c, replace(META, stream=False), Redactor.of(DEFAULT_REDACT)).response
+    assert kept is not None and kept.text == clean.decode()  # nothing found: byte for byte
