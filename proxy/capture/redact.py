@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from proxy.capture.record import Body
 from proxy.config.capture import DEFAULT_REDACT
@@ -52,7 +52,9 @@ def key_forms(key: str) -> tuple[str, ...]:
 @dataclass(frozen=True, slots=True)
 class Redactor:
     patterns: tuple[re.Pattern[str], ...]
-    literals: tuple[str, ...] = ()  # the known keys' forms (`key_forms`), longest first
+    # The known keys' forms (`key_forms`), longest first; kept out of the repr: keys are never
+    # logged, even by a traceback's or a debugger's look at a capture waiting to be made.
+    literals: tuple[str, ...] = field(default=(), repr=False)
 
     @staticmethod
     def of(patterns: Iterable[str], keys: Iterable[str | None] = ()) -> Redactor:

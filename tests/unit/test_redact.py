@@ -115,6 +115,7 @@ def test_a_known_key_is_removed_in_every_form_json_gives_it() -> None:
     assert redactor.text("short and sweet") == "short and sweet"
     assert _DEFAULT.text(_ODD_KEY) == _ODD_KEY  # a redactor without the key leaves it
     assert redactor.with_keys([_ODD_KEY]) is redactor  # nothing new: the same redactor
+    assert "0123456789" not in repr(redactor)  # never shown, even by a repr
 
 
 def test_spans_merge_what_every_literal_and_pattern_would_remove() -> None:
