@@ -18,6 +18,7 @@ import asyncpg
 
 from proxy.capture.collect import redactor
 from proxy.capture.record import Body, Capture
+from proxy.capture.redact import Redactor
 from proxy.capture.store import CaptureFilter, CaptureRow, CaptureStore, default_url
 from proxy.config.capture import CaptureConfig
 from proxy.config.ledger import LedgerConfig
@@ -106,6 +107,16 @@ def _configs(args: argparse.Namespace) -> tuple[CaptureConfig, LedgerConfig]:
     return config.capture, config.ledger
 
 
+def _read_redactor(args: argparse.Namespace) -> Redactor:
+    """What a capture's reassembled output is redacted with when read: --config's
+    `capture.redact` and its upstreams' keys (a capture is written redacted; this is for what
+    only joining a stream's pieces shows, and for captures written by an older version)."""
+    if not args.config:
+        return redactor(CaptureConfig().redact)
+    config = load_config(args.config)
+    return redactor(config.capture.redact, [u.api_key for u in config.upstreams.values()])
+
+
 def store_url(args: argparse.Namespace) -> str:
     """The store `args` name: --url, else --config's capture.url, else its ledger's database
     (without --config: the default ledger file)."""
@@ -175,7 +186,7 @@ def _table(rows: list[CaptureRow]) -> str:
 
 
 def _show(args: argparse.Namespace, url: str) -> int:
-    redact = redactor(_configs(args)[0].redact)
+    redact = _read_redactor(args)
     capture = _with_store(url, lambda store: store.get(args.request_id, redact))
     if capture is None:
         print(f"no capture of request {args.request_id!r} in the store", file=sys.stderr)
@@ -280,7 +291,7 @@ def _shown(text: str) -> list[str]:
 
 
 def _export(args: argparse.Namespace, url: str) -> int:
-    lines, skipped = exported(url, filters_of(args), redactor(_configs(args)[0].redact))
+    lines, skipped = exported(url, filters_of(args), _read_redactor(args))
     for line in lines:
         sys.stdout.write(jsonl(line))
     if skipped:
