@@ -293,6 +293,10 @@ def _choice_texts(choice: dict[str, Any]) -> Iterator[_Text]:
             text = fn.get("arguments") if isinstance(fn, dict) else None
             if isinstance(fn, dict) and isinstance(text, str) and text:
                 yield (at, "tool", _id(call.get("index"))), fn, "arguments", text
+        fn = delta.get("function_call")  # the deprecated single call
+        text = fn.get("arguments") if isinstance(fn, dict) else None
+        if isinstance(fn, dict) and isinstance(text, str) and text:
+            yield (at, "function_call"), fn, "arguments", text
     text = choice.get("text")  # legacy Completions
     if isinstance(text, str) and text:
         yield (at, "text"), choice, "text", text

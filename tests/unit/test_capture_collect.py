@@ -202,3 +202,21 @@ def test_a_json_answer_hiding_a_secret_behind_escapes_is_written_again_redacted(
     c.answered(clean)
     kept = record(c, replace(META, stream=False), Redactor.of(DEFAULT_REDACT)).response
     assert kept is not None and kept.text == clean.decode()  # nothing found: byte for byte
+
+
+def test_interleaved_tool_calls_are_each_joined_by_their_index() -> None:
+    """Two tool calls streamed at once (their deltas interleaved, each at position 0 with its
+    own `index`) and the deprecated `function_call`: each call's arguments are joined alone."""
+    first, second = json.dumps({"k": KEY}), json.dumps({"to": MAIL})
+    events = []
+    for n in range(0, max(len(first), len(second)), 4):
+        for index, args in ((0, first), (1, second)):
+            if args[n:n + 4]:
+                events.append(_chunk({"tool_calls": [
+                    {"index": index, "function": {"arguments": args[n:n + 4]}}]}))
+    events += [_chunk({"function_call": {"arguments": p}}) for p in (KEY[:9], KEY[9:])]
+    capture = _split_stream(events)
+    assert KEY not in _joined(capture.events, "arguments").replace('"', "")
+    calls = [json.loads(c["arguments"]) for c in capture.tool_calls]
+    assert calls == [{"k": "[REDACTED]"}, {"to": "[REDACTED]"}]
+    assert all(KEY[:9] not in e.text and MAIL[:6] not in e.text for e in capture.events)
