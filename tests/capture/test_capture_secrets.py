@@ -156,6 +156,16 @@ def _streamed_arguments(capture: Capture) -> str:
     return joined
 
 
+def _texts(capture: Capture) -> str:
+    """Every text the capture holds, as it holds it (not escaped again by a dump)."""
+    bodies = (capture.request, capture.upstream_request, capture.response,
+              capture.upstream_error)
+    return "\n".join([*(b.text for b in bodies if b is not None),
+                       *(e.text for e in capture.events), capture.output_text or "",
+                       capture.reasoning or "", *(json.dumps(c) for c in capture.tool_calls),
+                       *(c["arguments"] for c in capture.tool_calls if "arguments" in c)])
+
+
 def _no_secret_in(text: str, *secrets: str) -> None:
     for secret in secrets:
         for form in forms(secret):
@@ -199,6 +209,7 @@ async def test_a_streamed_tool_calls_secrets_are_in_no_field_of_its_capture(
     assert "[REDACTED]" in joined
     _no_secret_in(joined, SK, MAIL)
     assert len(capture.tool_calls) == 1
+    _no_secret_in(_texts(capture), SK, MAIL)
     _no_secret_in(json.dumps(capture.to_json()), SK, MAIL)
     for fmt in ("json", "text"):
         _no_secret_in(await asyncio.to_thread(_show, store_url, request_id, fmt), SK, MAIL)
@@ -239,6 +250,7 @@ async def test_the_keys_the_proxy_knows_are_redacted_whatever_their_shape(
     capture = await _stored_raw(store_url, request_id)
     assert capture.upstream_error is not None and "[REDACTED]" in capture.upstream_error.text
     assert capture.request.text.count("[REDACTED]") == 2
+    _no_secret_in(_texts(capture), CLIENT_KEY, UPSTREAM_KEY)
     _no_secret_in(json.dumps(capture.to_json()), CLIENT_KEY, UPSTREAM_KEY)
     for fmt in ("json", "text"):
         _no_secret_in(await asyncio.to_thread(_show, store_url, request_id, fmt),
