@@ -86,7 +86,8 @@ def load_prompts(path: str | Path, model: str) -> list[Prompt]:
     list. Blank lines are skipped; anything else is an error naming the line."""
     p = Path(path)
     try:
-        lines = p.read_text(encoding="utf-8").splitlines()
+        # Split on "\n" alone: a text may hold U+2028 and the like, which splitlines breaks at.
+        lines = p.read_text(encoding="utf-8").split("\n")
     except (OSError, UnicodeDecodeError) as exc:
         raise PromptsFileError(f"{p}: cannot read: {exc}") from None
     prompts: list[Prompt] = []

@@ -10,6 +10,7 @@ import sqlite3
 import sys
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any, TypeVar
 from zoneinfo import ZoneInfo
 
@@ -17,6 +18,7 @@ import asyncpg
 
 from proxy.capture.collect import redactor
 from proxy.capture.record import Body, Capture
+from proxy.capture.redact import Redactor
 from proxy.capture.store import CaptureFilter, CaptureRow, CaptureStore, default_url
 from proxy.config.capture import CaptureConfig
 from proxy.config.ledger import LedgerConfig
@@ -28,10 +30,13 @@ from proxy.telemetry.shown_text import for_terminal
 
 T = TypeVar("T")
 
-# What `show --format json` gives of the ledger's row: the figures a capture does not hold.
+# What `show` gives of the ledger's row: the figures a capture does not hold. `cache` says why
+# a cache hit's row holds 0 tokens and $0 beside an answer with usage (no upstream call: the
+# `saved_*` figures are what the entry's answer used, and cost at today's prices).
 _LEDGER_FIELDS = ("input_tokens", "output_tokens", "cached_input_tokens",
                   "cache_creation_input_tokens", "reasoning_tokens", "token_source", "ttft_ms",
-                  "duration_ms", "cost_nanousd")
+                  "duration_ms", "cost_nanousd", "cache", "saved_input_tokens",
+                  "saved_output_tokens", "saved_cost_nanousd")
 _CAPS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 _EVERYTHING = 2**31 - 1  # export: no limit unless one is given
 
@@ -100,6 +105,16 @@ def _configs(args: argparse.Namespace) -> tuple[CaptureConfig, LedgerConfig]:
         return CaptureConfig(), LedgerConfig()
     config = load_config(args.config)
     return config.capture, config.ledger
+
+
+def _read_redactor(args: argparse.Namespace) -> Redactor:
+    """What a capture's reassembled output is redacted with when read: --config's
+    `capture.redact` and its upstreams' keys (a capture is written redacted; this is for what
+    only joining a stream's pieces shows, and for captures written by an older version)."""
+    if not args.config:
+        return redactor(CaptureConfig().redact)
+    config = load_config(args.config)
+    return redactor(config.capture.redact, [u.api_key for u in config.upstreams.values()])
 
 
 def store_url(args: argparse.Namespace) -> str:
@@ -171,19 +186,20 @@ def _table(rows: list[CaptureRow]) -> str:
 
 
 def _show(args: argparse.Namespace, url: str) -> int:
-    redact = redactor(_configs(args)[0].redact)
+    redact = _read_redactor(args)
     capture = _with_store(url, lambda store: store.get(args.request_id, redact))
     if capture is None:
         print(f"no capture of request {args.request_id!r} in the store", file=sys.stderr)
         return 1
-    if args.format == "text":
-        print(_text(capture))
-        return 0
     _, ledger_config = _configs(args)
+    ledger = asyncio.run(_ledger_row(locate(ledger_config, args.ledger), capture))
+    if args.format == "text":
+        print(_text(capture, ledger))
+        return 0
     obj = capture.to_json()
     if capture.stream:
         obj["stream_text"] = capture.output_text
-    obj["ledger"] = asyncio.run(_ledger_row(locate(ledger_config, args.ledger), capture))
+    obj["ledger"] = ledger
     print(json.dumps(obj, indent=2, ensure_ascii=False))
     return 0
 
@@ -201,12 +217,45 @@ async def _ledger_row(location: Location, capture: Capture) -> dict[str, Any] | 
     if not rows:
         return None
     row = dict(zip(_LEDGER_FIELDS, rows[0], strict=True))
-    nano = row["cost_nanousd"]
-    row["cost_usd"] = None if nano is None else int(nano) / 1e9
+    # Exact dollars as the ledger holds them (nano-dollars), never a binary float.
+    row["cost_usd"] = _usd(row["cost_nanousd"])
+    row["saved_cost_usd"] = _usd(row["saved_cost_nanousd"])
     return row
 
 
-def _text(c: Capture) -> str:
+def _usd(nano: Any) -> str | None:
+    return None if nano is None else format(Decimal(int(nano)).scaleb(-9), "f")
+
+
+def _ledger_lines(row: dict[str, Any] | None) -> list[str]:
+    """The ledger block of `show`'s text: the row's figures, or why there are none."""
+    if row is None:
+        return ["--- ledger", "no row of this request in the ledger (not written yet, past its "
+                "retention, or the ledger cannot be read)"]
+    lines = [
+        "--- ledger",
+        f"tokens       input {row['input_tokens']} (cached {row['cached_input_tokens']}, "
+        f"cache writes {row['cache_creation_input_tokens']}), output {row['output_tokens']} "
+        f"(reasoning {row['reasoning_tokens']}), {row['token_source']}",
+        f"timing       ttft {_ms(row['ttft_ms'])}, duration {_ms(row['duration_ms'])}",
+        f"cost_usd     {row['cost_usd'] if row['cost_usd'] is not None else 'unpriced'}",
+        f"cache        {row['cache']}",
+    ]
+    if row["cache"] == "hit":
+        saved = row["saved_cost_usd"] if row["saved_cost_usd"] is not None else "unpriced"
+        # The row charges what `cache.charge_hits` says; the answer's own usage is what the
+        # stored entry used when it was made.
+        lines.append(f"             answered from the response cache, no upstream call; the "
+                     f"stored answer used input {row['saved_input_tokens']}, output "
+                     f"{row['saved_output_tokens']} (cost_usd {saved} at today's prices)")
+    return lines
+
+
+def _ms(value: Any) -> str:
+    return "-" if value is None else f"{float(value):.1f} ms"
+
+
+def _text(c: Capture, ledger: dict[str, Any] | None) -> str:
     lines = [
         f"request_id   {c.request_id}",
         f"started      {_when(c.started_at)}",
@@ -229,6 +278,7 @@ def _text(c: Capture) -> str:
         lines += ["--- reasoning", *_shown(c.reasoning)]
     if c.tool_calls:
         lines += ["--- tool calls", *(for_terminal(json.dumps(t)) for t in c.tool_calls)]
+    lines += [for_terminal(line) for line in _ledger_lines(ledger)]
     return "\n".join(for_terminal(line) if i < 6 else line for i, line in enumerate(lines))
 
 
@@ -241,13 +291,25 @@ def _shown(text: str) -> list[str]:
 
 
 def _export(args: argparse.Namespace, url: str) -> int:
-    lines, skipped = exported(url, filters_of(args), redactor(_configs(args)[0].redact))
+    lines, skipped = exported(url, filters_of(args), _read_redactor(args))
     for line in lines:
-        sys.stdout.write(json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n")
+        sys.stdout.write(jsonl(line))
     if skipped:
         print(f"{skipped} captures left out: their request is not whole JSON (truncated at "
               "capture.max_body_kb, or not JSON)", file=sys.stderr)
     return 0
+
+
+# Characters JSON leaves raw (ensure_ascii=False) that some readers take for a line break
+# (Python's str.splitlines, JavaScript's line terminators): escaped, so that one export line
+# is one line for every reader. Inside JSON they can only be in strings, where `\uXXXX` means
+# the same character.
+_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
+def jsonl(line: dict[str, Any]) -> str:
+    """One export line as written: compact JSON, UTF-8 kept, ending with its one `\\n`."""
+    return json.dumps(line, ensure_ascii=False, separators=(",", ":")).translate(_BREAKS) + "\n"
 
 
 def exported(url: str, filters: CaptureFilter,

@@ -7,31 +7,43 @@ their arrival offsets). Nothing is parsed, decoded or redacted on the request pa
 the `Collector` to the capture writer (`Pending`), which turns it into a `Capture` off the loop
 (`record`, a batch at a time): every text redacted and bounded, a stream kept as its chunks.
 Cutting a stream into its events and reassembling its output wait until it is read
-(`completed`)."""
+(`completed`), unless the stream's texts hold something to redact that its events split between
+them (a key or an address streamed token by token, in the text, a tool call's arguments, the
+reasoning...): then the events that carry its pieces are rewritten at record time, the secret's
+pieces dropped and `[REDACTED]` in the first's place, so that no field of the capture holds it,
+joined or not."""
 
 from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import Any
 
+from multidict import CIMultiDictProxy
+
+from proxy.auth import KEY_HEADERS
 from proxy.capture.record import Body, Capture, Chunks, StreamEvent
-from proxy.capture.redact import Redactor
+from proxy.capture.redact import REDACTED, Redactor
+from proxy.protocol.readers import loads_all
 from proxy.protocol.sse import SSEDecoder
 
 
 class Collector:
     """One request's bytes, bounded; owned by the request (written only as its bytes pass)."""
 
-    __slots__ = ("_chunk_bytes", "answer", "api", "chunks", "chunks_cut", "limit", "path",
-                 "request", "upstream")
+    __slots__ = ("_chunk_bytes", "answer", "api", "chunks", "chunks_cut", "keys", "limit",
+                 "path", "request", "upstream")
 
-    def __init__(self, limit_bytes: int, api: str = "openai", path: str = "") -> None:
+    def __init__(self, limit_bytes: int, api: str = "openai", path: str = "",
+                 keys: tuple[str, ...] = ()) -> None:
         self.limit = limit_bytes
         self.api, self.path = api, path  # the client's API shape and route
+        # The keys the client sent (`sent_keys`): removed from the capture literally, whatever
+        # they look like; never written anywhere.
+        self.keys = keys
         self.request: tuple[bytes, int] | None = None  # (kept bytes, size as sent)
         self.upstream: tuple[bytes, int] | None = None
         self.answer: tuple[bytes, int] | None = None
@@ -61,15 +73,29 @@ class Collector:
         self._chunk_bytes += len(chunk)
 
 
+def sent_keys(headers: CIMultiDictProxy[str]) -> tuple[str, ...]:
+    """Every value of every header a client's key comes in (proxy.auth.KEY_HEADERS; a bearer
+    token without its scheme), each line of a repeated header too: what a capture of the
+    request removes literally, the key authentication took and any other the client sent."""
+    found: list[str] = []
+    for name in KEY_HEADERS:
+        for line in headers.getall(name, ()):
+            value = (line.partition(" ")[2] if name == "Authorization" else line).strip()
+            if value:
+                found.append(value)
+    return tuple(found)
+
+
 @functools.lru_cache(maxsize=8)
-def _compiled(patterns: tuple[str, ...]) -> Redactor:
-    return Redactor.of(patterns)
+def _compiled(patterns: tuple[str, ...], keys: tuple[str, ...]) -> Redactor:
+    return Redactor.of(patterns, keys)
 
 
-def redactor(patterns: list[str]) -> Callable[[str], str]:
-    """`capture.redact` as one function: every match replaced by `[REDACTED]` (compiled once
-    per pattern list; proxy.capture.redact is the one definition of redaction)."""
-    return _compiled(tuple(patterns)).text
+def redactor(patterns: list[str], keys: Iterable[str | None] = ()) -> Redactor:
+    """`capture.redact` (and the known `keys`, removed literally) as one redactor, called as a
+    function: every match replaced by `[REDACTED]` (compiled once per pattern list and keys;
+    proxy.capture.redact is the one definition of redaction)."""
+    return _compiled(tuple(patterns), tuple(k for k in keys if k))
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +124,7 @@ def _body(kept: tuple[bytes, int] | None, limit: int, redact: Callable[[str], st
     if kept is None:
         return None
     data, size = kept
-    text = redact(data.decode("utf-8", "replace"))
+    text = _deep(redact(data.decode("utf-8", "replace")), redact)
     cut = size > limit or len(text.encode()) > limit
     if cut:
         text = text.encode()[:limit].decode("utf-8", "ignore")
@@ -122,18 +148,21 @@ def events_of(chunks: list[tuple[float, bytes]]) -> list[tuple[float, bytes, byt
     return out
 
 
-def record(collected: Collector, meta: Meta, redact: Callable[[str], str]) -> Capture:
+def record(collected: Collector, meta: Meta, redact: Redactor) -> Capture:
     """The capture of a settled request (CPU work: run it off the event loop). A stream is kept
     as its chunks, redacted in one pass over its whole text; it is cut into events and its
     output reassembled when read (`completed`). Only when the redaction changed the stream's
-    text (a chunk's offsets would no longer hold) or it is not UTF-8 is it cut here, event by
-    event."""
+    text (a chunk's offsets would no longer hold), it is not UTF-8, or its events split a
+    secret between them (`_unsplit`) is it cut here, event by event."""
     limit = collected.limit
-    chunks = _chunks(collected.chunks, redact)
+    redact = redact.with_keys(collected.keys)
+    unsplit = _unsplit(collected.chunks, redact)
+    chunks = None if unsplit is not None else _chunks(collected.chunks, redact)
     events: tuple[StreamEvent, ...] = ()
     output: dict[str, Any] = {}
     if chunks is None:  # nothing streamed, or a stream that must be cut here
-        framed = events_of(collected.chunks) if collected.chunks else []
+        framed = unsplit if unsplit is not None else (
+            events_of(collected.chunks) if collected.chunks else [])
         if framed:
             events = _redacted_events(framed, redact)
         output = _output_fields(reassemble([data for _, _, data in framed]), meta.stream, redact)
@@ -172,9 +201,191 @@ def _chunks(kept: list[tuple[float, bytes]], redact: Callable[[str], str]) -> Ch
 
 def _output_fields(output: Output, stream: bool,
                    redact: Callable[[str], str]) -> dict[str, Any]:
+    # Every text kind redacted, a tool call's arguments, name and id included.
     return {"output_text": redact(output.text) if stream else None,
-            "tool_calls": output.tool_calls,
+            "tool_calls": tuple(_redacted_json(call, redact) for call in output.tool_calls),
             "reasoning": redact(output.reasoning) if output.reasoning else None}
+
+
+def _redacted_json(value: Any, redact: Callable[[str], str]) -> Any:
+    """`value` (parsed JSON) with each string in it redacted; a string that is JSON with an
+    escape in it (a tool call's arguments) is decoded and redacted the same way."""
+    if isinstance(value, str):
+        if value[:1] in ("{", "[") and "\\" in value:
+            try:
+                inner = json.loads(value)
+            except ValueError:
+                return redact(value)
+            redacted = _redacted_json(inner, redact)
+            if redacted != inner:
+                return redact(json.dumps(redacted, ensure_ascii=False))
+        return redact(value)
+    if isinstance(value, dict):
+        return {k: _redacted_json(v, redact) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redacted_json(v, redact) for v in value]
+    return value
+
+
+def _deep(text: str, redact: Callable[[str], str]) -> str:
+    """A JSON body's text whose strings, decoded, still hold something to redact (a secret
+    the escaping hid from the patterns: `\\u0040` for `@`, a key inside a JSON string inside
+    JSON) made again from its redacted value; any other text as it is. Only a text with an
+    escape can hide anything, so only that is parsed."""
+    if "\\" not in text:
+        return text
+    try:
+        value = json.loads(text)
+        redacted = _redacted_json(value, redact)
+    except (ValueError, RecursionError):
+        return text  # not JSON, cut at the limit, or nested past what is walked
+    if redacted == value:
+        return text
+    return redact(json.dumps(redacted, ensure_ascii=False))
+
+
+# The fields of a stream's events that carry the answer's texts, in every API the proxy
+# speaks (`_texts`). A secret is looked for in each one's pieces joined across the events.
+_CHAT_TEXTS = ("content", "reasoning_content", "reasoning", "refusal")  # a choice's delta
+_MESSAGES_TEXTS = ("text", "thinking", "partial_json")  # Anthropic's content_block_delta
+_RESPONSES_IDS = ("type", "item_id", "output_index", "content_index", "summary_index")
+
+# (which text it is a piece of, the object holding it, its field, the piece)
+_Text = tuple[tuple[Any, ...], dict[str, Any], str, str]
+
+
+def _id(value: Any) -> str | int | None:
+    return value if isinstance(value, str | int) else None
+
+
+def _texts(obj: dict[str, Any]) -> Iterator[_Text]:
+    """The pieces of the answer's texts an event carries: Chat's content, reasoning, refusal and
+    tool-call arguments (by choice and call), legacy Completions' text, Anthropic's text,
+    thinking and tool input (by content block), a Responses event's delta (by item and part).
+    Told apart by what a client reassembles them by."""
+    choices = obj.get("choices")
+    if isinstance(choices, list):
+        for choice in choices:
+            if isinstance(choice, dict):
+                yield from _choice_texts(choice)
+        return
+    delta = obj.get("delta")
+    if isinstance(delta, dict):
+        for field in _MESSAGES_TEXTS:
+            text = delta.get(field)
+            if isinstance(text, str) and text:
+                yield (_id(obj.get("index")), field), delta, field, text
+    elif isinstance(delta, str) and delta:
+        yield tuple(_id(obj.get(k)) for k in _RESPONSES_IDS), obj, "delta", delta
+
+
+def _choice_texts(choice: dict[str, Any]) -> Iterator[_Text]:
+    at = _id(choice.get("index"))
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        for field in _CHAT_TEXTS:
+            text = delta.get(field)
+            if isinstance(text, str) and text:
+                yield (at, field), delta, field, text
+        calls = delta.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            text = fn.get("arguments") if isinstance(fn, dict) else None
+            if isinstance(fn, dict) and isinstance(text, str) and text:
+                yield (at, "tool", _id(call.get("index"))), fn, "arguments", text
+        fn = delta.get("function_call")  # the deprecated single call
+        text = fn.get("arguments") if isinstance(fn, dict) else None
+        if isinstance(fn, dict) and isinstance(text, str) and text:
+            yield (at, "function_call"), fn, "arguments", text
+    text = choice.get("text")  # legacy Completions
+    if isinstance(text, str) and text:
+        yield (at, "text"), choice, "text", text
+
+
+def _redact_joined(objs: list[dict[str, Any]], redact: Redactor) -> set[int]:
+    """Each text's pieces joined across `objs` (events' data, parsed) and looked at: a secret
+    found is taken out of the pieces, in place (`_cut`). Returns the events changed."""
+    texts: dict[tuple[Any, ...], list[tuple[int, dict[str, Any], str, str]]] = {}
+    for n, obj in enumerate(objs):
+        # Most events of most streams: one choice whose delta is a piece of content alone,
+        # taken without the general walk (a third of the whole look's cost).
+        choices = obj.get("choices")
+        if type(choices) is list and len(choices) == 1:
+            choice = choices[0]
+            delta = choice.get("delta") if type(choice) is dict else None
+            if type(delta) is dict and len(delta) == 1:
+                piece = delta.get("content")
+                if type(piece) is str:
+                    if piece:
+                        texts.setdefault((_id(choice.get("index")), "content"), []).append(
+                            (n, delta, "content", piece))
+                    continue
+        for key, holder, field, piece in _texts(obj):
+            texts.setdefault(key, []).append((n, holder, field, piece))
+    changed: set[int] = set()
+    for pieces in texts.values():
+        olds = [piece for _, _, _, piece in pieces]
+        spans = redact.spans("".join(olds))
+        if not spans:
+            continue
+        for (n, holder, field, old), new in zip(pieces, _cut(olds, spans), strict=True):
+            if new != old:
+                holder[field] = new
+                changed.add(n)
+    return changed
+
+
+def _datas(raw: bytes) -> list[bytes]:
+    """The JSON objects' data among a whole stream's events (framed in one call: the codec's
+    fast path for one-line `data:` events, else its full framing)."""
+    decoder = SSEDecoder()
+    datas = decoder.whole_events(raw)
+    if datas is None:
+        datas = [e.data for e in (*decoder.feed(raw), *decoder.flush())]
+    return [d for d in datas if d[:1] == b"{"]  # `[DONE]` would make loads_all parse each
+
+
+def _unsplit(chunks: list[tuple[float, bytes]],
+             redact: Redactor) -> list[tuple[float, bytes, bytes]] | None:
+    """The stream's events with every secret its texts hold removed, when some text (the
+    pieces of one field joined across the events, as a client reassembles them) holds one;
+    None when none does (then redacting the stream's text, as written, is enough). The look
+    is one framing and one JSON parse of the whole stream; only a stream that holds a secret
+    is cut into its timed events and those that carry its pieces made again."""
+    if not chunks or not _redact_joined(
+            loads_all(_datas(b"".join([data for _, data in chunks]))), redact):
+        return None
+    framed = events_of(chunks)
+    objs = loads_all([data for _, _, data in framed])
+    out = list(framed)
+    for n in _redact_joined(objs, redact):
+        at, raw, _ = framed[n]
+        data = json.dumps(objs[n], ensure_ascii=False, separators=(",", ":")).encode()
+        kept = [line for line in raw.split(b"\n") if not line.startswith(b"data:")]
+        out[n] = (at, b"\n".join([*kept, b"data: " + data]), data)
+    return out
+
+
+def _cut(texts: list[str], spans: list[tuple[int, int]]) -> list[str]:
+    """`texts` (pieces of one text) with the parts `spans` (of the joined text) covers taken
+    out: `[REDACTED]` where a span starts, nothing where it goes on into later pieces."""
+    out: list[str] = []
+    start = 0
+    for text in texts:
+        end = start + len(text)
+        parts: list[str] = []
+        at = start
+        for a, b in spans:
+            if b <= start or a >= end:
+                continue
+            parts.append(text[at - start : max(a, start) - start])
+            if a >= start:
+                parts.append(REDACTED)
+            at = min(b, end)
+        parts.append(text[at - start :])
+        out.append("".join(parts))
+        start = end
+    return out
 
 
 def completed(capture: Capture, redact: Callable[[str], str]) -> Capture:
@@ -202,7 +413,7 @@ class Pending:
 
     collected: Collector
     meta: Meta
-    redact: Callable[[str], str]
+    redact: Redactor  # the configured patterns and upstream keys (the client's: `collected`)
 
     def capture(self) -> Capture:
         return record(self.collected, self.meta, self.redact)

@@ -10,7 +10,8 @@ like ledger rows.
 The store is opened when the first capture comes (or when retention first runs while capture is
 enabled), so a replica that never captures never creates the table; a reload that enables
 capture needs no restart. Retention deletes captures older than `capture.retention_days` (read
-from the configuration in force) once an hour, a slice at a time."""
+from the configuration in force) when the writer starts, then once an hour, a slice at a time:
+a replica restarted more often than that still deletes."""
 
 from __future__ import annotations
 
@@ -65,6 +66,10 @@ class CaptureWriter:
         self._queue: asyncio.Queue[Makes] = asyncio.Queue(queue_max)
         self._sink: CaptureSink | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        # One operation on the store at a time: the writer's batches and retention share one
+        # connection (a PostgreSQL connection runs one query at a time), and retention runs at
+        # start, when the first captures come too. Also opens the store once.
+        self._busy = asyncio.Lock()
 
     def offer(self, pending: Makes) -> bool:
         """Queue `pending` for the store; False (counted) when the queue is full."""
@@ -89,7 +94,8 @@ class CaptureWriter:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
-        sink, self._sink = self._sink, None
+        async with self._busy:
+            sink, self._sink = self._sink, None
         if sink is not None:
             await sink.close()
 
@@ -119,7 +125,8 @@ class CaptureWriter:
         if not captures:
             return
         try:
-            stored = await (await self._opened()).write(captures)
+            async with self._busy:
+                stored = await (await self._opened()).write(captures)
         except Exception:
             log.exception("capture store: a batch of %d captures is lost", len(captures))
             self._metrics.capture_failed(CaptureStage.STORE)
@@ -128,9 +135,11 @@ class CaptureWriter:
             self._metrics.captured(len(captures), stored)
 
     async def _retain(self) -> None:
+        # At start first: waiting the period first would never delete on a replica restarted
+        # more often than that (a deploy a day, a crash loop).
         while True:
-            await asyncio.sleep(RETENTION_EVERY_S)  # a timer, not a synchronisation
             await self.retain()
+            await asyncio.sleep(RETENTION_EVERY_S)  # a timer, not a synchronisation
 
     async def retain(self) -> int:
         """One retention run (when capture is enabled): the captures deleted."""
@@ -138,8 +147,10 @@ class CaptureWriter:
         if not enabled and self._sink is None:
             return 0
         try:
-            sink = await self._opened()
-            return await sink.delete_older_than(time.time() - days * 86400.0, RETENTION_SLICE)
+            async with self._busy:
+                sink = await self._opened()
+                return await sink.delete_older_than(time.time() - days * 86400.0,
+                                                    RETENTION_SLICE)
         except Exception:
             log.exception("capture retention failed")
             self._metrics.capture_failed(CaptureStage.RETENTION)

@@ -34,7 +34,7 @@ from proxy.budget.estimate import hides_output
 from proxy.budget.principal import Principal
 from proxy.budget.refusals import Refused
 from proxy.budget.store import ScopeKind
-from proxy.capture.collect import Collector
+from proxy.capture.collect import Collector, sent_keys
 from proxy.config.tags import HEADER as TAGS_HEADER
 from proxy.config.tags import Tags
 from proxy.errors import (
@@ -192,7 +192,7 @@ async def admit(request: web.Request, svc: Services, shape: type[Translator],
     capture = runtime.config.capture
     if capture.enabled:  # kept for settle, which decides whether the request is captured
         outcome.collector = Collector(capture.max_body_kb * 1024, shape.upstream_api,
-                                      "/v1" + shape.path)
+                                      "/v1" + shape.path, sent_keys(request.headers))
         outcome.collector.sent(raw)
     parsed = await _parse(request, raw)
     outcome.read(parsed)

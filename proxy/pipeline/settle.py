@@ -243,7 +243,10 @@ def _capture(done: Settlement, record: RequestRecord, runtime: Runtime,
                     model=record.sent_model, stream=done.stream, status=done.status,
                     error_class=done.error_class.value,
                     tags=tuple((t.key, t.value) for t in record.tags.items))
-        writer.offer(Pending(collected, meta, redactor(cfg.redact)))
+        # The upstreams' keys are removed literally, whatever they look like (the client's
+        # own, which the collector holds, are added when the capture is made).
+        keys = [u.api_key for u in runtime.config.upstreams.values()]
+        writer.offer(Pending(collected, meta, redactor(cfg.redact, keys)))
     except Exception:
         svc.metrics.capture_failed(CaptureStage.RECORD)
         log.exception("failed to make the capture of request %s", done.request_id)

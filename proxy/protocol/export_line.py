@@ -8,6 +8,7 @@ It lives here, below both, because those two are sibling layers that may not imp
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from typing import Any
 
 __all__ = ["ROUTES", "RecordedEvent", "Recording", "ReplayFileError", "canonical", "parse_line",
            "read_lines"]
+
+log = logging.getLogger("tokenmeter.replay")
 
 # The routes a replay serves and sends; lines of other routes are read but never replayed.
 ROUTES = ("/v1/chat/completions", "/v1/messages")
@@ -117,13 +120,25 @@ def parse_line(text: str, line: int) -> Recording:
 
 
 def read_lines(path: Path) -> list[Recording]:
-    """Every line of `path` (blank lines skipped), all checked; the errors' messages name the
-    line, not the file (the caller knows that)."""
+    """Every line of `path` (blank lines skipped). Lines are split on `\\n` alone, as the export
+    writes them (JSON text holds no raw newline), never on the other Unicode line breaks
+    (U+2028, U+0085...) that a captured text may hold. A line that cannot be replayed is
+    skipped with a warning naming it (`FILE: line N: ...`): one bad capture never refuses the
+    file. ReplayFileError: the file cannot be read, or holds no request at all."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
+        raw = path.read_bytes()
+    except OSError as exc:
         raise ReplayFileError(f"cannot read it: {exc}") from None
-    found = [parse_line(text, n) for n, text in enumerate(lines, 1) if text.strip()]
+    found: list[Recording] = []
+    for n, line in enumerate(raw.split(b"\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            found.append(parse_line(line.decode("utf-8"), n))
+        except UnicodeDecodeError as exc:
+            log.warning("%s: line %d skipped: not UTF-8 (%s)", path, n, exc.reason)
+        except ReplayFileError as exc:
+            log.warning("%s: %s (skipped)", path, exc)
     if not found:
         raise ReplayFileError("it holds no recorded request")
     return found

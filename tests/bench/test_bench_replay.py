@@ -135,13 +135,15 @@ def test_replay_body_is_the_recorded_one_but_the_model() -> None:
 def test_bad_replay_file_names_the_line_and_exits_2(
     capsys: pytest.CaptureFixture[str], tmp_path: Path,
 ) -> None:
+    # A bad line is skipped and named in a warning; a file with nothing to replay is refused.
     bad = tmp_path / "bad.jsonl"
     good = json.dumps(_line(1, "x"))
-    bad.write_text(f"{good}\n\n{{\"path\": \"{ROUTE}\", \"messages\": 3}}\n")
+    bad.write_text(f"\n\n{{\"path\": \"{ROUTE}\", \"messages\": 3}}\n")
     base = ["bench", "--base-url", "http://127.0.0.1:9/v1"]
     assert main([*base, "--replay", str(bad)]) == 2
     err = capsys.readouterr().err
-    assert f"--replay {bad}: line 3: messages must be a list" in err
+    assert f"{bad}: line 3: messages must be a list (skipped)" in err
+    assert f"--replay {bad}: it holds no recorded request" in err
     prices = tmp_path / "prices.yaml"
     prices.write_text("prices:\n  m: {input: -1, output: 1}\n")
     bad.write_text(good + "\n")

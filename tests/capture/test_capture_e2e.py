@@ -279,3 +279,30 @@ async def test_a_capture_carries_the_requests_tags(
     older = captured.to_json()
     del older["tags"]  # a capture written before tags existed
     assert Capture.from_json(older).tags == {}
+
+
+@pytest.mark.timeout(60)
+async def test_retention_runs_when_the_writer_starts(store_url: str) -> None:
+    """A replica restarted more often than the retention period still deletes: the writer's
+    first retention run is at its start, not a period later (real store of either kind)."""
+    now = time.time()
+    base = Capture(request_id="-", started_at=now, api="openai", path="/v1/chat/completions",
+                   operation="chat", user="alice", key_name=None, team=None,
+                   requested_model="m", model="m", stream=False, status=200,
+                   error_class="none", request=Body("{}", 2), upstream_request=None,
+                   response=None)
+    store = await CaptureStore.open(store_url)
+    await store.write([replace(base, request_id="old", started_at=now - 9 * 86400),
+                       replace(base, request_id="new", started_at=now - 86400)])
+    writer = CaptureWriter(lambda: CaptureStore.open(store_url), Metrics(), 10,
+                           lambda: (True, 7))
+    writer.start()
+    try:
+        async def gone() -> bool:
+            return await store.get("old") is None
+
+        await until(gone, deadline=30)
+        assert await store.get("new") is not None
+    finally:
+        await writer.stop(drain_s=1)
+        await store.close()

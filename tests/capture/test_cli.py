@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
+
+from proxy.bench.replay import load_replay
 from proxy.capture.record import Body, Capture, StreamEvent
 from proxy.capture.store import CaptureStore
 from proxy.testing.replay import load_recordings
@@ -80,11 +84,46 @@ def test_show_json_holds_the_capture_and_the_ledgers_figures(tmp_path: Path) -> 
     assert shown["stream_text"] == "hello r1" and shown["events"][0]["at_ms"] == 12.5
     ledger = shown["ledger"]
     assert (ledger["input_tokens"], ledger["output_tokens"], ledger["ttft_ms"]) == (42, 7, 33.0)
-    assert ledger["cost_usd"] == 0.0015
+    assert ledger["cost_usd"] == "0.001500000" and ledger["cache"] == "none"
     done = captures("show", "r2", "--format", "json", "--url", url, "--ledger", url)
     shown = json.loads(done.stdout)
     assert shown["response"]["text"] == '{"id": 1}' and shown["ledger"] is None
     assert "stream_text" not in shown
+
+
+def test_show_puts_the_ledgers_cache_field_and_exact_cost_beside_a_cache_hit(
+        tmp_path: Path) -> None:
+    """A cache hit's capture holds the answer's usage while its ledger row charges 0 tokens:
+    both formats say `cache: hit` (and what the stored answer used); the text format prints
+    the ledger's figures; cost_usd is the exact nano-dollar decimal, never a binary float."""
+    db = tmp_path / "ledger.sqlite3"
+    write_sqlite(db, [
+        ledger_row("hit", T0, input_tokens=0, output_tokens=0, cost_nanousd=0, ttft_ms=1.5,
+                   token_source="none", cache="hit", saved_input_tokens=40,
+                   saved_output_tokens=300, saved_cost_nanousd=3),
+        ledger_row("big", T0, input_tokens=42, output_tokens=7, ttft_ms=33.0,
+                   cost_nanousd=123_456_789_012_345_678),
+    ])
+    url = f"sqlite://{db}"
+    write(url, [capture("hit", T0), capture("big", T0)])
+    done = captures("show", "hit", "--format", "json", "--url", url, "--ledger", url)
+    assert done.returncode == 0, done.stderr
+    ledger = json.loads(done.stdout)["ledger"]
+    assert (ledger["cache"], ledger["cost_usd"], ledger["saved_output_tokens"],
+            ledger["saved_cost_usd"]) == ("hit", "0.000000000", 300, "0.000000003")
+    done = captures("show", "big", "--format", "json", "--url", url, "--ledger", url)
+    assert json.loads(done.stdout)["ledger"]["cost_usd"] == "123456789.012345678"
+    done = captures("show", "hit", "--url", url, "--ledger", url)
+    assert done.returncode == 0, done.stderr
+    block = done.stdout[done.stdout.index("--- ledger"):].splitlines()
+    assert block[1].split() == ["tokens", "input", "0", "(cached", "0,", "cache", "writes",
+                                "0),", "output", "0", "(reasoning", "0),", "none"]
+    assert block[2].split()[:3] == ["timing", "ttft", "1.5"]
+    assert block[3].split() == ["cost_usd", "0.000000000"]
+    assert block[4].split() == ["cache", "hit"]
+    assert "output 300 (cost_usd 0.000000003" in block[5]
+    done = captures("show", "big", "--url", url, "--ledger", url)
+    assert "cost_usd     123456789.012345678\ncache        none" in done.stdout
 
 
 def test_show_text_and_a_missing_request(tmp_path: Path) -> None:
@@ -148,3 +187,36 @@ def test_a_bad_url_is_a_usage_error() -> None:
     assert done.returncode == 2 and "sqlite:///<path> or postgresql://" in done.stderr
     done = captures("list", "--url", "sqlite:///x.db", "--limit", "0")
     assert done.returncode == 2 and "--limit must be at least 1" in done.stderr
+
+
+def test_an_export_holding_unicode_line_breaks_replays_and_a_bad_line_is_skipped_by_name(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """U+2028, U+2029 and U+0085 in a prompt and an answer: the export escapes them, both
+    replays (mock-upstream's and the bench's) read the file line by line on `\\n` alone, and a
+    line that is not a capture is skipped with a warning naming it, the others kept."""
+    url = f"sqlite://{tmp_path / 'c.sqlite3'}"
+    odd = "one\u2028two\u2029three\x85four"
+    request = json.dumps({"model": "gpt-4o-mini", "max_tokens": 9, "stream": True,
+                          "messages": [{"role": "user", "content": odd}]})
+    event = "data: " + json.dumps({"choices": [{"delta": {"content": odd}}]}, ensure_ascii=False)
+    write(url, [capture("odd", T0, request=Body(request, len(request)),
+                        events=(StreamEvent(1.0, event), StreamEvent(2.0, "data: [DONE]")),
+                        output_text=odd),
+                capture("plain", T0 + 1)])
+    done = captures("export", "--format", "jsonl", "--url", url)
+    assert done.returncode == 0, done.stderr
+    assert "\u2028" not in done.stdout and "\x85" not in done.stdout
+    exported = tmp_path / "export.jsonl"
+    exported.write_text(done.stdout + "{not a capture\n" + done.stdout.split("\n")[1] + "\n",
+                        encoding="utf-8")
+    with caplog.at_level(logging.WARNING, logger="tokenmeter.replay"):
+        recordings = load_recordings(exported)
+        prompts = load_replay(str(exported), "/v1/chat/completions", "gpt-4o-mini")
+    found = recordings.find("/v1/chat/completions", [{"role": "user", "content": odd}], True)
+    assert found is not None and json.loads(found.events[0].text[6:])["choices"][0]["delta"][
+        "content"] == odd
+    assert [p.line for p in prompts] == [1, 2, 4]
+    assert prompts[0].messages == ({"role": "user", "content": odd},)
+    warned = [r.getMessage() for r in caplog.records if r.name == "tokenmeter.replay"]
+    assert warned and all(f"{exported}: line 3: " in w and "skipped" in w for w in warned)

@@ -246,12 +246,17 @@ def test_the_replay_speed_is_a_number_not_below_zero(speed: str,
     assert "not a speed" in capsys.readouterr().err
 
 
-def test_the_replay_subcommand_refuses_a_bad_line_with_its_number(tmp_path: Path) -> None:
+def test_the_replay_subcommand_names_a_bad_line_and_refuses_a_file_of_none(
+        tmp_path: Path) -> None:
+    # A bad line is skipped with a warning naming it (one bad capture never refuses the file);
+    # a file with no line to replay is refused.
     path = tmp_path / "bad.jsonl"
-    path.write_text(LINES[0] + "\n" + json.dumps({"path": "/v1/messages"}) + "\n")
+    path.write_text("\n" + json.dumps({"path": "/v1/messages"}) + "\n")
     proc = subprocess.run(
         [sys.executable, "-m", "proxy", "mock-upstream", "--replay", str(path),
          "--port", str(free_port())],
         capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == f"{path}: line 2: messages must be a list"
+    warning, refusal = proc.stderr.splitlines()
+    assert json.loads(warning)["message"] == f"{path}: line 2: messages must be a list (skipped)"
+    assert refusal == f"{path}: it holds no recorded request"

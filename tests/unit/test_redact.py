@@ -4,6 +4,7 @@ never matches any pattern."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -98,3 +99,28 @@ def test_a_long_run_without_a_match_takes_linear_time(raw: str) -> None:
 
 def test_a_local_part_past_64_characters_loses_its_last_64_and_the_domain() -> None:
     assert _DEFAULT.text("a" * 70 + "@example.com") == "a" * 6 + REDACTED
+
+
+_ODD_KEY = 'tm/key"é-0123456789'  # no pattern's shape; `/`, `"` and `é` change under JSON
+
+
+def test_a_known_key_is_removed_in_every_form_json_gives_it() -> None:
+    redactor = _DEFAULT.with_keys([_ODD_KEY, None, "short"])  # "short": too short to be a key
+    once = json.dumps(_ODD_KEY)[1:-1]
+    texts = [_ODD_KEY, once, json.dumps(_ODD_KEY, ensure_ascii=False)[1:-1],
+             once.replace("/", "\\/"), json.dumps(once)[1:-1],
+             "".join(f"\\u{ord(c):04x}" for c in _ODD_KEY)]
+    for text in texts:
+        assert redactor.text(f"a {text} b") == f"a {REDACTED} b", text
+    assert redactor.text("short and sweet") == "short and sweet"
+    assert _DEFAULT.text(_ODD_KEY) == _ODD_KEY  # a redactor without the key leaves it
+    assert redactor.with_keys([_ODD_KEY]) is redactor  # nothing new: the same redactor
+    assert "0123456789" not in repr(redactor)  # never shown, even by a repr
+
+
+def test_spans_merge_what_every_literal_and_pattern_would_remove() -> None:
+    redactor = _DEFAULT.with_keys([_ODD_KEY])
+    text = f"x {_ODD_KEY}{_KEY} y jane@example.com"
+    spans = redactor.spans(text)
+    assert [text[a:b] for a, b in spans] == [_ODD_KEY + _KEY, "jane@example.com"]
+    assert redactor.spans("nothing here") == []

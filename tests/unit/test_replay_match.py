@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -85,11 +86,13 @@ def test_find_prefers_the_same_stream_flag_then_the_first_recorded() -> None:
     assert found.find(CHAT, HELLO, False) is first
 
 
-def test_load_skips_blank_lines_and_counts_them(tmp_path: Path) -> None:
+def test_load_skips_blank_lines_and_counts_them(tmp_path: Path,
+                                                caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "r.jsonl"
     path.write_text(f"{line()}\n\n{line(messages=[])}\n   \n{{oops\n")
-    with pytest.raises(ReplayFileError, match=r"^line 5: "):
-        load_recordings(path)
+    with caplog.at_level(logging.WARNING, logger="tokenmeter.replay"):
+        assert [r.line for r in load_recordings(path).by_key[(CHAT, canonical(HELLO))]] == [1]
+    assert f"{path}: line 5: " in caplog.text  # the bad line is named and skipped
     path.write_text(f"\n{line()}\n")
     assert load_recordings(path).find(CHAT, HELLO, False) is not None
 
