@@ -9,13 +9,13 @@ as tool arguments are)."""
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from proxy.capture.record import Body
 from proxy.config.capture import DEFAULT_REDACT
+from proxy.protocol.secrets import key_forms
 
 REDACTED = "[REDACTED]"
 
@@ -37,16 +37,6 @@ _NEEDLES: dict[str, Callable[[str], bool]] = dict(zip(DEFAULT_REDACT, (
 # A key shorter than this is not removed literally: "abc" would take every "abc" out of every
 # text. Keys the proxy issues or is given are far longer; a shorter one is a test's or a typo.
 MIN_KEY = 8
-
-
-def key_forms(key: str) -> tuple[str, ...]:
-    """The forms `key` takes in a captured text, longest first (so that a form holding another
-    goes first)."""
-    once = json.dumps(key)[1:-1]
-    forms = {key, once, json.dumps(key, ensure_ascii=False)[1:-1], once.replace("/", "\\/"),
-             json.dumps(once)[1:-1], json.dumps(once.replace("/", "\\/"))[1:-1],
-             "".join(f"\\u{ord(c):04x}" for c in key), "".join(f"\\u{ord(c):04X}" for c in key)}
-    return tuple(sorted(forms, key=len, reverse=True))
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ import json
 from collections.abc import Iterable
 
 from proxy.errors import ErrorClass
+from proxy.protocol.secrets import key_forms
 
 # OpenAI's error type for a bad request, and vLLM's.
 _REQUEST_ERROR_TYPES = frozenset({"invalid_request_error", "BadRequestError"})
@@ -147,17 +148,9 @@ SCRUBBED = b"[REDACTED]"
 
 
 def secret_forms(secrets: Iterable[str]) -> tuple[bytes, ...]:
-    """The byte strings `secrets` can appear as in a JSON body: as they are, and JSON-escaped
-    (`\\uXXXX` for what is not ASCII, `\\/` for a slash, as some encoders write it), longest
+    """The byte strings `secrets` can appear as in a JSON body (`secrets.key_forms`), longest
     first so a longer form goes before a shorter one inside it. Made once per configuration."""
-    forms: set[bytes] = set()
-    for secret in secrets:
-        if not secret:
-            continue
-        for text in (secret, json.dumps(secret)[1:-1],
-                     json.dumps(secret, ensure_ascii=False)[1:-1]):
-            forms.add(text.encode())
-            forms.add(text.replace("/", "\\/").encode())
+    forms = {form.encode() for secret in secrets if secret for form in key_forms(secret)}
     return tuple(sorted(forms, key=len, reverse=True))
 
 
