@@ -135,7 +135,11 @@ async def handle(request: web.Request, svc: Services, shape: type[Translator]
             outcome.client_left()
         raise
     except ConnectionError:
-        # A write to a client that has gone (without handler cancellation, or before it lands).
+        # A write to a client that has gone (without handler cancellation, or before it lands),
+        # or a body read that the connection's close ended (`_read`).
+        if request.get(BODY_TIMED_OUT):  # the listener answered 408 and closed, as above
+            outcome.fail(ErrorClass.BODY_TIMEOUT, 408)
+            return web.Response(status=408)
         if not client_gone(request):
             outcome.fail(ErrorClass.INTERNAL)
             raise
@@ -253,6 +257,11 @@ async def _read(request: web.Request, max_body_mb: float) -> bytes:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise _too_large(max_body_mb) from None
+    except RuntimeError as exc:
+        # aiohttp's payload says "Connection closed." when the connection closed under the
+        # read (the listener cut a body past its deadline, a client hung up): not the proxy's
+        # failure, and the handler may see it before (or instead of) its cancellation.
+        raise ConnectionResetError(str(exc)) from None
 
 
 def _too_large(max_body_mb: float) -> RequestTooLarge:
