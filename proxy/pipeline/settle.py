@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 
+from proxy.budget import estimate as est
 from proxy.budget.accounting import Reservation
 from proxy.budget.refusals import Refused
 from proxy.cache.outcome import CacheResult
@@ -70,6 +71,8 @@ async def settle(done: Settlement, svc: Services) -> RequestRecord | None:
             if (charged.estimate_key is not None and done.status == 200
                     and done.error_class is ErrorClass.NONE and usage.output_tokens > 0):
                 await svc.budget.learn(charged, usage.output_tokens)
+            if _hid_output(done, usage, charged):
+                await svc.budget.learn_hidden(charged)
         metrics.record_request(record, done.meter.gap_buckets())
         route, figures = done.route, record.figures
         # A hit says nothing of how fast the upstream is: no latency sample for routing.
@@ -91,6 +94,17 @@ async def settle(done: Settlement, svc: Services) -> RequestRecord | None:
         log.exception("failed to settle request %s", done.request_id)
         return None
     return record
+
+
+def _hid_output(done: Settlement, usage: Usage, charged: Reservation) -> bool:
+    """A stream admitted under `estimate` whose upstream reported more output than it showed,
+    by more than a top-up step: its (upstream, model) hides output (issue 31; see
+    `proxy.budget.estimate`)."""
+    if (charged.learned_key is None or done.candidacy is None or done.status != 200
+            or usage.source != "reported"):
+        return False
+    return est.hid_output(usage.output_tokens,
+                          done.candidacy.translator.streamed_output_tokens())
 
 
 def _price(done: Settlement, runtime: Runtime) -> Price | None:
