@@ -129,7 +129,7 @@ class Allowance:
             act = Act.START
             step = min(self.cap - self.reserved,
                        max(est.step(self.estimate, self.cap - self.reserved),
-                           seen.tokens + slack - self.reserved))
+                           seen.tokens + slack + 1 - self.reserved))
         if act is Act.START and near:
             # Already within slack (a small reservation, a large piece): due again at once,
             # to wait for this top-up's answer before the piece goes out.
