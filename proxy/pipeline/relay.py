@@ -277,13 +277,16 @@ class Stream:
         """The piece that reaches a check: looked at, checked, then forwarded; when the check
         ends the stream, forwarded first all the same (its tokens were generated, and are
         charged), and the end follows it."""
-        tap = self.tap
-        before = topups.tokens()
+        tap, meter = self.tap, self.outcome.meter
+        events, before = meter.chunks, topups.tokens()
         out = tap.feed(piece, now)
         tap.look()
         try:
-            await topups.check(self.outcome.meter.chunks, arrived, before,
-                               tap.client_at_boundary)
+            # A piece without content streamed nothing to check (a final usage that counts
+            # hidden output comes when nothing more will be generated: the settle has it);
+            # the next piece with content is checked.
+            if meter.chunks > events:
+                await topups.check(meter.chunks, arrived, before, tap.client_at_boundary)
         except (QuotaEnded, StoreFailed):
             if out:
                 await self.write(out, now)
