@@ -127,7 +127,7 @@ class OutputEstimate:
 
     def _uneven(self, events: list[bytes]) -> tuple[list[bytes], list[bytes]]:
         """`_uneven` against the shortest event this stream has shown so far."""
-        self._shortest = min(self._shortest, min(map(len, events)))
+        self._shortest = min(self._shortest, *map(len, events))
         return _uneven(events, self._shortest)
 
     def folded_tokens(self) -> int:

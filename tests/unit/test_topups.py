@@ -291,14 +291,15 @@ def _simulate(estimate: int, cap: int, events: list[tuple[int, int]], answers: l
     for tokens, size in events:
         if run.tokens + tokens > cap:  # the upstream stops at the cap it was sent
             break
+        rest = size
         if run.streamed + 1 in mid_event:
             # The event's first half comes alone: no event ends in it, nothing is metered,
             # and once it is out the bytes forwarded end inside an event.
             arrived += size // 2
-            size -= size // 2
+            rest -= size // 2
             if arrived >= allowance.next_at:
                 check(Seen(run.streamed, run.tokens, arrived, 0, False))
-        arrived += size
+        arrived += rest
         if arrived < allowance.next_at:
             forward(tokens)
             continue
