@@ -69,9 +69,10 @@ class TopUps:
 
     async def check(self, events: int, arrived: int, before: int, at_boundary: bool) -> None:
         """The piece that brought the bytes arrived to `arrived` (>= `next_at`) is metered,
-        not yet forwarded: `events` content events and `before` output tokens before it;
-        `at_boundary`: the bytes forwarded end between two events once it is. Returns when
-        it may go out; raises `QuotaEnded` or `StoreFailed` when it must be the last."""
+        not yet forwarded: `events` content events so far, it included, and `before` output
+        tokens before it; `at_boundary`: the bytes forwarded end between two events once it
+        is. Returns when it may go out; raises `QuotaEnded` or `StoreFailed` when it must be
+        the last."""
         tokens = self._translator.output_tokens_so_far()
         seen = Seen(events, tokens, arrived, tokens - before, at_boundary)
         task = self._task
