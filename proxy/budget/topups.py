@@ -13,8 +13,8 @@ at the bytes arrived this module chooses, against what it holds (`Allowance.chec
   stream runs to what it holds and is ended within `slack` of it, at the first check whose
   bytes end between two events (`Act.END`): an error event can follow only there.
 
-`slack` covers what can stream between two checks that fall on consecutive events: two events
-at the rate seen so far, or twice the most one piece (one event) was seen to bring (`burst`).
+`slack` covers what one more piece can bring: two events at the rate seen so far, or the most
+one piece (one event) was seen to bring (`burst`).
 
 Checks are placed by what arrived, not by event count: a piece of the stream (an event, or
 the part of one a network chunk holds) carries no more output tokens than its bytes (every
@@ -103,8 +103,11 @@ class Allowance:
         return replace(self, refused=True)
 
     def slack(self, seen: Seen, burst: int) -> int:
-        """How far short of `reserved` a check must act: what two more events can bring."""
-        return max(int(2 * _rate(seen)) + 2, 2 * burst)
+        """How far short of `reserved` a check must act: two more events at the rate seen, or
+        the largest piece seen, whichever is more. One piece is enough: the piece that reaches
+        a check is metered before it goes out, and goes out even when the stream ends there,
+        so what must fit is one more, not two."""
+        return max(int(2 * _rate(seen)) + 2, burst)
 
     def check(self, seen: Seen, pending: bool) -> Decision:
         """The check due at `seen` (`seen.arrived >= next_at`); `pending`: a top-up is out

@@ -62,7 +62,7 @@ def test_a_piece_that_passes_what_is_held_is_topped_up_for_it_before_it_goes_out
     seen = _at(16, 600, piece=585, arrived=15 * BYTES + 3_000)
     decision = allowance.check(seen, pending=False)
     assert decision.act is Act.START and decision.bunched
-    assert decision.step == 600 + 2 * 585 + 1 - EST  # under its line: slack is 2 pieces
+    assert decision.step == 600 + 585 + 1 - EST  # under its line: slack is its largest piece
     assert decision.allowance.next_at == seen.arrived  # due again at once ...
     assert decision.allowance.check(seen, pending=True).act is Act.WAIT  # ... to wait
     topped = decision.allowance.granted(decision.step)
@@ -115,20 +115,20 @@ def test_a_stream_holding_its_cap_is_checked_no_more() -> None:
 
 
 def test_a_piece_that_brought_many_tokens_widens_the_slack() -> None:
-    """One piece brings 40 tokens (an event of 40): from then on the stream waits 80 short of
-    the line, not 4."""
+    """One piece brings 40 tokens (an event of 40): from then on the stream waits 40 short of
+    what it holds, not 4."""
     allowance = Allowance(1_000, CAP, 1_000, events=800, tokens=800, next_at=801)
     decision = allowance.check(_at(801, 840, piece=40), pending=True)
     assert decision.act is Act.NOTHING and decision.allowance.burst == 40
     later = replace(decision.allowance, next_at=850)
-    assert later.check(_at(850, 919), pending=True).act is Act.NOTHING
-    assert later.check(_at(850, 920), pending=True).act is Act.WAIT
+    assert later.check(_at(850, 959), pending=True).act is Act.NOTHING
+    assert later.check(_at(850, 960), pending=True).act is Act.WAIT
 
 
 def test_a_small_reservation_is_topped_up_before_its_slack_is_passed() -> None:
-    """Slack wider than a quarter of what is held (a burst of 50 on a reservation of 200):
+    """Slack wider than a quarter of what is held (a burst of 80 on a reservation of 200):
     the top-up starts at the line, not at three quarters, which lies past it."""
-    allowance = Allowance(200, CAP, 200, burst=50, events=99, tokens=99, next_at=120)
+    allowance = Allowance(200, CAP, 200, burst=80, events=99, tokens=99, next_at=120)
     decision = allowance.check(_at(120), pending=False)
     assert decision.act is Act.START
     # Within slack already: due again at once, where it waits for the answer.
