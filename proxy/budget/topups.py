@@ -123,7 +123,6 @@ class Allowance:
         if pending and near:
             return Decision(Act.WAIT, self, bunched=bunched)
         act, step = Act.NOTHING, 0
-        after = replace(self, burst=burst, events=seen.events, tokens=seen.tokens)
         if self.refused and near and seen.at_boundary:
             act = Act.END
         elif self._short(seen.tokens, pending, line):
@@ -138,8 +137,10 @@ class Allowance:
             # to wait for this top-up's answer before the piece goes out.
             next_at = seen.arrived
         else:
-            next_at = after._next_at(seen, pending or act is Act.START, slack)
-        return Decision(act, replace(after, next_at=next_at), step, bunched)
+            next_at = self._next_at(seen, pending or act is Act.START, slack)
+        after = replace(self, burst=burst, events=seen.events, tokens=seen.tokens,
+                        next_at=next_at)
+        return Decision(act, after, step, bunched)
 
     def _short(self, tokens: int, pending: bool, line: int) -> bool:
         """A top-up is due: none out, none refused, the cap not reached, and three quarters of
