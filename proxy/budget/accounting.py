@@ -83,6 +83,9 @@ class Reservation:
     admission: AdmissionPolicy = AdmissionPolicy.WORST_CASE
     # The output cap written into the body sent upstream (`proxy.budget.admission.Grant`).
     upstream_cap: int | None = None
+    # Admitted under `estimate` as a stream: the store flag its stream may teach
+    # (`proxy.budget.estimate.learned_key`), else None.
+    learned_key: str | None = None
 
     @property
     def clamped(self) -> bool:
@@ -168,6 +171,35 @@ class Budget:
                                            est.SAMPLES, est.ESTIMATE_TTL_S)
         except StoreError as exc:
             self.health.failed("estimate", exc)
+
+    async def learned_hidden(self, key: str | None) -> bool:
+        """Whether an (upstream, model) was learned to hide output (see
+        `proxy.budget.estimate`): False when nothing is to be learned, or the store cannot
+        say."""
+        if key is None or not self.health.up:
+            return False
+        try:
+            return await self.store.flagged(key)
+        except StoreError as exc:
+            self.health.failed("estimate", exc)
+            return False
+
+    async def learn_hidden(self, reservation: Reservation) -> None:
+        """The stream of `reservation` showed its (upstream, model) hides output, or streams
+        it in pieces larger than a top-up step: later admissions reserve its cap."""
+        key = reservation.learned_key
+        if key is None or not self.health.up:
+            return
+        try:
+            await self.store.flag(key, est.LEARNED_TTL_S)
+        except StoreError as exc:
+            self.health.failed("estimate", exc)
+
+    def learn_hidden_later(self, reservation: Reservation) -> None:
+        """`learn_hidden` off the stream's path: a stream never waits for it."""
+        task = asyncio.ensure_future(self.learn_hidden(reservation))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def top_up(self, reservation: Reservation, step: int, policy: Policy) -> TopUpResult:
         """Add up to `step` output tokens to a stream's reservation in every window, all or
@@ -255,11 +287,19 @@ class Budget:
         return Reservation(new_id(), principal.user, plan, prompt_tokens=0, output_cap=0,
                            used=(0,) * len(plan.windows), stored=False, price=plan.price)
 
-    async def _estimate(self, ask: adm.Ask) -> int:
-        """The output estimate `ask` holds instead of its cap (`Ask.estimates`)."""
+    async def _estimate(self, ask: adm.Ask) -> int | None:
+        """The output estimate `ask` holds instead of its cap (`Ask.estimates`); None when its
+        (upstream, model) was learned to hide output: it holds its cap, as under `clamp`. The
+        two reads go to the store together."""
         key = ask.estimate_key
         assert key is not None
-        return await self.output_estimate(key, ask.asked_output, ask.rule.initial_estimate)
+        estimate = self.output_estimate(key, ask.asked_output, ask.rule.initial_estimate)
+        learned = self.learned_hidden(ask.learned_key)
+        if self.store.in_process:  # no I/O: nothing to overlap
+            hidden, guess = await learned, await estimate
+        else:
+            hidden, guess = await asyncio.gather(learned, estimate)
+        return None if hidden else guess
 
     async def _ask_store(self, ask: adm.Ask, claim: adm.Claim, res_id: str,
                          policy: Policy) -> ReserveResult | None:
@@ -529,7 +569,8 @@ def _reservation(ask: adm.Ask, grant: adm.Grant, res_id: str, used: tuple[int, .
                  stored: bool) -> Reservation:
     return Reservation(res_id, ask.user, ask.plan, ask.prompt_tokens, grant.output, used, stored,
                        ask.plan.price, grant.cost_nanousd, grant.clamped_from, grant.binding,
-                       grant.topup_cap, ask.estimate_key, ask.rule.policy, grant.output_cap)
+                       grant.topup_cap, ask.estimate_key, ask.rule.policy, grant.output_cap,
+                       ask.learned_key if ask.estimates else None)
 
 
 def _notice_window(plan: lim.Plan) -> lim.Window | None:

@@ -48,6 +48,10 @@ class Ask:
     # The model or the request can bill output the stream does not show (reasoning, audio):
     # top-ups could not follow it (`proxy.budget.estimate.hides_output`).
     hidden_output: bool
+    # The store flag of what was learned of this (upstream, model) (`estimate.learned_key`):
+    # a stream that `estimates` holds its cap instead when it is set. None: nothing to learn
+    # (not a stream, or its route's `hidden_output` decides).
+    learned_key: str | None = None
 
     @property
     def user(self) -> str:

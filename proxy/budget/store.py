@@ -13,7 +13,9 @@ A store does three things atomically per user slot:
 - `add_once`: add usage the store holds no reservation for (requests admitted while it was
   down), once per id within a time to live, guarded by a done-marker per id: these are rare
   and batched (`proxy.budget.spool`), so markers stay few;
-- `renew`: extend the leases of reservations still streaming.
+- `renew`: extend the leases of reservations still streaming;
+- `flag` / `flagged`: a flag with a time to live, what every replica learns of an upstream's
+  model (`proxy.budget.estimate.learned_key`): one key each, set again to keep it.
 
 So what a settled request leaves in the store is nothing: memory is bounded by the requests in
 flight, the reaped ones within `REAPED_TTL_S` and the batches within their marker's ttl.
@@ -235,6 +237,15 @@ class Store(Protocol):
 
     async def mark_once(self, key: str, ttl_s: int) -> bool:
         """True the first time `key` is marked within its ttl (threshold notices)."""
+        ...
+
+    async def flag(self, key: str, ttl_s: int) -> None:
+        """Set the flag `key` for `ttl_s` from now, a flag already set included (what the
+        `estimate` policy learns of an upstream's model: `proxy.budget.estimate.learned_key`)."""
+        ...
+
+    async def flagged(self, key: str) -> bool:
+        """Whether the flag `key` is set (and its ttl has not run out)."""
         ...
 
     async def ping(self) -> None: ...
@@ -520,6 +531,13 @@ class MemoryStore:
             return False
         self._marks.set(key, 1, now + ttl_s)
         return True
+
+    async def flag(self, key: str, ttl_s: int) -> None:
+        self._marks.set(key, 1, self._now() + ttl_s)
+
+    async def flagged(self, key: str) -> bool:
+        self._now()
+        return self._marks.get(key) is not None
 
     async def ping(self) -> None:
         return None

@@ -302,6 +302,12 @@ class RedisStore:
     async def mark_once(self, key: str, ttl_s: int) -> bool:
         return bool(await self._call(self._redis.set(key, "1", nx=True, ex=ttl_s)))
 
+    async def flag(self, key: str, ttl_s: int) -> None:
+        await self._call(self._redis.set(key, "1", ex=ttl_s))
+
+    async def flagged(self, key: str) -> bool:
+        return bool(await self._call(self._redis.exists(key)))
+
     async def ping(self) -> None:
         await self._eval(PROBE, [], [])
 

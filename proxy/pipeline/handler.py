@@ -30,7 +30,7 @@ from proxy.auth import client_key
 from proxy.budget import refusals
 from proxy.budget.accounting import Reservation
 from proxy.budget.admission import Ask
-from proxy.budget.estimate import hides_output
+from proxy.budget.estimate import hides_output, learned_key
 from proxy.budget.principal import Principal
 from proxy.budget.refusals import Refused
 from proxy.budget.store import ScopeKind
@@ -366,10 +366,16 @@ async def _reserve(ctx: RequestContext, svc: Services, turn: _Turn) -> Reservati
     # Checks the client's output limits too (a 400) before anything is counted or reserved.
     asked = translator.max_output(plan.output_cap)
     prompt = await counting.prompt_tokens(translator) if plan.needs_prompt_estimate else 0
+    configured = cand.route.hidden_output
+    # What no list names is learned per (upstream, model) under `estimate`, unless the route
+    # says (proxy.budget.estimate).
+    learned = (learned_key(policy.store.prefix, cand.route.upstream.name, cand.model)
+               if ctx.stream and configured is None and ctx.principal.admission.estimates
+               else None)
     ask = Ask(principal=ctx.principal, model=cand.model, plan=plan, prompt_tokens=prompt,
               asked_output=asked, choices=translator.choices(), stream=ctx.stream,
-              hidden_output=hides_output(cand.model, ctx.request.body,
-                                         cand.route.hidden_output))
+              hidden_output=hides_output(cand.model, ctx.request.body, configured),
+              learned_key=learned)
     try:
         return await svc.budget.reserve(ask, policy)
     except Refused as exc:

@@ -205,7 +205,10 @@ class Checks(Protocol):
     @property
     def next_at(self) -> int: ...
 
-    async def check(self, events: int, at_boundary: bool) -> None: ...
+    def tokens(self) -> int: ...
+
+    async def check(self, events: int, arrived: int, before: int,
+                    at_boundary: bool) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,21 +248,57 @@ class Stream:
             look()  # forward first, look second
 
     async def pump_checked(self, chunks: AsyncIterable[bytes], topups: Checks) -> None:
-        """A stream under top-ups: a chunk that may reach the next check is cut by the tap
-        where its events end, and each piece is forwarded and looked at before the next, and
-        checked when due with the tap's word on whether the bytes forwarded end between two
-        events, so the stream can be ended between any two (proxy.budget.topups). A chunk
-        that cannot reach the check is one piece, as in `pump`."""
-        tap, watch, meter = self.tap, self.watch, self.outcome.meter
+        """A stream under top-ups, checked by the bytes arrived (proxy.budget.topups): a chunk
+        that cannot reach the next check goes as in `pump`, at the cost of one comparison. One
+        that may is cut by the tap where its events end, and the piece that reaches the check
+        is metered before it is forwarded, then checked (with the tap's word on whether the
+        bytes forwarded end between two events once it is), so a piece that would pass what
+        the stream holds is topped up before it goes out, or goes out as the last. Pieces
+        before it go as in `pump`."""
+        tap, watch = self.tap, self.watch
+        feed, look = tap.feed, tap.look
+        perf = time.perf_counter
+        arrived = 0  # bytes of the upstream's stream so far
         async for chunk in chunks:
-            for piece in tap.pieces(chunk, topups.next_at - meter.chunks):
-                now = watch.last = time.perf_counter()
-                out = tap.feed(piece, now)
+            if arrived + len(chunk) < topups.next_at:
+                arrived += len(chunk)
+                now = watch.last = perf()
+                out = feed(chunk, now)
                 if out:
                     await self.write(out, now)
-                tap.look()
-                if meter.chunks >= topups.next_at:
-                    await topups.check(meter.chunks, tap.client_at_boundary)
+                look()
+                continue
+            for piece in tap.pieces(chunk, 1):
+                arrived += len(piece)
+                now = watch.last = perf()
+                if arrived < topups.next_at:
+                    out = feed(piece, now)
+                    if out:
+                        await self.write(out, now)
+                    look()
+                else:
+                    await self._checked(piece, arrived, now, topups)
+
+    async def _checked(self, piece: bytes, arrived: int, now: float, topups: Checks) -> None:
+        """The piece that reaches a check: looked at, checked, then forwarded; when the check
+        ends the stream, forwarded first all the same (its tokens were generated, and are
+        charged), and the end follows it."""
+        tap, meter = self.tap, self.outcome.meter
+        events, before = meter.chunks, topups.tokens()
+        out = tap.feed(piece, now)
+        tap.look()
+        try:
+            # A piece without content streamed nothing to check (a final usage that counts
+            # hidden output comes when nothing more will be generated: the settle has it);
+            # the next piece with content is checked.
+            if meter.chunks > events:
+                await topups.check(meter.chunks, arrived, before, tap.client_at_boundary)
+        except (QuotaEnded, StoreFailed):
+            if out:
+                await self.write(out, now)
+            raise
+        if out:
+            await self.write(out, now)
 
     async def finish(self) -> None:
         """The upstream's stream ended: what the tap held back is forwarded, unless the

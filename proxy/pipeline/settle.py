@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from proxy.budget import estimate as est
 from proxy.budget.accounting import Reservation
 from proxy.budget.refusals import Refused
 from proxy.cache.outcome import CacheResult
@@ -74,6 +75,8 @@ async def settle(done: Settlement, svc: Services,
             if (charged.estimate_key is not None and done.status == 200
                     and done.error_class is ErrorClass.NONE and usage.output_tokens > 0):
                 await svc.budget.learn(charged, usage.output_tokens)
+            if _hid_output(done, usage, charged):
+                await svc.budget.learn_hidden(charged)
         metrics.record_request(record, done.meter.gap_buckets())
         route, figures = done.route, record.figures
         # A hit says nothing of how fast the upstream is: no latency sample for routing.
@@ -95,6 +98,17 @@ async def settle(done: Settlement, svc: Services,
         log.exception("failed to settle request %s", done.request_id)
         return None
     return record
+
+
+def _hid_output(done: Settlement, usage: Usage, charged: Reservation) -> bool:
+    """A stream admitted under `estimate` whose upstream reported more output than it showed,
+    by more than a top-up step: its (upstream, model) hides output (issue 31; see
+    `proxy.budget.estimate`)."""
+    if (charged.learned_key is None or done.candidacy is None or done.status != 200
+            or usage.source != "reported"):
+        return False
+    return est.hid_output(usage.output_tokens,
+                          done.candidacy.translator.streamed_output_tokens())
 
 
 def _price(done: Settlement, runtime: Runtime) -> Price | None:

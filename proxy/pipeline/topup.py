@@ -10,10 +10,12 @@ to answer under `store.on_error: fail_closed`: the store outage it is, `service_
 which the relay sends as the final error event. What the stream produced is charged exactly at
 settle.
 
-The relay checks when the content-event count reaches `next_at`, event by event: the tap cuts
-a chunk that may reach it where its events end (`StreamTap.pieces`, any line ends), and says
-whether the bytes forwarded end between two events, so a chunk that bunches many events (a
-fast upstream, a busy proxy) cannot carry the stream past its reservation.
+The relay checks when the bytes arrived reach `next_at`: the tap cuts a chunk that may reach
+it where its events end (`StreamTap.pieces`, any line ends), and the piece that reaches it is
+metered before it is forwarded (`tokens` before it, `check` after), so a chunk that bunches
+many events, or one event that carries a whole answer, cannot carry the stream past its
+reservation unseen: it is topped up first, or it is the last. A piece of more than a top-up
+step teaches the store that its (upstream, model) streams so (`Budget.learn_hidden_later`).
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ class StoreFailed(ServiceUnavailable):
 
 
 class TopUps:
-    __slots__ = ("_allowance", "_budget", "_policy", "_refused", "_reservation", "_task",
-                 "_translator", "next_at")
+    __slots__ = ("_allowance", "_budget", "_learned", "_policy", "_refused", "_reservation",
+                 "_task", "_translator", "next_at")
 
     def __init__(self, budget: Budget, reservation: Reservation, translator: Translator,
                  policy: Policy, allowance: Allowance) -> None:
@@ -49,7 +51,8 @@ class TopUps:
         self._allowance = allowance
         self._task: asyncio.Task[TopUpResult] | None = None
         self._refused: TopUpResult | None = None  # the answer that refused a top-up
-        self.next_at = allowance.next_at  # the content-event count at which `check` is due
+        self._learned = False  # this stream taught the store what it saw (once is enough)
+        self.next_at = allowance.next_at  # the bytes arrived at which `check` is due
 
     @staticmethod
     def for_stream(budget: Budget, reservation: Reservation, translator: Translator,
@@ -59,17 +62,28 @@ class TopUps:
             return None
         return TopUps(budget, reservation, translator, policy, allowance)
 
-    async def check(self, events: int, at_boundary: bool) -> None:
-        """`events` content events have streamed (>= `next_at`); `at_boundary`: the bytes
-        forwarded end between two events. Raises `QuotaEnded` or `StoreFailed` when the
-        stream must end here."""
-        seen = Seen(events, self._translator.output_tokens_so_far(), at_boundary)
+    def tokens(self) -> int:
+        """The output tokens streamed so far: `check`'s `before`, asked before the piece that
+        reaches `next_at` is fed to the tap."""
+        return self._translator.output_tokens_so_far()
+
+    async def check(self, events: int, arrived: int, before: int, at_boundary: bool) -> None:
+        """The piece that brought the bytes arrived to `arrived` (>= `next_at`) is metered,
+        not yet forwarded: `events` content events so far, it included, and `before` output
+        tokens before it; `at_boundary`: the bytes forwarded end between two events once it
+        is. Returns when it may go out; raises `QuotaEnded` or `StoreFailed` when it must be
+        the last."""
+        tokens = self._translator.output_tokens_so_far()
+        seen = Seen(events, tokens, arrived, tokens - before, at_boundary)
         task = self._task
         if task is not None and task.done():
             self._task = None
             self._apply(task.result())
-        while self.next_at <= events:  # the rule's word: checked again until the next is ahead
+        while self.next_at <= arrived:  # the rule's word: checked again until the next is ahead
             decision = self._allowance.check(seen, self._task is not None)
+            if decision.bunched and not self._learned:
+                self._learned = True
+                self._budget.learn_hidden_later(self._reservation)
             if decision.act is Act.WAIT:
                 await self._answer()
                 continue

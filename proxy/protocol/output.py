@@ -10,7 +10,11 @@ Counting costs about as much per event as the rest of the hot path does. Where t
 likely wasted (the upstream was asked to report the usage: only a broken stream needs the
 estimate) or asked for again and again (`so_far`, the top-ups of a running stream), a random
 sample of one event in `SAMPLE` is counted and rates the rest: one token or so per event, steady
-over a stream. Random, not every nth: a stream with a period of its own would skew that.
+over a stream. Random, not every nth: a stream with a period of its own would skew that. An
+event longer than the stream's shortest by more than `WHOLE_PAST` bytes is never left to the
+sample: it is counted whole. So the rate is that of events alike in size, and a stream of
+uneven events (15 of one token, then one of 585) cannot hide its large ones from a sample that
+missed them (issue 31); a large event costs its count, which its size pays for anyway.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from proxy.protocol import tokenizer
 HOLD_BYTES = 256 * 1024
 
 SAMPLE = 16  # one event in this many rates the rest
+# An event whose data is longer than the stream's shortest content event by more than this is
+# counted whole, not sampled: some 16 tokens of text or more beyond the shortest.
+WHOLE_PAST = 64
 
 _SAMPLER = random.Random()  # picks the events that rate the rest
 
@@ -50,11 +57,21 @@ class _Rate:
         self.tokens += tokenizer.count_texts(model, texts(sample), tokenizer.LOOP_BUDGET)
 
 
+def _uneven(events: list[bytes], shortest: int) -> tuple[list[bytes], list[bytes]]:
+    """`events` split into those to sample and those to count whole (longer than `shortest`
+    by more than `WHOLE_PAST`). Two scans at C speed when, as nearly always, none is long."""
+    bound = shortest + WHOLE_PAST
+    if max(map(len, events)) <= bound:
+        return events, []
+    return [e for e in events if len(e) <= bound], [e for e in events if len(e) > bound]
+
+
 class OutputEstimate:
     """The content events of one stream, held for an estimate of its output tokens."""
 
     __slots__ = ("_fold_rate", "_folded", "_held", "_model", "_rate", "_rated", "_sampled",
-                 "_seen_at", "_seen_list", "_texts", "events")
+                 "_seen_at", "_seen_list", "_seen_rated", "_seen_whole", "_shortest", "_texts",
+                 "events")
 
     def __init__(self, model: str, texts: Texts, *, sampled: bool) -> None:
         """`texts`: the output texts of the shape's events. `sampled`: the upstream was asked
@@ -71,7 +88,10 @@ class OutputEstimate:
         # of the events seen, kept across folds.
         self._seen_list: list[bytes] | None = None
         self._seen_at = 0
+        self._seen_rated = 0  # of the held events seen, those the sample rates
+        self._seen_whole = 0  # and the tokens of those counted whole
         self._rate = _Rate()
+        self._shortest = HOLD_BYTES  # the shortest content event's data, of those looked at
 
     def hold(self, data: bytes) -> None:
         """Keep one content event."""
@@ -91,14 +111,24 @@ class OutputEstimate:
         """Drop the held events, keeping what an estimate needs: their tokens, counted text by
         text as `tokens` does, or a sample's rate (see the module's note)."""
         events = self.events
-        if self._sampled:
-            self._fold_rate.add(events, -(-len(events) // SAMPLE), self._model, self._texts)
-            self._rated += len(events)
-        else:
+        if self._sampled and events:
+            rated, whole = self._uneven(events)
+            if whole:
+                self._folded += tokenizer.count_texts(self._model, self._texts(whole),
+                                                      tokenizer.LOOP_BUDGET)
+            if rated:
+                self._fold_rate.add(rated, -(-len(rated) // SAMPLE), self._model, self._texts)
+                self._rated += len(rated)
+        elif not self._sampled:
             self._folded += tokenizer.count_texts(self._model, self._texts(events),
                                                   tokenizer.LOOP_BUDGET)
         self.events = []
         self._held = 0
+
+    def _uneven(self, events: list[bytes]) -> tuple[list[bytes], list[bytes]]:
+        """`_uneven` against the shortest event this stream has shown so far."""
+        self._shortest = min(self._shortest, *map(len, events))
+        return _uneven(events, self._shortest)
 
     def folded_tokens(self) -> int:
         """The tokens of the events dropped so far."""
@@ -122,17 +152,22 @@ class OutputEstimate:
         events = self.events
         if events is not self._seen_list:  # folded since: those are in `folded_tokens`
             self._seen_list, self._seen_at = events, 0
-        fresh = len(events) - self._seen_at
-        if fresh > 0:
-            k, part = divmod(fresh, SAMPLE)
+            self._seen_rated = self._seen_whole = 0
+        if len(events) > self._seen_at:
+            rated, whole = self._uneven(events[self._seen_at:])
+            if whole:
+                self._seen_whole += tokenizer.count_texts(self._model, self._texts(whole),
+                                                          tokenizer.LOOP_BUDGET)
+            k, part = divmod(len(rated), SAMPLE)
             if part and _SAMPLER.random() * SAMPLE < part:
                 k += 1
-            if not self._rate.events:
+            if rated and not self._rate.events:
                 k = max(k, 1)
             if k:
-                self._rate.add(events[self._seen_at:], k, self._model, self._texts)
+                self._rate.add(rated, k, self._model, self._texts)
+            self._seen_rated += len(rated)
             self._seen_at = len(events)
-        held = 0
+        held = self._seen_whole
         if self._rate.events:
-            held = -(-len(events) * self._rate.tokens // self._rate.events)  # rounded up
+            held += -(-self._seen_rated * self._rate.tokens // self._rate.events)  # rounded up
         return self.folded_tokens() + held

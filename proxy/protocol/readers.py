@@ -192,6 +192,11 @@ class Reader:
             return self.reported.output_tokens
         return self.output.so_far()
 
+    def streamed_output_tokens(self) -> int:
+        """The output tokens the stream showed, whatever the upstream reported: the estimate's
+        running count (`OutputEstimate.so_far`)."""
+        return self.output.so_far()
+
     def prompt_usage(self, prompt: Callable[[], int]) -> Usage:
         """The prompt alone, estimated: the charge of a request that its client abandoned
         while the upstream had it (read, but its output unknown)."""

@@ -157,6 +157,9 @@ class Translator:
     def output_tokens_so_far(self) -> int:
         return self.reader.output_tokens_so_far()
 
+    def streamed_output_tokens(self) -> int:
+        return self.reader.streamed_output_tokens()
+
     def prompt_usage(self) -> Usage:
         return self.reader.prompt_usage(self.prompt_tokens)
 

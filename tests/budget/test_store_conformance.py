@@ -313,6 +313,24 @@ async def test_histories_keep_the_last_samples(subject: Subject) -> None:
     assert await s.output_samples(f"{SLOT}:est:other") == ()
 
 
+async def test_a_flag_is_set_again_to_keep_it_and_goes_with_its_ttl(subject: Subject) -> None:
+    """What the `estimate` policy learns of an upstream's model (issue 31): a flag every
+    replica reads, kept as long as it is set again, gone with its TTL otherwise."""
+    s = subject.store
+    gone, kept = "tm:hides:mock:model-a", "tm:hides:mock:model-b"
+    assert not await s.flagged(gone)
+    await s.flag(gone, 1)
+    await s.flag(kept, 1)
+    await s.flag(kept, 600)  # set again: its TTL starts again, the longer one
+    assert await s.flagged(gone) and await s.flagged(kept)
+    assert not await s.flagged("tm:hides:mock:model-c")
+
+    async def both() -> tuple[bool, bool]:
+        return await s.flagged(gone), await s.flagged(kept)
+
+    await subject.expired(both, (False, True))
+
+
 # --- bounds: what expires, and what is left -------------------------------------------------------
 
 async def test_histories_markers_and_counters_expire_with_their_ttl(subject: Subject) -> None:

@@ -46,3 +46,22 @@ def test_output_tokens_so_far_counts_new_events_only_and_rates_by_a_sample() -> 
         if n % 37 == 0 or n == 400:
             assert translator.output_tokens_so_far() == n
     assert translator.usage().output_tokens == 400
+
+
+def test_the_known_reasoning_models_hide_output_and_others_are_learned() -> None:
+    """Issue 31, item 2: the list extended (codex, gpt-oss, DeepSeek R1, QwQ, ...); a model
+    no list names is learned per (upstream, model), its store key outside any user's slot and
+    bounded however long the client's model name."""
+    for model in ("o3-mini", "gpt-5", "codex-mini-latest", "gpt-oss-120b", "openai/gpt-oss-20b",
+                  "deepseek-r1-distill-llama-70b", "deepseek-reasoner", "qwq-32b",
+                  "qwen3-235b-a22b-thinking-2507", "magistral-medium", "grok-4"):
+        assert est.hides_output(model, {}, None), model
+    for model in ("gpt-4o", "claude-sonnet-4", "mock-gpt", "mystery-model"):
+        assert not est.hides_output(model, {}, None), model
+    assert not est.hides_output("gpt-oss-120b", {}, False)  # the route decides
+    assert est.learned_key("tm", "vllm", "mystery") == "tm:hides:vllm:mystery"
+    long = est.learned_key("tm", "vllm", "m" * 10_000)
+    assert long.startswith("tm:hides:vllm:sha256:") and len(long) < 100
+    # More than a top-up step billed beyond what was streamed.
+    assert est.hid_output(50 + est.MIN_STEP + 1, 50)
+    assert not est.hid_output(50 + est.MIN_STEP, 50)

@@ -78,3 +78,24 @@ def test_so_far_rates_the_events_seen_and_keeps_across_folds(small_hold: int) ->
     assert seen == sorted(seen)  # never goes back, across folds
     assert est.so_far() == 6000
     assert est.tokens() == 6000
+
+
+@pytest.mark.parametrize("sampled_fold", [False, True])
+def test_uneven_events_are_never_left_to_the_sample(sampled_fold: bool,
+                                                    small_hold: int) -> None:
+    """Issue 31: 15 one-token events then one of 585, repeated. A one-in-16 sample that
+    missed the large ones rated the stream at a token per event (about 80 tokens for 3,000).
+    An event longer than the stream's shortest by more than `WHOLE_PAST` bytes is counted
+    whole, in `so_far` and in a fold alike: the estimate is the exact count, every time."""
+    events = [(" tok" * (585 if i % 16 == 15 else 1)).encode() for i in range(80)]
+    exact = _exact(events)
+    assert exact == 3_000
+    for _ in range(20):  # the sample is random: whichever events it picks
+        est = OutputEstimate(MODEL, _texts, sampled=sampled_fold)
+        counts = []
+        for event in events:
+            est.hold(event)
+            counts.append(est.so_far())
+        assert counts[-1] == exact == est.tokens()
+        # At every event: the large ones counted as they came.
+        assert counts[15] == 600 and counts[31] == 1_200
