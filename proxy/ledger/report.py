@@ -813,7 +813,7 @@ class Export:
     total: bool = True  # the total line (`--no-total`: none)
 
 
-def _usd(nanousd: int, rounding: Rounding = Rounding.EXACT) -> str:
+def usd(nanousd: int, rounding: Rounding = Rounding.EXACT) -> str:
     """Dollars, exact with nine decimals (as `Decimal(nanousd).scaleb(-9)` prints them), or
     rounded to cents."""
     if rounding is Rounding.CENTS:
@@ -826,14 +826,14 @@ def _values(t: Totals, cache: bool = False, hits: bool = False,
             rounding: Rounding = Rounding.EXACT) -> tuple[int | str, ...]:
     out: tuple[int | str, ...] = (
         t.requests, t.refused, t.failed, t.input_tokens, t.cached_input_tokens,
-        t.output_tokens, t.reasoning_tokens, t.total_tokens, _usd(t.cost_nanousd, rounding),
+        t.output_tokens, t.reasoning_tokens, t.total_tokens, usd(t.cost_nanousd, rounding),
         t.unpriced)
     if cache:
         out = (*out[:_CACHE_AT], t.cache_read_input_tokens, t.cache_creation_input_tokens,
                *out[_CACHE_AT:])
     if hits:
         out = (*out, t.hits, t.saved_input_tokens, t.saved_output_tokens, t.saved_tokens,
-               _usd(t.saved_cost_nanousd, rounding))
+               usd(t.saved_cost_nanousd, rounding))
     return out
 
 
