@@ -184,6 +184,7 @@ class RequestRecord:
     # call) and these are what the stored answer used and its cost at the price of the day of
     # the hit (None: no price).
     cache: str = CACHE_NOT_CONSULTED
+    cache_reason: str | None = None  # a bypass's: a `proxy.cache.outcome.BypassReason` value
     saved_usage: Usage = ZERO
     saved_cost: CostLines | None = None
     tags: Tags = NO_TAGS  # what the request was for (proxy.config.tags)
