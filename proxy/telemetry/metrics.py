@@ -758,8 +758,9 @@ class Metrics:
         self._cache_requests = _Counter(
             "tokenmeter_cache_requests",
             "Requests the response cache was consulted for, by result (hit: answered from an "
-            "entry; miss: went upstream, the store's failures included; bypass: the client's "
-            "Cache-Control).", ("model", "result"), registry=r,
+            "entry; miss: went upstream, the store's failures included; bypass: passed by, "
+            "for the reason x-tokenmeter-cache-reason gives: sampled, the client's "
+            "Cache-Control, an operation not cached).", ("model", "result"), registry=r,
         )
         self._cache_saved_tokens = _Counter(
             "tokenmeter_cache_saved_tokens",
