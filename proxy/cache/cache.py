@@ -202,14 +202,14 @@ def _rule(config: CacheConfig, ask: Ask) -> CacheRule | Decision:
     consulted (the cache does not apply to it), or passed by with the reason."""
     if not config.maybe_enabled:
         return NOT_CONSULTED
-    if ask.principal.forward_client_key:
-        # Pass-through: the proxy cannot tell a valid upstream key from another, and a hit
-        # must need one.
-        return NOT_CONSULTED
     rule = rule_for(config, ask.principal, ask.model)
     if not rule.enabled:
         return NOT_CONSULTED
     # The cache applies to this user and model: a request it passes by says why.
+    if ask.principal.forward_client_key:
+        # Pass-through: the proxy cannot tell a valid upstream key from another, and a hit
+        # must need one.
+        return Decision(CacheResult.BYPASS, reason=BypassReason.PASSTHROUGH)
     if ask.operation not in assemble.OPERATIONS:
         return Decision(CacheResult.BYPASS, reason=BypassReason.NOT_CACHEABLE)
     if not rule.cache_sampled and samples(ask.body):

@@ -25,6 +25,7 @@ class BypassReason(StrEnum):
     NO_STORE = "no-store"  # the client's `Cache-Control: no-store`: neither read nor stored
     NO_CACHE = "no-cache"  # the client's `Cache-Control: no-cache`: not read, stored fresh
     NOT_CACHEABLE = "not-cacheable"  # an operation the cache does not keep (embeddings...)
+    PASSTHROUGH = "passthrough"  # the client's own upstream key (mode: passthrough)
 
 
 @dataclass(frozen=True, slots=True)

@@ -218,6 +218,26 @@ async def test_a_bypass_says_why_in_a_header_and_the_access_log(
 
 
 @pytest.mark.timeout(60)
+async def test_a_configuration_that_makes_hits_impossible_is_warned_at_start(
+    aiohttp_server: ServerFactory, upstream: TestServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Pass-through mode with the cache on: no request is ever looked up; the proxy says so
+    when it starts, and a pass-through request says why it was passed by."""
+    caplog.set_level("WARNING")
+    url = str(upstream.make_url("/v1"))
+    await aiohttp_server(create_app(make_config(url, extra={"cache": {"enabled": True}},
+                                                users=USERS)))
+    assert not [r for r in caplog.records if "no request can be a hit" in r.getMessage()]
+    proxy = await aiohttp_server(create_app(make_config(
+        url, extra={"mode": "passthrough", "cache": {"enabled": True}})))
+    (warning,) = [r for r in caplog.records if "no request can be a hit" in r.getMessage()]
+    assert warning.levelname == "WARNING" and "mode: passthrough" in warning.getMessage()
+    _, h = await _chat(_openai(proxy, "sk-client-own-key-0001"))
+    assert h["x-tokenmeter-cache"] == "bypass"
+    assert h["x-tokenmeter-cache-reason"] == "passthrough"
+
+
+@pytest.mark.timeout(60)
 async def test_no_cache_refreshes_the_entry_and_no_store_leaves_it(
     aiohttp_server: ServerFactory, upstream: TestServer
 ) -> None:
