@@ -195,13 +195,14 @@ async def test_a_bypass_says_why_in_a_header_and_the_access_log(
     proxy = await _proxy(aiohttp_server, upstream)
     client = _openai(proxy)
     seen = []
-    for extra, reason in [
+    asks: list[tuple[dict[str, Any], str | None]] = [
         ({}, None),  # a miss
         ({}, None),  # a hit
         ({"extra_body": {"temperature": 0.7}}, "sampled"),
         ({"extra_headers": {"Cache-Control": "no-store"}}, "no-store"),
         ({"extra_headers": {"Cache-Control": "no-cache"}}, "no-cache"),
-    ]:
+    ]
+    for extra, reason in asks:
         _, h = await _chat(client, **extra)
         seen.append((h["x-tokenmeter-cache"], h.get("x-tokenmeter-cache-reason")))
         assert (h["x-tokenmeter-cache"] == "bypass") == (reason is not None)
