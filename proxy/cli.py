@@ -32,13 +32,18 @@ from proxy.capture.cli import run as run_captures
 from proxy.config.exposure import exposure_warning
 from proxy.config.ledger import LedgerConfig
 from proxy.config.load import Config, ConfigError, load_config, single_upstream_config
+from proxy.cost import price_version
 from proxy.ledger.query import LedgerUnavailable, locate, open_reader
 from proxy.ledger.reconcile import add_parser as add_reconcile_parser
 from proxy.ledger.reconcile import run as run_reconcile
 from proxy.ledger.report import (
+    Export,
     Period,
     Report,
+    Rounding,
     build_report,
+    check_tags,
+    checked_period,
     default_period,
     describe_period,
     parse_bound,
@@ -252,7 +257,14 @@ requests whose model has no price), per group, then a total row. A request count
 it started. --from and --to take dates (YYYY-MM-DD; --to D includes all of day D) or
 datetimes (YYYY-MM-DDTHH:MM, --to excluded). Dates, days, weeks (Monday to Sunday, shown as the
 Monday's date) and months are those of the configured time zone (timezone:, else UTC;
---timezone overrides). Without --from and --to: this month so far.
+--timezone overrides). Without --from and --to: this month so far; --to before --from is an
+error, and so is --by tag:KEY for a key the configuration's tags: does not declare.
+
+CSV and JSON say what they are: the period (from, to), the time zone, the price version (the
+fingerprint of the configuration's price table, as each ledger row records it; empty without
+--config) and the cost rounding (CSV: columns of every line; JSON: top-level fields), and
+mark the total line (total: true; none with --no-total). --round cents rounds USD to cents,
+half up, each line from its exact sum.
 
   tokenmeter usage                                   # this month so far, per user
   tokenmeter usage --config tm.yaml --from 2026-11-01 --to 2026-11-30 --by team,model
@@ -290,6 +302,10 @@ def _add_usage_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
                             "week,month and tag:KEY (a tag's value) (default: user)")
     books.add_argument("--format", choices=["table", "csv", "json"],
                        help="output format (default: table)")
+    books.add_argument("--round", choices=list(Rounding), default=Rounding.EXACT,
+                       help="cents: USD rounded to cents, half up, each line from its exact "
+                            "sum (default: exact, nine decimals)")
+    books.add_argument("--no-total", action="store_true", help="leave out the total line")
     books.add_argument("--timezone", metavar="ZONE",
                        help="IANA time zone for dates and buckets (default: the "
                             "configuration's, else UTC)")
@@ -304,6 +320,8 @@ def _usage(args: argparse.Namespace) -> int:
         ("--ledger", args.ledger), ("--from", args.start), ("--to", args.end),
         ("--format", args.format), ("--timezone", args.timezone),
         ("--by", args.by if args.by != "user" else None),
+        ("--round", args.round if args.round != Rounding.EXACT else None),
+        ("--no-total", True if args.no_total else None),
     ) if value is not None]
     if source == "ledger":
         if args.date or args.json:
@@ -333,11 +351,13 @@ def _ledger_usage(args: argparse.Namespace) -> int:
         if args.start is None and args.end is None:
             period = default_period(tz, time.time())
         else:
-            period = Period(
+            period = checked_period(Period(
                 tz,
                 None if args.start is None else parse_bound(args.start, tz, end=False),
                 None if args.end is None else parse_bound(args.end, tz, end=True),
-            )
+            ), args.start, args.end)
+        if config is not None:
+            check_tags(by, config.tags)
         ledger = config.ledger if config is not None else LedgerConfig()
         if not ledger.enabled and args.ledger is None:
             raise ValueError("the ledger is off in this configuration (ledger.enabled: false); "
@@ -356,13 +376,16 @@ def _ledger_usage(args: argparse.Namespace) -> int:
     except LedgerUnavailable as exc:
         print(f"cannot read the ledger: {exc}", file=sys.stderr)
         return 1
+    export = Export(None if config is None else price_version(config.prices),
+                    Rounding(args.round), not args.no_total)
     fmt = args.format or "table"
     if fmt == "csv":
-        sys.stdout.write(render_csv(report))
+        sys.stdout.write(render_csv(report, export))
     elif fmt == "json":
-        print(render_json(report))
+        print(render_json(report, export))
     else:
-        print(render_table(report, f"{location.describe()}: {describe_period(period)}"))
+        print(render_table(report, f"{location.describe()}: {describe_period(period)}",
+                           export))
     return 0
 
 

@@ -22,7 +22,7 @@ from proxy.cache import outcome as cache_outcome
 from proxy.cache.entry import Entry, EntryUnreadable, Form
 from proxy.cache.flight import Flights
 from proxy.cache.key import cache_key
-from proxy.cache.outcome import CacheOutcome, CacheResult
+from proxy.cache.outcome import BypassReason, CacheOutcome, CacheResult
 from proxy.cache.policy import CacheRule, rule_for, samples, scope_id
 from proxy.cache.replays import Hot, ReplayForm, Replays
 from proxy.cache.store import CacheStore
@@ -39,6 +39,7 @@ STREAM_FACTOR = 16
 # canonical JSON of a 32 MB body is some 100 ms of CPU the loop must not spend.
 ON_LOOP_BYTES = 256 * 1024
 HIT_HEADER = "x-tokenmeter-cache"
+REASON_HEADER = "x-tokenmeter-cache-reason"  # beside a bypass: its `BypassReason`
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +156,7 @@ class Decision:
     # A miss's (or a no-cache bypass's): the answer to store. A hit's, should its entry turn
     # out to hold no answer (`missed`); `served` drops it.
     fill: Fill | None = None
+    reason: BypassReason | None = None  # a bypass's
 
     def served(self) -> Decision:
         return dataclasses.replace(self, fill=None)
@@ -166,12 +168,21 @@ class Decision:
     def header(self) -> str | None:
         return None if self.result is CacheResult.NONE else self.result.value
 
+    def headers(self) -> dict[str, str]:
+        """What the answer says of the cache: the result and, beside a bypass, why."""
+        value = self.header
+        if value is None:
+            return {}
+        if self.reason is None:
+            return {HIT_HEADER: value}
+        return {HIT_HEADER: value, REASON_HEADER: self.reason.value}
+
     def outcome(self) -> CacheOutcome:
         """What settle is handed: on a hit, the stored answer's usage (what it saved)."""
         if self.result is CacheResult.NONE:
             return cache_outcome.NOT_CONSULTED
         if self.entry is None:
-            return CacheOutcome(self.result)
+            return CacheOutcome(self.result, reason=self.reason)
         return CacheOutcome(self.result, saved=self.entry.usage, age_s=self.age_s)
 
 
@@ -184,6 +195,26 @@ class Finished:
 
     usage: Usage  # reported by the upstream
     capped_ok: bool  # an end at the output cap is the client's own cap, not the proxy's
+
+
+def _rule(config: CacheConfig, ask: Ask) -> CacheRule | Decision:
+    """The cache's rule for the request, or the decision that it is not looked up: not
+    consulted (the cache does not apply to it), or passed by with the reason."""
+    if not config.maybe_enabled:
+        return NOT_CONSULTED
+    rule = rule_for(config, ask.principal, ask.model)
+    if not rule.enabled:
+        return NOT_CONSULTED
+    # The cache applies to this user and model: a request it passes by says why.
+    if ask.principal.forward_client_key:
+        # Pass-through: the proxy cannot tell a valid upstream key from another, and a hit
+        # must need one.
+        return Decision(CacheResult.BYPASS, reason=BypassReason.PASSTHROUGH)
+    if ask.operation not in assemble.OPERATIONS:
+        return Decision(CacheResult.BYPASS, reason=BypassReason.NOT_CACHEABLE)
+    if not rule.cache_sampled and samples(ask.body):
+        return Decision(CacheResult.BYPASS, reason=BypassReason.SAMPLED)
+    return rule
 
 
 def directives(cache_control: str) -> frozenset[str]:
@@ -205,15 +236,9 @@ class ResponseCache:
         self._clock = clock
 
     async def consult(self, config: CacheConfig, ask: Ask) -> Decision:
-        if not config.maybe_enabled:
-            return NOT_CONSULTED
-        if ask.operation not in assemble.OPERATIONS or ask.principal.forward_client_key:
-            # Pass-through: the proxy cannot tell a valid upstream key from another, and a
-            # hit must need one.
-            return NOT_CONSULTED
-        rule = rule_for(config, ask.principal, ask.model)
-        if not rule.enabled or (not rule.cache_sampled and samples(ask.body)):
-            return NOT_CONSULTED
+        rule = _rule(config, ask)
+        if isinstance(rule, Decision):
+            return rule
         parts = (ask.operation, ask.model, ask.upstream, ask.body,
                  scope_id(rule.scope, ask.principal))
         key = (cache_key(*parts) if ask.body_bytes <= ON_LOOP_BYTES
@@ -221,11 +246,11 @@ class ResponseCache:
         stream = ask.body.get("stream") is True
         said = directives(ask.cache_control) if ask.cache_control else frozenset()
         if "no-store" in said:
-            return Decision(CacheResult.BYPASS)
+            return Decision(CacheResult.BYPASS, reason=BypassReason.NO_STORE)
         fill = Fill(key, ask.operation, rule, self.fill_bytes, stream=stream)
         if "no-cache" in said:  # a fresh answer, stored; those asking meanwhile wait for it
             fill.leader = self.flights.lead(key, fill) is None
-            return Decision(CacheResult.BYPASS, fill=fill)
+            return Decision(CacheResult.BYPASS, fill=fill, reason=BypassReason.NO_CACHE)
         # An answer on its way is waited for before the store is asked: it is the freshest.
         flight = self.flights.open(key)
         entry = None

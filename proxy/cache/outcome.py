@@ -14,7 +14,18 @@ class CacheResult(StrEnum):
     NONE = "none"  # not consulted: the cache is off, or the request is not cacheable
     HIT = "hit"  # answered from an entry: no upstream call
     MISS = "miss"  # looked up, not found (or the store failed): went upstream
-    BYPASS = "bypass"  # the client said `Cache-Control: no-cache` or `no-store`
+    BYPASS = "bypass"  # the cache applies but was passed by: `BypassReason` says why
+
+
+class BypassReason(StrEnum):
+    """Why a request the cache applies to went upstream without a look-up (`x-tokenmeter-
+    cache-reason`, the access log's `cache_reason`)."""
+
+    SAMPLED = "sampled"  # a sampling request (temperature > 0...) and `cache_sampled` off
+    NO_STORE = "no-store"  # the client's `Cache-Control: no-store`: neither read nor stored
+    NO_CACHE = "no-cache"  # the client's `Cache-Control: no-cache`: not read, stored fresh
+    NOT_CACHEABLE = "not-cacheable"  # an operation the cache does not keep (embeddings...)
+    PASSTHROUGH = "passthrough"  # the client's own upstream key (mode: passthrough)
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +35,7 @@ class CacheOutcome:
     # prices by settle); None otherwise.
     saved: Usage | None = None
     age_s: float | None = None  # on a hit: how old the entry is
+    reason: BypassReason | None = None  # on a bypass: why
 
 
 NOT_CONSULTED = CacheOutcome(CacheResult.NONE)

@@ -105,3 +105,13 @@ def scope_id(scope: CacheScope, principal: Principal) -> str:
     if scope is CacheScope.TEAM:
         return "team:" + principal.team if principal.team else "user:" + principal.user
     return "global"
+
+
+def hits_impossible(cache: CacheConfig, mode: str) -> str | None:
+    """Why no request can be a hit under this configuration (warned at start), or None."""
+    if cache.maybe_enabled and mode == "passthrough":
+        # `ResponseCache.consult`: a pass-through request is never looked up.
+        return ("the response cache is enabled but no request can be a hit: mode: passthrough "
+                "forwards the clients' own keys, and the proxy cannot tell a valid key from "
+                "another, so it never answers from the cache (use mode: keys)")
+    return None

@@ -84,6 +84,7 @@ from proxy.ledger.query import (
     open_reader,
     rollups_ready,
 )
+from proxy.ledger.report import usd
 from proxy.ledger.rollup import HOUR_S, WINDOWS
 from proxy.ledger.schema import TABLE
 
@@ -171,12 +172,43 @@ class Check:
     def quiet(self) -> bool:
         return self.ledger == 0 and self.store == 0 and self.in_flight == 0
 
+    @property
+    def is_cost(self) -> bool:
+        return self.measure == lim.Measure.COST.value
+
+    @property
+    def what(self) -> str:
+        """The measure in plain words (the store counts cost in nano-dollars; people read
+        USD)."""
+        return _MEASURE_WORDS.get(self.measure, self.measure)
+
+    def amount(self, value: int) -> str:
+        """A figure of this window as shown: tokens and requests as counts, cost in USD (exact,
+        nine decimals, from the nano-dollars the store and the ledger keep)."""
+        return f"${usd(value)}" if self.is_cost else f"{value:,}"
+
     def to_json(self) -> dict[str, object]:
-        return {"user": self.user, "team": self.team, "scope": self.scope,
-                "window": self.window, "stamp": self.stamp, "measure": self.measure,
-                "ledger": self.ledger, "store": self.store, "in_flight": self.in_flight,
-                "difference": self.difference, "unexplained": self.unexplained,
-                "verdict": self.verdict.value, "key": self.key}
+        out: dict[str, object] = {
+            "user": self.user, "team": self.team, "scope": self.scope,
+            "window": self.window, "stamp": self.stamp, "measure": self.measure,
+            "unit": "usd" if self.is_cost else "requests"
+            if self.measure == lim.Measure.REQUESTS.value else "tokens",
+            "ledger": self.ledger, "store": self.store, "in_flight": self.in_flight,
+            "difference": self.difference, "unexplained": self.unexplained,
+            "verdict": self.verdict.value, "key": self.key}
+        if self.is_cost:  # the integers stay nano-dollars (exact); these are the USD
+            for name in ("ledger", "store", "in_flight", "difference", "unexplained"):
+                out[f"{name}_usd"] = usd(getattr(self, name))
+        return out
+
+
+_MEASURE_WORDS = {
+    lim.Measure.TOTAL.value: "tokens",
+    lim.Measure.INPUT.value: "input tokens",
+    lim.Measure.OUTPUT.value: "output tokens",
+    lim.Measure.REQUESTS.value: "requests",
+    lim.Measure.COST.value: "cost (USD)",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -538,16 +570,16 @@ def _ago(seconds: float) -> str:
 def render_table(r: Reconciliation, caption: str) -> str:
     lines = [caption]
     shown = [c for c in r.checks if not c.quiet]
-    header = ("user", "team", "scope", "window", "period", "ledger", "store", "in flight",
-              "verdict")
+    header = ("user", "team", "scope", "window", "period", "measure", "ledger", "store",
+              "in flight", "verdict")
     rows = [header, *(
-        ("-" if c.user is None else c.user, c.team or "-", c.scope, c.window, c.stamp,
-         f"{c.ledger:,}", f"{c.store:,}", f"{c.in_flight:,}", c.verdict.value)
+        ("-" if c.user is None else c.user, c.team or "-", c.scope, c.window, c.stamp, c.what,
+         c.amount(c.ledger), c.amount(c.store), c.amount(c.in_flight), c.verdict.value)
         for c in shown
     )]
     if shown:
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-        lines += ["  ".join(cell.rjust(w) if 5 <= i <= 7 else cell.ljust(w)
+        lines += ["  ".join(cell.rjust(w) if 6 <= i <= 8 else cell.ljust(w)
                             for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip()
                   for row in rows]
     else:

@@ -57,7 +57,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
-from decimal import Decimal
+from decimal import ROUND_HALF_UP, Decimal
 from operator import itemgetter
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -243,6 +243,26 @@ def parse_bound(text: str, tz: ZoneInfo, *, end: bool) -> datetime:
     # Midnight, first occurrence (fold=0); where the clocks skip midnight, the instant the
     # day really starts.
     return datetime(day.year, day.month, day.day, tzinfo=tz)
+
+
+def checked_period(period: Period, start: str | None, end: str | None) -> Period:
+    """`period`, or ValueError when it holds no time (`--to` at or before `--from`): an
+    empty report would read as "nothing was spent"."""
+    if period.start is not None and period.end is not None and period.end <= period.start:
+        raise ValueError(f"--to {end} is before --from {start} (--to D includes day D): "
+                         "the period holds no time")
+    return period
+
+
+def check_tags(by: Sequence[Group], declared: Iterable[str]) -> None:
+    """ValueError for a `--by tag:KEY` whose key the configuration's `tags:` does not declare:
+    no request can carry it, so its report would be one group of everything."""
+    known = sorted(declared)
+    for key in by:
+        if isinstance(key, TagGroup) and key.key not in known:
+            listed = ", ".join(known) if known else "none"
+            raise ValueError(f"--by {key}: the configuration declares no tag key {key.key!r} "
+                             f"(tags: declares {listed})")
 
 
 def default_period(tz: ZoneInfo, now: float) -> Period:
@@ -762,32 +782,90 @@ def _columns(report: Report, names: tuple[str, ...], cache: tuple[str, ...],
     return (*names, *hits) if _with_hits(report) else names
 
 
-def _usd(nanousd: int) -> str:
-    """Dollars, always nine decimals, exact (as `Decimal(nanousd).scaleb(-9)` prints them)."""
+class Rounding(enum.StrEnum):
+    """How the USD columns are printed (`--round`)."""
+
+    EXACT = "exact"  # nine decimals: the ledger's nano-dollars as they are
+    CENTS = "cents"  # two decimals, half up (0.005 -> 0.01), as a spreadsheet's ROUND()
+
+    def describe(self) -> str:
+        """The rounding in words, for the export's header."""
+        # Each line from its own exact sum: the lines' rounded costs may not add up to the
+        # total's, which is the exact total rounded once.
+        if self is Rounding.CENTS:
+            return "cents, half up, each line from its exact sum"
+        return "exact, nine decimals"
+
+
+_CENT = Decimal("0.01")
+
+
+@dataclass(frozen=True, slots=True)
+class Export:
+    """What an export says about itself beside the figures (`tokenmeter usage`'s options)."""
+
+    # The fingerprint of the configuration's price table (`proxy.cost.price_version`, what
+    # the proxy records in each ledger row's `price_version`), None without a configuration.
+    # The rows were priced when written: a table changed since shows as another version here,
+    # not as other costs.
+    price_version: str | None = None
+    rounding: Rounding = Rounding.EXACT
+    total: bool = True  # the total line (`--no-total`: none)
+
+
+def usd(nanousd: int, rounding: Rounding = Rounding.EXACT) -> str:
+    """Dollars, exact with nine decimals (as `Decimal(nanousd).scaleb(-9)` prints them), or
+    rounded to cents."""
+    if rounding is Rounding.CENTS:
+        return str(Decimal(nanousd).scaleb(-9).quantize(_CENT, rounding=ROUND_HALF_UP))
     whole, nano = divmod(abs(nanousd), 1_000_000_000)
     return f"{'-' if nanousd < 0 else ''}{whole}.{nano:09d}"
 
 
-def _values(t: Totals, cache: bool = False, hits: bool = False) -> tuple[int | str, ...]:
+def _values(t: Totals, cache: bool = False, hits: bool = False,
+            rounding: Rounding = Rounding.EXACT) -> tuple[int | str, ...]:
     out: tuple[int | str, ...] = (
         t.requests, t.refused, t.failed, t.input_tokens, t.cached_input_tokens,
-        t.output_tokens, t.reasoning_tokens, t.total_tokens, _usd(t.cost_nanousd), t.unpriced)
+        t.output_tokens, t.reasoning_tokens, t.total_tokens, usd(t.cost_nanousd, rounding),
+        t.unpriced)
     if cache:
         out = (*out[:_CACHE_AT], t.cache_read_input_tokens, t.cache_creation_input_tokens,
                *out[_CACHE_AT:])
     if hits:
         out = (*out, t.hits, t.saved_input_tokens, t.saved_output_tokens, t.saved_tokens,
-               _usd(t.saved_cost_nanousd))
+               usd(t.saved_cost_nanousd, rounding))
     return out
 
 
-def render_csv(report: Report) -> str:
+def _bound(moment: datetime | None) -> str | None:
+    return None if moment is None else moment.isoformat()
+
+
+# The export's own columns, after the figures (CSV; JSON has them as top-level fields).
+META_COLUMNS = ("total", "period_from", "period_to", "timezone", "price_version",
+                "cost_rounding")
+
+
+def _meta(report: Report, export: Export, total: bool) -> list[str]:
+    p = report.period
+    return ["true" if total else "false", _bound(p.start) or "", _bound(p.end) or "",
+            p.tz.key, export.price_version or "", export.rounding.describe()]
+
+
+def render_csv(report: Report, export: Export = Export()) -> str:
     """One line per group, then `total` in the first group column with the sums. The group
-    keys are the clients' text (a model name): each is made a safe cell (`csv_cell`)."""
+    keys are the clients' text (a model name): each is made a safe cell (`csv_cell`).
+
+    The export's facts are columns of every line (`META_COLUMNS`), not comment lines: a
+    spreadsheet, pandas or a CSV reader takes them as they are (a `#` line is a data row to
+    them), and a filter on `total` keeps the total line apart (its first column could also be
+    a user named `total`)."""
     out = io.StringIO()
     w = csv.writer(out, lineterminator="\n")
     cache, hits = _with_cache(report), _with_hits(report)
-    w.writerow([*map(str, report.by), *_columns(report, COLUMNS, CACHE_COLUMNS, HIT_COLUMNS)])
+    r = export.rounding
+    w.writerow([*map(str, report.by), *_columns(report, COLUMNS, CACHE_COLUMNS, HIT_COLUMNS),
+                *META_COLUMNS])
     cells: dict[str | None, str] = {None: ""}  # a key (a user, a day) shows on many lines
 
     def cell(k: str | None) -> str:
@@ -797,51 +875,63 @@ def render_csv(report: Report) -> str:
             found = cells[k] = csv_cell(k)
         return found
 
+    meta = _meta(report, export, False)
     with collector_paused():  # tens of thousands of groups, none in a cycle
         for keys, t in report.rows:
-            w.writerow([*map(cell, keys), *_values(t, cache, hits)])
-    w.writerow(["total", *[""] * (len(report.by) - 1), *_values(report.totals, cache, hits)])
+            w.writerow([*map(cell, keys), *_values(t, cache, hits, r), *meta])
+    if export.total:
+        w.writerow(["total", *[""] * (len(report.by) - 1),
+                    *_values(report.totals, cache, hits, r), *_meta(report, export, True)])
     return out.getvalue()
 
 
-def _json_totals(t: Totals, report: Report) -> dict[str, object]:
+def _json_totals(t: Totals, report: Report, export: Export, total: bool) -> dict[str, object]:
     columns = _columns(report, COLUMNS, CACHE_COLUMNS, HIT_COLUMNS)
     hits = _with_hits(report)
-    values = _values(t, _with_cache(report), hits)
+    values = _values(t, _with_cache(report), hits, export.rounding)
     out: dict[str, object] = {**dict(zip(columns, values, strict=True)),
                               "cost_nanousd": t.cost_nanousd}
     if hits:
         out["saved_cost_nanousd"] = t.saved_cost_nanousd
+    out["total"] = total
     return out
 
 
-def render_json(report: Report) -> str:
-    """`{"timezone", "from", "to", "by", "rows": [...], "totals": {...}}`; `cost_usd` is a
-    decimal string (exact), `cost_nanousd` the same as an integer."""
+def render_json(report: Report, export: Export = Export()) -> str:
+    """`{"timezone", "from", "to", "price_version", "cost_rounding", "by", "rows": [...],
+    "totals": {...}}` (no `totals` with `--no-total`); each row and the totals carry `total`
+    (false, true). `cost_usd` is a decimal string (exact, or cents), `cost_nanousd` the exact
+    cost as an integer whatever the rounding."""
     p = report.period
-    doc = {
+    doc: dict[str, object] = {
         "timezone": p.tz.key,
-        "from": None if p.start is None else p.start.isoformat(),
-        "to": None if p.end is None else p.end.isoformat(),
+        "from": _bound(p.start),
+        "to": _bound(p.end),
+        "price_version": export.price_version,
+        "cost_rounding": export.rounding.describe(),
         "by": list(map(str, report.by)),
-        "rows": [{**dict(zip(map(str, report.by), keys, strict=True)), **_json_totals(t, report)}
-                 for keys, t in report.rows],
-        "totals": _json_totals(report.totals, report),
+        "rows": [{**dict(zip(map(str, report.by), keys, strict=True)),
+                  **_json_totals(t, report, export, False)} for keys, t in report.rows],
     }
+    if export.total:
+        doc["totals"] = _json_totals(report.totals, report, export, True)
     return json.dumps(doc, indent=2)
 
 
-def render_table(report: Report, caption: str | None = None) -> str:
+def render_table(report: Report, caption: str | None = None,
+                 export: Export = Export()) -> str:
     cache, hits = _with_cache(report), _with_hits(report)
 
     def cells(t: Totals) -> list[str]:
-        return [v if isinstance(v, str) else f"{v:,}" for v in _values(t, cache, hits)]
+        return [v if isinstance(v, str) else f"{v:,}"
+                for v in _values(t, cache, hits, export.rounding)]
 
     header = [*map(str, report.by), *_columns(report, _HEADINGS, _CACHE_HEADINGS, _HIT_HEADINGS)]
     # Group keys are the clients' text (a model name): shown escaped, never acted on.
     body = [[*("-" if k is None else for_terminal(k) for k in keys), *cells(t)]
             for keys, t in report.rows]
-    body.append(["total", *[""] * (len(report.by) - 1), *cells(report.totals)])
+    if export.total:
+        body.append(["total", *[""] * (len(report.by) - 1), *cells(report.totals)])
     table = [header, *body]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     n = len(report.by)

@@ -115,9 +115,8 @@ def told(record: RequestRecord) -> RequestRecord:
 
 
 def headers(outcome: Outcome) -> dict[str, str]:
-    """The header a miss's (or a bypass's) answer carries."""
-    value = outcome.cache.header
-    return {HIT_HEADER: value} if value is not None else {}
+    """The headers a miss's (or a bypass's: with its reason) answer carries."""
+    return outcome.cache.headers()
 
 
 async def _replay(request: web.Request, ctx: RequestContext, decision: Decision, body: bytes,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import hashlib
 import hmac
@@ -26,6 +27,7 @@ from proxy.budget.spool import SettleSpool, default_dir
 from proxy.budget.store import Store
 from proxy.budget.store_factory import make_store
 from proxy.cache.cache import ResponseCache
+from proxy.cache.policy import hits_impossible
 from proxy.cache.store import make_cache_store
 from proxy.capture.store import CaptureStore, default_url
 from proxy.capture.writer import CaptureWriter
@@ -558,6 +560,8 @@ def create_app(
     app.router.add_get("/readyz", _readyz)
     if runtime.open_mode:
         app.on_startup.append(_warn_open)
+    if (never := hits_impossible(config.cache, config.effective_mode)) is not None:
+        app.on_startup.append(functools.partial(_warn_cache, never))
     app.on_startup.append(_settle_heap)
     return app
 
@@ -575,3 +579,7 @@ async def _settle_heap(app: web.Application) -> None:
 
 async def _warn_open(app: web.Application) -> None:
     log.warning(_OPEN_WARNING)
+
+
+async def _warn_cache(never: str, app: web.Application) -> None:
+    log.warning(never)

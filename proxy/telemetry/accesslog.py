@@ -45,6 +45,7 @@ def request_fields(rec: RequestRecord) -> dict[str, object]:
         "error_class": rec.error_class,
         "stream": rec.stream,
         "cache": rec.cache,
+        "cache_reason": rec.cache_reason,
         "input_tokens": u.input_tokens,
         "output_tokens": u.output_tokens,
         "cached_input_tokens": u.cached_input_tokens,
@@ -101,7 +102,8 @@ def request_line(rec: RequestRecord) -> str:
         f'{_s(None if rec.response_model is None else rec.response_model[:200])},'
         f'"attempts":{rec.attempts},"upstream":{_str(rec.upstream_label)},"status":{rec.status},'
         f'"error_class":{_str(rec.error_class)},"stream":{"true" if rec.stream else "false"},'
-        f'"cache":{_str(rec.cache)},"input_tokens":{u.input_tokens},"output_tokens":{u.output_tokens},'
+        f'"cache":{_str(rec.cache)},"cache_reason":{_s(rec.cache_reason)},'
+        f'"input_tokens":{u.input_tokens},"output_tokens":{u.output_tokens},'
         f'"cached_input_tokens":{u.cached_input_tokens},'
         f'"reasoning_tokens":{u.reasoning_tokens},"total_tokens":{u.total_tokens},'
         f'"token_source":{_str(u.source)},"ttft_ms":{_n(_ms(f.ttft))},'

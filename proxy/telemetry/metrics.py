@@ -184,6 +184,7 @@ class RequestRecord:
     # call) and these are what the stored answer used and its cost at the price of the day of
     # the hit (None: no price).
     cache: str = CACHE_NOT_CONSULTED
+    cache_reason: str | None = None  # a bypass's: a `proxy.cache.outcome.BypassReason` value
     saved_usage: Usage = ZERO
     saved_cost: CostLines | None = None
     tags: Tags = NO_TAGS  # what the request was for (proxy.config.tags)
@@ -757,8 +758,9 @@ class Metrics:
         self._cache_requests = _Counter(
             "tokenmeter_cache_requests",
             "Requests the response cache was consulted for, by result (hit: answered from an "
-            "entry; miss: went upstream, the store's failures included; bypass: the client's "
-            "Cache-Control).", ("model", "result"), registry=r,
+            "entry; miss: went upstream, the store's failures included; bypass: passed by, "
+            "for the reason x-tokenmeter-cache-reason gives: sampled, the client's "
+            "Cache-Control, an operation not cached).", ("model", "result"), registry=r,
         )
         self._cache_saved_tokens = _Counter(
             "tokenmeter_cache_saved_tokens",

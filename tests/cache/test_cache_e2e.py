@@ -30,6 +30,7 @@ from tests.helpers import (
     make_config,
     sample,
     scrape,
+    settled,
     until,
 )
 from tests.servers import RedisServer, ServedProxy
@@ -174,12 +175,67 @@ async def test_sampled_requests_are_not_cached_unless_configured(
     client = _openai(proxy)
     for _ in range(2):
         _, h = await _chat(client, extra_body={"temperature": 0.7})
-        assert "x-tokenmeter-cache" not in h
+        assert h["x-tokenmeter-cache"] == "bypass"
+        assert h["x-tokenmeter-cache-reason"] == "sampled"
     assert _seen(upstream) == 2
     sampled = await _proxy(aiohttp_server, upstream, cache_sampled=True)
     for _ in range(2):
         await _chat(_openai(sampled), extra_body={"temperature": 0.7})
     assert _seen(upstream) == 3
+
+
+@pytest.mark.timeout(60)
+async def test_a_bypass_says_why_in_a_header_and_the_access_log(
+    aiohttp_server: ServerFactory, upstream: TestServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`x-tokenmeter-cache: bypass` comes with `x-tokenmeter-cache-reason`, as the openai SDK's
+    raw response shows it, and the access log's line carries the same `cache_reason`; a miss
+    and a hit carry none."""
+    caplog.set_level("INFO", logger="tokenmeter.access")
+    proxy = await _proxy(aiohttp_server, upstream)
+    client = _openai(proxy)
+    seen = []
+    asks: list[tuple[dict[str, Any], str | None]] = [
+        ({}, None),  # a miss
+        ({}, None),  # a hit
+        ({"extra_body": {"temperature": 0.7}}, "sampled"),
+        ({"extra_headers": {"Cache-Control": "no-store"}}, "no-store"),
+        ({"extra_headers": {"Cache-Control": "no-cache"}}, "no-cache"),
+    ]
+    for extra, reason in asks:
+        _, h = await _chat(client, **extra)
+        seen.append((h["x-tokenmeter-cache"], h.get("x-tokenmeter-cache-reason")))
+        assert (h["x-tokenmeter-cache"] == "bypass") == (reason is not None)
+    raw = await client.embeddings.with_raw_response.create(model="mock-gpt", input="hello")
+    seen.append((raw.headers["x-tokenmeter-cache"], raw.headers.get("x-tokenmeter-cache-reason")))
+    assert seen == [("miss", None), ("hit", None), ("bypass", "sampled"),
+                    ("bypass", "no-store"), ("bypass", "no-cache"), ("bypass", "not-cacheable")]
+    await settled(proxy.app, len(seen))
+    lines = [json.loads(r.getMessage()) for r in caplog.records
+             if r.name == "tokenmeter.access"]
+    assert [(line["cache"], line["cache_reason"]) for line in lines] == [
+        ("miss", None), ("hit", None), ("bypass", "sampled"), ("bypass", "no-store"),
+        ("bypass", "no-cache"), ("bypass", "not-cacheable")]
+
+
+@pytest.mark.timeout(60)
+async def test_a_configuration_that_makes_hits_impossible_is_warned_at_start(
+    aiohttp_server: ServerFactory, upstream: TestServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Pass-through mode with the cache on: no request is ever looked up; the proxy says so
+    when it starts, and a pass-through request says why it was passed by."""
+    caplog.set_level("WARNING")
+    url = str(upstream.make_url("/v1"))
+    await aiohttp_server(create_app(make_config(url, extra={"cache": {"enabled": True}},
+                                                users=USERS)))
+    assert not [r for r in caplog.records if "no request can be a hit" in r.getMessage()]
+    proxy = await aiohttp_server(create_app(make_config(
+        url, extra={"mode": "passthrough", "cache": {"enabled": True}})))
+    (warning,) = [r for r in caplog.records if "no request can be a hit" in r.getMessage()]
+    assert warning.levelname == "WARNING" and "mode: passthrough" in warning.getMessage()
+    _, h = await _chat(_openai(proxy, "sk-client-own-key-0001"))
+    assert h["x-tokenmeter-cache"] == "bypass"
+    assert h["x-tokenmeter-cache-reason"] == "passthrough"
 
 
 @pytest.mark.timeout(60)

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -262,9 +263,18 @@ async def test_ledger_and_store_agree(world: World, capsys: pytest.CaptureFixtur
     code, out = await run_command(world, capsys)
     assert code == 0, out
     assert "t.platform" in out and "agree:" in out and "DRIFT" not in out
+    # Cost windows speak USD (the store's nano-dollars are not what people read).
+    dollars = f"${Decimal(cost.ledger).scaleb(-9):.9f}"
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("dave ") and "daily_usd" in ln]
+    assert "cost (USD)" in line and line.count(dollars) == 2, out
+    assert f"{cost.ledger:,}" not in out
     code, out = await run_command(world, capsys, "--json")
     doc = json.loads(out)
     assert code == 0 and doc["agrees"] is True and doc["orphans"] == []
+    (usd,) = [w for w in doc["windows"] if w["user"] == "dave" and w["scope"] == "u"
+              and w["window"] == "daily_usd"]
+    assert usd["unit"] == "usd" and usd["ledger"] == cost.ledger
+    assert usd["ledger_usd"] == usd["store_usd"] == dollars[1:]
     assert {w["verdict"] for w in doc["windows"]} == {"agrees"}
     assert doc["date"] == world.today.isoformat() and doc["ledger_newest"] is not None
 

@@ -163,7 +163,7 @@ def test_json_shape_and_exact_cost(books: Books, capsys: pytest.CaptureFixture[s
         "user": "alice", "day": "2025-02-03", "requests": 3, "refused": 0, "failed": 0,
         "input_tokens": 30, "cached_input_tokens": 0, "output_tokens": 15,
         "reasoning_tokens": 0, "total_tokens": 45, "cost_usd": "100000000.333333334",
-        "unpriced": 0, "cost_nanousd": 10**17 + 333_333_334,
+        "unpriced": 0, "cost_nanousd": 10**17 + 333_333_334, "total": False,
     }
     assert bob["cost_usd"] == "0.000000000" and bob["unpriced"] == 1
     assert doc["totals"]["requests"] == 4 and doc["totals"]["cost_usd"] == "100000000.333333334"

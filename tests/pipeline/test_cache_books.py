@@ -131,9 +131,9 @@ async def test_a_hit_is_booked_counted_and_charged_as_configured(
     # (1034 x 2.5 + 200 x 1.25 + 567 x 10) / 1e6 USD, to the nano-dollar.
     assert row["saved_cost_nanousd"] == CostLines.of(price, SAVED).nanousd == 8_505_000
     assert (row["windows"] == "") is (charge == "none")
-    # The miss before it: no cache consulted in this row, nothing saved.
+    # The request before it (sampled: no temperature, so 1): passed by, nothing saved.
     with closing(sqlite3.connect(tmp_path / "ledger.sqlite3")) as db:
-        (others,) = db.execute(f"SELECT count(*) FROM {TABLE} WHERE cache = 'none' AND "
+        (others,) = db.execute(f"SELECT count(*) FROM {TABLE} WHERE cache = 'bypass' AND "
                                "saved_input_tokens = 0 AND saved_cost_nanousd IS NULL "
                                "AND input_tokens > 0").fetchone()
     assert others == 1
