@@ -182,7 +182,8 @@ async def _serve(config: Config | None, options: _ServeOptions) -> None:
         if options.demo:
             from proxy.demo import run_demo
 
-            await run_demo(base, metrics_url)
+            settling = app[SERVICES].settling
+            await run_demo(base, metrics_url, lambda: asyncio.gather(*settling.tasks))
             if options.once:
                 return
         stop = _stop_on_signals(app)

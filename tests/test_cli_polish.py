@@ -59,3 +59,23 @@ def test_mock_upstream_help_lists_the_headers_it_honours() -> None:
     listed = re.findall(r"^\s+(x-mock-[a-z0-9-]+)\s+\S", done.stdout, re.MULTILINE)
     assert listed == [header for header, _ in override_headers()] + [SCENARIO_HEADER]
     assert re.search(r"^\s+x-mock-status\s+status$", done.stdout, re.MULTILINE)
+
+
+def test_demo_screen_keeps_the_answer_the_log_line_and_the_metrics_apart(tmp_path: Path) -> None:
+    """stdout and stderr as a terminal shows them, in one pipe: the streamed text whole on its
+    own line, the request's access-log line under its heading, then the metrics."""
+    done = subprocess.run(
+        [sys.executable, "-m", "proxy.cli", "demo", "--once", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60, check=False,
+        env={**os.environ, "TOKENMETER_STATE_DIR": str(tmp_path)},
+    )
+    assert done.returncode == 0, done.stdout
+    lines = [line for line in done.stdout.splitlines() if line]
+    answer = lines.index("--- the streamed answer ---")
+    log_line = lines.index("--- its access-log line (stderr) ---")
+    metrics = next(i for i, line in enumerate(lines) if line.startswith("--- metrics: curl "))
+    assert answer < log_line < metrics
+    assert lines[answer + 1:log_line] == [generated_text(64)]
+    (access,) = lines[log_line + 1:metrics]
+    assert json.loads(access)["event"] == "request"
+    assert any(line.startswith("  tokenmeter_requests_total{") for line in lines[metrics:])

@@ -10,11 +10,12 @@ failed since the line before (`AuthFailureLog`); tokenmeter_auth_failures_total 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TextIO
 
 from proxy.telemetry.metrics import RequestRecord
@@ -215,6 +216,7 @@ class LoopLineHandler(logging.Handler):
         super().__init__()
         self._stream = stream
         self._lines: list[str] = []
+        self.holding = False  # lines kept back (`held`)
         # JSON: a record's message is its line as it is; text: the formatter's.
         self.raw = log_format is LogFormat.JSON
         if not self.raw:
@@ -236,7 +238,7 @@ class LoopLineHandler(logging.Handler):
             return
         lines = self._lines
         lines.append(line)
-        if len(lines) == 1:
+        if len(lines) == 1 and not self.holding:
             loop.call_soon(self.flush)
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -244,7 +246,7 @@ class LoopLineHandler(logging.Handler):
 
     def flush(self) -> None:
         lines = self._lines
-        if lines:
+        if lines and not self.holding:
             self._lines = []
             lines.append("")
             self._write("\n".join(lines))
@@ -267,3 +269,19 @@ def install_access_handler(stream: TextIO, log_format: LogFormat = LogFormat.JSO
     _direct = LoopLineHandler(stream, log_format)
     access_log.handlers[:] = [_direct]
     access_log.propagate = False
+
+
+@contextlib.contextmanager
+def held() -> Iterator[None]:
+    """The access log's lines kept back meanwhile, then written (`demo`: a stream's line is
+    written as it settles, before its end reaches the client, and would cut its text)."""
+    handler = _direct
+    if handler is None:
+        yield
+        return
+    handler.holding = True
+    try:
+        yield
+    finally:
+        handler.holding = False
+        handler.flush()
