@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 import math
 import os
@@ -65,7 +66,12 @@ from proxy.server.workers import (
     supervise,
     watch_supervisor,
 )
-from proxy.telemetry.accesslog import JsonFormatter, install_access_handler
+from proxy.telemetry.accesslog import (
+    JsonFormatter,
+    LogFormat,
+    TextFormatter,
+    install_access_handler,
+)
 from proxy.telemetry.metrics import Metrics
 
 log = logging.getLogger("tokenmeter")
@@ -86,9 +92,9 @@ class ClientErrorFilter(logging.Filter):
         return True
 
 
-def setup_logging(level: str = "INFO") -> None:
+def setup_logging(level: str = "INFO", log_format: LogFormat = LogFormat.JSON) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
+    handler.setFormatter(JsonFormatter() if log_format is LogFormat.JSON else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -181,7 +187,8 @@ async def _serve(config: Config | None, options: _ServeOptions) -> None:
         if options.demo:
             from proxy.demo import run_demo
 
-            await run_demo(base, metrics_url)
+            settling = app[SERVICES].settling
+            await run_demo(base, metrics_url, lambda: asyncio.gather(*settling.tasks))
             if options.once:
                 return
         stop = _stop_on_signals(app)
@@ -437,6 +444,7 @@ def _resolve_config(args: argparse.Namespace) -> Config | None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmeter", description=__doc__)
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
 
     for name, help_text in (
@@ -449,6 +457,10 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--host", help="listen address (default: server.host, else 127.0.0.1)")
         p.add_argument("--port", type=int, help="listen port (default: server.port, else 8080)")
         p.add_argument("--log-level", default="INFO")
+        p.add_argument("--log-format", type=LogFormat, choices=list(LogFormat),
+                       default=LogFormat.JSON,
+                       help="json: one JSON object a line, for a log pipeline (default); "
+                            "text: lines for a person at a terminal")
         if name == "serve":
             p.add_argument(
                 "--workers", type=_workers_arg, metavar="N",
@@ -459,7 +471,11 @@ def _parser() -> argparse.ArgumentParser:
         if name == "demo":
             p.add_argument("--once", action="store_true", help="exit after the demo request")
 
-    m = sub.add_parser("mock-upstream", help="run the simulated OpenAI-compatible upstream")
+    from proxy.testing.mock_settings import headers_help
+
+    m = sub.add_parser("mock-upstream", help="run the simulated OpenAI-compatible upstream",
+                       epilog=headers_help(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     m.add_argument("--host", default="127.0.0.1")
     m.add_argument("--port", type=int, default=9000)
     m.add_argument("--tokens-per-second", type=float, default=750.0)
@@ -487,7 +503,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    setup_logging(getattr(args, "log_level", "INFO"))
+    setup_logging(getattr(args, "log_level", "INFO"),
+                  getattr(args, "log_format", LogFormat.JSON))
 
     if args.command == "check-config":
         return _check_config(args.file)
@@ -509,6 +526,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_mock(settings, args.host, args.port)
         return 0
     return _serve_command(args, argv)
+
+
+def _version() -> str:
+    """`tokenmeter --version`: the installed package's version, from its metadata."""
+    try:
+        return f"tokenmeter {importlib.metadata.version('tokenmeter')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "tokenmeter (not installed: no package metadata)"
 
 
 def _check_config(file: str) -> int:
@@ -544,7 +569,8 @@ def _serve_command(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             except OSError as exc:
                 print(f"cannot listen: {exc}", file=sys.stderr)
                 return 1
-    install_access_handler(sys.stderr)  # serving: its lines by the loop, no lock (accesslog)
+    # Serving: its lines by the loop, no lock (accesslog).
+    install_access_handler(sys.stderr, args.log_format)
     options = _ServeOptions(
         host=args.host, port=args.port, demo=args.command == "demo",
         once=getattr(args, "once", False),

@@ -9,7 +9,7 @@ import json
 import sqlite3
 import sys
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, tzinfo
 from decimal import Decimal
 from typing import Any, TypeVar
 from zoneinfo import ZoneInfo
@@ -91,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
     }
     try:
         url = store_url(args)
+        # Which store was read: a capture not found may be in another (docs/capture.md).
+        print(f"store: {_store_shown(url)}", file=sys.stderr)
         return commands[args.captures_command](args, url)
     except (ConfigError, ValueError) as exc:  # a wrong option or configuration
         print(exc, file=sys.stderr)
@@ -125,6 +127,20 @@ def store_url(args: argparse.Namespace) -> str:
     return default_url(*_configs(args))
 
 
+def _store_shown(url: str) -> str:
+    """The store's URL as `usage` names a ledger: a PostgreSQL password masked."""
+    try:
+        return locate(LedgerConfig(), url).describe()
+    except LedgerUnavailable:  # not a URL of the ledger's kinds: opening it will say so
+        return url if url.startswith("sqlite") else "(unrecognised store URL)"
+
+
+def _zone(args: argparse.Namespace) -> tzinfo:
+    """The time zone `list` shows times in: --config's `timezone`, else UTC."""
+    zone = load_config(args.config).timezone if args.config else "UTC"
+    return UTC if zone == "UTC" else ZoneInfo(zone)
+
+
 def filters_of(args: argparse.Namespace) -> CaptureFilter:
     """The `add_filters` options as a CaptureFilter (ValueError for a bad bound or limit)."""
     if args.limit is not None and args.limit < 1:
@@ -148,8 +164,13 @@ def _with_store(url: str, fn: Callable[[CaptureStore], Awaitable[T]]) -> T:
     return asyncio.run(go())
 
 
-def _when(epoch: float) -> str:
-    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
+def _when(epoch: float, zone: tzinfo = UTC) -> str:
+    """To the millisecond: UTC with a Z, another zone with its offset."""
+    t = datetime.fromtimestamp(epoch, zone)
+    if zone is UTC:
+        return t.strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
+    offset = t.strftime("%z")
+    return f"{t.strftime('%Y-%m-%dT%H:%M:%S.%f')[:-3]}{offset[:3]}:{offset[3:]}"
 
 
 def _list(args: argparse.Namespace, url: str) -> int:
@@ -158,7 +179,7 @@ def _list(args: argparse.Namespace, url: str) -> int:
     if args.format == "json":
         print(json.dumps([_row_json(r) for r in rows], indent=2))
         return 0
-    print(_table(rows))
+    print(_table(rows, _zone(args)))
     return 0
 
 
@@ -169,11 +190,11 @@ def _row_json(r: CaptureRow) -> dict[str, Any]:
             "stream": r.stream, "size": r.size}
 
 
-def _table(rows: list[CaptureRow]) -> str:
-    head = ("started (UTC)", "request_id", "user", "model", "status", "error_class", "stream",
+def _table(rows: list[CaptureRow], zone: tzinfo) -> str:
+    head = (f"started ({zone})", "request_id", "user", "model", "status", "error_class", "stream",
             "size")
     lines = [head] + [
-        (_when(r.started_at), r.request_id, r.user or "-",
+        (_when(r.started_at, zone), r.request_id, r.user or "-",
          r.model or f"({r.requested_model})", str(r.status), r.error_class,
          "yes" if r.stream else "no", str(r.size))
         for r in rows

@@ -270,6 +270,11 @@ class Outcome:
     def fallback_from(self) -> str | None:
         return self._fallback_from
 
+    @property
+    def attempts(self) -> int:
+        """Upstream calls made so far, retries and fallbacks included."""
+        return self._attempts
+
     def charge(self) -> Charge:
         """What the request is charged. An answer read, whole or in part, is charged by its
         translator: the upstream's usage, else an estimate of what was streamed. A request its

@@ -52,7 +52,14 @@ from proxy.ids import new_id
 from proxy.pipeline import caching, counting
 from proxy.pipeline.context import Attempt, Candidacy, Outcome, RequestContext
 from proxy.pipeline.ending import ENDING, resolves
-from proxy.pipeline.relay import REQUEST_ID_HEADER, client_gone, relay, tell_cost
+from proxy.pipeline.relay import (
+    REQUEST_ID_HEADER,
+    SHOULD_RETRY_HEADER,
+    client_gone,
+    relay,
+    retries_spent,
+    tell_cost,
+)
 from proxy.pipeline.services import BODY_TIMED_OUT, SERVICES, Runtime, Services
 from proxy.pipeline.settle import settle
 from proxy.protocol import upstream_errors
@@ -114,9 +121,7 @@ async def handle(request: web.Request, svc: Services, shape: type[Translator]
         return relayed
     except ProxyError as exc:
         outcome.fail(exc.error_class, exc.status)
-        response = exc.to_response(shape.error_shape)
-        # The proxy's own answers name the request's row too: a refused client can quote it.
-        response.headers[REQUEST_ID_HEADER] = outcome.request_id
+        response = _answer(exc, shape, outcome)
         if isinstance(exc, AuthenticationFailed) or not request.content.is_eof():
             # A client without a valid key gets no kept-alive connection: it would hold one of
             # server.max_connections for keepalive_timeout_s (authentication is admission's
@@ -150,6 +155,17 @@ async def handle(request: web.Request, svc: Services, shape: type[Translator]
         raise
     finally:
         await _settle(request, svc, outcome, relayed)
+
+
+def _answer(exc: ProxyError, shape: type[Translator], outcome: Outcome) -> web.Response:
+    """The proxy's own error answer, in the API's shape."""
+    response = exc.to_response(shape.error_shape)
+    # The proxy's own answers name the request's row too: a refused client can quote it.
+    response.headers[REQUEST_ID_HEADER] = outcome.request_id
+    if isinstance(exc, (UpstreamTimeout, UpstreamUnavailable)) and retries_spent(outcome):
+        # No answer after the proxy's own retries: the SDK's would multiply them.
+        response.headers[SHOULD_RETRY_HEADER] = "false"
+    return response
 
 
 async def _settle(request: web.Request, svc: Services, outcome: Outcome,

@@ -44,6 +44,8 @@ from proxy.routing.upstream import client_response_headers
 from proxy.telemetry.metrics import MeteringStage, RequestRecord
 
 REQUEST_ID_HEADER = "x-tokenmeter-request-id"
+# The OpenAI and Anthropic SDKs retry a 408, 409, 429 or 5xx unless this says "false".
+SHOULD_RETRY_HEADER = "x-should-retry"
 
 log = logging.getLogger("tokenmeter.relay")
 
@@ -105,7 +107,20 @@ async def _relay_body(attempt: Attempt, outcome: Outcome) -> web.StreamResponse:
     if outcome.cache_fill is not None and up.status == 200:
         outcome.cache_fill.take(body)  # for the response cache's entry
     headers = _client_headers(attempt, outcome.request_id)
+    if up.status >= 400 and (
+        retries_spent(outcome) or upstream_errors.blames_request(up.status, outcome.error_class)
+    ):
+        headers[SHOULD_RETRY_HEADER] = "false"
     return web.Response(status=up.status, body=body, headers=headers)
+
+
+def retries_spent(outcome: Outcome) -> bool:
+    """The proxy made more than one upstream call for this request (retries, fallbacks): its
+    failing answer is final. An SDK's retries of it would each repeat all of the proxy's
+    (3 attempts times 3 SDK tries: 9 upstream calls, 3 rows, for one call), so the answer says
+    `x-should-retry: false`. An answer after a single call (retries off, a status the proxy
+    does not retry, a Retry-After past its deadline) is left to the SDK's own judgement."""
+    return outcome.attempts > 1
 
 
 async def _relay_stream(

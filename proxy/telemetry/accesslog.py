@@ -10,10 +10,12 @@ failed since the line before (`AuthFailureLog`); tokenmeter_auth_failures_total 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import enum
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import TextIO
 
 from proxy.telemetry.metrics import RequestRecord
@@ -67,7 +69,7 @@ def request_fields(rec: RequestRecord) -> dict[str, object]:
 def log_request(rec: RequestRecord) -> None:
     if not access_log.isEnabledFor(logging.INFO):
         return
-    if _direct is not None:  # `serve`: the line straight to its handler, no LogRecord
+    if _direct is not None and _direct.raw:  # `serve`: straight to its handler, no LogRecord
         _direct.line(request_line(rec))
         return
     # The record made here, not by `info`: its caller's frame and file are never read
@@ -113,6 +115,51 @@ def request_line(rec: RequestRecord) -> str:
         f'"tokens_per_second":{_n(None if tps is None else round(tps, 1))},'
         f'"content_chunks":{f.content_chunks}}}'
     )
+
+
+class LogFormat(enum.StrEnum):
+    """`serve --log-format`: JSON lines for a service's log pipeline (the default), or text
+    for a person reading a terminal."""
+
+    JSON = "json"
+    TEXT = "text"
+
+
+def text_fields(fields: Mapping[str, object]) -> str:
+    """An access-log object for people: its event, then `name=value` for each field that has
+    a value (a string with spaces or quotes in JSON's quoting)."""
+    parts = [str(fields.get("event", ""))]
+    for name, value in fields.items():
+        if name == "event" or value is None:
+            continue
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, str):
+            text = value if value and value.isprintable() and not any(
+                c in value for c in ' "=') else json.dumps(value)
+        else:
+            text = str(value)
+        parts.append(f"{name}={text}")
+    return " ".join(parts)
+
+
+class TextFormatter(logging.Formatter):
+    """`--log-format text`: `time LEVEL logger: message`, an access-log line's JSON object as
+    `text_fields` writes it."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.name == ACCESS_LOGGER:
+            try:
+                fields = json.loads(record.getMessage())
+            except ValueError:
+                fields = None
+            if isinstance(fields, dict):
+                record = logging.makeLogRecord(
+                    {**record.__dict__, "msg": text_fields(fields), "args": ()})
+        return super().format(record)
 
 
 class JsonFormatter(logging.Formatter):
@@ -167,16 +214,21 @@ class LoopLineHandler(logging.Handler):
     flushed each line on its own.
     A line from another thread (none today) is written at once, by itself."""
 
-    def __init__(self, stream: TextIO) -> None:
+    def __init__(self, stream: TextIO, log_format: LogFormat = LogFormat.JSON) -> None:
         super().__init__()
         self._stream = stream
         self._lines: list[str] = []
+        self.holding = False  # lines kept back (`held`)
+        # JSON: a record's message is its line as it is; text: the formatter's.
+        self.raw = log_format is LogFormat.JSON
+        if not self.raw:
+            self.setFormatter(TextFormatter())
 
     def createLock(self) -> None:
         self.lock = None  # Handler.acquire skips a None lock
 
     def handle(self, record: logging.LogRecord) -> bool:
-        self.line(record.getMessage())
+        self.line(record.getMessage() if self.raw else self.format(record))
         return True
 
     def line(self, line: str) -> None:
@@ -188,7 +240,7 @@ class LoopLineHandler(logging.Handler):
             return
         lines = self._lines
         lines.append(line)
-        if len(lines) == 1:
+        if len(lines) == 1 and not self.holding:
             loop.call_soon(self.flush)
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -196,7 +248,7 @@ class LoopLineHandler(logging.Handler):
 
     def flush(self) -> None:
         lines = self._lines
-        if lines:
+        if lines and not self.holding:
             self._lines = []
             lines.append("")
             self._write("\n".join(lines))
@@ -212,10 +264,26 @@ class LoopLineHandler(logging.Handler):
 _direct: LoopLineHandler | None = None  # the access log's own handler, once installed
 
 
-def install_access_handler(stream: TextIO) -> None:
+def install_access_handler(stream: TextIO, log_format: LogFormat = LogFormat.JSON) -> None:
     """Access-log lines to `stream` by LoopLineHandler, not through the root logger's handlers;
-    a request's line goes to it without a LogRecord (`log_request`)."""
+    a request's JSON line goes to it without a LogRecord (`log_request`)."""
     global _direct  # noqa: PLW0603  one handler for the process, installed at its start
-    _direct = LoopLineHandler(stream)
+    _direct = LoopLineHandler(stream, log_format)
     access_log.handlers[:] = [_direct]
     access_log.propagate = False
+
+
+@contextlib.contextmanager
+def held() -> Iterator[None]:
+    """The access log's lines kept back meanwhile, then written (`demo`: a stream's line is
+    written as it settles, before its end reaches the client, and would cut its text)."""
+    handler = _direct
+    if handler is None:
+        yield
+        return
+    handler.holding = True
+    try:
+        yield
+    finally:
+        handler.holding = False
+        handler.flush()

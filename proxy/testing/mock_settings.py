@@ -160,6 +160,28 @@ _OVERRIDES: tuple[tuple[str, str, Callable[[str], object]], ...] = (
     ("x-mock-thinking-tokens", "thinking_tokens", int),
 )
 
+# fail_first counts the requests of each value of this header (a test's own scenario).
+SCENARIO_HEADER = "x-mock-scenario"
+
+
+def override_headers() -> list[tuple[str, str]]:
+    """(header, the MockSettings field it overrides): the headers `effective` reads."""
+    return [(header, name) for header, name, _ in _OVERRIDES]
+
+
+def headers_help() -> str:
+    """The per-request headers, for `mock-upstream --help`: made from `_OVERRIDES`, so the
+    list is the headers `effective` reads."""
+    overrides = override_headers()
+    width = max(len(header) for header, _ in overrides) + 2
+    lines = ["per-request headers: each overrides the setting named beside it (MockSettings)",
+             "for that request only; an *-after count takes 'none' to switch off a fault the",
+             "server was started with:"]
+    lines += [f"  {header:<{width}}{name}" for header, name in overrides]
+    lines.append(f"  {SCENARIO_HEADER:<{width}}the scenario whose requests fail_first counts")
+    return "\n".join(lines)
+
+
 GARBAGE = b"\x00\xff\xfenot an event {{{\r\n: \xc3\x28 half-utf8\n\n"
 HEALTHY: dict[str, Any] = {
     "status": 200, "error_code": None, "error_type": None, "stall_after": None,

@@ -34,6 +34,7 @@ from proxy.testing.mock_settings import (
     GARBAGE,
     HEALTHY,
     MOCK_STATE,
+    SCENARIO_HEADER,
     SETTINGS,
     MockSettings,
     MockState,
@@ -149,7 +150,7 @@ def _endpoint(
             except ValueError as exc:
                 raise _ApiError(400, str(exc)) from None
             if cfg.fail_first is not None:
-                scenario = request.headers.get("x-mock-scenario", "")
+                scenario = request.headers.get(SCENARIO_HEADER, "")
                 seen = state.attempts[scenario] = state.attempts.get(scenario, 0) + 1
                 if seen > cfg.fail_first:
                     cfg = dataclasses.replace(cfg, **HEALTHY)
