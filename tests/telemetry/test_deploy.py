@@ -1065,6 +1065,21 @@ def test_grafana_provisioning_and_dashboards() -> None:
     assert "tokenmeter_inter_chunk_latency_seconds_bucket" in exprs
 
 
+def test_the_budgets_dashboard_filters_teams_and_shows_cost_windows() -> None:
+    """Issue 32: a team filter, and the teams' and cost windows beside the users' tokens."""
+    dash = dashboards()["tokenmeter-budgets.json"]
+    (team,) = [v for v in dash["templating"]["list"] if v["name"] == "team"]
+    assert variable_query(team) == (
+        'label_values(tokenmeter_team_budget_used_tokens{instance=~"$instance"}, team)')
+    assert team["multi"] is True and team["allValue"] == ".*"
+    exprs = [t["expr"] for p in all_panels(dash) for t in p.get("targets", [])]
+    team_queries = [e for e in exprs if "tokenmeter_team_budget_" in e]
+    assert len(team_queries) >= 3
+    for e in team_queries:
+        assert e.count('team=~"$team"') == e.count("tokenmeter_team_budget_"), e
+    assert any("tokenmeter_budget_used_usd" in e for e in exprs)
+
+
 def test_dashboard_queries_parse_offline() -> None:
     """Cheap checks of every query, before the live test runs them through Prometheus."""
     queries = dashboard_queries()
