@@ -558,11 +558,21 @@ class Budget:
     # --- bookkeeping --------------------------------------------------------------------
     def _update_gauges(self, user: str, windows: tuple[lim.Window, ...],
                        used: tuple[int, ...]) -> None:
+        m = self.metrics
         for w, u in zip(windows, used, strict=True):
-            # The gauges count tokens: cost windows (nano-dollars) are not among them.
-            if w.scope.kind is not ScopeKind.USER or w.measure is lim.Measure.COST:
-                continue
-            self.metrics.budget_state(user, w.name, u, w.limit)
+            # The user's and the team's windows (a key's or a model group's have no gauges);
+            # cost windows count nano-dollars, in gauges of their own.
+            cost = w.measure is lim.Measure.COST
+            if w.scope.kind is ScopeKind.USER:
+                if cost:
+                    m.budget_cost_state(user, w.name, u, w.limit)
+                else:
+                    m.budget_state(user, w.name, u, w.limit)
+            elif w.scope.kind is ScopeKind.TEAM:
+                if cost:
+                    m.team_budget_cost_state(w.scope.name, w.name, u, w.limit)
+                else:
+                    m.team_budget_state(w.scope.name, w.name, u, w.limit)
 
 
 def _reservation(ask: adm.Ask, grant: adm.Grant, res_id: str, used: tuple[int, ...],

@@ -152,6 +152,26 @@ class InFlight:
         self._gauge.dec()
 
 
+class _BudgetPair:
+    """A used/limit pair of budget gauges labelled (owner, window), the limit set only when it
+    changes (as `Metrics.budget_state` does for the users' token windows). `scale` turns the
+    store's units into the gauges' (nano-dollars into USD)."""
+
+    __slots__ = ("_limit", "_limits", "_scale", "_used")
+
+    def __init__(self, used: _Gauge, limit: _Gauge, scale: float = 1.0) -> None:
+        self._used = used
+        self._limit = limit
+        self._scale = scale
+        self._limits: dict[tuple[str, str], int] = {}
+
+    def set(self, owner: str, window: str, used: int, limit: int | None) -> None:
+        self._used.labels(owner, window).set(used / self._scale)
+        if limit is not None and self._limits.get((owner, window)) != limit:
+            self._limits[(owner, window)] = limit
+            self._limit.labels(owner, window).set(limit / self._scale)
+
+
 @dataclass(frozen=True, slots=True)
 class RequestRecord:
     """Everything known about one finished request, made once by settle: the metrics, the
@@ -595,6 +615,32 @@ class Metrics:
             "tokenmeter_budget_remaining_tokens", "Limit minus used in the current window.",
             budget, registry=r, multiprocess_mode="mostrecent",
         )
+        # The users' cost windows, and the teams' windows (the counters a team's users share),
+        # in their own families: tokens and USD are not summed in one family, and a team is not a
+        # user. Limits of 0 or less are set too; the rules divide by `> 0` only.
+        team = ("team", "window")
+        self._budget_usd = _BudgetPair(
+            _Gauge("tokenmeter_budget_used_usd",
+                   "Used (settled plus in-flight reservations) in the current cost window, USD.",
+                   budget, registry=r, multiprocess_mode="mostrecent"),
+            _Gauge("tokenmeter_budget_limit_usd", "Configured limit of a cost window, USD.",
+                   budget, registry=r, multiprocess_mode="mostrecent"),
+            NANOS_PER_USD)
+        self._team_budget = _BudgetPair(
+            _Gauge("tokenmeter_team_budget_used_tokens",
+                   "A team's use (settled plus in-flight reservations) in the current window.",
+                   team, registry=r, multiprocess_mode="mostrecent"),
+            _Gauge("tokenmeter_team_budget_limit_tokens",
+                   "Configured limit of a team's budget window.", team, registry=r,
+                   multiprocess_mode="mostrecent"))
+        self._team_budget_usd = _BudgetPair(
+            _Gauge("tokenmeter_team_budget_used_usd",
+                   "A team's use in the current cost window, USD.", team, registry=r,
+                   multiprocess_mode="mostrecent"),
+            _Gauge("tokenmeter_team_budget_limit_usd",
+                   "Configured limit of a team's cost window, USD.", team, registry=r,
+                   multiprocess_mode="mostrecent"),
+            NANOS_PER_USD)
         self._budget_refusals = _Counter(
             "tokenmeter_budget_refusals", "Requests refused by a budget limit.",
             ("user", "limit"), registry=r,
@@ -865,6 +911,17 @@ class Metrics:
                 self._budget_limits[(user, window)] = limit
                 self._budget_limit.labels(user, window).set(limit)
             self._budget_remaining.labels(user, window).set(max(0, limit - used))
+
+    def budget_cost_state(self, user: str, window: str, used_nanousd: int,
+                          limit_nanousd: int | None) -> None:
+        self._budget_usd.set(user, window, used_nanousd, limit_nanousd)
+
+    def team_budget_state(self, team: str, window: str, used: int, limit: int | None) -> None:
+        self._team_budget.set(team, window, used, limit)
+
+    def team_budget_cost_state(self, team: str, window: str, used_nanousd: int,
+                               limit_nanousd: int | None) -> None:
+        self._team_budget_usd.set(team, window, used_nanousd, limit_nanousd)
 
     def threshold_crossed(self, user: str, threshold: float) -> None:
         self._threshold_crossings.labels(user, f"{threshold:g}").inc()

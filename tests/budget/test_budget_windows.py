@@ -18,7 +18,7 @@ from proxy.budget import limits as lim
 from proxy.budget.store import ScopeKind
 from proxy.budget.usage_report import read_usage, today
 from proxy.config.policy import Price
-from proxy.cost import CostLines
+from proxy.cost import NANOS_PER_USD, CostLines
 from proxy.pipeline import services as st
 from proxy.protocol.usage import Usage
 from proxy.server.app import create_app
@@ -258,6 +258,54 @@ async def test_a_teams_users_together_never_exceed_the_teams_quota(make_proxies:
                                                 today(config, budget.clock()))}
     assert (rows["alice"].tokens, rows["bob"].tokens) == (alice, by_key[BOB_KEY])
     assert rows["alice"].input_tokens == sum(s.input for s in served if s.key != BOB_KEY)
+
+
+async def test_team_and_cost_windows_have_gauges_as_the_users_token_windows_do(
+    make_proxies: Factory,
+) -> None:
+    """Issue 32: the alert rules read a team's windows and the cost windows from gauges
+    (`tokenmeter_team_budget_*`, `tokenmeter_budget_*_usd`), which hold what the store holds
+    after each settlement, USD for the cost windows; a key's windows have none."""
+    users = {"alice": {"team": "platform", "daily_usd": 1, "daily_tokens": 100_000,
+                       "keys": [ALICE_KEY, {"key": CI_KEY, "name": "ci", "weekly_tokens": 9000}]}}
+    teams = {"platform": {"daily_tokens": 50_000, "monthly_usd": 0.5}}
+    proxies = await make_proxies(users, teams=teams)
+    p = proxies[0]
+    served = []
+    for key, stream in ((ALICE_KEY, False), (ALICE_KEY, True), (CI_KEY, True)):
+        client = sdk(p, key)
+        served.append(await _ask(client, key, stream))
+        await client.close()
+    tokens = sum(s.tokens for s in served)
+    usd = sum(s.cost for s in served) / NANOS_PER_USD
+    await _settled_to(p, "alice", {_label(p, "alice", "daily_tokens", ScopeKind.TEAM): tokens})
+    expected = {
+        ("tokenmeter_team_budget_used_tokens", "platform", "daily_tokens"): tokens,
+        ("tokenmeter_team_budget_limit_tokens", "platform", "daily_tokens"): 50_000,
+        ("tokenmeter_team_budget_used_usd", "platform", "monthly_usd"): usd,
+        ("tokenmeter_team_budget_limit_usd", "platform", "monthly_usd"): 0.5,
+        ("tokenmeter_budget_used_usd", "alice", "daily_usd"): usd,
+        ("tokenmeter_budget_limit_usd", "alice", "daily_usd"): 1,
+        ("tokenmeter_budget_used_tokens", "alice", "daily_tokens"): tokens,
+    }
+
+    def owner(name: str) -> str:
+        return "team" if "_team_" in name else "user"
+
+    async def gauges() -> dict[tuple[str, str, str], float]:
+        m = await scrape(p)
+        return {k: sample(m, k[0], **{owner(k[0]): k[1], "window": k[2]}) for k in expected}
+
+    async def match() -> bool:
+        got = await gauges()
+        return all(got[k] == pytest.approx(v, abs=1e-12) for k, v in expected.items())
+
+    try:
+        await until(match, deadline=10)
+    except TimeoutError:
+        assert await gauges() == expected  # shows the difference
+    m = await scrape(p)
+    assert not sample(m, "tokenmeter_budget_used_tokens", window="weekly_tokens")  # the key's
 
 
 async def test_a_teams_concurrency_limit_counts_all_its_users(make_proxies: Factory) -> None:

@@ -36,6 +36,7 @@ from yarl import URL
 
 from proxy.config.load import parse_config
 from proxy.config.policy import hash_key
+from proxy.errors import ErrorClass
 from proxy.server.app import create_app
 from proxy.testing.mock_upstream import MockSettings, create_mock_app
 from tests.helpers import ROOT
@@ -85,6 +86,12 @@ ADDED_METRICS = frozenset({
     "tokenmeter_budget_limit_tokens",
     "tokenmeter_budget_used_tokens",
     "tokenmeter_budget_remaining_tokens",
+    "tokenmeter_budget_used_usd",
+    "tokenmeter_budget_limit_usd",
+    "tokenmeter_team_budget_used_tokens",
+    "tokenmeter_team_budget_limit_tokens",
+    "tokenmeter_team_budget_used_usd",
+    "tokenmeter_team_budget_limit_usd",
     "tokenmeter_budget_refusals_total",
     "tokenmeter_budget_reserved_tokens_total",
     "tokenmeter_budget_overreserved_tokens_total",
@@ -244,6 +251,32 @@ def test_promtool_rule_unit_tests() -> None:
     assert "SUCCESS" in r.stdout + r.stderr
 
 
+def _class_sets(expr: str) -> list[frozenset[str]]:
+    return [frozenset(m.split("|")) for m in re.findall(r'error_class=~\\?"([a-z0-9_|]+)\\?"', expr)]
+
+
+def test_every_error_class_is_the_platforms_or_the_clients_once() -> None:
+    """The page counts the proxy's and the upstream's failures only, the client warning the
+    client's own 4xx (issue 32: quota 429s and client 400s paged). Every ErrorClass is placed
+    on one side deliberately, and the overview's error ratio counts what the page counts."""
+    records = {r["record"]: r["expr"] for g in load_yaml(RULES)["groups"] for r in g["rules"]
+               if "record" in r}
+    (platform,) = _class_sets(records["tokenmeter:request_failures:ratio_rate5m"])
+    (client,) = _class_sets(records["tokenmeter:request_client_errors:ratio_rate5m"])
+    # Neither: no failure (none), clients gone or too slow to read (client_disconnect,
+    # client_timeout), quota refusals (their per-user alert), per-address connection refusals
+    # (429; the listener's 503 counts as a 5xx), /metrics without its token (not an API request).
+    neither = {"none", "client_disconnect", "client_timeout", "budget_exceeded",
+               "too_many_connections", "invalid_token"}
+    assert not platform & client and not (platform | client) & neither
+    assert platform | client | neither == {c.value for c in ErrorClass}
+    assert "budget_exceeded" not in platform | client
+    assert {"bad_request", "invalid_request"} <= client
+    overview = json.loads((GRAFANA / "dashboards" / "tokenmeter-overview.json").read_text())
+    (panel,) = [p for p in overview["panels"] if p.get("title") == "Error ratio (proxy / upstream)"]
+    assert _class_sets(panel["targets"][0]["expr"]) == [platform]
+
+
 def test_every_alert_is_unit_tested_and_annotated() -> None:
     rules = load_yaml(RULES)
     alerts = {r["alert"]: r for g in rules["groups"] for r in g["rules"] if "alert" in r}
@@ -251,13 +284,16 @@ def test_every_alert_is_unit_tested_and_annotated() -> None:
         "TokenmeterUserBudgetWarning", "TokenmeterUserBudgetExhausted",
         "TokenmeterHighTimeToFirstToken", "TokenmeterHighErrorRatio", "TokenmeterStoreErrors",
         "TokenmeterStoreDown", "TokenmeterDown", "TokenmeterAbsent",
+        "TokenmeterClientErrorsHigh",
     }
     assert expected <= set(alerts)
     for name, rule in alerts.items():
         assert rule["labels"]["severity"] in {"warning", "critical"}, name
         assert rule["annotations"]["summary"] and rule["annotations"]["description"], name
     assert alerts["TokenmeterUserBudgetWarning"]["labels"]["severity"] == "warning"
-    assert alerts["TokenmeterUserBudgetExhausted"]["labels"]["severity"] == "critical"
+    # A user at their own quota, or clients' 4xx, are not a page for the platform (issue 32).
+    assert alerts["TokenmeterUserBudgetExhausted"]["labels"]["severity"] == "warning"
+    assert alerts["TokenmeterClientErrorsHigh"]["labels"]["severity"] == "warning"
     assert 'up{job="tokenmeter"} == 0' in alerts["TokenmeterDown"]["expr"]
     assert 'absent(up{job="tokenmeter"})' in alerts["TokenmeterAbsent"]["expr"]
 
@@ -440,7 +476,7 @@ async def test_dashboards_and_rules_against_real_prometheus(  # noqa: PLR0915  o
     assert {g["name"] for g in groups} == expected_groups
     assert set(health.values()) == {"ok"}, health
     await prometheus.wait_for("model:gen_ai_server_time_to_first_token_seconds:p95_rate5m")
-    ratio = await prometheus.wait_for("tokenmeter:request_errors:ratio_rate5m > 0")
+    ratio = await prometheus.wait_for("tokenmeter:request_failures:ratio_rate5m > 0")
     assert float(ratio[0]["value"][1]) < 1  # 2 of 7 requests failed
 
 
@@ -1027,6 +1063,21 @@ def test_grafana_provisioning_and_dashboards() -> None:
     exprs = " ".join(t["expr"] for p in heatmaps for t in p["targets"])
     assert "gen_ai_server_time_to_first_token_seconds_bucket" in exprs
     assert "tokenmeter_inter_chunk_latency_seconds_bucket" in exprs
+
+
+def test_the_budgets_dashboard_filters_teams_and_shows_cost_windows() -> None:
+    """Issue 32: a team filter, and the teams' and cost windows beside the users' tokens."""
+    dash = dashboards()["tokenmeter-budgets.json"]
+    (team,) = [v for v in dash["templating"]["list"] if v["name"] == "team"]
+    assert variable_query(team) == (
+        'label_values(tokenmeter_team_budget_used_tokens{instance=~"$instance"}, team)')
+    assert team["multi"] is True and team["allValue"] == ".*"
+    exprs = [t["expr"] for p in all_panels(dash) for t in p.get("targets", [])]
+    team_queries = [e for e in exprs if "tokenmeter_team_budget_" in e]
+    assert len(team_queries) >= 3
+    for e in team_queries:
+        assert e.count('team=~"$team"') == e.count("tokenmeter_team_budget_"), e
+    assert any("tokenmeter_budget_used_usd" in e for e in exprs)
 
 
 def test_dashboard_queries_parse_offline() -> None:
