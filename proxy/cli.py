@@ -494,9 +494,16 @@ def _check_config(file: str) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
+    from proxy.server import preflight
+
+    found = preflight.warnings(cfg)
     if (warning := exposure_warning(Path(file))) is not None:
+        found.insert(0, warning)
+    for warning in found:
         print(f"warning: {warning}", file=sys.stderr)
-    print(f"{file}: OK ({len(cfg.upstreams)} upstreams, {len(cfg.models)} model routes)")
+    print(f"{file}: OK" + (f" with {len(found)} warnings" if found else "")
+          + f" ({len(cfg.upstreams)} upstreams, {len(cfg.models)} model routes)")
+    print(preflight.summary(cfg))
     return 0
 
 

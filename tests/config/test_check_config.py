@@ -98,3 +98,105 @@ def test_misspelt_fields_get_the_closest_valid_name(tmp_path: Path) -> None:
                f"`{near}`?)" in done.stderr, done.stderr
     # Nothing close: the plain message.
     assert f"{path}:12: users.alice.zzzzzz: Extra inputs are not permitted\n" in done.stderr
+
+
+# --- warnings: loads, but cannot work as meant (exit 0) -------------------------------------------
+HURTS = """\
+models:
+  - {match: "gpt-4o*", upstream: up}
+  - {match: "claude-*", upstream: up}
+prices:
+  "gpt-4o*": {input: 2.5, output: 10}
+cache: {enabled: true}
+capture: {enabled: true, sample: 0.1}
+tags:
+  feature: {values: [faq]}
+  customer: {free: true}
+teams:
+  platform: {daily_tokens: 2000, monthly_usd: 50}
+  research: {}
+users:
+  alice:
+    team: platform
+    daily_tokens: 1000
+    keys: [{key: "sha256:aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", name: ci, tokens_per_minute: 100}]
+  bob:
+    keys: ["sha256:bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb", "sha256:cccccccccccccccccccccccccccccccccccccccccccccccccccccccccccccccc"]
+    max_output_tokens: 512
+    daily_tokens: 1000
+  carol:
+    keys: ["sha256:dddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddd"]
+    daily_tokens: 1000
+    admission: {policy: clamp}
+  dave:
+    team: research
+    keys: ["sha256:eeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeee"]
+    daily_tokens: 100
+    admission: {policy: clamp}
+"""
+
+
+def test_warnings_for_settings_that_cannot_work(tmp_path: Path) -> None:
+    done = _cli("check-config", str(_write(tmp_path, HURTS)))
+    assert done.returncode == 0, done.stderr
+    warnings = [line for line in done.stderr.splitlines() if line.startswith("warning: ")]
+    expected = [
+        # A cost budget, and a routed model no price covers: its requests would be refused.
+        "models[1] routes `claude-*`, which no `prices` entry prices, while cost budgets are "
+        "set (teams.platform.monthly_usd)",
+        # Quotas below what one request reserves: the output cap under worst_case...
+        "users.alice.daily_tokens (1000) is below the output cap every request reserves "
+        "(4096, `max_output_tokens`) under `admission: worst_case`",
+        "teams.platform.daily_tokens (2000) is below the output cap every request reserves (4096",
+        "users.alice.keys[0].tokens_per_minute (100) is below the output cap every request "
+        "reserves (4096",
+        # ... the floor of a clamped request under clamp.
+        "users.dave.daily_tokens (100) is below the fewest output tokens a clamped request is "
+        "sent with (256, `admission.min_output_tokens`)",
+        # Requests without temperature sample, and sampled requests bypass the cache.
+        "cache: `cache_sampled: false` bypasses every request that samples",
+    ]
+    assert len(warnings) == len(expected), warnings
+    for want, got in zip(expected, warnings, strict=True):
+        assert want in got, (want, got)
+    # bob's cap (512) fits his quota; carol is clamped with room for 256 tokens.
+    assert "bob" not in done.stderr and "carol" not in done.stderr
+    assert "OK with 6 warnings" in done.stdout
+
+
+def test_a_sound_config_has_no_warnings(tmp_path: Path) -> None:
+    body = HURTS.replace('"gpt-4o*": {input', '"*": {input').replace(
+        "cache: {enabled: true}", "cache: {enabled: true, cache_sampled: true}").replace(
+        "daily_tokens: 1000", "daily_tokens: 100000").replace(
+        "daily_tokens: 2000", "daily_tokens: 200000").replace(
+        "daily_tokens: 100\n", "daily_tokens: 100000\n").replace(
+        "tokens_per_minute: 100", "tokens_per_minute: 10000")
+    done = _cli("check-config", str(_write(tmp_path, body)))
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+
+
+def test_a_cache_for_no_model_never_hits(tmp_path: Path) -> None:
+    done = _cli("check-config", str(_write(tmp_path, "cache: {enabled: true, models: []}\n")))
+    assert done.returncode == 0
+    assert "warning: cache: `models: []` makes no model cacheable: the cache never hits" \
+        in done.stderr
+
+
+def test_the_summary_says_what_was_read(tmp_path: Path) -> None:
+    done = _cli("check-config", str(_write(tmp_path, HURTS)))
+    lines = done.stdout.splitlines()
+    # Limits: the defaults' output cap, platform's 2, alice's and her key's, bob's 2, carol's,
+    # dave's.
+    assert lines[1:] == [
+        "  mode: keys; 4 users, 2 teams, 5 keys, 9 limits set",
+        "  1 upstreams, 2 model routes, 1 prices",
+        "  capture: on (sample 0.1, errors always)",
+        "  cache: on; tags: customer, feature",
+    ]
+    bare = _cli("check-config", str(_write(tmp_path, "")))
+    assert bare.stdout.splitlines()[1:] == [
+        "  mode: open; 0 users, 0 teams, 0 keys, 1 limits set",
+        "  1 upstreams, 1 model routes, 0 prices",
+        "  capture: off",
+        "  cache: off; tags: none declared",
+    ]
