@@ -454,6 +454,8 @@ def _parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check-config", help="validate a configuration file")
     c.add_argument("file")
+    c.add_argument("--connect", action="store_true",
+                   help="also try the Redis and PostgreSQL servers it names")
 
     _add_usage_parser(sub)
     add_bench_parser(sub)
@@ -467,7 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(getattr(args, "log_level", "INFO"))
 
     if args.command == "check-config":
-        return _check_config(args.file)
+        return _check_config(args.file, connect=args.connect)
     if args.command == "usage":
         return _usage(args)
     if args.command == "reconcile":
@@ -488,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _serve_command(args, argv)
 
 
-def _check_config(file: str) -> int:
+def _check_config(file: str, *, connect: bool = False) -> int:
     try:
         cfg = load_config(file)
     except ConfigError as exc:
@@ -504,7 +506,15 @@ def _check_config(file: str) -> int:
     print(f"{file}: OK" + (f" with {len(found)} warnings" if found else "")
           + f" ({len(cfg.upstreams)} upstreams, {len(cfg.models)} model routes)")
     print(preflight.summary(cfg))
-    return 0
+    if not connect:
+        return 0
+    reached = asyncio.run(preflight.reach(cfg))
+    for r in reached:
+        print(f"  {r.field} ({r.location}): " + ("reachable" if r.error is None
+                                                 else f"UNREACHABLE: {r.error}"))
+    if not reached:
+        print("  --connect: no Redis or PostgreSQL server configured")
+    return 1 if any(r.error is not None for r in reached) else 0
 
 
 def _serve_command(args: argparse.Namespace, argv: Sequence[str] | None) -> int:

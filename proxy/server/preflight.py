@@ -6,11 +6,19 @@ questions the running proxy asks them (`limits_for`, `price_for`), not copies of
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import dataclass
+
+import asyncpg
+
 from proxy.budget.clamp import AdmissionRule, resolve
 from proxy.budget.limits import limits_for
+from proxy.budget.store import StoreError
+from proxy.budget.store_redis import RedisStore
 from proxy.config.load import Config
 from proxy.config.policy import DEFAULT_MAX_OUTPUT_TOKENS, KeyConfig, Limits
 from proxy.cost import price_for
+from proxy.ledger.pg import PgConnection, mask_url
 
 # The windows every request's output counts toward: a quota in one of them below the output
 # cap is smaller than the reservation of a single request.
@@ -137,3 +145,61 @@ def _cache_never_hits(config: Config) -> list[str]:
     return ["cache: `cache_sampled: false` bypasses every request that samples, and a request "
             "that leaves out `temperature` samples (the APIs' default is 1): only requests "
             "sending `temperature: 0` can hit; set `cache_sampled: true` to cache the others"]
+
+
+# `check-config --connect`: long enough for a server across a network, short enough that a
+# firewall dropping packets answers within a few seconds.
+CONNECT_TIMEOUT_S = 3.0
+
+
+@dataclass(frozen=True)
+class Reach:
+    """One server the configuration names, tried: `error` is None when it answered."""
+
+    field: str  # where the file names it, e.g. `store.url`
+    location: str  # its URL without the password
+    error: str | None
+
+
+def _servers(config: Config) -> list[tuple[str, str, bool]]:
+    """(field, url, is_redis) of every server the configuration names."""
+    out: list[tuple[str, str, bool]] = []
+    if config.store.url != "memory":
+        out.append(("store.url", config.store.url, True))
+    for field, url in (("ledger.url", config.ledger.url), ("capture.url", config.capture.url)):
+        if url is not None and url.startswith("postgres"):
+            out.append((field, url, False))
+    return out
+
+
+async def _try(url: str, is_redis: bool, timeout_s: float) -> str | None:
+    """None when the server answered; else why not (never the URL: it may hold a password)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            if is_redis:
+                store = RedisStore(url, timeout_s * 1000)
+                try:
+                    await store.ping()
+                finally:
+                    await store.close()
+            else:
+                conn = PgConnection(url, {"application_name": "tokenmeter check-config"},
+                                    connect_timeout_s=timeout_s)
+                try:
+                    await conn.connect()
+                finally:
+                    await conn.close()
+    except TimeoutError:
+        return f"no answer within {timeout_s:g} s"
+    except (StoreError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+async def reach(config: Config, timeout_s: float = CONNECT_TIMEOUT_S) -> list[Reach]:
+    """Every Redis and PostgreSQL server the configuration names, tried at once."""
+    servers = _servers(config)
+    errors = await asyncio.gather(*(_try(url, is_redis, timeout_s)
+                                    for _, url, is_redis in servers))
+    return [Reach(field, mask_url(url), error)
+            for (field, url, _), error in zip(servers, errors, strict=True)]

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.servers import free_port
+
 pytestmark = pytest.mark.timeout(120)
 
 UPSTREAM = "upstreams:\n  up:\n    base_url: http://127.0.0.1:9/v1\n"
@@ -200,3 +202,39 @@ def test_the_summary_says_what_was_read(tmp_path: Path) -> None:
         "  capture: off",
         "  cache: off; tags: none declared",
     ]
+
+
+# --- --connect: the servers it names, tried -------------------------------------------------------
+def _servers(store: str, ledger: str, capture: str) -> str:
+    return (f"store: {{url: '{store}'}}\nledger: {{url: '{ledger}'}}\n"
+            f"capture: {{enabled: true, url: '{capture}'}}\n")
+
+
+def test_connect_reaches_redis_and_postgresql(tmp_path: Path, redis_url: str,
+                                              pg_url: str) -> None:
+    path = _write(tmp_path, _servers(redis_url, pg_url, pg_url))
+    done = _cli("check-config", "--connect", str(path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    for field in ("store.url", "ledger.url", "capture.url"):
+        assert f"  {field} (" in done.stdout and "): reachable" in done.stdout
+    assert "UNREACHABLE" not in done.stdout
+    # Without --connect nothing is tried.
+    assert "reachable" not in _cli("check-config", str(path)).stdout
+
+
+def test_connect_reports_closed_ports(tmp_path: Path, redis_url: str) -> None:
+    closed = free_port()  # nothing listens there
+    ledger = f"postgresql://tm:s3cr3t-pw@127.0.0.1:{closed}/books"
+    path = _write(tmp_path, _servers(f"redis://127.0.0.1:{closed}/0", ledger, ledger))
+    done = _cli("check-config", "--connect", str(path))
+    assert done.returncode == 1
+    assert f"  store.url (redis://127.0.0.1:{closed}/0): UNREACHABLE: " in done.stdout
+    for field in ("ledger.url", "capture.url"):
+        assert f"  {field} (postgresql://tm:***@127.0.0.1:{closed}/books): UNREACHABLE: " \
+            in done.stdout, done.stdout
+    assert "s3cr3t" not in done.stdout + done.stderr
+    # One reachable, one not: still a failure, and the reachable one said so.
+    path = _write(tmp_path, _servers(redis_url, ledger, ledger))
+    done = _cli("check-config", "--connect", str(path))
+    assert done.returncode == 1
+    assert f"  store.url ({redis_url}): reachable" in done.stdout
