@@ -7,6 +7,7 @@ questions the running proxy asks them (`limits_for`, `price_for`), not copies of
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 from dataclasses import dataclass
 
 import asyncpg
@@ -77,11 +78,17 @@ def _unpriced(config: Config) -> list[str]:
     if not budgets or config.effective_mode != "keys":
         return []
     shown = ", ".join(budgets[:3]) + (f" and {len(budgets) - 3} more" if len(budgets) > 3 else "")
-    return [f"models[{i}] routes `{route.match}`, which no `prices` entry prices, while cost "
-            f"budgets are set ({shown}): requests for it under a cost budget are refused "
-            "(model_not_priced); add a price"
-            for i, route in enumerate(config.models)
-            if price_for(config.prices, route.match) is None]
+    out = []
+    for i, route in enumerate(config.models):
+        if price_for(config.prices, route.match) is not None:
+            continue
+        # A glob route some prices fall within (`gpt-*` beside `gpt-4o*`): only its others.
+        some = any(fnmatch.fnmatchcase(glob, route.match) for glob in config.prices)
+        what = "not every model it routes has" if some else "no model it routes has"
+        out.append(f"models[{i}] routes `{route.match}`: {what} a price in `prices`, while "
+                   f"cost budgets are set ({shown}): requests for an unpriced model under a "
+                   "cost budget are refused (model_not_priced)")
+    return out
 
 
 def _quotas_below_cap(config: Config) -> list[str]:

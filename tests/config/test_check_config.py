@@ -144,8 +144,8 @@ def test_warnings_for_settings_that_cannot_work(tmp_path: Path) -> None:
     warnings = [line for line in done.stderr.splitlines() if line.startswith("warning: ")]
     expected = [
         # A cost budget, and a routed model no price covers: its requests would be refused.
-        "models[1] routes `claude-*`, which no `prices` entry prices, while cost budgets are "
-        "set (teams.platform.monthly_usd)",
+        "models[1] routes `claude-*`: no model it routes has a price in `prices`, while cost "
+        "budgets are set (teams.platform.monthly_usd)",
         # Quotas below what one request reserves: the output cap under worst_case...
         "users.alice.daily_tokens (1000) is below the output cap every request reserves "
         "(4096, `max_output_tokens`) under `admission: worst_case`",
@@ -238,3 +238,12 @@ def test_connect_reports_closed_ports(tmp_path: Path, redis_url: str) -> None:
     done = _cli("check-config", "--connect", str(path))
     assert done.returncode == 1
     assert f"  store.url ({redis_url}): reachable" in done.stdout
+
+
+def test_a_glob_route_only_partly_priced_is_said_so(tmp_path: Path) -> None:
+    body = ('models: [{match: "gpt-*", upstream: up}]\nprices: {"gpt-4o*": {input: 1, output: 1}}\n'
+            f'users: {{ci: {{keys: ["sha256:{"f" * 64}"], monthly_usd: 5}}}}\n')
+    done = _cli("check-config", str(_write(tmp_path, body)))
+    assert done.returncode == 0
+    assert "warning: models[0] routes `gpt-*`: not every model it routes has a price in " \
+           "`prices`, while cost budgets are set (users.ci.monthly_usd)" in done.stderr
