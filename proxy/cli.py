@@ -493,6 +493,8 @@ def _parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check-config", help="validate a configuration file")
     c.add_argument("file")
+    c.add_argument("--connect", action="store_true",
+                   help="also try the Redis and PostgreSQL servers it names")
 
     _add_usage_parser(sub)
     add_bench_parser(sub)
@@ -507,7 +509,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   getattr(args, "log_format", LogFormat.JSON))
 
     if args.command == "check-config":
-        return _check_config(args.file)
+        return _check_config(args.file, connect=args.connect)
     if args.command == "usage":
         return _usage(args)
     if args.command == "reconcile":
@@ -536,16 +538,31 @@ def _version() -> str:
         return "tokenmeter (not installed: no package metadata)"
 
 
-def _check_config(file: str) -> int:
+def _check_config(file: str, *, connect: bool = False) -> int:
     try:
         cfg = load_config(file)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
+    from proxy.server import preflight
+
+    found = preflight.warnings(cfg)
     if (warning := exposure_warning(Path(file))) is not None:
+        found.insert(0, warning)
+    for warning in found:
         print(f"warning: {warning}", file=sys.stderr)
-    print(f"{file}: OK ({len(cfg.upstreams)} upstreams, {len(cfg.models)} model routes)")
-    return 0
+    print(f"{file}: OK" + (f" with {len(found)} warnings" if found else "")
+          + f" ({len(cfg.upstreams)} upstreams, {len(cfg.models)} model routes)")
+    print(preflight.summary(cfg))
+    if not connect:
+        return 0
+    reached = asyncio.run(preflight.reach(cfg))
+    for r in reached:
+        print(f"  {r.field} ({r.location}): " + ("reachable" if r.error is None
+                                                 else f"UNREACHABLE: {r.error}"))
+    if not reached:
+        print("  --connect: no Redis or PostgreSQL server configured")
+    return 1 if any(r.error is not None for r in reached) else 0
 
 
 def _serve_command(args: argparse.Namespace, argv: Sequence[str] | None) -> int:

@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import enum
 import fnmatch
 import gc
 import os
 import re
 import threading
+import types
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_origin
 from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
     AliasChoices,
+    BaseModel,
     Field,
     ValidationError,
     field_validator,
@@ -26,7 +29,7 @@ from pydantic import (
 from proxy.config.cache import CacheConfig
 from proxy.config.capture import CaptureConfig
 from proxy.config.ledger import LedgerConfig
-from proxy.config.policy import ConfigModel, Policy
+from proxy.config.policy import ConfigModel, Policy, unknown_teams
 from proxy.config.tags import MAX_TAGS, TagRule, check_defaults, valid_key
 from proxy.config.tracing import TracingConfig
 
@@ -491,17 +494,59 @@ def _validate(root: yaml.Node | None, data: Any, source: str) -> Config:
     if errors:
         raise ConfigError("\n".join(_format(source, root, p, m) for p, m in errors))
     try:
-        return Config.model_validate(data)
+        config = Config.model_validate(data)
     except ValidationError as exc:
         lines = []
         for err in exc.errors():
-            loc = _data_loc(data, tuple(p for p in err["loc"] if isinstance(p, str | int)))
+            raw = tuple(p for p in err["loc"] if isinstance(p, str | int))
+            loc = _data_loc(data, raw)
             msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden" and (near := _nearest_field(raw)) is not None:
+                msg = f"{msg} (did you mean `{near}`?)"
             lines.append(_format(source, root, loc, msg))
         raise ConfigError("\n".join(lines)) from None
     finally:
         # Validation builds containers of its own (no field is `Any`): this copy is garbage.
         _release(data)
+    if problems := unknown_teams(config):
+        raise ConfigError("\n".join(_format(source, root, p, m) for p, m in problems))
+    return config
+
+
+def _members(annotation: Any) -> list[Any]:
+    """The types an annotation may hold: union members, without `Annotated` wrappers."""
+    if get_origin(annotation) is Annotated:
+        return _members(get_args(annotation)[0])
+    if get_origin(annotation) in (Union, types.UnionType):
+        return [m for arg in get_args(annotation) for m in _members(arg)]
+    return [annotation]
+
+
+def _step(annotation: Any, part: str | int) -> Any:
+    """The annotation one step down a pydantic error location; None where it names no field
+    (a union member's label, such as a key entry's `mapping`: the caller stays put)."""
+    for member in _members(annotation):
+        origin = get_origin(member)
+        if isinstance(member, type) and issubclass(member, BaseModel) and isinstance(part, str):
+            if part in member.model_fields:
+                return member.model_fields[part].annotation
+        elif origin is dict and isinstance(part, str):
+            return get_args(member)[1]
+        elif origin is list and isinstance(part, int):
+            return get_args(member)[0]
+    return None
+
+
+def _nearest_field(loc: Path_) -> str | None:
+    """For an unknown field at `loc`: the closest field name the section has, if any is close."""
+    annotation: Any = Config
+    for part in loc[:-1]:
+        annotation = _step(annotation, part) or annotation
+    names = [name for member in _members(annotation)
+             if isinstance(member, type) and issubclass(member, BaseModel)
+             for name in member.model_fields]
+    close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6) if loc else []
+    return close[0] if close else None
 
 
 def load_config(path: str | Path) -> Config:

@@ -6,6 +6,7 @@ Keys are hashed the moment they are read: a raw key (from `${ENV}` or written in
 
 from __future__ import annotations
 
+import difflib
 import enum
 import hashlib
 import re
@@ -197,7 +198,9 @@ class UserConfig(Limits):
     # Default tags of the user's requests (a key's and the request's own win per key).
     tags: dict[str, str] = Field(default_factory=dict)
     # The team the user's usage is also counted for (and limited by `teams.<team>`, if set).
-    # A team need not be listed in `teams`: it is then counted, unlimited, for the books.
+    # Without a `teams:` section a team need not be listed: it is counted, unlimited, for the
+    # books. With one, every user's team must be in it (`name: {}` for one without limits):
+    # a misspelt name would silently escape its team's limits (`unknown_teams`).
     # Its counters and the user's share one Redis Cluster slot, so moving a user into, out of
     # or between teams starts the user's own counters afresh (see proxy.budget.limits).
     team: str | None = Field(default=None, pattern=NAME)
@@ -371,3 +374,19 @@ class Policy(_Model):
         if self.mode is not None:
             return self.mode
         return "keys" if self.users else "open"
+
+
+def unknown_teams(policy: Policy) -> list[tuple[tuple[str | int, ...], str]]:
+    """Users whose `team:` names no entry of a non-empty `teams:`, each with its field path
+    and a message (suggesting the closest team); the loader adds the file's line."""
+    if not policy.teams:
+        return []
+    problems: list[tuple[tuple[str | int, ...], str]] = []
+    for user, cfg in policy.users.items():
+        if cfg.team is None or cfg.team in policy.teams:
+            continue
+        msg = f"no team {cfg.team!r} in `teams:` (a team without limits is `{cfg.team}: {{}}`)"
+        if close := difflib.get_close_matches(cfg.team, list(policy.teams), n=1):
+            msg = f"no team {cfg.team!r} in `teams:`; did you mean {close[0]!r}?"
+        problems.append((("users", user, "team"), msg))
+    return problems

@@ -44,6 +44,7 @@ def _base_config(upstream_url: str) -> str:
         "metrics:\n  discover_models: false\n",
         "defaults:\n  max_output_tokens: 4096\n",
         "teams:\n  t0:\n    daily_tokens: 100000000\n",
+        "".join(f"  t{t}: {{}}\n" for t in range(1, 50)),  # every user's team is listed
         "users:\n",
     ]
     for u in range(USERS):
