@@ -109,9 +109,13 @@ def scope_id(scope: CacheScope, principal: Principal) -> str:
 
 def hits_impossible(cache: CacheConfig, mode: str) -> str | None:
     """Why no request can be a hit under this configuration (warned at start), or None."""
-    if cache.maybe_enabled and mode == "passthrough":
+    if not cache.maybe_enabled:
+        return None
+    if mode == "passthrough":
         # `ResponseCache.consult`: a pass-through request is never looked up.
         return ("the response cache is enabled but no request can be a hit: mode: passthrough "
                 "forwards the clients' own keys, and the proxy cannot tell a valid key from "
                 "another, so it never answers from the cache (use mode: keys)")
+    if cache.models == []:
+        return "cache: `models: []` makes no model cacheable: the cache never hits"
     return None

@@ -16,6 +16,7 @@ from proxy.budget.clamp import AdmissionRule, resolve
 from proxy.budget.limits import limits_for
 from proxy.budget.store import StoreError
 from proxy.budget.store_redis import RedisStore
+from proxy.cache.policy import hits_impossible
 from proxy.config.load import Config
 from proxy.config.policy import DEFAULT_MAX_OUTPUT_TOKENS, KeyConfig, Limits
 from proxy.cost import price_for
@@ -143,8 +144,10 @@ def _cache_never_hits(config: Config) -> list[str]:
     cache = config.cache
     if not cache.maybe_enabled:
         return []
-    if cache.models == []:
-        return ["cache: `models: []` makes no model cacheable: the cache never hits"]
+    # What makes every hit impossible is the cache's own judgement, the one `serve` warns of
+    # at start; what is left here makes hits rare.
+    if (never := hits_impossible(cache, config.effective_mode)) is not None:
+        return [never]
     overrides = [*cache.routes.values(), *cache.teams.values(), *cache.users.values(),
                  *cache.keys.values()]
     if cache.cache_sampled or any(o.cache_sampled for o in overrides):
