@@ -114,7 +114,7 @@ async def handle(request: web.Request, svc: Services, shape: type[Translator]
         return relayed
     except ProxyError as exc:
         outcome.fail(exc.error_class, exc.status)
-        response = exc.to_response(shape.error_shape)
+        response = exc.to_response(shape.error_shape, outcome.request_id)
         # The proxy's own answers name the request's row too: a refused client can quote it.
         response.headers[REQUEST_ID_HEADER] = outcome.request_id
         if isinstance(exc, AuthenticationFailed) or not request.content.is_eof():
