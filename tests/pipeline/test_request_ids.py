@@ -4,6 +4,9 @@ upstream's id, which the SDKs show as `request_id`, is kept beside it in the boo
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
 import anthropic
 import openai
 import pytest
@@ -16,6 +19,7 @@ from tests.helpers import ALICE_KEY, UPSTREAM_KEY, Stack, StackFactory, make_con
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 ANTHROPIC_MESSAGES: list[MessageParam] = [{"role": "user", "content": "hi"}]
+NODE_DIR = Path(__file__).parents[1] / "node"
 USERS = {"alice": {"keys": [ALICE_KEY], "daily_tokens": 1000}}
 
 
@@ -80,3 +84,20 @@ async def test_anthropic_reset_mid_stream_names_the_request(anthropic_stack: Sta
                 async for _ in stream:
                     pass
     assert f"(request id {ours})" in str(caught.value)
+
+
+async def test_node_openai_sdk_error_names_the_request(openai_stack: Stack) -> None:
+    """The openai Node SDK (tests/node, pinned) throws a RateLimitError on the quota's 429
+    (stream.mjs asks for no max_tokens: its worst case does not fit): its message, which Node
+    prints, carries the id."""
+    proc = await asyncio.create_subprocess_exec(
+        "node", str(NODE_DIR / "stream.mjs"), "openai", openai_stack.base_url, ALICE_KEY,
+        "mock-gpt", cwd=NODE_DIR,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    async with asyncio.timeout(60):
+        _, err = await proc.communicate()
+    assert proc.returncode != 0
+    await openai_stack.settled(1)
+    [line] = [a for a in openai_stack.access_lines() if a.get("event") == "request"]
+    assert (line["status"], line["error_class"]) == (429, "budget_exceeded")
+    assert f"(request id {line['request_id']})" in err.decode()
