@@ -344,7 +344,8 @@ async def _try(request: web.Request, ctx: RequestContext, svc: Services, outcome
     else:
         up, failure = answer.response, answer.error_class
         if turn.last or up.status == 200 or not upstream_errors.fallback_worthy(failure):
-            outcome.answered(up.status, failure)
+            outcome.answered(up.status, failure,
+                             turn.translator.upstream_request_id(up.headers))
             return Attempt(candidacy, up, deadline,
                            _response_headers(candidacy, turn.fallback_from, svc)
                            | caching.headers(outcome))
