@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 import subprocess
 import sys
 from typing import Any
 
 import anthropic
+import asyncpg
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
@@ -20,9 +22,15 @@ from aiohttp.test_utils import TestServer
 from proxy.capture.store import CaptureFilter, CaptureStore
 from proxy.pipeline import services as st
 from proxy.server.app import create_app
+from tests.capture.captures import capture
 from tests.helpers import ServerFactory, make_config, until
 
 ALICE = "sk-alice-either-id-0001"
+# The captures table as tokenmeter made it before it kept the upstream's id (its columns).
+_EARLIER = ("request_id {t} PRIMARY KEY, started_at {ts} NOT NULL, user_name {t}, key_name {t}, "
+            "team {t}, requested_model {t} NOT NULL, model {t}, status integer NOT NULL, "
+            "error_class {t} NOT NULL, stream {b} NOT NULL, size bigint NOT NULL, data {blob} "
+            "NOT NULL")
 REFUSE = {"x-mock-status": "400", "x-mock-error-code": "context_length_exceeded"}
 
 
@@ -114,3 +122,33 @@ async def test_either_id_finds_the_row_and_the_capture(
     nothing = await asyncio.to_thread(_cli, "usage", "--ledger", store_url, "--request-id",
                                       "req_nobody")
     assert nothing.returncode == 1 and "no row of request 'req_nobody'" in nothing.stderr
+
+
+async def test_a_table_of_an_earlier_version_gets_the_column_at_open(store_url: str) -> None:
+    """An upgraded deployment's captures table (made before this column) is given it when the
+    store opens: new captures keep the upstream's id, old ones read as having none."""
+    if store_url.startswith("sqlite"):
+        columns = _EARLIER.format(t="TEXT", ts="REAL", b="INTEGER", blob="BLOB")
+        with sqlite3.connect(store_url.removeprefix("sqlite://")) as db:
+            db.execute(f"CREATE TABLE tokenmeter_captures ({columns})")
+    else:
+        columns = _EARLIER.format(t="text", ts="timestamptz", b="boolean", blob="bytea")
+        conn = await asyncpg.connect(store_url)
+        try:
+            await conn.execute("CREATE SCHEMA tokenmeter_capture; CREATE TABLE "
+                               f"tokenmeter_capture.tokenmeter_captures ({columns})")
+        finally:
+            await conn.close()
+    store = await CaptureStore.open(store_url)
+    try:
+        await store.write([capture("old", 1_764_000_000.0),
+                           capture("new", 1_764_000_001.0, upstream_request_id="req_up1")])
+        found = await store.get("req_up1")
+        assert found is not None and found.request_id == "new"
+        old = await store.get("old")
+        assert old is not None and old.upstream_request_id is None
+        listed = await store.list(CaptureFilter())
+        assert [(r.request_id, r.upstream_request_id) for r in listed] == [
+            ("new", "req_up1"), ("old", None)]
+    finally:
+        await store.close()
