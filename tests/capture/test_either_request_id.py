@@ -80,7 +80,8 @@ async def test_either_id_finds_the_row_and_the_capture(
     ours, theirs = await (_openai_refusal if api == "openai" else _anthropic_refusal)(proxy)
     assert ours != theirs
     ledger = proxy.app[st.SERVICES].ledger
-    assert ledger is not None and await ledger.flush(30), ledger.health()
+    assert ledger is not None
+    assert await ledger.flush(30), ledger.health()
 
     store = await CaptureStore.open(store_url)
     try:
