@@ -34,7 +34,8 @@ from proxy.config.exposure import exposure_warning
 from proxy.config.ledger import LedgerConfig
 from proxy.config.load import Config, ConfigError, load_config, single_upstream_config
 from proxy.cost import price_version
-from proxy.ledger.query import LedgerUnavailable, locate, open_reader
+from proxy.ledger.lookup import find_request, render_rows
+from proxy.ledger.query import LedgerUnavailable, Location, locate, open_reader
 from proxy.ledger.reconcile import add_parser as add_reconcile_parser
 from proxy.ledger.reconcile import run as run_reconcile
 from proxy.ledger.report import (
@@ -316,6 +317,9 @@ def _add_usage_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     books.add_argument("--timezone", metavar="ZONE",
                        help="IANA time zone for dates and buckets (default: the "
                             "configuration's, else UTC)")
+    books.add_argument("--request-id", metavar="ID",
+                       help="one request's row instead of a report: tokenmeter's id "
+                            "(x-tokenmeter-request-id) or the upstream's (the SDK's request_id)")
     store = u.add_argument_group("the store's counters")
     store.add_argument("--date", help="YYYY-MM-DD in the configured time zone (default: today)")
     store.add_argument("--json", action="store_true", help="JSON instead of a table")
@@ -326,7 +330,7 @@ def _usage(args: argparse.Namespace) -> int:
     ledger_only = [flag for flag, value in (
         ("--ledger", args.ledger), ("--from", args.start), ("--to", args.end),
         ("--format", args.format), ("--timezone", args.timezone),
-        ("--by", args.by if args.by != "user" else None),
+        ("--by", args.by if args.by != "user" else None), ("--request-id", args.request_id),
         ("--round", args.round if args.round != Rounding.EXACT else None),
         ("--no-total", True if args.no_total else None),
     ) if value is not None]
@@ -374,6 +378,9 @@ def _ledger_usage(args: argparse.Namespace) -> int:
         print(exc, file=sys.stderr)
         return 2
 
+    if args.request_id is not None:
+        return _request_rows(location, args.request_id, tz, args.format or "table")
+
     async def run() -> Report:
         async with await open_reader(location) as reader:
             return await build_report(reader, by, period)
@@ -393,6 +400,25 @@ def _ledger_usage(args: argparse.Namespace) -> int:
     else:
         print(render_table(report, f"{location.describe()}: {describe_period(period)}",
                            export))
+    return 0
+
+
+def _request_rows(location: Location, request_id: str, tz: ZoneInfo, fmt: str) -> int:
+    """`usage --request-id`: the row of the request either id names (1: none)."""
+    async def run() -> list[dict[str, object]]:
+        async with await open_reader(location) as reader:
+            return await find_request(reader, request_id, tz)
+
+    try:
+        rows = asyncio.run(run())
+    except LedgerUnavailable as exc:
+        print(f"cannot read the ledger: {exc}", file=sys.stderr)
+        return 1
+    if not rows:
+        print(f"no row of request {request_id!r} in {location.describe()} (not written yet, "
+              "or past the ledger's retention)", file=sys.stderr)
+        return 1
+    print(render_rows(rows, fmt))
     return 0
 
 

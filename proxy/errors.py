@@ -107,26 +107,38 @@ class ProxyError(Exception):
         except ValueError:
             return ErrorClass.INTERNAL
 
-    def to_body(self) -> dict[str, dict[str, str | None]]:
+    def message_for(self, request_id: str | None) -> str:
+        """The message as the client reads it: with the request's id when it has one (its
+        ledger row's, also in `x-tokenmeter-request-id`). SDKs surface an error's message but
+        not the proxy's headers, so the message is the one place a developer is sure to see
+        the id they can quote in a ticket."""
+        if request_id is None:
+            return self.message
+        return f"{self.message} (request id {request_id})"
+
+    def to_body(self, request_id: str | None = None) -> dict[str, dict[str, str | None]]:
         return {
             "error": {
-                "message": self.message,
+                "message": self.message_for(request_id),
                 "type": self.type,
                 "param": self.param,
                 "code": self.code,
             }
         }
 
-    def to_anthropic_body(self) -> dict[str, object]:
+    def to_anthropic_body(self, request_id: str | None = None) -> dict[str, object]:
         """Anthropic's error shape: the type is the status's (the SDK picks its exception by
         status; `rate_limit_error` for every refusal of a budget or limit)."""
         type_ = ANTHROPIC_ERROR_TYPES.get(self.status, "api_error")
-        return {"type": "error", "error": {"type": type_, "message": self.message}}
+        return {"type": "error",
+                "error": {"type": type_, "message": self.message_for(request_id)}}
 
-    def to_response(self, shape: ErrorShape | None = None) -> web.Response:
+    def to_response(self, shape: ErrorShape | None = None,
+                    request_id: str | None = None) -> web.Response:
         from aiohttp import web
 
-        body = self.to_anthropic_body() if shape is ErrorShape.ANTHROPIC else self.to_body()
+        body = (self.to_anthropic_body(request_id) if shape is ErrorShape.ANTHROPIC
+                else self.to_body(request_id))
         return web.Response(
             status=self.status,
             body=json.dumps(body).encode(),
@@ -152,15 +164,18 @@ ANTHROPIC_ERROR_TYPES = {
 
 
 def stream_error_event(exc: ProxyError, named: bool,
-                       shape: ErrorShape = ErrorShape.OPENAI) -> bytes:
+                       shape: ErrorShape = ErrorShape.OPENAI,
+                       request_id: str | None = None) -> bytes:
     """The last event of a stream that broke: `data: {"error": {...}}`, which the openai SDKs
     raise as an APIError. The Responses API names its events, so there it is also an `error`
-    event with that API's top-level `type`/`code`/`message`/`param`."""
+    event with that API's top-level `type`/`code`/`message`/`param`. The message carries
+    `request_id` as `to_body` does."""
     if shape is ErrorShape.ANTHROPIC:  # Anthropic streams name their `error` event
-        return b"event: error\ndata: " + json.dumps(exc.to_anthropic_body()).encode() + b"\n\n"
-    body: dict[str, object] = dict(exc.to_body())
+        return (b"event: error\ndata: " + json.dumps(exc.to_anthropic_body(request_id)).encode()
+                + b"\n\n")
+    body: dict[str, object] = dict(exc.to_body(request_id))
     if named:
-        err = exc.to_body()["error"]
+        err = exc.to_body(request_id)["error"]
         body = {"type": "error", "code": err["code"], "message": err["message"],
                 "param": err["param"], **body}
         return b"event: error\ndata: " + json.dumps(body).encode() + b"\n\n"

@@ -48,7 +48,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _add_filters(listing, limit=100)
     listing.add_argument("--format", choices=["table", "json"], default="table")
     show = actions.add_parser("show", help="one captured request, whole")
-    show.add_argument("request_id", metavar="REQUEST_ID")
+    show.add_argument("request_id", metavar="REQUEST_ID",
+                      help="tokenmeter's id (x-tokenmeter-request-id) or the upstream's (the "
+                           "SDK's request_id)")
     show.add_argument("--format", choices=["text", "json"], default="text")
     show.add_argument("--ledger", metavar="URL",
                       help="the ledger to read the request's row from (default: the "
@@ -78,6 +80,9 @@ def add_filters(p: argparse.ArgumentParser | argparse._ArgumentGroup, limit: int
                    help="asked for or sent upstream")
     p.add_argument("--status", type=int)
     p.add_argument("--error-class")
+    p.add_argument("--request-id", dest="capture_request_id", metavar="ID",
+                   help="tokenmeter's id of the request or the upstream's (the SDK's "
+                        "request_id)")
     p.add_argument("--from", dest="start", metavar="WHEN",
                    help="YYYY-MM-DD or YYYY-MM-DDTHH:MM, UTC unless it carries an offset")
     p.add_argument("--to", dest="end", metavar="WHEN",
@@ -150,6 +155,7 @@ def filters_of(args: argparse.Namespace) -> CaptureFilter:
     until = None if args.end is None else parse_bound(args.end, utc, end=True).timestamp()
     return CaptureFilter(user=args.user, model=args.capture_model, status=args.status,
                          error_class=args.error_class, since=since, until=until,
+                         request_id=args.capture_request_id,
                          limit=_EVERYTHING if args.limit is None else args.limit)
 
 
@@ -187,7 +193,7 @@ def _row_json(r: CaptureRow) -> dict[str, Any]:
     return {"request_id": r.request_id, "started_at": r.started_at, "user": r.user,
             "key_name": r.key_name, "team": r.team, "requested_model": r.requested_model,
             "model": r.model, "status": r.status, "error_class": r.error_class,
-            "stream": r.stream, "size": r.size}
+            "stream": r.stream, "size": r.size, "upstream_request_id": r.upstream_request_id}
 
 
 def _table(rows: list[CaptureRow], zone: tzinfo) -> str:
@@ -278,7 +284,7 @@ def _ms(value: Any) -> str:
 
 def _text(c: Capture, ledger: dict[str, Any] | None) -> str:
     lines = [
-        f"request_id   {c.request_id}",
+        f"request_id   {c.request_id} (upstream's: {c.upstream_request_id or '-'})",
         f"started      {_when(c.started_at)}",
         f"route        {c.api} {c.path} ({c.operation})",
         f"who          user={c.user} key={c.key_name} team={c.team}",

@@ -116,6 +116,7 @@ class Meta:
     status: int
     error_class: str
     tags: tuple[tuple[str, str], ...] = ()  # the request's tags, as in its ledger row
+    upstream_request_id: str | None = None  # the upstream's id of it, as in its ledger row
 
 
 
@@ -172,6 +173,7 @@ def record(collected: Collector, meta: Meta, redact: Redactor) -> Capture:
         operation=meta.operation, user=meta.user, key_name=meta.key_name, team=meta.team,
         requested_model=meta.requested_model, model=meta.model, stream=meta.stream,
         status=meta.status, error_class=meta.error_class, tags=dict(meta.tags),
+        upstream_request_id=meta.upstream_request_id,
         request=_body(collected.request, limit, redact) or Body("", 0),
         upstream_request=_body(collected.upstream, limit, redact),
         response=response,

@@ -76,6 +76,9 @@ class Capture:
     version: int = field(default=FORMAT_VERSION)
     # The stream not yet cut into `events` (as written; None once read: see `Chunks`).
     chunks: Chunks | None = None
+    # The upstream's own id of the request (its `x-request-id` / `request-id`, what the SDKs
+    # show as `request_id`), as in the ledger row; None: none was sent, or written before.
+    upstream_request_id: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         # By hand, not dataclasses.asdict: that deep-copies every value, some 150 us for a

@@ -55,8 +55,12 @@ PG_TABLE = f"{SCHEMA}.{TABLE}"
 # schema and move an old table one at a time (two CREATE SCHEMAs at once: a unique violation).
 PG_CREATE_LOCK = 0x746F6B656E636170
 _COLUMNS = ("request_id", "started_at", "user_name", "key_name", "team", "requested_model",
-            "model", "status", "error_class", "stream", "size", "data")
-_LISTED = ", ".join(_COLUMNS[:-1])
+            "model", "status", "error_class", "stream", "size", "data", "upstream_request_id")
+_LISTED = ", ".join(c for c in _COLUMNS if c != "data")
+# Added after the table's first form: a table made by an earlier version gets it at open
+# (nullable; its captures have none). Last, so an earlier version's INSERT of its own columns
+# and the copy of an old `public` table (`SELECT *`) still line up.
+_UPSTREAM_ID = "upstream_request_id"
 # One statement, one transaction: the schema (created only when missing, so a role that may not
 # create schemas can use one an administrator made for it), the move of an earlier version's
 # table out of `public` with its grants stripped (or its rows), then the table and its index.
@@ -102,6 +106,8 @@ BEGIN
     data bytea NOT NULL
   );
   CREATE INDEX IF NOT EXISTS {TABLE}_started ON {PG_TABLE} (started_at);
+  ALTER TABLE {PG_TABLE} ADD COLUMN IF NOT EXISTS {_UPSTREAM_ID} text;
+  CREATE INDEX IF NOT EXISTS {TABLE}_{_UPSTREAM_ID} ON {PG_TABLE} ({_UPSTREAM_ID});
 END
 $$""",)
 _SQLITE_CREATE = (f"""
@@ -125,7 +131,7 @@ _SQLITE_PRUNE = (f"DELETE FROM {TABLE} WHERE rowid IN "
 _PG_PRUNE = (f"DELETE FROM {PG_TABLE} WHERE ctid = ANY(ARRAY("
              f"SELECT ctid FROM {PG_TABLE} WHERE started_at < $1 LIMIT $2))")
 _PG_TYPES = ("text", "timestamptz", "text", "text", "text", "text", "text", "integer", "text",
-             "boolean", "bigint", "bytea")
+             "boolean", "bigint", "bytea", "text")
 _PG_INSERT = (f"INSERT INTO {PG_TABLE} ({', '.join(_COLUMNS)}) SELECT * FROM unnest("
               + ", ".join(f"${i + 1}::{t}[]" for i, t in enumerate(_PG_TYPES))
               + ") ON CONFLICT (request_id) DO NOTHING RETURNING size")
@@ -196,12 +202,19 @@ class CaptureRow:
     error_class: str
     stream: bool
     size: int
+    upstream_request_id: str | None = None
 
     @staticmethod
     def of(row: Sequence[Any]) -> CaptureRow:
         started = row[1].timestamp() if isinstance(row[1], datetime) else float(row[1])
         return CaptureRow(row[0], started, row[2], row[3], row[4], row[5], row[6], int(row[7]),
-                          row[8], bool(row[9]), int(row[10]))
+                          row[8], bool(row[9]), int(row[10]), row[11])
+
+
+def either_id(q: Sql, request_id: str) -> str:
+    """The term matching a request by either of its ids: tokenmeter's (`x-tokenmeter-request-id`,
+    the row's key) or the upstream's (what the SDKs show as `request_id`)."""
+    return f"(request_id = {q.p(request_id)} OR upstream_request_id = {q.p(request_id)})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,9 +229,12 @@ class CaptureFilter:
     since: float | None = None  # unix seconds, inclusive
     until: float | None = None  # unix seconds, exclusive
     limit: int = 100
+    request_id: str | None = None  # tokenmeter's id of the request, or the upstream's
 
     def where(self, q: Sql) -> str:
         terms = []
+        if self.request_id is not None:
+            terms.append(either_id(q, self.request_id))
         if self.user is not None:
             terms.append(f"user_name = {q.p(self.user)}")
         if self.model is not None:
@@ -275,14 +291,19 @@ class CaptureStore:
         started.ts(c.started_at)
         data = encode(c)
         return (c.request_id, started.params[0], c.user, c.key_name, c.team, c.requested_model,
-                c.model, c.status, c.error_class, c.stream, len(data), data)
+                c.model, c.status, c.error_class, c.stream, len(data), data,
+                c.upstream_request_id)
 
     async def get(self, request_id: str,
                   redact: Callable[[str], str] | None = None) -> Capture | None:
-        """The capture of `request_id`, as `decode` reads it (with `redact`)."""
+        """The capture of `request_id` (tokenmeter's id, else the upstream's), as `decode`
+        reads it (with `redact`)."""
         q = Sql(self.dialect)
-        rows = await self._fetch(f"SELECT data FROM {self.table} WHERE request_id = "
-                                 f"{q.p(request_id)}", q.params)
+        # Tokenmeter's id first: the primary key; an upstream's id names one request too,
+        # but should two share it (one upstream's ids are another's), the newest is shown.
+        rows = await self._fetch(
+            f"SELECT data FROM {self.table} WHERE {either_id(q, request_id)} "
+            f"ORDER BY request_id = {q.p(request_id)} DESC, started_at DESC LIMIT 1", q.params)
         return decode(bytes(rows[0][0]), redact) if rows else None
 
     async def list(self, filters: CaptureFilter) -> list[CaptureRow]:
@@ -345,6 +366,11 @@ class _SqliteStore(CaptureStore):
             conn.execute("PRAGMA synchronous=NORMAL")
             for statement in _SQLITE_CREATE:
                 conn.execute(statement)
+            known = {r[1] for r in conn.execute(f"PRAGMA table_info({TABLE})")}
+            if _UPSTREAM_ID not in known:  # a table an earlier version made
+                conn.execute(f"ALTER TABLE {TABLE} ADD COLUMN {_UPSTREAM_ID} TEXT")
+            conn.execute(f"CREATE INDEX IF NOT EXISTS {TABLE}_{_UPSTREAM_ID} "
+                         f"ON {TABLE} ({_UPSTREAM_ID})")
         except BaseException:
             conn.close()
             raise

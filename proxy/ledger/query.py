@@ -281,6 +281,11 @@ async def zone_rolled(reader: LedgerReader, zone: str) -> bool:
     return as_int(found) > 0
 
 
+async def schema_version(reader: LedgerReader) -> int:
+    """The schema version the ledger's database is at (0: none recorded)."""
+    return await _version(reader)
+
+
 async def _version(reader: LedgerReader) -> int:
     ((version,),) = await reader.fetch(f"SELECT max(version) FROM {SCHEMA_TABLE}")
     return 0 if version is None else as_int(version)

@@ -71,6 +71,9 @@ class LedgerRow(NamedTuple):
     # Schema v4 (proxy.config.tags): the request's tags, a JSON object with its keys sorted
     # (`{}`: none). Last and defaulted, as above.
     tags: str = "{}"
+    # Schema v7: the upstream's own id of the request (its `x-request-id` / `request-id`,
+    # what the SDKs show as `request_id`); None: no upstream answered, or it sent none.
+    upstream_request_id: str | None = None
 
     @staticmethod
     def of(rec: RequestRecord, replica: str) -> LedgerRow:
@@ -116,6 +119,7 @@ class LedgerRow(NamedTuple):
             saved_cache_creation_input_tokens=saved.cache_creation_input_tokens,
             saved_cost_nanousd=None if rec.saved_cost is None else rec.saved_cost.nanousd,
             tags=rec.tags.json(),
+            upstream_request_id=rec.upstream_request_id,
         )
 
     @property

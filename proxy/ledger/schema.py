@@ -136,6 +136,15 @@ _V3_SQLITE = (
 _TAGS_PG = (f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS tags text NOT NULL DEFAULT '{{}}'",)
 _TAGS_SQLITE = (f"ALTER TABLE {TABLE} ADD COLUMN tags TEXT NOT NULL DEFAULT '{{}}'",)
 
+# v7: the upstream's own id of the request (issue 32), so a ticket quoting the id its SDK
+# showed finds the row; rows from before have none. Indexed: it is looked up by, as the
+# primary key is.
+_UPSTREAM_ID_INDEX = (f"CREATE INDEX IF NOT EXISTS {TABLE}_upstream_request_id "
+                      f"ON {TABLE} (upstream_request_id)")
+_V7_PG = (f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS upstream_request_id text",
+          _UPSTREAM_ID_INDEX)
+_V7_SQLITE = (f"ALTER TABLE {TABLE} ADD COLUMN upstream_request_id TEXT", _UPSTREAM_ID_INDEX)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, (_PG_V1, *_INDEXES), (_SQLITE_V1, *_INDEXES)),
     Migration(2, _V2_PG, _V2_SQLITE),
@@ -151,6 +160,7 @@ MIGRATIONS: tuple[Migration, ...] = (
                   *rollup.create(rollup.USAGE_LOCAL, postgresql=True)),
               (rollup.create_zones(postgresql=False),
                *rollup.create(rollup.USAGE_LOCAL, postgresql=False))),
+    Migration(7, _V7_PG, _V7_SQLITE),
 )
 
 VERSION = MIGRATIONS[-1].version
@@ -159,3 +169,5 @@ VERSION = MIGRATIONS[-1].version
 ROLLUP_VERSION = max(m.version for m in MIGRATIONS if m.rollups)
 # The version that made the local-day rollup: a database below it has no zones table.
 LOCAL_DAY_VERSION = 6
+# The version that added `upstream_request_id`: a database below it has no such column.
+UPSTREAM_ID_VERSION = 7

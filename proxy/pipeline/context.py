@@ -120,6 +120,8 @@ class Settlement:
     trace: RequestTrace | None = None  # its spans, when tracing is on
     # A cache hit's admission (`Budget.reserve_hit`): what it holds until settled.
     hit_reservation: Reservation | None = None
+    # The upstream's own id of the answer relayed (its `x-request-id` / `request-id`).
+    upstream_request_id: str | None = None
 
     @property
     def model(self) -> str:
@@ -151,8 +153,8 @@ class Outcome:
 
     __slots__ = ("_answered", "_attempts", "_candidacy", "_context", "_error_class",
                  "_fallback_from", "_hit", "_in_flight", "_model", "_principal", "_status",
-                 "_stream", "_tags", "cache", "collector", "meter", "operation", "request_id",
-                 "runtime", "trace")
+                 "_stream", "_tags", "_upstream_request_id", "cache", "collector", "meter",
+                 "operation", "request_id", "runtime", "trace")
 
     def __init__(self, request_id: str, operation: str, meter: RequestMeter) -> None:
         self.request_id = request_id
@@ -181,6 +183,7 @@ class Outcome:
         self._attempts = 1
         self._tags = NO_TAGS
         self._hit: Reservation | None = None
+        self._upstream_request_id: str | None = None
 
     # --- admission: known before the context is complete, needed if admission fails -----
     def configured(self, runtime: Runtime) -> None:
@@ -240,9 +243,12 @@ class Outcome:
     def call_failed(self) -> None:
         self._in_flight = False
 
-    def answered(self, status: int, error_class: ErrorClass) -> None:
-        """The answer to relay came, its class decided once as it did (`attempts.Answer`)."""
+    def answered(self, status: int, error_class: ErrorClass,
+                 upstream_request_id: str | None = None) -> None:
+        """The answer to relay came, its class decided once as it did (`attempts.Answer`),
+        with the upstream's id of it, when it sent one."""
         self._answered = True
+        self._upstream_request_id = upstream_request_id
         self._status = status
         self._error_class = error_class
         # An error answer means the upstream is done with the request.
@@ -310,4 +316,5 @@ class Outcome:
             trace=self.trace,
             cache=self.cache.outcome(),
             hit_reservation=self._hit,
+            upstream_request_id=self._upstream_request_id,
         )

@@ -159,7 +159,7 @@ async def handle(request: web.Request, svc: Services, shape: type[Translator]
 
 def _answer(exc: ProxyError, shape: type[Translator], outcome: Outcome) -> web.Response:
     """The proxy's own error answer, in the API's shape."""
-    response = exc.to_response(shape.error_shape)
+    response = exc.to_response(shape.error_shape, outcome.request_id)
     # The proxy's own answers name the request's row too: a refused client can quote it.
     response.headers[REQUEST_ID_HEADER] = outcome.request_id
     if isinstance(exc, (UpstreamTimeout, UpstreamUnavailable)) and retries_spent(outcome):
@@ -360,7 +360,8 @@ async def _try(request: web.Request, ctx: RequestContext, svc: Services, outcome
     else:
         up, failure = answer.response, answer.error_class
         if turn.last or up.status == 200 or not upstream_errors.fallback_worthy(failure):
-            outcome.answered(up.status, failure)
+            outcome.answered(up.status, failure,
+                             turn.translator.upstream_request_id(up.headers))
             return Attempt(candidacy, up, deadline,
                            _response_headers(candidacy, turn.fallback_from, svc)
                            | caching.headers(outcome))

@@ -347,7 +347,7 @@ class Stream:
         self.tap.close()  # meters a last, unterminated event; its held bytes are not forwarded
         if at_boundary:
             event = stream_error_event(failure, self.translator.named_events,
-                                       self.translator.error_shape)
+                                       self.translator.error_shape, self.outcome.request_id)
             with contextlib.suppress(ConnectionError):
                 await self.write(event, time.perf_counter())
                 return

@@ -199,6 +199,7 @@ def _record(done: Settlement, runtime: Runtime, usage: Usage,
         saved_usage=ZERO if saved is None else saved,
         saved_cost=None if price is None or saved is None else CostLines.of(price, saved),
         tags=done.tags,
+        upstream_request_id=done.upstream_request_id,
     )
 
 
@@ -257,7 +258,8 @@ def _capture(done: Settlement, record: RequestRecord, runtime: Runtime,
                     key_name=record.key, team=record.team, requested_model=done.request_model,
                     model=record.sent_model, stream=done.stream, status=done.status,
                     error_class=done.error_class.value,
-                    tags=tuple((t.key, t.value) for t in record.tags.items))
+                    tags=tuple((t.key, t.value) for t in record.tags.items),
+                    upstream_request_id=record.upstream_request_id)
         # The upstreams' keys are removed literally, whatever they look like (the client's
         # own, which the collector holds, are added when the capture is made).
         keys = [u.api_key for u in runtime.config.upstreams.values()]

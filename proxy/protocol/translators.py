@@ -14,7 +14,7 @@ admission's reservation and settle's charge.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import ClassVar
 
 from proxy.errors import ErrorClass, ErrorShape
@@ -45,6 +45,10 @@ __all__ = ["HOLD_BYTES", "MAX_DEPTH", "TRANSLATORS", "EventFlag", "ParsedRequest
            "carries_usage", "parse_body"]
 
 
+# The most of an upstream's request id kept (theirs are some 30 characters).
+REQUEST_ID_CHARS = 200
+
+
 class Translator:
     operation: ClassVar[str]
     path: ClassVar[str]
@@ -58,6 +62,9 @@ class Translator:
     # that event from the client until the request's ledger row is spooled
     # (proxy.pipeline.ending), so a client that has it is in the books.
     final_events: ClassVar[tuple[bytes, ...]] = (b"data: [DONE]",)
+    # The response headers that carry the upstream's own id of the request (the SDKs show it
+    # as `request_id`), its API's first: OpenAI's `x-request-id`, Anthropic's `request-id`.
+    request_id_headers: ClassVar[tuple[str, ...]] = ("x-request-id", "request-id")
 
     def __init__(
         self, request: ParsedRequest, ask_usage: bool = True, model: str | None = None,
@@ -163,6 +170,16 @@ class Translator:
     def prompt_usage(self) -> Usage:
         return self.reader.prompt_usage(self.prompt_tokens)
 
+    @classmethod
+    def upstream_request_id(cls, headers: Mapping[str, str]) -> str | None:
+        """The upstream's id of the request, from its response's headers (None: it sent
+        none). Bounded: it is booked and captured as text, and the header is the upstream's."""
+        for name in cls.request_id_headers:
+            value = headers.get(name)
+            if value:
+                return value[:REQUEST_ID_CHARS]
+        return None
+
 
 class ChatTranslator(Translator):
     operation = "chat"
@@ -204,6 +221,7 @@ class MessagesTranslator(Translator):
     error_shape = ErrorShape.ANTHROPIC
     upstream_api = "anthropic"
     final_events = (b"event: message_stop",)
+    request_id_headers = ("request-id", "x-request-id")
     shape_type = MessagesShape
     reader_type = MessagesReader
 

@@ -104,8 +104,10 @@ async def _errors(
         raise
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        response = ProxyError("The proxy failed to handle the request.").to_response()
-        if (request_id := request.get(REQUEST_ID)) is not None:  # a metered request's row
+        request_id = request.get(REQUEST_ID)  # a metered request's row, if it is one
+        response = ProxyError("The proxy failed to handle the request.").to_response(
+            request_id=request_id)
+        if request_id is not None:
             response.headers[REQUEST_ID_HEADER] = request_id
         return response
 

@@ -208,6 +208,9 @@ class RequestRecord:
     saved_usage: Usage = ZERO
     saved_cost: CostLines | None = None
     tags: Tags = NO_TAGS  # what the request was for (proxy.config.tags)
+    # The upstream's own id of the answer (its `x-request-id` / `request-id`; None: no
+    # upstream answered, or it sent none): what the SDKs show as `request_id`.
+    upstream_request_id: str | None = None
 
     @property
     def started_at(self) -> float:

@@ -133,6 +133,8 @@ async def _old_database(url: str, rows: Sequence[LedgerRow]) -> None:
     """A ledger at schema v2 (before rollups) holding `rows`, as an older proxy left it."""
     older = [m for m in MIGRATIONS if not m.rollups and m.version < min(
         m.version for m in MIGRATIONS if m.rollups)]
+    # The columns of that schema: those of later versions (v7's upstream id) come after.
+    columns = COLUMNS[:COLUMNS.index("upstream_request_id")]
     if url.startswith("sqlite"):
         with sqlite3.connect(url.removeprefix("sqlite://")) as db:
             db.execute(f"CREATE TABLE {SCHEMA_TABLE} (version INTEGER PRIMARY KEY, "
@@ -141,8 +143,9 @@ async def _old_database(url: str, rows: Sequence[LedgerRow]) -> None:
                 for statement in m.sqlite:
                     db.execute(statement)
                 db.execute(f"INSERT INTO {SCHEMA_TABLE} VALUES (?, 0)", (m.version,))
-            db.executemany(f"INSERT INTO {TABLE} ({', '.join(COLUMNS)}) VALUES "
-                           f"({', '.join('?' * len(COLUMNS))})", [tuple(r) for r in rows])
+            db.executemany(f"INSERT INTO {TABLE} ({', '.join(columns)}) VALUES "
+                           f"({', '.join('?' * len(columns))})",
+                           [tuple(r)[:len(columns)] for r in rows])
         return
     conn = await asyncpg.connect(url)
     try:
@@ -152,8 +155,9 @@ async def _old_database(url: str, rows: Sequence[LedgerRow]) -> None:
             for statement in m.postgresql:
                 await conn.execute(statement)
             await conn.execute(f"INSERT INTO {SCHEMA_TABLE} (version) VALUES ($1)", m.version)
-        await conn.copy_records_to_table(TABLE, records=[PostgresSink.prepare(list(r))
-                                                         for r in rows], columns=list(COLUMNS))
+        await conn.copy_records_to_table(
+            TABLE, records=[PostgresSink.prepare(list(r))[:len(columns)] for r in rows],
+            columns=list(columns))
     finally:
         await conn.close()
 
