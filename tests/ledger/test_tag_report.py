@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from proxy.cli import main
-from proxy.ledger.row import LedgerRow
+from proxy.ledger.row import COLUMNS, LedgerRow
 from tests.books import ledger_row, pg_admin, write_postgres, write_sqlite
 
 
@@ -93,5 +93,5 @@ def test_a_bad_tag_key_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: 
 
 def test_an_old_spool_line_loads_without_tags() -> None:
     old = ROWS[0].to_json().decode()
-    values = json.loads(old)[:-1]  # written before the tags column
+    values = json.loads(old)[:COLUMNS.index("tags")]  # written before the tags column
     assert LedgerRow.from_json(json.dumps(values)).tags == "{}"
