@@ -69,7 +69,23 @@ class BenchResult:
     wall_s: float
 
 
-Progress = Callable[[str, int, int, int], None]  # (level label, done, total or 0, errors)
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Where a run is, for a progress display: the level's place in the sweep (0 of N during
+    the warm-up), the block's requests done and errors, and with --duration the seconds the
+    level has run of the seconds it will run (all endpoints' blocks together)."""
+
+    label: str
+    level: int
+    levels: int
+    done: int
+    total: int  # requests of the block; 0 with --duration
+    errors: int
+    elapsed_s: float
+    duration_s: float | None
+
+
+Progress = Callable[[Tick], None]
 
 
 class LagMonitor:
@@ -146,6 +162,7 @@ class Runner:
         self.progress = progress
         self.lag = LagMonitor()
         self.sessions: list[aiohttp.ClientSession] = []
+        self._position = 0  # the level running, 1-based (0: the warm-up)
 
     def _pool(self, size: int, count: int) -> list[Prompt]:
         if self.config.prompts is not None:
@@ -170,6 +187,7 @@ class Runner:
             for size in cfg.sizes:
                 pool = self._pool(size, cfg.requests or 256)
                 for load in cfg.loads:
+                    self._position += 1
                     level = await self._level(load, size, pool)
                     for stats, rs in level:
                         levels.append(stats)
@@ -263,9 +281,15 @@ class Runner:
         prompt = f" prompt={size}" if size else ""
         return f"{endpoint.label} {what}{prompt}"
 
-    def _report(self, label: str, done: int, total: int, errors: int) -> None:
-        if self.progress is not None:
-            self.progress(label, done, total, errors)
+    def _report(self, block: _Block, done: int, errors: int) -> None:
+        if self.progress is None:
+            return
+        cfg = self.config
+        total_s = (cfg.duration_s * len(cfg.endpoints)
+                   if cfg.duration_s is not None and self._position else None)
+        self.progress(Tick(block.label, self._position, len(cfg.sizes) * len(cfg.loads), done,
+                           block.count or 0, errors, time.perf_counter() - block.level.t_origin,
+                           total_s))
 
     async def _closed(self, block: _Block) -> list[RequestResult]:
         """`block` from int(load) workers, each sending its next request when one is done."""
@@ -284,7 +308,7 @@ class Runner:
                 r = await send(session, endpoint, spec, prompts.next(), block.level)
                 results.append(r)
                 errors += not r.ok
-                self._report(block.label, len(results), count or 0, errors)
+                self._report(block, len(results), errors)
 
         await asyncio.gather(*(worker() for _ in range(int(block.level.load))))
         return results
@@ -303,7 +327,7 @@ class Runner:
             r = await send(session, endpoint, spec, prompt, block.level)
             results.append(r)
             errors += not r.ok
-            self._report(block.label, len(results), count or 0, errors)
+            self._report(block, len(results), errors)
 
         for i, offset in enumerate(poisson_arrivals(block.level.load, rng)):
             if (count is not None and i >= count) or (duration is not None and offset >= duration):
