@@ -245,7 +245,7 @@ def _delta_svg(title: str, rows: Sequence[Delta], color: str) -> str:
            f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>']
     for v in ticks:
         out.append(f'<line x1="{left}" y1="{py(v):.1f}" x2="{left + pw}" y2="{py(v):.1f}" '
-                   f'stroke="#eee"/><text class="tick" x="{left - 6}" y="{py(v) + 4:.1f}" '
+                   f'stroke="#eee"/><text class="tick y" x="{left - 6}" y="{py(v) + 4:.1f}" '
                    f'text-anchor="end">{tick_label(v, ticks)}</text>')
     out.append(f'<line x1="{left}" y1="{py(0):.1f}" x2="{left + pw}" y2="{py(0):.1f}" '
                f'stroke="#333"/>')

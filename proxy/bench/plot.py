@@ -102,7 +102,7 @@ def _panel(
     for v in ticks:
         y = py(v)
         out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + w}" y2="{y:.1f}" stroke="#eee"/>')
-        out.append(f'<text class="tick" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">'
+        out.append(f'<text class="tick y" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">'
                    f"{tick_label(v, ticks)}</text>")
     for i, x in enumerate(xs):
         out.append(f'<text x="{px(i):.1f}" y="{top + h + 16}" text-anchor="middle">{x:g}</text>')
@@ -247,11 +247,11 @@ def xy_svg(axes: Axes, series: Sequence[XYSeries]) -> str:
            f'<rect x="{left}" y="{top}" width="{w}" height="{h}" fill="none" stroke="#999"/>']
     for v in yt:
         out.append(f'<line x1="{left}" y1="{py(v):.1f}" x2="{left + w}" y2="{py(v):.1f}" '
-                   f'stroke="#eee"/><text class="tick" x="{left - 6}" y="{py(v) + 4:.1f}" '
+                   f'stroke="#eee"/><text class="tick y" x="{left - 6}" y="{py(v) + 4:.1f}" '
                    f'text-anchor="end">{tick_label(v, yt)}</text>')
     for v in xt:
         out.append(f'<line x1="{px(v):.1f}" y1="{top}" x2="{px(v):.1f}" y2="{top + h}" '
-                   f'stroke="#f2f2f2"/><text class="tick" x="{px(v):.1f}" y="{top + h + 16}" '
+                   f'stroke="#f2f2f2"/><text class="tick x" x="{px(v):.1f}" y="{top + h + 16}" '
                    f'text-anchor="middle">{tick_label(v, xt)}</text>')
     out.append(f'<text x="{left + w / 2}" y="{top + h + 36}" text-anchor="middle">'
                f"{escape(axes.xlabel)}</text>")
