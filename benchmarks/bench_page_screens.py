@@ -70,7 +70,8 @@ def export_line(i: int, answer: str, pace_ms: float) -> dict[str, Any]:
     """One recorded chat-completions request and its answer, as `captures export` writes."""
     messages = [{"role": "user", "content": f"question {i}: summarise the ticket"}]
     stream = i % 3 != 0
-    usage = {"prompt_tokens": 40 + i, "completion_tokens": 8 + i, "total_tokens": 48 + 2 * i}
+    words = len(answer.split())
+    usage = {"prompt_tokens": 40 + i, "completion_tokens": words, "total_tokens": 40 + i + words}
     request = {"model": "recorded-model", "messages": messages, "max_tokens": 64,
                **({"stream": True} if stream else {})}
     head, _, tail = answer.partition(" ")

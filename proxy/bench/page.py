@@ -54,7 +54,7 @@ body{margin:0;padding:16px 24px;font:14px/1.4 system-ui,sans-serif;color:#222;ba
 h1{font-size:22px;margin:0 0 12px} h2{font-size:17px;margin:24px 0 8px}
 .cards,.grid{display:grid;gap:12px;width:100%}
 .cards{grid-template-columns:repeat(auto-fit,minmax(300px,1fr))}
-.grid{grid-template-columns:repeat(auto-fit,minmax(420px,1fr))}
+.grid{grid-template-columns:repeat(auto-fill,minmax(420px,1fr))}
 .card,.chart{background:#fff;border:1px solid #dde;border-radius:6px;padding:10px 14px}
 .card h3{margin:0 0 6px;font-size:15px;border-left:6px solid var(--c);padding-left:8px}
 .card dl{display:grid;grid-template-columns:auto 1fr;gap:2px 12px;margin:0}
@@ -67,9 +67,11 @@ ins{background:#cfc;text-decoration:none} del{background:#fcc}
 .legend span{display:inline-block;margin-right:16px}
 .legend i{display:inline-block;width:14px;height:10px;margin-right:4px;background:var(--c)}
 .legend{font-size:12px;margin:4px 0 0}
+#settings{margin-bottom:12px}
 #settings dl{display:grid;grid-template-columns:repeat(3,max-content minmax(0,1fr));gap:1px 12px;
 margin:0;
 font-size:12px} #settings dt{color:#666} #settings dd{margin:0;word-break:break-all}
+#settings dt.wide{grid-column:1} #settings dd.wide{grid-column:span 5}
 #settings code{font-size:12px;white-space:pre-wrap;word-break:break-all}
 .note{color:#666;font-size:12px} .warn{color:#a00;font-weight:600}
 pre{background:#fff;padding:8px;overflow-x:auto}
@@ -123,6 +125,12 @@ def _ms(seconds: float) -> str:
         return "-"
     ms = seconds * 1e3
     return f"{ms:.3f}" if abs(ms) < 1 else f"{ms:.2f}" if abs(ms) < 100 else f"{ms:,.0f}"
+
+
+def _signed(ms: float) -> str:
+    """A difference in ms, to the digits that matter at its size."""
+    digits = 2 if abs(ms) < 10 else 1 if abs(ms) < 100 else 0
+    return f"{ms:+,.{digits}f}"
 
 
 def _num(x: float | None, digits: int = 1) -> str:
@@ -267,10 +275,15 @@ def _delta_svg(title: str, rows: Sequence[Delta], color: str) -> str:
             out.append(f'<path d="M{cx:.1f},{py(d.low):.1f}V{py(d.high):.1f}'
                        f'M{cx - 8:.1f},{py(d.low):.1f}h16M{cx - 8:.1f},{py(d.high):.1f}h16" '
                        f'stroke="#222" stroke-width="1.5" fill="none" {whisker_tag}/>')
-        # The value at the bar's far end from zero: above a rise, below a drop.
-        ty = y0 - 4 if d.median >= 0 else y1 + 13
-        out.append(f'<text x="{cx + bw / 2 + 3:.1f}" y="{ty:.1f}" font-weight="bold">'
-                   f"{d.median:+.3g}</text>")
+        # The value beyond the bar's (and its whisker's) far end from zero: above a rise,
+        # below a drop, centred on the bar so that the last one is not cut at the edge.
+        ends = [v for v in (d.low, d.high) if math.isfinite(v)]
+        if d.median >= 0:
+            ty = min(y0, *(py(v) for v in ends)) - 5
+        else:
+            ty = max(y1, *(py(v) for v in ends)) + 13
+        out.append(f'<text x="{cx:.1f}" y="{ty:.1f}" text-anchor="middle" '
+                   f'font-weight="bold">{_signed(d.median)}</text>')
     out.append(f'<text x="{left + pw / 2}" y="{h - 8}" text-anchor="middle">load'
                + (" / prompt tokens" if len(sizes) > 1 else "") + "</text>")
     return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {w} {h}" '
@@ -450,6 +463,9 @@ def render_scatter(results: Sequence[RequestResult], levels: Sequence[LevelStats
             f'<div class="grid">{"".join(cells)}</div></section>')
 
 
+WIDE_SETTING = 40  # characters
+
+
 def _setting(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, default=str)
 
@@ -459,7 +475,10 @@ def render_settings(run: RunInfo) -> str:
     rows = [("date", run.date), ("tokenmeter", run.version)]
     rows += [(str(k), _setting(v)) for k, v in run.settings.items()
              if v is not None and v not in ({}, [])]
-    dl = "".join(f"<dt>{escape(k)}</dt><dd>{escape(v)}</dd>" for k, v in rows if v)
+    # Three settings a line; a long one (the endpoints' URLs) gets a line of its own, last.
+    rows.sort(key=lambda kv: len(kv[1]) > WIDE_SETTING)
+    dl = "".join(f"<dt{w}>{escape(k)}</dt><dd{w}>{escape(v)}</dd>" for k, v in rows if v
+                 for w in [' class="wide"' if len(v) > WIDE_SETTING else ""])
     command = (f'<p><b>command</b> <code id="command">{escape(run.command)}</code></p>'
                if run.command else "")
     return (f'<section id="settings">{command}<details open><summary>settings</summary>'
