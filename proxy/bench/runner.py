@@ -9,11 +9,12 @@ both endpoints alike. Rates and throughputs are over the time each endpoint was 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -23,6 +24,7 @@ from proxy.bench.stats import Comparison, LevelStats, RequestResult, aggregate, 
 from proxy.bench.workload import Prompt, generate_prompts, poisson_arrivals
 
 LAG_INTERVAL_S = 0.005
+TICK_S = 0.5  # --duration: the progress is reported at least this often
 
 
 @dataclass(frozen=True)
@@ -310,8 +312,30 @@ class Runner:
                 errors += not r.ok
                 self._report(block, len(results), errors)
 
-        await asyncio.gather(*(worker() for _ in range(int(block.level.load))))
+        async with self._ticking(block, results):
+            await asyncio.gather(*(worker() for _ in range(int(block.level.load))))
         return results
+
+    @contextlib.asynccontextmanager
+    async def _ticking(self, block: _Block, results: list[RequestResult]
+                       ) -> AsyncIterator[None]:
+        """With --duration, report the progress every TICK_S even while no request ends, so
+        the seconds shown keep counting through long streams."""
+        if self.progress is None or block.duration is None:
+            yield
+            return
+
+        async def tick() -> None:
+            while True:
+                await asyncio.sleep(TICK_S)
+                self._report(block, len(results), sum(not r.ok for r in results))
+
+        task = asyncio.create_task(tick())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     async def _open(self, block: _Block, rng: random.Random) -> list[RequestResult]:
         """`block` sent at Poisson arrival times, `load` per second on average."""
@@ -329,14 +353,16 @@ class Runner:
             errors += not r.ok
             self._report(block, len(results), errors)
 
-        for i, offset in enumerate(poisson_arrivals(block.level.load, rng)):
-            if (count is not None and i >= count) or (duration is not None and offset >= duration):
-                break
-            delay = t0 + offset - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(block.prompts.next())))
-        await asyncio.gather(*tasks)
+        async with self._ticking(block, results):
+            for i, offset in enumerate(poisson_arrivals(block.level.load, rng)):
+                if (count is not None and i >= count) or (
+                        duration is not None and offset >= duration):
+                    break
+                delay = t0 + offset - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(block.prompts.next())))
+            await asyncio.gather(*tasks)
         return results
 
 

@@ -333,6 +333,20 @@ async def test_runner_reports_the_level_and_seconds_of_a_duration_run(
     assert [t.level for t in measured] == sorted(t.level for t in measured)
 
 
+async def test_duration_progress_counts_on_while_no_request_ends(
+    aiohttp_server: ServerFactory,
+) -> None:
+    # One request that answers after 2 s in a 0.2 s level: the seconds are reported while it
+    # is still out (nothing done yet), not only when it ends.
+    url = await mock_url(aiohttp_server, ttft_ms=2000, tokens_per_second=0, output_tokens=2)
+    ticks: list[Tick] = []
+    await run_bench(config(url, concurrency=[1], prompt_tokens=[8], requests=None,
+                           duration_s=0.2, warmup=0), ticks.append)
+    waiting = [t for t in ticks if t.done == 0]
+    assert waiting and all(t.level == 1 and t.duration_s == 0.2 for t in waiting)
+    assert ticks[-1].done == 1
+
+
 @pytest.mark.parametrize("broken", ["status", "unreachable"])
 async def test_exit_status_1_when_no_request_succeeded(
     aiohttp_server: ServerFactory, tmp_path: Path, broken: str,
