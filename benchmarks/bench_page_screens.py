@@ -31,7 +31,8 @@ from proxy.testing.mock_upstream import MockSettings, create_mock_app
 from proxy.testing.replay import create_replay_app, load_recordings
 
 ROUTE = "/v1/chat/completions"
-WINDOW = (1400, 3000)
+WIDTH = 1400
+HEIGHTS = {"bench-sweep": 2650, "bench-replay": 3000}  # the pages' own lengths, about
 
 
 async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
@@ -53,7 +54,7 @@ async def bench(*args: str) -> None:
         raise SystemExit(f"bench failed ({proc.returncode}): {err.decode()}")
 
 
-def screenshot(page: Path, png: Path, profile: Path) -> None:
+def screenshot(page: Path, png: Path, profile: Path, height: int) -> None:
     import subprocess
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -61,7 +62,7 @@ def screenshot(page: Path, png: Path, profile: Path) -> None:
         raise SystemExit("chromium is needed for the screenshots")
     subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu",
                     "--hide-scrollbars", f"--user-data-dir={profile}",
-                    f"--window-size={WINDOW[0]},{WINDOW[1]}", f"--screenshot={png}",
+                    f"--window-size={WIDTH},{height}", f"--screenshot={png}",
                     page.resolve().as_uri()], check=True, capture_output=True, timeout=120)
     print(f"wrote {png}")
 
@@ -145,7 +146,8 @@ async def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         for name, make in (("bench-sweep", sweep), ("bench-replay", replay)):
             page = await make(work)
-            screenshot(page, args.out / f"{name}.png", Path(tmp) / f"profile-{name}")
+            screenshot(page, args.out / f"{name}.png", Path(tmp) / f"profile-{name}",
+                       HEIGHTS[name])
 
 
 if __name__ == "__main__":

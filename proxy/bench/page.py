@@ -278,10 +278,12 @@ def _delta_svg(title: str, rows: Sequence[Delta], color: str) -> str:
         # The value beyond the bar's (and its whisker's) far end from zero: above a rise,
         # below a drop, centred on the bar so that the last one is not cut at the edge.
         ends = [v for v in (d.low, d.high) if math.isfinite(v)]
+        # Kept inside the plot (over the bar's end when it reaches the edge), clear of the
+        # title and the x labels.
         if d.median >= 0:
-            ty = min(y0, *(py(v) for v in ends)) - 5
+            ty = max(min(y0, *(py(v) for v in ends)) - 5, top + 11)
         else:
-            ty = max(y1, *(py(v) for v in ends)) + 13
+            ty = min(max(y1, *(py(v) for v in ends)) + 13, top + ph - 4)
         out.append(f'<text x="{cx:.1f}" y="{ty:.1f}" text-anchor="middle" '
                    f'font-weight="bold">{_signed(d.median)}</text>')
     out.append(f'<text x="{left + pw / 2}" y="{h - 8}" text-anchor="middle">load'
@@ -450,7 +452,7 @@ def render_scatter(results: Sequence[RequestResult], levels: Sequence[LevelStats
                and (vb := getattr(b[n], metric)) is not None]
         if not pts:
             continue
-        top = max(max(p) for p in pts)
+        top = nice_ticks(0.0, max(max(p) for p in pts))[-1]  # the diagonal across the chart
         series = [XYSeries(f"{name} of one request", COLORS[0], pts, Style.DOTS),
                   XYSeries("equal (y = x)", "#888", [(0.0, 0.0), (top, top)], Style.DASHED)]
         svg = xy_svg(Axes(f"{name} per request: A vs B", f"{eps[0]} (A), ms",
