@@ -3,17 +3,27 @@
 Inline CSS and SVG only: no script, no web font, nothing fetched, so the file can be mailed or
 attached to a ticket and opens the same offline. Top to bottom:
 
+- how the run was made (`RunInfo`): the command (secrets redacted by the caller), the date, the
+  tokenmeter version and the settings;
 - headline cards, one per endpoint: requests, errors, peak output tokens/s and, at that load,
-  TTFT, ITL and E2E p50/p99 (and goodput when an SLO was given);
-- with two endpoints (`--compare`), the added latency: what the base endpoint (`--base-url`,
-  the gateway in the README's run) adds over the `--compare` one (direct), per load level. The
-  sign is the terminal table's and `Comparison.deltas`' (base - compare), so the page and the
-  table never disagree. A bar for the medians' difference with a whisker from the p10s'
-  difference to the p90s' (the quantiles LevelStats keeps), then the same figures as a table;
+  TTFT, ITL (per token, AIPerf's, and the chunk gaps) and E2E p50/p99 (and goodput when an SLO
+  was given); for a replay, each endpoint's cost, and a card for the answers' verdict
+  (exact-match rate, length ratio B/A);
+- with two endpoints (`--compare`), the latency difference base - compare per load level
+  ("added latency" in a load test: what the gateway at `--base-url` adds over direct; "A - B"
+  in a replay, which compares two targets). The sign is the terminal table's and
+  `Comparison.deltas`', so the page and the table never disagree. A bar for the medians'
+  difference with a whisker from the p10s' difference to the p90s' (the quantiles LevelStats
+  keeps), then the same figures as a table;
+- a replay to two targets: each recorded request's E2E and TTFT at A against B, paired by the
+  request's line in the file;
+- the CDFs of TTFT and E2E over the measured requests;
+- an open-loop run (`--rate`): each request's TTFT and E2E against when it was sent, per level;
 - a full-width grid of charts against the load (and the prompt size when that was swept);
 - the answers side by side (`answers`, see `render_answers`), only when given;
 - the terminal report, folded.
 
+Every chart has its legend (each series' colour and name) and round ticks (`plot.nice_ticks`).
 Every piece of user text (model name, endpoint labels, prompts, answers) goes through
 `html.escape`; numbers are formatted here.
 """
@@ -319,10 +329,9 @@ def render_deltas(levels: Sequence[LevelStats], replay: bool = False) -> str:
     if len(eps) != 2:
         return ""
     base, other = eps
-    legend = legend_html(list(zip(DELTA_SERIES, ("", "#222"), strict=True)))
     charts = "".join(
         f'<div class="chart">{_delta_svg(f"{name}: {base} - {other}, ms", deltas(levels, m), c)}'
-        + legend.replace('style="--c:"', f'style="--c:{c}"') + "</div>"
+        f'{legend_html([(DELTA_SERIES[0], c), (DELTA_SERIES[1], "#222")])}</div>'
         for (m, name), c in zip(DELTA_METRICS, COLORS[2:], strict=False))
     if replay:
         heading = (f"Latency difference: {escape(base)} (A) - {escape(other)} (B), "

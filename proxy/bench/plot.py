@@ -4,7 +4,9 @@ Rows: TTFT, per-stream output tokens/s (1/TPOT), total output tokens/s. Columns:
 load (concurrency or rate) and against the prompt size, whichever the run swept (the load
 column alone when it swept neither). Distributions are drawn as the p50 line with a shaded
 p10-p90 band; the total is one number per level, a line. The x axes are categorical: the swept
-values evenly spaced, labelled with their values.
+values evenly spaced, labelled with their values; the y axes run from zero to a round number,
+ticked every 1, 2, 2.5 or 5 times a power of ten. `xy_svg` draws the page's numeric x-y charts
+(CDFs, scatters) on the same ticks.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from proxy.bench import BenchConfig, Endpoint, RequestSpec, run_bench
+from proxy.bench.cli import command_line
 from proxy.bench.client import Api
 from proxy.bench.page import write_plot
 from proxy.bench.report import ProgressBar, render, to_csv, to_json
@@ -302,6 +303,17 @@ def test_progress_bar_draws_one_line_and_clears_it() -> None:
     assert "level 2/3 mock c=1" in text
     assert "[#####.....] 5/10, 1 errors" in text and "6/10" not in text
     assert "[##########] 10/10" in text and text.endswith("\r\033[K")
+
+
+def test_command_line_on_the_page_hides_secrets() -> None:
+    argv = ["/x/proxy/__main__.py", "bench", "--base-url", "http://u:pw1@h:8080/v1",
+            "--header", "Authorization: Bearer sk-1", "--header=X-Api-Key: sk-2",
+            "--header", "x-mock-status: 500", "--model", "m"]
+    shown = command_line(argv)
+    assert "pw1" not in shown and "sk-1" not in shown and "sk-2" not in shown
+    assert shown == ("tokenmeter bench --base-url 'http://u:<redacted>@h:8080/v1' --header "
+                     "'Authorization: <redacted>' '--header=X-Api-Key: <redacted>' --header "
+                     "'x-mock-status: 500' --model m")
 
 
 def test_duration_progress_shows_elapsed_of_total_seconds() -> None:
