@@ -237,13 +237,13 @@ async def test_an_answer_too_large_to_keep_says_so(
         seen.append((raw.headers["x-tokenmeter-cache"],
                      raw.headers.get("x-tokenmeter-cache-reason")))
     # A stream's bound is STREAM_FACTOR times the entry's: 16 KB of events, passed here.
-    raw = await client.chat.completions.with_raw_response.create(
+    streamed = await client.chat.completions.with_raw_response.create(
         model="mock-gpt", messages=ASK, temperature=0, max_tokens=2000, stream=True,
         extra_headers={"x-mock-output-tokens": "2000", "x-mock-tokens-per-second": "100000"})
-    async for _ in raw.parse():
+    async for _ in streamed.parse():
         pass
-    seen.append((raw.headers["x-tokenmeter-cache"],
-                 raw.headers.get("x-tokenmeter-cache-reason")))
+    seen.append((streamed.headers["x-tokenmeter-cache"],
+                 streamed.headers.get("x-tokenmeter-cache-reason")))
     for _ in range(2):
         _, h = await _chat(client, **small)
         seen.append((h["x-tokenmeter-cache"], h.get("x-tokenmeter-cache-reason")))
