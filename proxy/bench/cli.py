@@ -71,9 +71,18 @@ usage of message_delta, prompt tokens the input plus cache writes and reads.
 --compare URL2 runs the same load against both endpoints, interleaved in blocks (A B B A ...)
 within each level, and reports base/compare ratios and base - compare latency differences.
 --replay FILE.jsonl sends a capture export's recorded requests (docs/capture.md) with their own
-bodies, the model replaced by --model when given, each once per endpoint; it reports the cost per
-endpoint (--prices FILE.yaml or --config's prices) and, with --compare, the answers: exact-match
-rate, length ratio B/A (characters), every pair in --json, a sample on the --plot .html page.
+bodies, the model replaced by --model when given, each once per endpoint and each in its own
+route's API: /v1/chat/completions lines as OpenAI (key from OPENAI_API_KEY), /v1/messages lines
+as Anthropic (key from ANTHROPIC_API_KEY); --api-key-env NAME sends that one key to both, and
+--api X keeps only X's lines (the others counted as skipped "not --api X"). Lines of other
+routes (embeddings, the Responses API...) are skipped, counted by route: the report says
+"replayed N of M lines; skipped K: ..." (all skipped: a usage error saying why). Per request it
+sets the recorded outcome (status and error class, the recorded error body classified as bench
+classifies an answer) beside each endpoint's: "same outcome as recorded: x/y" per endpoint, the
+requests that differ (the first 20), every row in --json's replay.outcomes.per_request. It reports
+the cost per endpoint (--prices FILE.yaml or --config's prices) and, with --compare, the answers:
+exact-match rate, length ratio B/A (characters), every pair in --json, a sample on the --plot
+.html page.
 Exit status: 0 when the run completed (errors of the endpoints are counted, not fatal),
 2 for a usage error (bad arguments, unreadable prompts file).
 """
@@ -154,8 +163,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="stream responses (default on)")
     b.add_argument("--api-key-env", metavar="NAME",
                    help="environment variable holding the API key (default OPENAI_API_KEY, "
-                        "ANTHROPIC_API_KEY with --api anthropic); the key is sent as a bearer "
-                        "token (x-api-key to Anthropic) and never printed")
+                        "ANTHROPIC_API_KEY with --api anthropic; a --replay without --api: "
+                        "each line's API's own); the key is sent as a bearer token (x-api-key "
+                        "to Anthropic) and never printed")
     b.add_argument("--header", action="append", default=[], metavar="'NAME: VALUE'",
                    help="extra request header, repeatable")
     b.add_argument("--extra-body", metavar="JSON", help='merged into each body, e.g. '

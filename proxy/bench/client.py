@@ -1,5 +1,6 @@
 """One chat-completions request (or, with `Api.ANTHROPIC`, one Anthropic Messages request)
-over a long-lived aiohttp session, timed chunk by chunk.
+over a long-lived aiohttp session, timed chunk by chunk. A replayed request is sent in its own
+API (`Prompt.api`), whatever the run's.
 
 The hot loop per network read is: one perf_counter, the sans-I/O SSE decoder, and per event one
 `json.loads` (a few microseconds for a chunk of this size). Timestamps use `time.perf_counter`,
