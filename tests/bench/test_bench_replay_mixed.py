@@ -5,16 +5,20 @@ the bench a real subprocess."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 from aiohttp import web
 
+from proxy.bench.cli import add_parser, build_config
+from proxy.bench.client import Api, Endpoint
 from proxy.testing.replay import create_replay_app, load_recordings
 from tests.helpers import ServerFactory
 
@@ -176,3 +180,29 @@ async def test_api_given_with_replay_keeps_that_api_and_counts_the_others_skippe
     assert code == 2
     assert ("no recorded request to replay (of 2 lines skipped: 1 /v1/embeddings (not "
             "replayed by bench); 1 not --api anthropic)") in err
+
+
+def _config(monkeypatch: pytest.MonkeyPatch, file: Path, *extra: str) -> Sequence[Endpoint]:
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    monkeypatch.setenv("OPENAI_API_KEY", OPENAI_KEY)
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--base-url", "http://127.0.0.1:9/v1",
+                              "--replay", str(file), *extra])
+    config, _, _ = build_config(args)
+    return config.endpoints
+
+
+def test_each_api_gets_its_own_key_never_the_others(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    file = _export(tmp_path / "a.jsonl", rate_limited=False)
+    (endpoint,) = _config(monkeypatch, file)
+    assert endpoint.request_headers(Api.OPENAI)["Authorization"] == f"Bearer {OPENAI_KEY}"
+    # ANTHROPIC_API_KEY unset: the Anthropic lines go without a key, not with OpenAI's.
+    assert "x-api-key" not in endpoint.request_headers(Api.ANTHROPIC)
+    with monkeypatch.context() as env:
+        env.setenv("ONE_KEY", "sk-one-for-both")
+        (endpoint,) = _config(env, file, "--api-key-env", "ONE_KEY")
+    assert endpoint.request_headers(Api.ANTHROPIC)["x-api-key"] == "sk-one-for-both"
+    assert endpoint.request_headers(Api.OPENAI)["Authorization"] == "Bearer sk-one-for-both"
