@@ -19,6 +19,8 @@ from aiohttp import web
 
 from proxy.bench.cli import add_parser, build_config
 from proxy.bench.client import Api, Endpoint
+from proxy.bench.replay import Outcome, recorded_outcome
+from proxy.protocol.export_line import Recording, parse_line
 from proxy.testing.replay import create_replay_app, load_recordings
 from tests.helpers import ServerFactory
 
@@ -206,3 +208,21 @@ def test_each_api_gets_its_own_key_never_the_others(
         (endpoint,) = _config(env, file, "--api-key-env", "ONE_KEY")
     assert endpoint.request_headers(Api.ANTHROPIC)["x-api-key"] == "sk-one-for-both"
     assert endpoint.request_headers(Api.OPENAI)["Authorization"] == "Bearer sk-one-for-both"
+
+
+def test_a_recorded_answer_is_classified_as_bench_classifies_one_it_gets() -> None:
+    def line(status: int, body: Any, events: Sequence[str] = ()) -> Recording:
+        data = {**_openai(1, "x"), "response": {
+            "status": status, "body": body,
+            "events": [{"at_ms": 0, "text": e} for e in events]}}
+        return parse_line(json.dumps(data), 1)
+
+    too_long = {"error": {"message": "This model's maximum context length is 8192 tokens",
+                          "type": "invalid_request_error", "code": "context_length_exceeded"}}
+    assert recorded_outcome(line(400, too_long)) == Outcome(400, "context_length")
+    assert recorded_outcome(line(401, None)) == Outcome(401, "auth")
+    assert recorded_outcome(line(503, None)) == Outcome(503, "server_error")
+    broken = ['data: {"choices": [{"delta": {"content": "a"}}]}',
+              'data: {"error": {"message": "overloaded"}}']
+    assert recorded_outcome(line(200, None, broken)) == Outcome(200, "stream_error")
+    assert recorded_outcome(line(200, None, broken[:1])) == Outcome(200, None)
