@@ -1,7 +1,8 @@
 """`tokenmeter bench --replay FILE.jsonl` (or `--replay-captures`, straight from the capture
-store): recorded requests as the load, and what the run
-says about them beyond speed: the cost per target from a price table, and (with --compare)
-how the two targets' answers to the same requests compare.
+store): recorded requests as the load, each in its own route's API, and what the run
+says about them beyond speed: the lines skipped and why, each request's outcome beside the
+recorded one, the cost per target from a price table, and (with --compare) how the two
+targets' answers to the same requests compare.
 
 The file is docs/capture.md's export line, read by the one parser of that line
 (proxy/protocol/export_line.py), the one `mock-upstream --replay` reads too.
