@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import json
 import os
+import re
+import shlex
 import sqlite3
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 
 from proxy.bench.client import ERROR_CLASSES, Api, Endpoint, RequestSpec
-from proxy.bench.page import write_plot
+from proxy.bench.page import RunInfo, write_plot
 from proxy.bench.plot import PlotFormatError
 from proxy.bench.replay import (
     Loaded,
@@ -83,8 +87,19 @@ requests that differ (the first 20), every row in --json's replay.outcomes.per_r
 the cost per endpoint (--prices FILE.yaml or --config's prices) and, with --compare, the answers:
 exact-match rate, length ratio B/A (characters), every pair in --json, a sample on the --plot
 .html page.
-Exit status: 0 when the run completed (errors of the endpoints are counted, not fatal),
-2 for a usage error (bad arguments, unreadable prompts file).
+ITL per token, as AIPerf reports "inter token latency": (E2E - TTFT) / (output tokens - 1) per
+request, which is TPOT above (`itl_per_token` in --json and --csv, the same figures as `tpot`);
+ITL here is the chunk gaps.
+--plot FILE.html: one self-contained page (no script, nothing fetched): the run's date,
+tokenmeter version, command (secret header values and URL passwords redacted) and settings,
+headline cards (with --replay: cost per endpoint, exact-match rate, length ratio), the latency
+difference with --compare, CDFs of TTFT and E2E, latency over time with --rate, A-vs-B per
+request with --replay --compare, and the charts per load level, every chart with a legend.
+--progress: the level's place in the sweep (level k/N) and, with --duration, the seconds the
+level has run of its total (--duration x endpoints).
+Exit status: 0 when the run completed and at least one request succeeded (errors of the
+endpoints are counted, not fatal), 1 when no measured request succeeded (the reports are still
+written), 2 for a usage error (bad arguments, unreadable prompts file).
 """
 
 
@@ -402,7 +417,37 @@ def _replay_report(replay: Replay | None, result: BenchResult,
                                   config.spec.api))
 
 
+_URL_PASSWORD = re.compile(r"(://[^/:@\s]*:)[^@/\s]*@")
+
+
+def _redact_arg(arg: str, after_header: bool) -> str:
+    """A command-line word with a secret-looking header's value and a URL's password hidden."""
+    arg = _URL_PASSWORD.sub(r"\1<redacted>@", arg)
+    flag, eq, rest = arg.partition("=")
+    if eq and flag == "--header":
+        return f"--header={_redact_arg(rest, True)}"
+    name, sep, _ = arg.partition(":")
+    if after_header and sep and any(s in name.lower() for s in _SECRET):
+        return f"{name}: <redacted>"
+    return arg
+
+
+def command_line(argv: list[str]) -> str:
+    """The bench command as typed, secrets redacted, for the report page."""
+    words = argv[argv.index("bench"):] if "bench" in argv else ["bench"]
+    shown = [_redact_arg(w, i > 0 and words[i - 1] == "--header") for i, w in enumerate(words)]
+    return shlex.join(["tokenmeter", *shown])
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tokenmeter")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def run(args: argparse.Namespace) -> int:
+    started = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     try:
         config, summary, replay = build_config(args)
     except UsageError as exc:
@@ -427,12 +472,19 @@ def run(args: argparse.Namespace) -> int:
     if args.csv:
         write_text(args.csv, to_csv(result))
     if args.plot:
+        shown = json.loads(_URL_PASSWORD.sub(r"\1<redacted>@", json.dumps(summary)))
+        info = RunInfo(shown, command_line(sys.argv), started, _version(), result.results,
+                       extra)
         try:
             write_plot(args.plot, result.levels,
                        "tokenmeter bench: "
                        + (args.model or "replay of " + str(args.replay or "captures")),
-                       table, extra.page_answers() if extra else None)
+                       table, info)
         except PlotFormatError as exc:  # checked above already; kept for API callers
             print(f"tokenmeter bench: {exc}", file=sys.stderr)
             return 2
+    if not any(r.ok for r in result.results):
+        print(f"tokenmeter bench: no request succeeded ({len(result.results)} sent, all "
+              "failed: see the errors above); exit status 1", file=sys.stderr)
+        return 1
     return 0
