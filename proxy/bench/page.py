@@ -58,6 +58,8 @@ from proxy.bench.plot import (
 from proxy.bench.replay import ReplayReport
 from proxy.bench.stats import Dist, LevelStats, RequestResult
 
+PAGE_OUTCOMES = 50  # replayed requests whose outcome differs, listed on the page
+
 CSS = """
 *{box-sizing:border-box}
 body{margin:0;padding:16px 24px;font:14px/1.4 system-ui,sans-serif;color:#222;background:#f6f7f9}
@@ -180,6 +182,9 @@ def _card(endpoint: str, color: str, levels: Sequence[LevelStats],
         frac = peak.goodput_fraction
         rows.append(("goodput", f"{_num(peak.goodput, 2)} req/s"
                      + ("" if frac is None or math.isnan(frac) else f" ({frac:.0%})")))
+    for label, same, of in replay.same_outcome() if replay else ():
+        if label == endpoint:
+            rows.append(("same outcome as recorded", f"{same:,} / {of:,}"))
     for c in replay.costs if replay else ():
         if c.endpoint == endpoint:
             rows.append(("cost", "no price table" if c.cost_usd is None
@@ -194,20 +199,50 @@ def _card(endpoint: str, color: str, levels: Sequence[LevelStats],
             "(E2E - TTFT) / (output tokens - 1); chunk gaps: between content chunks</p></div>")
 
 
-def _answers_card(replay: ReplayReport, a: str, b: str) -> str:
-    """The replay's verdict on the answers: how many match exactly, how long B's are."""
+def _replay_card(replay: ReplayReport, eps: Sequence[str]) -> str:
+    """The replay's verdicts beside the endpoints' cards: the lines sent and skipped, and with
+    two endpoints, how their answers compare (how many match exactly, how long B's are)."""
+    skipped = sum(s.count for s in replay.skipped)
+    rows = [("requests replayed", f"{replay.requests:,} of {replay.lines:,} lines"),
+            ("lines skipped", f"{skipped:,}"),
+            *((s.text.split(" ", 1)[1], f"{s.count:,}") for s in replay.skipped if s.count)]
     ans = replay.answers
-    if ans is None:
-        return ""
-    rate, ratio = ans.exact_match_rate, ans.length_ratio
-    rows = [("requests replayed", f"{replay.requests:,}"), ("answer pairs", f"{len(ans.pairs):,}"),
-            ("exact match", "-" if rate is None else f"{rate * 100:.1f}%"),
-            ("length ratio B/A", _num(ratio, 3))]
+    title = f"replay of {replay.file}"
+    note = "skipped: lines bench does not send (their route, --api), or cannot read"
+    if ans is not None and len(eps) == 2:
+        rate, ratio = ans.exact_match_rate, ans.length_ratio
+        rows += [("answer pairs", f"{len(ans.pairs):,}"),
+                 ("exact match", "-" if rate is None else f"{rate * 100:.1f}%"),
+                 ("length ratio B/A", _num(ratio, 3))]
+        title = f"answers: {eps[0]} (A) vs {eps[1]} (B)"
+        note += ("; exact match: the answers to the same recorded request are equal; "
+                 "length ratio: B's characters over A's, all pairs together")
     dl = "".join(f"<dt>{escape(k)}</dt><dd>{escape(v)}</dd>" for k, v in rows)
     return (f'<div class="card verdict" id="answers-verdict" style="--c:#555">'
-            f"<h3>answers: {escape(a)} (A) vs {escape(b)} (B)</h3><dl>{dl}</dl>"
-            '<p class="note">exact match: the answers to the same recorded request are equal; '
-            "length ratio: B's characters over A's, all pairs together</p></div>")
+            f"<h3>{escape(title)}</h3><dl>{dl}</dl>"
+            f'<p class="note">{escape(note)}</p></div>')
+
+
+def render_outcomes(replay: ReplayReport | None) -> str:
+    """The replayed requests whose outcome (status, error class) differs from the recorded
+    one at either endpoint, the recorded outcome beside each endpoint's; empty when none."""
+    if replay is None:
+        return ""
+    differ = [o for o in replay.outcomes if o.differs]
+    if not differ:
+        return ""
+    shown = differ[:PAGE_OUTCOMES]
+    head = "".join(f"<th>{escape(e)}</th>" for e in replay.endpoints)
+    rows = "".join(
+        f"<tr><td>{o.line}</td><td>{escape(o.api)}</td><td>{escape(o.recorded.text)}</td>"
+        + "".join(f"<td>{'(not sent)' if x is None else escape(x.text)}</td>"
+                  for x in o.endpoints) + "</tr>" for o in shown)
+    more = f" (the first {len(shown)})" if len(differ) > len(shown) else ""
+    return (f'<section id="outcomes"><h2>Outcomes that differ from the recording</h2>'
+            f'<p class="note">{len(differ)} of {len(replay.outcomes)} requests{more}: status '
+            "and error class as recorded, and each endpoint's first answer</p>"
+            f"<table><tr><th>line</th><th>api</th><th>recorded</th>{head}</tr>{rows}</table>"
+            "</section>")
 
 
 def render_headline(levels: Sequence[LevelStats], replay: ReplayReport | None = None) -> str:
@@ -216,8 +251,8 @@ def render_headline(levels: Sequence[LevelStats], replay: ReplayReport | None = 
     eps = endpoints_of(levels)
     cards = "".join(_card(ep, COLORS[i % len(COLORS)], levels, replay)
                     for i, ep in enumerate(eps))
-    if replay is not None and len(eps) == 2:
-        cards += _answers_card(replay, eps[0], eps[1])
+    if replay is not None:
+        cards += _replay_card(replay, eps)
     warnings = sorted({w for s in levels for w in s.warnings})
     items = "".join(f"<li>{escape(w)}</li>" for w in warnings)
     return (f'<section id="headline"><div class="cards">{cards}</div>'
@@ -552,6 +587,7 @@ def render_page(levels: Sequence[LevelStats], title: str, table: str,
         f"<h1>{escape(title)}</h1>",
         render_settings(run),
         render_headline(levels, run.replay),
+        render_outcomes(run.replay),
         render_deltas(levels, replay=run.replay is not None),
         render_scatter(run.results, levels) if run.replay is not None else "",
         render_distributions(run.results, levels),

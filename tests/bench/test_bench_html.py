@@ -288,10 +288,21 @@ async def test_replay_page_verdicts_scatter_and_wording(
     # 8 recorded requests; B answers the last 2 differently and longer: exact match 75%.
     answers_a = {i: f"answer {i}" for i in range(1, 9)}
     answers_b = {i: a if i <= 6 else f"another longer answer {i}" for i, a in answers_a.items()}
+    # Line 9 was refused (429) when recorded, and B answers it; line 10 is an embeddings
+    # request, which bench does not send.
+    refused = {"status": 429, "events": [], "body": {"error": {
+        "message": "Rate limit reached", "type": "rate_limit_error", "code": "rate_limit"}}}
+    embedding = {"request_id": "r10", "api": "openai", "path": "/v1/embeddings",
+                 "model": "recorded-model", "messages": None, "stream": False,
+                 "response": {"status": 200, "body": {"data": []}, "events": []}}
     files = []
     for name, answers in (("a", answers_a), ("b", answers_b)):
         path = tmp_path / f"{name}.jsonl"
-        path.write_text("".join(json.dumps(_export_line(i, t)) + "\n" for i, t in answers.items()))
+        ninth = _export_line(9, "answer 9")
+        if name == "a":
+            ninth["response"] = refused
+        lines = [*(_export_line(i, t) for i, t in answers.items()), ninth, embedding]
+        path.write_text("".join(json.dumps(line) + "\n" for line in lines))
         files.append(path)
     server_a = await aiohttp_server(create_replay_app(load_recordings(files[0]), speed=1))
     server_b = await aiohttp_server(create_replay_app(load_recordings(files[1]), speed=4))
@@ -308,14 +319,24 @@ async def test_replay_page_verdicts_scatter_and_wording(
     headline = section(dom, "headline")
     # The verdicts in the cards: the cost per endpoint, the answers' exact-match rate and
     # length ratio, the figures of the run's own report.
+    assert [cost["requests"] for cost in replay["cost"]] == [8, 9]  # A's 9th: the 429
     for cost in replay["cost"]:
-        assert f"<dd>${cost['cost_usd']:,.6f} (8 answers)</dd>" in headline
+        assert f"<dd>${cost['cost_usd']:,.6f} ({cost['requests']} answers)</dd>" in headline
         assert f"<dd>${cost['cost_per_1k_requests_usd']:,.4f}</dd>" in headline
     assert headline.count("<dt>cost</dt>") == 2
     assert "<dt>exact match</dt><dd>75.0%</dd>" in headline
     ratio = replay["answers"]["length_ratio"]
     assert f"<dt>length ratio B/A</dt><dd>{ratio:,.3f}</dd>" in headline
     assert "answers: A-target (A) vs B-target (B)" in headline
+    # What was sent and skipped, and each endpoint's outcomes beside the recorded ones.
+    assert "<dt>requests replayed</dt><dd>9 of 10 lines</dd>" in headline
+    assert "<dt>/v1/embeddings (not replayed by bench)</dt><dd>1</dd>" in headline
+    assert headline.count("<dt>same outcome as recorded</dt><dd>9 / 9</dd>") == 1  # A
+    assert headline.count("<dt>same outcome as recorded</dt><dd>8 / 9</dd>") == 1  # B
+    outcomes = section(dom, "outcomes")
+    assert ("<tr><td>9</td><td>openai</td><td>429 rate_limit</td><td>429 rate_limit</td>"
+            "<td>200 ok</td></tr>") in outcomes
+    assert outcomes.count("<tr><td>") == 1
     # A replay compares two targets: a difference, not what a gateway adds.
     assert "added latency" not in dom.lower()
     assert "Latency difference: A-target (A) - B-target (B)" in dom
