@@ -28,6 +28,7 @@ from tests.telemetry.test_deploy import GRAFANA_INTERVALS, scrape_config_for
 from tests.telemetry.test_histograms import _merged, _multiprocess
 
 OVERVIEW = ROOT / "grafana" / "dashboards" / "tokenmeter-overview.json"
+README = ROOT / "README.md"
 # alice and dave are in team a, bob in b, carol in none.
 TEAMS = {"alice": "a", "bob": "b", "carol": None, "dave": "a"}
 INFO = 'tokenmeter_user_info{instance=~"$instance",team=~"$team"} == 1'
@@ -235,6 +236,14 @@ async def test_a_team_shows_its_users_figures_and_all_shows_everyones(
     assert await users("a") == {"alice"}
     assert await users("b") == {"bob"}
     assert await users("c") == set()
+    # The README's example of summing a request metric by team.
+    (example,) = re.findall(r"`(sum by \(team\) \(.+?)` \(the `max`", README.read_text())
+    over_the_hour = example.replace("rate(", "increase(").replace("[5m]", "[1h]")
+    by_team = await _values(prometheus, over_the_hour, at)
+    cost = {json.loads(k)["user"]: v for k, v in (await _values(
+        prometheus, _expand(by_user), at)).items()}
+    assert {json.loads(k).get("team", ""): v for k, v in by_team.items()} == pytest.approx(
+        {"a": cost["alice"], "b": cost["bob"], "": cost["carol"]})  # dave has no team now
     requests = next(e for t, e in _overview_exprs() if t == "Requests / s")
     (all_rate,) = (await _values(prometheus, _expand(requests), at)).values()
     (a_rate,) = (await _values(prometheus, _expand(requests, team="a"), at)).values()
