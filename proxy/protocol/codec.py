@@ -202,6 +202,10 @@ class Codec:
             return self.natural | {self.capped}
         return self.natural
 
+    def body(self, answer: dict[str, Any]) -> bytes:
+        """An answer as its JSON body."""
+        return dumps(answer)
+
     def answer_of(self, body: bytes) -> dict[str, Any] | None:
         """A JSON answer's body parsed; None if it is not a JSON object."""
         try:
