@@ -32,11 +32,10 @@ from proxy.errors import ErrorClass
 from proxy.pipeline.context import Outcome, RequestContext, Settlement
 from proxy.pipeline.relay import REQUEST_ID_HEADER
 from proxy.pipeline.services import Services
+from proxy.protocol.codecs import codec_for
 from proxy.protocol.translators import Translator
 from proxy.protocol.usage import ZERO
 from proxy.telemetry.metrics import RequestRecord
-
-_CAP_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
 async def consult(request: web.Request, ctx: RequestContext, svc: Services, outcome: Outcome,
@@ -170,7 +169,7 @@ def _capped_ok(done: Settlement) -> bool:
     reservation = done.candidacy.reservation
     if reservation.clamped or reservation.topup_cap is not None:
         return False
-    body = done.candidacy.translator.request.body
-    asked = [body[f] for f in _CAP_FIELDS if f in body]
+    translator = done.candidacy.translator
+    asked = codec_for(translator.operation).asked_caps(translator.request.body)
     return bool(asked) and (reservation.upstream_cap is None
                             or reservation.upstream_cap in asked)

@@ -26,8 +26,8 @@ from typing import Any, ClassVar, NamedTuple
 from proxy.protocol.sse import stream_datas, timed_events
 from proxy.protocol.usage import Usage, parse_usage
 
-__all__ = ["Codec", "Shown", "Text", "TextKind", "loads", "loads_all", "stream_objects",
-           "timed_events"]
+__all__ = ["Codec", "Shown", "Text", "TextKind", "loads", "loads_all", "stream_datas",
+           "stream_objects", "timed_events"]
 
 
 class TextKind(enum.Enum):
@@ -241,16 +241,15 @@ class Codec:
     def shown(self, events: Iterable[dict[str, Any]]) -> Shown:
         """What a capture shows of a stream (its events parsed, cut or whole): every text kind
         joined, tool calls by call with their name and arguments."""
-        text: list[str] = []
-        reasoning: list[str] = []
-        refusal: list[str] = []
+        # Each text's pieces, by kind and place: the texts of several choices or blocks are
+        # shown one after the other, not interleaved as their pieces came.
+        texts: dict[TextKind, dict[tuple[Any, ...], list[str]]] = {
+            TextKind.OUTPUT: {}, TextKind.REASONING: {}, TextKind.REFUSAL: {}}
         calls: dict[tuple[Any, ...], dict[str, Any]] = {}
-        into = {TextKind.OUTPUT: text, TextKind.REASONING: reasoning,
-                TextKind.REFUSAL: refusal}
         for event in events:
             for t in self.texts(event):
-                if t.kind in into:
-                    into[t.kind].append(t.text)
+                if t.kind in texts:
+                    texts[t.kind].setdefault(t.at, []).append(t.text)
                     continue
                 call = calls.setdefault(t.at, {})
                 call_id = self.call_id(event, t)
@@ -260,8 +259,10 @@ class Codec:
                     call["name"] = call.get("name", "") + t.text
                 else:
                     call["arguments"] = call.get("arguments", "") + t.text
-        return Shown("".join(text), "".join(reasoning), "".join(refusal),
-                     tuple(calls.values()))
+        text, reasoning, refusal = (
+            "".join("".join(parts) for parts in texts[kind].values())
+            for kind in (TextKind.OUTPUT, TextKind.REASONING, TextKind.REFUSAL))
+        return Shown(text, reasoning, refusal, tuple(calls.values()))
 
     def call_id(self, event: dict[str, Any], text: Text) -> str | None:
         """The id of the tool call a text of `event` belongs to, where the event gives it."""

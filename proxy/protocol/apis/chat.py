@@ -158,7 +158,20 @@ class ChatCodec(Codec):
     finish_mark = FINISH_MARK
 
     def texts(self, obj: dict[str, Any]) -> Iterator[Text]:
-        return choices_texts(obj, choice_texts)
+        # Most events of most streams: one choice whose delta is a piece of content alone,
+        # taken without the general walk (a third of the cost of a whole stream's walk).
+        choices = obj.get("choices")
+        if type(choices) is list and len(choices) == 1:
+            choice = choices[0]
+            delta = choice.get("delta") if type(choice) is dict else None
+            if type(delta) is dict and len(delta) == 1:
+                piece = delta.get("content")
+                if type(piece) is str:
+                    if piece:
+                        yield Text(TextKind.OUTPUT, (choice.get("index", 0), "content"), delta,
+                                   "content", piece)
+                    return
+        yield from choices_texts(obj, choice_texts)
 
     def finish_reasons(self, answer: dict[str, Any]) -> list[Any]:
         choices = answer.get("choices")
