@@ -27,7 +27,15 @@ from multidict import CIMultiDictProxy
 from proxy.auth import KEY_HEADERS
 from proxy.capture.record import Body, Capture, Chunks, StreamEvent
 from proxy.capture.redact import REDACTED, Redactor
-from proxy.protocol.codec import Codec, Shown, loads_all, stream_datas, timed_events
+from proxy.protocol.codec import (
+    Codec,
+    Shown,
+    TextKind,
+    loads_all,
+    redacted_json_text,
+    stream_datas,
+    timed_events,
+)
 from proxy.protocol.codecs import codec_for
 
 
@@ -248,12 +256,20 @@ def _redact_joined(codec: Codec, objs: list[dict[str, Any]], redact: Redactor) -
             texts.setdefault((text.kind, *text.at), []).append(
                 (n, text.holder, text.field, text.text))
     changed: set[int] = set()
-    for pieces in texts.values():
+    for (kind, *_), pieces in texts.items():
         olds = [piece for _, _, _, piece in pieces]
-        spans = redact.spans("".join(olds))
-        if not spans:
+        whole = "".join(olds)
+        spans = redact.spans(whole)
+        if spans:
+            news = _cut(olds, spans)
+        elif kind is TextKind.TOOL_ARGS and "\\" in whole and (
+                hidden := redacted_json_text(whole, redact)) != whole:
+            # A secret its JSON escapes hid from the patterns: the arguments are written again
+            # from their redacted value, whole, in the first piece.
+            news = [hidden, *[""] * (len(olds) - 1)]
+        else:
             continue
-        for (n, holder, field, old), new in zip(pieces, _cut(olds, spans), strict=True):
+        for (n, holder, field, old), new in zip(pieces, news, strict=True):
             if new != old:
                 holder[field] = new
                 changed.add(n)

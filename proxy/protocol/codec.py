@@ -26,8 +26,8 @@ from typing import Any, ClassVar, NamedTuple
 from proxy.protocol.sse import stream_datas, timed_events
 from proxy.protocol.usage import Usage, parse_usage
 
-__all__ = ["Codec", "Shown", "Text", "TextKind", "loads", "loads_all", "stream_datas",
-           "stream_objects", "timed_events"]
+__all__ = ["Codec", "Shown", "Text", "TextKind", "loads", "loads_all", "redacted_json_text",
+           "stream_datas", "stream_objects", "timed_events"]
 
 
 class TextKind(enum.Enum):
@@ -132,6 +132,21 @@ def joined(texts: Iterable[Text]) -> dict[tuple[TextKind, tuple[Any, ...]], str]
     return {key: "".join(parts) for key, parts in out.items()}
 
 
+def redacted_json_text(text: str, sub: Callable[[str], str]) -> str:
+    """A text that is JSON (a tool's arguments) with `sub` applied to it, and to the strings it
+    decodes to when an escape could hide something from `sub` (`\\u0040` for `@`): then the
+    JSON is written again from its redacted value."""
+    if text[:1] in ("{", "[") and "\\" in text:
+        try:
+            value = json.loads(text)
+        except (ValueError, RecursionError):
+            return sub(text)
+        redacted = _redacted_value(value, sub)
+        if redacted != value:
+            return sub(json.dumps(redacted, ensure_ascii=False))
+    return sub(text)
+
+
 def _redacted_value(value: Any, sub: Callable[[str], str]) -> Any:
     if isinstance(value, str):
         return sub(value)
@@ -234,7 +249,11 @@ class Codec:
         are left as they are."""
         copy = json.loads(dumps(answer))
         for t in list(self.texts(copy)):
-            t.holder[t.field] = _redacted_value(t.holder[t.field], sub)
+            value = t.holder[t.field]
+            if t.kind is TextKind.TOOL_ARGS and isinstance(value, str):
+                t.holder[t.field] = redacted_json_text(value, sub)
+            else:
+                t.holder[t.field] = _redacted_value(value, sub)
         assert isinstance(copy, dict)
         return copy
 

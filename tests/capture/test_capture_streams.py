@@ -139,9 +139,37 @@ async def test_captures_show_every_text_kind_of_a_stream_redacted(
     assert (shown.get("reasoning") or "") == expected["reasoning"]
     assert (shown.get("refusal") or "") == expected["refusal"]
     calls = [(c.get("name"), json.loads(c["arguments"])) for c in shown["tool_calls"]]
-    assert calls == [(name, json.loads(_REDACT(args))) for name, args in expected["calls"]]
+    assert calls == [(name, _redacted(json.loads(args))) for name, args in expected["calls"]]
     text = await asyncio.to_thread(_show, url, request_id, "text")
-    for printed in (text, json.dumps(shown, ensure_ascii=False)):
+    # Every string of every event, decoded as a client decodes it (a tool's arguments are
+    # JSON in a JSON string), and everything printed.
+    decoded = [s for e in shown["events"] if "data: {" in e["text"]
+               for s in _strings(json.loads(e["text"].partition("data: ")[2]))]
+    assert decoded
+    for printed in (text, json.dumps(shown, ensure_ascii=False), *decoded):
         for secret in (KEY, MAIL):
             for form in _forms(secret):
                 assert form not in printed
+
+
+def _redacted(value: Any) -> Any:
+    if isinstance(value, str):
+        return _REDACT(value)
+    if isinstance(value, dict):
+        return {k: _redacted(v) for k, v in value.items()}
+    return [_redacted(v) for v in value] if isinstance(value, list) else value
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string in a JSON value, and in the JSON a string spells."""
+    if isinstance(value, str):
+        try:
+            inner = json.loads(value)
+        except ValueError:
+            return [value]
+        return [value, *_strings(inner)] if not isinstance(inner, str) else [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []
