@@ -141,15 +141,36 @@ async def test_captures_show_every_text_kind_of_a_stream_redacted(
     calls = [(c.get("name"), json.loads(c["arguments"])) for c in shown["tool_calls"]]
     assert calls == [(name, _redacted(json.loads(args))) for name, args in expected["calls"]]
     text = await asyncio.to_thread(_show, url, request_id, "text")
-    # Every string of every event, decoded as a client decodes it (a tool's arguments are
-    # JSON in a JSON string), and everything printed.
-    decoded = [s for e in shown["events"] if "data: {" in e["text"]
-               for s in _strings(json.loads(e["text"].partition("data: ")[2]))]
+    # Every string of every event, and each tool's arguments joined across the events and
+    # decoded, as a client joins and decodes them; and everything printed.
+    objs = [json.loads(e["text"].partition("data: ")[2]) for e in shown["events"]
+            if "data: {" in e["text"]]
+    decoded = [s for obj in objs for s in _strings(obj)]
+    decoded += [s for args in _arguments(objs).values() for s in _strings(args)]
     assert decoded
     for printed in (text, json.dumps(shown, ensure_ascii=False), *decoded):
         for secret in (KEY, MAIL):
             for form in _forms(secret):
                 assert form not in printed
+
+
+def _arguments(objs: list[dict[str, Any]]) -> dict[tuple[Any, ...], str]:
+    """Each tool call's arguments joined from its pieces in the events (of Chat's tool_calls
+    deltas, Responses' function_call_arguments deltas, Messages' input_json_delta)."""
+    joined: dict[tuple[Any, ...], str] = {}
+    for obj in objs:
+        for choice in obj.get("choices") or ():
+            for call in (choice.get("delta") or {}).get("tool_calls") or ():
+                key: tuple[Any, ...] = ("chat", choice.get("index"), call.get("index"))
+                joined[key] = joined.get(key, "") + call["function"].get("arguments", "")
+        if obj.get("type") == "response.function_call_arguments.delta":
+            key = ("responses", obj["output_index"])
+            joined[key] = joined.get(key, "") + obj["delta"]
+        delta = obj.get("delta")
+        if isinstance(delta, dict) and delta.get("type") == "input_json_delta":
+            key = ("messages", obj["index"])
+            joined[key] = joined.get(key, "") + delta["partial_json"]
+    return joined
 
 
 def _redacted(value: Any) -> Any:
