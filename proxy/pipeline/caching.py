@@ -32,7 +32,6 @@ from proxy.errors import ErrorClass
 from proxy.pipeline.context import Outcome, RequestContext, Settlement
 from proxy.pipeline.relay import REQUEST_ID_HEADER
 from proxy.pipeline.services import Services
-from proxy.protocol.codecs import codec_for
 from proxy.protocol.translators import Translator
 from proxy.protocol.usage import ZERO
 from proxy.telemetry.metrics import RequestRecord
@@ -170,6 +169,6 @@ def _capped_ok(done: Settlement) -> bool:
     if reservation.clamped or reservation.topup_cap is not None:
         return False
     translator = done.candidacy.translator
-    asked = codec_for(translator.operation).asked_caps(translator.request.body)
+    asked = translator.codec.asked_caps(translator.request.body)
     return bool(asked) and (reservation.upstream_cap is None
                             or reservation.upstream_cap in asked)

@@ -11,8 +11,14 @@ from typing import Any
 import pytest
 
 from proxy.cache.cache import redaction
-from proxy.protocol.codecs import codec_for
+from proxy.protocol.codecs import CODECS, codec_for
 from proxy.protocol.sse import SSEDecoder
+from proxy.protocol.translators import (
+    TRANSLATORS,
+    CountTokensTranslator,
+    MessagesTranslator,
+    Translator,
+)
 
 CHAT: dict[str, Any] = {
     "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
@@ -132,3 +138,16 @@ def test_ended_reads_the_finish_reasons_off_the_bytes_as_finished_does() -> None
     said = {**CHAT, "choices": [{**CHAT["choices"][0], "message": {
         "role": "assistant", "content": '"finish_reason":"length"'}}]}
     assert codec_for("chat").ended(codec_for("chat").body(said), capped_ok=False)
+
+
+def test_each_api_shape_has_one_codec_for_its_reader_shape_and_wings() -> None:
+    """The translator's codec (its reader's) is the one the cache and capture find by the
+    operation, and the shape caps exactly the codec's cap fields."""
+    translators: tuple[type[Translator], ...] = (*TRANSLATORS, MessagesTranslator,
+                                                  CountTokensTranslator)
+    assert {t.operation for t in translators} == set(CODECS)
+    for translator in translators:
+        codec = codec_for(translator.operation)
+        assert translator.reader_type.codec is codec
+        assert translator.shape_type.cap_fields == codec.cap_fields
+        assert codec.streams == translator.streams
