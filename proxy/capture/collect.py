@@ -249,14 +249,17 @@ def _redact_joined(codec: Codec, objs: list[dict[str, Any]], redact: Redactor) -
     """Each text's pieces (the codec's walker over `objs`, events' data parsed) joined across
     the events, as a client joins them, and looked at: a secret found is taken out of the
     pieces, in place (`_cut`). Returns the events changed."""
-    texts: dict[tuple[Any, ...], list[tuple[int, Any, Any, str]]] = {}
+    texts: dict[tuple[TextKind, tuple[Any, ...]], list[tuple[int, Any, Any, str]]] = {}
     walk = codec.texts
     for n, obj in enumerate(objs):
-        for text in walk(obj):
-            texts.setdefault((text.kind, *text.at), []).append(
-                (n, text.holder, text.field, text.text))
+        for kind, at, holder, field, text in walk(obj):
+            key = (kind, at)
+            pieces = texts.get(key)
+            if pieces is None:
+                pieces = texts[key] = []
+            pieces.append((n, holder, field, text))
     changed: set[int] = set()
-    for (kind, *_), pieces in texts.items():
+    for (kind, _), pieces in texts.items():
         olds = [piece for _, _, _, piece in pieces]
         whole = "".join(olds)
         spans = redact.spans(whole)

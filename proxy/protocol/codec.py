@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 import json
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
@@ -171,10 +171,10 @@ class Codec:
     # Inside a JSON string its quotes would be escaped: text the model wrote never matches.
     finish_mark: ClassVar[re.Pattern[bytes] | None] = None
 
-    def texts(self, obj: dict[str, Any]) -> Iterator[Text]:
+    def texts(self, obj: dict[str, Any]) -> Iterable[Text]:
         """The one walker: the non-empty texts of an answer, or the pieces a stream's event
         carries, typed by kind, in the order a client reads them."""
-        return iter(())
+        return ()
 
     def assemble(self, events: list[dict[str, Any]]) -> dict[str, Any] | None:
         """A stream's events (parsed, `[DONE]` left out) made into the answer a non-streamed
