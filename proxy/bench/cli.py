@@ -4,27 +4,33 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import json
 import os
+import re
+import shlex
 import sqlite3
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 
 from proxy.bench.client import ERROR_CLASSES, Api, Endpoint, RequestSpec
-from proxy.bench.page import write_plot
+from proxy.bench.page import RunInfo, write_plot
 from proxy.bench.plot import PlotFormatError
 from proxy.bench.replay import (
+    Loaded,
     ReplayError,
     ReplayReport,
     compare_answers,
     load_captures,
     load_prices,
     load_replay,
+    request_outcomes,
     shown_url,
     target_costs,
 )
@@ -69,11 +75,31 @@ usage of message_delta, prompt tokens the input plus cache writes and reads.
 --compare URL2 runs the same load against both endpoints, interleaved in blocks (A B B A ...)
 within each level, and reports base/compare ratios and base - compare latency differences.
 --replay FILE.jsonl sends a capture export's recorded requests (docs/capture.md) with their own
-bodies, the model replaced by --model when given, each once per endpoint; it reports the cost per
-endpoint (--prices FILE.yaml or --config's prices) and, with --compare, the answers: exact-match
-rate, length ratio B/A (characters), every pair in --json, a sample on the --plot .html page.
-Exit status: 0 when the run completed (errors of the endpoints are counted, not fatal),
-2 for a usage error (bad arguments, unreadable prompts file).
+bodies, the model replaced by --model when given, each once per endpoint and each in its own
+route's API: /v1/chat/completions lines as OpenAI (key from OPENAI_API_KEY), /v1/messages lines
+as Anthropic (key from ANTHROPIC_API_KEY); --api-key-env NAME sends that one key to both, and
+--api X keeps only X's lines (the others counted as skipped "not --api X"). Lines of other
+routes (embeddings, the Responses API...) are skipped, counted by route: the report says
+"replayed N of M lines; skipped K: ..." (all skipped: a usage error saying why). Per request it
+sets the recorded outcome (status and error class, the recorded error body classified as bench
+classifies an answer) beside each endpoint's: "same outcome as recorded: x/y" per endpoint, the
+requests that differ (the first 20), every row in --json's replay.outcomes.per_request. It reports
+the cost per endpoint (--prices FILE.yaml or --config's prices) and, with --compare, the answers:
+exact-match rate, length ratio B/A (characters), every pair in --json, a sample on the --plot
+.html page.
+ITL per token, as AIPerf reports "inter token latency": (E2E - TTFT) / (output tokens - 1) per
+request, which is TPOT above (`itl_per_token` in --json and --csv, the same figures as `tpot`);
+ITL here is the chunk gaps.
+--plot FILE.html: one self-contained page (no script, nothing fetched): the run's date,
+tokenmeter version, command (secret header values and URL passwords redacted) and settings,
+headline cards (with --replay: cost per endpoint, exact-match rate, length ratio), the latency
+difference with --compare, CDFs of TTFT and E2E, latency over time with --rate, A-vs-B per
+request with --replay --compare, and the charts per load level, every chart with a legend.
+--progress: the level's place in the sweep (level k/N) and, with --duration, the seconds the
+level has run of its total (--duration x endpoints).
+Exit status: 0 when the run completed and at least one request succeeded (errors of the
+endpoints are counted, not fatal), 1 when no measured request succeeded (the reports are still
+written), 2 for a usage error (bad arguments, unreadable prompts file).
 """
 
 
@@ -130,9 +156,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     b.add_argument("--model", help="the model asked for (required, except with --replay: "
                    "there it replaces the recorded model when given)")
     b.add_argument("--compare", metavar="URL2", help="a second base URL, run interleaved")
-    b.add_argument("--api", choices=[a.value for a in Api], default=Api.OPENAI.value,
+    b.add_argument("--api", choices=[a.value for a in Api],
                    help="wire format: openai (chat completions, default) or anthropic "
-                        "(the Messages API)")
+                        "(the Messages API); with --replay each line is sent in its own "
+                        "route's API, and --api keeps only that API's lines")
     b.add_argument("--label", help="name of --base-url in the report (default: host:port)")
     b.add_argument("--compare-label", help="name of --compare in the report")
     load = b.add_mutually_exclusive_group()
@@ -151,8 +178,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="stream responses (default on)")
     b.add_argument("--api-key-env", metavar="NAME",
                    help="environment variable holding the API key (default OPENAI_API_KEY, "
-                        "ANTHROPIC_API_KEY with --api anthropic); the key is sent as a bearer "
-                        "token (x-api-key to Anthropic) and never printed")
+                        "ANTHROPIC_API_KEY with --api anthropic; a --replay without --api: "
+                        "each line's API's own); the key is sent as a bearer token (x-api-key "
+                        "to Anthropic) and never printed")
     b.add_argument("--header", action="append", default=[], metavar="'NAME: VALUE'",
                    help="extra request header, repeatable")
     b.add_argument("--extra-body", metavar="JSON", help='merged into each body, e.g. '
@@ -222,7 +250,7 @@ def _check(args: argparse.Namespace) -> Api:
         raise UsageError("give --prices or --config, not both")
     if (args.warmup or 0) < 0 or args.max_tokens < 0:
         raise UsageError("--warmup and --max-tokens must not be negative")
-    api = Api(args.api)
+    api = Api(args.api or Api.OPENAI)
     if api is Api.ANTHROPIC and not args.max_tokens:
         raise UsageError("--max-tokens: the Anthropic Messages API requires max_tokens")
     if args.plot:
@@ -254,14 +282,37 @@ def _prompts(path: str | None, tok_model: str) -> list[Prompt] | None:
         raise UsageError(str(exc)) from None
 
 
-def _endpoints(args: argparse.Namespace, key: str | None,
+@dataclass(frozen=True)
+class Keys:
+    """The API keys sent (from the environment): one for the run, or with a replay of both
+    APIs and no --api-key-env, each API's own variable's."""
+
+    env: str  # the variable(s) named, as the summary shows them
+    key: str | None
+    per_api: dict[Api, str | None]
+
+    @classmethod
+    def of(cls, args: argparse.Namespace, api: Api) -> Keys:
+        if args.api_key_env or args.api or not (args.replay or args.replay_captures):
+            env = args.api_key_env or (
+                "ANTHROPIC_API_KEY" if api is Api.ANTHROPIC else "OPENAI_API_KEY")
+            return cls(env, os.environ.get(env) or None, {})
+        per_api = {a: os.environ.get(name) or None for a, name in _KEY_ENVS.items()}
+        return cls(", ".join(_KEY_ENVS.values()), per_api[api], per_api)
+
+
+_KEY_ENVS = {Api.OPENAI: "OPENAI_API_KEY", Api.ANTHROPIC: "ANTHROPIC_API_KEY"}
+
+
+def _endpoints(args: argparse.Namespace, keys: Keys,
                headers: dict[str, str]) -> list[Endpoint]:
-    endpoints = [Endpoint(args.base_url, args.label or _label(args.base_url), key, headers)]
+    endpoints = [Endpoint(args.base_url, args.label or _label(args.base_url), keys.key, headers,
+                          keys.per_api)]
     if args.compare:
         other = args.compare_label or _label(args.compare)
         if other == endpoints[0].label:
             other += " (compare)"
-        endpoints.append(Endpoint(args.compare, other, key, headers))
+        endpoints.append(Endpoint(args.compare, other, keys.key, headers, keys.per_api))
     return endpoints
 
 
@@ -272,22 +323,25 @@ class Replay:
     file: str
     prompts: list[Prompt]
     prices: dict[str, Price]
+    loaded: Loaded
 
 
 def _replay(args: argparse.Namespace, api: Api, tok_model: str) -> Replay | None:
     if not (args.replay or args.replay_captures):
         return None
-    route = "/v1/messages" if api is Api.ANTHROPIC else "/v1/chat/completions"
+    # Every line in its own API, unless --api was given: then that API's lines only.
+    only = api if args.api else None
     try:
         if args.replay:
-            return Replay(args.replay, load_replay(args.replay, route, tok_model),
-                          load_prices(args.prices, args.config))
+            loaded = load_replay(args.replay, only, tok_model)
+            return Replay(args.replay, loaded.prompts, load_prices(args.prices, args.config),
+                          loaded)
         url = store_url(args)
         redact = redactor(load_config(args.config).capture.redact if args.config
                           else list(DEFAULT_REDACT))
-        prompts = load_captures(url, filters_of(args), redact, route, tok_model)
-        return Replay(f"captures in {shown_url(url)}", prompts,
-                      load_prices(args.prices, args.config))
+        loaded = load_captures(url, filters_of(args), redact, only, tok_model)
+        return Replay(f"captures in {shown_url(url)}", loaded.prompts,
+                      load_prices(args.prices, args.config), loaded)
     except (ReplayError, ConfigError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     except (OSError, TimeoutError, sqlite3.Error, asyncpg.PostgresError) as exc:
@@ -303,13 +357,11 @@ def build_config(args: argparse.Namespace) -> tuple[BenchConfig, dict[str, Any],
         raise UsageError(f"--slo: {exc}") from None
     extra = _extra_body(args.extra_body)
     headers = _headers(args.header)
-    key_env = args.api_key_env or (
-        "ANTHROPIC_API_KEY" if api is Api.ANTHROPIC else "OPENAI_API_KEY")
-    key = os.environ.get(key_env) or None
+    keys = Keys.of(args, api)
     tok_model = args.tokenizer_model or args.model or ""
     replay = _replay(args, api, tok_model)
     prompts = replay.prompts if replay else _prompts(args.prompts, tok_model)
-    endpoints = _endpoints(args, key, headers)
+    endpoints = _endpoints(args, keys, headers)
     spec = RequestSpec(model=args.model or "", stream=args.stream,
                        max_tokens=args.max_tokens or None, extra_body=extra,
                        timeout_s=args.timeout, tokenizer_model=tok_model, api=api)
@@ -331,8 +383,10 @@ def build_config(args: argparse.Namespace) -> tuple[BenchConfig, dict[str, Any],
         "duration_per_level_s": args.duration, "max_tokens": spec.max_tokens,
         "stream": None if replay else spec.stream, "warmup": warmup, "rounds": config.blocks,
         "slo_s": slo,
-        "seed": args.seed, "api": api.value, "api_key_env": key_env,
-        "api_key_set": key is not None,
+        "seed": args.seed,
+        # A replay without --api speaks each line's own API.
+        "api": "per line" if replay and not args.api else api.value, "api_key_env": keys.env,
+        "api_key_set": keys.key is not None or any(k is not None for k in keys.per_api.values()),
         "headers": {k: ("<redacted>" if any(s in k.lower() for s in _SECRET) else v)
                     for k, v in headers.items()},
         "extra_body": extra,
@@ -353,13 +407,47 @@ def _replay_report(replay: Replay | None, result: BenchResult,
     if replay is None:
         return None
     labels = [e.label for e in config.endpoints]
+    loaded = replay.loaded
     return ReplayReport(
         replay.file, len(replay.prompts),
         tuple(target_costs(result.results, replay.prompts, config.spec.model, replay.prices)),
-        compare_answers(result.results, replay.prompts, labels))
+        compare_answers(result.results, replay.prompts, labels),
+        lines=loaded.lines, skipped=loaded.skipped, endpoints=tuple(labels),
+        outcomes=request_outcomes(result.results, replay.prompts, loaded.recorded, labels,
+                                  config.spec.api))
+
+
+_URL_PASSWORD = re.compile(r"(://[^/:@\s]*:)[^@/\s]*@")
+
+
+def _redact_arg(arg: str, after_header: bool) -> str:
+    """A command-line word with a secret-looking header's value and a URL's password hidden."""
+    arg = _URL_PASSWORD.sub(r"\1<redacted>@", arg)
+    flag, eq, rest = arg.partition("=")
+    if eq and flag == "--header":
+        return f"--header={_redact_arg(rest, True)}"
+    name, sep, _ = arg.partition(":")
+    if after_header and sep and any(s in name.lower() for s in _SECRET):
+        return f"{name}: <redacted>"
+    return arg
+
+
+def command_line(argv: list[str]) -> str:
+    """The bench command as typed, secrets redacted, for the report page."""
+    words = argv[argv.index("bench"):] if "bench" in argv else ["bench"]
+    shown = [_redact_arg(w, i > 0 and words[i - 1] == "--header") for i, w in enumerate(words)]
+    return shlex.join(["tokenmeter", *shown])
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tokenmeter")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def run(args: argparse.Namespace) -> int:
+    started = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     try:
         config, summary, replay = build_config(args)
     except UsageError as exc:
@@ -384,12 +472,19 @@ def run(args: argparse.Namespace) -> int:
     if args.csv:
         write_text(args.csv, to_csv(result))
     if args.plot:
+        shown = json.loads(_URL_PASSWORD.sub(r"\1<redacted>@", json.dumps(summary)))
+        info = RunInfo(shown, command_line(sys.argv), started, _version(), result.results,
+                       extra)
         try:
             write_plot(args.plot, result.levels,
                        "tokenmeter bench: "
                        + (args.model or "replay of " + str(args.replay or "captures")),
-                       table, extra.page_answers() if extra else None)
+                       table, info)
         except PlotFormatError as exc:  # checked above already; kept for API callers
             print(f"tokenmeter bench: {exc}", file=sys.stderr)
             return 2
+    if not any(r.ok for r in result.results):
+        print(f"tokenmeter bench: no request succeeded ({len(result.results)} sent, all "
+              "failed: see the errors above); exit status 1", file=sys.stderr)
+        return 1
     return 0

@@ -1,5 +1,6 @@
 """One chat-completions request (or, with `Api.ANTHROPIC`, one Anthropic Messages request)
-over a long-lived aiohttp session, timed chunk by chunk.
+over a long-lived aiohttp session, timed chunk by chunk. A replayed request is sent in its own
+API (`Prompt.api`), whatever the run's.
 
 The hot loop per network read is: one perf_counter, the sans-I/O SSE decoder, and per event one
 `json.loads` (a few microseconds for a chunk of this size). Timestamps use `time.perf_counter`,
@@ -21,11 +22,15 @@ from typing import Any
 import aiohttp
 
 from proxy.bench.stats import RequestResult
-from proxy.bench.workload import Prompt
+from proxy.bench.workload import Api, Prompt
 from proxy.errors import ErrorClass
 from proxy.protocol.sse import SSEDecoder
 from proxy.protocol.tokenizer import count_text
 from proxy.protocol.upstream_errors import classify, error_message
+
+# Api lives beside Prompt (a replayed prompt carries its own) and is importable from here too.
+__all__ = ["ANSWER_CHARS", "ANTHROPIC_VERSION", "ERROR_CLASSES", "Api", "BenchError", "Endpoint",
+           "Level", "RequestSpec", "classify_status", "send"]
 
 
 class BenchError(enum.StrEnum):
@@ -49,14 +54,6 @@ class BenchError(enum.StrEnum):
 ERROR_CLASSES = tuple(BenchError)
 
 
-class Api(enum.StrEnum):
-    """The wire format spoken: OpenAI's chat completions, or Anthropic's Messages API
-    (`POST .../messages`, key as `x-api-key`, `max_tokens` required, named stream events)."""
-
-    OPENAI = "openai"
-    ANTHROPIC = "anthropic"
-
-
 ANTHROPIC_VERSION = "2023-06-01"
 
 # `bench --replay` keeps each answer's text for the comparison, up to this many characters.
@@ -78,6 +75,9 @@ class Endpoint:
     label: str
     api_key: str | None = None
     headers: Mapping[str, str] = field(default_factory=dict)
+    # A replay of both APIs sends each its own key: an API named here gets this key (None:
+    # none at all, never the other API's), any other `api_key`.
+    api_keys: Mapping[Api, str | None] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -89,13 +89,14 @@ class Endpoint:
 
     def request_headers(self, api: Api = Api.OPENAI) -> dict[str, str]:
         out = {"Content-Type": "application/json", **self.headers}
+        key = self.api_keys.get(api, self.api_key)
         if api is Api.ANTHROPIC:
             if not any(k.lower() == "anthropic-version" for k in out):
                 out["anthropic-version"] = ANTHROPIC_VERSION
-            if self.api_key:
-                out["x-api-key"] = self.api_key
-        elif self.api_key:
-            out["Authorization"] = f"Bearer {self.api_key}"
+            if key:
+                out["x-api-key"] = key
+        elif key:
+            out["Authorization"] = f"Bearer {key}"
         return out
 
 
@@ -109,6 +110,10 @@ class RequestSpec:
     tokenizer_model: str | None = None  # whose encoding counts the output (default: model)
     api: Api = Api.OPENAI
 
+    def api_for(self, prompt: Prompt) -> Api:
+        """A replayed request's own API (its recorded route's), else the run's."""
+        return prompt.api or self.api
+
     def stream_for(self, prompt: Prompt) -> bool:
         """A replayed request streams as it was recorded; the others as --stream says."""
         return self.stream if prompt.stream is None else prompt.stream
@@ -119,7 +124,8 @@ class RequestSpec:
         body = dict(prompt.body or {})
         if self.model:
             body["model"] = self.model
-        if body.get("stream") is True and self.api is Api.OPENAI and "stream_options" not in body:
+        if (body.get("stream") is True and self.api_for(prompt) is Api.OPENAI
+                and "stream_options" not in body):
             body["stream_options"] = {"include_usage": True}
         body.update(self.extra_body)
         return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
@@ -239,7 +245,8 @@ async def send(
 ) -> RequestResult:
     """Send one request and time it."""
     body = spec.body(prompt)
-    headers = endpoint.request_headers(spec.api)
+    api = spec.api_for(prompt)
+    headers = endpoint.request_headers(api)
     stream = spec.stream_for(prompt)
     base: dict[str, Any] = dict(endpoint=endpoint.label, load=level.load,
                                 prompt_tokens=level.prompt_tokens, stream=stream,
@@ -250,15 +257,15 @@ async def send(
     timeout = aiohttp.ClientTimeout(total=spec.timeout_s)
     got = _Reading(t_end=t0)
     try:
-        async with session.post(endpoint.url_for(spec.api), data=body, headers=headers,
+        async with session.post(endpoint.url_for(api), data=body, headers=headers,
                                 timeout=timeout) as resp:
             status = resp.status
             if status != 200:
                 got.fail(*classify_status(status, await resp.read()))
             elif not stream:
-                await _read_body(resp, spec.api, got)
+                await _read_body(resp, api, got)
             else:
-                await _read_stream(resp, spec.api, got)
+                await _read_stream(resp, api, got)
     except TimeoutError:
         got.fail(BenchError.TIMEOUT, f"no complete answer within {spec.timeout_s:g} s")
     except aiohttp.ClientConnectorError as exc:

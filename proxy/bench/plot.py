@@ -4,13 +4,17 @@ Rows: TTFT, per-stream output tokens/s (1/TPOT), total output tokens/s. Columns:
 load (concurrency or rate) and against the prompt size, whichever the run swept (the load
 column alone when it swept neither). Distributions are drawn as the p50 line with a shaded
 p10-p90 band; the total is one number per level, a line. The x axes are categorical: the swept
-values evenly spaced, labelled with their values.
+values evenly spaced, labelled with their values; the y axes run from zero to a round number,
+ticked every 1, 2, 2.5 or 5 times a power of ten. `xy_svg` draws the page's numeric x-y charts
+(CDFs, scatters) on the same ticks.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
 from html import escape
 
 from proxy.bench.stats import LevelStats
@@ -37,15 +41,42 @@ class PlotFormatError(ValueError):
     pass
 
 
-def nice_max(v: float) -> float:
-    if not math.isfinite(v) or v <= 0:
+def nice_step(span: float, target: int = 4) -> float:
+    """The 1, 2, 2.5 or 5 x 10^k step that cuts `span` into about `target` parts."""
+    raw = span / target
+    if not math.isfinite(raw) or raw <= 0:
         return 1.0
-    exp = 10.0 ** math.floor(math.log10(v))
-    return next(float(m * exp) for m in (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10) if m * exp >= v)
+    exp = 10.0 ** math.floor(math.log10(raw))
+    return next(m * exp for m in (1, 2, 2.5, 5, 10) if m * exp >= raw * (1 - 1e-9))
 
 
-def _fmt(v: float) -> str:
-    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+def nice_ticks(lo: float, hi: float, target: int = 4) -> list[float]:
+    """Round ticks covering lo..hi: multiples of one nice step, the axis their first..last."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        lo, hi = 0.0, 1.0
+    if hi <= lo:
+        hi = lo + (abs(lo) or 1.0)
+    step = nice_step(hi - lo, target)
+    first = math.floor(lo / step + 1e-9)
+    last = math.ceil(hi / step - 1e-9)
+    return [round(k * step, 12) + 0.0 for k in range(first, last + 1)]
+
+
+def tick_label(v: float, ticks: Sequence[float]) -> str:
+    """`v` with as many decimals as the ticks' step needs (0.25 -> 2, 2.5 -> 1, 50 -> 0)."""
+    step = ticks[1] - ticks[0] if len(ticks) > 1 else 1.0
+    exp = math.floor(math.log10(step) + 1e-9)
+    mantissa = round(step / 10.0 ** exp, 6)
+    decimals = max(0, -exp + (1 if mantissa == 2.5 else 0))
+    return f"{v + 0.0:,.{decimals}f}"
+
+
+def legend_html(series: Sequence[tuple[str, str]]) -> str:
+    """A chart's legend as HTML: each series' colour and name (`data-series` names it for
+    whoever checks the legend against the chart)."""
+    items = "".join(f'<span data-series="{escape(name)}" style="--c:{color}"><i></i>'
+                    f"{escape(name)}</span>" for name, color in series)
+    return f'<div class="legend">{items}</div>'
 
 
 def _panel(
@@ -57,7 +88,8 @@ def _panel(
     w, h = PANEL_W - MARGIN_L - MARGIN_R, PANEL_H - MARGIN_T - MARGIN_B
     left, top = x0 + MARGIN_L, y0 + MARGIN_T
     values = [v for _, _, pts in series for p in pts if p for v in p if math.isfinite(v)]
-    ymax = nice_max(max(values, default=1.0))
+    ticks = nice_ticks(0.0, max(values, default=1.0))
+    ymax = ticks[-1]
     n = len(xs)
 
     def px(i: int) -> float:
@@ -69,16 +101,17 @@ def _panel(
     out = [f'<text x="{x0 + PANEL_W / 2}" y="{y0 + 20}" text-anchor="middle" '
            f'font-weight="bold">{escape(title)}</text>',
            f'<rect x="{left}" y="{top}" width="{w}" height="{h}" fill="none" stroke="#999"/>']
-    for k in range(5):
-        v = ymax * k / 4
+    for v in ticks:
         y = py(v)
         out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + w}" y2="{y:.1f}" stroke="#eee"/>')
-        out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{_fmt(v)}</text>')
+        out.append(f'<text class="tick y" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">'
+                   f"{tick_label(v, ticks)}</text>")
     for i, x in enumerate(xs):
         out.append(f'<text x="{px(i):.1f}" y="{top + h + 16}" text-anchor="middle">{x:g}</text>')
     out.append(f'<text x="{left + w / 2}" y="{top + h + 36}" text-anchor="middle">'
                f'{escape(xlabel)}</text>')
-    for _name, color, pts in series:
+    for name, color, pts in series:
+        tag = f'data-series="{escape(name)}"'
         idx = [i for i, p in enumerate(pts) if p and all(map(math.isfinite, p))]
         if not idx:
             continue
@@ -89,15 +122,17 @@ def _panel(
             if len(idx) == 1:  # one point: a vertical bar for its band
                 out.append(f'<line x1="{px(idx[0]):.1f}" y1="{py(band[0][0]):.1f}" '  # type: ignore[index]
                            f'x2="{px(idx[0]):.1f}" y2="{py(band[0][2]):.1f}" '  # type: ignore[index]
-                           f'stroke="{color}" stroke-width="8" stroke-opacity="0.25"/>')
+                           f'stroke="{color}" stroke-width="8" stroke-opacity="0.25" {tag}/>')
             else:
                 poly = " ".join(upper + lower[::-1])
-                out.append(f'<polygon points="{poly}" fill="{color}" fill-opacity="0.18"/>')
+                out.append(f'<polygon points="{poly}" fill="{color}" fill-opacity="0.18" {tag}/>')
         mids = " ".join(f"{px(i):.1f},{py(b[1]):.1f}" for i, b in zip(idx, band, strict=True) if b)
-        out.append(f'<polyline points="{mids}" fill="none" stroke="{color}" stroke-width="2"/>')
+        out.append(f'<polyline points="{mids}" fill="none" stroke="{color}" stroke-width="2" '
+                   f"{tag}/>")
         for i, b in zip(idx, band, strict=True):
             if b:
-                out.append(f'<circle cx="{px(i):.1f}" cy="{py(b[1]):.1f}" r="3" fill="{color}"/>')
+                out.append(f'<circle cx="{px(i):.1f}" cy="{py(b[1]):.1f}" r="3" '
+                           f'fill="{color}" {tag}/>')
     return out
 
 
@@ -140,12 +175,93 @@ def _series(levels: Sequence[LevelStats], get: Getter, kind: str
 
 
 def chart_svg(levels: Sequence[LevelStats], metric: tuple[str, Getter], kind: str,
-              xlabel: str) -> str:
-    """One chart as a standalone, scalable <svg> (the HTML page's grid cells)."""
+              xlabel: str) -> tuple[str, list[tuple[str, str]]]:
+    """One chart as a standalone, scalable <svg> (the HTML page's grid cells), and its
+    series' names and colours for the legend."""
     xs, series = _series(levels, metric[1], kind)
     body = _panel((0, 0), metric[0], xlabel, xs, series)
     return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {PANEL_W} {PANEL_H}" '
-            f'font-family="sans-serif" font-size="11">{"".join(body)}</svg>')
+            f'font-family="sans-serif" font-size="11">{"".join(body)}</svg>',
+            [(name, color) for name, color, _ in series])
+
+
+class Style(Enum):
+    """How an x-y series is drawn."""
+
+    STEP = "step"  # a staircase through the points (an empirical CDF)
+    DOTS = "dots"  # a dot per point (a scatter)
+    DASHED = "dashed"  # a dashed line through the points (a reference such as y = x)
+
+
+@dataclass(frozen=True, slots=True)
+class XYSeries:
+    name: str
+    color: str
+    points: Sequence[tuple[float, float]]
+    style: Style
+
+
+@dataclass(frozen=True, slots=True)
+class Axes:
+    title: str
+    xlabel: str
+    ylabel: str
+    square: bool = False  # one scale for x and y (a scatter of A against B)
+
+
+def _xy_mark(s: XYSeries, px: Callable[[float], float], py: Callable[[float], float]) -> str:
+    tag = f'data-series="{escape(s.name)}"'
+    pts = [(x, y) for x, y in s.points if math.isfinite(x) and math.isfinite(y)]
+    if not pts:
+        return ""
+    if s.style is Style.DOTS:
+        dots = "".join(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.5"/>' for x, y in pts)
+        return f'<g fill="{s.color}" fill-opacity="0.6" {tag}>{dots}</g>'
+    if s.style is Style.STEP:
+        d = f"M{px(pts[0][0]):.1f},{py(0):.1f}"
+        for x, y in pts:
+            d += f"H{px(x):.1f}V{py(y):.1f}"
+        return f'<path d="{d}" fill="none" stroke="{s.color}" stroke-width="2" {tag}/>'
+    line = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
+    return (f'<polyline points="{line}" fill="none" stroke="{s.color}" stroke-width="1.5" '
+            f'stroke-dasharray="5,4" {tag}/>')
+
+
+def xy_svg(axes: Axes, series: Sequence[XYSeries]) -> str:
+    """A chart of numeric x against numeric y, both from zero, with round ticks."""
+    w, h = PANEL_W - MARGIN_L - MARGIN_R, PANEL_H - MARGIN_T - MARGIN_B
+    left, top = MARGIN_L, MARGIN_T
+    xs = [x for s in series for x, _ in s.points if math.isfinite(x)]
+    ys = [y for s in series for _, y in s.points if math.isfinite(y)]
+    xmax, ymax = max(xs, default=1.0), max(ys, default=1.0)
+    if axes.square:
+        xmax = ymax = max(xmax, ymax)
+    xt, yt = nice_ticks(min([0.0, *xs]), xmax), nice_ticks(min([0.0, *ys]), ymax)
+
+    def px(x: float) -> float:
+        return left + w * (x - xt[0]) / (xt[-1] - xt[0])
+
+    def py(y: float) -> float:
+        return top + h - h * (y - yt[0]) / (yt[-1] - yt[0])
+
+    out = [f'<text x="{PANEL_W / 2}" y="20" text-anchor="middle" font-weight="bold">'
+           f"{escape(axes.title)}</text>",
+           f'<rect x="{left}" y="{top}" width="{w}" height="{h}" fill="none" stroke="#999"/>']
+    for v in yt:
+        out.append(f'<line x1="{left}" y1="{py(v):.1f}" x2="{left + w}" y2="{py(v):.1f}" '
+                   f'stroke="#eee"/><text class="tick y" x="{left - 6}" y="{py(v) + 4:.1f}" '
+                   f'text-anchor="end">{tick_label(v, yt)}</text>')
+    for v in xt:
+        out.append(f'<line x1="{px(v):.1f}" y1="{top}" x2="{px(v):.1f}" y2="{top + h}" '
+                   f'stroke="#f2f2f2"/><text class="tick x" x="{px(v):.1f}" y="{top + h + 16}" '
+                   f'text-anchor="middle">{tick_label(v, xt)}</text>')
+    out.append(f'<text x="{left + w / 2}" y="{top + h + 36}" text-anchor="middle">'
+               f"{escape(axes.xlabel)}</text>")
+    out.append(f'<text transform="translate(14,{top + h / 2}) rotate(-90)" '
+               f'text-anchor="middle">{escape(axes.ylabel)}</text>')
+    out += [_xy_mark(s, px, py) for s in series]
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {PANEL_W} {PANEL_H}" '
+            f'font-family="sans-serif" font-size="11">{"".join(out)}</svg>')
 
 
 def render_svg(levels: Sequence[LevelStats], title: str = "tokenmeter bench") -> str:

@@ -1,7 +1,8 @@
 """`tokenmeter bench --replay FILE.jsonl` (or `--replay-captures`, straight from the capture
-store): recorded requests as the load, and what the run
-says about them beyond speed: the cost per target from a price table, and (with --compare)
-how the two targets' answers to the same requests compare.
+store): recorded requests as the load, each in its own route's API, and what the run
+says about them beyond speed: the lines skipped and why, each request's outcome beside the
+recorded one, the cost per target from a price table, and (with --compare) how the two
+targets' answers to the same requests compare.
 
 The file is docs/capture.md's export line, read by the one parser of that line
 (proxy/protocol/export_line.py), the one `mock-upstream --replay` reads too.
@@ -9,6 +10,7 @@ The file is docs/capture.md's export line, read by the one parser of that line
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -19,27 +21,100 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from proxy.bench.client import BenchError, classify_status
 from proxy.bench.stats import RequestResult
-from proxy.bench.workload import Prompt, message_text
+from proxy.bench.workload import Api, Prompt, message_text
 from proxy.capture.cli import exported
 from proxy.capture.store import CaptureFilter
 from proxy.config.load import ConfigError, load_config
 from proxy.config.policy import Price
 from proxy.cost import NANOS_PER_USD, CostLines, price_for
 from proxy.ledger.pg import mask_url
-from proxy.protocol.export_line import Recording, ReplayFileError, parse_line, read_lines
+from proxy.protocol.export_line import Recording, ReplayFileError, parse_line, read_counted
 from proxy.protocol.tokenizer import count_text
 from proxy.protocol.usage import Usage
 
 REQUEST_CHARS = 2_000  # of a request's text in the answers' listing
 PAGE_SAMPLE = 20  # answer pairs on the HTML page
+OUTCOME_ROWS = 20  # requests whose outcome differs, listed in the terminal report
 
 
 class ReplayError(ValueError):
     """A replay file or price table that cannot be used; the message names the file."""
 
 
-def _prompt(rec: Recording, model: str) -> Prompt:
+# The route each API is sent to; a line of any other route is not replayed.
+API_OF_ROUTE: Mapping[str, Api] = {"/v1/chat/completions": Api.OPENAI,
+                                   "/v1/messages": Api.ANTHROPIC}
+
+
+class SkipReason(enum.StrEnum):
+    """Why a line of the export was not sent."""
+
+    ROUTE = "route"  # a route bench does not send (embeddings, the Responses API...)
+    API = "api"  # the other API than the --api given
+    UNREADABLE = "unreadable"  # not a line that can be read (warned of when read)
+
+
+@dataclass(frozen=True)
+class Skip:
+    reason: SkipReason
+    what: str  # the route, or the API chosen
+    count: int
+
+    @property
+    def text(self) -> str:
+        if self.reason is SkipReason.ROUTE:
+            return f"{self.count} {self.what} (not replayed by bench)"
+        if self.reason is SkipReason.API:
+            return f"{self.count} not --api {self.what}"
+        return f"{self.count} {self.what}"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one request ended: its HTTP status (None: no answer) and error class (None: ok)."""
+
+    status: int | None
+    error_class: str | None
+
+    @property
+    def text(self) -> str:
+        return f"{'-' if self.status is None else self.status} {self.error_class or 'ok'}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"status": self.status, "error_class": self.error_class}
+
+
+def recorded_outcome(rec: Recording) -> Outcome:
+    """The recorded answer's outcome, classified as bench classifies an answer it gets: an
+    error status by its body (`client.classify_status`), a 200 stream by an error event in it."""
+    if rec.status != 200:
+        body = b"" if rec.body is None else json.dumps(rec.body).encode()
+        return Outcome(rec.status, classify_status(rec.status, body)[0].value)
+    for event in rec.events:
+        for line in event.text.splitlines():
+            if line.startswith("data:"):
+                try:
+                    obj = json.loads(line[5:])
+                except ValueError:
+                    continue
+                if isinstance(obj, dict) and obj.get("error"):
+                    return Outcome(200, BenchError.STREAM_ERROR.value)
+    return Outcome(200, None)
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """The recorded requests to send, and what the source held besides."""
+
+    prompts: list[Prompt]
+    lines: int  # of the source, skipped ones included
+    skipped: tuple[Skip, ...]
+    recorded: Mapping[int, Outcome]  # by line
+
+
+def _prompt(rec: Recording, model: str, api: Api) -> Prompt:
     body = dict(rec.request) if rec.request is not None else {}
     # The exported `messages`, `max_tokens` and `stream` are the request's own; a body
     # exported without them (or without a body at all) gets them from the line.
@@ -51,29 +126,32 @@ def _prompt(rec: Recording, model: str) -> Prompt:
         body.setdefault("stream", True)
     tokens = count_text(model, message_text(list(rec.messages)))
     return Prompt(tuple(rec.messages), tokens, rec.max_tokens, body=body,
-                  stream=body.get("stream") is True, line=rec.line)
+                  stream=body.get("stream") is True, line=rec.line, api=api)
 
 
-def load_replay(path: str, route: str, tokenizer_model: str) -> list[Prompt]:
-    """The requests of `route` in the export file, in the file's order."""
+def load_replay(path: str, api: Api | None, tokenizer_model: str) -> Loaded:
+    """The requests in the export file of both APIs (`api` given: of that one), each in its
+    own API, in the file's order."""
     try:
-        found = read_lines(Path(path))
+        found, unreadable = read_counted(Path(path))
     except ReplayFileError as exc:
         raise ReplayError(f"--replay {path}: {exc}") from None
-    return _prompts(found, route, tokenizer_model, f"--replay {path}")
+    return _prompts(found, api, tokenizer_model, f"--replay {path}",
+                    (Skip(SkipReason.UNREADABLE, "not readable", unreadable),))
 
 
 def load_captures(url: str, filters: CaptureFilter, redact: Callable[[str], str],
-                  route: str, tokenizer_model: str) -> list[Prompt]:
-    """`--replay-captures`: the requests of `route` among the captures `filters` chooses,
-    oldest first: the lines `tokenmeter captures export` would write, read as a file of them
-    is (one conversion, proxy.protocol.export_line's)."""
-    lines, _ = exported(url, filters, redact)
+                  api: Api | None, tokenizer_model: str) -> Loaded:
+    """`--replay-captures`: the requests among the captures `filters` chooses (of `api`
+    when given), oldest first: the lines `tokenmeter captures export` would write, read as a
+    file of them is (one conversion, proxy.protocol.export_line's)."""
+    lines, left_out = exported(url, filters, redact)
     try:
         found = [parse_line(json.dumps(line), n) for n, line in enumerate(lines, 1)]
     except ReplayFileError as exc:
         raise ReplayError(f"--replay-captures: capture {exc}") from None
-    return _prompts(found, route, tokenizer_model, f"--replay-captures ({shown_url(url)})")
+    return _prompts(found, api, tokenizer_model, f"--replay-captures ({shown_url(url)})",
+                    (Skip(SkipReason.UNREADABLE, "request not whole JSON", left_out),))
 
 
 def shown_url(url: str) -> str:
@@ -81,12 +159,31 @@ def shown_url(url: str) -> str:
     return url if url.startswith("sqlite") else mask_url(url)
 
 
-def _prompts(found: list[Recording], route: str, tokenizer_model: str,
-             source: str) -> list[Prompt]:
-    prompts = [_prompt(r, tokenizer_model) for r in found if r.path == route]
+def _prompts(found: list[Recording], api: Api | None, tokenizer_model: str, source: str,
+             unread: tuple[Skip, ...]) -> Loaded:
+    prompts: list[Prompt] = []
+    recorded: dict[int, Outcome] = {}
+    routes: dict[str, int] = {}
+    other_api = 0
+    for r in found:
+        line_api = API_OF_ROUTE.get(r.path)
+        if line_api is None:
+            routes[r.path] = routes.get(r.path, 0) + 1
+        elif api is not None and line_api is not api:
+            other_api += 1
+        else:
+            prompts.append(_prompt(r, tokenizer_model, line_api))
+            recorded[r.line] = recorded_outcome(r)
+    skipped = tuple(s for s in (
+        *(Skip(SkipReason.ROUTE, path, n) for path, n in routes.items()),
+        *((Skip(SkipReason.API, api.value, other_api),) if api is not None else ()),
+        *unread) if s.count)
+    lines = len(found) + sum(s.count for s in unread)
     if not prompts:
-        raise ReplayError(f"{source}: no recorded request to {route}")
-    return prompts
+        why = "; ".join(s.text for s in skipped)
+        raise ReplayError(f"{source}: no recorded request to replay"
+                          + (f" (of {lines} lines skipped: {why})" if why else ""))
+    return Loaded(prompts, lines, skipped, recorded)
 
 
 def load_prices(prices_file: str | None, config_file: str | None) -> dict[str, Price]:
@@ -200,16 +297,83 @@ def _num(x: float | None, spec: str) -> str:
 
 
 @dataclass(frozen=True)
+class RequestOutcome:
+    """One replayed request: its recorded outcome beside each endpoint's (its first answer;
+    None when the endpoint was never sent it, as with --requests below the lines)."""
+
+    line: int
+    api: str
+    recorded: Outcome
+    endpoints: tuple[Outcome | None, ...]  # in the run's order
+
+    @property
+    def same(self) -> tuple[bool, ...]:
+        return tuple(o == self.recorded for o in self.endpoints)
+
+    @property
+    def differs(self) -> bool:
+        return any(o is not None and o != self.recorded for o in self.endpoints)
+
+
+def _first_outcomes(results: Sequence[RequestResult], endpoint: str) -> dict[int, Outcome]:
+    out: dict[int, Outcome] = {}
+    for r in results:
+        if r.endpoint == endpoint and r.line and r.line not in out:
+            cls = None if r.ok else r.error_class
+            out[r.line] = Outcome(r.status, None if cls is None else str(cls))
+    return out
+
+
+def request_outcomes(results: Sequence[RequestResult], prompts: Sequence[Prompt],
+                     recorded: Mapping[int, Outcome], endpoints: Sequence[str],
+                     default_api: Api) -> tuple[RequestOutcome, ...]:
+    """Per replayed request, in the file's order: the recorded outcome and each endpoint's."""
+    got = [_first_outcomes(results, e) for e in endpoints]
+    return tuple(
+        RequestOutcome(p.line, (p.api or default_api).value, recorded[p.line],
+                       tuple(g.get(p.line) for g in got))
+        for p in sorted(prompts, key=lambda p: p.line) if p.line in recorded)
+
+
+@dataclass(frozen=True)
 class ReplayReport:
     file: str
-    requests: int  # recorded requests replayed (of the file's route)
+    requests: int  # recorded requests replayed
     costs: tuple[TargetCost, ...]
     answers: AnswerComparison | None
+    lines: int = 0  # of the source, the skipped included
+    skipped: tuple[Skip, ...] = ()
+    endpoints: tuple[str, ...] = ()
+    outcomes: tuple[RequestOutcome, ...] = ()
+
+    def same_outcome(self) -> list[tuple[str, int, int]]:
+        """Per endpoint: the requests it answered as recorded, of those it was sent."""
+        out = []
+        for i, label in enumerate(self.endpoints):
+            sent = [o for o in self.outcomes if o.endpoints[i] is not None]
+            out.append((label, sum(o.endpoints[i] == o.recorded for o in sent), len(sent)))
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "file": self.file, "requests": self.requests,
+            "file": self.file, "requests": self.requests, "lines": self.lines,
+            "skipped": {"total": sum(s.count for s in self.skipped),
+                        "by_reason": [{"reason": s.reason.value, "what": s.what,
+                                       "count": s.count, "text": s.text}
+                                      for s in self.skipped]},
             "cost": [vars(c) | {"unpriced_models": list(c.unpriced_models)} for c in self.costs],
+            "outcomes": {
+                "same_as_recorded": [{"endpoint": e, "same": n, "of": of}
+                                     for e, n, of in self.same_outcome()],
+                "differ": sum(o.differs for o in self.outcomes),
+                "per_request": [
+                    {"line": o.line, "api": o.api, "recorded": o.recorded.to_dict(),
+                     "endpoints": [{"endpoint": e, **(x.to_dict() if x else
+                                                      {"status": None, "error_class": None}),
+                                    "sent": x is not None, "same": x == o.recorded}
+                                   for e, x in zip(self.endpoints, o.endpoints, strict=True)]}
+                    for o in self.outcomes],
+            },
             "answers": None,
         }
         if self.answers is not None:
@@ -222,9 +386,37 @@ class ReplayReport:
             }
         return out
 
+    def _header(self) -> str:
+        skipped = sum(s.count for s in self.skipped)
+        head = (f"\nreplay of {self.file}: replayed {self.requests} of {self.lines} lines; "
+                f"skipped {skipped}")
+        return head + (": " + ", ".join(s.text for s in self.skipped) if skipped else "")
+
+    def _outcome_lines(self) -> list[str]:
+        if not self.outcomes or not self.endpoints:
+            return []
+        lines = ["  same outcome as recorded: " + ", ".join(
+            f"{label} {n}/{of}" for label, n, of in self.same_outcome())]
+        differ = [o for o in self.outcomes if o.differs]
+        if not differ:
+            return lines
+        shown = differ[:OUTCOME_ROWS]
+        more = f" (the first {len(shown)})" if len(differ) > len(shown) else ""
+        lines.append(f"  outcome differs from the recording for {len(differ)} of "
+                     f"{len(self.outcomes)} requests{more}:")
+        width = max(16, *(len(e) + 2 for e in self.endpoints))
+        lines.append("    " + f"{'line':>6}  {'api':<10} {'recorded':<{width}}" + "".join(
+            f"{e:<{width}}" for e in self.endpoints).rstrip())
+        for o in shown:
+            cells = "".join(f"{'(not sent)' if x is None else x.text:<{width}}"
+                            for x in o.endpoints)
+            lines.append("    " + f"{o.line:>6}  {o.api:<10} {o.recorded.text:<{width}}"
+                         + cells.rstrip())
+        return lines
+
     def render(self) -> str:
         """The lines the terminal report gets after its tables."""
-        lines = [f"\nreplay of {self.file}: {self.requests} recorded requests"]
+        lines = [self._header(), *self._outcome_lines()]
         for c in self.costs:
             cost = ("no price table (--prices or --config)" if c.cost_usd is None else
                     f"${c.cost_usd:.6f} for {c.requests} answered requests, "

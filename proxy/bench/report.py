@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from proxy.bench.runner import BenchResult
+from proxy.bench.runner import BenchResult, Tick
 from proxy.bench.stats import Dist, LevelStats
 
 _PCTS = ("p50", "p90", "p95", "p99")
@@ -51,6 +51,10 @@ def _pcts(d: Dist) -> str:
     return "/".join(_ms(getattr(d, p)) for p in _PCTS)
 
 
+ITL_NOTE = ("TPOT = ITL per token as AIPerf defines it, (E2E - TTFT) / (output tokens - 1); "
+            "ITL here: the gaps between content chunks")
+
+
 def render(result: BenchResult) -> str:
     """The human-readable report: one row per level, then errors, comparisons, warnings."""
     has_slo = any(st.slo for st in result.levels)
@@ -77,7 +81,7 @@ def render(result: BenchResult) -> str:
                        else f"{_num(st.goodput, 2)}/s ({frac:.0%})")
         row.append(_num(st.lag_p99_ms, 2) + ("!" if st.warnings else ""))
         rows.append(row)
-    parts = [_table(headers, rows)]
+    parts = [_table(headers, rows), ITL_NOTE]
     errs = [st for st in result.levels if st.errors]
     if errs:
         lines = ["", "errors:"]
@@ -121,10 +125,19 @@ def _clean(obj: Any) -> Any:
     return obj
 
 
+def level_dict(st: LevelStats) -> dict[str, Any]:
+    """A level's figures, plus `itl_per_token`: TPOT under the name AIPerf gives it (its
+    "inter token latency" is (E2E - TTFT) / (output tokens - 1) per request), so a reader
+    coming from AIPerf finds it; `itl` stays the gaps between content chunks."""
+    out = dataclasses.asdict(st)
+    out["itl_per_token"] = out["tpot"]
+    return out
+
+
 def to_json(result: BenchResult, config: Mapping[str, Any],
             extra: Mapping[str, Any] | None = None) -> str:
     """The run as JSON; `extra`: more top-level sections (`bench --replay`'s "replay")."""
-    levels = [dataclasses.asdict(st) for st in result.levels]
+    levels = [level_dict(st) for st in result.levels]
     data = {
         "config": dict(config),
         "loop": result.loop,
@@ -152,7 +165,7 @@ def to_csv(result: BenchResult) -> str:
     rows = []
     for st in result.levels:
         row: dict[str, Any] = {}
-        _flat("", dataclasses.asdict(st), row)
+        _flat("", level_dict(st), row)
         rows.append(row)
     names: list[str] = []
     for row in rows:
@@ -177,19 +190,28 @@ class ProgressBar:
         self._last = 0.0
         self._label = ""
 
-    def __call__(self, label: str, done: int, total: int, errors: int) -> None:
+    def _bar(self, done: float, total: float) -> str:
+        filled = int(self.width * min(done, total) / total)
+        return "[" + "#" * filled + "." * (self.width - filled) + "]"
+
+    def __call__(self, tick: Tick) -> None:
         now = time.monotonic()
+        label, done, total = tick.label, tick.done, tick.total
         final = total and done >= total
         if label == self._label and now - self._last < 0.1 and not final:
             return
         self._last, self._label = now, label
-        if total:
-            filled = int(self.width * min(done, total) / total)
-            bar = "#" * filled + "." * (self.width - filled)
-            text = f"\r{label:<40} [{bar}] {done}/{total}"
+        where = f"level {tick.level}/{tick.levels}" if tick.level else "warm-up"
+        text = f"\r{where} {label:<36}"
+        if tick.duration_s:
+            text += (f" {self._bar(tick.elapsed_s, tick.duration_s)} "
+                     f"{min(tick.elapsed_s, tick.duration_s):.1f}/{tick.duration_s:g} s, "
+                     f"{done} requests")
+        elif total:
+            text += f" {self._bar(done, total)} {done}/{total}"
         else:
-            text = f"\r{label:<40} {done} requests"
-        if errors:
+            text += f" {done} requests"
+        if errors := tick.errors:
             text += f", {errors} errors"
         self.stream.write(text + "\033[K")
         self.stream.flush()

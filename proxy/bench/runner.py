@@ -9,11 +9,12 @@ both endpoints alike. Rates and throughputs are over the time each endpoint was 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -23,6 +24,7 @@ from proxy.bench.stats import Comparison, LevelStats, RequestResult, aggregate, 
 from proxy.bench.workload import Prompt, generate_prompts, poisson_arrivals
 
 LAG_INTERVAL_S = 0.005
+TICK_S = 0.5  # --duration: the progress is reported at least this often
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,23 @@ class BenchResult:
     wall_s: float
 
 
-Progress = Callable[[str, int, int, int], None]  # (level label, done, total or 0, errors)
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Where a run is, for a progress display: the level's place in the sweep (0 of N during
+    the warm-up), the block's requests done and errors, and with --duration the seconds the
+    level has run of the seconds it will run (all endpoints' blocks together)."""
+
+    label: str
+    level: int
+    levels: int
+    done: int
+    total: int  # requests of the block; 0 with --duration
+    errors: int
+    elapsed_s: float
+    duration_s: float | None
+
+
+Progress = Callable[[Tick], None]
 
 
 class LagMonitor:
@@ -146,6 +164,7 @@ class Runner:
         self.progress = progress
         self.lag = LagMonitor()
         self.sessions: list[aiohttp.ClientSession] = []
+        self._position = 0  # the level running, 1-based (0: the warm-up)
 
     def _pool(self, size: int, count: int) -> list[Prompt]:
         if self.config.prompts is not None:
@@ -170,6 +189,7 @@ class Runner:
             for size in cfg.sizes:
                 pool = self._pool(size, cfg.requests or 256)
                 for load in cfg.loads:
+                    self._position += 1
                     level = await self._level(load, size, pool)
                     for stats, rs in level:
                         levels.append(stats)
@@ -263,9 +283,15 @@ class Runner:
         prompt = f" prompt={size}" if size else ""
         return f"{endpoint.label} {what}{prompt}"
 
-    def _report(self, label: str, done: int, total: int, errors: int) -> None:
-        if self.progress is not None:
-            self.progress(label, done, total, errors)
+    def _report(self, block: _Block, done: int, errors: int) -> None:
+        if self.progress is None:
+            return
+        cfg = self.config
+        total_s = (cfg.duration_s * len(cfg.endpoints)
+                   if cfg.duration_s is not None and self._position else None)
+        self.progress(Tick(block.label, self._position, len(cfg.sizes) * len(cfg.loads), done,
+                           block.count or 0, errors, time.perf_counter() - block.level.t_origin,
+                           total_s))
 
     async def _closed(self, block: _Block) -> list[RequestResult]:
         """`block` from int(load) workers, each sending its next request when one is done."""
@@ -284,10 +310,32 @@ class Runner:
                 r = await send(session, endpoint, spec, prompts.next(), block.level)
                 results.append(r)
                 errors += not r.ok
-                self._report(block.label, len(results), count or 0, errors)
+                self._report(block, len(results), errors)
 
-        await asyncio.gather(*(worker() for _ in range(int(block.level.load))))
+        async with self._ticking(block, results):
+            await asyncio.gather(*(worker() for _ in range(int(block.level.load))))
         return results
+
+    @contextlib.asynccontextmanager
+    async def _ticking(self, block: _Block, results: list[RequestResult]
+                       ) -> AsyncIterator[None]:
+        """With --duration, report the progress every TICK_S even while no request ends, so
+        the seconds shown keep counting through long streams."""
+        if self.progress is None or block.duration is None:
+            yield
+            return
+
+        async def tick() -> None:
+            while True:
+                await asyncio.sleep(TICK_S)
+                self._report(block, len(results), sum(not r.ok for r in results))
+
+        task = asyncio.create_task(tick())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     async def _open(self, block: _Block, rng: random.Random) -> list[RequestResult]:
         """`block` sent at Poisson arrival times, `load` per second on average."""
@@ -303,16 +351,18 @@ class Runner:
             r = await send(session, endpoint, spec, prompt, block.level)
             results.append(r)
             errors += not r.ok
-            self._report(block.label, len(results), count or 0, errors)
+            self._report(block, len(results), errors)
 
-        for i, offset in enumerate(poisson_arrivals(block.level.load, rng)):
-            if (count is not None and i >= count) or (duration is not None and offset >= duration):
-                break
-            delay = t0 + offset - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(block.prompts.next())))
-        await asyncio.gather(*tasks)
+        async with self._ticking(block, results):
+            for i, offset in enumerate(poisson_arrivals(block.level.load, rng)):
+                if (count is not None and i >= count) or (
+                        duration is not None and offset >= duration):
+                    break
+                delay = t0 + offset - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(block.prompts.next())))
+            await asyncio.gather(*tasks)
         return results
 
 

@@ -3,6 +3,7 @@ arrival times of an open-loop (Poisson) load."""
 
 from __future__ import annotations
 
+import enum
 import functools
 import json
 import random
@@ -28,6 +29,14 @@ _WORDS = (  # noqa: SIM905
 ).split()
 
 
+class Api(enum.StrEnum):
+    """The wire format spoken: OpenAI's chat completions, or Anthropic's Messages API
+    (`POST .../messages`, key as `x-api-key`, `max_tokens` required, named stream events)."""
+
+    OPENAI = "openai"
+    ANTHROPIC = "anthropic"
+
+
 class PromptsFileError(ValueError):
     """A prompts file that cannot be used; the message names the file and line."""
 
@@ -43,6 +52,8 @@ class Prompt:
     body: Mapping[str, Any] | None = None
     stream: bool | None = None
     line: int = 0
+    # A replayed request is sent in its recorded route's API; None: the run's --api.
+    api: Api | None = None
 
 
 @functools.cache

@@ -146,6 +146,12 @@ class Fill:
     def size(self) -> int:
         return self._size
 
+    @property
+    def too_large(self) -> bool:
+        """Its answer passed the entry's bound (not the process's: that one is a full cache's
+        memory, counted by its own error stage)."""
+        return self._size > self.bound
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:
@@ -182,7 +188,10 @@ class Decision:
         if self.result is CacheResult.NONE:
             return cache_outcome.NOT_CONSULTED
         if self.entry is None:
-            return CacheOutcome(self.result, reason=self.reason)
+            reason = self.reason
+            if reason is None and self.fill is not None and self.fill.too_large:
+                reason = BypassReason.TOO_LARGE
+            return CacheOutcome(self.result, reason=reason)
         return CacheOutcome(self.result, saved=self.entry.usage, age_s=self.age_s)
 
 

@@ -26,6 +26,10 @@ class BypassReason(StrEnum):
     NO_CACHE = "no-cache"  # the client's `Cache-Control: no-cache`: not read, stored fresh
     NOT_CACHEABLE = "not-cacheable"  # an operation the cache does not keep (embeddings...)
     PASSTHROUGH = "passthrough"  # the client's own upstream key (mode: passthrough)
+    # Not a bypass: a miss whose answer passed `max_entry_kb` and was not stored. Said beside
+    # `miss` on a JSON answer (its size is known before its headers go out) and in the log
+    # line of either form (a stream's headers are gone by then).
+    TOO_LARGE = "too-large"
 
 
 @dataclass(frozen=True, slots=True)

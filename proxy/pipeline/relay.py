@@ -21,6 +21,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.budget.refusals import QuotaEnded
+from proxy.cache.cache import REASON_HEADER
+from proxy.cache.outcome import BypassReason
 from proxy.capture.collect import Collector
 from proxy.config.load import CostHeaders
 from proxy.errors import (
@@ -104,9 +106,12 @@ async def _relay_body(attempt: Attempt, outcome: Outcome) -> web.StreamResponse:
         body = upstream_errors.scrub(body, outcome.runtime.router.key_forms)
     if outcome.collector is not None:
         outcome.collector.answered(body)
-    if outcome.cache_fill is not None and up.status == 200:
-        outcome.cache_fill.take(body)  # for the response cache's entry
+    fill = outcome.cache_fill
+    if fill is not None and up.status == 200:
+        fill.take(body)  # for the response cache's entry
     headers = _client_headers(attempt, outcome.request_id)
+    if fill is not None and fill.too_large:  # known before the headers go out: said beside `miss`
+        headers[REASON_HEADER] = BypassReason.TOO_LARGE.value
     if up.status >= 400 and (
         retries_spent(outcome) or upstream_errors.blames_request(up.status, outcome.error_class)
     ):

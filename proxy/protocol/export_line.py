@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["ROUTES", "RecordedEvent", "Recording", "ReplayFileError", "canonical", "parse_line",
-           "read_lines"]
+           "read_counted", "read_lines"]
 
 log = logging.getLogger("tokenmeter.replay")
 
@@ -120,7 +120,13 @@ def parse_line(text: str, line: int) -> Recording:
 
 
 def read_lines(path: Path) -> list[Recording]:
-    """Every line of `path` (blank lines skipped). Lines are split on `\\n` alone, as the export
+    """Every line of `path` that can be replayed: `read_counted`'s lines."""
+    return read_counted(path)[0]
+
+
+def read_counted(path: Path) -> tuple[list[Recording], int]:
+    """Every line of `path` (blank lines skipped), and how many lines were skipped as not
+    readable. Lines are split on `\\n` alone, as the export
     writes them (JSON text holds no raw newline), never on the other Unicode line breaks
     (U+2028, U+0085...) that a captured text may hold. A line that cannot be replayed is
     skipped with a warning naming it (`FILE: line N: ...`): one bad capture never refuses the
@@ -130,15 +136,18 @@ def read_lines(path: Path) -> list[Recording]:
     except OSError as exc:
         raise ReplayFileError(f"cannot read it: {exc}") from None
     found: list[Recording] = []
+    unreadable = 0
     for n, line in enumerate(raw.split(b"\n"), 1):
         if not line.strip():
             continue
         try:
             found.append(parse_line(line.decode("utf-8"), n))
         except UnicodeDecodeError as exc:
+            unreadable += 1
             log.warning("%s: line %d skipped: not UTF-8 (%s)", path, n, exc.reason)
         except ReplayFileError as exc:
+            unreadable += 1
             log.warning("%s: %s (skipped)", path, exc)
     if not found:
         raise ReplayFileError("it holds no recorded request")
-    return found
+    return found, unreadable

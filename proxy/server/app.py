@@ -484,7 +484,7 @@ def _watch_ctx(path: Path, workers: int) -> Callable[[web.Application], AsyncIte
             # Names learned from the upstreams at start stay allowed as labels.
             runtime.router.add_model_labels(previous.router.discovered)
             holder.current = runtime
-            app[SERVICES].metrics.open_mode(runtime.open_mode)
+            _publish_config(app[SERVICES].metrics, runtime)
             return previous
 
         watcher = ConfigWatcher(path, prepare, install, st.release_runtime,
@@ -497,6 +497,12 @@ def _watch_ctx(path: Path, workers: int) -> Callable[[web.Application], AsyncIte
         await stop_task(task)
 
     return ctx
+
+
+def _publish_config(metrics: Metrics, runtime: Runtime) -> None:
+    """The gauges that describe a configuration: set at start and by each reload."""
+    metrics.open_mode(runtime.open_mode)
+    metrics.user_teams({user: cfg.team for user, cfg in runtime.config.users.items()})
 
 
 @dataclass(frozen=True)
@@ -523,7 +529,7 @@ def create_app(
     runtime = build_runtime(config)
     holder = RuntimeHolder(runtime)
     metrics = Metrics()
-    metrics.open_mode(runtime.open_mode)
+    _publish_config(metrics, runtime)
     http = HttpClient()
     notifier = Notifier(
         metrics,

@@ -23,7 +23,7 @@ import enum
 import os
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from math import isnan
 from types import TracebackType
@@ -838,6 +838,16 @@ class Metrics:
             "tokenmeter_open_mode", "1 when no users are configured and every request is accepted.",
             registry=r, multiprocess_mode="livemostrecent",
         )
+        # The request metrics carry `user` only (a team label would multiply every family by
+        # it); a dashboard joins on this to filter them by team.
+        self._user_info = _Gauge(
+            "tokenmeter_user_info",
+            'A configured user and their team (team="" for a user without one): 1 while the '
+            "user is configured (0 for one a reload dropped, in a multi-worker process, which "
+            "cannot remove a series).", ("user", "team"), registry=r,
+            multiprocess_mode="livemostrecent",
+        )
+        self._user_teams: dict[str, str] = {}
 
     # Labels are passed in their declared order (prometheus_client sorts keyword labels on every
     # call); each verb's signature names them.
@@ -1040,6 +1050,24 @@ class Metrics:
 
     def open_mode(self, is_open: bool) -> None:
         self._info.set(1 if is_open else 0)
+
+    def user_teams(self, teams: Mapping[str, str | None]) -> None:
+        """The configured users, each with their team (None: none), as tokenmeter_user_info;
+        called at start and on every reload. A user the new version drops, or whose team
+        changed, loses the old series: removed, or set to 0 where the multiprocess files
+        cannot forget it (every worker sets its own at its own reload)."""
+        wanted = {user: team or "" for user, team in teams.items()}
+        for user, team in self._user_teams.items():
+            if wanted.get(user) != team:
+                if self._shared_dir is None:
+                    self._user_info.remove(user, team)
+                else:
+                    self._user_info.labels(user=user, team=team).set(0)
+        for user, team in wanted.items():
+            if self._user_teams.get(user) != team:
+                # By name, not through the memo: a removed child must not come back from it.
+                self._user_info.labels(user=user, team=team).set(1)
+        self._user_teams = wanted
 
     def _observe_latency(self, rec: RequestRecord) -> None:
         hl = (rec.model_label, rec.upstream_label, rec.operation)

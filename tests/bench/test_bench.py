@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import io
 import json
 import os
 import sys
@@ -15,9 +16,11 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from proxy.bench import BenchConfig, Endpoint, RequestSpec, run_bench
+from proxy.bench.cli import command_line
 from proxy.bench.client import Api
 from proxy.bench.page import write_plot
-from proxy.bench.report import render, to_csv, to_json
+from proxy.bench.report import ProgressBar, render, to_csv, to_json
+from proxy.bench.runner import Tick
 from proxy.bench.stats import parse_slo
 from proxy.bench.workload import PromptsFileError, load_prompts
 from proxy.cli import main
@@ -224,6 +227,12 @@ async def test_outputs_json_csv_svg_html(aiohttp_server: ServerFactory, tmp_path
     assert data["levels"][0]["ttft"]["p99"] > 0 and data["levels"][0]["goodput_fraction"] == 1
     rows = list(csv.DictReader(to_csv(result).splitlines()))
     assert len(rows) == 8 and float(rows[0]["ttft.p50"]) > 0 and rows[0]["endpoint"] == "a"
+    # ITL per token as AIPerf defines it ((E2E - TTFT) / (tokens - 1)) is TPOT, under the name
+    # an AIPerf user looks for; `itl` stays the chunk gaps.
+    for level, row in zip(data["levels"], rows, strict=True):
+        assert level["itl_per_token"] == level["tpot"] and level["tpot"]["n"] == 4
+        assert row["itl_per_token.p50"] == row["tpot.p50"] != ""
+    assert "TPOT = ITL per token as AIPerf defines it" in render(result)
     for name in ("plot.svg", "plot.html"):
         write_plot(tmp_path / name, result.levels, "test", render(result))
     svg = ET.parse(tmp_path / "plot.svg").getroot()
@@ -277,24 +286,100 @@ def test_cli_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: P
         "every gap between consecutive content chunks",
         "(latency - TTFT) / (output tokens - 1)",
         "1 / TPOT",
+        "ITL per token, as AIPerf reports",
+        "1 when no measured request succeeded",
     ):
         assert definition in help_text
 
 
 def test_progress_bar_draws_one_line_and_clears_it() -> None:
-    import io
-
-    from proxy.bench.report import ProgressBar
-
     out = io.StringIO()
     bar = ProgressBar(out, width=10)
-    bar("mock c=1", 5, 10, 1)
-    bar("mock c=1", 6, 10, 1)  # within 0.1 s of the last redraw: skipped
-    bar("mock c=1", 10, 10, 1)  # the last one always drawn
+    bar(Tick("mock c=1", 2, 3, 5, 10, 1, 0.5, None))
+    bar(Tick("mock c=1", 2, 3, 6, 10, 1, 0.6, None))  # within 0.1 s of the last: skipped
+    bar(Tick("mock c=1", 2, 3, 10, 10, 1, 0.9, None))  # the last one always drawn
     bar.close()
     text = out.getvalue()
+    assert "level 2/3 mock c=1" in text
     assert "[#####.....] 5/10, 1 errors" in text and "6/10" not in text
     assert "[##########] 10/10" in text and text.endswith("\r\033[K")
+
+
+def test_command_line_on_the_page_hides_secrets() -> None:
+    argv = ["/x/proxy/__main__.py", "bench", "--base-url", "http://u:pw1@h:8080/v1",
+            "--header", "Authorization: Bearer sk-1", "--header=X-Api-Key: sk-2",
+            "--header", "x-mock-status: 500", "--model", "m"]
+    shown = command_line(argv)
+    assert "pw1" not in shown and "sk-1" not in shown and "sk-2" not in shown
+    assert shown == ("tokenmeter bench --base-url 'http://u:<redacted>@h:8080/v1' --header "
+                     "'Authorization: <redacted>' '--header=X-Api-Key: <redacted>' --header "
+                     "'x-mock-status: 500' --model m")
+
+
+def test_duration_progress_shows_elapsed_of_total_seconds() -> None:
+    out = io.StringIO()
+    bar = ProgressBar(out, width=10)
+    bar(Tick("mock rate=4/s", 0, 4, 3, 0, 0, 0.2, 8.0))
+    bar(Tick("mock rate=8/s", 3, 4, 17, 0, 2, 6.0, 8.0))
+    text = out.getvalue()
+    assert "warm-up mock rate=4/s" in text and "0.2/8 s, 3 requests" in text
+    assert "level 3/4 mock rate=8/s" in text
+    assert "[#######...] 6.0/8 s, 17 requests, 2 errors" in text
+
+
+async def test_runner_reports_the_level_and_seconds_of_a_duration_run(
+    aiohttp_server: ServerFactory,
+) -> None:
+    url = await mock_url(aiohttp_server, ttft_ms=0, tokens_per_second=0, output_tokens=4)
+    ticks: list[Tick] = []
+    cfg = config(url, concurrency=[1, 2], prompt_tokens=[8], requests=None, duration_s=0.2,
+                 endpoints=[Endpoint(url, "a"), Endpoint(url, "b")], rounds=2)
+    await run_bench(cfg, ticks.append)
+    warm = [t for t in ticks if t.level == 0]
+    measured = [t for t in ticks if t.level]
+    assert warm and all(t.duration_s is None for t in warm)
+    assert {t.level for t in measured} == {1, 2} and {t.levels for t in ticks} == {2}
+    # Each level runs --duration per endpoint: 2 x 0.2 s in all, the total shown.
+    assert {t.duration_s for t in measured} == {0.4} and {t.total for t in measured} == {0}
+    assert all(t.elapsed_s >= 0 for t in measured)
+    assert [t.level for t in measured] == sorted(t.level for t in measured)
+
+
+async def test_duration_progress_counts_on_while_no_request_ends(
+    aiohttp_server: ServerFactory,
+) -> None:
+    # One request that answers after 2 s in a 0.2 s level: the seconds are reported while it
+    # is still out (nothing done yet), not only when it ends.
+    url = await mock_url(aiohttp_server, ttft_ms=2000, tokens_per_second=0, output_tokens=2)
+    ticks: list[Tick] = []
+    await run_bench(config(url, concurrency=[1], prompt_tokens=[8], requests=None,
+                           duration_s=0.2, warmup=0), ticks.append)
+    waiting = [t for t in ticks if t.done == 0]
+    assert waiting and all(t.level == 1 and t.duration_s == 0.2 for t in waiting)
+    assert ticks[-1].done == 1
+
+
+@pytest.mark.parametrize("broken", ["status", "unreachable"])
+async def test_exit_status_1_when_no_request_succeeded(
+    aiohttp_server: ServerFactory, tmp_path: Path, broken: str,
+) -> None:
+    if broken == "status":
+        url = await mock_url(aiohttp_server)
+        extra = ["--header", "x-mock-status: 500"]
+    else:
+        url, extra = f"http://127.0.0.1:{free_port()}/v1", []
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy.cli", "bench", "--base-url", url, "--model", MODEL,
+        "--requests", "2", "--warmup", "0", "--prompt-tokens", "8", *extra,
+        "--json", str(tmp_path / "r.json"),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    stdout, stderr = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 1, stderr.decode()
+    assert "no request succeeded (2 sent, all failed" in stderr.decode()
+    # The report is still written: it says why.
+    (level,) = json.loads((tmp_path / "r.json").read_text())["levels"]
+    assert (level["ok"], level["errors"]) == (0, 2)
+    assert "errors:" in stdout.decode()
 
 
 # --- --api anthropic: the Messages API ---------------------------------------------------------

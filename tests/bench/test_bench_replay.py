@@ -157,7 +157,7 @@ async def test_replay_to_one_target_priced_by_a_config_by_the_model_sent(
     aiohttp_server: ServerFactory, tmp_path: Path,
 ) -> None:
     file = _write(tmp_path / "a.jsonl", _answer_a)
-    # A line of another route is read and left out: a bench replays one API's route.
+    # A line of a route bench does not send (embeddings) is read, counted skipped, not sent.
     other = {"path": "/v1/embeddings", "response": {"status": 200, "body": {}}}
     file.write_text(file.read_text() + json.dumps(other) + "\n")
     server = await aiohttp_server(create_replay_app(load_recordings(file), speed=0))

@@ -84,6 +84,12 @@ async def test_captured_traffic_is_replayed_from_the_store_with_the_list_filters
     assert arrived[1]["stream"] is True and arrived[1]["max_tokens"] == 9
     report: dict[str, Any] = json.loads((tmp_path / "r.json").read_text())
     assert report["replay"]["file"] == f"captures in {url}"
+    # Both sent as captured, both answered as recorded (200, no error), nothing skipped.
+    outcomes = report["replay"]["outcomes"]
+    assert [(s["same"], s["of"]) for s in outcomes["same_as_recorded"]] == [(2, 2)]
+    assert [r["recorded"] for r in outcomes["per_request"]] == [
+        {"status": 200, "error_class": None}] * 2
+    assert (report["replay"]["lines"], report["replay"]["skipped"]["total"]) == (2, 0)
 
     # A filter that chooses nothing is a usage error, named as such.
     code, _, err = await _bench(

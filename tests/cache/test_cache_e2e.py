@@ -219,6 +219,47 @@ async def test_a_bypass_says_why_in_a_header_and_the_access_log(
 
 
 @pytest.mark.timeout(60)
+async def test_an_answer_too_large_to_keep_says_so(
+    aiohttp_server: ServerFactory, upstream: TestServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An answer past `max_entry_kb` is a miss that is not stored: a JSON answer says
+    `too-large` beside `miss` (its size is known before its headers go out), a stream says it
+    in its access-log line, and neither becomes an entry (the next ask goes upstream)."""
+    caplog.set_level("INFO", logger="tokenmeter.access")
+    proxy = await _proxy(aiohttp_server, upstream, max_entry_kb=1)
+    client = _openai(proxy)
+    big = {"x-mock-output-tokens": "400", "x-mock-tokens-per-second": "100000"}
+    small = {"extra_headers": {"x-mock-output-tokens": "4"}}
+    seen = []
+    for _ in range(2):
+        raw = await client.chat.completions.with_raw_response.create(
+            model="mock-gpt", messages=ASK, temperature=0, max_tokens=500, extra_headers=big)
+        seen.append((raw.headers["x-tokenmeter-cache"],
+                     raw.headers.get("x-tokenmeter-cache-reason")))
+    # A stream's bound is STREAM_FACTOR times the entry's: 16 KB of events, passed here.
+    streamed = await client.chat.completions.with_raw_response.create(
+        model="mock-gpt", messages=ASK, temperature=0, max_tokens=2000, stream=True,
+        extra_headers={"x-mock-output-tokens": "2000", "x-mock-tokens-per-second": "100000"})
+    async for _ in streamed.parse():
+        pass
+    seen.append((streamed.headers["x-tokenmeter-cache"],
+                 streamed.headers.get("x-tokenmeter-cache-reason")))
+    for _ in range(2):
+        _, h = await _chat(client, **small)
+        seen.append((h["x-tokenmeter-cache"], h.get("x-tokenmeter-cache-reason")))
+    # The stream's headers left before its size was known: a plain miss there.
+    assert seen == [("miss", "too-large"), ("miss", "too-large"), ("miss", None),
+                    ("miss", None), ("hit", None)]
+    await settled(proxy.app, 5)
+    lines = [json.loads(r.getMessage()) for r in caplog.records
+             if r.name == "tokenmeter.access"]
+    assert [(line["cache"], line["cache_reason"]) for line in lines] == [
+        ("miss", "too-large"), ("miss", "too-large"), ("miss", "too-large"), ("miss", None),
+        ("hit", None)]
+    assert _seen(upstream) == 4
+
+
+@pytest.mark.timeout(60)
 async def test_a_configuration_that_makes_hits_impossible_is_warned_at_start(
     aiohttp_server: ServerFactory, upstream: TestServer, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from proxy.bench.replay import load_replay
+from proxy.bench.workload import Api
 from proxy.capture.record import Body, Capture, StreamEvent
 from proxy.capture.store import CaptureStore
 from proxy.testing.replay import load_recordings
@@ -212,11 +213,13 @@ def test_an_export_holding_unicode_line_breaks_replays_and_a_bad_line_is_skipped
                         encoding="utf-8")
     with caplog.at_level(logging.WARNING, logger="tokenmeter.replay"):
         recordings = load_recordings(exported)
-        prompts = load_replay(str(exported), "/v1/chat/completions", "gpt-4o-mini")
+        loaded = load_replay(str(exported), Api.OPENAI, "gpt-4o-mini")
+    prompts = loaded.prompts
     found = recordings.find("/v1/chat/completions", [{"role": "user", "content": odd}], True)
     assert found is not None and json.loads(found.events[0].text[6:])["choices"][0]["delta"][
         "content"] == odd
     assert [p.line for p in prompts] == [1, 2, 4]
+    assert (loaded.lines, [s.text for s in loaded.skipped]) == (4, ["1 not readable"])
     assert prompts[0].messages == ({"role": "user", "content": odd},)
     warned = [r.getMessage() for r in caplog.records if r.name == "tokenmeter.replay"]
     assert warned and all(f"{exported}: line 3: " in w and "skipped" in w for w in warned)

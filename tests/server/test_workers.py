@@ -494,6 +494,34 @@ async def test_sighup_reaches_every_worker_and_sigterm_drains_them(
         assert all(x["output_tokens"] == 60 and x["error_class"] == "none" for x in access)
 
 
+async def test_user_info_follows_a_reload_of_every_worker(
+    upstream: TestServer, tmp_path: Path
+) -> None:
+    """The workers' shared files cannot forget a series: after a reload, a dropped user and a
+    user's former team read 0 (the dashboards join on `tokenmeter_user_info == 1`)."""
+    head = (f"upstreams:\n  mock:\n    base_url: {upstream.make_url('/v1')}\n"
+            "metrics:\n  discover_models: false\nusers:\n")
+    before = users({"alice": {"keys": ["sk-alice-0123456789"], "team": "a"},
+                    "bob": {"keys": ["sk-bob-0123456789"]}})
+    after = users({"alice": {"keys": ["sk-alice-0123456789"], "team": "b"}})
+
+    def info(samples: Samples) -> dict[str, float]:
+        return {f"{dict(lab)['user']}/{dict(lab)['team']}": v for (n, lab), v in samples.items()
+                if n == "tokenmeter_user_info"}
+
+    async with supervised(tmp_path, head + before + "\n", "--workers", "2") as workers:
+        async def published(want: dict[str, float]) -> bool:
+            return info(await workers.scrape()) == want
+
+        await until(lambda: published({"alice/a": 1.0, "bob/": 1.0}), deadline=10, every=0.05)
+        (tmp_path / "tm.yaml").write_text(head + after + "\n")
+        workers.proc.send_signal(signal.SIGHUP)
+        await until(lambda: published({"alice/a": 0.0, "bob/": 0.0, "alice/b": 1.0}),
+                    deadline=10, every=0.05)
+        assert sample(await workers.scrape(), "tokenmeter_config_reloads_total",
+                      result="ok") == 2
+
+
 async def test_workers_drain_and_exit_when_their_supervisor_is_killed(
     upstream: TestServer, tmp_path: Path
 ) -> None:

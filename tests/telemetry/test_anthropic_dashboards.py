@@ -35,7 +35,7 @@ def panel_expr(title: str) -> str:
     (panel,) = [p for p in dash["panels"] if p.get("title") == title]
     (target,) = panel["targets"]
     expr = str(target["expr"]).replace("$__rate_interval", "1m")
-    for name in ("instance", "model", "user"):
+    for name in ("instance", "model", "team", "user"):
         expr = expr.replace(f'=~"${name}"', '=~".*"')
     assert "$" not in expr, expr
     return expr

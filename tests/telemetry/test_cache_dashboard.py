@@ -42,7 +42,7 @@ def panel_expr(title: str) -> str:
     (panel,) = [p for p in dash["panels"] if p.get("title") == title]
     (target,) = panel["targets"]
     expr = str(target["expr"]).replace("$__rate_interval", "1m").replace("$__range", "1h")
-    for name in ("instance", "model", "user"):
+    for name in ("instance", "model", "team", "user"):
         expr = expr.replace(f'=~"${name}"', '=~".*"')
     assert "$" not in expr, expr
     return expr
