@@ -10,8 +10,8 @@ walker yields, the cache fills with `assemble` and answers hits with `replay`, c
 `shown` and redacts every text the walker finds. A new text in an API (a new delta field) is
 one edit, in its codec's walker.
 
-A codec is stateless and pure: its work is bounded by the bytes it is given, and the wings call
-it off the event loop for large bodies, as they did before.
+A codec is stateless and pure: its work is bounded by the bytes it is given, so a wing can bound
+it by what it keeps, and calls it off the event loop for a large body.
 """
 
 from __future__ import annotations
