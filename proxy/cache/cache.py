@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.budget.principal import Principal
-from proxy.cache import assemble, replay
 from proxy.cache import outcome as cache_outcome
-from proxy.cache.entry import Entry, EntryUnreadable, Form
+from proxy.cache.entry import OPERATIONS, Entry, EntryUnreadable, Form
 from proxy.cache.flight import Flights
 from proxy.cache.key import cache_key
 from proxy.cache.outcome import BypassReason, CacheOutcome, CacheResult
@@ -27,6 +26,7 @@ from proxy.cache.policy import CacheRule, rule_for, samples, scope_id
 from proxy.cache.replays import Hot, ReplayForm, Replays
 from proxy.cache.store import CacheStore
 from proxy.config.cache import CacheConfig
+from proxy.protocol.codecs import codec_for
 from proxy.protocol.usage import Usage
 from proxy.telemetry.metrics import CacheStage
 
@@ -219,7 +219,7 @@ def _rule(config: CacheConfig, ask: Ask) -> CacheRule | Decision:
         # Pass-through: the proxy cannot tell a valid upstream key from another, and a hit
         # must need one.
         return Decision(CacheResult.BYPASS, reason=BypassReason.PASSTHROUGH)
-    if ask.operation not in assemble.OPERATIONS:
+    if ask.operation not in OPERATIONS:
         return Decision(CacheResult.BYPASS, reason=BypassReason.NOT_CACHEABLE)
     if not rule.cache_sampled and samples(ask.body):
         return Decision(CacheResult.BYPASS, reason=BypassReason.SAMPLED)
@@ -394,9 +394,10 @@ def render(entry: Entry, *, stream: bool,
     answer = entry.answer()
     if answer is None:
         return None
-    as_json = replay.as_json(answer)
+    codec = codec_for(entry.operation)
+    as_json = codec.body(answer)
     if stream:
-        body = replay.as_stream(entry.operation, answer, include_usage)
+        body = codec.replay(answer, include_usage=include_usage)
         return body, as_json if entry.form is Form.STREAM else None
     return as_json, as_json
 
@@ -407,13 +408,13 @@ def _make_entry(fill: Fill, finished: Finished, redact: tuple[str, ...],
     answer is stored as it came, unparsed (a miss's path pays a scan for its finish reasons
     and the entry's head); redaction needs it parsed and stores its JSON."""
     raw, form = fill.data(), Form.STREAM if fill.stream else Form.JSON
+    codec = codec_for(fill.operation)
     if redact:
-        answer = (assemble.from_stream(fill.operation, raw) if fill.stream
-                  else assemble.from_body(fill.operation, raw))
-        if answer is None or not assemble.finished(fill.operation, answer, finished.capped_ok):
+        answer = codec.assemble_stream(raw) if fill.stream else codec.answer_of(raw)
+        if answer is None or not codec.finished(answer, finished.capped_ok):
             return None
-        raw, form = replay.as_json(redact_answer(answer, redaction(redact))), Form.JSON
-    elif not assemble.ended(fill.operation, raw, finished.capped_ok):
+        raw, form = codec.body(codec.redacted(answer, redaction(redact))), Form.JSON
+    elif not codec.ended(raw, finished.capped_ok):
         return None
     entry = Entry(fill.operation, form, raw, finished.usage, now)
     data = entry.encode()
@@ -421,22 +422,9 @@ def _make_entry(fill: Fill, finished: Finished, redact: tuple[str, ...],
 
 
 @functools.lru_cache(maxsize=8)
-def redaction(redact: tuple[str, ...]) -> re.Pattern[str]:
-    return re.compile("|".join(f"(?:{p})" for p in redact))
-
-
-# The fields of an answer that hold what the model wrote (everything within them is
-# redacted); ids, roles, finish reasons and usage are left as they are.
-_TEXT_FIELDS = frozenset({"content", "text", "refusal", "arguments", "thinking", "input"})
-
-
-def redact_answer(value: Any, pattern: re.Pattern[str], text: bool = False) -> Any:
-    if isinstance(value, str):
-        return pattern.sub("[REDACTED]", value) if text else value
-    if isinstance(value, dict):
-        # Anthropic's `content` is a list of blocks (types, ids): only its texts are redacted.
-        return {k: redact_answer(v, pattern, text or (k in _TEXT_FIELDS and (
-            k != "content" or isinstance(v, str)))) for k, v in value.items()}
-    if isinstance(value, list):
-        return [redact_answer(v, pattern, text) for v in value]
-    return value
+def redaction(redact: tuple[str, ...]) -> Callable[[str], str]:
+    """The cache's `redact` patterns as one substitution, applied to every text of an answer
+    its codec's walker finds (what the model wrote; ids, roles, finish reasons and usage are
+    left as they are)."""
+    pattern = re.compile("|".join(f"(?:{p})" for p in redact))
+    return functools.partial(pattern.sub, "[REDACTED]")

@@ -16,11 +16,16 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-from proxy.cache import assemble
+from proxy.protocol.codecs import codec_for
 from proxy.protocol.usage import Usage
 
 _VERSION = 2
 _USAGE_FIELDS = tuple(f.name for f in fields(Usage))  # asdict() deep-copies: 10x slower
+
+
+# The operations whose answers the cache stores: those whose codec tells an answer that ended by
+# itself from a cut one, and replays it as the stream a client of the API expects.
+OPERATIONS = frozenset({"chat", "text_completion", "messages"})
 
 
 class EntryUnreadable(ValueError):
@@ -69,6 +74,7 @@ class Entry:
 
     def answer(self) -> dict[str, Any] | None:
         """The answer in its JSON form (a stream reassembled), or None if it is not one."""
+        codec = codec_for(self.operation)
         if self.form is Form.JSON:
-            return assemble.from_body(self.operation, self.payload)
-        return assemble.from_stream(self.operation, self.payload)
+            return codec.answer_of(self.payload)
+        return codec.assemble_stream(self.payload)

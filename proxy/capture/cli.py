@@ -26,6 +26,7 @@ from proxy.config.load import ConfigError, load_config
 from proxy.ledger.query import LedgerUnavailable, Location, locate, open_reader
 from proxy.ledger.report import parse_bound
 from proxy.ledger.schema import TABLE as LEDGER_TABLE
+from proxy.protocol.codecs import codec_for
 from proxy.telemetry.shown_text import for_terminal
 
 T = TypeVar("T")
@@ -37,7 +38,6 @@ _LEDGER_FIELDS = ("input_tokens", "output_tokens", "cached_input_tokens",
                   "cache_creation_input_tokens", "reasoning_tokens", "token_source", "ttft_ms",
                   "duration_ms", "cost_nanousd", "cache", "saved_input_tokens",
                   "saved_output_tokens", "saved_cost_nanousd")
-_CAPS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 _EVERYTHING = 2**31 - 1  # export: no limit unless one is given
 
 
@@ -303,6 +303,8 @@ def _text(c: Capture, ledger: dict[str, Any] | None) -> str:
         lines += ["--- output", *_shown(c.output_text)]
     if c.reasoning is not None:
         lines += ["--- reasoning", *_shown(c.reasoning)]
+    if c.refusal is not None:
+        lines += ["--- refusal", *_shown(c.refusal)]
     if c.tool_calls:
         lines += ["--- tool calls", *(for_terminal(json.dumps(t)) for t in c.tool_calls)]
     lines += [for_terminal(line) for line in _ledger_lines(ledger)]
@@ -375,7 +377,7 @@ def export_line(c: Capture) -> dict[str, Any] | None:
         "request_id": c.request_id, "api": c.api, "path": c.path, "model": c.requested_model,
         "messages": request.get("messages"),
     }
-    cap = next((request[k] for k in _CAPS if request.get(k) is not None), None)
+    cap = next(iter(codec_for(c.operation).asked_caps(request)), None)
     if cap is not None:
         line["max_tokens"] = cap
     line["stream"] = c.stream

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import Any
@@ -27,8 +27,16 @@ from multidict import CIMultiDictProxy
 from proxy.auth import KEY_HEADERS
 from proxy.capture.record import Body, Capture, Chunks, StreamEvent
 from proxy.capture.redact import REDACTED, Redactor
-from proxy.protocol.readers import loads_all
-from proxy.protocol.sse import SSEDecoder
+from proxy.protocol.codec import (
+    Codec,
+    Shown,
+    TextKind,
+    loads_all,
+    redacted_json_text,
+    stream_datas,
+    timed_events,
+)
+from proxy.protocol.codecs import codec_for
 
 
 class Collector:
@@ -132,23 +140,6 @@ def _body(kept: tuple[bytes, int] | None, limit: int, redact: Callable[[str], st
     return Body(text, size, cut)
 
 
-def events_of(chunks: list[tuple[float, bytes]]) -> list[tuple[float, bytes, bytes]]:
-    """The stream's events as (arrival ms of the chunk that completed it, raw bytes, data)."""
-    decoder = SSEDecoder()
-    out: list[tuple[float, bytes, bytes]] = []
-    pending = b""
-    for at_ms, chunk in chunks:
-        buf = pending + chunk
-        start = 0
-        shift = len(pending)
-        for event in decoder.feed(chunk):
-            end = shift + event.end
-            out.append((at_ms, buf[start:end].strip(b"\r\n"), event.data))
-            start = end
-        pending = buf[start:]
-    return out
-
-
 def record(collected: Collector, meta: Meta, redact: Redactor) -> Capture:
     """The capture of a settled request (CPU work: run it off the event loop). A stream is kept
     as its chunks, redacted in one pass over its whole text; it is cut into events and its
@@ -156,17 +147,19 @@ def record(collected: Collector, meta: Meta, redact: Redactor) -> Capture:
     text (a chunk's offsets would no longer hold), it is not UTF-8, or its events split a
     secret between them (`_unsplit`) is it cut here, event by event."""
     limit = collected.limit
+    codec = codec_for(meta.operation)
     redact = redact.with_keys(collected.keys)
-    unsplit = _unsplit(collected.chunks, redact)
+    unsplit = _unsplit(codec, collected.chunks, redact)
     chunks = None if unsplit is not None else _chunks(collected.chunks, redact)
     events: tuple[StreamEvent, ...] = ()
     output: dict[str, Any] = {}
     if chunks is None:  # nothing streamed, or a stream that must be cut here
         framed = unsplit if unsplit is not None else (
-            events_of(collected.chunks) if collected.chunks else [])
+            timed_events(collected.chunks) if collected.chunks else [])
         if framed:
             events = _redacted_events(framed, redact)
-        output = _output_fields(reassemble([data for _, _, data in framed]), meta.stream, redact)
+        output = _output_fields(_shown(codec, [data for _, _, data in framed]), meta.stream,
+                                redact)
     response = _body(collected.answer, limit, redact)
     return Capture(
         request_id=meta.request_id, started_at=meta.started_at, api=meta.api, path=meta.path,
@@ -201,12 +194,18 @@ def _chunks(kept: list[tuple[float, bytes]], redact: Callable[[str], str]) -> Ch
                   tuple([int(at_ms * 1000) for at_ms, _ in kept]))
 
 
-def _output_fields(output: Output, stream: bool,
+def _shown(codec: Codec, datas: list[bytes]) -> Shown:
+    """What the capture shows of a stream's events (their data): the codec's view."""
+    return codec.shown(loads_all([d for d in datas if d[:1] == b"{"]))
+
+
+def _output_fields(output: Shown, stream: bool,
                    redact: Callable[[str], str]) -> dict[str, Any]:
     # Every text kind redacted, a tool call's arguments, name and id included.
     return {"output_text": redact(output.text) if stream else None,
             "tool_calls": tuple(_redacted_json(call, redact) for call in output.tool_calls),
-            "reasoning": redact(output.reasoning) if output.reasoning else None}
+            "reasoning": redact(output.reasoning) if output.reasoning else None,
+            "refusal": redact(output.refusal) if output.refusal else None}
 
 
 def _redacted_json(value: Any, redact: Callable[[str], str]) -> Any:
@@ -246,91 +245,34 @@ def _deep(text: str, redact: Callable[[str], str]) -> str:
     return redact(json.dumps(redacted, ensure_ascii=False))
 
 
-# The fields of a stream's events that carry the answer's texts, in every API the proxy
-# speaks (`_texts`). A secret is looked for in each one's pieces joined across the events.
-_CHAT_TEXTS = ("content", "reasoning_content", "reasoning", "refusal")  # a choice's delta
-_MESSAGES_TEXTS = ("text", "thinking", "partial_json")  # Anthropic's content_block_delta
-_RESPONSES_IDS = ("type", "item_id", "output_index", "content_index", "summary_index")
-
-# (which text it is a piece of, the object holding it, its field, the piece)
-_Text = tuple[tuple[Any, ...], dict[str, Any], str, str]
-
-
-def _id(value: Any) -> str | int | None:
-    return value if isinstance(value, str | int) else None
-
-
-def _texts(obj: dict[str, Any]) -> Iterator[_Text]:
-    """The pieces of the answer's texts an event carries: Chat's content, reasoning, refusal and
-    tool-call arguments (by choice and call), legacy Completions' text, Anthropic's text,
-    thinking and tool input (by content block), a Responses event's delta (by item and part).
-    Told apart by what a client reassembles them by."""
-    choices = obj.get("choices")
-    if isinstance(choices, list):
-        for choice in choices:
-            if isinstance(choice, dict):
-                yield from _choice_texts(choice)
-        return
-    delta = obj.get("delta")
-    if isinstance(delta, dict):
-        for field in _MESSAGES_TEXTS:
-            text = delta.get(field)
-            if isinstance(text, str) and text:
-                yield (_id(obj.get("index")), field), delta, field, text
-    elif isinstance(delta, str) and delta:
-        yield tuple(_id(obj.get(k)) for k in _RESPONSES_IDS), obj, "delta", delta
-
-
-def _choice_texts(choice: dict[str, Any]) -> Iterator[_Text]:
-    at = _id(choice.get("index"))
-    delta = choice.get("delta")
-    if isinstance(delta, dict):
-        for field in _CHAT_TEXTS:
-            text = delta.get(field)
-            if isinstance(text, str) and text:
-                yield (at, field), delta, field, text
-        calls = delta.get("tool_calls")
-        for call in calls if isinstance(calls, list) else ():
-            fn = call.get("function") if isinstance(call, dict) else None
-            text = fn.get("arguments") if isinstance(fn, dict) else None
-            if isinstance(fn, dict) and isinstance(text, str) and text:
-                yield (at, "tool", _id(call.get("index"))), fn, "arguments", text
-        fn = delta.get("function_call")  # the deprecated single call
-        text = fn.get("arguments") if isinstance(fn, dict) else None
-        if isinstance(fn, dict) and isinstance(text, str) and text:
-            yield (at, "function_call"), fn, "arguments", text
-    text = choice.get("text")  # legacy Completions
-    if isinstance(text, str) and text:
-        yield (at, "text"), choice, "text", text
-
-
-def _redact_joined(objs: list[dict[str, Any]], redact: Redactor) -> set[int]:
-    """Each text's pieces joined across `objs` (events' data, parsed) and looked at: a secret
-    found is taken out of the pieces, in place (`_cut`). Returns the events changed."""
-    texts: dict[tuple[Any, ...], list[tuple[int, dict[str, Any], str, str]]] = {}
+def _redact_joined(codec: Codec, objs: list[dict[str, Any]], redact: Redactor) -> set[int]:
+    """Each text's pieces (the codec's walker over `objs`, events' data parsed) joined across
+    the events, as a client joins them, and looked at: a secret found is taken out of the
+    pieces, in place (`_cut`). Returns the events changed."""
+    texts: dict[tuple[TextKind, tuple[Any, ...]], list[tuple[int, Any, Any, str]]] = {}
+    walk = codec.texts
     for n, obj in enumerate(objs):
-        # Most events of most streams: one choice whose delta is a piece of content alone,
-        # taken without the general walk (a third of the whole look's cost).
-        choices = obj.get("choices")
-        if type(choices) is list and len(choices) == 1:
-            choice = choices[0]
-            delta = choice.get("delta") if type(choice) is dict else None
-            if type(delta) is dict and len(delta) == 1:
-                piece = delta.get("content")
-                if type(piece) is str:
-                    if piece:
-                        texts.setdefault((_id(choice.get("index")), "content"), []).append(
-                            (n, delta, "content", piece))
-                    continue
-        for key, holder, field, piece in _texts(obj):
-            texts.setdefault(key, []).append((n, holder, field, piece))
+        for kind, at, holder, field, text in walk(obj):
+            key = (kind, at)
+            pieces = texts.get(key)
+            if pieces is None:
+                pieces = texts[key] = []
+            pieces.append((n, holder, field, text))
     changed: set[int] = set()
-    for pieces in texts.values():
+    for (kind, _), pieces in texts.items():
         olds = [piece for _, _, _, piece in pieces]
-        spans = redact.spans("".join(olds))
-        if not spans:
+        whole = "".join(olds)
+        spans = redact.spans(whole)
+        if spans:
+            news = _cut(olds, spans)
+        elif kind is TextKind.TOOL_ARGS and "\\" in whole and (
+                hidden := redacted_json_text(whole, redact)) != whole:
+            # A secret its JSON escapes hid from the patterns: the arguments are written again
+            # from their redacted value, whole, in the first piece.
+            news = [hidden, *[""] * (len(olds) - 1)]
+        else:
             continue
-        for (n, holder, field, old), new in zip(pieces, _cut(olds, spans), strict=True):
+        for (n, holder, field, old), new in zip(pieces, news, strict=True):
             if new != old:
                 holder[field] = new
                 changed.add(n)
@@ -338,29 +280,24 @@ def _redact_joined(objs: list[dict[str, Any]], redact: Redactor) -> set[int]:
 
 
 def _datas(raw: bytes) -> list[bytes]:
-    """The JSON objects' data among a whole stream's events (framed in one call: the codec's
-    fast path for one-line `data:` events, else its full framing)."""
-    decoder = SSEDecoder()
-    datas = decoder.whole_events(raw)
-    if datas is None:
-        datas = [e.data for e in (*decoder.feed(raw), *decoder.flush())]
-    return [d for d in datas if d[:1] == b"{"]  # `[DONE]` would make loads_all parse each
+    """The JSON objects' data among a whole stream's events, framed in one call."""
+    return [d for d in stream_datas(raw) if d[:1] == b"{"]  # `[DONE]` would slow loads_all
 
 
-def _unsplit(chunks: list[tuple[float, bytes]],
+def _unsplit(codec: Codec, chunks: list[tuple[float, bytes]],
              redact: Redactor) -> list[tuple[float, bytes, bytes]] | None:
     """The stream's events with every secret its texts hold removed, when some text (the
-    pieces of one field joined across the events, as a client reassembles them) holds one;
+    pieces of one text joined across the events, as a client reassembles them) holds one;
     None when none does (then redacting the stream's text, as written, is enough). The look
     is one framing and one JSON parse of the whole stream; only a stream that holds a secret
     is cut into its timed events and those that carry its pieces made again."""
     if not chunks or not _redact_joined(
-            loads_all(_datas(b"".join([data for _, data in chunks]))), redact):
+            codec, loads_all(_datas(b"".join([data for _, data in chunks]))), redact):
         return None
-    framed = events_of(chunks)
+    framed = timed_events(chunks)
     objs = loads_all([data for _, _, data in framed])
     out = list(framed)
-    for n in _redact_joined(objs, redact):
+    for n in _redact_joined(codec, objs, redact):
         at, raw, _ = framed[n]
         data = json.dumps(objs[n], ensure_ascii=False, separators=(",", ":")).encode()
         kept = [line for line in raw.split(b"\n") if not line.startswith(b"data:")]
@@ -399,9 +336,9 @@ def completed(capture: Capture, redact: Callable[[str], str]) -> Capture:
         return capture
     raw = kept.text.encode()
     starts = (0, *kept.ends[:-1])
-    framed = events_of([(at / 1000, raw[a:b])
-                        for at, a, b in zip(kept.at_us, starts, kept.ends, strict=True)])
-    output = reassemble([data for _, _, data in framed])
+    framed = timed_events([(at / 1000, raw[a:b])
+                           for at, a, b in zip(kept.at_us, starts, kept.ends, strict=True)])
+    output = _shown(codec_for(capture.operation), [data for _, _, data in framed])
     return replace(capture, chunks=None,
                    events=tuple(StreamEvent(at, text.decode("utf-8", "replace"))
                                 for at, text, _ in framed),
@@ -433,76 +370,3 @@ def _redacted_events(events: list[tuple[float, bytes, bytes]],
 
 
 _SEP = "\n\n"  # what ends an event, so never inside one's text (its newlines are stripped)
-
-
-@dataclass(frozen=True, slots=True)
-class Output:
-    text: str
-    tool_calls: tuple[dict[str, Any], ...]
-    reasoning: str
-
-
-def reassemble(datas: list[bytes]) -> Output:
-    """A stream's output from its events' data: OpenAI's chat (`choices[].delta`: content,
-    tool_calls by index, reasoning_content) and Anthropic's Messages (`content_block_delta`:
-    text_delta, input_json_delta, thinking_delta)."""
-    text: list[str] = []
-    reasoning: list[str] = []
-    tools: dict[int, dict[str, Any]] = {}
-    for data in datas:
-        try:
-            obj = json.loads(data)
-        except ValueError:
-            continue  # [DONE], pings
-        if isinstance(obj, dict):
-            _openai_delta(obj, text, reasoning, tools)
-            _anthropic_delta(obj, text, reasoning, tools)
-    calls = tuple(tools[i] for i in sorted(tools))
-    return Output("".join(text), calls, "".join(reasoning))
-
-
-def _openai_delta(obj: dict[str, Any], text: list[str], reasoning: list[str],
-                  tools: dict[int, dict[str, Any]]) -> None:
-    for choice in obj.get("choices") or ():
-        delta = choice.get("delta") if isinstance(choice, dict) else None
-        if not isinstance(delta, dict):
-            continue
-        if isinstance(delta.get("content"), str):
-            text.append(delta["content"])
-        if isinstance(delta.get("reasoning_content"), str):
-            reasoning.append(delta["reasoning_content"])
-        for call in delta.get("tool_calls") or ():
-            if isinstance(call, dict) and isinstance(call.get("index"), int):
-                _merge_call(tools.setdefault(call["index"], {}), call)
-
-
-def _merge_call(into: dict[str, Any], part: dict[str, Any]) -> None:
-    if part.get("id"):
-        into["id"] = part["id"]
-    fn = part.get("function")
-    if isinstance(fn, dict):
-        if fn.get("name"):
-            into["name"] = fn["name"]
-        if isinstance(fn.get("arguments"), str):
-            into["arguments"] = into.get("arguments", "") + fn["arguments"]
-
-
-def _anthropic_delta(obj: dict[str, Any], text: list[str], reasoning: list[str],
-                     tools: dict[int, dict[str, Any]]) -> None:
-    kind, index = obj.get("type"), obj.get("index")
-    if kind == "content_block_start" and isinstance(index, int):
-        block = obj.get("content_block")
-        if isinstance(block, dict) and block.get("type") == "tool_use":
-            tools[index] = {"id": block.get("id"), "name": block.get("name"), "arguments": ""}
-        return
-    delta = obj.get("delta")
-    if kind != "content_block_delta" or not isinstance(delta, dict):
-        return
-    if delta.get("type") == "text_delta" and isinstance(delta.get("text"), str):
-        text.append(delta["text"])
-    elif delta.get("type") == "thinking_delta" and isinstance(delta.get("thinking"), str):
-        reasoning.append(delta["thinking"])
-    elif (delta.get("type") == "input_json_delta" and isinstance(index, int)
-          and isinstance(delta.get("partial_json"), str)):
-        call = tools.setdefault(index, {"arguments": ""})
-        call["arguments"] = call.get("arguments", "") + delta["partial_json"]

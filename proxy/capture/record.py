@@ -69,6 +69,7 @@ class Capture:
     output_text: str | None = None
     tool_calls: tuple[dict[str, Any], ...] = ()
     reasoning: str | None = None
+    refusal: str | None = None  # a refusal the model streamed in place of an answer
     upstream_error: Body | None = None  # the upstream's error body, when it sent one
     # The request's tags (proxy.config.tags), as in its ledger row; a capture written before
     # tags existed reads as none.

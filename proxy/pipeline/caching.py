@@ -36,8 +36,6 @@ from proxy.protocol.translators import Translator
 from proxy.protocol.usage import ZERO
 from proxy.telemetry.metrics import RequestRecord
 
-_CAP_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
-
 
 async def consult(request: web.Request, ctx: RequestContext, svc: Services, outcome: Outcome,
                   shape: type[Translator]) -> web.StreamResponse | None:
@@ -170,7 +168,7 @@ def _capped_ok(done: Settlement) -> bool:
     reservation = done.candidacy.reservation
     if reservation.clamped or reservation.topup_cap is not None:
         return False
-    body = done.candidacy.translator.request.body
-    asked = [body[f] for f in _CAP_FIELDS if f in body]
+    translator = done.candidacy.translator
+    asked = translator.codec.asked_caps(translator.request.body)
     return bool(asked) and (reservation.upstream_cap is None
                             or reservation.upstream_cap in asked)

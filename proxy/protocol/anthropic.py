@@ -12,51 +12,26 @@ existing cost of cached input applies to the reads.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 from proxy.protocol import upstream_errors
-from proxy.protocol.readers import NOTHING, EventFlag, Reader, loads, loads_all
-from proxy.protocol.request import ParsedRequest, strings
-from proxy.protocol.usage import Usage, usage_int
+from proxy.protocol.apis import count_tokens, messages
+from proxy.protocol.codec import Codec
+from proxy.protocol.readers import NOTHING, EventFlag, Reader, loads
+from proxy.protocol.request import ParsedRequest
+from proxy.protocol.usage import ANTHROPIC_FIELDS as _USAGE_FIELDS
+from proxy.protocol.usage import Usage, anthropic_usage, usage_int
+
+__all__ = ["CountTokensReader", "MessagesReader", "anthropic_usage"]
 
 _CONTENT = EventFlag.CONTENT
 _FINISH = EventFlag.FINISH
 # The deltas that carry output tokens (signature and citation deltas do not).
 _CONTENT_MARKS = (b'"text_delta"', b'"thinking_delta"', b'"input_json_delta"')
-# `cache_creation` (the writes by cache lifetime) is an object: kept whole, the latest wins.
-_USAGE_FIELDS = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens",
-                 "output_tokens", "cache_creation")
-
-
-def anthropic_usage(obj: Any) -> Usage | None:
-    """An Anthropic `usage` object as a `Usage` (see the module's note on input tokens).
-
-    `cache_creation: {ephemeral_5m_input_tokens, ephemeral_1h_input_tokens}`, where the usage
-    has it, says which cache the writes went to: the 1-hour ones are kept apart (priced apart),
-    the rest of `cache_creation_input_tokens` are 5-minute writes."""
-    if not isinstance(obj, dict):
-        return None
-    fresh = usage_int(obj.get("input_tokens"))
-    split = obj.get("cache_creation")
-    split = split if isinstance(split, dict) else {}
-    hour = usage_int(split.get("ephemeral_1h_input_tokens"))
-    if "cache_creation_input_tokens" in obj:
-        writes = usage_int(obj.get("cache_creation_input_tokens"))
-    else:  # only the split: its sum
-        writes = usage_int(split.get("ephemeral_5m_input_tokens")) + hour
-    reads = usage_int(obj.get("cache_read_input_tokens"))
-    return Usage(
-        input_tokens=fresh + writes + reads,
-        output_tokens=usage_int(obj.get("output_tokens")),
-        cached_input_tokens=reads,
-        cache_creation_input_tokens=writes,
-        cache_read_input_tokens=reads,
-        cache_creation_1h_input_tokens=min(hour, writes),
-    )
-
-
 class MessagesReader(Reader):
+    codec: ClassVar[Codec] = messages.CODEC
+
     def __init__(self, request: ParsedRequest, model: str, *, sampled: bool) -> None:
         super().__init__(request, model, sampled=sampled)
         self._fields: dict[str, Any] = {}  # the latest cumulative usage, field by field
@@ -127,26 +102,12 @@ class MessagesReader(Reader):
         self.reported = anthropic_usage(self.answer.get("usage"))
         self._answered_by(self.answer)
 
-    @staticmethod
-    def event_texts(events: list[bytes]) -> Iterable[str]:
-        for obj in loads_all(events):
-            delta = obj.get("delta")
-            if isinstance(delta, dict):
-                yield from strings(delta.get("text"), delta.get("thinking"),
-                                   delta.get("partial_json"))
-
-    def answer_texts(self, answer: dict[str, Any]) -> Iterable[str]:
-        content = answer.get("content")
-        for block in content if isinstance(content, list) else ():
-            if isinstance(block, dict):
-                yield from strings(block.get("text"), block.get("thinking"))
-                if block.get("type") == "tool_use":
-                    yield from strings(str(block.get("input")))
-
 
 class CountTokensReader(MessagesReader):
     """`count_tokens`: authenticated and counted as a request, but it generates nothing, so it
     reserves and charges no tokens (its answer has no `usage`)."""
+
+    codec = count_tokens.CODEC
 
     def on_body(self, body: bytes) -> None:
         self.answer = loads(body)

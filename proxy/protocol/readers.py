@@ -15,17 +15,22 @@ estimate, which parses them only if an estimate is needed.
 from __future__ import annotations
 
 import enum
-import json
+import functools
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from itertools import accumulate, repeat
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from proxy.errors import ErrorClass
+from proxy.protocol.apis import chat, completions, embeddings, responses
+from proxy.protocol.codec import Codec, loads, loads_all
 from proxy.protocol.memmem import find
 from proxy.protocol.output import OutputEstimate
-from proxy.protocol.request import ParsedRequest, strings
+from proxy.protocol.request import ParsedRequest
 from proxy.protocol.usage import Usage, parse_usage
+
+__all__ = ["NOTHING", "ChatReader", "CompletionsReader", "EventFlag", "OnEvent", "Reader",
+           "ResponsesReader", "carries_usage", "loads", "loads_all"]
 
 
 class EventFlag(enum.IntFlag):
@@ -69,37 +74,31 @@ _RUN_ENDS = (b'"finish_reason":"', b'"finish_reason": "', b'"usage":{', b'"usage
              b'"content":""')
 
 
-def loads(data: bytes) -> dict[str, Any]:
-    """A JSON object, or {} for anything else: an answer is read, never refused."""
-    try:
-        obj = json.loads(data)
-    except ValueError:
-        return {}
-    return obj if isinstance(obj, dict) else {}
+@functools.cache
+def codec_texts(codec: Codec) -> Callable[[list[bytes]], Iterator[str]]:
+    """The output texts in a list of `codec`'s events: what its walker finds in each."""
+    texts = codec.texts
 
-
-def loads_all(events: list[bytes]) -> list[dict[str, Any]]:
-    """`loads` of each event. One JSON array is parsed in one call, twice as fast as one call
-    per event; if that is not exactly one object per event, they are parsed one by one."""
-    try:
-        objs = json.loads(b"[" + b",".join(events) + b"]")
-    except ValueError:
-        objs = None
-    if not isinstance(objs, list) or len(objs) != len(events):
-        return [loads(e) for e in events]
-    return [o if isinstance(o, dict) else {} for o in objs]
+    def event_texts(events: list[bytes]) -> Iterator[str]:
+        for obj in loads_all(events):
+            for text in texts(obj):
+                yield text.text
+    return event_texts
 
 
 class Reader:
     """The answer to one request, read: the base serves a JSON answer with a `usage` object in
-    either OpenAI naming, and no stream (Embeddings)."""
+    either OpenAI naming, and no stream (Embeddings). What texts an answer or an event holds is
+    the codec's (`proxy.protocol.codec`): a reader counts what its walker finds."""
+
+    codec: ClassVar[Codec] = embeddings.CODEC
 
     def __init__(self, request: ParsedRequest, model: str, *, sampled: bool) -> None:
         """`model`: the model that serves the request, whose encoding estimates count with.
         `sampled`: the upstream was asked for the stream's usage (see `OutputEstimate`)."""
         self.model = model
-        # `event_texts` is a static method: the estimate holds no reference to its reader.
-        self.output = OutputEstimate(model, self.event_texts, sampled=sampled)
+        # The codec's walker over events: the estimate holds no reference to its reader.
+        self.output = OutputEstimate(model, codec_texts(self.codec), sampled=sampled)
         self._hold = self.output.hold
         self.reported: Usage | None = None  # the latest cumulative usage the upstream reported
         self.answer: dict[str, Any] | None = None  # a JSON answer (not streamed)
@@ -138,14 +137,9 @@ class Reader:
             if isinstance(model, str) and model:
                 self.response_model = model[:256]
 
-    @staticmethod
-    def event_texts(events: list[bytes]) -> Iterable[str]:
-        """The output texts in held content events."""
-        return ()
-
     def answer_texts(self, answer: dict[str, Any]) -> Iterable[str]:
         """The output texts of a JSON answer."""
-        return ()
+        return (text.text for text in self.codec.texts(answer))
 
     @property
     def started(self) -> bool:
@@ -208,21 +202,6 @@ def _choices_asked(body: dict[str, Any]) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
 
 
-ChoiceTexts = Callable[[dict[str, Any]], Iterable[str]]
-
-
-def _texts_of_choices(obj: dict[str, Any], choice_texts: ChoiceTexts) -> Iterator[str]:
-    choices = obj.get("choices")
-    for choice in choices if isinstance(choices, list) else ():
-        if isinstance(choice, dict):
-            yield from choice_texts(choice)
-
-
-def _events_of_choices(events: list[bytes], choice_texts: ChoiceTexts) -> Iterator[str]:
-    for obj in loads_all(events):
-        yield from _texts_of_choices(obj, choice_texts)
-
-
 class _ChoicesReader(Reader):
     """Chat Completions and legacy Completions: `choices[]` chunks, usage in its own chunk."""
 
@@ -231,17 +210,10 @@ class _ChoicesReader(Reader):
         self._asked = _choices_asked(request.body)
         self._finished: set[int] = set()  # indices of the choices that have finished
 
-    @staticmethod
-    def choice_texts(choice: dict[str, Any]) -> Iterable[str]:
-        raise NotImplementedError
-
-    def answer_texts(self, answer: dict[str, Any]) -> Iterable[str]:
-        return _texts_of_choices(answer, self.choice_texts)
-
     def _classify(self, data: bytes, obj: dict[str, Any]) -> EventFlag:
         self._started = True
         self._answered_by(obj)
-        finish = content = False
+        finish = False
         choices = obj.get("choices")
         if not isinstance(choices, list):
             return NOTHING
@@ -253,9 +225,7 @@ class _ChoicesReader(Reader):
                 index = choice.get("index", 0)
                 if isinstance(index, int):
                     self._finished.add(index)
-            if not content and any(True for _ in self.choice_texts(choice)):
-                content = True
-        if content:
+        if any(True for _ in self.codec.texts(obj)):
             self.seen_content = True
             self._hold(data)
             return _CONTENT | _FINISH if finish else _CONTENT
@@ -333,53 +303,20 @@ def _events_in(events: list[bytes], length: int) -> int:
 
 
 class ChatReader(_ChoicesReader):
-    @staticmethod
-    def choice_texts(choice: dict[str, Any]) -> Iterable[str]:
-        msg = choice.get("delta")
-        if not isinstance(msg, dict):
-            msg = choice.get("message")
-        if not isinstance(msg, dict):
-            return
-        yield from strings(
-            msg.get("content"), msg.get("reasoning_content"), msg.get("reasoning"),
-            msg.get("refusal"),
-        )
-        calls = msg.get("tool_calls")
-        for call in calls if isinstance(calls, list) else ():
-            fn = call.get("function") if isinstance(call, dict) else None
-            if isinstance(fn, dict):
-                yield from strings(fn.get("name"), fn.get("arguments"))
-
-    @staticmethod
-    def event_texts(events: list[bytes]) -> Iterable[str]:
-        return _events_of_choices(events, ChatReader.choice_texts)
+    codec = chat.CODEC
 
 
 class CompletionsReader(_ChoicesReader):
-    @staticmethod
-    def choice_texts(choice: dict[str, Any]) -> Iterable[str]:
-        return strings(choice.get("text"))
-
-    @staticmethod
-    def event_texts(events: list[bytes]) -> Iterable[str]:
-        return _events_of_choices(events, CompletionsReader.choice_texts)
+    codec = completions.CODEC
 
 
-_RESPONSES_DELTAS = frozenset(
-    {
-        "response.output_text.delta",
-        "response.refusal.delta",
-        "response.reasoning_text.delta",
-        "response.reasoning_summary_text.delta",
-        "response.function_call_arguments.delta",
-        "response.custom_tool_call_input.delta",
-        "response.output_audio_transcript.delta",
-    }
-)
-_RESPONSES_TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
+_RESPONSES_DELTAS = frozenset(responses.DELTAS)
+_RESPONSES_TERMINAL = responses.TERMINAL
 
 
 class ResponsesReader(Reader):
+    codec = responses.CODEC
+
     def on_event(self, data: bytes, name: str | None, marked: bool | None = None) -> EventFlag:
         kind = name
         obj: dict[str, Any] | None = None
@@ -406,19 +343,3 @@ class ResponsesReader(Reader):
         if kind == "error":  # the upstream told the client itself that the stream failed
             self.terminated = True
         return NOTHING
-
-    def answer_texts(self, answer: dict[str, Any]) -> Iterable[str]:
-        output = answer.get("output")
-        for item in output if isinstance(output, list) else ():
-            if not isinstance(item, dict):
-                continue
-            yield from strings(item.get("arguments"))
-            content = item.get("content") or item.get("summary")
-            for part in content if isinstance(content, list) else ():
-                if isinstance(part, dict):
-                    yield from strings(part.get("text"), part.get("refusal"))
-
-    @staticmethod
-    def event_texts(events: list[bytes]) -> Iterable[str]:
-        for obj in loads_all(events):
-            yield from strings(obj.get("delta"))

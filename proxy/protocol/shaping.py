@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 from proxy.errors import InvalidRequest
 from proxy.protocol import tokenizer
+from proxy.protocol.apis import chat, completions, messages, responses
 from proxy.protocol.request import ParsedRequest, positive_int, strings
 
 
@@ -162,7 +163,7 @@ class _ChoicesShape(Shape):
 class ChatShape(_ChoicesShape):
     # max_tokens is deprecated (and refused by OpenAI's reasoning models); llama-cpp-python and
     # others honour only max_tokens. Which ones are written is the upstream's setting.
-    cap_fields = ("max_completion_tokens", "max_tokens")
+    cap_fields = chat.CAP_FIELDS
     choice_fields = ("n",)
 
     def count_prompt(self) -> int:
@@ -188,7 +189,7 @@ def _count_prompt_input(model: str, value: Any) -> int:
 
 
 class CompletionsShape(_ChoicesShape):
-    cap_fields = ("max_tokens",)
+    cap_fields = completions.CAP_FIELDS
     implicit_cap = 16  # the legacy API's documented default
     # best_of candidates are generated (and billed) server-side, n of them returned.
     choice_fields = ("n", "best_of")
@@ -198,7 +199,7 @@ class CompletionsShape(_ChoicesShape):
 
 
 class ResponsesShape(Shape):
-    cap_fields = ("max_output_tokens",)
+    cap_fields = responses.CAP_FIELDS
 
     @property
     def expects_usage(self) -> bool:
@@ -221,7 +222,7 @@ class EmbeddingsShape(Shape):
 class MessagesShape(Shape):
     """Anthropic's Messages API."""
 
-    cap_fields: ClassVar[tuple[str, ...]] = ("max_tokens",)
+    cap_fields: ClassVar[tuple[str, ...]] = messages.CAP_FIELDS
 
     def __post_init__(self) -> None:
         if self.cap_fields and self.request.body.get("max_tokens") is None:

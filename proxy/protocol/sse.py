@@ -16,10 +16,14 @@ blank line): the stream tap slices the raw bytes it forwards by these offsets.
 event's data without running the splitter and the assembler. It returns exactly what `feed`
 would (tests/protocol/test_sse.py checks that on random streams); for any other chunk it
 returns None and the caller uses `feed`.
+
+`stream_datas` and `timed_events` frame a whole stream kept as bytes (the cache's entries, a
+capture's chunks) with the same decoder: nothing else in the proxy parses `data:` lines.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 
@@ -255,3 +259,32 @@ class SSEDecoder:
         rest = self._splitter.flush()
         events = [e for e in (line(rest, 0) if rest else None, line(b"", 0)) if e is not None]
         return events
+
+
+def stream_datas(raw: bytes) -> list[bytes]:
+    """The data of every event of a whole stream, framed once (the decoder's fast path for
+    one-line `data:` events, else its full framing: CR or CRLF line ends, several data lines
+    per event)."""
+    decoder = SSEDecoder()
+    datas = decoder.whole_events(raw)
+    if datas is None:
+        datas = [e.data for e in (*decoder.feed(raw), *decoder.flush())]
+    return datas
+
+
+def timed_events(chunks: Iterable[tuple[float, bytes]]) -> list[tuple[float, bytes, bytes]]:
+    """A stream's events as (arrival of the chunk that completed it, raw bytes, data), from its
+    chunks as they came (arrival, bytes)."""
+    decoder = SSEDecoder()
+    out: list[tuple[float, bytes, bytes]] = []
+    pending = b""
+    for at, chunk in chunks:
+        buf = pending + chunk
+        start = 0
+        shift = len(pending)
+        for event in decoder.feed(chunk):
+            end = shift + event.end
+            out.append((at, buf[start:end].strip(b"\r\n"), event.data))
+            start = end
+        pending = buf[start:]
+    return out

@@ -7,6 +7,8 @@ and the tap hold, a thin facade over the three jobs of a shape.
 - `proxy.protocol.readers` (and `anthropic`): the upstream's answer, read on the side of the
   relay (`on_event` per SSE event, `on_body` for a JSON response): flags, usage.
 - `proxy.protocol.output`: the estimate of the output streamed, one for every shape.
+- `proxy.protocol.codec` (`codec`): what the shape's answers mean, for the readers and the
+  wings (the texts by kind, a stream assembled, an answer replayed, the cap fields).
 
 The translator keeps the one thing two jobs share: the prompt's count, made once, for
 admission's reservation and settle's charge.
@@ -19,6 +21,7 @@ from typing import ClassVar
 
 from proxy.errors import ErrorClass, ErrorShape
 from proxy.protocol.anthropic import CountTokensReader, MessagesReader
+from proxy.protocol.codec import Codec
 from proxy.protocol.output import HOLD_BYTES
 from proxy.protocol.readers import (
     ChatReader,
@@ -108,6 +111,11 @@ class Translator:
     @property
     def prompt_counted(self) -> bool:
         return self._prompt_tokens is not None
+
+    @property
+    def codec(self) -> Codec:
+        """The API shape's codec (proxy.protocol.codec): what its answers mean."""
+        return self.reader_type.codec
 
     # --- response side: the reader ---------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Token usage of one request, and reading it out of the OpenAI response shapes."""
+"""Token usage of one request, and reading it out of the OpenAI and Anthropic answers."""
 
 from __future__ import annotations
 
@@ -68,3 +68,37 @@ def parse_usage(obj: Any) -> Usage | None:
             reasoning_tokens=_detail(obj, "completion_tokens_details", "reasoning_tokens"),
         )
     return None
+
+
+# `cache_creation` (the writes by cache lifetime) is an object: kept whole, the latest wins.
+ANTHROPIC_FIELDS = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens",
+                    "output_tokens", "cache_creation")
+
+
+def anthropic_usage(obj: Any) -> Usage | None:
+    """An Anthropic `usage` object as a `Usage`. Anthropic's `input_tokens` counts only the
+    prompt tokens neither written to nor read from the prompt cache; here `input_tokens` is the
+    whole prompt, as in the OpenAI shapes (see proxy.protocol.anthropic).
+
+    `cache_creation: {ephemeral_5m_input_tokens, ephemeral_1h_input_tokens}`, where the usage
+    has it, says which cache the writes went to: the 1-hour ones are kept apart (priced apart),
+    the rest of `cache_creation_input_tokens` are 5-minute writes."""
+    if not isinstance(obj, dict):
+        return None
+    fresh = usage_int(obj.get("input_tokens"))
+    split = obj.get("cache_creation")
+    split = split if isinstance(split, dict) else {}
+    hour = usage_int(split.get("ephemeral_1h_input_tokens"))
+    if "cache_creation_input_tokens" in obj:
+        writes = usage_int(obj.get("cache_creation_input_tokens"))
+    else:  # only the split: its sum
+        writes = usage_int(split.get("ephemeral_5m_input_tokens")) + hour
+    reads = usage_int(obj.get("cache_read_input_tokens"))
+    return Usage(
+        input_tokens=fresh + writes + reads,
+        output_tokens=usage_int(obj.get("output_tokens")),
+        cached_input_tokens=reads,
+        cache_creation_input_tokens=writes,
+        cache_read_input_tokens=reads,
+        cache_creation_1h_input_tokens=min(hour, writes),
+    )

@@ -67,6 +67,10 @@ class MockSettings:
     # extended thinking (`thinking: {type: enabled, budget_tokens: N}`), at most N; streamed
     # as thinking_delta events before the answer, counted in output_tokens, within max_tokens.
     thinking_tokens: int = 16
+    # Chat Completions only: of the output tokens, how many come first as the message's
+    # `reasoning_content` (a reasoning model as DeepSeek, vLLM and llama.cpp serve one: streamed
+    # as `reasoning_content` deltas before the content's), counted in completion_tokens.
+    reasoning_content_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Checked here so that header overrides, applied with dataclasses.replace, obey the same
@@ -158,6 +162,7 @@ _OVERRIDES: tuple[tuple[str, str, Callable[[str], object]], ...] = (
     ("x-mock-cache-read-tokens", "cache_read_tokens", int),
     ("x-mock-cache-creation-1h-tokens", "cache_creation_1h_tokens", int),
     ("x-mock-thinking-tokens", "thinking_tokens", int),
+    ("x-mock-reasoning-content-tokens", "reasoning_content_tokens", int),
 )
 
 # fail_first counts the requests of each value of this header (a test's own scenario).

@@ -450,8 +450,11 @@ async def _completion(call: _Call, *, chat: bool) -> web.StreamResponse:
             return {"text": content, "index": 0, "logprobs": None, "finish_reason": finish_reason}
         return {"index": 0, key: content, "logprobs": None, "finish_reason": finish_reason}
 
+    thought = min(call.cfg.reasoning_content_tokens, n) if chat else 0
     if not call.stream:
-        message = {"role": "assistant", "content": generated_text(n), "refusal": None}
+        message = {"role": "assistant", "content": generated_text(n - thought), "refusal": None}
+        if thought:
+            message["reasoning_content"] = generated_text(thought)
         content = {**message, "annotations": []} if chat else generated_text(n)
         obj = {**base, "choices": [choice(content, finish, "message")]}
         return await _json_response(call, obj if usage is None else {**obj, "usage": usage})
@@ -468,6 +471,9 @@ async def _completion(call: _Call, *, chat: bool) -> web.StreamResponse:
     if include:
         tail += _data({**chunk_base, "choices": [], "usage": usage})
     token = _word_events(lambda word: chunk(choice({"content": word} if chat else word, None)))
+    if thought:
+        token = _then(thought, _word_events(
+            lambda word: chunk(choice({"reasoning_content": word}, None))), b"", token)
     if not call.cfg.omit_done:
         tail += b"data: [DONE]\n\n"
     reported = usage if include else None

@@ -22,10 +22,10 @@ import pytest
 from aiohttp.test_utils import TestServer
 from openai.types.chat import ChatCompletionMessageParam
 
-from proxy.cache import assemble
 from proxy.config.policy import DEFAULT_MAX_OUTPUT_TOKENS
 from proxy.cost import CostLines
 from proxy.pipeline.services import SERVICES
+from proxy.protocol.codec import Codec
 from proxy.protocol.usage import Usage
 from proxy.server.app import create_app
 from proxy.testing.mock_settings import MOCK_STATE, MockSettings
@@ -219,14 +219,14 @@ async def test_a_stream_entry_is_reassembled_once_whatever_its_hits(
     monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[str] = []
-    reassemble = assemble.from_stream
+    reassemble = Codec.assemble_stream
 
-    def counted(operation: str, raw: bytes) -> dict[str, Any] | None:
-        calls.append(operation)
-        answer: dict[str, Any] | None = reassemble(operation, raw)
+    def counted(codec: Codec, raw: bytes) -> dict[str, Any] | None:
+        calls.append(codec.operation)
+        answer: dict[str, Any] | None = reassemble(codec, raw)
         return answer
 
-    monkeypatch.setattr(assemble, "from_stream", counted)
+    monkeypatch.setattr(Codec, "assemble_stream", counted)
     proxy = await _proxy(aiohttp_server, upstream, redis_url, {})
     client = _client(proxy)
     long = {"extra_headers": {"x-mock-output-tokens": "2000"},

@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from proxy.capture.collect import Collector, Meta, completed, events_of, reassemble, record
+from proxy.capture.collect import Collector, Meta, completed, record
 from proxy.capture.record import Capture, StreamEvent
 from proxy.capture.redact import Redactor
 from proxy.config.capture import DEFAULT_REDACT
+from proxy.protocol.codec import loads_all, timed_events
+from proxy.protocol.codecs import codec_for
 
 META = Meta(request_id="r1", started_at=1.0, api="openai", path="/v1/chat/completions",
             operation="chat", user="alice", key_name=None, team=None,
@@ -30,7 +32,7 @@ def _chunk(delta: dict[str, object]) -> bytes:
 def test_a_stream_is_cut_into_its_events_at_the_time_each_completed() -> None:
     stream = _chunk({"content": "Hel"}) + _chunk({"content": "lo"}) + b"data: [DONE]\n\n"
     cut = [stream[:10], stream[10:90], stream[90:]]  # the first event ends at byte 87
-    events = events_of([(1.0, cut[0]), (2.5, cut[1]), (4.0, cut[2])])
+    events = timed_events([(1.0, cut[0]), (2.5, cut[1]), (4.0, cut[2])])
     assert [raw for _, raw, _ in events] == [e for e in stream.split(b"\n\n") if e]
     assert [at for at, _, _ in events][-1] == 4.0
     assert events[0][0] == 2.5  # completed by the second chunk
@@ -77,8 +79,8 @@ def test_openai_and_anthropic_outputs_are_reassembled_with_tool_calls_and_reason
             "name": "f", "arguments": "{\"a\""}}]}}]},
         {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {
             "arguments": ": 1}"}}]}}]},
-    )] + [b"[DONE]"]
-    out = reassemble(openai)
+    )]
+    out = codec_for("chat").shown(loads_all(openai))
     assert (out.text, out.reasoning) == ("Hi", "think ")
     assert out.tool_calls == ({"id": "c1", "name": "f", "arguments": "{\"a\": 1}"},)
     anthropic = [json.dumps(x).encode() for x in (
@@ -90,7 +92,7 @@ def test_openai_and_anthropic_outputs_are_reassembled_with_tool_calls_and_reason
         {"type": "content_block_delta", "index": 2,
          "delta": {"type": "input_json_delta", "partial_json": "{}"}},
     )]
-    out = reassemble(anthropic)
+    out = codec_for("messages").shown(loads_all(anthropic))
     assert (out.text, out.reasoning) == ("Yo", "hmm")
     assert out.tool_calls == ({"id": "t1", "name": "g", "arguments": "{}"},)
 
@@ -140,12 +142,13 @@ def _find(value: object, field: str) -> str:
     return ""
 
 
-def _split_stream(events: list[bytes]) -> Capture:
+def _split_stream(events: list[bytes], operation: str = "chat") -> Capture:
     c = Collector(limit_bytes=64 * 1024)
     c.sent(b"{}")
     for i, event in enumerate(events):
         c.streamed(event, float(i))
-    return completed(record(c, META, Redactor.of(DEFAULT_REDACT)), Redactor.of([]))
+    meta = replace(META, operation=operation)
+    return completed(record(c, meta, Redactor.of(DEFAULT_REDACT)), Redactor.of([]))
 
 
 def test_secrets_split_across_events_leave_no_field_whatever_the_text_kind() -> None:
@@ -168,7 +171,7 @@ def test_secrets_split_across_events_leave_no_field_whatever_the_text_kind() -> 
             {"type": "response.output_text.delta", "output_index": 0, "content_index": 0,
              "delta": piece}).encode() + b"\n\n"
         for piece in ["mail ", MAIL[:4], MAIL[4:9], MAIL[9:], " now"]]
-    capture = _split_stream(responses)
+    capture = _split_stream(responses, "responses")
     assert _joined(capture.events, "delta") == "mail [REDACTED] now"
     assert all(e.text.startswith("event: response.output_text.delta\ndata: ")
                for e in capture.events)
@@ -217,6 +220,7 @@ def test_interleaved_tool_calls_are_each_joined_by_their_index() -> None:
     events += [_chunk({"function_call": {"arguments": p}}) for p in (KEY[:9], KEY[9:])]
     capture = _split_stream(events)
     assert KEY not in _joined(capture.events, "arguments").replace('"', "")
-    calls = [json.loads(c["arguments"]) for c in capture.tool_calls]
+    calls = [json.loads(c["arguments"]) for c in capture.tool_calls[:2]]
     assert calls == [{"k": "[REDACTED]"}, {"to": "[REDACTED]"}]
+    assert capture.tool_calls[2] == {"arguments": "[REDACTED]"}  # the function_call
     assert all(KEY[:9] not in e.text and MAIL[:6] not in e.text for e in capture.events)

@@ -1,6 +1,7 @@
-"""An answer stored from a stream and replayed as one (and the other way round) is the same
-answer: the reassembly and the replay are each other's inverse on what the SDKs read. The
-streams here are the simulated upstream's, as a client would get them."""
+"""The codecs' assembly and replay (proxy/protocol/apis): an answer stored from a stream and
+replayed as one (and the other way round) is the same answer, each the other's inverse on what
+the SDKs read; `ended` reads off the bytes what `finished` reads off the answer; redaction reaches
+the texts only. The corpus (test_stream_corpus.py) checks the same on recorded streams."""
 
 from __future__ import annotations
 
@@ -9,9 +10,15 @@ from typing import Any
 
 import pytest
 
-from proxy.cache import assemble, replay
-from proxy.cache.cache import redact_answer, redaction
+from proxy.cache.cache import redaction
+from proxy.protocol.codecs import CODECS, codec_for
 from proxy.protocol.sse import SSEDecoder
+from proxy.protocol.translators import (
+    TRANSLATORS,
+    CountTokensTranslator,
+    MessagesTranslator,
+    Translator,
+)
 
 CHAT: dict[str, Any] = {
     "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
@@ -45,14 +52,14 @@ def _events(raw: bytes) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_chat_round_trip(include_usage: bool) -> None:
-    raw = replay.as_stream("chat", CHAT, include_usage)
+    raw = codec_for("chat").replay(CHAT, include_usage=include_usage)
     assert raw.endswith(b"data: [DONE]\n\n")
     usage_chunks = [e for e in _events(raw) if e.get("usage")]
     assert len(usage_chunks) == (1 if include_usage else 0)
-    again = assemble.from_stream("chat", raw)
+    again = codec_for("chat").assemble_stream(raw)
     expected = CHAT if include_usage else {k: v for k, v in CHAT.items() if k != "usage"}
     assert again == expected
-    assert assemble.finished("chat", CHAT, capped_ok=False)
+    assert codec_for("chat").finished(CHAT, capped_ok=False)
 
 
 def test_text_completion_round_trip() -> None:
@@ -60,72 +67,87 @@ def test_text_completion_round_trip() -> None:
               "choices": [{"index": 0, "text": "abc " * 400, "logprobs": None,
                            "finish_reason": "length"}],
               "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}
-    assert assemble.from_stream("text_completion",
-                                replay.as_stream("text_completion", answer, True)) == answer
-    assert not assemble.finished("text_completion", answer, capped_ok=False)
-    assert assemble.finished("text_completion", answer, capped_ok=True)
+    assert codec_for("text_completion").assemble_stream(codec_for("text_completion").replay(answer, include_usage=True)) == answer
+    assert not codec_for("text_completion").finished(answer, capped_ok=False)
+    assert codec_for("text_completion").finished(answer, capped_ok=True)
 
 
 def test_messages_round_trip() -> None:
-    raw = replay.as_stream("messages", MESSAGE, include_usage=False)
+    raw = codec_for("messages").replay(MESSAGE, include_usage=False)
     names = [e["type"] for e in _events(raw)]
     assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
-    assert assemble.from_stream("messages", raw) == MESSAGE
-    assert assemble.finished("messages", MESSAGE, capped_ok=False)
-    assert not assemble.finished("messages", {**MESSAGE, "stop_reason": "max_tokens"},
+    assert codec_for("messages").assemble_stream(raw) == MESSAGE
+    assert codec_for("messages").finished(MESSAGE, capped_ok=False)
+    assert not codec_for("messages").finished({**MESSAGE, "stop_reason": "max_tokens"},
                                  capped_ok=False)
 
 
 def test_cut_or_failed_streams_are_not_answers() -> None:
-    raw = replay.as_stream("messages", MESSAGE, include_usage=False)
-    assert assemble.from_stream("messages", raw[: raw.index(b"event: message_stop")]) is None
+    raw = codec_for("messages").replay(MESSAGE, include_usage=False)
+    assert codec_for("messages").assemble_stream(raw[: raw.index(b"event: message_stop")]) is None
     error = b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error"}}\n\n'
-    assert assemble.from_stream("messages", raw[:200] + error) is None
-    chat = replay.as_stream("chat", CHAT, include_usage=False)
+    assert codec_for("messages").assemble_stream(raw[:200] + error) is None
+    chat = codec_for("chat").replay(CHAT, include_usage=False)
     cut = chat[: chat.index(b'"finish_reason":"stop"')]
     cut = cut[: cut.rindex(b"data: ")]
-    answer = assemble.from_stream("chat", cut)
-    assert answer is not None and not assemble.finished("chat", answer, capped_ok=True)
-    assert assemble.from_stream("chat", b"data: {not json\n\n") is None
-    assert assemble.from_body("chat", b"[1, 2]") is None
+    answer = codec_for("chat").assemble_stream(cut)
+    assert answer is not None and not codec_for("chat").finished(answer, capped_ok=True)
+    assert codec_for("chat").assemble_stream(b"data: {not json\n\n") is None
+    assert codec_for("chat").answer_of(b"[1, 2]") is None
 
 
 def test_redaction_reaches_the_texts_only() -> None:
     pattern = redaction(("[A-Za-z]+",))
-    message = redact_answer(MESSAGE, pattern)
+    message = codec_for("messages").redacted(MESSAGE, pattern)
     assert [b["type"] for b in message["content"]] == ["thinking", "text", "tool_use"]
     assert message["content"][1]["text"].strip().split() == ["[REDACTED]"] * 300
     assert message["content"][2]["input"] == {"q": ["[REDACTED]", 1]}
     assert message["stop_reason"] == "tool_use" and message["id"] == "msg_1"
-    chat = redact_answer(CHAT, pattern)
+    chat = codec_for("chat").redacted(CHAT, pattern)
     assert chat["choices"][0]["message"]["role"] == "assistant"
     assert "Paris" not in chat["choices"][0]["message"]["content"]
-    assert chat["choices"][1]["message"]["tool_calls"][0]["function"]["name"] == "lookup"
+    call = chat["choices"][1]["message"]["tool_calls"][0]
+    assert call["id"] == "call_1" and call["type"] == "function"
+    # A tool's name and arguments are texts the model wrote, redacted like the rest.
+    assert call["function"] == {"name": "[REDACTED]", "arguments": '{"[REDACTED]": "[REDACTED]"}'}
+    assert CHAT["choices"][1]["message"]["tool_calls"][0]["function"]["name"] == "lookup"
 
 
 def test_streams_framed_otherwise_are_read_by_the_sse_decoder() -> None:
-    raw = replay.as_stream("chat", CHAT, include_usage=True)
-    assert assemble.from_stream("chat", raw.replace(b"\n", b"\r\n")) == CHAT
+    raw = codec_for("chat").replay(CHAT, include_usage=True)
+    assert codec_for("chat").assemble_stream(raw.replace(b"\n", b"\r\n")) == CHAT
     # An event whose JSON is split over two data lines (SSE joins them with a newline).
     first = raw.index(b"data: ") + len(b"data: ")
     comma = raw.index(b",", first)
     split = raw[:comma + 1] + b"\ndata: " + raw[comma + 1:]
-    assert assemble.from_stream("chat", split) == CHAT
+    assert codec_for("chat").assemble_stream(split) == CHAT
 
 
 def test_ended_reads_the_finish_reasons_off_the_bytes_as_finished_does() -> None:
     for operation, answer in (("chat", CHAT), ("messages", MESSAGE)):
         for capped_ok in (False, True):
-            for raw in (replay.as_json(answer), replay.as_stream(operation, answer, True),
+            for raw in (codec_for("chat").body(answer), codec_for(operation).replay(answer, include_usage=True),
                         json.dumps(answer, indent=2).encode()):  # spaced as some upstreams do
-                assert assemble.ended(operation, raw, capped_ok) == assemble.finished(
-                    operation, answer, capped_ok)
+                assert codec_for(operation).ended(raw, capped_ok) == codec_for(operation).finished(answer, capped_ok)
     capped = {**MESSAGE, "stop_reason": "max_tokens"}
-    assert not assemble.ended("messages", replay.as_json(capped), capped_ok=False)
-    assert assemble.ended("messages", replay.as_json(capped), capped_ok=True)
-    chat = replay.as_stream("chat", CHAT, include_usage=False)
-    assert not assemble.ended("chat", chat[: chat.index(b'"finish_reason":"stop"')], True)
+    assert not codec_for("messages").ended(codec_for("chat").body(capped), capped_ok=False)
+    assert codec_for("messages").ended(codec_for("chat").body(capped), capped_ok=True)
+    chat = codec_for("chat").replay(CHAT, include_usage=False)
+    assert not codec_for("chat").ended(chat[: chat.index(b'"finish_reason":"stop"')], True)
     # Text the model wrote that looks like a finish reason is escaped inside its string.
     said = {**CHAT, "choices": [{**CHAT["choices"][0], "message": {
         "role": "assistant", "content": '"finish_reason":"length"'}}]}
-    assert assemble.ended("chat", replay.as_json(said), capped_ok=False)
+    assert codec_for("chat").ended(codec_for("chat").body(said), capped_ok=False)
+
+
+def test_each_api_shape_has_one_codec_for_its_reader_shape_and_wings() -> None:
+    """The translator's codec (its reader's) is the one the cache and capture find by the
+    operation, and the shape caps exactly the codec's cap fields."""
+    translators: tuple[type[Translator], ...] = (*TRANSLATORS, MessagesTranslator,
+                                                  CountTokensTranslator)
+    assert {t.operation for t in translators} == set(CODECS)
+    for translator in translators:
+        codec = codec_for(translator.operation)
+        assert translator.reader_type.codec is codec
+        assert translator.shape_type.cap_fields == codec.cap_fields
+        assert codec.streams == translator.streams

@@ -1,0 +1,1 @@
+"""One codec per API shape (see `proxy.protocol.codec`); `proxy.protocol.codecs` finds them."""
