@@ -21,7 +21,8 @@ from proxy.budget.store import Store, StoreError
 from proxy.config.load import Config
 from proxy.ledger.query import LedgerReader, LedgerUnavailable, locate, open_reader
 from proxy.ledger.reconcile import Reconciliation, reconcile
-from proxy.telemetry.metrics import Metrics, ReconcileFailure
+from proxy.telemetry.families import ReconcileFailure
+from proxy.telemetry.metrics import Metrics
 
 log = logging.getLogger("tokenmeter.reconcile")
 

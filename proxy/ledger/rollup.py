@@ -51,7 +51,7 @@ from zoneinfo import ZoneInfo
 
 from proxy.errors import ErrorClass
 from proxy.protocol.translators import MessagesTranslator
-from proxy.telemetry.metrics import CACHE_HIT
+from proxy.telemetry.record import CACHE_HIT
 
 HOUR_S = 3600
 DAY_S = 86400

@@ -52,7 +52,7 @@ from proxy.ledger.sink_postgres import PostgresSink
 from proxy.ledger.sink_sqlite import SqliteSink
 from proxy.ledger.spool import RowSpool
 from proxy.telemetry.accesslog import JsonFormatter
-from proxy.telemetry.metrics import LedgerMetrics, process_ledger_metrics
+from proxy.telemetry.verbs import LedgerMetrics, process_ledger_metrics
 
 log = logging.getLogger("tokenmeter.ledger")
 

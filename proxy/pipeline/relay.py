@@ -43,7 +43,8 @@ from proxy.protocol.tap import StreamTap
 from proxy.protocol.translators import Translator
 from proxy.routing.exceptions_map import Phase, map_upstream_exceptions
 from proxy.routing.upstream import client_response_headers
-from proxy.telemetry.metrics import MeteringStage, RequestRecord
+from proxy.telemetry.families import MeteringStage
+from proxy.telemetry.record import RequestRecord
 
 REQUEST_ID_HEADER = "x-tokenmeter-request-id"
 # The OpenAI and Anthropic SDKs retry a 408, 409, 429 or 5xx unless this says "false".

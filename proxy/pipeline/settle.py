@@ -33,7 +33,9 @@ from proxy.pipeline.context import Settlement
 from proxy.pipeline.services import Runtime, Services
 from proxy.protocol.usage import ZERO, Usage
 from proxy.telemetry.accesslog import log_request
-from proxy.telemetry.metrics import CaptureStage, MeteringStage, Metrics, RequestRecord
+from proxy.telemetry.families import CaptureStage, MeteringStage
+from proxy.telemetry.metrics import Metrics
+from proxy.telemetry.record import RequestRecord
 from proxy.telemetry.tracing import BudgetDecision
 
 log = logging.getLogger("tokenmeter.settle")
