@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from proxy.telemetry.meter import Figures
 
 
-# CacheResult's values that the metrics tell apart (tests/telemetry/test_cache_metrics.py
+# CacheResult's values that the metrics tell apart (tests/telemetry/test_cache_dashboard.py
 # checks they are CacheResult's).
 CACHE_NOT_CONSULTED = "none"  # not counted in tokenmeter_cache_requests_total
 CACHE_HIT = "hit"
