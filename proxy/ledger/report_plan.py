@@ -30,9 +30,6 @@ any size included. The buckets are named in one place, `labels` (Python's zonein
 The database groups and sums (each branch its own rows, then their sums): Python sees one row
 per group of the report. Both dialects give the same report from the same rows (the tests
 check it).
-
-Tokens: `total` is input + output; cached input is part of input, reasoning part of output, as
-the upstreams count them. The Anthropic Messages API's prompt cache adds two types, both part of
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
 """`tokenmeter usage`'s output: a report (`proxy.ledger.report_plan.Report`) as a table, CSV or
 JSON.
 
+Tokens: `total` is input + output; cached input is part of input, reasoning part of output, as
+the upstreams count them. The Anthropic Messages API's prompt cache adds two types, both part of
+input, as `tokenmeter_tokens_total` counts them: `cache_read` (the cached input of Messages
 requests: what Anthropic reports as cache reads) and `cache_write` (prompt tokens written to the
 cache). Their columns appear only in a report whose period has some, so a report of OpenAI-style
-traffic alone is what it always was.
+traffic alone has none.
 
 Cost is the sum of the rows' `cost_nanousd`, printed as an exact decimal (never through a
 float); `unpriced` counts requests whose model had no price, whose cost is therefore not in
@@ -14,7 +17,6 @@ Group keys such as the model are the clients' text: the table shows them escaped
 terminal and CSV cells are neutralised against formulas (`proxy.telemetry.shown_text`); JSON
 carries them exactly, as its encoder escapes every control character.
 """
-
 
 from __future__ import annotations
 
