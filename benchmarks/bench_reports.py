@@ -62,7 +62,7 @@ import asyncpg
 from proxy.budget.store_redis import RedisStore
 from proxy.config.ledger import LedgerConfig
 from proxy.config.load import load_config
-from proxy.ledger import query, reconcile, report, rollup
+from proxy.ledger import query, reconcile_plan, report_plan, report_render, rollup
 from proxy.ledger.migrate import add_zone_postgres, add_zone_sqlite
 from proxy.ledger.schema import MIGRATIONS, TABLE
 from proxy.ledger.sink_postgres import PostgresSink
@@ -223,10 +223,11 @@ def _in_process(make: Callable[[], Awaitable[object]], runs: int = 3) -> tuple[f
 
 async def _usage(url: str, by: str, start: str, end: str, zone: str) -> object:
     tz = ZoneInfo(zone)
-    period = report.Period(tz, report.parse_bound(start, tz, end=False),
-                           report.parse_bound(end, tz, end=True))
+    period = report_plan.Period(tz, report_plan.parse_bound(start, tz, end=False),
+                                report_plan.parse_bound(end, tz, end=True))
     async with await query.open_reader(query.locate(LedgerConfig(), url)) as reader:
-        return report.render_csv(await report.build_report(reader, report.parse_by(by), period))
+        return report_render.render_csv(
+            await report_plan.build_report(reader, report_plan.parse_by(by), period))
 
 
 async def _reconcile(config: Path, url: str, day: date) -> object:
@@ -234,7 +235,7 @@ async def _reconcile(config: Path, url: str, day: date) -> object:
     store = RedisStore(cfg.store.url, 5000)
     try:
         async with await query.open_reader(query.locate(cfg.ledger, url)) as reader:
-            return await reconcile.reconcile(cfg, store, reader, day)
+            return await reconcile_plan.reconcile(cfg, store, reader, day)
     finally:
         await store.close()
 
@@ -290,16 +291,16 @@ def _measure(url: str, days: int, config: Path, raw: bool) -> dict[str, Any]:
 
     berlin = ("usage_user_day_berlin", "usage_model_day_berlin")
     local: dict[str, object] = {k: asyncio.run(cases[k]()) for k in berlin}  # type: ignore[arg-type]
-    setattr(report, "zone_rolled", not_rolled)  # noqa: B010
+    setattr(report_plan, "zone_rolled", not_rolled)  # noqa: B010
     try:
         for k in berlin:
             out[f"utc_days_{k}_s"], out[f"utc_days_{k}_cpu_s"] = _in_process(cases[k])
             # The same report both ways, to the token and the nano-dollar.
             assert asyncio.run(cases[k]()) == local[k], k  # type: ignore[arg-type]
     finally:
-        setattr(report, "zone_rolled", rolled)  # noqa: B010
+        setattr(report_plan, "zone_rolled", rolled)  # noqa: B010
     if raw:  # before: the same, from the rows alone (as a ledger without rollups is read)
-        ready, name, modules = query.rollups_ready, "rollups_ready", (report, reconcile)
+        ready, name, modules = query.rollups_ready, "rollups_ready", (report_plan, reconcile_plan)
 
         async def never(reader: query.LedgerReader) -> bool:
             return False

@@ -38,18 +38,20 @@ from proxy.ledger.lookup import find_request, render_rows
 from proxy.ledger.query import LedgerUnavailable, Location, locate, open_reader
 from proxy.ledger.reconcile import add_parser as add_reconcile_parser
 from proxy.ledger.reconcile import run as run_reconcile
-from proxy.ledger.report import (
-    Export,
+from proxy.ledger.report_plan import (
     Period,
     Report,
-    Rounding,
     build_report,
     check_tags,
     checked_period,
     default_period,
-    describe_period,
     parse_bound,
     parse_by,
+)
+from proxy.ledger.report_render import (
+    Export,
+    Rounding,
+    describe_period,
     render_csv,
     render_json,
     render_table,

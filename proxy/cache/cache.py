@@ -28,7 +28,7 @@ from proxy.cache.store import CacheStore
 from proxy.config.cache import CacheConfig
 from proxy.protocol.codecs import codec_for
 from proxy.protocol.usage import Usage
-from proxy.telemetry.metrics import CacheStage
+from proxy.telemetry.families import CacheStage
 
 log = logging.getLogger("tokenmeter.cache")
 

@@ -24,7 +24,7 @@ from proxy.config.capture import CaptureConfig
 from proxy.config.ledger import LedgerConfig
 from proxy.config.load import ConfigError, load_config
 from proxy.ledger.query import LedgerUnavailable, Location, locate, open_reader
-from proxy.ledger.report import parse_bound
+from proxy.ledger.report_plan import parse_bound
 from proxy.ledger.schema import TABLE as LEDGER_TABLE
 from proxy.protocol.codecs import codec_for
 from proxy.telemetry.shown_text import for_terminal

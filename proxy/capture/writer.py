@@ -23,7 +23,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from proxy.capture.record import Capture
-from proxy.telemetry.metrics import CaptureDrop, CaptureStage, Metrics
+from proxy.telemetry.families import CaptureDrop, CaptureStage
+from proxy.telemetry.metrics import Metrics
 
 log = logging.getLogger("tokenmeter.capture")
 

@@ -163,7 +163,7 @@ class ServerConfig(_Model):
     max_connections_per_source: int | None = Field(default=256, ge=1)
     # A stream whose client reads nothing for this long while the proxy has bytes for it is
     # ended (error class client_timeout), like nginx's send_timeout; the upstream's own silence
-    # is idle_timeout_s, which a slow client no longer trips. None: wait as long as it takes.
+    # is idle_timeout_s, which a slow client does not trip. None: wait as long as it takes.
     client_write_timeout_s: float | None = Field(default=300.0, gt=0)
     # Processes serving the one port (`serve --workers` overrides it): "auto" is one per CPU
     # this process may run on. With more than one, a supervisor binds the port and restarts a

@@ -41,7 +41,8 @@ from proxy.ledger.shipper_process import (
     read_status,
 )
 from proxy.ledger.spool import SpoolWriter, encode_row, reached
-from proxy.telemetry.metrics import LedgerStage, Metrics
+from proxy.telemetry.families import LedgerStage
+from proxy.telemetry.metrics import Metrics
 
 log = logging.getLogger("tokenmeter.ledger")
 

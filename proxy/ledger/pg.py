@@ -3,10 +3,10 @@
 Every wing with a PostgreSQL connection holds it through this (the ledger's shipper sink, the
 reader of the in-process reconcile, the capture store), so each comes back by itself after the
 database restarts, fails over or drops the connection: a job that finds the connection broken
-fails (its caller counts and logs that as before), the connection is dropped, and the next job
-opens a new one. Before, each kept its first connection for good and the ones that did not
-notice a broken one (`connection is closed` from asyncpg is an `InterfaceError`, not a
-`PostgresError`) failed every round until the replica restarted.
+fails (its caller counts and logs that), the connection is dropped, and the next job opens a
+new one. A connection kept for good would fail every round until the replica restarted, and a
+broken one is easy to miss (`connection is closed` from asyncpg is an `InterfaceError`, not a
+`PostgresError`).
 
 A connection is opened when a job needs one (or by `connect`), one opening at a time, with its
 session settings and the caller's `setup` (migrations, a table created if missing) run on it

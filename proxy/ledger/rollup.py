@@ -5,12 +5,12 @@ thousand rollup rows instead of millions of ledger rows.
 Why UTC hours (and days). A report's days, weeks and months are those of its time zone, so
 rollups keyed by UTC day could serve only UTC reports; an hour serves every zone whose offset
 is a whole number of hours (all but a few; those still get exact answers: an hour a local
-midnight cuts is read from the rows, see `proxy.ledger.report`). A year is 8,760 hours times
+midnight cuts is read from the rows, see `proxy.ledger.report_plan`). A year is 8,760 hours times
 the groups active in each, which for a busy team is millions of rollup rows again: so the same
 sums are kept per UTC day too. A report over whole days can read the day rollup in any zone: a
 local day is the UTC day holding most of it, corrected by the hour rollup's rows of the hours
 between the two midnights (one or two a day for Berlin, four or five for New York;
-`proxy.ledger.report._timed`); the hours serve the period's partial days, the rows what is
+`proxy.ledger.report_plan._timed`); the hours serve the period's partial days, the rows what is
 left of a partial hour.
 
 Why local days too. Those corrections are 2-5 times the day rollup's rows a day: a year of a
@@ -51,7 +51,7 @@ from zoneinfo import ZoneInfo
 
 from proxy.errors import ErrorClass
 from proxy.protocol.translators import MessagesTranslator
-from proxy.telemetry.metrics import CACHE_HIT
+from proxy.telemetry.record import CACHE_HIT
 
 HOUR_S = 3600
 DAY_S = 86400
@@ -94,7 +94,7 @@ class Rollup:
 
 _REFUSED = ErrorClass.BUDGET_EXCEEDED.value
 
-# `tokenmeter usage`: in `proxy.ledger.report.Totals`' order (a report reads them as its
+# `tokenmeter usage`: in `proxy.ledger.report_plan.Totals`' order (a report reads them as its
 # aggregates, from the rows or from the rollup alike).
 USAGE = Rollup(
     table="tokenmeter_rollup_hour",
@@ -166,7 +166,7 @@ WINDOWS = Rollup(
 
 # The same per LOCAL day of each zone listed in `ZONES` (the configured `timezone`, added by
 # the shipper: `proxy.ledger.migrate.add_zone`): a report by that zone's days, weeks or months
-# reads one row per group and day, with no hour corrections (`proxy.ledger.report`).
+# reads one row per group and day, with no hour corrections (`proxy.ledger.report_plan`).
 USAGE_LOCAL = Rollup(table="tokenmeter_rollup_localday", times=USAGE.times, dims=USAGE.dims,
                      measures=USAGE.measures, grain=DAY_S, zoned=True)
 # The zones USAGE_LOCAL holds, each exactly (every row of the ledger summed in it): one column,

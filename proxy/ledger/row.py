@@ -18,7 +18,7 @@ from operator import itemgetter
 from typing import TYPE_CHECKING, Any, NamedTuple, get_args, get_type_hints
 
 if TYPE_CHECKING:
-    from proxy.telemetry.metrics import RequestRecord
+    from proxy.telemetry.record import RequestRecord
 
 
 class LedgerRow(NamedTuple):

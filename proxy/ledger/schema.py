@@ -112,7 +112,7 @@ _V2_PG = (f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS cache_creation_input_to
 _V2_SQLITE = (f"ALTER TABLE {TABLE} ADD COLUMN cache_creation_input_tokens INTEGER NOT NULL "
               "DEFAULT 0",)
 
-# v3: the response cache (issue 23). `cache` is what it did (proxy.cache.outcome.CacheResult:
+# v3: the response cache. `cache` is what it did (proxy.cache.outcome.CacheResult:
 # none, hit, miss, bypass); on a hit the row's token columns are 0 (no upstream call) and the
 # `saved_*` columns hold what the stored answer used, `saved_cost_nanousd` its cost at the
 # price of the day of the hit (NULL: the model has no price). Existing rows: no cache, nothing
@@ -136,7 +136,7 @@ _V3_SQLITE = (
 _TAGS_PG = (f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS tags text NOT NULL DEFAULT '{{}}'",)
 _TAGS_SQLITE = (f"ALTER TABLE {TABLE} ADD COLUMN tags TEXT NOT NULL DEFAULT '{{}}'",)
 
-# v7: the upstream's own id of the request (issue 32), so a ticket quoting the id its SDK
+# v7: the upstream's own id of the request, so a ticket quoting the id its SDK
 # showed finds the row; rows from before have none. Indexed: it is looked up by, as the
 # primary key is.
 _UPSTREAM_ID_INDEX = (f"CREATE INDEX IF NOT EXISTS {TABLE}_upstream_request_id "

@@ -34,7 +34,8 @@ from typing import Any, Protocol
 from proxy.config.ledger import LedgerConfig
 from proxy.ledger.migrate import SchemaTooNew
 from proxy.ledger.spool import Batch, RowSpool, read_batch, read_size
-from proxy.telemetry.metrics import LedgerMetrics, LedgerStage
+from proxy.telemetry.families import LedgerStage
+from proxy.telemetry.verbs import LedgerMetrics
 
 log = logging.getLogger("tokenmeter.ledger")
 

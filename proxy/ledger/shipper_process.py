@@ -2,9 +2,9 @@
 rows every serving process appends to the spool into the database.
 
 Why a process: shipping (reading the spool, encoding rows for the database, SQLite's inserts,
-PostgreSQL's COPY) used to run on a thread and the event loop of the process serving requests,
-where it took the GIL and the loop from requests, and contended with the access log's lock. The
-serving process now only appends rows (proxy.ledger.spool.SpoolWriter); this process follows
+PostgreSQL's COPY) on a thread and the event loop of the process serving requests would take
+the GIL and the loop from requests, and contend with the access log's lock. The serving
+process only appends rows (proxy.ledger.spool.SpoolWriter); this process follows
 the segments of every writer in the directory (complete lines only, as they grow), ships them
 with proxy.ledger.shipper.Shipper, and adopts the files of writers that are gone. Its CPU is
 still tokenmeter's (the benchmarks count it), but no request waits on it.
@@ -52,7 +52,7 @@ from proxy.ledger.sink_postgres import PostgresSink
 from proxy.ledger.sink_sqlite import SqliteSink
 from proxy.ledger.spool import RowSpool
 from proxy.telemetry.accesslog import JsonFormatter
-from proxy.telemetry.metrics import LedgerMetrics, process_ledger_metrics
+from proxy.telemetry.verbs import LedgerMetrics, process_ledger_metrics
 
 log = logging.getLogger("tokenmeter.ledger")
 

@@ -30,7 +30,7 @@ from proxy.ledger.schema import TABLE
 
 # The spool forgets a batch once its commit returns, so the commit must be durable even where
 # the server defaults to `synchronous_commit = off` (which acknowledges before the WAL is
-# written: a crash of PostgreSQL then loses batches we no longer hold; a test saw exactly that).
+# written: a crash of PostgreSQL then loses batches the spool has already forgotten).
 # One WAL flush per batch of thousands of rows costs little.
 _SESSION = {"synchronous_commit": "on", "application_name": "tokenmeter-ledger"}
 _STAGE = "tokenmeter_stage"

@@ -34,7 +34,7 @@ from proxy.pipeline.relay import REQUEST_ID_HEADER
 from proxy.pipeline.services import Services
 from proxy.protocol.translators import Translator
 from proxy.protocol.usage import ZERO
-from proxy.telemetry.metrics import RequestRecord
+from proxy.telemetry.record import RequestRecord
 
 
 async def consult(request: web.Request, ctx: RequestContext, svc: Services, outcome: Outcome,

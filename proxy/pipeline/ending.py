@@ -7,14 +7,14 @@ from its loop at `[DONE]` and closes the connection without reading further. The
 each chunk as it comes, and settling (which spools the row) starts only after the upstream has
 ended its response, which it may do well after its final event: in that gap a client had its
 whole answer and the books had nothing (one of 2,960 completed requests after ten SIGKILLs
-under load, issue 31).
+under load).
 
 `EndHeld` wraps the client's writer: bytes before the line that starts the final event go out
 as they come (a scan of each chunk for the API's final-event lines, `Translator.final_events`,
 at a line's start); from that line on, everything is kept. The handler releases it once settle
 has spooled the row (`proxy.ledger.ledger.Ledger.record`'s `then`), or settle is over without
 one, and only then the stream's last chunk goes out. A final event split across two chunks
-before its marker is complete goes out unheld, as before (the row then follows it by a loop
+before its marker is complete goes out unheld (the row then follows it by a loop
 turn or two); so does a stream whose upstream omits the `event:` lines.
 """
 

@@ -43,7 +43,8 @@ from proxy.protocol.tap import StreamTap
 from proxy.protocol.translators import Translator
 from proxy.routing.exceptions_map import Phase, map_upstream_exceptions
 from proxy.routing.upstream import client_response_headers
-from proxy.telemetry.metrics import MeteringStage, RequestRecord
+from proxy.telemetry.families import MeteringStage
+from proxy.telemetry.record import RequestRecord
 
 REQUEST_ID_HEADER = "x-tokenmeter-request-id"
 # The OpenAI and Anthropic SDKs retry a 408, 409, 429 or 5xx unless this says "false".
@@ -344,8 +345,9 @@ class Stream:
         API's error shape, so it can tell a truncated answer from a complete one (the SDKs
         raise on it), then the stream ends. If the break came in the middle of an event whose
         start was already forwarded, no event can follow it cleanly: the connection is cut
-        instead, which clients see as a broken stream, just as clear. `at_boundary`: as it
-        was before the tap was closed."""
+        instead, which clients see as a broken stream, just as clear. `at_boundary`: the
+        tap's `client_at_boundary` read before it was closed (closing releases what it held,
+        which changes the answer); None: read here."""
         self.outcome.fail(failure.error_class)
         if at_boundary is None:
             at_boundary = self.tap.client_at_boundary

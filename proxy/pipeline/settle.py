@@ -33,7 +33,9 @@ from proxy.pipeline.context import Settlement
 from proxy.pipeline.services import Runtime, Services
 from proxy.protocol.usage import ZERO, Usage
 from proxy.telemetry.accesslog import log_request
-from proxy.telemetry.metrics import CaptureStage, MeteringStage, Metrics, RequestRecord
+from proxy.telemetry.families import CaptureStage, MeteringStage
+from proxy.telemetry.metrics import Metrics
+from proxy.telemetry.record import RequestRecord
 from proxy.telemetry.tracing import BudgetDecision
 
 log = logging.getLogger("tokenmeter.settle")
@@ -102,7 +104,7 @@ async def settle(done: Settlement, svc: Services,
 
 def _hid_output(done: Settlement, usage: Usage, charged: Reservation) -> bool:
     """A stream admitted under `estimate` whose upstream reported more output than it showed,
-    by more than a top-up step: its (upstream, model) hides output (issue 31; see
+    by more than a top-up step: its (upstream, model) hides output (see
     `proxy.budget.estimate`)."""
     if (charged.learned_key is None or done.candidacy is None or done.status != 200
             or usage.source != "reported"):
@@ -165,8 +167,9 @@ async def _charge_hit(done: Settlement, svc: Services, record: RequestRecord,
 def _record(done: Settlement, runtime: Runtime, usage: Usage,
             charged: Reservation | None) -> RequestRecord:
     """The request's one record, from which the row, the metrics and the log line are read.
-    On a cache hit, what it saved is priced here once, at the price the request pays (today's,
-    or its reservation's): the row, the metrics and a full charge read that one value."""
+    On a cache hit, what it saved is priced here once, at the price the request pays (the
+    table in force, or its reservation's): the row, the metrics and a full charge read that
+    one value."""
     principal, candidacy = done.principal, done.candidacy
     price = _price(done, runtime)
     model = done.model

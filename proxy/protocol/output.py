@@ -14,7 +14,7 @@ over a stream. Random, not every nth: a stream with a period of its own would sk
 event longer than the stream's shortest by more than `WHOLE_PAST` bytes is never left to the
 sample: it is counted whole. So the rate is that of events alike in size, and a stream of
 uneven events (15 of one token, then one of 585) cannot hide its large ones from a sample that
-missed them (issue 31); a large event costs its count, which its size pays for anyway.
+missed them; a large event costs its count, which its size pays for anyway.
 """
 
 from __future__ import annotations

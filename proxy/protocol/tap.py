@@ -22,7 +22,7 @@ dropped, so the client's stream is never corrupted.
 Why `feed` + `look` and not one call: the parse must come after the write, and the write is the
 caller's (it awaits). Deferring the parse to the next `feed` instead would leave the last chunk
 unparsed when the handler is cancelled (a client disconnect does that) and would meter a chunk
-whose write failed; a `look` after the write keeps today's exact semantics, the caller never
+whose write failed; a `look` after the write meters exactly the bytes written, the caller never
 chooses between code paths, and the common case costs one store more than no deferral at all.
 `feed` returns bytes, not a (bytes, parsed) pair: the pair would be allocated per chunk, and the
 caller needs nothing from it that `look` does not already know.
@@ -273,7 +273,7 @@ class StreamTap:
         events one by one. With `out`, the bytes to forward are appended to it: all but a
         usage-only event of a stripping stream. Once an event a run could have taken but did
         not turns out to be content (a kind the run does not know, or vLLM's usage in every
-        event), the rest of the chunk goes event by event, as before runs: no scan per event."""
+        event), the rest of the chunk goes event by event: no run scan per event."""
         pos = i = 0
         runs = True
         translator = self._translator

@@ -95,7 +95,8 @@ def upstream_failure(
             return UpstreamUnreachable(
                 f"Upstream `{name}` is unreachable ({type(exc).__name__})."
             )
-        # Broke while its answer was being read: today's wire code is kept (see errors.py).
+        # Broke while its answer was being read: an unreachable upstream's code, kept for wire
+        # compatibility (see errors.py).
         return UpstreamUnreachable(f"The upstream response broke ({type(exc).__name__}).")
     return None
 

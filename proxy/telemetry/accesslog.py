@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TextIO
 
-from proxy.telemetry.metrics import RequestRecord
+from proxy.telemetry.record import RequestRecord
 
 ACCESS_LOGGER = "tokenmeter.access"
 access_log = logging.getLogger(ACCESS_LOGGER)
@@ -210,9 +210,10 @@ class LoopLineHandler(logging.Handler):
     message, already one JSON line, goes to `stream` with the other lines of the same turn of
     the event loop in one write and flush (`loop.call_soon`), and with no lock of logging's:
     lines come from the loop's thread (settle), which alone touches the buffer. The stock
-    StreamHandler took a lock per line that every thread's logging shares, and wrote and
-    flushed each line on its own.
-    A line from another thread (none today) is written at once, by itself."""
+    StreamHandler takes a lock per line that every thread's logging shares, and writes and
+    flushes each line on its own.
+    A line from another thread (nothing logs access lines from one) is written at once, by
+    itself."""
 
     def __init__(self, stream: TextIO, log_format: LogFormat = LogFormat.JSON) -> None:
         super().__init__()

@@ -13,7 +13,7 @@ from bisect import bisect_left
 from dataclasses import dataclass
 
 # The inter-chunk gaps are bucketed here, per request, on the metric's own bounds.
-from proxy.telemetry.metrics import TPOT_BUCKETS
+from proxy.telemetry.families import TPOT_BUCKETS
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""Replay captured requests as an upstream (issue 22): `tokenmeter mock-upstream --replay FILE`.
+"""Replay captured requests as an upstream: `tokenmeter mock-upstream --replay FILE`.
 
 The file holds export lines (docs/capture.md). A request is answered with the recording whose
 `messages` equal its own (as canonical JSON: the model may differ, that is the point of a

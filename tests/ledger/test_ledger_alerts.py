@@ -28,7 +28,8 @@ from aiohttp.test_utils import TestServer
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.telemetry.metrics import CaptureDrop, LedgerStage, Metrics, ReconcileFailure
+from proxy.telemetry.families import CaptureDrop, LedgerStage, ReconcileFailure
+from proxy.telemetry.metrics import Metrics
 from tests.helpers import ROOT, ServerFactory
 from tests.servers import Prometheus, running_prometheus
 

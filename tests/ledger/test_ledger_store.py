@@ -32,7 +32,8 @@ from proxy.ledger.row import COLUMNS, LedgerRow
 from proxy.ledger.schema import MIGRATIONS, SCHEMA_TABLE, TABLE, VERSION
 from proxy.ledger.shipper_process import make_sink
 from proxy.ledger.spool import RowSpool, SpoolWriter, encode_row
-from proxy.telemetry.metrics import LedgerMetrics, Metrics
+from proxy.telemetry.metrics import Metrics
+from proxy.telemetry.verbs import LedgerMetrics
 from tests.helpers import ROOT, FakeClock, exported, until
 from tests.servers import free_port
 

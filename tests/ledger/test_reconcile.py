@@ -37,7 +37,7 @@ from proxy.config.load import Config
 from proxy.cost import CostLines, price_for
 from proxy.ledger.audit import Auditor
 from proxy.ledger.query import LedgerReader, LedgerUnavailable, Location, locate, open_reader
-from proxy.ledger.reconcile import Reconciliation, Verdict, reconcile
+from proxy.ledger.reconcile_plan import Reconciliation, Verdict, reconcile
 from proxy.ledger.row import LedgerRow
 from proxy.ledger.schema import TABLE
 from proxy.pipeline import services as st

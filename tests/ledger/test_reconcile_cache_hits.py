@@ -11,7 +11,8 @@ import uuid
 
 from proxy.budget import limits as lim
 from proxy.cost import CostLines
-from proxy.ledger.reconcile import Verdict
+from proxy.ledger.reconcile_plan import Verdict
+from proxy.ledger.reconcile_render import check_json
 from proxy.ledger.row import LedgerRow
 from proxy.protocol.usage import ZERO, Usage
 from tests.ledger.test_reconcile import World, books, by_label, world  # noqa: F401  fixtures
@@ -48,7 +49,7 @@ async def test_hits_charged_nothing_or_in_full_agree(world: World) -> None:  # n
     await world.budget.settle(reservation, SAVED, cost)
     await book_hit(world, "dave", reservation.plan, SAVED, cost.nanousd)
     r = await world.reconcile()
-    assert r.agrees, [c.to_json() for c in r.checks if c.verdict is not Verdict.AGREES]
+    assert r.agrees, [check_json(c) for c in r.checks if c.verdict is not Verdict.AGREES]
     (tokens,) = by_label(r, "dave", "u:daily_tokens")
     assert tokens.ledger == tokens.store == 27 + SAVED.total_tokens
     (usd,) = by_label(r, "dave", "u:daily_usd")

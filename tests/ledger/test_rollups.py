@@ -32,7 +32,7 @@ from proxy.config.ledger import LedgerConfig
 from proxy.ledger import migrate, rollup, sink_postgres
 from proxy.ledger.migrate import add_zone_postgres, add_zone_sqlite
 from proxy.ledger.query import locate, open_reader
-from proxy.ledger.report import (
+from proxy.ledger.report_plan import (
     Group,
     GroupKey,
     Period,

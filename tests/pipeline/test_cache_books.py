@@ -30,7 +30,8 @@ from proxy.cost import CostLines
 from proxy.errors import ErrorClass
 from proxy.ids import new_id
 from proxy.ledger.query import locate, open_reader
-from proxy.ledger.reconcile import Verdict, reconcile
+from proxy.ledger.reconcile_plan import Verdict, reconcile
+from proxy.ledger.reconcile_render import check_json
 from proxy.ledger.row import COLUMNS
 from proxy.ledger.schema import TABLE
 from proxy.pipeline import services as st
@@ -162,7 +163,7 @@ async def test_a_hit_is_booked_counted_and_charged_as_configured(
         r = await reconcile(config, svc.budget.store, reader, today)
     judged = [c for c in r.checks if c.user == "alice" and not c.quiet]
     assert judged
-    assert all(c.verdict is Verdict.AGREES for c in judged), [c.to_json() for c in judged]
+    assert all(c.verdict is Verdict.AGREES for c in judged), [check_json(c) for c in judged]
     (daily,) = [c for c in judged if c.window == "daily_tokens"]
     assert daily.ledger == after.tokens
 

@@ -24,7 +24,8 @@ from proxy.cost import CostLines
 from proxy.errors import ErrorClass
 from proxy.protocol.usage import ZERO, Usage
 from proxy.telemetry.meter import Figures
-from proxy.telemetry.metrics import CACHE_HIT, CACHE_NOT_CONSULTED, Metrics, RequestRecord
+from proxy.telemetry.metrics import Metrics
+from proxy.telemetry.record import CACHE_HIT, CACHE_NOT_CONSULTED, RequestRecord
 from tests.helpers import ROOT, ServerFactory
 from tests.servers import running_prometheus
 

@@ -25,14 +25,9 @@ from prometheus_client import (
 from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from proxy.telemetry.metrics import (
-    TPOT_BUCKETS,
-    TTFT_BUCKETS,
-    Metrics,
-    _Counter,
-    _Gauge,
-    _Histogram,
-)
+from proxy.telemetry.collectors import FastCounter, FastGauge, FastHistogram
+from proxy.telemetry.families import TPOT_BUCKETS, TTFT_BUCKETS
+from proxy.telemetry.metrics import Metrics
 
 AMOUNTS = st.one_of(
     st.sampled_from([*TTFT_BUCKETS, *TPOT_BUCKETS, 0.0, -1.0, 1e9, math.inf, math.nan]),
@@ -42,7 +37,7 @@ AMOUNTS = st.one_of(
 
 def _pair(registry_a: CollectorRegistry, registry_b: CollectorRegistry,
           buckets: tuple[float, ...]) -> tuple[Histogram, Histogram]:
-    ours = _Histogram("h_seconds", "h", ["model"], buckets=buckets, registry=registry_a)
+    ours = FastHistogram("h_seconds", "h", ["model"], buckets=buckets, registry=registry_a)
     theirs = Histogram("h_seconds", "h", ["model"], buckets=buckets, registry=registry_b)
     return ours, theirs
 
@@ -71,7 +66,7 @@ def test_bisection_in_multiprocess_mode(tmp_path: Path, monkeypatch: pytest.Monk
     exposed = []
     for name in ("ours", "theirs"):
         with _multiprocess(tmp_path / name, monkeypatch) as d:
-            kind = _Histogram if name == "ours" else Histogram
+            kind = FastHistogram if name == "ours" else Histogram
             h = kind("h_seconds", "h", ["model"], buckets=TTFT_BUCKETS,
                      registry=CollectorRegistry())
             for x in amounts:
@@ -83,7 +78,7 @@ def test_bisection_in_multiprocess_mode(tmp_path: Path, monkeypatch: pytest.Monk
 
 @pytest.mark.timeout(60)
 def test_a_labelled_parent_still_refuses_an_observation() -> None:
-    h = _Histogram("h_seconds", "h", ["model"], registry=CollectorRegistry())
+    h = FastHistogram("h_seconds", "h", ["model"], registry=CollectorRegistry())
     with pytest.raises(ValueError):
         h.observe(1.0)
 
@@ -96,7 +91,7 @@ def test_mostrecent_gauges_in_multiprocess_mode(tmp_path: Path,
     exposed = []
     for name in ("ours", "theirs"):
         with _multiprocess(tmp_path / name, monkeypatch) as d:
-            kind = _Gauge if name == "ours" else Gauge
+            kind = FastGauge if name == "ours" else Gauge
             g = kind("g", "g", ["user", "window"], registry=CollectorRegistry(),
                      multiprocess_mode="mostrecent")
             before = time.time()
@@ -110,7 +105,7 @@ def test_mostrecent_gauges_in_multiprocess_mode(tmp_path: Path,
     assert exposed[0] == exposed[1]
     assert b'g{user="u",window="daily_tokens"} 7.5' in exposed[0]
     with pytest.raises(ValueError):
-        _Gauge("g2", "g", ["u"], registry=CollectorRegistry(),
+        FastGauge("g2", "g", ["u"], registry=CollectorRegistry(),
                multiprocess_mode="mostrecent").set(1.0)  # a labelled parent is not a series
 
 
@@ -150,8 +145,8 @@ def _read_values(path: Path) -> list[tuple[str, tuple[float, float]]]:
 def test_counters_and_gauges_expose_what_the_library_does(increments: list[float],
                                                           sets: list[float]) -> None:
     a, b = CollectorRegistry(), CollectorRegistry()
-    counters = (_Counter("c", "c", ["u"], registry=a), Counter("c", "c", ["u"], registry=b))
-    gauges = (_Gauge("g", "g", ["u"], registry=a), Gauge("g", "g", ["u"], registry=b))
+    counters = (FastCounter("c", "c", ["u"], registry=a), Counter("c", "c", ["u"], registry=b))
+    gauges = (FastGauge("g", "g", ["u"], registry=a), Gauge("g", "g", ["u"], registry=b))
     for x in increments:
         for counter in counters:
             counter.labels("x").inc(x)

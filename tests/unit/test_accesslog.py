@@ -17,7 +17,7 @@ from proxy.ledger.row import LedgerRow
 from proxy.protocol.usage import Usage
 from proxy.telemetry.accesslog import request_fields, request_line
 from proxy.telemetry.meter import Figures
-from proxy.telemetry.metrics import RequestRecord
+from proxy.telemetry.record import RequestRecord
 
 _text = st.text(max_size=300)  # quotes, backslashes, control and non-ASCII characters
 _opt_time = st.none() | st.floats(0, 1e4, allow_nan=False)

@@ -3,7 +3,8 @@
 `lint-imports` (.ci/run) checks pyproject.toml's layers contract: nothing imports from a layer
 above its own or from an independent sibling. These tests keep that contract honest: every
 package of proxy is in one of its layers (a new package cannot slip past it), the document
-draws the same order, and no two packages import each other, however indirectly."""
+draws the same order, no two packages import each other, however indirectly, and no module
+imports itself through others (a file circle)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,13 @@ def test_no_two_packages_import_each_other() -> None:
         if graph.chain_exists(a, b, as_packages=True) and graph.chain_exists(b, a, as_packages=True)
     ]
     assert both_ways == []
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    graph = grimp.build_graph("proxy", cache_dir=None)
+    circles = sorted(
+        (module, imported) for module in graph.modules
+        for imported in graph.find_modules_directly_imported_by(module)
+        if graph.chain_exists(imported, module)
+    )
+    assert circles == []

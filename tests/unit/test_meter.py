@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from proxy.telemetry.families import TPOT_BUCKETS
 from proxy.telemetry.meter import RequestMeter
-from proxy.telemetry.metrics import TPOT_BUCKETS
 
 
 def _meter() -> RequestMeter:
