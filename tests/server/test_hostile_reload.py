@@ -3,8 +3,8 @@
 A real proxy process serves a generated configuration of 10,000 users with three keys each
 (30,000 keys: plain strings and mappings with limits of their own, users in teams). While a
 storm of SIGHUPs and file rewrites hits it, another client's small requests must each be
-answered within 300 ms (before: every request stalled for the whole 7-9 s build, a storm for
-tens of seconds), the storm must cost a few builds rather than one per signal, and the file
+answered within 2 s (a build on the loop stalls every request for the whole 7-9 s build, a
+storm for tens of seconds; a loaded 2-core machine delays a request by up to about 0.8 s), the storm must cost a few builds rather than one per signal, and the file
 written last must be the one in force afterwards. A bad file during a storm keeps the running
 version serving.
 """
@@ -30,6 +30,9 @@ from tests.helpers import timed_client, until
 from tests.servers import free_port, wait_for_port
 
 USERS = 10_000
+# Far below the 7-9 s a build on the loop stalls a request, far above what a loaded machine
+# adds (0.8 s seen with two test workers and two other processes busy on 2 cores).
+STORM_BOUND_S = 2.0
 STABLE_KEY = "sk-user00000-key0-abcdefghijkl"  # in every version
 
 
@@ -175,7 +178,7 @@ async def test_a_sighup_storm_of_a_big_config_keeps_requests_fast_and_the_last_f
                     return await proxy.ask(session, _marker_key(versions[-1])) == 200
 
                 await until(last_in_force, deadline=240.0, every=0.2)
-            latencies.check()
+            latencies.check(bound_s=STORM_BOUND_S)
             # The version written last is the one in force, whole: the one before it is gone.
             assert await proxy.ask(session, _marker_key(versions[-2])) == 401
             assert await proxy.ask(session, _marker_key("v0")) == 401
@@ -215,5 +218,5 @@ async def test_a_bad_file_during_a_sighup_storm_keeps_the_running_version(
                     return await proxy.ask(session, _marker_key("fixed")) == 200
 
                 await until(fixed, deadline=240.0, every=0.2)
-            latencies.check()
+            latencies.check(bound_s=STORM_BOUND_S)
             assert await proxy.ask(session, _marker_key("v0")) == 401
