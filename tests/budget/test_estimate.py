@@ -3,6 +3,7 @@ history (the Redis scripts are checked against the same cases in tests/budget/te
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -69,3 +70,56 @@ def test_the_known_reasoning_models_hide_output_and_others_are_learned() -> None
     # More than a top-up step billed beyond what was streamed.
     assert est.hid_output(50 + est.MIN_STEP + 1, 50)
     assert not est.hid_output(50 + est.MIN_STEP, 50)
+
+
+def test_estimate_reserves_one_token_at_least_and_takes_the_ninetieth_percentile() -> None:
+    assert est.estimate((), 32_000, 1) == 1
+    assert est.estimate((), 32_000, 0) == 1
+    assert est.estimate((5,), 32_000, 1024) == 5  # one sample: it is the percentile
+    # Ten samples: the ninth smallest (ceil(0.9 * 10) = 9), in whatever order they came.
+    assert est.estimate((10, 1, 9, 2, 8, 3, 7, 4, 6, 5), 32_000, 1024) == 9
+    assert est.estimate((1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11), 32_000, 1024) == 10  # ceil(9.9)
+
+
+def test_a_step_is_a_whole_number_of_tokens() -> None:
+    assert est.step(4_001, 30_000) == 2_000
+    assert isinstance(est.step(4_001, 30_000), int)
+    assert est.step(2 * est.MIN_STEP + 1, 30_000) == est.MIN_STEP
+    assert est.step(4_000, 1) == 1
+
+
+@pytest.mark.parametrize(("body", "hides"), [
+    ({}, False),
+    ({"reasoning_effort": "low"}, True),
+    ({"reasoning_effort": "none"}, False),
+    ({"reasoning_effort": None}, False),
+    ({"reasoning": {"effort": "high"}}, True),
+    ({"reasoning": {"summary": "auto"}}, True),  # an effort left to the model's default
+    ({"reasoning": {"effort": "none"}}, False),
+    ({"reasoning": "high"}, True),  # some gateways take the effort itself
+    ({"reasoning": False}, False),
+    ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, True),
+    ({"thinking": {"type": "disabled"}}, False),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, True),
+    ({"modalities": ["text", "audio"]}, True),
+    ({"modalities": ["text"]}, False),
+    ({"modalities": "audio"}, False),  # not a list: no modality asked
+])
+def test_a_request_that_asks_to_reason_or_speak_hides_output(body: dict[str, object],
+                                                              hides: bool) -> None:
+    assert est.hides_output("gpt-4o", body, None) is hides
+    assert est.hides_output("gpt-4o", body, True) is True  # the route decides
+    assert est.hides_output("o3", body, False) is False
+
+
+def test_a_model_is_matched_case_blind_on_its_name_after_the_last_slash() -> None:
+    assert est.hides_output("O3-Mini", {}, None)
+    assert est.hides_output("router/openai/o3", {}, None)
+    assert not est.hides_output("o3/gpt-4o", {}, None)  # the provider prefix is not the model
+
+
+def test_a_learned_key_keeps_a_name_of_128_characters_and_hashes_a_longer_one() -> None:
+    assert est.learned_key("tm", "up", "m" * 128) == "tm:hides:up:" + "m" * 128
+    name = "m" * 129
+    digest = hashlib.sha256(name.encode()).hexdigest()
+    assert est.learned_key("tm", "up", name) == f"tm:hides:up:sha256:{digest}"
