@@ -101,3 +101,77 @@ def test_uneven_events_are_never_left_to_the_sample(sampled_fold: bool,
         assert counts[-1] == exact == est.tokens()
         # At every event: the large ones counted as they came.
         assert counts[15] == 600 and counts[31] == 1_200
+
+
+class _FirstPicks:
+    """A sampler that picks the first `k` events and draws `draw` for every `random()`: which
+    events rate the rest, and whether a partial sixteenth adds one, made visible."""
+
+    def __init__(self, draw: float) -> None:
+        self.draw = draw
+
+    def sample(self, events: list[bytes], k: int) -> list[bytes]:
+        if not 0 <= k <= len(events):
+            raise ValueError("sample larger than the population")  # as random.sample
+        return events[:k]
+
+    def random(self) -> float:
+        return self.draw
+
+
+# 17 events of like size: 16 make one whole sample, the 17th a sixteenth left over, sampled
+# with the probability 1/16 (a draw below 1/16 adds it). The first event is 1 token, the second
+# 2: one picked rates the 17 at 1 token each (17), two at 1.5 (25.5, rounded up).
+SEVENTEEN = [b" the", b" the the"] + [b" the"] * 15
+
+
+@pytest.mark.parametrize(("draw", "so_far"), [(0.0, 26), (1 / 16, 17), (0.5, 17)])
+def test_a_partial_sixteenth_adds_one_to_the_sample_with_its_probability(
+        monkeypatch: pytest.MonkeyPatch, draw: float, so_far: int) -> None:
+    monkeypatch.setattr(output, "_SAMPLER", _FirstPicks(draw))
+    est = OutputEstimate(MODEL, _texts, sampled=True)
+    est.hold_run(SEVENTEEN, sum(map(len, SEVENTEEN)))
+    assert est.so_far() == so_far
+
+
+def test_events_counted_whole_add_up_across_calls_and_after_a_fold(
+        monkeypatch: pytest.MonkeyPatch, small_hold: int) -> None:
+    """After a fold of short events, the held events are all long: none is left to rate, so
+    nothing is sampled (an empty sample would be an error), and each is counted whole."""
+    monkeypatch.setattr(output, "_SAMPLER", _FirstPicks(0.5))
+    est = OutputEstimate(MODEL, _texts, sampled=True)
+    while not est.folded_tokens():
+        est.hold(b" and the")
+    folded = est.folded_tokens()
+    assert est.events == [] and folded % 2 == 0
+    long = (" tok" * 100).encode()
+    est.hold(long)
+    assert est.so_far() == folded + 100
+    est.hold(long)
+    assert est.so_far() == folded + 200
+    assert est.tokens() == folded + 200
+
+
+def test_every_count_on_the_loop_is_bounded_by_the_loop_budget(
+        monkeypatch: pytest.MonkeyPatch, small_hold: int) -> None:
+    """A fold and `so_far` run on the event loop: each of their counts is bounded by
+    `LOOP_BUDGET`; only `tokens` (off the loop) counts with the larger default."""
+    budgets: list[int] = []
+    real = tokenizer.count_texts
+
+    def counting(model: str, texts: Iterable[str], budget: int = tokenizer.PROMPT_BUDGET) -> int:
+        budgets.append(budget)
+        return real(model, texts, budget)
+
+    monkeypatch.setattr(tokenizer, "count_texts", counting)
+    for sampled in (False, True):
+        est = OutputEstimate(MODEL, _texts, sampled=sampled)
+        events = [b" and the"] * 100 + [(" tok" * 200).encode()] * 30
+        for event in events:
+            est.hold(event)
+            est.so_far()
+        assert budgets and set(budgets) == {tokenizer.LOOP_BUDGET}, sampled
+        budgets.clear()
+        est.tokens()
+        assert budgets == [tokenizer.PROMPT_BUDGET]
+        budgets.clear()
