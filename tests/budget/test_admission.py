@@ -272,3 +272,69 @@ def _refused_rightly(held: _Held, refusal: Refusal) -> None:
     else:
         assert held.before[i] + claim.request.entries[i].amount > refusal.window.limit
     assert refusal.needed > refusal.window.limit - held.before[i]
+
+
+def test_a_clamp_counts_each_window_as_its_measure_does() -> None:
+    """Each window's amount as `base + rate * output`: tokens the prompt plus the output,
+    input the prompt, output the output, cost the priced prompt plus a whole nano-dollar
+    rate per output token (free when unpriced), requests one."""
+    windows = (_window(W.DAILY_TOKENS, 10_000), _window(W.DAILY_INPUT_TOKENS, 10_000),
+               _window(W.DAILY_OUTPUT_TOKENS, 10_000), _window(W.DAILY_USD, 10**9),
+               _window(W.REQUESTS_PER_MINUTE, 10))
+    priced = clamp_of(_plan(*windows, price=PRICE), 100, 4000, 256)
+    assert (priced.requested, priced.minimum) == (4000, 256)
+    assert priced.bases == (100, 100, 0, lim.reserve_cost(PRICE, 100, 0), 1)
+    assert priced.rates == (1, 0, 1, 10_000, 0)
+    unpriced = clamp_of(_plan(*windows), 100, 4000, 256)
+    assert unpriced.bases == (100, 100, 0, 0, 1)
+    assert unpriced.rates == (1, 0, 1, 0, 0)
+
+
+def test_a_clamped_grant_holds_the_cost_of_what_it_was_granted() -> None:
+    """The cost held is the cost windows' amount at the granted output (the largest, with
+    two), and nothing without a price."""
+    plan = _plan(_window(W.DAILY_TOKENS, 10_000), _window(W.DAILY_USD, 10**9),
+                 _window(W.MONTHLY_USD, 10**9), price=PRICE)
+    ask = _ask(plan, CLAMP)
+    claim = claim_for(ask)
+    assert claim.request.clamp is not None
+    amounts = claim.request.clamp.amounts(1000)
+    held = decide(ask, claim, ReserveResult(True, (9000, 0, 0), granted=1000))
+    assert isinstance(held, Grant) and held.cost_nanousd == max(amounts[1:]) > 0
+    unpriced = _plan(_window(W.DAILY_TOKENS, 10_000))
+    free = _ask(unpriced, CLAMP)
+    held = decide(free, claim_for(free), ReserveResult(True, (9000,), granted=1000))
+    assert held == Grant(1000, 1000, 0, clamped_from=4000, binding=unpriced.windows[0])
+
+
+def test_a_grant_of_all_that_was_claimed_is_whole() -> None:
+    """A clamp the store granted whole (or no count from it) is no clamp."""
+    plan = _plan(_window(W.DAILY_TOKENS, 10_000))
+    ask = _ask(plan, CLAMP)
+    claim = claim_for(ask)
+    whole = Grant(4000, 4000, 0)
+    assert decide(ask, claim, ReserveResult(True, (4100,), granted=4000)) == whole
+    assert decide(ask, claim, ReserveResult(True, (4100,), granted=None)) == whole
+    assert decide(ask, claim, ReserveResult(True, (4099,), granted=3999)).clamped  # type: ignore[union-attr]
+
+
+def test_a_refusal_without_a_clamp_names_what_the_window_needed() -> None:
+    plan = _plan(_window(W.DAILY_TOKENS, 10_000), _window(W.DAILY_OUTPUT_TOKENS, 1_000))
+    ask = _ask(plan)
+    refused = decide(ask, claim_for(ask), ReserveResult(False, (100, 900), refused_entry=1))
+    assert isinstance(refused, Refusal)
+    assert (refused.window, refused.needed, refused.at_least, refused.in_flight) == (
+        plan.windows[1], 4000, False, None)
+    assert refused.used == (100, 900) and refused.user == "alice"
+    assert refused_limit(refused) == "daily_output_tokens"
+
+
+def test_the_estimate_key_names_the_key_or_a_dash_and_the_model_sent() -> None:
+    plan = _plan(_window(W.DAILY_TOKENS, 10_000))
+    keyless = Principal("bob", lim.unlimited(Limits()), admission=ESTIMATE)
+    ask = Ask(principal=keyless, model="m", plan=plan, prompt_tokens=1, asked_output=10,
+              choices=1, stream=True, hidden_output=False)
+    assert ask.estimate_key == f"{SLOT}:est:bob:-:m"
+    assert _ask(plan, ESTIMATE, asked=0).estimate_key is None  # nothing asked: nothing to learn
+    assert _ask(plan, CLAMP, stream=True).estimate_key is None
+    assert _ask(plan, CLAMP, asked=0).min_output is None
