@@ -175,3 +175,18 @@ def test_every_count_on_the_loop_is_bounded_by_the_loop_budget(
         est.tokens()
         assert budgets == [tokenizer.PROMPT_BUDGET]
         budgets.clear()
+
+
+def test_an_event_just_whole_past_the_shortest_is_still_rated(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`WHOLE_PAST` bytes longer than the shortest is still sampled, one byte more is counted
+    whole: each event is rated or counted, never both nor neither."""
+    monkeypatch.setattr(output, "_SAMPLER", _FirstPicks(0.5))
+    shortest = b" the"  # 1 token
+    edge = b" the" * ((len(shortest) + output.WHOLE_PAST) // 4)  # 17 tokens, rated
+    assert len(edge) == len(shortest) + output.WHOLE_PAST
+    long = b" tok" * 100  # counted whole
+    est = OutputEstimate(MODEL, _texts, sampled=True)
+    est.hold_run([shortest, edge, long], len(shortest) + len(edge) + len(long))
+    # The sample (the first event) rates the two alike at 1 token each; the long one is 100.
+    assert est.so_far() == 2 + 100
