@@ -190,3 +190,27 @@ def test_an_event_just_whole_past_the_shortest_is_still_rated(
     est.hold_run([shortest, edge, long], len(shortest) + len(edge) + len(long))
     # The sample (the first event) rates the two alike at 1 token each; the long one is 100.
     assert est.so_far() == 2 + 100
+
+
+def test_a_fold_comes_past_the_hold_and_the_count_starts_afresh(small_hold: int) -> None:
+    """`HOLD_BYTES` held is kept, one byte more folds; runs add up; after a fold the count
+    starts at nothing."""
+    word = b" the"  # 4 bytes
+    est = OutputEstimate(MODEL, _texts, sampled=False)
+    held = [word] * (small_hold // 4)
+    for event in held:
+        est.hold(event)
+    assert est.events == held  # exactly the hold: kept
+    est.hold(word)
+    assert est.events == [] and est.folded_tokens() == small_hold // 4 + 1  # past it: folded
+    est.hold_run(held, small_hold)
+    assert est.events == held  # a run of exactly the hold after a fold: kept
+    est.hold_run([word], 4)
+    assert est.events == [] and est.folded_tokens() == 2 * (small_hold // 4 + 1)
+    half = [word] * (small_hold // 8)
+    est.hold_run(half, small_hold // 2)
+    est.hold_run(half, small_hold // 2)
+    assert est.events == half + half  # two halves: the hold, kept
+    est.hold_run([word], 4)
+    assert est.events == []  # and a byte more folds
+    assert est.tokens() == 3 * (small_hold // 4 + 1)
