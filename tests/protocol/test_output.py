@@ -214,3 +214,19 @@ def test_a_fold_comes_past_the_hold_and_the_count_starts_afresh(small_hold: int)
     est.hold_run([word], 4)
     assert est.events == []  # and a byte more folds
     assert est.tokens() == 3 * (small_hold // 4 + 1)
+
+
+def test_a_fold_of_a_stream_whose_usage_was_asked_counts_a_sample(
+        monkeypatch: pytest.MonkeyPatch, small_hold: int) -> None:
+    """One event in 16 rates the fold: picked, the first hundred of 1,600 events (2 tokens
+    each) rate all 1,600 at 2 tokens, though the other 1,500 are 1 token each."""
+    monkeypatch.setattr(output, "_SAMPLER", _FirstPicks(0.5))
+    events = [b" the the"] * 100 + [b" the"] * 1500
+    size = sum(map(len, events))
+    assert size > small_hold
+    sampled = OutputEstimate(MODEL, _texts, sampled=True)
+    sampled.hold_run(events, size)
+    assert sampled.events == [] and sampled.folded_tokens() == 3200
+    whole = OutputEstimate(MODEL, _texts, sampled=False)
+    whole.hold_run(events, size)
+    assert whole.folded_tokens() == 1700 == _exact(events)
