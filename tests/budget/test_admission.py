@@ -133,9 +133,12 @@ def test_without_a_cap_the_body_is_not_capped() -> None:
 def test_a_full_in_flight_set_refuses() -> None:
     plan = _plan(_window(W.DAILY_TOKENS, 10_000))
     ask = _ask(plan)
-    refused = decide(ask, claim_for(ask), ReserveResult(False, (0,), refused_in_flight=0))
+    refused = decide(ask, claim_for(ask), ReserveResult(False, (5,), refused_in_flight=0))
     assert isinstance(refused, Refusal) and refused.in_flight == plan.in_flight[0]
     assert refused_limit(refused) == "max_concurrent_requests"
+    # No window refused it: the windows and what they held, and nothing needed in them.
+    assert (refused.user, refused.windows, refused.used, refused.window, refused.needed) == (
+        "alice", plan.windows, (5,), None, 0)
 
 
 # --- properties, with the in-process store -----------------------------------------------
@@ -338,3 +341,10 @@ def test_the_estimate_key_names_the_key_or_a_dash_and_the_model_sent() -> None:
     assert _ask(plan, ESTIMATE, asked=0).estimate_key is None  # nothing asked: nothing to learn
     assert _ask(plan, CLAMP, stream=True).estimate_key is None
     assert _ask(plan, CLAMP, asked=0).min_output is None
+
+
+def test_a_clamped_grant_under_a_price_but_no_cost_window_holds_no_cost() -> None:
+    plan = _plan(_window(W.DAILY_TOKENS, 10_000), price=PRICE)
+    ask = _ask(plan, CLAMP)
+    held = decide(ask, claim_for(ask), ReserveResult(True, (9000,), granted=1000))
+    assert held == Grant(1000, 1000, 0, clamped_from=4000, binding=plan.windows[0])
