@@ -85,6 +85,8 @@ def test_clamp_grants_what_fit_and_names_the_window_that_bound_it() -> None:
     # Below the minimum the store refuses: the 429 says what it needed at least.
     refused = decide(ask, claim, ReserveResult(False, (9900, 0, 0), refused_entry=0))
     assert isinstance(refused, Refusal) and refused.at_least and refused.needed == 356
+    assert (refused.user, refused.windows, refused.used, refused.window) == (
+        "alice", plan.windows, (9900, 0, 0), plan.windows[0])
 
 
 def test_the_minimum_is_one_per_choice_and_never_above_what_was_asked() -> None:
