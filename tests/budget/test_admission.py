@@ -330,7 +330,7 @@ def test_a_refusal_without_a_clamp_names_what_the_window_needed() -> None:
     assert isinstance(refused, Refusal)
     assert (refused.window, refused.needed, refused.at_least, refused.in_flight) == (
         plan.windows[1], 4000, False, None)
-    assert refused.used == (100, 900) and refused.user == "alice"
+    assert (refused.used, refused.user, refused.windows) == ((100, 900), "alice", plan.windows)
     assert refused_limit(refused) == "daily_output_tokens"
 
 
