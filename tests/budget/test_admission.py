@@ -350,3 +350,12 @@ def test_a_clamped_grant_under_a_price_but_no_cost_window_holds_no_cost() -> Non
     ask = _ask(plan, CLAMP)
     held = decide(ask, claim_for(ask), ReserveResult(True, (9000,), granted=1000))
     assert held == Grant(1000, 1000, 0, clamped_from=4000, binding=plan.windows[0])
+
+
+def test_a_clamped_answer_that_does_not_count_every_window_is_an_error() -> None:
+    """The store answers one count per window: one short would leave a window out of the
+    search for the binding one, so it is an error, not a shorter search."""
+    plan = _plan(_window(W.DAILY_TOKENS, 10_000), _window(W.DAILY_OUTPUT_TOKENS, 50_000))
+    ask = _ask(plan, CLAMP)
+    with pytest.raises(ValueError, match="zip"):
+        decide(ask, claim_for(ask), ReserveResult(True, (9000,), granted=1000))
