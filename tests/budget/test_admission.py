@@ -112,6 +112,9 @@ def test_estimate_holds_the_estimate_and_keeps_its_cap_upstream() -> None:
         4000, 270, 0, topup_cap=4000)
     # An estimate below the minimum holds the minimum.
     assert claim_for(ask, 10).output == 256
+    # An estimate of all that was asked (or more) holds it whole: nothing to top up.
+    for whole in (4000, 5000):
+        assert (claim_for(ask, whole).output, claim_for(ask, whole).topup_cap) == (4000, None)
 
 
 def test_estimate_falls_back_to_clamp_where_top_ups_cannot_follow() -> None:
