@@ -380,3 +380,14 @@ def test_a_stream_the_store_always_tops_up_asks_a_step_at_a_time(
     assert run.asked <= (run.tokens * 4 // 3 - estimate) // step + 2
     assert allowance.reserved >= run.tokens
     assert run.most_over <= 0
+
+
+def test_three_quarters_is_rounded_down_to_a_whole_token() -> None:
+    """301 tokens held: three quarters is 225.75, the top-up line 225 tokens; one token short
+    of it runs on, and the next check is a whole number of bytes on."""
+    allowance = Allowance(301, CAP, 301)
+    first = allowance.check(_at(1), pending=False)
+    assert first.act is Act.NOTHING and first.allowance.next_at == BYTES + 224
+    assert isinstance(first.allowance.next_at, int)
+    assert allowance.check(_at(224), pending=False).act is Act.NOTHING
+    assert allowance.check(_at(225), pending=False).act is Act.START
