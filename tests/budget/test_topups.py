@@ -391,3 +391,11 @@ def test_three_quarters_is_rounded_down_to_a_whole_token() -> None:
     assert isinstance(first.allowance.next_at, int)
     assert allowance.check(_at(224), pending=False).act is Act.NOTHING
     assert allowance.check(_at(225), pending=False).act is Act.START
+
+
+def test_the_slack_is_two_events_at_the_rate_seen_or_the_largest_piece() -> None:
+    allowance = Allowance(1_000, CAP, 1_000)
+    assert allowance.slack(Seen(0, 0, 0), 0) == 4  # no event yet: a token per event
+    assert allowance.slack(Seen(50, 500, 50 * BYTES, 10), 10) == 22  # 10 tokens an event
+    assert allowance.slack(Seen(50, 75, 50 * BYTES), 1) == 5  # 1.5 an event: int(3.0) + 2
+    assert allowance.slack(Seen(50, 500, 50 * BYTES), 40) == 40  # a piece of 40 seen
