@@ -141,7 +141,7 @@ QUICK = Plan("quick", rounds=2, wrk_s=3.0, connections=16, per_client={"c16": 3,
 
 
 # --------------------------------------------------------------------------------------------
-# Verdict (pure: tests/unit/test_bench_governed.py)
+# Verdict (pure: tests/benchmarks/test_bench_governed.py)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

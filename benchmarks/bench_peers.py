@@ -258,7 +258,7 @@ async def run_batch(session: aiohttp.ClientSession, gw: Gateway, phase: str, tot
 
 
 # --------------------------------------------------------------------------------------------
-# Summary and table (pure: tests/unit/test_bench_peers.py)
+# Summary and table (pure: tests/benchmarks/test_bench_peers.py)
 
 
 def summarize(samples: dict[str, dict[str, list[Sample]]], skipped: dict[str, str]

@@ -252,7 +252,7 @@ async def test_requests_share_a_remainder_first_come_first_served(subject: Subje
 async def test_the_stores_clamp_alike_on_windows_of_every_size(redis_url: str) -> None:
     """Grant by grant on random windows of every measure, up to cost windows' nano-dollars
     (the Lua division of integers held in doubles; the arithmetic itself:
-    tests/unit/test_clamp.py)."""
+    tests/budget/test_clamp.py)."""
     rng = random.Random(7)
     stores: tuple[Store, Store] = (MemoryStore(), RedisStore(redis_url, 5000))
     seen: set[str] = set()

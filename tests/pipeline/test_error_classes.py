@@ -254,7 +254,7 @@ def test_the_protocol_layer_imports_no_aiohttp() -> None:
     assert out.stdout.strip() == "False"
 
 
-# --- the bench reads answers with the classifier (tests/unit/test_upstream_errors.py tests it) -
+# --- the bench reads answers with the classifier (tests/protocol/test_upstream_errors.py tests it) -
 
 
 def _openai(type_: str, code: str | None = None, message: str = "m") -> bytes:

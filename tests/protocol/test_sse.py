@@ -1,6 +1,6 @@
 """The SSE decoder on random streams: the fast paths (`whole_event`, `whole_events`) yield
 exactly what the general decoder (`feed`) does, at any cut. The decoder's own tests, fast and
-deterministic, are in tests/unit/test_sse.py; these draw hundreds of streams each."""
+deterministic, are in tests/protocol/test_sse_cases.py; these draw hundreds of streams each."""
 
 from __future__ import annotations
 
