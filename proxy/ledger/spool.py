@@ -455,8 +455,18 @@ class SpoolWriter:
             self._lock_fd = fd
         self._seq += 1
         path = self.directory / f"ledger-{self.owner}-{self._seq:06d}.jsonl"
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC,
-                           FILE_MODE)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC,
+                     FILE_MODE)
+        try:
+            _first_cursor(path)
+        except OSError:
+            # No segment without its cursor: a full disk could never take its first one.
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            self.dropping = True
+            raise
+        self._fd = fd
         self._live = path
         self._end = 0
 
@@ -578,6 +588,25 @@ def _load_segment(path: Path, owner: str, seq: int) -> Segment:
         while chunk := f.read(1 << 20):
             rows += chunk.count(b"\n")
     return Segment(path, owner, seq, start, size, rows, live=False)
+
+
+def _first_cursor(path: Path) -> None:
+    """A new segment's cursor (0: nothing stored), written with the segment, before its first
+    row: the shipper's cursors then always overwrite a file of CURSOR_WIDTH bytes, which a
+    full disk still takes in place (`_write_cursor`). Without it, a disk filled up before the
+    shipper's first cursor of a segment left that segment unable to say it was stored, and
+    `Ledger.flush` waiting."""
+    cursor = path.with_name(path.name + ".pos")
+    fd = os.open(cursor, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
+    try:
+        if os.write(fd, b"0".rjust(CURSOR_WIDTH)) != CURSOR_WIDTH:
+            raise OSError(errno.ENOSPC, "short write of a spool cursor")
+    except OSError:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            cursor.unlink()
+        raise
+    os.close(fd)
 
 
 def _write_cursor(seg: Segment) -> None:

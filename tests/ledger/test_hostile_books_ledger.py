@@ -94,3 +94,33 @@ def test_a_full_disk_still_takes_the_shippers_cursor(tiny_disk: Path) -> None:
     assert not spool.cursor_failing
     assert int(seg.cursor_path.read_text()) == seg.end
     assert reached(writer.marks())  # `Ledger.flush` sees everything stored
+
+
+@pytest.mark.timeout(60)
+def test_a_disk_full_before_the_shippers_first_cursor_still_takes_it(tiny_disk: Path) -> None:
+    """A disk filled up before the shipper stored anything of a segment: its first cursor is
+    written in place too (the writer made the file with the segment). On main it could not
+    be created, the segment never said it was stored, and `Ledger.flush` waited (seen as a
+    failed flush after a second torn row of the full-disk test above)."""
+    writer = SpoolWriter(tiny_disk, 1 << 20)
+    assert writer.append(b"".join(encode_row(ledger_row(f"r{i:04d}", 1_796_000_000.0 + i))
+                                  for i in range(40)))
+    fd = os.open(tiny_disk / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        with contextlib.suppress(OSError):
+            while True:  # the disk full: not a byte more
+                os.write(fd, b"x" * 4096)
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError):
+        (tiny_disk / "probe").write_bytes(b"x")
+    spool = RowSpool(tiny_disk)
+    spool.take(spool.scan(spool.known()))
+    seg = spool.head()
+    assert seg is not None and seg.live and seg.start == 0
+    assert not reached(writer.marks())
+    while (head := spool.head()) is not None:
+        spool.advance(read_batch(head, head.end, 10, tuple))
+    assert not spool.cursor_failing
+    assert int(seg.cursor_path.read_text()) == seg.end
+    assert reached(writer.marks())
