@@ -153,6 +153,14 @@ def _close(choice: dict[str, Any], texts: list[str]) -> dict[str, Any]:
     return choice
 
 
+def choice_finish_reasons(answer: dict[str, Any]) -> list[Any]:
+    """Each choice's finish reason (None where a choice has none), Chat's and Completions'."""
+    choices = answer.get("choices")
+    if not isinstance(choices, list):
+        return []
+    return [c.get("finish_reason") if isinstance(c, dict) else None for c in choices]
+
+
 class ChatCodec(Codec):
     operation = "chat"
     streams = True
@@ -179,10 +187,7 @@ class ChatCodec(Codec):
         return choices_texts(obj, choice_texts)
 
     def finish_reasons(self, answer: dict[str, Any]) -> list[Any]:
-        choices = answer.get("choices")
-        if not isinstance(choices, list):
-            return []
-        return [c.get("finish_reason") if isinstance(c, dict) else None for c in choices]
+        return choice_finish_reasons(answer)
 
     def assemble(self, events: list[dict[str, Any]]) -> dict[str, Any] | None:
         made = assemble_choices(events, "content", _take, _new, _close)

@@ -7,7 +7,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from proxy.protocol.apis.chat import FINISH_MARK, assemble_choices, choices_texts, chunk_head
+from proxy.protocol.apis.chat import (
+    FINISH_MARK,
+    assemble_choices,
+    choice_finish_reasons,
+    choices_texts,
+    chunk_head,
+)
 from proxy.protocol.codec import Codec, Text, TextKind, data_event, pieces
 
 CAP_FIELDS = ("max_tokens",)
@@ -44,10 +50,7 @@ class CompletionsCodec(Codec):
         return choices_texts(obj, choice_texts)
 
     def finish_reasons(self, answer: dict[str, Any]) -> list[Any]:
-        choices = answer.get("choices")
-        if not isinstance(choices, list):
-            return []
-        return [c.get("finish_reason") if isinstance(c, dict) else None for c in choices]
+        return choice_finish_reasons(answer)
 
     def assemble(self, events: list[dict[str, Any]]) -> dict[str, Any] | None:
         made = assemble_choices(events, "text", _take, _new, _close)
