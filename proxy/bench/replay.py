@@ -29,10 +29,10 @@ from proxy.capture.store import CaptureFilter
 from proxy.config.load import ConfigError, load_config
 from proxy.config.policy import Price
 from proxy.cost import NANOS_PER_USD, CostLines, price_for
-from proxy.ledger.pg import mask_url
 from proxy.protocol.export_line import Recording, ReplayFileError, parse_line, read_counted
 from proxy.protocol.tokenizer import count_text
 from proxy.protocol.usage import Usage
+from proxy.storage.urls import mask_url
 
 REQUEST_CHARS = 2_000  # of a request's text in the answers' listing
 PAGE_SAMPLE = 20  # answer pairs on the HTML page
