@@ -24,17 +24,17 @@ from pydantic import (
     model_validator,
 )
 
-from proxy.identity import key_hash
+from proxy.identity import HASH_PREFIX, key_hash
 from proxy.storage.urls import REDIS_URL
 
-_HASHED = re.compile(r"^sha256:[0-9a-f]{64}$")
+_HASHED = re.compile(rf"^{HASH_PREFIX}[0-9a-f]{{64}}$")
 # User and key names end up in Redis keys and metric labels: keep them plain.
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$"
 
 
 def normalise_key(value: str) -> str:
     value = value.strip()
-    if value.lower().startswith("sha256:"):
+    if value.lower().startswith(HASH_PREFIX):
         value = value.lower()
         if not _HASHED.match(value):
             raise ValueError("a hashed key must be 'sha256:' followed by 64 hex digits")

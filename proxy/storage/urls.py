@@ -65,6 +65,12 @@ def mask_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
+def shown_url(url: str) -> str:
+    """A store's URL as printed: an SQLite file as written, any other with its password
+    masked."""
+    return url if url.startswith("sqlite") else mask_url(url)
+
+
 def state_dir() -> Path:
     """Where the proxy's own files go when the configuration names no place: the spools, the
     SQLite ledger. $TOKENMETER_STATE_DIR, else $XDG_STATE_HOME/tokenmeter, else
