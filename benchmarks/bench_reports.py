@@ -62,11 +62,12 @@ import asyncpg
 from proxy.budget.store_redis import RedisStore
 from proxy.config.ledger import LedgerConfig
 from proxy.config.load import load_config
-from proxy.ledger import query, reconcile_plan, report_plan, report_render, rollup
+from proxy.ledger import query, report_plan, report_render, rollup
 from proxy.ledger.migrate import add_zone_postgres, add_zone_sqlite
 from proxy.ledger.schema import MIGRATIONS, TABLE
 from proxy.ledger.sink_postgres import PostgresSink
 from proxy.ledger.sink_sqlite import SqliteSink
+from proxy.reconcile import plan as reconcile_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-
 from aiohttp import web
 
 from proxy.budget.clamp import resolve
@@ -12,6 +10,7 @@ from proxy.budget.principal import Principal
 from proxy.config.policy import KeyConfig, Policy
 from proxy.config.tags import TagRules
 from proxy.errors import AuthenticationFailed
+from proxy.identity import key_hash, key_id, key_label
 
 DEFAULT_USER = "default"
 # A key's own limits: a key that sets any is counted on counters of its own too.
@@ -39,18 +38,18 @@ class UserIndex:
             for entry in cfg.keys:
                 # A plain key string: no limits, name or admission of its own.
                 key = entry if isinstance(entry, KeyConfig) else None
-                key_hash = entry if isinstance(entry, str) else entry.key
-                key_id = key_hash.removeprefix("sha256:")[:12]
+                hashed = entry if isinstance(entry, str) else entry.key
+                kid = key_id(hashed)
                 if key is not None and any(getattr(key, f) is not None for f in _KEY_LIMITS):
-                    limits = limits_for(policy, user, key, key.name or key_id)
+                    limits = limits_for(policy, user, key, key_label(key.name, kid))
                 else:
                     if user_limits is None:
                         user_limits = limits_for(policy, user)
                     limits = user_limits
-                self._by_hash[key_hash] = Principal(
+                self._by_hash[hashed] = Principal(
                     user=user,
                     limits=limits,
-                    key_id=key_id,
+                    key_id=kid,
                     key_name=key.name if key is not None else None,
                     team=cfg.team,
                     admission=resolve(key.admission if key is not None else None,
@@ -74,16 +73,16 @@ class UserIndex:
                 "You didn't provide an API key. Send the key this proxy issued you as "
                 "'Authorization: Bearer <key>'."
             )
-        key_hash = "sha256:" + hashlib.sha256(raw.encode()).hexdigest()
+        hashed = key_hash(raw)
         if self.mode == "passthrough":
-            return self._passthrough(key_hash)
-        principal = self._by_hash.get(key_hash)
+            return self._passthrough(hashed)
+        principal = self._by_hash.get(hashed)
         if principal is None:
             raise AuthenticationFailed("Incorrect API key provided.")
         return principal
 
-    def _passthrough(self, key_hash: str) -> Principal:
-        label = "key-" + key_hash.removeprefix("sha256:")[:12]
+    def _passthrough(self, hashed: str) -> Principal:
+        label = "key-" + key_id(hashed)
         # The user label comes from client keys here; cap how many distinct ones get a series.
         if label not in self._passthrough_labels:
             if len(self._passthrough_labels) >= PASSTHROUGH_LABEL_LIMIT:

@@ -36,8 +36,6 @@ from proxy.config.load import Config, ConfigError, load_config, single_upstream_
 from proxy.cost import price_version
 from proxy.ledger.lookup import find_request, render_rows
 from proxy.ledger.query import LedgerUnavailable, Location, locate, open_reader
-from proxy.ledger.reconcile import add_parser as add_reconcile_parser
-from proxy.ledger.reconcile import run as run_reconcile
 from proxy.ledger.report_plan import (
     Period,
     Report,
@@ -57,6 +55,8 @@ from proxy.ledger.report_render import (
     render_table,
 )
 from proxy.pipeline.services import SERVICES
+from proxy.reconcile.command import add_parser as add_reconcile_parser
+from proxy.reconcile.command import run as run_reconcile
 from proxy.server import state as st
 from proxy.server.app import Placement, create_app, create_metrics_app
 from proxy.server.listener import ConnectionGuard, GuardedSite, ListenerLimits, raise_fd_limit

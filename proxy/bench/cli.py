@@ -31,7 +31,6 @@ from proxy.bench.replay import (
     load_prices,
     load_replay,
     request_outcomes,
-    shown_url,
     target_costs,
 )
 from proxy.bench.report import ProgressBar, render, to_csv, to_json, write_text
@@ -43,6 +42,7 @@ from proxy.capture.collect import redactor
 from proxy.config.capture import DEFAULT_REDACT
 from proxy.config.load import ConfigError, load_config
 from proxy.config.policy import Price
+from proxy.storage.urls import shown_url
 
 EPILOG = f"""\
 metrics (per request):

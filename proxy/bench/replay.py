@@ -29,10 +29,10 @@ from proxy.capture.store import CaptureFilter
 from proxy.config.load import ConfigError, load_config
 from proxy.config.policy import Price
 from proxy.cost import NANOS_PER_USD, CostLines, price_for
-from proxy.ledger.pg import mask_url
 from proxy.protocol.export_line import Recording, ReplayFileError, parse_line, read_counted
 from proxy.protocol.tokenizer import count_text
 from proxy.protocol.usage import Usage
+from proxy.storage.urls import shown_url
 
 REQUEST_CHARS = 2_000  # of a request's text in the answers' listing
 PAGE_SAMPLE = 20  # answer pairs on the HTML page
@@ -152,11 +152,6 @@ def load_captures(url: str, filters: CaptureFilter, redact: Callable[[str], str]
         raise ReplayError(f"--replay-captures: capture {exc}") from None
     return _prompts(found, api, tokenizer_model, f"--replay-captures ({shown_url(url)})",
                     (Skip(SkipReason.UNREADABLE, "request not whole JSON", left_out),))
-
-
-def shown_url(url: str) -> str:
-    """A store's URL as printed: a PostgreSQL password masked."""
-    return url if url.startswith("sqlite") else mask_url(url)
 
 
 def _prompts(found: list[Recording], api: Api | None, tokenizer_model: str, source: str,

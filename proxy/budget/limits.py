@@ -38,6 +38,7 @@ from zoneinfo import ZoneInfo
 from proxy.budget.store import USER, InFlightLimit, Scope, ScopeKind
 from proxy.config.policy import KeyConfig, Limits, Policy, Price, UserConfig
 from proxy.cost import NANOS_PER_USD, worst_case_nanousd
+from proxy.identity import key_id, key_label
 
 
 class Period(enum.IntEnum):
@@ -489,8 +490,7 @@ def windows_at(policy: Policy, user: str, now: float) -> tuple[Window, ...]:
     variants: list[EffectiveLimits] = [limits_for(policy, user)]
     if cfg is not None:
         for key in cfg.key_configs():
-            key_id = key.key.removeprefix("sha256:")[:12]
-            variants.append(limits_for(policy, user, key, key.name or key_id))
+            variants.append(limits_for(policy, user, key, key_label(key.name, key_id(key.key))))
     for limits in variants:
         models = limits.model_limits
         for pattern, _ in models or (("", {}),):

@@ -107,14 +107,6 @@ class Owed:
                       tokens=self.tokens, kind=self.kind, notice=self.notice, user=self.user)
 
 
-def default_dir() -> Path:
-    env = os.environ.get("TOKENMETER_STATE_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "tokenmeter"
-
-
 class SettleSpool:
     """The budget's spool: settlements and usage the store could not take yet (not the
     ledger's rows: that is proxy.ledger.spool.RowSpool)."""

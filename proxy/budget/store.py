@@ -160,7 +160,7 @@ class Hold:
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """One slot, read in one atomic step: what `proxy.ledger.reconcile` compares with the books."""
+    """One slot, read in one atomic step: what `proxy.reconcile` compares with the books."""
 
     now: float  # the store's clock (leases are judged by it)
     counters: Mapping[str, int]  # the counters asked for (0: none)

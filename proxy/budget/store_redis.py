@@ -66,6 +66,7 @@ from proxy.budget.store import (
     StoreError,
     TopUpResult,
 )
+from proxy.storage.urls import cluster_url
 
 
 def _script(name: str) -> str:
@@ -89,7 +90,6 @@ _SCRIPTS = (RESERVE, SETTLE, ADD_ONCE, TOPUP, RENEW, SNAPSHOT, RECORD, PROBE)
 
 
 _MAX_CONNECTIONS = 64
-_CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
 
 def _text(value: object) -> str:
@@ -106,13 +106,6 @@ def _slot_keys(slot: str) -> tuple[bytes, bytes, bytes, bytes]:
     """A slot's inflight, reserved, sets and reaped keys, encoded once per slot."""
     return (f"{slot}:inflight".encode(), f"{slot}:reserved".encode(),
             f"{slot}:sets".encode(), f"{slot}:reaped".encode())
-
-
-def cluster_url(url: str) -> str | None:
-    """The plain URL redis-py's cluster client takes, if `url` names a Redis Cluster."""
-    scheme, sep, rest = url.partition("://")
-    plain = _CLUSTER_SCHEMES.get(scheme)
-    return f"{plain}{sep}{rest}" if plain is not None and sep else None
 
 
 class RedisStore:

@@ -17,17 +17,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.budget.principal import Principal
-from proxy.cache import outcome as cache_outcome
 from proxy.cache.entry import OPERATIONS, Entry, EntryUnreadable, Form
 from proxy.cache.flight import Flights
 from proxy.cache.key import cache_key
-from proxy.cache.outcome import BypassReason, CacheOutcome, CacheResult
 from proxy.cache.policy import CacheRule, rule_for, samples, scope_id
 from proxy.cache.replays import Hot, ReplayForm, Replays
 from proxy.cache.store import CacheStore
 from proxy.config.cache import CacheConfig
 from proxy.protocol.codecs import codec_for
 from proxy.protocol.usage import Usage
+from proxy.record import NOT_CONSULTED as OUTCOME_NOT_CONSULTED
+from proxy.record import BypassReason, CacheOutcome, CacheResult
 from proxy.telemetry.families import CacheStage
 
 log = logging.getLogger("tokenmeter.cache")
@@ -186,7 +186,7 @@ class Decision:
     def outcome(self) -> CacheOutcome:
         """What settle is handed: on a hit, the stored answer's usage (what it saved)."""
         if self.result is CacheResult.NONE:
-            return cache_outcome.NOT_CONSULTED
+            return OUTCOME_NOT_CONSULTED
         if self.entry is None:
             reason = self.reason
             if reason is None and self.fill is not None and self.fill.too_large:

@@ -14,7 +14,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from proxy.budget.store_redis import cluster_url
+from proxy.storage.urls import cluster_url
 
 _MAX_CONNECTIONS = 32
 

@@ -27,6 +27,7 @@ from proxy.ledger.query import LedgerUnavailable, Location, locate, open_reader
 from proxy.ledger.report_plan import parse_bound
 from proxy.ledger.schema import TABLE as LEDGER_TABLE
 from proxy.protocol.codecs import codec_for
+from proxy.storage.urls import shown_url
 from proxy.telemetry.shown_text import for_terminal
 
 T = TypeVar("T")
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         url = store_url(args)
         # Which store was read: a capture not found may be in another (docs/capture.md).
-        print(f"store: {_store_shown(url)}", file=sys.stderr)
+        print(f"store: {shown_url(url)}", file=sys.stderr)
         return commands[args.captures_command](args, url)
     except (ConfigError, ValueError) as exc:  # a wrong option or configuration
         print(exc, file=sys.stderr)
@@ -130,14 +131,6 @@ def store_url(args: argparse.Namespace) -> str:
     if args.url is not None:
         return str(args.url)
     return default_url(*_configs(args))
-
-
-def _store_shown(url: str) -> str:
-    """The store's URL as `usage` names a ledger: a PostgreSQL password masked."""
-    try:
-        return locate(LedgerConfig(), url).describe()
-    except LedgerUnavailable:  # not a URL of the ledger's kinds: opening it will say so
-        return url if url.startswith("sqlite") else "(unrecognised store URL)"
 
 
 def _zone(args: argparse.Namespace) -> tzinfo:

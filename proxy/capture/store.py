@@ -41,8 +41,10 @@ from proxy.capture.record import Capture
 from proxy.config.capture import DEFAULT_REDACT, CaptureConfig
 from proxy.config.ledger import LedgerConfig
 from proxy.files import create_private
-from proxy.ledger.pg import PgConnection
-from proxy.ledger.query import Dialect, Sql, ledger_path
+from proxy.ledger.query import ledger_path
+from proxy.storage.pg import PgConnection
+from proxy.storage.sql import Sql
+from proxy.storage.urls import Dialect, dialect_of, sqlite_path, sqlite_url
 
 T = TypeVar("T")
 # `CaptureStore.list` hides the builtin inside the classes.
@@ -146,7 +148,7 @@ def default_url(capture: CaptureConfig, ledger: LedgerConfig) -> str:
         return capture.url
     if ledger.url is not None:
         return ledger.url
-    return f"sqlite://{ledger_path(None).absolute()}"
+    return sqlite_url(ledger_path(None))
 
 
 # The parts of a capture whose `text` is kept after the JSON rather than inside it: JSON-escaping
@@ -261,10 +263,11 @@ class CaptureStore:
     async def open(url: str) -> CaptureStore:
         """`url`: sqlite:///<path> or postgresql://... (see `default_url`)."""
         store: CaptureStore
-        if url.startswith("postgres"):
+        dialect = dialect_of(url)
+        if dialect is Dialect.POSTGRESQL:
             store = _PostgresStore(url)
-        elif url.startswith("sqlite:///"):
-            store = _SqliteStore(Path(url.removeprefix("sqlite://")))
+        elif dialect is Dialect.SQLITE:
+            store = _SqliteStore(sqlite_path(url))
         else:
             raise ValueError(f"{url!r}: a capture URL is sqlite:///<path> or postgresql://...")
         try:
@@ -347,7 +350,7 @@ class _SqliteStore(CaptureStore):
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.location = f"sqlite://{path.absolute()}"
+        self.location = sqlite_url(path)
         self._conn: sqlite3.Connection | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tm-capture-sqlite")
 

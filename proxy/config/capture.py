@@ -9,6 +9,7 @@ import re
 from pydantic import Field, field_validator
 
 from proxy.config.policy import ConfigModel
+from proxy.storage.urls import dialect_of
 
 
 class CaptureErrors(enum.StrEnum):
@@ -62,7 +63,7 @@ class CaptureConfig(ConfigModel):
     @field_validator("url")
     @classmethod
     def _url(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^(sqlite:///.+|postgres(ql)?://.+)$", v):
+        if v is not None and dialect_of(v) is None:
             raise ValueError("must be sqlite:///<path> or postgresql://... (or leave it out for "
                              "the ledger's database)")
         return v

@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from proxy.identity import HASH_PREFIX
+
 # `${VAR}` is read from the environment; `${VAR:-default}`'s default is written in the file.
 _REFERENCE = re.compile(r"\$\{\w+(?::-([^}]*))?\}")
 
@@ -35,7 +37,7 @@ def _raw_client_keys(data: dict[str, Any]) -> Iterator[str]:
         keys = entry.get("keys") if isinstance(entry, dict) else None
         for i, key in enumerate(keys if isinstance(keys, list) else []):
             value = key.get("key") if isinstance(key, dict) else key
-            if _literal(value) and not str(value).lower().startswith("sha256:"):
+            if _literal(value) and not str(value).lower().startswith(HASH_PREFIX):
                 yield f"users.{user}.keys[{i}]"
 
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import re
-
 from pydantic import Field, field_validator
 
 from proxy.config.policy import ConfigModel
+from proxy.storage.urls import Dialect, dialect_of
 
 
 class LedgerConfig(ConfigModel):
@@ -36,7 +35,7 @@ class LedgerConfig(ConfigModel):
     @field_validator("url")
     @classmethod
     def _url(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^(sqlite:///.+|postgres(ql)?://.+)$", v):
+        if v is not None and dialect_of(v) is None:
             raise ValueError(
                 "must be sqlite:///<path> or postgresql://... (or leave it out for an SQLite "
                 "file in the state directory)"
@@ -44,7 +43,6 @@ class LedgerConfig(ConfigModel):
         return v
 
     @property
-    def dialect(self) -> str:
-        """`sqlite` or `postgresql`."""
-        return "postgresql" if self.url is not None and self.url.startswith("postgres") \
-            else "sqlite"
+    def dialect(self) -> Dialect:
+        """Of `url`, validated; no URL: the SQLite file in the state directory."""
+        return Dialect.SQLITE if self.url is None else dialect_of(self.url) or Dialect.SQLITE

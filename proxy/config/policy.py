@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import difflib
 import enum
-import hashlib
 import re
 import types
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -25,25 +24,24 @@ from pydantic import (
     model_validator,
 )
 
-_HASHED = re.compile(r"^sha256:[0-9a-f]{64}$")
+from proxy.identity import HASH_PREFIX, key_hash
+from proxy.storage.urls import REDIS_URL
+
+_HASHED = re.compile(rf"^{HASH_PREFIX}[0-9a-f]{{64}}$")
 # User and key names end up in Redis keys and metric labels: keep them plain.
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$"
 
 
-def hash_key(raw: str) -> str:
-    return "sha256:" + hashlib.sha256(raw.encode()).hexdigest()
-
-
 def normalise_key(value: str) -> str:
     value = value.strip()
-    if value.lower().startswith("sha256:"):
+    if value.lower().startswith(HASH_PREFIX):
         value = value.lower()
         if not _HASHED.match(value):
             raise ValueError("a hashed key must be 'sha256:' followed by 64 hex digits")
         return value
     if len(value) < 8:
         raise ValueError("a raw key must be at least 8 characters (or give 'sha256:<hex>')")
-    return hash_key(value)
+    return key_hash(value)
 
 
 _BOOL_FOR_NUMBER = (
@@ -269,7 +267,7 @@ class StoreConfig(_Model):
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
-        if v != "memory" and not re.match(r"^(rediss?(\+cluster)?|unix)://", v):
+        if v != "memory" and not REDIS_URL.match(v):
             raise ValueError("must be 'memory' or a redis://, rediss://, unix://, "
                              "redis+cluster:// or rediss+cluster:// URL")
         return v

@@ -30,7 +30,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from proxy.budget.spool import default_dir
 from proxy.config.ledger import LedgerConfig
 from proxy.ledger.row import LedgerRow
 from proxy.ledger.shipper_process import (
@@ -41,6 +40,7 @@ from proxy.ledger.shipper_process import (
     read_status,
 )
 from proxy.ledger.spool import SpoolWriter, encode_row, reached
+from proxy.storage import urls
 from proxy.telemetry.families import LedgerStage
 from proxy.telemetry.metrics import Metrics
 
@@ -75,7 +75,7 @@ class Ledger:
                  ship: bool = True, shipping: Shipping = Shipping()) -> None:
         """`ship`: start (and keep) a shipper process of our own; False when a supervisor runs
         the one for all its workers."""
-        state = state_dir if state_dir is not None else default_dir()
+        state = state_dir if state_dir is not None else urls.state_dir()
         self.replica: str = config.replica_id or f"{socket.gethostname()}-{os.getpid()}"
         self.location: str = make_sink(config, state).location
         self._spec = ShipperSpec.of(config, state, shipping.drain_s, shipping.zone)

@@ -37,7 +37,7 @@ __all__ = ["add_zone_postgres", "add_zone_sqlite", "migrate_postgres", "migrate_
 log = logging.getLogger("tokenmeter.ledger")
 
 # A zone's backfill reads every row once: minutes on a large ledger, longer than a batch's
-# command timeout (`proxy.ledger.pg.COMMAND_TIMEOUT_S`).
+# command timeout (`proxy.storage.pg.COMMAND_TIMEOUT_S`).
 BACKFILL_TIMEOUT_S = 3600.0
 _LOCAL = rollup.USAGE_LOCAL
 

@@ -1,8 +1,7 @@
 """Reading the books: the ledger opened read-only, SQLite or PostgreSQL, behind one interface.
 
-Reports and reconcile write each statement once with `Sql`, which gives the placeholders and
-the timestamp parameters of the reader's dialect (PostgreSQL keeps `timestamptz`, SQLite epoch
-seconds). Nothing here ever writes: SQLite is opened with `mode=ro` and `query_only`, and a
+Reports and reconcile write each statement once with `proxy.storage.sql.Sql`, in the reader's
+dialect. Nothing here ever writes: SQLite is opened with `mode=ro` and `query_only`, and a
 PostgreSQL session is read-only (`default_transaction_read_only`), so a report run against the
 production database cannot change it, whatever a query says.
 
@@ -14,12 +13,10 @@ SQLite, its calls run in a worker thread for the same reason.
 from __future__ import annotations
 
 import asyncio
-import enum
 import sqlite3
 import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 from types import TracebackType
@@ -27,18 +24,14 @@ from typing import Any
 
 import asyncpg
 
-from proxy.budget.spool import default_dir
 from proxy.config.ledger import LedgerConfig
-from proxy.ledger.pg import PgConnection
 from proxy.ledger.rollup import ZONES
 from proxy.ledger.schema import LOCAL_DAY_VERSION, ROLLUP_VERSION, SCHEMA_TABLE, TABLE
+from proxy.storage.pg import PgConnection
+from proxy.storage.sql import Sql
+from proxy.storage.urls import SQLITE_SCHEME, Dialect, dialect_of, mask_url, sqlite_path, state_dir
 
 DEFAULT_FILE = "ledger.sqlite3"
-
-
-class Dialect(enum.StrEnum):
-    SQLITE = "sqlite"
-    POSTGRESQL = "postgresql"
 
 
 class LedgerUnavailable(Exception):
@@ -49,8 +42,8 @@ def ledger_path(url: str | None) -> Path:
     """The SQLite file of a ledger URL: None is `ledger.sqlite3` in the state directory;
     `sqlite:///abs/path.sqlite3` is `/abs/path.sqlite3` (the third slash starts the path)."""
     if url is None:
-        return default_dir() / DEFAULT_FILE
-    return Path(url.removeprefix("sqlite://"))
+        return state_dir() / DEFAULT_FILE
+    return sqlite_path(url)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,45 +57,20 @@ class Location:
     def describe(self) -> str:
         """For output and errors: the file, or the URL without its password."""
         if self.path is not None:
-            return f"sqlite://{self.path}"
+            return f"{SQLITE_SCHEME}{self.path}"
         assert self.url is not None
-        parts = urllib.parse.urlsplit(self.url)
-        if parts.password is not None:
-            host = parts.hostname or ""
-            netloc = f"{parts.username or ''}:***@{host}"
-            if parts.port is not None:
-                netloc += f":{parts.port}"
-            parts = parts._replace(netloc=netloc)
-        return urllib.parse.urlunsplit(parts)
+        return mask_url(self.url)
 
 
 def locate(config: LedgerConfig, url: str | None = None) -> Location:
     """The ledger `config` writes to, or the one `url` names (it wins when given)."""
     url = url if url is not None else config.url
-    if url is not None and url.startswith("postgres"):
-        return Location(Dialect.POSTGRESQL, url=url)
-    if url is not None and not url.startswith("sqlite:///"):
+    dialect = Dialect.SQLITE if url is None else dialect_of(url)
+    if dialect is None:
         raise LedgerUnavailable(f"{url!r}: a ledger URL is sqlite:///<path> or postgresql://...")
-    return Location(Dialect.SQLITE, path=ledger_path(url))
-
-
-class Sql:
-    """One statement's parameters, collected as its text is written: `p(v)` and `ts(epoch)`
-    return the placeholder to put in the text."""
-
-    def __init__(self, dialect: Dialect) -> None:
-        self.dialect = dialect
-        self.params: list[object] = []
-
-    def p(self, value: object) -> str:
-        self.params.append(value)
-        return "?" if self.dialect is Dialect.SQLITE else f"${len(self.params)}"
-
-    def ts(self, epoch: float) -> str:
-        """A point in time, as the dialect stores `started_at` and `ended_at`."""
-        if self.dialect is Dialect.SQLITE:
-            return self.p(float(epoch))
-        return self.p(datetime.fromtimestamp(epoch, UTC))
+    if dialect is Dialect.POSTGRESQL:
+        return Location(dialect, url=url)
+    return Location(dialect, path=ledger_path(url))
 
 
 class LedgerReader:

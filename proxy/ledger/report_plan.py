@@ -48,7 +48,7 @@ from zoneinfo import ZoneInfo
 
 from proxy.config.load import collector_paused
 from proxy.config.tags import valid_key
-from proxy.ledger.query import Dialect, LedgerReader, Sql, as_int, rollups_ready, zone_rolled
+from proxy.ledger.query import LedgerReader, as_int, rollups_ready, zone_rolled
 from proxy.ledger.rollup import (
     DAY_S,
     HOUR_S,
@@ -60,6 +60,8 @@ from proxy.ledger.rollup import (
     needs_zone,
 )
 from proxy.ledger.schema import TABLE
+from proxy.storage.sql import Sql
+from proxy.storage.urls import Dialect
 
 SLICE_S = 900  # SQLite's UTC slice: every offset in use is a multiple of 15 minutes
 

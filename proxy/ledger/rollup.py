@@ -51,7 +51,7 @@ from zoneinfo import ZoneInfo
 
 from proxy.errors import ErrorClass
 from proxy.protocol.translators import MessagesTranslator
-from proxy.telemetry.record import CACHE_HIT
+from proxy.record import CacheResult
 
 HOUR_S = 3600
 DAY_S = 86400
@@ -131,7 +131,7 @@ USAGE = Rollup(
         Measure("cache_creation_input_tokens", "cache_creation_input_tokens"),
         # The response cache: hits (a value of ours, a closed set, safe inline) and what they
         # saved; a NULL saved cost (no price) adds nothing.
-        Measure("hits", f"CASE WHEN cache = '{CACHE_HIT}' THEN 1 ELSE 0 END"),
+        Measure("hits", f"CASE WHEN cache = '{CacheResult.HIT.value}' THEN 1 ELSE 0 END"),
         Measure("saved_input_tokens", "saved_input_tokens"),
         Measure("saved_output_tokens", "saved_output_tokens"),
         Measure("saved_cost_nanousd", "COALESCE(saved_cost_nanousd, 0)"),

@@ -18,7 +18,7 @@ from operator import itemgetter
 from typing import TYPE_CHECKING, Any, NamedTuple, get_args, get_type_hints
 
 if TYPE_CHECKING:
-    from proxy.telemetry.record import RequestRecord
+    from proxy.record import RequestRecord
 
 
 class LedgerRow(NamedTuple):
@@ -111,7 +111,7 @@ class LedgerRow(NamedTuple):
             price_version=rec.price_version,
             windows=rec.windows,
             cache_creation_input_tokens=usage.cache_creation_input_tokens,
-            cache=rec.cache,
+            cache=rec.cache.value,
             saved_input_tokens=saved.input_tokens,
             saved_output_tokens=saved.output_tokens,
             saved_cached_input_tokens=saved.cached_input_tokens,

@@ -112,8 +112,8 @@ _V2_PG = (f"ALTER TABLE {TABLE} ADD COLUMN IF NOT EXISTS cache_creation_input_to
 _V2_SQLITE = (f"ALTER TABLE {TABLE} ADD COLUMN cache_creation_input_tokens INTEGER NOT NULL "
               "DEFAULT 0",)
 
-# v3: the response cache. `cache` is what it did (proxy.cache.outcome.CacheResult:
-# none, hit, miss, bypass); on a hit the row's token columns are 0 (no upstream call) and the
+# v3: the response cache. `cache` is what it did (proxy.record.CacheResult: none, hit,
+# miss, bypass); on a hit the row's token columns are 0 (no upstream call) and the
 # `saved_*` columns hold what the stored answer used, `saved_cost_nanousd` its cost at the
 # price of the day of the hit (NULL: the model has no price). Existing rows: no cache, nothing
 # saved.

@@ -51,6 +51,7 @@ from proxy.ledger.shipper import BACKOFF_MAX_S, Shipper, Sink
 from proxy.ledger.sink_postgres import PostgresSink
 from proxy.ledger.sink_sqlite import SqliteSink
 from proxy.ledger.spool import RowSpool
+from proxy.storage.urls import Dialect, sqlite_path
 from proxy.telemetry.accesslog import JsonFormatter
 from proxy.telemetry.verbs import LedgerMetrics, process_ledger_metrics
 
@@ -102,10 +103,10 @@ class ShipperSpec:
 
 def make_sink(config: LedgerConfig, state_dir: Path, zone: str = "UTC") -> Sink:
     """The sink `config` names; `zone`: the configured time zone (its local-day sums)."""
-    if config.url is not None and config.dialect == "postgresql":
+    if config.url is not None and config.dialect is Dialect.POSTGRESQL:
         return PostgresSink(config.url, zone)
     if config.url is not None:
-        return SqliteSink(Path(config.url.removeprefix("sqlite://")), zone)
+        return SqliteSink(sqlite_path(config.url), zone)
     return SqliteSink(state_dir / SQLITE_FILE, zone)
 
 

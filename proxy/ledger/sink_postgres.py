@@ -24,9 +24,9 @@ import asyncpg
 
 from proxy.ledger import rollup
 from proxy.ledger.migrate import add_zone_postgres, migrate_postgres, needs_zone
-from proxy.ledger.pg import PgConnection
 from proxy.ledger.row import COLUMNS, storable
 from proxy.ledger.schema import TABLE
+from proxy.storage.pg import PgConnection
 
 # The spool forgets a batch once its commit returns, so the commit must be durable even where
 # the server defaults to `synchronous_commit = off` (which acknowledges before the WAL is

@@ -34,6 +34,7 @@ from proxy.ledger import rollup
 from proxy.ledger.migrate import add_zone_sqlite, migrate_sqlite, needs_zone
 from proxy.ledger.row import COLUMNS, storable
 from proxy.ledger.schema import TABLE
+from proxy.storage.urls import sqlite_url
 
 T = TypeVar("T")
 
@@ -61,7 +62,7 @@ class SqliteSink:
         """`zone`: the configured time zone, added to the local-day rollup at `open`."""
         self.path = path
         self.zone = zone
-        self.location = f"sqlite://{path.absolute()}"
+        self.location = sqlite_url(path)
         self._conn: sqlite3.Connection | None = None
         self._executor: ThreadPoolExecutor | None = None
 

@@ -25,7 +25,6 @@ from proxy.budget import refusals
 from proxy.budget.accounting import Reservation
 from proxy.budget.refusals import Refused
 from proxy.cache.cache import HIT_HEADER, Ask, Decision, Finished
-from proxy.cache.outcome import CacheResult
 from proxy.config.cache import ChargeHits
 from proxy.cost import CostLines
 from proxy.errors import ErrorClass
@@ -34,7 +33,7 @@ from proxy.pipeline.relay import REQUEST_ID_HEADER
 from proxy.pipeline.services import Services
 from proxy.protocol.translators import Translator
 from proxy.protocol.usage import ZERO
-from proxy.telemetry.record import RequestRecord
+from proxy.record import CacheResult, RequestRecord
 
 
 async def consult(request: web.Request, ctx: RequestContext, svc: Services, outcome: Outcome,

@@ -27,7 +27,6 @@ from proxy.budget.accounting import Reservation
 from proxy.budget.principal import Principal
 from proxy.cache import cache as response_cache
 from proxy.cache.cache import Decision, Fill
-from proxy.cache.outcome import NOT_CONSULTED, CacheOutcome
 from proxy.capture.collect import Collector
 from proxy.config.tags import NO_TAGS, Tags
 from proxy.errors import ErrorClass
@@ -35,6 +34,7 @@ from proxy.pipeline import counting
 from proxy.pipeline.services import Runtime
 from proxy.protocol.translators import ParsedRequest, Translator
 from proxy.protocol.usage import ZERO, Usage
+from proxy.record import NOT_CONSULTED, CacheOutcome
 from proxy.routing.upstream import Route
 from proxy.telemetry.meter import RequestMeter
 from proxy.telemetry.tracing import RequestTrace

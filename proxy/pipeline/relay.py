@@ -22,7 +22,6 @@ from multidict import CIMultiDict
 
 from proxy.budget.refusals import QuotaEnded
 from proxy.cache.cache import REASON_HEADER
-from proxy.cache.outcome import BypassReason
 from proxy.capture.collect import Collector
 from proxy.config.load import CostHeaders
 from proxy.errors import (
@@ -41,10 +40,10 @@ from proxy.pipeline.watchdog import Watch
 from proxy.protocol import upstream_errors
 from proxy.protocol.tap import StreamTap
 from proxy.protocol.translators import Translator
+from proxy.record import BypassReason, RequestRecord
 from proxy.routing.exceptions_map import Phase, map_upstream_exceptions
 from proxy.routing.upstream import client_response_headers
 from proxy.telemetry.families import MeteringStage
-from proxy.telemetry.record import RequestRecord
 
 REQUEST_ID_HEADER = "x-tokenmeter-request-id"
 # The OpenAI and Anthropic SDKs retry a 408, 409, 429 or 5xx unless this says "false".

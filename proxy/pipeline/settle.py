@@ -20,7 +20,6 @@ from collections.abc import Callable
 from proxy.budget import estimate as est
 from proxy.budget.accounting import Reservation
 from proxy.budget.refusals import Refused
-from proxy.cache.outcome import CacheResult
 from proxy.capture.collect import Meta, Pending, redactor
 from proxy.capture.policy import Subject, wanted
 from proxy.config.cache import ChargeHits
@@ -32,10 +31,10 @@ from proxy.ledger.row import LedgerRow
 from proxy.pipeline.context import Settlement
 from proxy.pipeline.services import Runtime, Services
 from proxy.protocol.usage import ZERO, Usage
+from proxy.record import CacheResult, RequestRecord
 from proxy.telemetry.accesslog import log_request
 from proxy.telemetry.families import CaptureStage, MeteringStage
 from proxy.telemetry.metrics import Metrics
-from proxy.telemetry.record import RequestRecord
 from proxy.telemetry.tracing import BudgetDecision
 
 log = logging.getLogger("tokenmeter.settle")
@@ -197,8 +196,8 @@ def _record(done: Settlement, runtime: Runtime, usage: Usage,
         windows=(" ".join(w.label for w in charged.plan.windows)
                  if charged is not None else ""),
         ended_at=time.time(),
-        cache=done.cache.result.value,
-        cache_reason=None if done.cache.reason is None else done.cache.reason.value,
+        cache=done.cache.result,
+        cache_reason=done.cache.reason,
         saved_usage=ZERO if saved is None else saved,
         saved_cost=None if price is None or saved is None else CostLines.of(price, saved),
         tags=done.tags,

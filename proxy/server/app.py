@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from proxy.auth import UserIndex, client_key
 from proxy.budget.accounting import Budget
 from proxy.budget.notify import Notifier
-from proxy.budget.spool import SettleSpool, default_dir
+from proxy.budget.spool import SettleSpool
 from proxy.budget.store import Store
 from proxy.budget.store_factory import make_store
 from proxy.cache.cache import ResponseCache
@@ -43,7 +43,6 @@ from proxy.errors import (
     UpstreamRedirect,
     UpstreamUnavailable,
 )
-from proxy.ledger.audit import Auditor
 from proxy.ledger.ledger import Shipping, make_ledger
 from proxy.pipeline.handler import BODY_PARSER_SLOTS, BODY_PARSERS, REQUEST_ID, make_handler
 from proxy.pipeline.relay import REQUEST_ID_HEADER
@@ -56,6 +55,7 @@ from proxy.protocol.translators import (
     MessagesTranslator,
     Translator,
 )
+from proxy.reconcile.audit import Auditor
 from proxy.routing.attempts import LatencyTracker
 from proxy.routing.upstream import (
     Router,
@@ -66,6 +66,7 @@ from proxy.routing.upstream import (
 from proxy.server import state as st
 from proxy.server.reload import ConfigWatcher, keep_running_store
 from proxy.server.workers import budget_sharing_problem
+from proxy.storage.urls import state_dir
 from proxy.telemetry.metrics import Metrics
 from proxy.telemetry.tracing import Tracing
 
@@ -537,7 +538,7 @@ def create_app(
         webhook_url=lambda: holder.current.config.alerts.webhook_url,
         session=lambda: http.session if http.running else None,
     )
-    spool_dir = Path(config.store.spool_dir) if config.store.spool_dir else default_dir()
+    spool_dir = Path(config.store.spool_dir) if config.store.spool_dir else state_dir()
     budget = Budget(store or make_store(config.store, clock), metrics, notifier, clock,
                     SettleSpool(spool_dir))
     app[SERVICES] = Services(

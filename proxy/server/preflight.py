@@ -20,7 +20,8 @@ from proxy.cache.policy import hits_impossible
 from proxy.config.load import Config
 from proxy.config.policy import DEFAULT_MAX_OUTPUT_TOKENS, KeyConfig, Limits
 from proxy.cost import price_for
-from proxy.ledger.pg import PgConnection, mask_url
+from proxy.storage.pg import PgConnection
+from proxy.storage.urls import Dialect, dialect_of, mask_url
 
 # The windows every request's output counts toward: a quota in one of them below the output
 # cap is smaller than the reservation of a single request.
@@ -177,7 +178,7 @@ def _servers(config: Config) -> list[tuple[str, str, bool]]:
     if config.store.url != "memory":
         out.append(("store.url", config.store.url, True))
     for field, url in (("ledger.url", config.ledger.url), ("capture.url", config.capture.url)):
-        if url is not None and url.startswith("postgres"):
+        if url is not None and dialect_of(url) is Dialect.POSTGRESQL:
             out.append((field, url, False))
     return out
 

@@ -54,11 +54,11 @@ from typing import Literal
 from prometheus_client import multiprocess
 from prometheus_client.values import MultiProcessValue
 
-from proxy.budget.spool import default_dir
 from proxy.config.ledger import LedgerConfig
 from proxy.config.load import Config
 from proxy.config.policy import Limits, Policy
 from proxy.ledger.shipper_process import ShipperChild, ShipperSpec
+from proxy.storage.urls import state_dir
 
 log = logging.getLogger("tokenmeter.workers")
 
@@ -376,7 +376,7 @@ def supervise(
                 bound = BoundSockets(tuple(api), tuple(metrics))
                 ledger = config.ledger if config is not None else LedgerConfig()
                 zone = config.timezone if config is not None else "UTC"
-                shipper = ShipperSpec.of(ledger, default_dir(), drain, zone) if ledger.enabled \
+                shipper = ShipperSpec.of(ledger, state_dir(), drain, zone) if ledger.enabled \
                     else None
                 return runner.run(Supervisor(argv, count, bound, metrics_dir, drain,
                                              shipper).run())

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TextIO
 
-from proxy.telemetry.record import RequestRecord
+from proxy.record import RequestRecord
 
 ACCESS_LOGGER = "tokenmeter.access"
 access_log = logging.getLogger(ACCESS_LOGGER)

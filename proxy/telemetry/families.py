@@ -84,7 +84,7 @@ class CaptureStage(enum.Enum):
 
 
 class ReconcileFailure(enum.Enum):
-    """Why an in-process reconcile reading (proxy.ledger.audit) was not made."""
+    """Why an in-process reconcile reading (proxy.reconcile.audit) was not made."""
 
     STORE = "store"  # the budget store could not be read
     LEDGER = "ledger"  # the ledger could not be opened or read (its reader is opened again)

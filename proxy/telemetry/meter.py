@@ -10,23 +10,11 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from dataclasses import dataclass
+
+from proxy.record import Figures
 
 # The inter-chunk gaps are bucketed here, per request, on the metric's own bounds.
 from proxy.telemetry.families import TPOT_BUCKETS
-
-
-@dataclass(frozen=True, slots=True)
-class Figures:
-    duration: float
-    overhead: float | None  # proxy's own time before the upstream call
-    ttft: float | None  # request received -> first content token forwarded to the client
-    upstream_ttft: float | None  # upstream call started -> first content token received
-    time_per_output_token: float | None  # decode phase: after the first token
-    output_tokens_per_second: float | None
-    content_chunks: int
-    mean_inter_chunk: float | None
-
 
 _ZERO_GAP = bisect_left(TPOT_BUCKETS, 0.0)  # the bucket of a gap of 0 s
 

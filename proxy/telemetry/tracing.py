@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from proxy.config.tracing import TracingConfig, TracingProtocol
 from proxy.cost import NANOS_PER_USD
 from proxy.errors import ErrorClass
-from proxy.telemetry.record import RequestRecord
+from proxy.record import RequestRecord
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from proxy.config.policy import AdmissionPolicy
 from proxy.config.tags import TagDrop
 from proxy.cost import NANOS_PER_USD, CostLines
+from proxy.record import CacheResult, RequestRecord
 from proxy.telemetry.collectors import InFlight
 from proxy.telemetry.families import (
     BudgetFamilies,
@@ -31,7 +32,6 @@ from proxy.telemetry.families import (
     StoreFamilies,
     TagFamilies,
 )
-from proxy.telemetry.record import CACHE_NOT_CONSULTED, RequestRecord
 
 
 class CacheVerbs(CacheFamilies):
@@ -41,7 +41,7 @@ class CacheVerbs(CacheFamilies):
         self._cache_errors.labels(stage.value).inc()
 
     def _observe_cache(self, rec: RequestRecord) -> None:
-        self._cache_requests.labels(rec.model_label, rec.cache).inc()
+        self._cache_requests.labels(rec.model_label, rec.cache.value).inc()
         u = rec.saved_usage
         for kind, value in (
             ("input", u.input_tokens),
@@ -90,7 +90,7 @@ class RequestVerbs(LatencyFamilies, RequestFamilies, CacheVerbs, TagVerbs):
     def record_request(self, rec: RequestRecord, gaps: list[int]) -> None:
         """One finished request: latency, tokens, the request itself, its cost, its gaps; what
         the response cache did for it. A hit's latency goes to the cache's own histograms."""
-        if rec.cache != CACHE_NOT_CONSULTED:
+        if rec.cache is not CacheResult.NONE:
             self._observe_cache(rec)
         if rec.hit:
             self._observe_hit(rec)

@@ -20,8 +20,9 @@ from proxy.budget.clamp import (
     room_for_output,
 )
 from proxy.budget.limits import reserve_cost
-from proxy.config.policy import Admission, AdmissionPolicy, Policy, Price, hash_key
+from proxy.config.policy import Admission, AdmissionPolicy, Policy, Price
 from proxy.cost import CostLines
+from proxy.identity import key_hash
 from proxy.protocol.usage import Usage
 
 pytestmark = pytest.mark.unit
@@ -114,12 +115,12 @@ def test_principals_carry_their_resolved_rule() -> None:
     })
     index = UserIndex(policy)
     by_hash = index._by_hash
-    assert by_hash[hash_key(ALICE)].admission == AdmissionRule(CLAMP, 512)
-    ci = by_hash[hash_key(CI)]
+    assert by_hash[key_hash(ALICE)].admission == AdmissionRule(CLAMP, 512)
+    ci = by_hash[key_hash(CI)]
     assert ci.admission == AdmissionRule(AdmissionPolicy.WORST_CASE, 512)
     # An admission setting alone does not give a key counters of its own.
     assert ci.limits.key_scope is None
-    assert by_hash[hash_key(BOB)].admission == AdmissionRule(CLAMP, 2048)
+    assert by_hash[key_hash(BOB)].admission == AdmissionRule(CLAMP, 2048)
     assert UserIndex(Policy())._open.admission == WORST_CASE
 
 

@@ -13,10 +13,10 @@ from redis.crc import key_slot
 from proxy.budget import limits as lim
 from proxy.budget.refusals import Refusal, RefusalKind, render, unpriced, usd
 from proxy.budget.store import Entry, MemoryStore, ReserveRequest, ScopeKind
-from proxy.budget.store_redis import cluster_url
 from proxy.config.policy import KeyConfig, Limits, Policy, Price, StoreConfig, UserConfig
 from proxy.cost import CostLines
 from proxy.protocol.usage import Usage
+from proxy.storage.urls import cluster_url
 from tests.helpers import FakeClock
 
 pytestmark = pytest.mark.unit

@@ -13,7 +13,8 @@ from proxy.auth import UserIndex
 from proxy.capture.policy import Subject, wanted
 from proxy.config.capture import CaptureConfig, CaptureErrors
 from proxy.config.load import Config
-from proxy.config.policy import Policy, hash_key
+from proxy.config.policy import Policy
+from proxy.identity import key_hash
 
 pytestmark = pytest.mark.unit
 
@@ -96,7 +97,7 @@ def test_never_capture_is_resolved_per_key_from_the_user_and_the_key() -> None:
         "bob": {"keys": [keys["b1"]], "capture": False},
     }})
     by_hash = UserIndex(policy)._by_hash
-    assert by_hash[hash_key(keys["a1"])].capture is True
-    assert by_hash[hash_key(keys["a2"])].capture is False
-    assert by_hash[hash_key(keys["a2"])].limits.key_scope is None
-    assert by_hash[hash_key(keys["b1"])].capture is False
+    assert by_hash[key_hash(keys["a1"])].capture is True
+    assert by_hash[key_hash(keys["a2"])].capture is False
+    assert by_hash[key_hash(keys["a2"])].limits.key_scope is None
+    assert by_hash[key_hash(keys["b1"])].capture is False

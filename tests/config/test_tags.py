@@ -23,9 +23,8 @@ from proxy.config.tags import (
 from proxy.cost import CostLines
 from proxy.errors import ErrorClass
 from proxy.protocol.usage import Usage
-from proxy.telemetry.meter import Figures
+from proxy.record import Figures, RequestRecord
 from proxy.telemetry.metrics import Metrics
-from proxy.telemetry.record import RequestRecord
 
 RULES = TagRules({"feature": TagRule(values=["faq", "search"]),
                   "env": TagRule(values=["prod"]),

@@ -24,12 +24,12 @@ from proxy.capture.record import Capture
 from proxy.capture.store import CaptureFilter, CaptureStore
 from proxy.capture.writer import CaptureWriter
 from proxy.config.ledger import LedgerConfig
-from proxy.ledger.audit import Auditor
 from proxy.ledger.ledger import Ledger
 from proxy.ledger.row import LedgerRow
 from proxy.ledger.schema import TABLE
 from proxy.ledger.sink_postgres import PostgresSink
 from proxy.pipeline import services as st
+from proxy.reconcile.audit import Auditor
 from proxy.telemetry.metrics import Metrics
 from tests.capture.captures import capture
 from tests.helpers import ALICE_KEY, MESSAGES, StackFactory, exported, make_config, until

@@ -27,11 +27,11 @@ from proxy.config.ledger import LedgerConfig
 from proxy.ledger import shipper as shipper_mod
 from proxy.ledger.ledger import Ledger, Shipping, make_ledger
 from proxy.ledger.migrate import migrate_postgres, migrate_sqlite
-from proxy.ledger.pg import mask_url
 from proxy.ledger.row import COLUMNS, LedgerRow
 from proxy.ledger.schema import MIGRATIONS, SCHEMA_TABLE, TABLE, VERSION
 from proxy.ledger.shipper_process import make_sink
 from proxy.ledger.spool import RowSpool, SpoolWriter, encode_row
+from proxy.storage.urls import mask_url
 from proxy.telemetry.metrics import Metrics
 from proxy.telemetry.verbs import LedgerMetrics
 from tests.helpers import ROOT, FakeClock, exported, until

@@ -1,6 +1,6 @@
-"""`proxy.ledger.report_plan.Report` (and `reconcile_plan.Reconciliation`) as the commands get
-them from `asyncio.run`: Python 3.11's runner formats a repr of its main task, result included, when it
-restores the SIGINT handler. A report's groups are not in its repr, so a year of groups costs
+"""`proxy.ledger.report_plan.Report` (and `proxy.reconcile.plan.Reconciliation`) as the
+commands get them from `asyncio.run`: Python 3.11's runner formats a repr of its main task,
+result included, when it restores the SIGINT handler. A report's groups are not in its repr, so a year of groups costs
 the command nothing there (60,000 groups were 0.65 s of every `tokenmeter usage`)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from proxy.ledger.reconcile_plan import Reconciliation
 from proxy.ledger.report_plan import GroupKey, Period, Report, Totals
+from proxy.reconcile.plan import Reconciliation
 
 
 def _report(groups: int) -> Report:

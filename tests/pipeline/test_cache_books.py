@@ -25,13 +25,10 @@ from aiohttp.test_utils import TestServer, make_mocked_request
 
 from proxy.budget.admission import Ask
 from proxy.budget.usage_report import read_usage
-from proxy.cache.outcome import CacheOutcome, CacheResult
 from proxy.cost import CostLines
 from proxy.errors import ErrorClass
 from proxy.ids import new_id
 from proxy.ledger.query import locate, open_reader
-from proxy.ledger.reconcile_plan import Verdict, reconcile
-from proxy.ledger.reconcile_render import check_json
 from proxy.ledger.row import COLUMNS
 from proxy.ledger.schema import TABLE
 from proxy.pipeline import services as st
@@ -39,6 +36,9 @@ from proxy.pipeline.context import Candidacy, Charge, Settlement
 from proxy.pipeline.settle import settle
 from proxy.protocol.translators import ChatTranslator, parse_body
 from proxy.protocol.usage import Usage
+from proxy.reconcile.plan import Verdict, reconcile
+from proxy.reconcile.render import check_json
+from proxy.record import CacheOutcome, CacheResult
 from proxy.server.app import create_app
 from proxy.telemetry.meter import RequestMeter
 from tests.helpers import ALICE_KEY, ServerFactory, make_config, sample, scrape, sdk, settled

@@ -9,15 +9,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.cache.outcome import CacheResult
 from proxy.config.policy import Price
 from proxy.cost import CostLines
 from proxy.errors import ErrorClass
 from proxy.ledger.row import LedgerRow
 from proxy.protocol.usage import Usage
+from proxy.record import CacheResult, Figures, RequestRecord
 from proxy.telemetry.accesslog import request_fields, request_line
-from proxy.telemetry.meter import Figures
-from proxy.telemetry.record import RequestRecord
 
 pytestmark = pytest.mark.unit
 
@@ -51,7 +49,7 @@ def _records(draw: st.DrawFn) -> RequestRecord:
             st.builds(Price, input=st.floats(0, 100), output=st.floats(0, 100)), st.just(usage))),
         price_version=draw(st.none() | st.just("p1")), windows=draw(st.just("") | _text),
         ended_at=draw(st.floats(0, 2e9, allow_nan=False)),
-        cache=draw(st.sampled_from([r.value for r in CacheResult])),
+        cache=draw(st.sampled_from(list(CacheResult))),
         saved_usage=Usage(draw(counts), draw(counts), draw(counts), draw(counts)),
     )
 

@@ -35,8 +35,8 @@ from packaging.utils import canonicalize_name
 from yarl import URL
 
 from proxy.config.load import parse_config
-from proxy.config.policy import hash_key
 from proxy.errors import ErrorClass
+from proxy.identity import key_hash
 from proxy.server.app import create_app
 from proxy.testing.mock_upstream import MockSettings, create_mock_app
 from tests.helpers import ROOT
@@ -852,8 +852,8 @@ def test_compose_proxy_config(monkeypatch: pytest.MonkeyPatch) -> None:
     assert config.upstreams["openai"].base_url == "https://api.openai.com/v1"
     assert {r.upstream for r in config.models} == {"mock"}  # the default needs no key
     assert set(config.users) == {"alice", "bob"}
-    assert hash_key(ALICE_DEMO_KEY) in config.users["alice"].keys
-    assert hash_key(BOB_DEMO_KEY) in config.users["bob"].keys
+    assert key_hash(ALICE_DEMO_KEY) in config.users["alice"].keys
+    assert key_hash(BOB_DEMO_KEY) in config.users["bob"].keys
     raw = load_yaml(COMPOSE_PROXY_CONFIG)
     assert any(k.startswith("sha256:") for k in raw["users"]["bob"]["keys"])
     assert any(k.startswith("${") for k in raw["users"]["alice"]["keys"])

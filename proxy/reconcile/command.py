@@ -1,6 +1,6 @@
 """`tokenmeter reconcile`: the command. How a reading is made and judged is
-`proxy.ledger.reconcile_plan`'s (its docstring says what may legitimately differ, and why);
-what it prints, `proxy.ledger.reconcile_render`'s."""
+`proxy.reconcile.plan`'s (its docstring says what may legitimately differ, and why);
+what it prints, `proxy.reconcile.render`'s."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from proxy.budget.store import StoreError
 from proxy.budget.store_redis import RedisStore
 from proxy.config.load import ConfigError, load_config
 from proxy.ledger.query import LedgerUnavailable, locate, open_reader
-from proxy.ledger.reconcile_plan import Reconciliation, reconcile
-from proxy.ledger.reconcile_render import reconciliation_json, redact, render_table
+from proxy.reconcile.plan import Reconciliation, reconcile
+from proxy.reconcile.render import reconciliation_json, redact, render_table
 
 _HELP = """\
 Compare the ledger's totals with the budget store's counters, per user, key, model group and

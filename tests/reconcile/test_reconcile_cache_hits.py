@@ -11,11 +11,11 @@ import uuid
 
 from proxy.budget import limits as lim
 from proxy.cost import CostLines
-from proxy.ledger.reconcile_plan import Verdict
-from proxy.ledger.reconcile_render import check_json
 from proxy.ledger.row import LedgerRow
 from proxy.protocol.usage import ZERO, Usage
-from tests.ledger.test_reconcile import World, books, by_label, world  # noqa: F401  fixtures
+from proxy.reconcile.plan import Verdict
+from proxy.reconcile.render import check_json
+from tests.reconcile.test_reconcile import World, books, by_label, world  # noqa: F401  fixtures
 
 SAVED = Usage(input_tokens=1000, output_tokens=2000, cached_input_tokens=500)
 

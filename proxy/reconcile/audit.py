@@ -3,7 +3,7 @@
 `TokenmeterReconcileDrift` / `TokenmeterReconcileOrphans` alerts) without a cron job.
 
 Each reading is judged against the one before (as the CLI's `--recheck` does; see
-`proxy.ledger.reconcile_plan`): the ledger trails the store by the shipper's lag, and one reading
+`proxy.reconcile.plan`): the ledger trails the store by the shipper's lag, and one reading
 cannot tell lag from loss. Nothing is exported before a second reading of the day.
 """
 
@@ -20,7 +20,7 @@ from zoneinfo import ZoneInfo
 from proxy.budget.store import Store, StoreError
 from proxy.config.load import Config
 from proxy.ledger.query import LedgerReader, LedgerUnavailable, locate, open_reader
-from proxy.ledger.reconcile_plan import Reconciliation, reconcile
+from proxy.reconcile.plan import Reconciliation, reconcile
 from proxy.telemetry.families import ReconcileFailure
 from proxy.telemetry.metrics import Metrics
 

@@ -1,5 +1,5 @@
 """`tokenmeter reconcile`'s reading: do the books and the budget store tell the same story?
-The SQL and the store reads, and the verdicts; what it prints is `reconcile_render`'s.
+The SQL and the store reads, and the verdicts; what it prints is `render`'s.
 
 For one day (default today, in the configured time zone), every calendar budget window that day
 is in (its day, week and month; tokens, input, output and cost), per user, key and model group
@@ -71,14 +71,10 @@ from proxy.budget import limits as lim
 from proxy.budget.store import ScopeKind, Snapshot
 from proxy.config.load import Config
 from proxy.config.policy import Limits
-from proxy.ledger.query import (
-    LedgerReader,
-    Sql,
-    as_int,
-    rollups_ready,
-)
+from proxy.ledger.query import LedgerReader, as_int, rollups_ready
 from proxy.ledger.rollup import HOUR_S, WINDOWS
 from proxy.ledger.schema import TABLE
+from proxy.storage.sql import Sql
 
 DEFAULT_USER = "default"  # open mode's one user (proxy.auth.DEFAULT_USER)
 _EXPIRY_MARGIN_S = 60  # a counter this close to its expiry may be gone by the time it is read

@@ -35,13 +35,13 @@ from proxy.cli import main
 from proxy.config.ledger import LedgerConfig
 from proxy.config.load import Config
 from proxy.cost import CostLines, price_for
-from proxy.ledger.audit import Auditor
 from proxy.ledger.query import LedgerReader, LedgerUnavailable, Location, locate, open_reader
-from proxy.ledger.reconcile_plan import Reconciliation, Verdict, reconcile
 from proxy.ledger.row import LedgerRow
 from proxy.ledger.schema import TABLE
 from proxy.pipeline import services as st
 from proxy.protocol.usage import Usage
+from proxy.reconcile.audit import Auditor
+from proxy.reconcile.plan import Reconciliation, Verdict, reconcile
 from proxy.server.app import create_app
 from proxy.telemetry.metrics import Metrics
 from tests.books import write_postgres, write_sqlite

@@ -9,8 +9,8 @@ from aiohttp.test_utils import TestServer
 
 from proxy.budget import limits as lim
 from proxy.budget.store import USER, Entry
-from proxy.ledger.audit import Auditor
 from proxy.pipeline import services as st
+from proxy.reconcile.audit import Auditor
 from tests.helpers import ALICE_KEY, MESSAGES, Stack, StackFactory, make_config, sample, scrape
 
 

@@ -1,4 +1,4 @@
-"""What `tokenmeter reconcile` shows of a reading (`reconcile_plan.Reconciliation`): the measures
+"""What `tokenmeter reconcile` shows of a reading (`plan.Reconciliation`): the measures
 in plain words, figures as people read them (cost in USD), the table and the JSON."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import urllib.parse
 from datetime import UTC, datetime
 
 from proxy.budget import limits as lim
-from proxy.ledger.reconcile_plan import Check, Orphan, Reconciliation, Verdict
 from proxy.ledger.report_render import usd
+from proxy.reconcile.plan import Check, Orphan, Reconciliation, Verdict
 
 _MEASURE_WORDS = {
     lim.Measure.TOTAL.value: "tokens",

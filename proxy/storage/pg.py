@@ -21,9 +21,10 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import asyncpg
+
+from proxy.storage.urls import mask_url
 
 T = TypeVar("T")
 
@@ -34,22 +35,6 @@ COMMAND_TIMEOUT_S = 60.0
 # Server errors after which the connection is gone or about to be: class 08 (connection
 # exceptions) and 57 (operator intervention: admin shutdown, crash shutdown, cannot connect now).
 _GONE = (asyncpg.PostgresConnectionError, asyncpg.OperatorInterventionError)
-
-
-def mask_url(url: str) -> str:
-    """The URL with any password replaced by ***: for logs and /readyz."""
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    if parts.password is not None:
-        userinfo, _, hostinfo = netloc.rpartition("@")
-        user = userinfo.split(":", 1)[0]
-        netloc = f"{user}:***@{hostinfo}"
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, "***" if k.lower() in ("password", "passfile") else v)
-                           for k, v in pairs], safe="*")
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 def breaks_connection(exc: BaseException) -> bool:
