@@ -35,8 +35,9 @@ class BypassReason(StrEnum):
 @dataclass(frozen=True, slots=True)
 class CacheOutcome:
     result: CacheResult
-    # On a hit: the usage of the answer the entry holds (what the hit saved, priced at today's
-    # prices by settle); None otherwise.
+    # On a hit: the usage of the answer the entry holds (what the hit saved, priced by settle
+    # at the prices in force when the hit is served, not those of the call that filled the
+    # entry); None otherwise.
     saved: Usage | None = None
     age_s: float | None = None  # on a hit: how old the entry is
     reason: BypassReason | None = None  # on a bypass: why
