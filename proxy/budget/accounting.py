@@ -60,36 +60,69 @@ log = logging.getLogger("tokenmeter.budget")
 
 @dataclass(frozen=True, slots=True)
 class Reservation:
+    """One attempt's hold on its budget: what it asked (`ask`) and what it was granted
+    (`grant`), under the store's id, with the windows' counters after the reserve."""
+
     res_id: str
-    user: str
-    plan: lim.Plan
-    prompt_tokens: int
-    # Output tokens held: the cap granted, or under `estimate` the estimate (topped up from
-    # there); the cap written into the body is `upstream_cap`.
-    output_cap: int
+    ask: adm.Ask
+    grant: adm.Grant
     used: tuple[int, ...]  # per window, after reserving; None-store admission: all zero
     stored: bool  # False: admitted while the store was unreachable (fail_open)
-    price: Price | None = None  # the price cost windows were reserved at; settled at it too
-    cost_nanousd: int = 0  # the worst-case cost reserved (0 without cost windows)
-    # Clamped (`output_cap` below what the request asked for): what it asked for, and the
-    # window that left the least room.
-    requested_output: int | None = None
-    clamped_by: lim.Window | None = None
-    # Under `estimate`: the output cap sent upstream, which top-ups may raise `output_cap` to
-    # (None: not topped up), and the store key of the (user, key, model)'s output history.
-    topup_cap: int | None = None
-    estimate_key: str | None = None
-    # The policy it was admitted under (a label of the reserved / over-reserved counters).
-    admission: AdmissionPolicy = AdmissionPolicy.WORST_CASE
-    # The output cap written into the body sent upstream (`proxy.budget.admission.Grant`).
-    upstream_cap: int | None = None
-    # Admitted under `estimate` as a stream: the store flag its stream may teach
-    # (`proxy.budget.estimate.learned_key`), else None.
-    learned_key: str | None = None
+
+    @property
+    def user(self) -> str:
+        return self.ask.user
+
+    @property
+    def plan(self) -> lim.Plan:
+        return self.ask.plan
+
+    @property
+    def price(self) -> Price | None:
+        """The price cost windows were reserved at; settled at it too."""
+        return self.ask.plan.price
+
+    @property
+    def admission(self) -> AdmissionPolicy:
+        """The policy it was admitted under (a label of the reserved / over-reserved
+        counters)."""
+        return self.ask.rule.policy
+
+    @property
+    def held_output(self) -> int:
+        """Output tokens held in the windows before any top-up (`adm.Grant.held_output`)."""
+        return self.grant.held_output
+
+    @property
+    def upstream_cap(self) -> int | None:
+        """The output cap written into the body sent upstream (`adm.Grant.upstream_cap`)."""
+        return self.grant.upstream_cap
+
+    @property
+    def topup_cap(self) -> int | None:
+        """Under `estimate`: the cap sent upstream, which top-ups may raise `held_output` to
+        (None: not topped up)."""
+        return self.grant.topup_cap
 
     @property
     def clamped(self) -> bool:
-        return self.requested_output is not None
+        return self.grant.clamped
+
+    @property
+    def estimate_key(self) -> str | None:
+        """The store key of the (user, key, model)'s output history (`adm.Ask.estimate_key`)."""
+        return self.ask.estimate_key
+
+    @property
+    def learned_key(self) -> str | None:
+        """Admitted under `estimate` as a stream: the store flag its stream may teach
+        (`proxy.budget.estimate.learned_key`), else None."""
+        return self.ask.learned_key if self.ask.estimates else None
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Tokens held, top-ups aside: the prompt and the output."""
+        return self.ask.prompt_tokens + self.grant.held_output
 
 
 class Budget:
@@ -211,7 +244,7 @@ class Budget:
             if policy.store.on_error == "fail_closed" and reservation.stored:
                 return TopUpResult(0, refused_entry=None)  # no window's: the store's
             return self._topped_up(reservation, step)
-        rates = adm.clamp_of(plan, reservation.prompt_tokens, 0, 0).rates
+        rates = adm.clamp_of(plan, reservation.ask.prompt_tokens, 0, 0).rates
         entries = tuple(Entry(w.key, w.limit, r, w.ttl_s)
                         for w, r in zip(plan.windows, rates, strict=True))
         started = time.perf_counter()
@@ -257,7 +290,7 @@ class Budget:
 
     async def _hold(self, ask: adm.Ask, claim: adm.Claim, policy: Policy) -> Reservation:
         if ask.plan.holds_nothing:  # metered only: granted whole, nothing stored or settled
-            return _reservation(ask, adm.whole(ask, claim), new_id(), (), stored=False)
+            return Reservation(new_id(), ask, adm.whole(ask, claim), (), stored=False)
         res_id = new_id()
         answer = await self._ask_store(ask, claim, res_id, policy)
         if answer is None:
@@ -269,11 +302,11 @@ class Budget:
         if decision.clamped_from is not None:
             binding = decision.binding
             self.metrics.budget_clamped(ask.user, binding.name if binding is not None else "",
-                                        decision.clamped_from - decision.output)
-        reservation = _reservation(ask, decision, res_id, answer.used, stored=True)
+                                        decision.clamped_from - decision.held_output)
+        reservation = Reservation(res_id, ask, decision, answer.used, stored=True)
         self._active[res_id] = reservation
         self.metrics.budget_reserved(ask.user, ask.rule.policy,
-                                     ask.prompt_tokens + decision.output)
+                                     ask.prompt_tokens + decision.held_output)
         self._update_gauges(ask.user, ask.plan.windows, answer.used)
         return reservation
 
@@ -284,8 +317,10 @@ class Budget:
         was down (`Store.add_once`: once per id, whose done-marker the store keeps for
         `REPLAY_DONE_TTL_S`). Raises `Refused` as `plan` does (a cost window, no price)."""
         plan = self.plan(principal, model, policy)
-        return Reservation(new_id(), principal.user, plan, prompt_tokens=0, output_cap=0,
-                           used=(0,) * len(plan.windows), stored=False, price=plan.price)
+        ask = adm.Ask(principal=principal, model=model, plan=plan, prompt_tokens=0,
+                      asked_output=0, choices=1, stream=False, hidden_output=False)
+        return Reservation(new_id(), ask, adm.Grant(None, 0, 0), (0,) * len(plan.windows),
+                           stored=False)
 
     async def _estimate(self, ask: adm.Ask) -> int | None:
         """The output estimate `ask` holds instead of its cap (`Ask.estimates`); None when its
@@ -346,8 +381,8 @@ class Budget:
                 headers={"Retry-After": "1"},
             )
         self.health.skipped("admitted")
-        return _reservation(ask, adm.whole(ask, claim), new_id(),
-                            (0,) * len(ask.plan.windows), stored=False)
+        return Reservation(new_id(), ask, adm.whole(ask, claim), (0,) * len(ask.plan.windows),
+                           stored=False)
 
     def _abandoned(self, call: asyncio.Future[ReserveResult], plan: lim.Plan,
                    res_id: str) -> None:
@@ -374,7 +409,7 @@ class Budget:
         entries = tuple(
             Entry(w.key, w.limit, lim.amount(w, inp, out, cost), w.ttl_s) for w in plan.windows
         )
-        reserved = reservation.prompt_tokens + reservation.output_cap + topped
+        reserved = reservation.reserved_tokens + topped
         if reservation.stored:
             over = max(0, reserved - usage.total_tokens)
             self.metrics.budget_overreserved(reservation.user, reservation.admission, over)
@@ -386,7 +421,7 @@ class Budget:
         self._active.pop(reservation.res_id, None)
         topped = self._topped.pop(reservation.res_id, 0)
         if reservation.stored:
-            reserved = reservation.prompt_tokens + reservation.output_cap + topped
+            reserved = reservation.reserved_tokens + topped
             self.metrics.budget_overreserved(reservation.user, reservation.admission,
                                              reserved)
             await self._settle(reservation, _zero(reservation.plan), 0)
@@ -573,14 +608,6 @@ class Budget:
                     m.team_budget_cost_state(w.scope.name, w.name, u, w.limit)
                 else:
                     m.team_budget_state(w.scope.name, w.name, u, w.limit)
-
-
-def _reservation(ask: adm.Ask, grant: adm.Grant, res_id: str, used: tuple[int, ...],
-                 stored: bool) -> Reservation:
-    return Reservation(res_id, ask.user, ask.plan, ask.prompt_tokens, grant.output, used, stored,
-                       ask.plan.price, grant.cost_nanousd, grant.clamped_from, grant.binding,
-                       grant.topup_cap, ask.estimate_key, ask.rule.policy, grant.output_cap,
-                       ask.learned_key if ask.estimates else None)
 
 
 def _notice_window(plan: lim.Plan) -> lim.Window | None:

@@ -10,7 +10,7 @@ the store's one atomic step, which is all that needs the store:
     decide(ask, claim, answer)          # -> Grant, or the Refusal that became a 429
 
 The `Grant` owns the output cap: the pipeline builds the body sent upstream once, with
-`Grant.output_cap`, after the grant (a clamp is a smaller cap, not a second pass over a body).
+`Grant.upstream_cap`, after the grant (a clamp is a smaller cap, not a second pass over a body).
 
 The policies (`proxy.config.policy.AdmissionPolicy`): `worst_case` holds the prompt plus the
 whole cap or refuses; `clamp` may be granted fewer output tokens, down to the rule's minimum
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from proxy.budget import estimate as est
 from proxy.budget import limits as lim
-from proxy.budget.clamp import AdmissionRule, Clamp, grant, output_rate
+from proxy.budget.clamp import AdmissionRule, Clamp, output_rate
 from proxy.budget.principal import Principal
 from proxy.budget.refusals import Refusal
 from proxy.budget.store import Entry, ReserveRequest, ReserveResult
@@ -106,14 +106,15 @@ class Grant:
     # The most output tokens the body sent upstream allows, all choices together: what was
     # asked, or less when clamped. None: no cap is written (a plan without one, or an API
     # without output); the body is the client's, with the attempt's other changes.
-    output_cap: int | None
-    output: int  # output tokens held: the cap, or under `estimate` the estimate (or less)
+    upstream_cap: int | None
+    # Output tokens held in the windows: the cap, or under `estimate` the estimate (or less).
+    held_output: int
     cost_nanousd: int  # nano-dollars held in cost windows (0 without them)
-    # Clamped (`output_cap` below what was asked): what was asked, and the window that left
+    # Clamped (`upstream_cap` below what was asked): what was asked, and the window that left
     # the least room (None when none did: a clamp no window caused).
     clamped_from: int | None = None
     binding: lim.Window | None = None
-    topup_cap: int | None = None  # `estimate`: top-ups may raise `output` up to this
+    topup_cap: int | None = None  # `estimate`: top-ups may raise `held_output` up to this
 
     @property
     def clamped(self) -> bool:
@@ -189,10 +190,7 @@ def decide(ask: Ask, claim: Claim, answer: ReserveResult) -> Grant | Refusal:
         # The room left was below the estimate: the stream holds what is left and keeps its
         # own cap (top-ups may still find room); not a clamp of the request.
         return Grant(_cap(ask, ask.asked_output), granted, cost, topup_cap=claim.topup_cap)
-    # The window that left the least room, as the store saw it before this request.
-    before = tuple(u - a for u, a in zip(answer.used, clamp.amounts(granted), strict=True))
-    binding = grant(clamp, tuple(w.limit for w in ask.plan.windows), before).binding
-    window = ask.plan.windows[binding] if binding is not None else None
+    window = ask.plan.windows[answer.binding] if answer.binding is not None else None
     return Grant(_cap(ask, granted), granted, cost, clamped_from=claim.output, binding=window)
 
 

@@ -117,7 +117,7 @@ def grant(clamp: Clamp, limits: Sequence[int | None], used: Sequence[int]) -> Fi
         fits = room_for_output(limit, u, base, rate)
         if fits is not None and fits < granted:
             granted, binding = fits, i
-    return Fit(max(granted, -1), binding)
+    return Fit(granted, binding)
 
 
 def output_rate(price: Price) -> int:

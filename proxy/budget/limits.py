@@ -84,10 +84,6 @@ class WindowName(enum.StrEnum):
         """A day, week or month: spent until it resets, not worth a retry before."""
         return _PERIOD[self] is not Period.MINUTE
 
-    @property
-    def daily(self) -> bool:
-        return _PERIOD[self] is Period.DAY
-
 
 _PERIOD: dict[WindowName, Period] = {
     WindowName.DAILY_TOKENS: Period.DAY,

@@ -121,6 +121,9 @@ class ReserveResult:
     refused_in_flight: int | None = None  # index of the concurrency limit that refused
     # Under a clamp: the output tokens granted, and so reserved (None: no clamp was asked).
     granted: int | None = None
+    # Granted fewer than asked: the window (index) that left the least room, as the store saw
+    # it in the step that granted them (no later read of the counters can tell).
+    binding: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +185,8 @@ class Store(Protocol):
         """Reap expired leases; refuse if any of the request's in-flight sets is full or any
         window would go over; else add the amounts and hold `res_id` in every in-flight set
         under a lease of `lease_s`. With the request's `clamp`, in the same atomic step: grant
-        the output tokens that fit (see `proxy.budget.clamp`), refuse below its minimum, and
+        the output tokens that fit (see `proxy.budget.clamp`) and name the window that bound
+        the grant when it is below what was asked, refuse below its minimum, and
         reserve the clamped amounts instead of the entries' own when the grant is below what
         was asked."""
         ...
@@ -410,12 +414,12 @@ class MemoryStore:
         if full is not None:
             return ReserveResult(False, used, refused_in_flight=full)
         amounts = tuple(e.amount for e in entries)
-        granted = None
+        granted = binding = None
         if clamp is not None:
             fit = grant(clamp, tuple(e.limit for e in entries), used)
             if fit.output < clamp.minimum:
                 return ReserveResult(False, used, refused_entry=fit.binding or 0)
-            granted = fit.output
+            granted, binding = fit.output, fit.binding
             if granted < clamp.requested:
                 amounts = clamp.amounts(granted)
         for i, (e, u, a) in enumerate(zip(entries, used, amounts, strict=True)):
@@ -432,7 +436,7 @@ class MemoryStore:
             for name in names:
                 held.members.setdefault(name, set()).add(res_id)
         self._held.set(slot, held, now + HELD_TTL_S)
-        return ReserveResult(True, after, granted=granted)
+        return ReserveResult(True, after, granted=granted, binding=binding)
 
     def _replace(self, record: tuple[tuple[str, int], ...], entries: Sequence[Entry],
                  now: float) -> tuple[int, ...]:

@@ -206,12 +206,13 @@ class RedisStore:
         keys = [inflight, reserved, sets, reaped,
                 *(f"{slot}:inflight:{f.part}".encode() for f in keys_sets),
                 *(e.key.encode() for e in entries)]
-        ok, entry, held, used, granted = await self._eval(RESERVE, keys, args)
+        ok, entry, held, used, granted, binding = await self._eval(RESERVE, keys, args)
         return ReserveResult(
             ok=bool(ok), used=tuple(int(u) for u in used),
             refused_entry=int(entry) - 1 if int(entry) else None,
             refused_in_flight=int(held) - 1 if int(held) else None,
             granted=int(granted) if clamp is not None and bool(ok) else None,
+            binding=int(binding) - 1 if int(binding) else None,
         )
 
     async def settle(self, slot: str, res_id: str, entries: Sequence[Entry]) -> tuple[int, ...]:

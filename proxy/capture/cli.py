@@ -34,7 +34,7 @@ T = TypeVar("T")
 
 # What `show` gives of the ledger's row: the figures a capture does not hold. `cache` says why
 # a cache hit's row holds 0 tokens and $0 beside an answer with usage (no upstream call: the
-# `saved_*` figures are what the entry's answer used, and cost at today's prices).
+# `saved_*` figures are what the entry's answer used, priced when the hit was served).
 _LEDGER_FIELDS = ("input_tokens", "output_tokens", "cached_input_tokens",
                   "cache_creation_input_tokens", "reasoning_tokens", "token_source", "ttft_ms",
                   "duration_ms", "cost_nanousd", "cache", "saved_input_tokens",
@@ -267,7 +267,8 @@ def _ledger_lines(row: dict[str, Any] | None) -> list[str]:
         # stored entry used when it was made.
         lines.append(f"             answered from the response cache, no upstream call; the "
                      f"stored answer used input {row['saved_input_tokens']}, output "
-                     f"{row['saved_output_tokens']} (cost_usd {saved} at today's prices)")
+                     f"{row['saved_output_tokens']} (cost_usd {saved}, priced when the hit "
+                     f"was served)")
     return lines
 
 

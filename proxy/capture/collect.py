@@ -32,7 +32,7 @@ from proxy.protocol.codec import (
     Shown,
     TextKind,
     loads_all,
-    redacted_json_text,
+    redacted_json,
     stream_datas,
     timed_events,
 )
@@ -203,29 +203,9 @@ def _output_fields(output: Shown, stream: bool,
                    redact: Callable[[str], str]) -> dict[str, Any]:
     # Every text kind redacted, a tool call's arguments, name and id included.
     return {"output_text": redact(output.text) if stream else None,
-            "tool_calls": tuple(_redacted_json(call, redact) for call in output.tool_calls),
+            "tool_calls": tuple(redacted_json(call, redact) for call in output.tool_calls),
             "reasoning": redact(output.reasoning) if output.reasoning else None,
             "refusal": redact(output.refusal) if output.refusal else None}
-
-
-def _redacted_json(value: Any, redact: Callable[[str], str]) -> Any:
-    """`value` (parsed JSON) with each string in it redacted; a string that is JSON with an
-    escape in it (a tool call's arguments) is decoded and redacted the same way."""
-    if isinstance(value, str):
-        if value[:1] in ("{", "[") and "\\" in value:
-            try:
-                inner = json.loads(value)
-            except ValueError:
-                return redact(value)
-            redacted = _redacted_json(inner, redact)
-            if redacted != inner:
-                return redact(json.dumps(redacted, ensure_ascii=False))
-        return redact(value)
-    if isinstance(value, dict):
-        return {k: _redacted_json(v, redact) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_redacted_json(v, redact) for v in value]
-    return value
 
 
 def _deep(text: str, redact: Callable[[str], str]) -> str:
@@ -237,7 +217,7 @@ def _deep(text: str, redact: Callable[[str], str]) -> str:
         return text
     try:
         value = json.loads(text)
-        redacted = _redacted_json(value, redact)
+        redacted = redacted_json(value, redact)
     except (ValueError, RecursionError):
         return text  # not JSON, cut at the limit, or nested past what is walked
     if redacted == value:
@@ -266,7 +246,7 @@ def _redact_joined(codec: Codec, objs: list[dict[str, Any]], redact: Redactor) -
         if spans:
             news = _cut(olds, spans)
         elif kind is TextKind.TOOL_ARGS and "\\" in whole and (
-                hidden := redacted_json_text(whole, redact)) != whole:
+                hidden := redacted_json(whole, redact)) != whole:
             # A secret its JSON escapes hid from the patterns: the arguments are written again
             # from their redacted value, whole, in the first piece.
             news = [hidden, *[""] * (len(olds) - 1)]

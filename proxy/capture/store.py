@@ -421,7 +421,8 @@ class _SqliteStore(CaptureStore):
 
 class _PostgresStore(CaptureStore):
     """Its connection is a `PgConnection` (the ledger's way of holding one): a batch that
-    finds it broken (the server restarted) is lost as before, and the next one reconnects."""
+    finds it broken (the server restarted) is dropped like any batch the store refuses
+    (captures are evidence, not books: `proxy.capture.writer`), and the next one reconnects."""
 
     dialect = Dialect.POSTGRESQL
     table = PG_TABLE

@@ -101,9 +101,6 @@ class Tags:
             return "{}"
         return json.dumps({t.key: t.value for t in self.items}, separators=(",", ":"))
 
-    def as_dict(self) -> dict[str, str]:
-        return {t.key: t.value for t in self.items}
-
     @property
     def closed(self) -> tuple[Tag, ...]:
         return tuple(t for t in self.items if t.closed)

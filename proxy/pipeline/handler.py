@@ -453,9 +453,9 @@ def _response_headers(candidacy: Candidacy, fallback_from: str | None,
         # the one sent upstream; and the window that left the least room (with its scope when
         # it is not the user's own: a key's, a model group's, the team's).
         headers["x-tokenmeter-output-clamped"] = (
-            f"{reservation.requested_output}->{reservation.output_cap}"
+            f"{reservation.grant.clamped_from}->{reservation.upstream_cap}"
         )
-        window = reservation.clamped_by
+        window = reservation.grant.binding
         if window is not None:
             reason = window.name.value
             if window.scope.kind is not ScopeKind.USER and _header_safe(window.scope.part):

@@ -57,7 +57,7 @@ class TopUps:
     @staticmethod
     def for_stream(budget: Budget, reservation: Reservation, translator: Translator,
                    policy: Policy) -> TopUps | None:
-        allowance = Allowance.of(reservation.output_cap, reservation.topup_cap)
+        allowance = Allowance.of(reservation.held_output, reservation.topup_cap)
         if allowance is None:
             return None
         return TopUps(budget, reservation, translator, policy, allowance)

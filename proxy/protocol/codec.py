@@ -21,12 +21,12 @@ import json
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, overload
 
 from proxy.protocol.sse import stream_datas, timed_events
 from proxy.protocol.usage import Usage, parse_usage
 
-__all__ = ["Codec", "Shown", "Text", "TextKind", "loads", "loads_all", "redacted_json_text",
+__all__ = ["Codec", "Shown", "Text", "TextKind", "loads", "loads_all", "redacted_json",
            "stream_datas", "stream_objects", "timed_events"]
 
 
@@ -132,28 +132,34 @@ def joined(texts: Iterable[Text]) -> dict[tuple[TextKind, tuple[Any, ...]], str]
     return {key: "".join(parts) for key, parts in out.items()}
 
 
-def redacted_json_text(text: str, sub: Callable[[str], str]) -> str:
-    """A text that is JSON (a tool's arguments) with `sub` applied to it, and to the strings it
-    decodes to when an escape could hide something from `sub` (`\\u0040` for `@`): then the
-    JSON is written again from its redacted value."""
-    if text[:1] in ("{", "[") and "\\" in text:
-        try:
-            value = json.loads(text)
-        except (ValueError, RecursionError):
-            return sub(text)
-        redacted = _redacted_value(value, sub)
-        if redacted != value:
-            return sub(json.dumps(redacted, ensure_ascii=False))
-    return sub(text)
+@overload
+def redacted_json(value: str, sub: Callable[[str], str]) -> str: ...
 
 
-def _redacted_value(value: Any, sub: Callable[[str], str]) -> Any:
+@overload
+def redacted_json(value: Any, sub: Callable[[str], str]) -> Any: ...
+
+
+def redacted_json(value: Any, sub: Callable[[str], str]) -> Any:
+    """`value` (decoded JSON, or a text) with `sub` applied to every string in it. A string
+    that is itself JSON with an escape in it (a tool's arguments, JSON inside a JSON string)
+    is decoded and redacted the same way, since an escape can hide something from `sub`
+    (`\\u0040` for `@`): when that changes anything, it is written again from its redacted
+    value."""
     if isinstance(value, str):
+        if value[:1] in ("{", "[") and "\\" in value:
+            try:
+                inner = json.loads(value)
+            except (ValueError, RecursionError):
+                return sub(value)
+            redacted = redacted_json(inner, sub)
+            if redacted != inner:
+                return sub(json.dumps(redacted, ensure_ascii=False))
         return sub(value)
     if isinstance(value, dict):
-        return {k: _redacted_value(v, sub) for k, v in value.items()}
+        return {k: redacted_json(v, sub) for k, v in value.items()}
     if isinstance(value, list):
-        return [_redacted_value(v, sub) for v in value]
+        return [redacted_json(v, sub) for v in value]
     return value
 
 
@@ -250,10 +256,10 @@ class Codec:
         copy = json.loads(dumps(answer))
         for t in list(self.texts(copy)):
             value = t.holder[t.field]
-            if t.kind is TextKind.TOOL_ARGS and isinstance(value, str):
-                t.holder[t.field] = redacted_json_text(value, sub)
+            if t.kind is TextKind.TOOL_ARGS or not isinstance(value, str):
+                t.holder[t.field] = redacted_json(value, sub)
             else:
-                t.holder[t.field] = _redacted_value(value, sub)
+                t.holder[t.field] = sub(value)
         assert isinstance(copy, dict)
         return copy
 

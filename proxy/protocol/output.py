@@ -72,6 +72,12 @@ class OutputEstimate:
     __slots__ = ("_fold_rate", "_folded", "_held", "_model", "_rate", "_rated", "_sampled",
                  "_seen_at", "_seen_list", "_seen_rated", "_seen_whole", "_shortest", "_texts",
                  "events")
+    # `so_far`'s running count, set by its first call (whose held list is never the None the
+    # count starts from): how far into the list it has looked, and its sample of the events
+    # seen, kept across folds.
+    _seen_at: int
+    _seen_rated: int  # of the held events seen, those the sample rates
+    _seen_whole: int  # and the tokens of those counted whole
 
     def __init__(self, model: str, texts: Texts, *, sampled: bool) -> None:
         """`texts`: the output texts of the shape's events. `sampled`: the upstream was asked
@@ -84,12 +90,7 @@ class OutputEstimate:
         self._folded = 0  # the tokens of the events dropped by a fold that counted them whole
         self._rated = 0  # the events dropped by a fold that counted a sample of them
         self._fold_rate = _Rate()  # those folds' samples
-        # `so_far`'s running count: the held list it last looked at, how far, and its sample
-        # of the events seen, kept across folds.
-        self._seen_list: list[bytes] | None = None
-        self._seen_at = 0
-        self._seen_rated = 0  # of the held events seen, those the sample rates
-        self._seen_whole = 0  # and the tokens of those counted whole
+        self._seen_list: list[bytes] | None = None  # the held list `so_far` last looked at
         self._rate = _Rate()
         self._shortest = HOLD_BYTES  # the shortest content event's data, of those looked at
 

@@ -180,11 +180,6 @@ class ConfigWatcher(Generic[T]):
             self._seen = snap.digest
             return Poll.APPLIED if await self._load(data) else Poll.REFUSED
 
-    async def reload(self) -> bool:
-        """Load the file now, whatever the polls saw; True if it was applied."""
-        self._forced = True
-        return await self.poll_once() is Poll.APPLIED
-
     def _build(self, data: bytes) -> T:
         """In a worker thread. The very bytes that were seen stable are parsed: no second read
         that could differ."""

@@ -205,6 +205,29 @@ async def test_a_clamp_grants_what_fits_and_refuses_below_its_minimum(subject: S
     assert (over.ok, over.refused_entry) == (False, 0)
 
 
+async def test_a_clamp_names_the_window_that_bound_it(subject: Subject) -> None:
+    """The window a clamped grant names is the one whose room the grant used up, as the
+    store saw it in the same step; none when everything asked was granted."""
+    s = subject.store
+    # prompt 10, 1 per output token in the day (limit 100) and the output window (limit 60);
+    # the requests window (1 per request) has room throughout and never binds.
+    reqs = Entry(f"{SLOT}:u:daily_requests:20270115", 10, 1, 3600)
+    clamp = Clamp(requested=80, minimum=1, bases=(10, 0, 1), rates=(1, 1, 0))
+    entries = [day(90), Entry(OUT, 60, 80, 3600), reqs]
+    by_output = await s.reserve(SLOT, "a", req(entries, clamp=clamp), 30)
+    assert (by_output.granted, by_output.binding, by_output.used) == (60, 1, (70, 60, 1))
+    # The day now has 20 output tokens of room, the output window 50: the day binds.
+    await s.settle(SLOT, "a", [day(70), Entry(OUT, 60, 10, 3600), reqs])
+    by_day = await s.reserve(SLOT, "b", req(entries, clamp=clamp), 30)
+    assert (by_day.granted, by_day.binding, by_day.used) == (20, 0, (100, 30, 2))
+    # Granted whole: nothing bound.
+    await s.settle(SLOT, "b", [day(0), Entry(OUT, 60, 0, 3600), reqs])
+    small = Clamp(requested=5, minimum=1, bases=(10, 0, 1), rates=(1, 1, 0))
+    whole = await s.reserve(SLOT, "c", req([day(15), Entry(OUT, 60, 5, 3600), reqs],
+                                           clamp=small), 30)
+    assert (whole.granted, whole.binding) == (5, None)
+
+
 async def test_top_up_adds_to_counters_and_reservation_all_or_nothing(
     subject: Subject,
 ) -> None:
@@ -282,6 +305,11 @@ async def test_the_stores_clamp_alike_on_windows_of_every_size(redis_url: str) -
             if results[0].ok:
                 for u, limit in zip(results[0].used, limits, strict=True):
                     assert limit is None or u <= limit
+                # The window named as binding has no room for one output token more.
+                b = results[0].binding
+                assert (b is None) == (results[0].granted == requested)
+                if b is not None:
+                    assert results[0].used[b] + rates[b] > (limits[b] or 0)
         assert seen == {"refused", "whole", "clamped"}
     finally:
         for store in stores:

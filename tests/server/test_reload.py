@@ -99,7 +99,8 @@ async def test_invalid_file_is_refused_and_old_config_serves(
     await until(refused, deadline=10.0)
     assert proxy.app[SERVICES].runtime.current is before
     assert await _works(proxy, ALICE_KEY)
-    assert not await watcher.reload()  # and it says so when asked directly
+    watcher.request_reload()  # and it says so when asked directly
+    assert await watcher.poll_once() is Poll.REFUSED
 
 
 # Deterministic polls: the background poller is parked (an hour between looks) and the test
@@ -251,6 +252,7 @@ async def test_a_worker_refuses_a_reload_that_adds_limits_on_the_in_process_stor
     path.write_text(budget_yaml(url, "memory", _users(("alice", ALICE_KEY))
                                 + "    daily_tokens: 10\n"))
     watcher = app[st.WATCHER]
-    assert not await watcher.reload()
+    watcher.request_reload()
+    assert await watcher.poll_once() is Poll.REFUSED
     assert sample(await scrape(proxy), "tokenmeter_config_reloads_total", result="error") == 1
     assert await _works(proxy, ALICE_KEY)  # no limit: the previous version serves

@@ -15,7 +15,7 @@ from proxy.errors import ErrorClass
 from proxy.ledger.row import LedgerRow
 from proxy.protocol.usage import Usage
 from proxy.record import CacheResult, Figures, RequestRecord
-from proxy.telemetry.accesslog import request_fields, request_line
+from proxy.telemetry.accesslog import request_line
 
 pytestmark = pytest.mark.unit
 
@@ -76,3 +76,44 @@ def test_the_line_and_the_row_agree(rec: RequestRecord) -> None:
         rec.saved_usage.input_tokens, rec.saved_usage.output_tokens)
     # started_at is ended_at less the duration: at 2e9 s a float is good to about 2e-7 s.
     assert row.ended_at - row.started_at == pytest.approx(rec.figures.duration, abs=1e-6)
+
+
+def request_fields(rec: RequestRecord) -> dict[str, object]:
+    """What the line says, as a dict: the specification `request_line` is held to."""
+    u, f = rec.usage, rec.figures
+    return {
+        "event": "request",
+        "request_id": rec.request_id,
+        "operation": rec.operation,
+        "user": rec.user,
+        "key": rec.key,
+        "model": rec.model[:200],
+        "fallback_from": None if rec.fallback_from is None else rec.fallback_from[:200],
+        "response_model": None if rec.response_model is None else rec.response_model[:200],
+        "attempts": rec.attempts,
+        "upstream": rec.upstream_label,
+        "status": rec.status,
+        "error_class": rec.error_class,
+        "stream": rec.stream,
+        "cache": rec.cache,
+        "cache_reason": rec.cache_reason,
+        "input_tokens": u.input_tokens,
+        "output_tokens": u.output_tokens,
+        "cached_input_tokens": u.cached_input_tokens,
+        "reasoning_tokens": u.reasoning_tokens,
+        "total_tokens": u.total_tokens,
+        "token_source": u.source,
+        "ttft_ms": _ms(f.ttft),
+        "upstream_ttft_ms": _ms(f.upstream_ttft),
+        "overhead_ms": _ms(f.overhead),
+        "duration_ms": _ms(f.duration),
+        "tpot_ms": _ms(f.time_per_output_token),
+        "tokens_per_second": (
+            None if f.output_tokens_per_second is None else round(f.output_tokens_per_second, 1)
+        ),
+        "content_chunks": f.content_chunks,
+    }
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000, 3)

@@ -20,6 +20,7 @@ from proxy.config.load import load_config
 from proxy.server import reload as reload_mod
 from proxy.server import state as st
 from proxy.server.app import create_app
+from proxy.server.reload import Poll
 from proxy.telemetry.metrics import Metrics
 from proxy.testing.mock_upstream import MockSettings, create_mock_app
 from tests.helpers import ROOT, ServerFactory, config_data, scrape, sdk
@@ -86,7 +87,8 @@ async def test_user_info_gives_each_configured_users_team_and_follows_reloads(
     # bob dropped, alice moved to b, carol given a team, erin added without one.
     path.write_text(_config(upstream_url, {"alice": "b", "carol": "c", "dave": "a",
                                            "erin": None}))
-    assert await proxy.app[st.WATCHER].reload()
+    proxy.app[st.WATCHER].request_reload()
+    assert await proxy.app[st.WATCHER].poll_once() is Poll.APPLIED
     samples = await scrape(proxy)
     assert _info(samples) == {"alice": "b", "carol": "c", "dave": "a", "erin": ""}
     # The old series are gone, not left at some value: a join on them would still match.
@@ -203,7 +205,8 @@ async def test_a_team_shows_its_users_figures_and_all_shows_everyones(
     # dave leaves the configuration: his figures stay in All, and leave team a's.
     (tmp_path / "tm.yaml").write_text(_config(upstream_url, {
         u: t for u, t in TEAMS.items() if u != "dave"}))
-    assert await teamed_proxy.app[st.WATCHER].reload()
+    teamed_proxy.app[st.WATCHER].request_reload()
+    assert await teamed_proxy.app[st.WATCHER].poll_once() is Poll.APPLIED
     await prometheus.wait_for("sum(tokenmeter_requests_total) >= 8")
     await prometheus.wait_for('absent(tokenmeter_user_info{user="dave"})')
     await prometheus.wait_for("sum(rate(tokenmeter_cost_usd_total[1m])) > 0")

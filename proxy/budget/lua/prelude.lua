@@ -34,7 +34,7 @@ local function grant(requested, limits, used, bases, rates)
     local fits = room_for_output(limits[i], used[i], bases[i], rates[i])
     if fits ~= nil and fits < granted then granted = fits; binding = i end
   end
-  return math.max(granted, -1), binding
+  return granted, binding
 end
 
 -- A reservation also held in a key's own in-flight set names that set in `sets`.
