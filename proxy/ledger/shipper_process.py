@@ -45,6 +45,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from proxy.children import Backoff, Child, Death
 from proxy.config.ledger import LedgerConfig
 from proxy.files import FILE_MODE, private_dir, private_opener
 from proxy.ledger.shipper import BACKOFF_MAX_S, Shipper, Sink
@@ -69,7 +70,7 @@ START_REPORT_S = 2.0
 STATUS_STALE_S = 5.0
 EXIT_WAIT_S = 120.0  # after SIGTERM: the longest it waits for writers that do not leave
 DONE = "done"  # on stdin, with the seconds to drain: the writers have closed their files
-# Restarts: as the workers' (proxy.server.workers), a shipper dying young waits longer.
+# Restarts (proxy.children.Backoff): as the workers', a shipper dying young waits longer.
 BACKOFF_FIRST_S = 0.5
 RESTART_MAX_S = 15.0
 HEALTHY_AFTER_S = 30.0
@@ -328,98 +329,63 @@ def main() -> int:
 
 class ShipperChild:
     """A shipper process kept running by the process that starts it (`serve`'s serving process,
-    or the supervisor of `serve --workers`): started again when it dies, after a wait that
-    grows while it dies young; stopped with SIGTERM, then killed if it outlives `timeout`."""
+    or the supervisor of `serve --workers`), with `proxy.children.Child`: started again when it
+    dies, after a wait that grows while it dies young; stopped by `done` on its stdin, then
+    killed if it outlives the timeout."""
 
     def __init__(self, spec: ShipperSpec, env: Mapping[str, str],
                  on_restart: Callable[[], None] = lambda: None) -> None:
         self._env = {**env, SHIPPER_ENV: json.dumps(asdict(spec))}
         self._on_restart = on_restart
-        self._stopping = asyncio.Event()
-        self._proc: asyncio.subprocess.Process | None = None
-        self._task: asyncio.Task[None] | None = None
         self._relay: asyncio.Task[None] | None = None
-        self.started = asyncio.Event()  # set at every start (a test waits for a restart)
         self.on_exit: Callable[[int], None] = lambda pid: None  # the supervisor's metrics
+        self._child = Child("the ledger shipper", self._spawn, on_death=self._died,
+                            on_exit=self._exited,
+                            backoff=Backoff(BACKOFF_FIRST_S, RESTART_MAX_S, HEALTHY_AFTER_S))
 
     @property
     def pid(self) -> int | None:
-        return None if self._proc is None else self._proc.pid
+        return self._child.pid
+
+    @property
+    def started(self) -> asyncio.Event:
+        """Set at every start (a test waits for a restart)."""
+        return self._child.started
 
     async def start(self) -> None:
-        await self._spawn()
-        self._task = asyncio.create_task(self._keep(), name="tokenmeter-ledger-shipper-child")
+        await self._child.start()
 
-    async def _spawn(self) -> None:
-        self._proc = await asyncio.create_subprocess_exec(
+    async def _spawn(self) -> asyncio.subprocess.Process:
+        proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "proxy.ledger.shipper_process", env=self._env,
             stdin=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )
-        assert self._proc.stderr is not None
-        self._relay = asyncio.create_task(_relay(self._proc.stderr))
-        self.started.set()
+        assert proc.stderr is not None
+        self._relay = asyncio.create_task(_relay(proc.stderr))
+        return proc
 
-    async def _keep(self) -> None:
-        backoff = BACKOFF_FIRST_S
-        while True:
-            proc = self._proc
-            assert proc is not None
-            began = time.monotonic()
-            code = await proc.wait()
-            if self._relay is not None:
-                await self._relay  # its last words, before saying it died
-            self.on_exit(proc.pid)
-            if self._stopping.is_set():
-                return
-            lived = time.monotonic() - began
-            backoff = BACKOFF_FIRST_S if lived >= HEALTHY_AFTER_S else backoff
-            log.error("the ledger shipper (pid %d) died (%s) after %.1f s: starting it again "
-                      "in %.1f s; rows wait in the spool meanwhile", proc.pid, _describe(code),
-                      lived, backoff)
-            self._on_restart()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(backoff):
-                    await self._stopping.wait()
-            if self._stopping.is_set():
-                return
-            backoff = min(backoff * 2, RESTART_MAX_S)
-            while True:
-                try:
-                    await self._spawn()
-                    break
-                except OSError as exc:  # no fork, no memory: tried again, never given up
-                    log.error("cannot start the ledger shipper again (%s); next try in %.1f s",
-                              exc, backoff)
-                    self._on_restart()
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(backoff):
-                            await self._stopping.wait()
-                    if self._stopping.is_set():
-                        return
+    async def _exited(self, proc: asyncio.subprocess.Process, code: int) -> None:
+        if self._relay is not None:
+            await self._relay  # its last words, before saying it died
+        self.on_exit(proc.pid)
+
+    def _died(self, death: Death) -> None:
+        log.error("the ledger shipper (pid %d) died (%s) after %.1f s: starting it again "
+                  "in %.1f s; rows wait in the spool meanwhile", death.pid, death.described,
+                  death.lived_s, death.wait_s)
+        self._on_restart()
 
     async def stop(self, drain_s: float, timeout_s: float) -> None:
         """Once the writers it serves have closed their spool files: it ships what is left for
         up to `drain_s` and exits (killed after `timeout_s`)."""
-        self._stopping.set()
-        proc = self._proc
-        if proc is not None and proc.returncode is None:
+
+        async def done(proc: asyncio.subprocess.Process) -> None:
             assert proc.stdin is not None
             with contextlib.suppress(ConnectionError):
                 proc.stdin.write(f"{DONE} {drain_s}\n".encode())
                 await proc.stdin.drain()
-            try:
-                async with asyncio.timeout(timeout_s):
-                    await proc.wait()
-            except TimeoutError:
-                log.error("the ledger shipper (pid %d) did not exit in %.0f s: killing it",
-                          proc.pid, timeout_s)
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
-        if self._task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+
+        await self._child.stop(timeout_s, done)
 
 
 async def _relay(stream: asyncio.StreamReader) -> None:
@@ -436,14 +402,6 @@ async def _relay(stream: asyncio.StreamReader) -> None:
         if not isinstance(level, int):
             level = logging.WARNING
         logging.getLogger(name).log(level, "%s", message.rstrip("\n"))
-
-
-def _describe(code: int) -> str:
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"signal {signal.Signals(-code).name}"
-        return f"signal {-code}"
-    return f"exit code {code}"
 
 
 if __name__ == "__main__":

@@ -3,11 +3,12 @@
 The supervisor is a pre-fork parent, as gunicorn's: it binds the listening sockets itself (the
 API port, and `metrics.port` when set), then starts N workers that inherit them and each accept
 on them (the kernel hands every new connection to one worker that is waiting in accept). It
-serves no request. It restarts a worker that dies (after a backoff that grows while workers die
-young, with an error log line and `tokenmeter_worker_restarts_total`), forwards SIGHUP (each
-worker reloads its configuration) and SIGTERM/SIGINT (it closes its own copies of the listening
-sockets, so the port refuses connections once the workers have closed theirs, and waits while
-each worker drains as a single process does, then exits).
+serves no request. It restarts a worker that dies (`proxy.children.Child`, as the ledger
+shipper's: after a backoff that grows while workers die young, with an error log line and
+`tokenmeter_worker_restarts_total`), forwards SIGHUP (each worker reloads its configuration)
+and SIGTERM/SIGINT (it closes its own copies of the listening sockets, so the port refuses
+connections once the workers have closed theirs, and waits while each worker drains as a single
+process does, then exits).
 
 A worker is a fresh interpreter (`python -m proxy serve ...`, the supervisor's own arguments)
 with the sockets passed as file descriptors (`pass_fds`) and named in `TOKENMETER_WORKER`,
@@ -37,7 +38,6 @@ them answers /metrics with the sum (proxy/telemetry/metrics.py says how each gau
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -46,7 +46,6 @@ import signal
 import socket
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -54,6 +53,7 @@ from typing import Literal
 from prometheus_client import multiprocess
 from prometheus_client.values import MultiProcessValue
 
+from proxy.children import Backoff, Child, Death, describe
 from proxy.config.ledger import LedgerConfig
 from proxy.config.load import Config
 from proxy.config.policy import Limits, Policy
@@ -70,6 +70,7 @@ BACKLOG = 128  # as aiohttp's own sites
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 15.0
 HEALTHY_AFTER_S = 30.0
+_BACKOFF = Backoff(BACKOFF_FIRST_S, BACKOFF_MAX_S, HEALTHY_AFTER_S)
 # After SIGTERM, how long past its own drain a worker may take before it is killed: its
 # listener drains for drain_seconds, then settling and the ledger's last shipping follow.
 EXIT_GRACE_S = 15.0
@@ -237,7 +238,7 @@ class Supervisor:
         self._dir = metrics_dir
         self._drain_s = drain_seconds
         self._stopping = asyncio.Event()
-        self._procs: dict[int, asyncio.subprocess.Process] = {}  # worker index -> process
+        self._workers = [self._worker(i) for i in range(count)]
         self._failed = False
         # Written straight into the multiprocess files (this process's own prometheus_client
         # was imported before the directory existed, so its metrics would not be shared).
@@ -257,6 +258,20 @@ class Supervisor:
             self._shipper.on_exit = lambda pid: multiprocess.mark_process_dead(  # type: ignore[no-untyped-call]
                 pid, metrics_dir)
 
+    def _worker(self, index: int) -> Child:
+        async def exited(proc: asyncio.subprocess.Process, code: int) -> None:
+            # Its live gauges (in flight, connections open...) leave the sums now.
+            multiprocess.mark_process_dead(proc.pid, self._dir)  # type: ignore[no-untyped-call]
+
+        def died(death: Death) -> None:
+            log.error("worker %d (pid %d) died (%s) after %.1f s: starting it again in %.1f s; "
+                      "its reservations are released when their lease runs out", index,
+                      death.pid, death.described, death.lived_s, death.wait_s)
+            self._restarts.inc(1)
+
+        return Child(f"worker {index}", lambda: self._start(index), on_death=died,
+                     on_exit=exited, backoff=_BACKOFF)
+
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -265,20 +280,20 @@ class Supervisor:
         if self._shipper is not None:
             await self._shipper.start()
             log.info("ledger shipper started (pid %s)", self._shipper.pid)
-        keepers = [asyncio.create_task(self._keep(i)) for i in range(self._count)]
+        for worker in self._workers:
+            await worker.start()
         await self._stopping.wait()
         # Our copies closed first: once the workers close theirs, the port refuses.
         for sock in (*self._api, *self._metrics):
             sock.close()
-        self._forward(signal.SIGTERM)
-        _, pending = await asyncio.wait(
-            keepers, timeout=2 * self._drain_s + EXIT_GRACE_S
-        )
-        if pending:
-            log.error("%d workers did not exit in time: killing them", len(pending))
-            self._forward(signal.SIGKILL)
-            await asyncio.wait(pending, timeout=EXIT_GRACE_S)
-            self._failed = True
+        codes = await asyncio.gather(*(w.stop(2 * self._drain_s + EXIT_GRACE_S)
+                                       for w in self._workers))
+        for worker, code in zip(self._workers, codes, strict=True):
+            # -SIGTERM: it was still starting (no handler yet), so it had nothing to drain.
+            if code not in (None, 0, -signal.SIGTERM):
+                log.error("%s (pid %s) exited with %s while stopping", worker.label,
+                          worker.pid, describe(code))
+                self._failed = True
         log.info("all workers have exited")
         if self._shipper is not None:  # their spool files closed: it ships what is left
             await self._shipper.stop(self._drain_s, self._drain_s + EXIT_GRACE_S)
@@ -287,14 +302,12 @@ class Supervisor:
     def _stop(self, sig: signal.Signals) -> None:
         if not self._stopping.is_set():
             log.info("%s: stopping %d workers (each drains for up to %.0f s)", sig.name,
-                     len(self._procs), self._drain_s)
+                     len(self._workers), self._drain_s)
         self._stopping.set()
 
     def _forward(self, sig: signal.Signals) -> None:
-        for proc in self._procs.values():
-            if proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(sig)
+        for worker in self._workers:
+            worker.send_signal(sig)
 
     async def _start(self, index: int) -> asyncio.subprocess.Process:
         fds = [s.fileno() for s in (*self._api, *self._metrics)]
@@ -304,46 +317,8 @@ class Supervisor:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "proxy", *self._argv, pass_fds=fds, env=env,
         )
-        self._procs[index] = proc
         log.info("worker %d started (pid %d)", index, proc.pid)
         return proc
-
-    async def _keep(self, index: int) -> None:
-        """Worker `index`, started again whenever it dies until the supervisor stops."""
-        backoff = BACKOFF_FIRST_S
-        while not self._stopping.is_set():
-            started = time.monotonic()
-            proc = await self._start(index)
-            if self._stopping.is_set():  # the stop came while it was being started
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGTERM)
-            code = await proc.wait()
-            # Its live gauges (in flight, connections open...) leave the sums now.
-            multiprocess.mark_process_dead(proc.pid, self._dir)  # type: ignore[no-untyped-call]
-            if self._stopping.is_set():
-                # -SIGTERM: it was still starting (no handler yet), so it had nothing to drain.
-                if code not in (0, -signal.SIGTERM):
-                    log.error("worker %d (pid %d) exited with %s while stopping", index,
-                              proc.pid, _describe(code))
-                    self._failed = True
-                return
-            lived = time.monotonic() - started
-            backoff = BACKOFF_FIRST_S if lived >= HEALTHY_AFTER_S else backoff
-            log.error("worker %d (pid %d) died (%s) after %.1f s: starting it again in %.1f s; "
-                      "its reservations are released when their lease runs out", index,
-                      proc.pid, _describe(code), lived, backoff)
-            self._restarts.inc(1)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), backoff)
-            backoff = min(backoff * 2, BACKOFF_MAX_S)
-
-
-def _describe(code: int) -> str:
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"signal {signal.Signals(-code).name}"
-        return f"signal {-code}"
-    return f"exit code {code}"
 
 
 def supervise(

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from proxy.cache.cache import redaction
+from proxy.protocol.codec import redacted_json
 from proxy.protocol.codecs import CODECS, codec_for
 from proxy.protocol.sse import SSEDecoder
 from proxy.protocol.translators import (
@@ -151,3 +152,19 @@ def test_each_api_shape_has_one_codec_for_its_reader_shape_and_wings() -> None:
         assert translator.reader_type.codec is codec
         assert translator.shape_type.cap_fields == codec.cap_fields
         assert codec.streams == translator.streams
+
+
+def test_redacted_json_finds_a_secret_escaped_inside_json_inside_json() -> None:
+    """Tool arguments whose JSON holds a string that is JSON again, with the secret escaped
+    there (`\\u0065` for `e`): decoded level by level, redacted, and written again."""
+    def sub(text: str) -> str:
+        return text.replace("secret", "[gone]")
+
+    inner = '{"key": "s\\u0065cret"}'  # JSON text with the escape in it
+    assert "secret" not in inner and json.loads(inner) == {"key": "secret"}
+    args = json.dumps({"note": inner})
+    assert "secret" not in sub(args)  # the patterns alone cannot see it
+    out = redacted_json(args, sub)
+    assert "secret" not in out and "s\\u0065cret" not in out
+    assert json.loads(json.loads(out)["note"]) == {"key": "[gone]"}
+    assert redacted_json({"a": [args, 3]}, sub)["a"][1] == 3
