@@ -8,7 +8,8 @@ non-streamed answer, not through the code under test.
 One proxy per API (each with its capture store and state directory) takes every case of the
 module, one request after another, and is stopped before the first check: a proxy, its ledger
 shipper and a `captures show` process a case cost seconds each on a 2-core box. `captures show`
-runs in-process (the CLI's `main`), and in a process of its own once, which must print the same.
+runs in-process (tests.helpers.tokenmeter), and in a process of its own once, which must print
+the same.
 """
 
 from __future__ import annotations
@@ -31,10 +32,9 @@ from aiohttp.test_utils import TestServer
 
 from proxy.capture.redact import Redactor
 from proxy.capture.store import CaptureStore
-from proxy.cli import main
 from proxy.config.capture import DEFAULT_REDACT
 from proxy.server.app import create_app
-from tests.helpers import make_config, until
+from tests.helpers import make_config, tokenmeter, until
 
 STREAMS = Path(__file__).parents[1] / "protocol" / "streams"
 CASES = sorted(STREAMS.glob("*/*.sse"))
@@ -180,18 +180,16 @@ def sent(tmp_path_factory: pytest.TempPathFactory) -> dict[Path, Sent]:
 
 
 @pytest.fixture
-def show(sent: dict[Path, Sent], monkeypatch: pytest.MonkeyPatch,
-         capsys: pytest.CaptureFixture[str]) -> Callable[[Path, str], str]:
+def show(sent: dict[Path, Sent], monkeypatch: pytest.MonkeyPatch) -> Callable[[Path, str], str]:
     """`tokenmeter captures show` of a case's request, in-process: what it prints."""
 
     def run(path: Path, fmt: str) -> str:
         s = sent[path]
         monkeypatch.setenv("TOKENMETER_STATE_DIR", str(s.state_dir))
-        capsys.readouterr()
-        code = main(["captures", "show", s.request_id, "--format", fmt, "--url", s.store_url])
-        out = capsys.readouterr()
-        assert code == 0, out.err
-        return out.out
+        shown = tokenmeter("captures", "show", s.request_id, "--format", fmt, "--url",
+                           s.store_url)
+        assert shown.returncode == 0, shown.stderr
+        return shown.stdout
 
     return run
 
