@@ -4,8 +4,12 @@ and reads and polls that always end (a deadline, and EOF is a failure, not a spi
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
+import logging
 import re
+import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from contextlib import asynccontextmanager
@@ -26,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.typing import KeyT
 
 from proxy.budget.limits import daily_key
+from proxy.cli import main
 from proxy.config.load import Config, parse_config
 from proxy.pipeline import services as st
 from proxy.protocol.translators import ChatTranslator, parse_body
@@ -222,6 +227,27 @@ async def read_until(
                 raise AssertionError(f"EOF before the expected data; got {data[-300:]!r}")
             data += chunk
     return data
+
+
+def tokenmeter(*args: str) -> subprocess.CompletedProcess[str]:
+    """`tokenmeter ARGS` run by the CLI's `main` in this process, as a subprocess's result: a
+    process's interpreter and imports cost more than most commands (a test runs one command as
+    a process of its own at least once). Its event loops are its own: from a test's loop, call
+    it in a thread (`asyncio.to_thread`). The logging `main` sets up is undone after it."""
+    out, err = io.StringIO(), io.StringIO()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as exc:  # argparse's refusals: the process's exit status
+                code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return subprocess.CompletedProcess(["tokenmeter", *args], code, out.getvalue(),
+                                       err.getvalue())
 
 
 async def until(

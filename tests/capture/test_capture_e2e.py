@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -24,7 +22,15 @@ from proxy.config.load import load_config
 from proxy.pipeline import services as st
 from proxy.server.app import create_app
 from proxy.telemetry.metrics import Metrics
-from tests.helpers import ServerFactory, budget_yaml, make_config, sample, scrape, until
+from tests.helpers import (
+    ServerFactory,
+    budget_yaml,
+    make_config,
+    sample,
+    scrape,
+    tokenmeter,
+    until,
+)
 
 ALICE = "sk-alice-capture-0001"
 BOB = "sk-bob-never-capture-01"
@@ -57,9 +63,8 @@ async def _stored(url: str, request_id: str) -> Capture:
 
 
 def _show(url: str, request_id: str) -> dict[str, Any]:
-    done = subprocess.run(
-        [sys.executable, "-m", "proxy", "captures", "show", request_id, "--format", "json",
-         "--url", url], capture_output=True, text=True, timeout=60, check=True)
+    done = tokenmeter("captures", "show", request_id, "--format", "json", "--url", url)
+    assert done.returncode == 0, done.stderr
     shown: dict[str, Any] = json.loads(done.stdout)
     return shown
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 from typing import Any
 
 import anthropic
@@ -21,7 +19,7 @@ from aiohttp.test_utils import TestServer
 from proxy.capture.record import Capture
 from proxy.capture.store import CaptureStore
 from proxy.server.app import create_app
-from tests.helpers import ServerFactory, make_config, until
+from tests.helpers import ServerFactory, make_config, tokenmeter, until
 
 SK = "sk-proj-Zx9Qw8Er7Ty6Ui5Op4As3Df2"
 MAIL = "alice.smith@example.com"
@@ -135,9 +133,9 @@ async def _stored_raw(url: str, request_id: str) -> Capture:
 
 
 def _show(url: str, request_id: str, fmt: str) -> str:
-    return subprocess.run(
-        [sys.executable, "-m", "proxy", "captures", "show", request_id, "--format", fmt,
-         "--url", url], capture_output=True, text=True, timeout=60, check=True).stdout
+    shown = tokenmeter("captures", "show", request_id, "--format", fmt, "--url", url)
+    assert shown.returncode == 0, shown.stderr
+    return shown.stdout
 
 
 def _streamed_arguments(capture: Capture) -> str:

@@ -3,14 +3,25 @@ proxy whose upstream streams the recorded bytes: `captures show` shows each text
 answer (the output of Chat, Completions, Responses and Messages streams, the reasoning, the
 refusal, each tool call's name and arguments), every one redacted, and no secret the stream
 carried, in any form, anywhere in what it prints. What is expected is read off the corpus's
-non-streamed answer, not through the code under test."""
+non-streamed answer, not through the code under test.
+
+One proxy per API (each with its capture store and state directory) takes every case of the
+module, one request after another, and is stopped before the first check: a proxy, its ledger
+shipper and a `captures show` process a case cost seconds each on a 2-core box. `captures show`
+runs in-process (tests.helpers.tokenmeter), and in a process of its own once, which must print
+the same.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +34,7 @@ from proxy.capture.redact import Redactor
 from proxy.capture.store import CaptureStore
 from proxy.config.capture import DEFAULT_REDACT
 from proxy.server.app import create_app
-from tests.helpers import ServerFactory, make_config, until
+from tests.helpers import make_config, tokenmeter, until
 
 STREAMS = Path(__file__).parents[1] / "protocol" / "streams"
 CASES = sorted(STREAMS.glob("*/*.sse"))
@@ -44,10 +55,13 @@ _ASK: dict[str, tuple[str, dict[str, Any], str]] = {
 }
 
 
-def _upstream(raw: bytes) -> web.Application:
+def _upstream(recorded: Callable[[], bytes]) -> web.Application:
+    """Streams `recorded()`: the bytes of the case being sent (one request at a time)."""
+
     async def answer(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        raw = recorded()
         for at in range(0, len(raw), 61):  # cut anywhere, as a network does
             await response.write(raw[at:at + 61])
         await response.write_eof()
@@ -90,57 +104,111 @@ def _expected(answer: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _show(url: str, request_id: str, fmt: str) -> str:
-    return subprocess.run(
-        [sys.executable, "-m", "proxy", "captures", "show", request_id, "--format", fmt,
-         "--url", url], capture_output=True, text=True, timeout=60, check=True).stdout
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """A case's request as the proxy answered it, and where its capture and ledger row are."""
+
+    status: int
+    body: str  # the answer's body when it is not a 200, to say why
+    request_id: str
+    store_url: str
+    state_dir: Path  # the proxy's TOKENMETER_STATE_DIR: its ledger, which `show` reads
 
 
-def _forms(secret: str) -> list[str]:
-    once = json.dumps(secret)[1:-1]
-    return [secret, once, json.dumps(once)[1:-1]]
+def _request(path: Path) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """The case's route, request body and non-streamed answer."""
+    route, body, _ = _ASK[path.parent.name]
+    answer = json.loads(path.with_suffix(".json").read_text())
+    if len(answer.get("choices") or ()) > 1:
+        body = {**body, "n": len(answer["choices"])}
+    return route, {"model": answer["model"], "stream": True, **body}, answer
+
+
+async def _send_all(tmp: Path) -> dict[Path, Sent]:
+    playing: list[bytes] = []
+    upstream = TestServer(_upstream(lambda: playing[-1]))
+    await upstream.start_server()
+    proxies: dict[str, TestServer] = {}
+    sent: dict[Path, Sent] = {}
+    try:
+        for api in ("openai", "anthropic"):
+            url = f"sqlite://{tmp / api / 'captures.sqlite3'}"
+            (tmp / api).mkdir()
+            await (await CaptureStore.open(url)).close()
+            config = make_config(
+                str(upstream.make_url("/v1")), api=api, users={"alice": {"keys": [CLIENT]}},
+                extra={"capture": {"enabled": True, "url": url, "sample": 1.0}})
+            with pytest.MonkeyPatch.context() as env:  # read as the proxy starts
+                env.setenv("TOKENMETER_STATE_DIR", str(tmp / api))
+                proxies[api] = TestServer(create_app(config))
+                await proxies[api].start_server()
+        headers = {"Authorization": f"Bearer {CLIENT}", "x-api-key": CLIENT,
+                   "anthropic-version": "2023-06-01"}
+        async with aiohttp.ClientSession() as session:
+            for path in CASES:
+                route, body, _ = _request(path)
+                api = _ASK[path.parent.name][2]
+                playing.append(path.read_bytes())
+                async with session.post(proxies[api].make_url(route), json=body,
+                                        headers=headers) as response:
+                    text = (await response.read()).decode(errors="replace")
+                    sent[path] = Sent(response.status, text if response.status != 200 else "",
+                                      response.headers.get("x-tokenmeter-request-id", ""),
+                                      f"sqlite://{tmp / api / 'captures.sqlite3'}", tmp / api)
+        stores = {s.store_url: await CaptureStore.open(s.store_url) for s in sent.values()}
+        try:
+            async def there() -> bool:
+                return all([await stores[s.store_url].get(s.request_id) is not None
+                            for s in sent.values() if s.status == 200])
+
+            # A capture still missing then fails its own case, at `captures show`.
+            with contextlib.suppress(TimeoutError):
+                await until(there, deadline=30)
+        finally:
+            for store in stores.values():
+                await store.close()
+    finally:
+        for proxy in proxies.values():
+            await proxy.close()  # its ledger shipper ships what it holds before it exits
+        await upstream.close()
+    return sent
+
+
+@pytest.fixture(scope="module")
+def sent(tmp_path_factory: pytest.TempPathFactory) -> dict[Path, Sent]:
+    return asyncio.run(_send_all(tmp_path_factory.mktemp("capture-streams")))
+
+
+@pytest.fixture
+def show(sent: dict[Path, Sent], monkeypatch: pytest.MonkeyPatch) -> Callable[[Path, str], str]:
+    """`tokenmeter captures show` of a case's request, in-process: what it prints."""
+
+    def run(path: Path, fmt: str) -> str:
+        s = sent[path]
+        monkeypatch.setenv("TOKENMETER_STATE_DIR", str(s.state_dir))
+        shown = tokenmeter("captures", "show", s.request_id, "--format", fmt, "--url",
+                           s.store_url)
+        assert shown.returncode == 0, shown.stderr
+        return shown.stdout
+
+    return run
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("path", CASES, ids=lambda p: f"{p.parent.name}/{p.stem}")
-async def test_captures_show_every_text_kind_of_a_stream_redacted(
-    aiohttp_server: ServerFactory, tmp_path: Path, path: Path
+def test_captures_show_every_text_kind_of_a_stream_redacted(
+    sent: dict[Path, Sent], show: Callable[[Path, str], str], path: Path
 ) -> None:
-    route, body, api = _ASK[path.parent.name]
-    answer = json.loads(path.with_suffix(".json").read_text())
-    if len(answer.get("choices") or ()) > 1:
-        body = {**body, "n": len(answer["choices"])}
-    url = f"sqlite://{tmp_path / 'captures.sqlite3'}"
-    upstream: TestServer = await aiohttp_server(_upstream(path.read_bytes()))
-    await (await CaptureStore.open(url)).close()
-    config = make_config(str(upstream.make_url("/v1")), api=api,
-                         users={"alice": {"keys": [CLIENT]}},
-                         extra={"capture": {"enabled": True, "url": url, "sample": 1.0}})
-    proxy = await aiohttp_server(create_app(config))
-    headers = {"Authorization": f"Bearer {CLIENT}", "x-api-key": CLIENT,
-               "anthropic-version": "2023-06-01"}
-    async with aiohttp.ClientSession() as session, session.post(
-            proxy.make_url(route), json={"model": answer["model"], "stream": True, **body},
-            headers=headers) as response:
-        assert response.status == 200, await response.text()
-        await response.read()
-        request_id = response.headers["x-tokenmeter-request-id"]
-    store = await CaptureStore.open(url)
-    try:
-        async def there() -> bool:
-            return await store.get(request_id) is not None
-
-        await until(there, deadline=30)
-    finally:
-        await store.close()
-    shown = json.loads(await asyncio.to_thread(_show, url, request_id, "json"))
+    assert sent[path].status == 200, sent[path].body
+    _, _, answer = _request(path)
+    shown = json.loads(show(path, "json"))
     expected = _expected(answer)
     assert shown["output_text"] == expected["output"]
     assert (shown.get("reasoning") or "") == expected["reasoning"]
     assert (shown.get("refusal") or "") == expected["refusal"]
     calls = [(c.get("name"), json.loads(c["arguments"])) for c in shown["tool_calls"]]
     assert calls == [(name, _redacted(json.loads(args))) for name, args in expected["calls"]]
-    text = await asyncio.to_thread(_show, url, request_id, "text")
+    text = show(path, "text")
     # Every string of every event, and each tool's arguments joined across the events and
     # decoded, as a client joins and decodes them; and everything printed.
     objs = [json.loads(e["text"].partition("data: ")[2]) for e in shown["events"]
@@ -152,6 +220,29 @@ async def test_captures_show_every_text_kind_of_a_stream_redacted(
         for secret in (KEY, MAIL):
             for form in _forms(secret):
                 assert form not in printed
+
+
+@pytest.mark.timeout(120)
+def test_captures_show_in_a_process_of_its_own_prints_the_same(
+    sent: dict[Path, Sent], show: Callable[[Path, str], str]
+) -> None:
+    # The case with the most kinds at once: reasoning, parallel tool calls, output.
+    path = STREAMS / "responses" / "reasoning_and_parallel_tool_calls.sse"
+    s = sent[path]
+    assert s.status == 200, s.body
+    printed = {fmt: subprocess.run(
+        [sys.executable, "-m", "proxy", "captures", "show", s.request_id, "--format", fmt,
+         "--url", s.store_url], capture_output=True, text=True, timeout=60, check=True,
+        env={**os.environ, "TOKENMETER_STATE_DIR": str(s.state_dir)}).stdout
+        for fmt in ("json", "text")}
+    assert printed == {fmt: show(path, fmt) for fmt in ("json", "text")}
+    # The proxy's ledger row is shown too (the proxy shipped it as it stopped).
+    assert json.loads(printed["json"])["ledger"]["output_tokens"] > 0
+
+
+def _forms(secret: str) -> list[str]:
+    once = json.dumps(secret)[1:-1]
+    return [secret, once, json.dumps(once)[1:-1]]
 
 
 def _arguments(objs: list[dict[str, Any]]) -> dict[tuple[Any, ...], str]:

@@ -1,5 +1,6 @@
-"""`tokenmeter captures` run as a subprocess on a store the test wrote: list filters, show gives
-the capture whole with the ledger's figures, export writes docs/capture.md's line."""
+"""`tokenmeter captures` run on a store the test wrote: list filters, show gives the capture
+whole with the ledger's figures, export writes docs/capture.md's line. The CLI runs in-process
+(tests.helpers.tokenmeter), and as a process of its own once, which must print the same."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -21,6 +23,7 @@ from proxy.capture.store import CaptureStore
 from proxy.testing.replay import load_recordings
 from tests.books import ledger_row, write_sqlite
 from tests.capture.captures import capture
+from tests.helpers import tokenmeter
 
 T0 = 1_764_000_000.0  # 2025-11-24T16:00:00Z
 
@@ -37,9 +40,20 @@ def write(url: str, captures: Sequence[Capture]) -> None:
 
 
 def captures(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "proxy.cli", "captures", *args],
-                          capture_output=True, text=True, timeout=60, check=False,
-                          env={**os.environ, **(env or {})})
+    with mock.patch.dict(os.environ, env or {}):
+        return tokenmeter("captures", *args)
+
+
+def test_captures_as_a_process_of_its_own_prints_the_same(tmp_path: Path) -> None:
+    url = f"sqlite://{tmp_path / 'c.sqlite3'}"
+    write(url, [capture("a", T0, user="alice"), capture("b", T0 + 60, user="bob")])
+    for args in (["list", "--url", url], ["show", "b", "--format", "json", "--url", url]):
+        done = subprocess.run([sys.executable, "-m", "proxy.cli", "captures", *args],
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0, done.stderr
+        mine = captures(*args)
+        assert (done.returncode, done.stdout, done.stderr) == (0, mine.stdout, mine.stderr)
+    assert '"request_id": "b"' in done.stdout
 
 
 def test_list_filters_in_json_and_shows_a_table(store_url: str) -> None:

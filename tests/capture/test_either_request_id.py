@@ -10,7 +10,6 @@ import asyncio
 import json
 import sqlite3
 import subprocess
-import sys
 from typing import Any
 
 import anthropic
@@ -23,7 +22,7 @@ from proxy.capture.store import CaptureFilter, CaptureStore
 from proxy.pipeline import services as st
 from proxy.server.app import create_app
 from tests.capture.captures import capture
-from tests.helpers import ServerFactory, make_config, until
+from tests.helpers import ServerFactory, make_config, tokenmeter, until
 
 ALICE = "sk-alice-either-id-0001"
 # The captures table as tokenmeter made it before it kept the upstream's id (its columns).
@@ -35,8 +34,7 @@ REFUSE = {"x-mock-status": "400", "x-mock-error-code": "context_length_exceeded"
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "proxy", *args], capture_output=True,
-                          text=True, timeout=60, check=False)
+    return tokenmeter(*args)
 
 
 async def _proxy(aiohttp_server: ServerFactory, upstream: TestServer, url: str,

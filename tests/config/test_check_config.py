@@ -1,6 +1,7 @@
 """`tokenmeter check-config` catches what a new user gets wrong (issue 32, item 3): a user's team
 missing from `teams:` and misspelt field names are load errors with their line and the closest
-name; `serve` refuses them too. The real CLI in a subprocess, on real files."""
+name; `serve` refuses them too. The real CLI on real files: `check-config` in-process
+(tests.helpers.tokenmeter), `serve` as a process of its own."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import tokenmeter
 from tests.servers import free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -18,6 +20,10 @@ UPSTREAM = "upstreams:\n  up:\n    base_url: http://127.0.0.1:9/v1\n"
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return tokenmeter(*args)
+
+
+def _process(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "proxy.cli", *args],
                           capture_output=True, text=True, timeout=60, check=False)
 
@@ -59,7 +65,7 @@ def test_a_team_missing_from_teams_is_an_error_with_a_suggestion(tmp_path: Path)
 
 def test_serve_refuses_a_team_missing_from_teams(tmp_path: Path) -> None:
     path = _write(tmp_path, TEAMS)
-    done = _cli("serve", "--config", str(path), "--port", "0")
+    done = _process("serve", "--config", str(path), "--port", "0")
     assert done.returncode == 2
     assert f"{path}:10: users.alice.team: no team 'platfrom'" in done.stderr
 
