@@ -224,7 +224,7 @@ def _in_process(make: Callable[[], Awaitable[object]], runs: int = 3) -> tuple[f
 
 async def _usage(url: str, by: str, start: str, end: str, zone: str) -> object:
     tz = ZoneInfo(zone)
-    period = report_plan.Period(tz, report_plan.parse_bound(start, tz, end=False),
+    period = report_plan.ReportPeriod(tz, report_plan.parse_bound(start, tz, end=False),
                                 report_plan.parse_bound(end, tz, end=True))
     async with await query.open_reader(query.locate(LedgerConfig(), url)) as reader:
         return report_render.render_csv(

@@ -227,14 +227,17 @@ def budget_rounds(trees: dict[str, Path], rounds: int, requests: int) -> None:
 
 async def _store_pairs(port: int, pairs: int, concurrency: int = 16) -> float:
     """In the child: CPU ms per reserve + settle on this tree's RedisStore."""
-    from proxy.budget.store import USER, Entry, InFlightLimit, ReserveRequest
+    from proxy.budget import store as store_module
+    from proxy.budget.store import USER, InFlightLimit, ReserveRequest
     from proxy.budget.store_redis import RedisStore
 
     store = RedisStore(f"redis://127.0.0.1:{port}/0", 5000)
     slot, now = "tm:{bench}", time.time()
-    entries = (Entry(f"{slot}:u:daily_tokens:{int(now // 86400)}", 10**12, 30, 86400),
-               Entry(f"{slot}:u:tokens_per_minute:{int(now // 60)}", 10**12, 30, 120),
-               Entry(f"{slot}:u:requests_per_minute:{int(now // 60)}", 10**9, 1, 120))
+    # The baseline tree may name a window's amount by its former name, `Entry`.
+    window_amount = getattr(store_module, "WindowAmount", None) or store_module.Entry  # type: ignore[attr-defined]
+    entries = (window_amount(f"{slot}:u:daily_tokens:{int(now // 86400)}", 10**12, 30, 86400),
+               window_amount(f"{slot}:u:tokens_per_minute:{int(now // 60)}", 10**12, 30, 120),
+               window_amount(f"{slot}:u:requests_per_minute:{int(now // 60)}", 10**9, 1, 120))
     request = ReserveRequest(entries, (InFlightLimit(USER, 1000),))
     done = [0]
 

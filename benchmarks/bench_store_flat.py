@@ -18,7 +18,7 @@ import argparse
 import asyncio
 import time
 
-from proxy.budget.store import USER, Entry, InFlightLimit, MemoryStore, ReserveRequest
+from proxy.budget.store import USER, InFlightLimit, MemoryStore, ReserveRequest, WindowAmount
 
 
 async def run(requests: int) -> list[float]:
@@ -29,8 +29,8 @@ async def run(requests: int) -> list[float]:
     started = time.process_time()
     for i in range(1, requests + 1):
         slot = f"tm:{{u{i % 50}}}"
-        entries = (Entry(f"{slot}:u:daily:{int(now[0] // 86400)}", 10**9, 30, 86400),
-                   Entry(f"{slot}:u:tpm:{int(now[0] // 60)}", 10**9, 30, 120))
+        entries = (WindowAmount(f"{slot}:u:daily:{int(now[0] // 86400)}", 10**9, 30, 86400),
+                   WindowAmount(f"{slot}:u:tpm:{int(now[0] // 60)}", 10**9, 30, 120))
         await store.reserve(slot, f"r{i}", ReserveRequest(entries, in_flight), 60)
         await store.settle(slot, f"r{i}", entries)
         now[0] += 0.01

@@ -37,8 +37,8 @@ from proxy.cost import price_version
 from proxy.ledger.lookup import find_request, render_rows
 from proxy.ledger.query import LedgerUnavailable, Location, locate, open_reader
 from proxy.ledger.report_plan import (
-    Period,
     Report,
+    ReportPeriod,
     build_report,
     check_tags,
     checked_period,
@@ -364,7 +364,7 @@ def _ledger_usage(args: argparse.Namespace) -> int:
         if args.start is None and args.end is None:
             period = default_period(tz, time.time())
         else:
-            period = checked_period(Period(
+            period = checked_period(ReportPeriod(
                 tz,
                 None if args.start is None else parse_bound(args.start, tz, end=False),
                 None if args.end is None else parse_bound(args.end, tz, end=True),

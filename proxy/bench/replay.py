@@ -72,7 +72,7 @@ class Skip:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class ReplayOutcome:
     """How one request ended: its HTTP status (None: no answer) and error class (None: ok)."""
 
     status: int | None
@@ -86,12 +86,12 @@ class Outcome:
         return {"status": self.status, "error_class": self.error_class}
 
 
-def recorded_outcome(rec: Recording) -> Outcome:
+def recorded_outcome(rec: Recording) -> ReplayOutcome:
     """The recorded answer's outcome, classified as bench classifies an answer it gets: an
     error status by its body (`client.classify_status`), a 200 stream by an error event in it."""
     if rec.status != 200:
         body = b"" if rec.body is None else json.dumps(rec.body).encode()
-        return Outcome(rec.status, classify_status(rec.status, body)[0].value)
+        return ReplayOutcome(rec.status, classify_status(rec.status, body)[0].value)
     for event in rec.events:
         for line in event.text.splitlines():
             if line.startswith("data:"):
@@ -100,8 +100,8 @@ def recorded_outcome(rec: Recording) -> Outcome:
                 except ValueError:
                     continue
                 if isinstance(obj, dict) and obj.get("error"):
-                    return Outcome(200, BenchError.STREAM_ERROR.value)
-    return Outcome(200, None)
+                    return ReplayOutcome(200, BenchError.STREAM_ERROR.value)
+    return ReplayOutcome(200, None)
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class Loaded:
     prompts: list[Prompt]
     lines: int  # of the source, skipped ones included
     skipped: tuple[Skip, ...]
-    recorded: Mapping[int, Outcome]  # by line
+    recorded: Mapping[int, ReplayOutcome]  # by line
 
 
 def _prompt(rec: Recording, model: str, api: Api) -> Prompt:
@@ -157,7 +157,7 @@ def load_captures(url: str, filters: CaptureFilter, redact: Callable[[str], str]
 def _prompts(found: list[Recording], api: Api | None, tokenizer_model: str, source: str,
              unread: tuple[Skip, ...]) -> Loaded:
     prompts: list[Prompt] = []
-    recorded: dict[int, Outcome] = {}
+    recorded: dict[int, ReplayOutcome] = {}
     routes: dict[str, int] = {}
     other_api = 0
     for r in found:
@@ -298,8 +298,8 @@ class RequestOutcome:
 
     line: int
     api: str
-    recorded: Outcome
-    endpoints: tuple[Outcome | None, ...]  # in the run's order
+    recorded: ReplayOutcome
+    endpoints: tuple[ReplayOutcome | None, ...]  # in the run's order
 
     @property
     def same(self) -> tuple[bool, ...]:
@@ -310,17 +310,17 @@ class RequestOutcome:
         return any(o is not None and o != self.recorded for o in self.endpoints)
 
 
-def _first_outcomes(results: Sequence[RequestResult], endpoint: str) -> dict[int, Outcome]:
-    out: dict[int, Outcome] = {}
+def _first_outcomes(results: Sequence[RequestResult], endpoint: str) -> dict[int, ReplayOutcome]:
+    out: dict[int, ReplayOutcome] = {}
     for r in results:
         if r.endpoint == endpoint and r.line and r.line not in out:
             cls = None if r.ok else r.error_class
-            out[r.line] = Outcome(r.status, None if cls is None else str(cls))
+            out[r.line] = ReplayOutcome(r.status, None if cls is None else str(cls))
     return out
 
 
 def request_outcomes(results: Sequence[RequestResult], prompts: Sequence[Prompt],
-                     recorded: Mapping[int, Outcome], endpoints: Sequence[str],
+                     recorded: Mapping[int, ReplayOutcome], endpoints: Sequence[str],
                      default_api: Api) -> tuple[RequestOutcome, ...]:
     """Per replayed request, in the file's order: the recorded outcome and each endpoint's."""
     got = [_first_outcomes(results, e) for e in endpoints]

@@ -36,9 +36,8 @@ from proxy.budget import limits as lim
 from proxy.budget.notify import Notifier
 from proxy.budget.principal import Principal
 from proxy.budget.refusals import Refusal, Refused, unpriced
-from proxy.budget.spool import REPLAY_DONE_TTL_S, Charge, SettleSpool
+from proxy.budget.spool import REPLAY_DONE_TTL_S, Debit, SettleSpool
 from proxy.budget.store import (
-    Entry,
     ReserveRequest,
     ReserveResult,
     ScopeKind,
@@ -46,6 +45,7 @@ from proxy.budget.store import (
     Store,
     StoreError,
     TopUpResult,
+    WindowAmount,
 )
 from proxy.budget.store_health import StoreHealth
 from proxy.config.policy import DEFAULT_MAX_OUTPUT_TOKENS, AdmissionPolicy, Policy, Price
@@ -245,7 +245,7 @@ class Budget:
                 return TopUpResult(0, refused_entry=None)  # no window's: the store's
             return self._topped_up(reservation, step)
         rates = adm.clamp_of(plan, reservation.ask.prompt_tokens, 0, 0).rates
-        entries = tuple(Entry(w.key, w.limit, r, w.ttl_s)
+        entries = tuple(WindowAmount(w.key, w.limit, r, w.ttl_s)
                         for w, r in zip(plan.windows, rates, strict=True))
         started = time.perf_counter()
         try:
@@ -281,7 +281,7 @@ class Budget:
         be charged, `usage` and `cost_nanousd` (zero under `cache.charge_hits: none`), all
         or nothing: a hit is never clamped. Raises `Refused` as `reserve` does."""
         plan = ask.plan
-        entries = tuple(Entry(w.key, w.limit, lim.amount(w, usage.input_tokens,
+        entries = tuple(WindowAmount(w.key, w.limit, lim.amount(w, usage.input_tokens,
                                                          usage.output_tokens, cost_nanousd),
                               w.ttl_s) for w in plan.windows)
         claim = adm.Claim(usage.output_tokens, cost_nanousd,
@@ -407,7 +407,8 @@ class Budget:
         inp, out = usage.input_tokens, usage.output_tokens
         cost = priced.nanousd if priced is not None and reservation.price is not None else 0
         entries = tuple(
-            Entry(w.key, w.limit, lim.amount(w, inp, out, cost), w.ttl_s) for w in plan.windows
+            WindowAmount(w.key, w.limit, lim.amount(w, inp, out, cost), w.ttl_s)
+            for w in plan.windows
         )
         reserved = reservation.reserved_tokens + topped
         if reservation.stored:
@@ -426,13 +427,13 @@ class Budget:
                                              reserved)
             await self._settle(reservation, _zero(reservation.plan), 0)
 
-    async def _settle(self, reservation: Reservation, entries: tuple[Entry, ...],
+    async def _settle(self, reservation: Reservation, entries: tuple[WindowAmount, ...],
                       tokens: int) -> None:
         plan = reservation.plan
         if plan.holds_nothing:
             return
         kind = SettleKind.RESERVED if reservation.stored else SettleKind.ADDITION
-        charge = Charge(slot=plan.slot, res_id=reservation.res_id, entries=entries,
+        charge = Debit(slot=plan.slot, res_id=reservation.res_id, entries=entries,
                         tokens=tokens, kind=kind, notice=_notice_window(plan),
                         user=reservation.user, windows=plan.windows)
         if not self.health.up:
@@ -442,10 +443,10 @@ class Budget:
         with contextlib.suppress(StoreError):  # spooled by _apply
             await self._apply(charge)
 
-    def _settle_later(self, plan: lim.Plan, res_id: str, entries: tuple[Entry, ...],
+    def _settle_later(self, plan: lim.Plan, res_id: str, entries: tuple[WindowAmount, ...],
                       tokens: int) -> None:
         """A settlement off the request's path (a release after an abandoned reserve)."""
-        charge = Charge(slot=plan.slot, res_id=res_id, entries=entries, tokens=tokens,
+        charge = Debit(slot=plan.slot, res_id=res_id, entries=entries, tokens=tokens,
                         kind=SettleKind.RESERVED)
         if not self.health.up:
             self._spool(charge, per_id=True)
@@ -459,7 +460,7 @@ class Budget:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _apply(self, charge: Charge, replay: bool = False) -> None:
+    async def _apply(self, charge: Debit, replay: bool = False) -> None:
         """The one way a settlement reaches the store, live or replayed from the spool: apply
         it, then the gauges and the quota notices. A failure marks the store down, spools the
         charge under its id (the store may have applied it before the reply was lost: the
@@ -486,7 +487,7 @@ class Budget:
                 await self.notifier.check(self.store, charge.user, notice,
                                           used[keys.index(notice.key)])
 
-    def _spool(self, charge: Charge, per_id: bool) -> None:
+    def _spool(self, charge: Debit, per_id: bool) -> None:
         """`per_id`: owed under the charge's own id; else summed per counter with the other
         additions of the outage (applied later as one batch)."""
         if self.spool is None:
@@ -614,7 +615,7 @@ def _notice_window(plan: lim.Plan) -> lim.Window | None:
     return next((w for w in plan.windows if w.is_users_daily_quota), None)
 
 
-def _zero(plan: lim.Plan) -> tuple[Entry, ...]:
-    return tuple(Entry(w.key, w.limit, 0, w.ttl_s) for w in plan.windows)
+def _zero(plan: lim.Plan) -> tuple[WindowAmount, ...]:
+    return tuple(WindowAmount(w.key, w.limit, 0, w.ttl_s) for w in plan.windows)
 
 

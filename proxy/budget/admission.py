@@ -28,7 +28,7 @@ from proxy.budget import limits as lim
 from proxy.budget.clamp import AdmissionRule, Clamp, output_rate
 from proxy.budget.principal import Principal
 from proxy.budget.refusals import Refusal
-from proxy.budget.store import Entry, ReserveRequest, ReserveResult
+from proxy.budget.store import ReserveRequest, ReserveResult, WindowAmount
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)  # three counts in a row: by name only
@@ -161,7 +161,7 @@ def claim_for(ask: Ask, estimate: int | None = None) -> Claim:
             output, topup_cap = guess, output
     price = plan.price
     cost = lim.reserve_cost(price, prompt, output) if price is not None else 0
-    entries = tuple(Entry(w.key, w.limit, lim.amount(w, prompt, output, cost), w.ttl_s)
+    entries = tuple(WindowAmount(w.key, w.limit, lim.amount(w, prompt, output, cost), w.ttl_s)
                     for w in plan.windows)
     clamp = None
     # Nothing to clamp against without a limit: the plain reservation, at no extra cost.

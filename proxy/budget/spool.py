@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from proxy.budget.limits import Window
-from proxy.budget.store import Entry, SettleKind
+from proxy.budget.store import SettleKind, WindowAmount
 from proxy.files import private_dir, private_opener
 
 log = logging.getLogger("tokenmeter.spool")
@@ -54,13 +54,13 @@ _BAD_LINES_SHOWN = 20  # line numbers named in the log line about an unreadable 
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)  # three names in a row: by name only
-class Charge:
+class Debit:
     """One settlement on its way to the store, or to the spool while the store cannot take it
     (`SettleSpool.owe`, `SettleSpool.add`); a replay hands it back (`Owed.charge`)."""
 
     slot: str
     res_id: str
-    entries: tuple[Entry, ...]
+    entries: tuple[WindowAmount, ...]
     tokens: int  # for the books and the logs: the request's total tokens
     kind: SettleKind  # replaces a reservation the store granted, or adds usage without one
     # The user's limited daily-quota window, for threshold notices, and whose it is.
@@ -93,17 +93,17 @@ class Owed:
     # reservation still held under the id, so it is right for both).
     kind: SettleKind = SettleKind.ADDITION
 
-    def entries(self, now: float) -> tuple[Entry, ...]:
+    def entries(self, now: float) -> tuple[WindowAmount, ...]:
         """Store entries for what has not expired yet (an expired counter is gone in the store
         too, so there is nothing to restore), with what remains of each ttl."""
         return tuple(
-            Entry(d.key, None, d.amount, max(1, math.ceil(d.expires_at - now)))
+            WindowAmount(d.key, None, d.amount, max(1, math.ceil(d.expires_at - now)))
             for d in self.debts if d.expires_at > now
         )
 
-    def charge(self, now: float) -> Charge:
+    def charge(self, now: float) -> Debit:
         """What to apply to the store for it now (see `entries`)."""
-        return Charge(slot=self.slot, res_id=self.res_id, entries=self.entries(now),
+        return Debit(slot=self.slot, res_id=self.res_id, entries=self.entries(now),
                       tokens=self.tokens, kind=self.kind, notice=self.notice, user=self.user)
 
 
@@ -177,7 +177,7 @@ class SettleSpool:
         return lost
 
     # --- recording ------------------------------------------------------------------------
-    def owe(self, charge: Charge, now: float) -> None:
+    def owe(self, charge: Debit, now: float) -> None:
         """Owe `charge` under its own id (and kind). Raises OSError when the file cannot take
         it: it is held in memory all the same (and replayed from there), but a stop before the
         replay would lose it."""
@@ -192,7 +192,7 @@ class SettleSpool:
             raise
         self._unsaved.pop(res_id, None)
 
-    def add(self, charge: Charge, now: float) -> None:
+    def add(self, charge: Debit, now: float) -> None:
         """Sum `charge`'s amounts per counter with the other additions of its slot (its own id
         and kind are not kept: the sums are sealed into a batch of their own, an addition).
         Raises OSError like `owe`, the usage summed in memory all the same."""
@@ -396,7 +396,7 @@ def _kept_name(data: Path) -> Path:
     return data.with_name(data.name + ".bad")
 
 
-def _debts(entries: tuple[Entry, ...], now: float) -> tuple[Debt, ...]:
+def _debts(entries: tuple[WindowAmount, ...], now: float) -> tuple[Debt, ...]:
     return tuple(Debt(e.key, e.amount, now + e.ttl_s) for e in entries)
 
 

@@ -47,7 +47,7 @@ class StoreError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class Entry:
+class WindowAmount:
     """One window of a reservation or settlement: a counter, its limit, an amount."""
 
     key: str
@@ -107,7 +107,7 @@ class ReserveRequest:
     every window, a place in every in-flight set, and under a clamp how far the output may
     shrink (`proxy.budget.admission.claim_for` works it out for a request)."""
 
-    entries: tuple[Entry, ...]  # one per window
+    entries: tuple[WindowAmount, ...]  # one per window
     in_flight: tuple[InFlightLimit, ...]  # the slot's first set (the user's, or the team's) first
     # The store may grant fewer output tokens, down to `clamp.minimum` (None: all or nothing).
     clamp: Clamp | None = None
@@ -191,14 +191,15 @@ class Store(Protocol):
         was asked."""
         ...
 
-    async def settle(self, slot: str, res_id: str, entries: Sequence[Entry]) -> tuple[int, ...]:
+    async def settle(self, slot: str, res_id: str,
+                     entries: Sequence[WindowAmount]) -> tuple[int, ...]:
         """Replace the granted reservation `res_id`'s amounts by `entries`; if its lease ran
         out and it was reaped (its amounts given back) within `REAPED_TTL_S`, add `entries`
         outright; if neither, it was settled already and nothing changes. Returns the
         counters."""
         ...
 
-    async def add_once(self, slot: str, batch_id: str, entries: Sequence[Entry],
+    async def add_once(self, slot: str, batch_id: str, entries: Sequence[WindowAmount],
                        done_ttl_s: int = DONE_TTL_S) -> tuple[int, ...]:
         """Add `entries` once per `batch_id` within `done_ttl_s` (replacing a reservation
         held under that id, if any: spool lines written before `settle` existed are replayed
@@ -207,7 +208,7 @@ class Store(Protocol):
 
     async def renew(self, slot: str, res_ids: Sequence[str], lease_s: float) -> None: ...
 
-    async def top_up(self, slot: str, res_id: str, entries: Sequence[Entry], step: int,
+    async def top_up(self, slot: str, res_id: str, entries: Sequence[WindowAmount], step: int,
                      minimum: int) -> TopUpResult:
         """Add up to `step` output tokens to the live reservation `res_id`, atomically: each
         entry's `amount` is what one output token counts in its window; the grant is the most
@@ -438,14 +439,15 @@ class MemoryStore:
         self._held.set(slot, held, now + HELD_TTL_S)
         return ReserveResult(True, after, granted=granted, binding=binding)
 
-    def _replace(self, record: tuple[tuple[str, int], ...], entries: Sequence[Entry],
+    def _replace(self, record: tuple[tuple[str, int], ...], entries: Sequence[WindowAmount],
                  now: float) -> tuple[int, ...]:
         """Each entry's amount in place of what the record holds of its counter."""
         reserved = dict(record)
         return tuple(self._add(e.key, e.amount - reserved.get(e.key, 0), e.ttl_s, now)
                      for e in entries)
 
-    async def settle(self, slot: str, res_id: str, entries: Sequence[Entry]) -> tuple[int, ...]:
+    async def settle(self, slot: str, res_id: str,
+                     entries: Sequence[WindowAmount]) -> tuple[int, ...]:
         now = self._now()
         record = self._drop(slot, res_id)
         if record is None:
@@ -457,7 +459,7 @@ class MemoryStore:
                 return tuple(self._value(e.key) for e in entries)
         return self._replace(record or (), entries, now)
 
-    async def add_once(self, slot: str, batch_id: str, entries: Sequence[Entry],
+    async def add_once(self, slot: str, batch_id: str, entries: Sequence[WindowAmount],
                        done_ttl_s: int = DONE_TTL_S) -> tuple[int, ...]:
         now = self._now()
         done = f"{slot}:done:{batch_id}"
@@ -466,7 +468,7 @@ class MemoryStore:
         self._marks.set(done, 1, now + done_ttl_s)
         return self._replace(self._drop(slot, batch_id) or (), entries, now)
 
-    async def top_up(self, slot: str, res_id: str, entries: Sequence[Entry], step: int,
+    async def top_up(self, slot: str, res_id: str, entries: Sequence[WindowAmount], step: int,
                      minimum: int) -> TopUpResult:
         now = self._now()
         held = self._held.get(slot)

@@ -58,13 +58,13 @@ from proxy.budget.store import (
     DONE_TTL_S,
     HELD_TTL_S,
     REAPED_TTL_S,
-    Entry,
     Hold,
     ReserveRequest,
     ReserveResult,
     Snapshot,
     StoreError,
     TopUpResult,
+    WindowAmount,
 )
 from proxy.storage.urls import cluster_url
 
@@ -215,7 +215,8 @@ class RedisStore:
             binding=int(binding) - 1 if int(binding) else None,
         )
 
-    async def settle(self, slot: str, res_id: str, entries: Sequence[Entry]) -> tuple[int, ...]:
+    async def settle(self, slot: str, res_id: str,
+                     entries: Sequence[WindowAmount]) -> tuple[int, ...]:
         inflight, reserved, sets, reaped = _slot_keys(slot)
         keys = [inflight, reserved, reaped, sets, *(e.key.encode() for e in entries)]
         args = [self._now(), res_id.encode()]
@@ -224,7 +225,7 @@ class RedisStore:
         out = await self._eval(SETTLE, keys, args)
         return tuple(int(v) for v in out)
 
-    async def add_once(self, slot: str, batch_id: str, entries: Sequence[Entry],
+    async def add_once(self, slot: str, batch_id: str, entries: Sequence[WindowAmount],
                        done_ttl_s: int = DONE_TTL_S) -> tuple[int, ...]:
         inflight, reserved, sets, _ = _slot_keys(slot)
         keys = [inflight, reserved, f"{slot}:done:{batch_id}".encode(), sets,
@@ -235,7 +236,7 @@ class RedisStore:
         out = await self._eval(ADD_ONCE, keys, args)
         return tuple(int(v) for v in out)
 
-    async def top_up(self, slot: str, res_id: str, entries: Sequence[Entry], step: int,
+    async def top_up(self, slot: str, res_id: str, entries: Sequence[WindowAmount], step: int,
                      minimum: int) -> TopUpResult:
         inflight, reserved, _, _ = _slot_keys(slot)
         keys = [inflight, reserved, *(e.key.encode() for e in entries)]

@@ -25,7 +25,7 @@ and the piece that reaches it is metered before it is forwarded: one that passes
 stream holds is topped up (`START` then `WAIT`, for at least what it passed by) before it
 goes out, or, refused, goes out as the last (`END`): one stream can pass what it holds by at
 most what its largest event carried. Between checks the relay pays one integer comparison
-per chunk. A piece of more than `MIN_STEP` tokens (`Decision.bunched`) is what the
+per chunk. A piece of more than `MIN_STEP` tokens (`TopupDecision.bunched`) is what the
 (upstream, model) is learned by (`proxy.budget.estimate`): a piece generated whole before
 the proxy could act on it is what no top-up can follow.
 
@@ -66,7 +66,7 @@ class Seen:
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class TopupDecision:
     act: Act
     allowance: Allowance  # after the check (WAIT: unchanged, to be checked again)
     step: int = 0  # START: the output tokens to ask for
@@ -109,7 +109,7 @@ class Allowance:
         so what must fit is one more, not two."""
         return max(int(2 * _rate(seen)) + 2, burst)
 
-    def check(self, seen: Seen, pending: bool) -> Decision:
+    def check(self, seen: Seen, pending: bool) -> TopupDecision:
         """The check due at `seen` (`seen.arrived >= next_at`); `pending`: a top-up is out
         and unanswered. The caller acts, then checks again while the check is still due
         (`WAIT`, and a top-up started within slack: wait for its answer now, before the piece
@@ -121,7 +121,7 @@ class Allowance:
         near = seen.tokens >= line
         bunched = seen.piece > est.MIN_STEP
         if pending and near:
-            return Decision(Act.WAIT, self, bunched=bunched)
+            return TopupDecision(Act.WAIT, self, bunched=bunched)
         act, step = Act.NOTHING, 0
         if self.refused and near and seen.at_boundary:
             act = Act.END
@@ -140,7 +140,7 @@ class Allowance:
             next_at = self._next_at(seen, pending or act is Act.START, slack)
         after = replace(self, burst=burst, events=seen.events, tokens=seen.tokens,
                         next_at=next_at)
-        return Decision(act, after, step, bunched)
+        return TopupDecision(act, after, step, bunched)
 
     def _short(self, tokens: int, pending: bool, line: int) -> bool:
         """A top-up is due: none out, none refused, the cap not reached, and three quarters of

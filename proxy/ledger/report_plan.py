@@ -207,7 +207,7 @@ class Totals:
 
 
 @dataclass(frozen=True, slots=True)
-class Period:
+class ReportPeriod:
     """[start, end) in a time zone; a missing bound is open."""
 
     tz: ZoneInfo
@@ -230,7 +230,7 @@ def parse_bound(text: str, tz: ZoneInfo, *, end: bool) -> datetime:
     return datetime(day.year, day.month, day.day, tzinfo=tz)
 
 
-def checked_period(period: Period, start: str | None, end: str | None) -> Period:
+def checked_period(period: ReportPeriod, start: str | None, end: str | None) -> ReportPeriod:
     """`period`, or ValueError when it holds no time (`--to` at or before `--from`): an
     empty report would read as "nothing was spent"."""
     if period.start is not None and period.end is not None and period.end <= period.start:
@@ -250,10 +250,10 @@ def check_tags(by: Sequence[Group], declared: Iterable[str]) -> None:
                              f"(tags: declares {listed})")
 
 
-def default_period(tz: ZoneInfo, now: float) -> Period:
+def default_period(tz: ZoneInfo, now: float) -> ReportPeriod:
     """The month so far."""
     today = datetime.fromtimestamp(now, tz).date()
-    return Period(tz, datetime(today.year, today.month, 1, tzinfo=tz), None)
+    return ReportPeriod(tz, datetime(today.year, today.month, 1, tzinfo=tz), None)
 
 
 Keys = tuple[str | None, ...]
@@ -262,7 +262,7 @@ Keys = tuple[str | None, ...]
 @dataclass(frozen=True, slots=True)
 class Report:
     by: tuple[Group, ...]
-    period: Period
+    period: ReportPeriod
     # Sorted by the group keys. Left out of the repr: Python 3.11's asyncio.run, restoring the
     # SIGINT handler at its end, builds a repr of the main task, result included (signal.
     # getsignal's failed enum lookup formats it): 60,000 groups were 0.65 s of every command.
@@ -284,7 +284,7 @@ def labels(moment: float, tz: ZoneInfo, keys: Iterable[GroupKey]) -> tuple[str, 
     return tuple(out)
 
 
-async def build_report(reader: LedgerReader, by: Sequence[Group], period: Period) -> Report:
+async def build_report(reader: LedgerReader, by: Sequence[Group], period: ReportPeriod) -> Report:
     """One statement (one snapshot), grouped and summed by the database: the rollups' whole
     days (local or UTC) and hours, each put in its bucket by a table of instants and buckets
     the plan made, and the rows of what is left, bucketed row by row."""
@@ -440,7 +440,7 @@ class _Days:
         return out
 
 
-async def _plan(reader: LedgerReader, period: Period, timed: Sequence[GroupKey]) -> _Plan:
+async def _plan(reader: LedgerReader, period: ReportPeriod, timed: Sequence[GroupKey]) -> _Plan:
     """The period's whole days from a day rollup (the zone's own local days when the local-day
     rollup holds the zone, else UTC's), its other whole hours from the hour rollup, the rest
     (the minutes at each end; the minutes between a local midnight and its hour's start where

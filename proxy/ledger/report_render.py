@@ -29,7 +29,7 @@ from datetime import datetime
 from decimal import ROUND_HALF_UP, Decimal
 
 from proxy.config.load import collector_paused
-from proxy.ledger.report_plan import Period, Report, Totals
+from proxy.ledger.report_plan import Report, ReportPeriod, Totals
 from proxy.telemetry.shown_text import csv_cell, for_terminal
 
 COLUMNS = ("requests", "refused", "failed", "input_tokens", "cached_input_tokens",
@@ -225,7 +225,7 @@ def render_table(report: Report, caption: str | None = None,
     return "\n".join([caption, *lines] if caption else lines)
 
 
-def describe_period(p: Period) -> str:
+def describe_period(p: ReportPeriod) -> str:
     def moment(d: datetime | None, open_word: str) -> str:
         return open_word if d is None else d.strftime("%Y-%m-%d %H:%M")
 

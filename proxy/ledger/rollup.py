@@ -67,7 +67,7 @@ class Dim:
 
 
 @dataclass(frozen=True, slots=True)
-class Measure:
+class RollupSum:
     """A sum a rollup keeps: `expr` is the row's part of it (SQL of both dialects)."""
 
     name: str
@@ -81,7 +81,7 @@ class Rollup:
     # under the same name.
     times: tuple[str, ...]
     dims: tuple[Dim, ...]
-    measures: tuple[Measure, ...]
+    measures: tuple[RollupSum, ...]
     grain: int = HOUR_S
     # Kept per zone of `ZONES` (a `zone` column first in the key), each time as the start of
     # its local day in that zone (the grain is then DAY_S).
@@ -112,29 +112,29 @@ USAGE = Rollup(
         Dim("tags", "tags", nullable=False),
     ),
     measures=(
-        Measure("requests", "1"),
+        RollupSum("requests", "1"),
         # The error classes are a closed set of identifiers (proxy.errors), safe inline.
-        Measure("refused", f"CASE WHEN error_class = '{_REFUSED}' THEN 1 ELSE 0 END"),
-        Measure("failed", f"CASE WHEN error_class NOT IN ('{ErrorClass.NONE.value}', "
+        RollupSum("refused", f"CASE WHEN error_class = '{_REFUSED}' THEN 1 ELSE 0 END"),
+        RollupSum("failed", f"CASE WHEN error_class NOT IN ('{ErrorClass.NONE.value}', "
                           f"'{_REFUSED}') THEN 1 ELSE 0 END"),
-        Measure("input_tokens", "input_tokens"),
-        Measure("cached_input_tokens", "cached_input_tokens"),
-        Measure("output_tokens", "output_tokens"),
-        Measure("reasoning_tokens", "reasoning_tokens"),
-        Measure("cost_nanousd", "COALESCE(cost_nanousd, 0)"),
-        Measure("unpriced", "CASE WHEN cost_nanousd IS NULL THEN 1 ELSE 0 END"),
+        RollupSum("input_tokens", "input_tokens"),
+        RollupSum("cached_input_tokens", "cached_input_tokens"),
+        RollupSum("output_tokens", "output_tokens"),
+        RollupSum("reasoning_tokens", "reasoning_tokens"),
+        RollupSum("cost_nanousd", "COALESCE(cost_nanousd, 0)"),
+        RollupSum("unpriced", "CASE WHEN cost_nanousd IS NULL THEN 1 ELSE 0 END"),
         # An operation name of ours (a closed set), safe inline: the Messages API's cached
         # input is Anthropic's cache reads (tokenmeter_tokens_total's cache_read_input).
-        Measure("cache_read_input_tokens",
+        RollupSum("cache_read_input_tokens",
                 f"CASE WHEN operation = '{MessagesTranslator.operation}' "
                 "THEN cached_input_tokens ELSE 0 END"),
-        Measure("cache_creation_input_tokens", "cache_creation_input_tokens"),
+        RollupSum("cache_creation_input_tokens", "cache_creation_input_tokens"),
         # The response cache: hits (a value of ours, a closed set, safe inline) and what they
         # saved; a NULL saved cost (no price) adds nothing.
-        Measure("hits", f"CASE WHEN cache = '{CacheResult.HIT.value}' THEN 1 ELSE 0 END"),
-        Measure("saved_input_tokens", "saved_input_tokens"),
-        Measure("saved_output_tokens", "saved_output_tokens"),
-        Measure("saved_cost_nanousd", "COALESCE(saved_cost_nanousd, 0)"),
+        RollupSum("hits", f"CASE WHEN cache = '{CacheResult.HIT.value}' THEN 1 ELSE 0 END"),
+        RollupSum("saved_input_tokens", "saved_input_tokens"),
+        RollupSum("saved_output_tokens", "saved_output_tokens"),
+        RollupSum("saved_cost_nanousd", "COALESCE(saved_cost_nanousd, 0)"),
     ),
 )
 
@@ -157,10 +157,10 @@ WINDOWS = Rollup(
     # full`; one charged nothing names no window) used no tokens of its own and was charged
     # what it saved (its `saved_*` columns); every other row saved nothing (0, NULL).
     measures=(
-        Measure("requests", "1"),
-        Measure("input_tokens", "input_tokens + saved_input_tokens"),
-        Measure("output_tokens", "output_tokens + saved_output_tokens"),
-        Measure("cost_nanousd", "COALESCE(cost_nanousd, 0) + COALESCE(saved_cost_nanousd, 0)"),
+        RollupSum("requests", "1"),
+        RollupSum("input_tokens", "input_tokens + saved_input_tokens"),
+        RollupSum("output_tokens", "output_tokens + saved_output_tokens"),
+        RollupSum("cost_nanousd", "COALESCE(cost_nanousd, 0) + COALESCE(saved_cost_nanousd, 0)"),
     ),
 )
 

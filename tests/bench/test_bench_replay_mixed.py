@@ -19,7 +19,7 @@ from aiohttp import web
 
 from proxy.bench.cli import add_parser, build_config
 from proxy.bench.client import Api, Endpoint
-from proxy.bench.replay import Outcome, recorded_outcome
+from proxy.bench.replay import ReplayOutcome, recorded_outcome
 from proxy.protocol.export_line import Recording, parse_line
 from proxy.testing.replay import create_replay_app, load_recordings
 from tests.helpers import ServerFactory
@@ -219,10 +219,10 @@ def test_a_recorded_answer_is_classified_as_bench_classifies_one_it_gets() -> No
 
     too_long = {"error": {"message": "This model's maximum context length is 8192 tokens",
                           "type": "invalid_request_error", "code": "context_length_exceeded"}}
-    assert recorded_outcome(line(400, too_long)) == Outcome(400, "context_length")
-    assert recorded_outcome(line(401, None)) == Outcome(401, "auth")
-    assert recorded_outcome(line(503, None)) == Outcome(503, "server_error")
+    assert recorded_outcome(line(400, too_long)) == ReplayOutcome(400, "context_length")
+    assert recorded_outcome(line(401, None)) == ReplayOutcome(401, "auth")
+    assert recorded_outcome(line(503, None)) == ReplayOutcome(503, "server_error")
     broken = ['data: {"choices": [{"delta": {"content": "a"}}]}',
               'data: {"error": {"message": "overloaded"}}']
-    assert recorded_outcome(line(200, None, broken)) == Outcome(200, "stream_error")
-    assert recorded_outcome(line(200, None, broken[:1])) == Outcome(200, None)
+    assert recorded_outcome(line(200, None, broken)) == ReplayOutcome(200, "stream_error")
+    assert recorded_outcome(line(200, None, broken[:1])) == ReplayOutcome(200, None)

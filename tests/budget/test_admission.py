@@ -19,7 +19,7 @@ from proxy.budget.clamp import WORST_CASE, AdmissionRule, grant
 from proxy.budget.notify import Notifier
 from proxy.budget.principal import Principal
 from proxy.budget.refusals import Refusal, Refused
-from proxy.budget.store import USER, Entry, InFlightLimit, MemoryStore, ReserveResult
+from proxy.budget.store import USER, InFlightLimit, MemoryStore, ReserveResult, WindowAmount
 from proxy.config.policy import AdmissionPolicy, Limits, Policy, Price
 from proxy.telemetry.metrics import Metrics
 
@@ -56,8 +56,8 @@ def test_worst_case_claims_the_prompt_and_the_whole_cap() -> None:
     ask = _ask(plan)
     claim = claim_for(ask)
     cost = lim.reserve_cost(PRICE, 100, 4000)
-    assert claim.request.entries == (Entry(plan.windows[0].key, 10_000, 4100, 600),
-                                     Entry(plan.windows[1].key, None, cost, 600))
+    assert claim.request.entries == (WindowAmount(plan.windows[0].key, 10_000, 4100, 600),
+                                     WindowAmount(plan.windows[1].key, None, cost, 600))
     assert claim.request.in_flight == plan.in_flight  # the request in every set of its plan
     assert (claim.output, claim.cost_nanousd, claim.request.clamp, claim.topup_cap) == (
         4000, cost, None, None)
@@ -182,7 +182,7 @@ class _Held:
 async def _admit(ask: Ask, before: tuple[int, ...], samples: list[int]) -> _Held:
     store = MemoryStore(lambda: 1_800_000_000.0)
     windows = ask.plan.windows
-    await store.add_once(SLOT, "earlier", [Entry(w.key, None, u, w.ttl_s)
+    await store.add_once(SLOT, "earlier", [WindowAmount(w.key, None, u, w.ttl_s)
                                            for w, u in zip(windows, before, strict=True)])
     if ask.estimate_key is not None:
         for sample in samples:

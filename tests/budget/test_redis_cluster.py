@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestServer
 from redis.crc import key_slot
 
 from proxy.budget import limits as lim
-from proxy.budget.store import Entry, InFlightLimit, ReserveRequest, ScopeKind, StoreError
+from proxy.budget.store import InFlightLimit, ReserveRequest, ScopeKind, StoreError, WindowAmount
 from proxy.budget.store_redis import RedisStore
 from proxy.budget.usage_report import read_usage, today
 from proxy.config.policy import KeyConfig, Policy, Price
@@ -72,9 +72,9 @@ def _plan(user: str, key: KeyConfig | None = None) -> lim.Plan:
     return lim.plan(POLICY, user, limits, "mock-gpt", time.time())
 
 
-def _entries(p: lim.Plan, tokens: int) -> tuple[Entry, ...]:
+def _entries(p: lim.Plan, tokens: int) -> tuple[WindowAmount, ...]:
     cost = lim.reserve_cost(PRICE, tokens, 0)
-    return tuple(Entry(w.key, w.limit, lim.amount(w, tokens, 0, cost), w.ttl_s)
+    return tuple(WindowAmount(w.key, w.limit, lim.amount(w, tokens, 0, cost), w.ttl_s)
                  for w in p.windows)
 
 

@@ -17,8 +17,8 @@ from proxy.budget.accounting import Budget
 from proxy.budget.admission import Ask
 from proxy.budget.limits import daily_key
 from proxy.budget.notify import Notifier
-from proxy.budget.spool import Charge, SettleSpool
-from proxy.budget.store import Entry, MemoryStore, SettleKind
+from proxy.budget.spool import Debit, SettleSpool
+from proxy.budget.store import MemoryStore, SettleKind, WindowAmount
 from proxy.budget.usage_report import today
 from proxy.config.load import parse_config
 from proxy.protocol.translators import ChatTranslator, parse_body
@@ -30,13 +30,13 @@ from tests.servers import RedisServer, ServedProxy
 SLOT = "tokenmeter:{alice}"
 
 
-def _entries(amount: int, key: str = f"{SLOT}:u:daily_tokens:20261203") -> tuple[Entry, ...]:
-    return (Entry(key, None, amount, 3600), Entry(f"{SLOT}:u:requests:20261203", None, 1, 3600))
+def _entries(amount: int, key: str = f"{SLOT}:u:daily_tokens:20261203") -> tuple[WindowAmount, ...]:
+    return (WindowAmount(key, None, amount, 3600), WindowAmount(f"{SLOT}:u:requests:20261203", None, 1, 3600))
 
 
-def _charge(tokens: int, res_id: str = "", kind: SettleKind = SettleKind.ADDITION) -> Charge:
+def _charge(tokens: int, res_id: str = "", kind: SettleKind = SettleKind.ADDITION) -> Debit:
     """A settlement of `tokens` in the day's window and one request."""
-    return Charge(slot=SLOT, res_id=res_id, entries=_entries(tokens), tokens=tokens, kind=kind)
+    return Debit(slot=SLOT, res_id=res_id, entries=_entries(tokens), tokens=tokens, kind=kind)
 
 
 def test_an_outage_longer_than_any_count_bound_is_summed_exactly(tmp_path: Path) -> None:

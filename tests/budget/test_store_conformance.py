@@ -28,7 +28,6 @@ from proxy.budget.clamp import Clamp
 from proxy.budget.store import (
     REAPED_TTL_S,
     USER,
-    Entry,
     Hold,
     InFlightLimit,
     MemoryStore,
@@ -39,6 +38,7 @@ from proxy.budget.store import (
     Snapshot,
     Store,
     TopUpResult,
+    WindowAmount,
 )
 from proxy.budget.store_redis import RedisStore
 from tests.helpers import FakeClock, until
@@ -99,11 +99,11 @@ async def subject(request: pytest.FixtureRequest) -> AsyncIterator[Subject]:
     await store.close()
 
 
-def day(amount: int, limit: int | None = 100, ttl_s: int = 3600) -> Entry:
-    return Entry(DAY, limit, amount, ttl_s)
+def day(amount: int, limit: int | None = 100, ttl_s: int = 3600) -> WindowAmount:
+    return WindowAmount(DAY, limit, amount, ttl_s)
 
 
-def req(entries: Sequence[Entry], in_flight: Sequence[InFlightLimit] = ANY,
+def req(entries: Sequence[WindowAmount], in_flight: Sequence[InFlightLimit] = ANY,
         clamp: Clamp | None = None) -> ReserveRequest:
     """What a reserve asks: `entries`, a place in every set of `in_flight`, maybe a clamp."""
     return ReserveRequest(tuple(entries), tuple(in_flight), clamp)
@@ -189,15 +189,15 @@ async def test_a_clamp_grants_what_fits_and_refuses_below_its_minimum(subject: S
     s = subject.store
     # prompt 10, 1 per output token in the day (limit 100) and the output window (limit 60)
     clamp = Clamp(requested=80, minimum=20, bases=(10, 0), rates=(1, 1))
-    entries = [day(90), Entry(OUT, 60, 80, 3600)]
+    entries = [day(90), WindowAmount(OUT, 60, 80, 3600)]
     first = await s.reserve(SLOT, "a", req(entries, clamp=clamp), 30)
     assert (first.ok, first.granted, first.used) == (True, 60, (70, 60))
     # 30 left in the day, none in the output window: refused there, nothing added.
     second = await s.reserve(SLOT, "b", req(entries, clamp=Clamp(80, 1, (10, 0), (1, 1))), 30)
     assert (second.ok, second.refused_entry, second.used) == (False, 1, (70, 60))
-    await s.settle(SLOT, "a", [day(30), Entry(OUT, 60, 20, 3600)])
+    await s.settle(SLOT, "a", [day(30), WindowAmount(OUT, 60, 20, 3600)])
     # Room for everything asked: the entries' own amounts.
-    whole = await s.reserve(SLOT, "c", req([day(30), Entry(OUT, 60, 20, 3600)],
+    whole = await s.reserve(SLOT, "c", req([day(30), WindowAmount(OUT, 60, 20, 3600)],
                                            clamp=Clamp(20, 5, (10, 0), (1, 1))), 30)
     assert (whole.ok, whole.granted, whole.used) == (True, 20, (60, 40))
     # Not even the prompt fits: refused at the day whatever the minimum.
@@ -211,19 +211,19 @@ async def test_a_clamp_names_the_window_that_bound_it(subject: Subject) -> None:
     s = subject.store
     # prompt 10, 1 per output token in the day (limit 100) and the output window (limit 60);
     # the requests window (1 per request) has room throughout and never binds.
-    reqs = Entry(f"{SLOT}:u:daily_requests:20270115", 10, 1, 3600)
+    reqs = WindowAmount(f"{SLOT}:u:daily_requests:20270115", 10, 1, 3600)
     clamp = Clamp(requested=80, minimum=1, bases=(10, 0, 1), rates=(1, 1, 0))
-    entries = [day(90), Entry(OUT, 60, 80, 3600), reqs]
+    entries = [day(90), WindowAmount(OUT, 60, 80, 3600), reqs]
     by_output = await s.reserve(SLOT, "a", req(entries, clamp=clamp), 30)
     assert (by_output.granted, by_output.binding, by_output.used) == (60, 1, (70, 60, 1))
     # The day now has 20 output tokens of room, the output window 50: the day binds.
-    await s.settle(SLOT, "a", [day(70), Entry(OUT, 60, 10, 3600), reqs])
+    await s.settle(SLOT, "a", [day(70), WindowAmount(OUT, 60, 10, 3600), reqs])
     by_day = await s.reserve(SLOT, "b", req(entries, clamp=clamp), 30)
     assert (by_day.granted, by_day.binding, by_day.used) == (20, 0, (100, 30, 2))
     # Granted whole: nothing bound.
-    await s.settle(SLOT, "b", [day(0), Entry(OUT, 60, 0, 3600), reqs])
+    await s.settle(SLOT, "b", [day(0), WindowAmount(OUT, 60, 0, 3600), reqs])
     small = Clamp(requested=5, minimum=1, bases=(10, 0, 1), rates=(1, 1, 0))
-    whole = await s.reserve(SLOT, "c", req([day(15), Entry(OUT, 60, 5, 3600), reqs],
+    whole = await s.reserve(SLOT, "c", req([day(15), WindowAmount(OUT, 60, 5, 3600), reqs],
                                            clamp=small), 30)
     assert (whole.granted, whole.binding) == (5, None)
 
@@ -232,9 +232,9 @@ async def test_top_up_adds_to_counters_and_reservation_all_or_nothing(
     subject: Subject,
 ) -> None:
     s = subject.store
-    d, out = Entry(DAY, 2_000, 1_100, 600), Entry(OUT, None, 1_000, 600)
+    d, out = WindowAmount(DAY, 2_000, 1_100, 600), WindowAmount(OUT, None, 1_000, 600)
     assert (await s.reserve(SLOT, "r1", req([d, out]), 10)).ok
-    per_token = [Entry(DAY, 2_000, 1, 600), Entry(OUT, None, 1, 600)]
+    per_token = [WindowAmount(DAY, 2_000, 1, 600), WindowAmount(OUT, None, 1, 600)]
     assert await s.top_up(SLOT, "r1", per_token, 500, 1) == TopUpResult(500)
     assert await s.read([DAY, OUT]) == (1_600, 1_500)
     # Less room than a step: the rest; then nothing is left: refused, at the day.
@@ -243,31 +243,31 @@ async def test_top_up_adds_to_counters_and_reservation_all_or_nothing(
     snap = await s.snapshot(SLOT, [DAY, OUT])
     assert snap.holds == (Hold("r1", START + 10, ((DAY, 2_000), (OUT, 1_900))),)
     # The settle replaces everything reserved, top-ups included, by what was used.
-    await s.settle(SLOT, "r1", [Entry(DAY, 2_000, 1_300, 600), Entry(OUT, None, 1_200, 600)])
+    await s.settle(SLOT, "r1", [WindowAmount(DAY, 2_000, 1_300, 600), WindowAmount(OUT, None, 1_200, 600)])
     assert await s.read([DAY, OUT]) == (1_300, 1_200)
     assert await s.top_up(SLOT, "r1", per_token, 500, 1) == TopUpResult(0, gone=True)
 
 
 async def test_a_reaped_reservation_gives_its_top_ups_back(subject: Subject) -> None:
     s, clock = subject.store, subject.clock
-    assert (await s.reserve(SLOT, "r1", req([Entry(DAY, 5_000, 1_000, 600)]), 2)).ok
-    assert await s.top_up(SLOT, "r1", [Entry(DAY, 5_000, 1, 600)], 700, 1) == TopUpResult(700)
+    assert (await s.reserve(SLOT, "r1", req([WindowAmount(DAY, 5_000, 1_000, 600)]), 2)).ok
+    assert await s.top_up(SLOT, "r1", [WindowAmount(DAY, 5_000, 1, 600)], 700, 1) == TopUpResult(700)
     clock.now += 2
-    assert (await s.top_up(SLOT, "r1", [Entry(DAY, 5_000, 1, 600)], 1, 1)).gone
-    assert (await s.reserve(SLOT, "r2", req([Entry(DAY, 5_000, 10, 600)]), 2)).used == (10,)
+    assert (await s.top_up(SLOT, "r1", [WindowAmount(DAY, 5_000, 1, 600)], 1, 1)).gone
+    assert (await s.reserve(SLOT, "r2", req([WindowAmount(DAY, 5_000, 10, 600)]), 2)).used == (10,)
 
 
 async def test_requests_share_a_remainder_first_come_first_served(subject: Subject) -> None:
     s = subject.store
     clamp = Clamp(1_500, 256, (10,), (1,))
-    entry = [Entry(DAY, 5_000, 1_510, 60)]
+    entry = [WindowAmount(DAY, 5_000, 1_510, 60)]
     got = [await s.reserve(SLOT, f"r{i}", req(entry, clamp=clamp), 30) for i in range(6)]
     assert [r.ok for r in got] == [True, True, True, True, False, False]
     assert [r.granted for r in got[:4]] == [1_500, 1_500, 1_500, 460]
     assert got[3].used == (5_000,)
     assert got[4].refused_entry == 0 and got[4].used == (5_000,)
     # A settlement below the grant gives room back: the next request takes it.
-    await s.settle(SLOT, "r0", [Entry(DAY, 5_000, 1_000, 60)])
+    await s.settle(SLOT, "r0", [WindowAmount(DAY, 5_000, 1_000, 60)])
     again = await s.reserve(SLOT, "r9", req(entry, clamp=clamp), 30)
     assert again.ok and again.granted == 500
 
@@ -291,12 +291,12 @@ async def test_the_stores_clamp_alike_on_windows_of_every_size(redis_url: str) -
             slot = f"tm:{{c{case}}}"
             keys = [f"{slot}:w{i}" for i in range(n)]
             worst = [b + r * requested for b, r in zip(bases, rates, strict=True)]
-            entries = [Entry(k, limit, w, 600) for k, limit, w in zip(keys, limits, worst,
+            entries = [WindowAmount(k, limit, w, 600) for k, limit, w in zip(keys, limits, worst,
                                                                       strict=True)]
             results = []
             for store in stores:
                 # What is used already, added under an id of its own.
-                await store.add_once(slot, "prior", [Entry(k, None, u, 600)
+                await store.add_once(slot, "prior", [WindowAmount(k, None, u, 600)
                                                    for k, u in zip(keys, prior, strict=True)])
                 results.append(await store.reserve(slot, "r", req(entries, clamp=clamp), 30))
             assert results[0] == results[1], (case, limits, prior, clamp)
@@ -367,7 +367,7 @@ async def test_histories_markers_and_counters_expire_with_their_ttl(subject: Sub
     s = subject.store
     for i in range(100):
         await s.record_output(f"{SLOT}:est:alice:k:model-{i}", i, 32, 1)
-        await s.add_once(SLOT, f"batch-{i}", [Entry(f"{SLOT}:u:minute:{i}", None, 1, 1)], 1)
+        await s.add_once(SLOT, f"batch-{i}", [WindowAmount(f"{SLOT}:u:minute:{i}", None, 1, 1)], 1)
         await s.mark_once(f"{SLOT}:notice:{i}", 1)
     assert (await s.snapshot(SLOT, [])).size == 400  # 100 histories, markers, counters, marks
     await s.record_output(f"{SLOT}:est:alice:k:kept", 1, 32, 600)
@@ -380,14 +380,14 @@ async def test_histories_markers_and_counters_expire_with_their_ttl(subject: Sub
 async def test_a_thousand_settled_requests_leave_their_counters_alone(subject: Subject) -> None:
     s, clock = subject.store, subject.clock
     held = [InFlightLimit(USER, 10), InFlightLimit(CI, 10)]
-    entries = [day(60, None), Entry(KEY_DAY, None, 60, 3600)]
+    entries = [day(60, None), WindowAmount(KEY_DAY, None, 60, 3600)]
     for i in range(1_000):
         assert (await s.reserve(SLOT, f"r{i}", req(entries, held), 30)).ok
         if i % 100 == 99:  # a reservation reaped now and then, settled late
             clock.now += 31
             assert (await s.reserve(SLOT, "next", req([], held), 30)).ok
             await s.settle(SLOT, "next", [])
-        await s.settle(SLOT, f"r{i}", [day(1, None), Entry(KEY_DAY, None, 1, 3600)])
+        await s.settle(SLOT, f"r{i}", [day(1, None), WindowAmount(KEY_DAY, None, 1, 3600)])
         clock.now += 0.25
     snap = await s.snapshot(SLOT, [DAY, KEY_DAY])
     assert snap.counters == {DAY: 1_000, KEY_DAY: 1_000}
@@ -408,14 +408,14 @@ limits = st.one_of(st.none(), st.integers(0, 150))
 
 
 @st.composite
-def plans(draw: st.DrawFn) -> tuple[str, list[Entry], Clamp | None]:
+def plans(draw: st.DrawFn) -> tuple[str, list[WindowAmount], Clamp | None]:
     """A slot, entries in it and, sometimes, a clamp whose requested output they reserve."""
     slot = draw(st.sampled_from(SLOTS))
     windows = draw(st.lists(st.sampled_from(WINDOWS), max_size=3, unique=True))
     bases = [draw(st.integers(0, 20)) for _ in windows]
     rates = [draw(st.integers(0, 3)) for _ in windows]
     requested = draw(st.integers(1, 30))
-    entries = [Entry(f"{slot}:{w}", draw(limits), b + r * requested, LONG)
+    entries = [WindowAmount(f"{slot}:{w}", draw(limits), b + r * requested, LONG)
                for w, b, r in zip(windows, bases, rates, strict=True)]
     clamp = None
     if draw(st.booleans()):
@@ -424,10 +424,10 @@ def plans(draw: st.DrawFn) -> tuple[str, list[Entry], Clamp | None]:
 
 
 @st.composite
-def usages(draw: st.DrawFn) -> tuple[str, list[Entry]]:
+def usages(draw: st.DrawFn) -> tuple[str, list[WindowAmount]]:
     slot = draw(st.sampled_from(SLOTS))
     windows = draw(st.lists(st.sampled_from(WINDOWS), max_size=3, unique=True))
-    return slot, [Entry(f"{slot}:{w}", draw(limits), draw(st.integers(0, 40)), LONG)
+    return slot, [WindowAmount(f"{slot}:{w}", draw(limits), draw(st.integers(0, 40)), LONG)
                   for w in windows]
 
 
@@ -457,26 +457,26 @@ class SideBySide(RuleBasedStateMachine):
         return memory
 
     @rule(plan=plans(), res_id=IDS, in_flight=in_flights, lease_s=leases)
-    def reserve(self, plan: tuple[str, list[Entry], Clamp | None], res_id: str,
+    def reserve(self, plan: tuple[str, list[WindowAmount], Clamp | None], res_id: str,
                 in_flight: list[InFlightLimit], lease_s: float) -> None:
         slot, entries, clamp = plan
         self.both(lambda s: s.reserve(slot, res_id, req(entries, in_flight, clamp), lease_s))
 
     @rule(usage=usages(), res_id=IDS)
-    def settle(self, usage: tuple[str, list[Entry]], res_id: str) -> None:
+    def settle(self, usage: tuple[str, list[WindowAmount]], res_id: str) -> None:
         slot, entries = usage
         self.both(lambda s: s.settle(slot, res_id, entries))
 
     @rule(usage=usages(), batch=st.one_of(IDS, st.sampled_from(["b0", "b1"])))
-    def add_once(self, usage: tuple[str, list[Entry]], batch: str) -> None:
+    def add_once(self, usage: tuple[str, list[WindowAmount]], batch: str) -> None:
         slot, entries = usage
         self.both(lambda s: s.add_once(slot, batch, entries, LONG))
 
     @rule(usage=usages(), res_id=IDS, step=st.integers(1, 20), minimum=st.integers(0, 20))
-    def top_up(self, usage: tuple[str, list[Entry]], res_id: str, step: int,
+    def top_up(self, usage: tuple[str, list[WindowAmount]], res_id: str, step: int,
                minimum: int) -> None:
         slot, entries = usage
-        per_token = [Entry(e.key, e.limit, e.amount % 3, e.ttl_s) for e in entries]
+        per_token = [WindowAmount(e.key, e.limit, e.amount % 3, e.ttl_s) for e in entries]
         self.both(lambda s: s.top_up(slot, res_id, per_token, step, min(minimum, step)))
 
     @rule(slot=st.sampled_from(SLOTS), res_ids=st.lists(IDS, max_size=3), lease_s=leases)

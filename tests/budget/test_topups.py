@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.budget import estimate as est
-from proxy.budget.topups import NEVER, Act, Allowance, Decision, Seen
+from proxy.budget.topups import NEVER, Act, Allowance, Seen, TopupDecision
 
 pytestmark = pytest.mark.unit
 
@@ -41,7 +41,7 @@ def test_the_first_check_is_at_the_first_piece_and_places_the_next_by_bytes() ->
     decision = allowance.check(_at(1), pending=False)
     # 224 tokens to three quarters (225): 224 bytes on, however many events that is (a byte
     # carries a token at most), not 112 events on at the rate seen.
-    assert decision == Decision(Act.NOTHING, replace(allowance, events=1, tokens=1, burst=1,
+    assert decision == TopupDecision(Act.NOTHING, replace(allowance, events=1, tokens=1, burst=1,
                                                      next_at=BYTES + 224))
 
 
@@ -89,7 +89,7 @@ def test_a_top_up_out_lets_the_stream_run_until_near_what_it_holds() -> None:
     assert running.act is Act.NOTHING
     assert running.allowance.next_at == 281 * BYTES + (296 - 281)
     waiting = allowance.check(_at(296), pending=True)
-    assert waiting == Decision(Act.WAIT, allowance)  # unchanged: checked again once applied
+    assert waiting == TopupDecision(Act.WAIT, allowance)  # unchanged: checked again once applied
 
 
 def test_a_granted_top_up_moves_the_line() -> None:

@@ -12,7 +12,7 @@ from redis.crc import key_slot
 
 from proxy.budget import limits as lim
 from proxy.budget.refusals import Refusal, RefusalKind, render, unpriced, usd
-from proxy.budget.store import Entry, MemoryStore, ReserveRequest, ScopeKind
+from proxy.budget.store import MemoryStore, ReserveRequest, ScopeKind, WindowAmount
 from proxy.config.policy import KeyConfig, Limits, Policy, Price, StoreConfig, UserConfig
 from proxy.cost import CostLines
 from proxy.protocol.usage import Usage
@@ -307,8 +307,8 @@ async def test_a_dead_members_reservation_is_reaped_by_another_members_request()
     alice = _plan(policy, "alice", clock.now)
     bob = _plan(policy, "bob", clock.now)
 
-    def entries(p: lim.Plan, tokens: int) -> tuple[Entry, ...]:
-        return tuple(Entry(w.key, w.limit, lim.amount(w, tokens, 0), w.ttl_s) for w in p.windows)
+    def entries(p: lim.Plan, tokens: int) -> tuple[WindowAmount, ...]:
+        return tuple(WindowAmount(w.key, w.limit, lim.amount(w, tokens, 0), w.ttl_s) for w in p.windows)
 
     assert (await store.reserve(alice.slot, "dead", ReserveRequest(entries(alice, 80), alice.in_flight), 30)).ok
     assert await store.leases(alice.slot) == {"dead": clock.now + 30}

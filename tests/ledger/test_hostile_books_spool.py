@@ -19,8 +19,8 @@ import redis.asyncio as aioredis
 from aiohttp.test_utils import TestServer
 
 from proxy.budget.limits import daily_key
-from proxy.budget.spool import Charge, SettleSpool
-from proxy.budget.store import Entry, SettleKind
+from proxy.budget.spool import Debit, SettleSpool
+from proxy.budget.store import SettleKind, WindowAmount
 from proxy.budget.usage_report import today
 from proxy.pipeline import services as st
 from tests.helpers import (
@@ -39,8 +39,8 @@ SLOT = "tokenmeter:{alice}"
 KEY = f"{SLOT}:u:daily_tokens:20261203"
 
 
-def _entries(amount: int) -> tuple[Entry, ...]:
-    return (Entry(KEY, None, amount, 3600),)
+def _entries(amount: int) -> tuple[WindowAmount, ...]:
+    return (WindowAmount(KEY, None, amount, 3600),)
 
 
 @pytest.mark.timeout(60)
@@ -51,9 +51,9 @@ async def test_malformed_spool_lines_are_skipped_counted_and_named_not_fatal(
     # What a previous run left owed: one settlement under its id, one sum of the outage.
     dead = SettleSpool(state)
     dead.open()
-    dead.owe(Charge(slot=SLOT, res_id="res-good", entries=_entries(40), tokens=40,
+    dead.owe(Debit(slot=SLOT, res_id="res-good", entries=_entries(40), tokens=40,
                     kind=SettleKind.ADDITION), now=10**10)
-    dead.add(Charge(slot=SLOT, res_id="", entries=_entries(7), tokens=7,
+    dead.add(Debit(slot=SLOT, res_id="", entries=_entries(7), tokens=7,
                     kind=SettleKind.ADDITION), now=10**10)
     dead.close()  # a graceful stop: the file stays for the next start to adopt
     (path,) = state.glob("spool-*.jsonl")

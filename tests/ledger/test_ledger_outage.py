@@ -19,7 +19,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from proxy.budget import limits as lim
-from proxy.budget.store import USER, Entry
+from proxy.budget.store import USER, WindowAmount
 from proxy.capture.record import Capture
 from proxy.capture.store import CaptureFilter, CaptureStore
 from proxy.capture.writer import CaptureWriter
@@ -250,7 +250,7 @@ async def test_the_in_process_reconcile_comes_back_after_postgres_restarts(
         plan = lim.plan(config, "alice", lim.limits_for(config, "alice"), "mock-gpt",
                         time.time())
         await svc.budget.store.add_once(plan.slot, "phantom",
-                                        [Entry(daily.key, None, 500, daily.ttl_s)])
+                                        [WindowAmount(daily.key, None, 500, daily.ttl_s)])
         assert await auditor.once(config) is not None
         judged = await auditor.once(config)
         assert judged is not None and not judged.agrees

@@ -10,14 +10,14 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from proxy.ledger.report_plan import GroupKey, Period, Report, Totals
+from proxy.ledger.report_plan import GroupKey, Report, ReportPeriod, Totals
 from proxy.reconcile.plan import Reconciliation
 
 
 def _report(groups: int) -> Report:
     rows = tuple(((f"user-{i}", "2026-03-01"), Totals(requests=1, input_tokens=i))
                  for i in range(groups))
-    period = Period(ZoneInfo("UTC"), datetime(2026, 3, 1, tzinfo=UTC), None)
+    period = ReportPeriod(ZoneInfo("UTC"), datetime(2026, 3, 1, tzinfo=UTC), None)
     return Report((GroupKey.USER, GroupKey.DAY), period, rows, Totals(requests=groups))
 
 

@@ -35,7 +35,7 @@ from proxy.ledger.query import locate, open_reader
 from proxy.ledger.report_plan import (
     Group,
     GroupKey,
-    Period,
+    ReportPeriod,
     TagGroup,
     Totals,
     _plan,
@@ -233,7 +233,7 @@ def _totals(row: LedgerRow) -> Totals:
         saved_cost_nanousd=row.saved_cost_nanousd or 0)
 
 
-def _expected(rows: Sequence[LedgerRow], by: Sequence[Group], period: Period
+def _expected(rows: Sequence[LedgerRow], by: Sequence[Group], period: ReportPeriod
               ) -> dict[tuple[str | None, ...], Totals]:
     out: dict[tuple[str | None, ...], Totals] = {}
     start = None if period.start is None else period.start.timestamp()
@@ -302,7 +302,7 @@ async def _check(url: str, load: dict[str, Any]) -> None:
         for (a, b), zone, by in itertools.product(load["periods"], ZONES, GROUPINGS):
             tz = ZoneInfo(zone)
             lo, hi = (a, b) if a is None or b is None or a <= b else (b, a)
-            period = Period(tz, None if lo is None else datetime.fromtimestamp(T0 + lo, tz),
+            period = ReportPeriod(tz, None if lo is None else datetime.fromtimestamp(T0 + lo, tz),
                             None if hi is None else datetime.fromtimestamp(T0 + hi, tz))
             got = await build_report(reader, by, period)
             want = _expected(stored, by, period)
@@ -366,7 +366,7 @@ def test_a_period_starting_and_ending_mid_day_is_exact(dialect: str, tmp_path: P
     async def go() -> None:
         await _books_of(url, rows)
         tz = ZoneInfo("UTC")
-        period = Period(tz, datetime.fromtimestamp(at(0, 10, 17), tz),
+        period = ReportPeriod(tz, datetime.fromtimestamp(at(0, 10, 17), tz),
                         datetime.fromtimestamp(at(2, 15, 42), tz))
         async with await open_reader(locate(LedgerConfig(), url)) as reader:
             report = await build_report(reader, (GroupKey.DAY,), period)
@@ -408,7 +408,7 @@ def test_local_days_over_a_dst_change_read_the_day_rollup_exactly(
                                       ("Asia/Kathmandu", "2026-03-28", "2026-03-29"),
                                       ("UTC", "2026-03-27", "2026-03-30")):
                 tz = ZoneInfo(zone)
-                period = Period(tz, parse_bound(first, tz, end=False),
+                period = ReportPeriod(tz, parse_bound(first, tz, end=False),
                                 parse_bound(last, tz, end=True))
                 for by in ((GroupKey.DAY,), (GroupKey.USER, GroupKey.DAY), (GroupKey.WEEK,),
                            (GroupKey.USER,)):
@@ -475,7 +475,7 @@ def test_a_report_in_the_configured_zone_reads_the_local_day_rollup(
                                       ("America/New_York", "2026-03-27T03:59:59.999",
                                        "2026-03-29T23:00")):
                 tz = ZoneInfo(zone)
-                period = Period(tz, parse_bound(first, tz, end=False),
+                period = ReportPeriod(tz, parse_bound(first, tz, end=False),
                                 parse_bound(last, tz, end=True))
                 for by in ((GroupKey.DAY,), (GroupKey.USER, GroupKey.DAY), (GroupKey.WEEK,),
                            (GroupKey.USER,), ()):
@@ -496,7 +496,7 @@ def test_a_report_in_the_configured_zone_reads_the_local_day_rollup(
         async with await open_reader(locate(LedgerConfig(), url)) as reader:
             for zone, grown in (("Europe/Berlin", 10**6), ("Asia/Kolkata", 0)):
                 tz = ZoneInfo(zone)
-                period = Period(tz, parse_bound("2026-03-28", tz, end=False),
+                period = ReportPeriod(tz, parse_bound("2026-03-28", tz, end=False),
                                 parse_bound("2026-03-30", tz, end=True))
                 seen = dict((await build_report(reader, (GroupKey.USER, GroupKey.DAY),
                                                 period)).rows)
@@ -569,7 +569,7 @@ def test_the_shipper_adds_its_zone_once_and_a_new_zone_on_a_change(
             tz = ZoneInfo("America/New_York")
             for first, last in (("2026-03-27", "2026-03-29"),
                                 ("2026-03-26T22:10", "2026-03-30T11:30")):
-                period = Period(tz, parse_bound(first, tz, end=False),
+                period = ReportPeriod(tz, parse_bound(first, tz, end=False),
                                 parse_bound(last, tz, end=True))
                 plan = await _plan(reader, period, (GroupKey.DAY,))
                 assert plan.reads[0].rollup is rollup.USAGE_LOCAL

@@ -8,7 +8,7 @@ import time
 from aiohttp.test_utils import TestServer
 
 from proxy.budget import limits as lim
-from proxy.budget.store import USER, Entry
+from proxy.budget.store import USER, WindowAmount
 from proxy.pipeline import services as st
 from proxy.reconcile.audit import Auditor
 from tests.helpers import ALICE_KEY, MESSAGES, Stack, StackFactory, make_config, sample, scrape
@@ -46,7 +46,7 @@ async def test_books_that_agree_export_no_drift_and_a_phantom_charge_does(
                      if w.name is lim.WindowName.DAILY_TOKENS and w.scope == USER)
         plan = lim.plan(config, "alice", lim.limits_for(config, "alice"), "mock-gpt", time.time())
         await svc.budget.store.add_once(plan.slot, "phantom",
-                                        [Entry(daily.key, None, 500, daily.ttl_s)])
+                                        [WindowAmount(daily.key, None, 500, daily.ttl_s)])
         await auditor.once(config)  # one reading is not enough: it could be the shipper's lag
         judged = await auditor.once(config)
         assert judged is not None and not judged.agrees

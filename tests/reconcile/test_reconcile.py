@@ -29,7 +29,7 @@ from proxy.budget.accounting import Budget, Reservation
 from proxy.budget.admission import Ask
 from proxy.budget.notify import Notifier
 from proxy.budget.principal import Principal
-from proxy.budget.store import Entry, MemoryStore, ScopeKind, Store
+from proxy.budget.store import MemoryStore, ScopeKind, Store, WindowAmount
 from proxy.budget.store_redis import RedisStore
 from proxy.cli import main
 from proxy.config.ledger import LedgerConfig
@@ -419,7 +419,7 @@ async def test_the_in_process_audit_reports_a_persisting_drift_at_every_reading(
     plan = world.budget.plan(world.principal("bob"), "gpt-4o", world.config)
     daily = next(w for w in plan.windows
                  if w.name is lim.WindowName.DAILY_TOKENS and w.scope.kind is ScopeKind.USER)
-    await world.budget.store.add_once(plan.slot, "hand-edit", [Entry(daily.key, None, 700,
+    await world.budget.store.add_once(plan.slot, "hand-edit", [WindowAmount(daily.key, None, 700,
                                                                      daily.ttl_s)])
     metrics = Metrics()
     auditor = Auditor(world.budget.store, metrics)
