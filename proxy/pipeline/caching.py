@@ -121,12 +121,8 @@ async def _replay(request: web.Request, ctx: RequestContext, decision: Decision,
                   outcome: Outcome) -> web.StreamResponse:
     sent = {HIT_HEADER: "hit", hdrs.AGE: str(int(decision.age_s or 0)),
             REQUEST_ID_HEADER: outcome.request_id}
-    if outcome.collector is not None:  # capture keeps the answer the client got, as for a miss
-        if ctx.stream:
-            outcome.collector.streamed(body, 0.0)
-        else:
-            outcome.collector.answered(body)
     if not ctx.stream:
+        outcome.observers.answered(200, body, sent)
         outcome.meter.content(time.perf_counter())
         return web.Response(body=body, headers=sent, content_type="application/json")
     resp = web.StreamResponse(status=200, headers={
@@ -134,6 +130,7 @@ async def _replay(request: web.Request, ctx: RequestContext, decision: Decision,
         hdrs.CACHE_CONTROL: "no-cache"})
     await resp.prepare(request)
     outcome.meter.content(time.perf_counter())
+    outcome.observers.streamed(body, 0.0)
     await resp.write(body)
     return resp
 

@@ -28,10 +28,10 @@ from proxy.budget.principal import Principal
 from proxy.cache import cache as response_cache
 from proxy.cache.cache import Decision, Fill
 from proxy.cache.outcome import NOT_CONSULTED, CacheOutcome
-from proxy.capture.collect import Collector
 from proxy.config.tags import NO_TAGS, Tags
 from proxy.errors import ErrorClass
 from proxy.pipeline import counting
+from proxy.pipeline.observers import NONE, Observers
 from proxy.pipeline.services import Runtime
 from proxy.protocol.translators import ParsedRequest, Translator
 from proxy.protocol.usage import ZERO, Usage
@@ -114,10 +114,10 @@ class Settlement:
     meter: RequestMeter
     fallback_from: str | None
     attempts: int
-    collected: Collector | None = None  # its bytes, when capture is enabled
     cache: CacheOutcome = NOT_CONSULTED  # what the response cache did
     tags: Tags = NO_TAGS  # the request's tags, its principal's defaults under them
     trace: RequestTrace | None = None  # its spans, when tracing is on
+    observers: Observers = NONE  # the wings that observe it (proxy.pipeline.observers)
     # A cache hit's admission (`Budget.reserve_hit`): what it holds until settled.
     hit_reservation: Reservation | None = None
     # The upstream's own id of the answer relayed (its `x-request-id` / `request-id`).
@@ -153,7 +153,7 @@ class Outcome:
 
     __slots__ = ("_answered", "_attempts", "_candidacy", "_context", "_error_class",
                  "_fallback_from", "_hit", "_in_flight", "_model", "_principal", "_status",
-                 "_stream", "_tags", "_upstream_request_id", "cache", "collector", "meter",
+                 "_stream", "_tags", "_upstream_request_id", "cache", "meter", "observers",
                  "operation", "request_id", "runtime", "trace")
 
     def __init__(self, request_id: str, operation: str, meter: RequestMeter) -> None:
@@ -161,9 +161,9 @@ class Outcome:
         self.operation = operation
         self.meter = meter
         self.runtime: Runtime | None = None
-        # The request's bytes, kept for a possible capture (capture.enabled), else None: the
-        # relay and the handler append to it as the bytes pass; settle decides.
-        self.collector: Collector | None = None
+        # The wings that observe the request (proxy.pipeline.observers): the steps call its
+        # points as the request passes them.
+        self.observers = NONE
         # The request's spans when tracing is on (proxy.telemetry.tracing), else None: the
         # handler and the routing report the attempts to it, settle ends it.
         self.trace: RequestTrace | None = None
@@ -197,6 +197,9 @@ class Outcome:
 
     def tagged(self, tags: Tags) -> None:
         self._tags = tags
+
+    def observe(self, observers: Observers) -> None:
+        self.observers = observers
 
     def admitted(self, context: RequestContext) -> None:
         self._context = context
@@ -311,7 +314,7 @@ class Outcome:
             meter=self.meter,
             fallback_from=self._fallback_from,
             attempts=self._attempts,
-            collected=self.collector,
+            observers=self.observers,
             tags=self._tags,
             trace=self.trace,
             cache=self.cache.outcome(),

@@ -34,7 +34,6 @@ from proxy.budget.estimate import hides_output, learned_key
 from proxy.budget.principal import Principal
 from proxy.budget.refusals import Refused
 from proxy.budget.store import ScopeKind
-from proxy.capture.collect import Collector, sent_keys
 from proxy.config.tags import HEADER as TAGS_HEADER
 from proxy.config.tags import Tags
 from proxy.errors import (
@@ -52,6 +51,7 @@ from proxy.ids import new_id
 from proxy.pipeline import caching, counting
 from proxy.pipeline.context import Attempt, Candidacy, Outcome, RequestContext
 from proxy.pipeline.ending import ENDING, resolves
+from proxy.pipeline.observers import Observers, Opening
 from proxy.pipeline.relay import (
     REQUEST_ID_HEADER,
     SHOULD_RETRY_HEADER,
@@ -105,8 +105,7 @@ def make_handler(shape: type[Translator]) -> Handler:
 
 async def handle(request: web.Request, svc: Services, shape: type[Translator]
                  ) -> web.StreamResponse:
-    outcome = Outcome(new_id(), shape.operation, RequestMeter())
-    request[REQUEST_ID] = outcome.request_id
+    outcome = _opened(request, svc, shape)
     relayed: web.StreamResponse | None = None  # the upstream's answer, as the client gets it
     if svc.tracing is not None:
         outcome.trace = svc.tracing.request(request.headers, shape.operation)
@@ -155,6 +154,17 @@ async def handle(request: web.Request, svc: Services, shape: type[Translator]
         raise
     finally:
         await _settle(request, svc, outcome, relayed)
+
+
+def _opened(request: web.Request, svc: Services, shape: type[Translator]) -> Outcome:
+    """The request's outcome, with the observers the wings' factories make for it."""
+    outcome = Outcome(new_id(), shape.operation, RequestMeter())
+    request[REQUEST_ID] = outcome.request_id
+    if svc.observers:
+        outcome.observe(Observers.opened(svc.observers, Opening(
+            outcome.request_id, shape.operation, shape.upstream_api, "/v1" + shape.path,
+            request.headers, svc.runtime.current)))
+    return outcome
 
 
 def _answer(exc: ProxyError, shape: type[Translator], outcome: Outcome) -> web.Response:
@@ -209,11 +219,7 @@ async def admit(request: web.Request, svc: Services, shape: type[Translator],
     principal = runtime.users.authenticate(request)
     outcome.authenticated(principal)
     raw = await _read(request, runtime.config.server.max_body_mb)
-    capture = runtime.config.capture
-    if capture.enabled:  # kept for settle, which decides whether the request is captured
-        outcome.collector = Collector(capture.max_body_kb * 1024, shape.upstream_api,
-                                      "/v1" + shape.path, sent_keys(request.headers))
-        outcome.collector.sent(raw)
+    outcome.observers.sent(raw)
     parsed = await _parse(request, raw)
     outcome.read(parsed)
     outcome.tagged(_tags(request, runtime, svc.metrics, principal,
@@ -407,8 +413,7 @@ async def _call(request: web.Request, ctx: RequestContext, svc: Services, outcom
     `UpstreamUnavailable` when no answer came."""
     upstream, translator = candidacy.route.upstream, candidacy.translator
     body = translator.upstream_body(candidacy.reservation.upstream_cap)
-    if outcome.collector is not None:
-        outcome.collector.forwarded(body)
+    outcome.observers.forwarded(candidacy, body)
     headers = upstream_request_headers(
         request.headers, upstream,
         client_key=client_key(request) if ctx.principal.forward_client_key else None,

@@ -23,7 +23,6 @@ from multidict import CIMultiDict
 from proxy.budget.refusals import QuotaEnded
 from proxy.cache.cache import REASON_HEADER
 from proxy.cache.outcome import BypassReason
-from proxy.capture.collect import Collector
 from proxy.config.load import CostHeaders
 from proxy.errors import (
     ErrorClass,
@@ -105,12 +104,11 @@ async def _relay_body(attempt: Attempt, outcome: Outcome) -> web.StreamResponse:
         attempt.translator.on_body(body)
     elif outcome.runtime is not None:  # an error may echo the key it was sent: not relayed
         body = upstream_errors.scrub(body, outcome.runtime.router.key_forms)
-    if outcome.collector is not None:
-        outcome.collector.answered(body)
     fill = outcome.cache_fill
     if fill is not None and up.status == 200:
         fill.take(body)  # for the response cache's entry
     headers = _client_headers(attempt, outcome.request_id)
+    outcome.observers.answered(up.status, body, headers)
     if fill is not None and fill.too_large:  # known before the headers go out: said beside `miss`
         headers[REASON_HEADER] = BypassReason.TOO_LARGE.value
     if up.status >= 400 and (
@@ -146,10 +144,11 @@ async def _relay_stream(
         return resp
     tap = StreamTap(translator, outcome.meter,
                     on_error=svc.metrics.metering_failure_counter(MeteringStage.STREAM))
-    # Capture enabled: the bytes written to the client are also kept, with their times. The
-    # wrapper is there only then; the hot path of a stream without capture is untouched.
-    writer: Writer = resp if outcome.collector is None else Kept(
-        resp, outcome.collector, outcome.meter.upstream_start or time.perf_counter())
+    # Observers of the bytes written to the client get them, with their times. The wrapper
+    # is there only then; the hot path of a stream nobody observes is untouched.
+    observers = outcome.observers
+    writer: Writer = resp if not observers.streaming else Observed(
+        resp, observers.stream_writer(), outcome.meter.upstream_start or time.perf_counter())
     if svc.ledger is not None:  # the final event waits for the row (proxy.pipeline.ending)
         writer = resp[ENDING] = EndHeld(writer, translator.final_events)
     stream = Stream(writer, watch, tap, translator, outcome, lambda: _abort(request))
@@ -206,17 +205,18 @@ class Writer(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class Kept:
-    """A client's writer whose bytes are also kept for capture: each write, with its time in
-    milliseconds after the upstream request was sent (a replay keeps the stream's pacing)."""
+class Observed:
+    """A client's writer whose bytes its observers also get: each write, with its time in
+    milliseconds after the upstream request was sent (a capture's replay keeps the stream's
+    pacing)."""
 
     resp: Writer
-    collector: Collector
+    streamed: Callable[[bytes, float], None]  # `Observers.stream_writer`
     since: float  # perf_counter() when the upstream request was sent
 
     def write(self, data: bytes) -> Awaitable[None]:
         # The client's write itself, not a coroutine around it: no frame more per chunk.
-        self.collector.streamed(data, (time.perf_counter() - self.since) * 1000)
+        self.streamed(data, (time.perf_counter() - self.since) * 1000)
         return self.resp.write(data)
 
 

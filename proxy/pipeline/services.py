@@ -23,6 +23,7 @@ from proxy.config.policy import Price
 from proxy.config.tags import TagRules
 from proxy.cost import price_for
 from proxy.ledger.ledger import Ledger
+from proxy.pipeline.observers import ObserverFactory
 from proxy.pipeline.watchdog import Watchdog
 from proxy.routing.attempts import LatencyTracker
 from proxy.routing.upstream import Router
@@ -110,6 +111,8 @@ class Services:
     capture: CaptureWriter | None = None  # None: capture is off (capture.enabled is false)
     tracing: Tracing | None = None  # None: tracing is off (the default)
     cache: ResponseCache | None = None  # the response cache (its config decides if it is used)
+    # The optional wings' factories of a request's observers (proxy.pipeline.observers).
+    observers: tuple[ObserverFactory, ...] = ()
 
 
 SERVICES = web.AppKey("services", Services)

@@ -21,8 +21,6 @@ from proxy.budget import estimate as est
 from proxy.budget.accounting import Reservation
 from proxy.budget.refusals import Refused
 from proxy.cache.outcome import CacheResult
-from proxy.capture.collect import Meta, Pending, redactor
-from proxy.capture.policy import Subject, wanted
 from proxy.config.cache import ChargeHits
 from proxy.config.policy import Price
 from proxy.cost import CostLines
@@ -33,7 +31,7 @@ from proxy.pipeline.context import Settlement
 from proxy.pipeline.services import Runtime, Services
 from proxy.protocol.usage import ZERO, Usage
 from proxy.telemetry.accesslog import log_request
-from proxy.telemetry.families import CaptureStage, MeteringStage
+from proxy.telemetry.families import MeteringStage
 from proxy.telemetry.metrics import Metrics
 from proxy.telemetry.record import RequestRecord
 from proxy.telemetry.tracing import BudgetDecision
@@ -90,10 +88,7 @@ async def settle(done: Settlement, svc: Services,
             svc.auth_failures.failed(done.request_id, done.operation)
         else:
             log_request(record)
-            if done.collected is not None and svc.capture is not None:
-                # Only a decision and an append: the capture is made by the writer, off the
-                # loop, with its batch.
-                _capture(done, record, runtime, svc)
+        done.observers.settled(done, record)
     except Exception:
         # Loud, never silent: a request whose usage we could not record is a billing hole.
         metrics.metering_failed(MeteringStage.SETTLE)
@@ -237,36 +232,3 @@ def _book(ledger: Ledger, record: RequestRecord, metrics: Metrics,
         # A row that could not even be made: the books miss this request. Loud.
         metrics.metering_failed(MeteringStage.LEDGER)
         log.exception("failed to make the ledger row of request %s", record.request_id)
-
-
-def _capture(done: Settlement, record: RequestRecord, runtime: Runtime,
-             svc: Services) -> None:
-    """The request kept whole, when `capture:` wants it: queued for the capture writer, which
-    makes it off the loop with its batch (every text redacted and bounded). A failure here
-    loses the capture, never the request's books: counted, logged, and that is all."""
-    collected, writer = done.collected, svc.capture
-    assert collected is not None and writer is not None
-    try:
-        cfg = runtime.config.capture
-        principal = done.principal
-        subject = Subject(user=record.user, key_name=record.key, team=record.team,
-                          model=done.request_model,
-                          failed=done.error_class is not ErrorClass.NONE,
-                          allowed=principal.capture if principal is not None else True)
-        if not wanted(cfg, subject, svc.rng.random()):
-            return
-        meta = Meta(request_id=done.request_id,
-                    started_at=record.started_at, api=collected.api,
-                    path=collected.path, operation=done.operation, user=record.user,
-                    key_name=record.key, team=record.team, requested_model=done.request_model,
-                    model=record.sent_model, stream=done.stream, status=done.status,
-                    error_class=done.error_class.value,
-                    tags=tuple((t.key, t.value) for t in record.tags.items),
-                    upstream_request_id=record.upstream_request_id)
-        # The upstreams' keys are removed literally, whatever they look like (the client's
-        # own, which the collector holds, are added when the capture is made).
-        keys = [u.api_key for u in runtime.config.upstreams.values()]
-        writer.offer(Pending(collected, meta, redactor(cfg.redact, keys)))
-    except Exception:
-        svc.metrics.capture_failed(CaptureStage.RECORD)
-        log.exception("failed to make the capture of request %s", done.request_id)
