@@ -18,34 +18,26 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, MutableMapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-from multidict import CIMultiDictProxy
+from typing import Generic, Protocol, TypeVar
 
 from proxy.errors import ErrorClass
-
-if TYPE_CHECKING:
-    from proxy.pipeline.context import Candidacy, Settlement
-    from proxy.pipeline.services import Runtime
-    from proxy.telemetry.record import RequestRecord
+from proxy.telemetry.record import RequestRecord
 
 log = logging.getLogger("tokenmeter.observers")
 
 
-@dataclass(frozen=True, slots=True)
-class Opening:
-    """What a wing's factory knows of a request as it opens: before its key or body is read."""
-
-    request_id: str
-    operation: str
-    api: str  # the API shape's upstream API ("openai", "anthropic")
-    path: str  # the client's path, "/v1/chat/completions"
-    headers: CIMultiDictProxy[str]
-    runtime: Runtime
+class _Request(Protocol):
+    @property
+    def request_id(self) -> str: ...
 
 
-class RequestObserver:
+# The request's candidacy and settlement (`proxy.pipeline.context`, which holds the request's
+# observers: named here by type variables, not imported).
+Candidacy = TypeVar("Candidacy")
+Settlement = TypeVar("Settlement", bound=_Request)
+
+
+class RequestObserver(Generic[Candidacy, Settlement]):
     """One wing's observer of one request. Every point does nothing here: a wing overrides
     the points it reads. Points in the order a request passes them."""
 
@@ -90,32 +82,26 @@ class RequestObserver:
         """The request's record, once its row is handed to the books."""
 
 
-ObserverFactory = Callable[[Opening], RequestObserver | None]
-
-
-def _overrides(observer: RequestObserver, point: str) -> bool:
+def _overrides(observer: object, point: str) -> bool:
     return getattr(type(observer), point) is not getattr(RequestObserver, point)
 
 
-class Observers:
+class Observers(Generic[Candidacy, Settlement]):
     """The observers of one request: each point handed to every one of them. `receiving` and
     `streaming` are those that read a stream's chunks, so a stream nobody reads runs the
     relay's loop without them."""
 
     __slots__ = ("all", "receiving", "streaming")
 
-    def __init__(self, observers: Iterable[RequestObserver] = ()) -> None:
+    def __init__(self, observers: Iterable[RequestObserver[Candidacy, Settlement]] = ()
+                 ) -> None:
         self.all = tuple(observers)
         self.receiving = tuple(o for o in self.all
                                if _overrides(o, "received") or _overrides(o, "relayed"))
         self.streaming = tuple(o for o in self.all if _overrides(o, "streamed"))
 
-    @classmethod
-    def opened(cls, factories: Iterable[ObserverFactory], opening: Opening) -> Observers:
-        """The observers the wings' factories make for a request as it opens."""
-        return cls(o for o in (make(opening) for make in factories) if o is not None)
-
-    def adding(self, observer: RequestObserver | None) -> Observers:
+    def adding(self, observer: RequestObserver[Candidacy, Settlement] | None
+               ) -> Observers[Candidacy, Settlement]:
         """These and `observer` (a factory's answer: None adds nothing)."""
         return self if observer is None else Observers((*self.all, observer))
 
@@ -177,5 +163,3 @@ class Observers:
                 log.exception("an observer of request %s failed as it settled (%s)",
                               done.request_id, type(o).__name__)
 
-
-NONE = Observers()

@@ -2,7 +2,11 @@
 factory, and the observer that turns the points it reads into its own package's verbs.
 
 - capture (`capture.enabled`): the request's bytes, bounded, then at settle the decision
-  whether it is kept (`proxy.capture.policy`) and the capture queued for the writer.
+  whether it is kept (`proxy.capture.policy`) and the capture queued for the writer;
+- tracing (`tracing:`, once started): the request's server span and a client span per
+  attempt, ended with the record's figures;
+- the response cache's fill of a miss: made by the cache step (`proxy.pipeline.caching`),
+  which alone knows whether the request is a miss to store.
 
 A wing is added here: an observer of the points it reads and a factory that `Services`
 holds (proxy/server/app.py makes them from the configuration).
@@ -18,12 +22,12 @@ from proxy.capture.collect import Collector, Meta, Pending, redactor, sent_keys
 from proxy.capture.policy import Subject, wanted
 from proxy.capture.writer import CaptureWriter
 from proxy.errors import ErrorClass
-from proxy.pipeline.context import Candidacy, Settlement
-from proxy.pipeline.observers import ObserverFactory, Opening, RequestObserver
-from proxy.pipeline.services import Runtime
+from proxy.pipeline.context import Candidacy, ObserverFactory, RequestObserver, Settlement
+from proxy.pipeline.services import Opening, Runtime
 from proxy.telemetry.families import CaptureStage
 from proxy.telemetry.metrics import Metrics
 from proxy.telemetry.record import RequestRecord
+from proxy.telemetry.tracing import BudgetDecision, RequestTrace, Target, Tracing
 
 log = logging.getLogger("tokenmeter.settle")
 
@@ -101,5 +105,59 @@ def capturing(writer: CaptureWriter, rng: random.Random, metrics: Metrics) -> Ob
         collector = Collector(cfg.max_body_kb * 1024, opening.api, opening.path,
                               sent_keys(opening.headers))
         return CaptureObserver(collector, opening.runtime, writer, rng, metrics)
+
+    return make
+
+
+class TraceObserver(RequestObserver):
+    """The request's spans: each attempt's client span (its `traceparent` sent upstream), and
+    the server span, ended with the record's figures."""
+
+    __slots__ = ("_trace",)
+
+    def __init__(self, trace: RequestTrace) -> None:
+        self._trace = trace
+
+    def forwarded(self, candidacy: Candidacy, body: bytes) -> None:
+        upstream = candidacy.route.upstream
+        self._trace.candidate(Target(candidacy.model, upstream.api.value, upstream.name,
+                                     candidacy.reservation.upstream_cap))
+
+    def attempt_started(self, headers: MutableMapping[str, str], host: str,
+                        port: int | None) -> None:
+        self._trace.attempt_started(headers, host, port)
+
+    def attempt_answered(self, status: int, error_class: ErrorClass) -> None:
+        self._trace.attempt_answered(status, error_class)
+
+    def attempt_ended(self, error_class: ErrorClass) -> None:
+        self._trace.attempt_ended(error_class)
+
+    def settled(self, done: Settlement, record: RequestRecord) -> None:
+        """A failure here loses spans, never the request's books: logged, and that is all."""
+        try:
+            self._trace.settle(record, budget_decision(done))
+        except Exception:
+            log.exception("failed to end the spans of request %s", done.request_id)
+
+
+def budget_decision(done: Settlement) -> BudgetDecision:
+    """What the budget made of the request's last candidate, from its reservation."""
+    if done.candidacy is None:
+        refused = done.error_class is ErrorClass.BUDGET_EXCEEDED
+        return BudgetDecision.REFUSED if refused else BudgetDecision.NONE
+    reservation = done.candidacy.reservation
+    if not reservation.stored:
+        return BudgetDecision.UNENFORCED
+    return BudgetDecision.CLAMPED if reservation.clamped else BudgetDecision.ADMITTED
+
+
+def tracing(spans: Tracing) -> ObserverFactory:
+    """Tracing's factory: the request's trace, its server span started as it opens (None
+    before the exporter started, or after it stopped)."""
+
+    def make(opening: Opening) -> RequestObserver | None:
+        trace = spans.request(opening.headers, opening.operation)
+        return None if trace is None else TraceObserver(trace)
 
     return make

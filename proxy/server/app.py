@@ -543,15 +543,17 @@ def create_app(
                     SettleSpool(spool_dir))
     rng = random.Random()
     capture = _capture_writer(config, holder, metrics)
+    spans = Tracing.of(config.tracing)
     app[SERVICES] = Services(
         runtime=holder, metrics=metrics, budget=budget, http=http, latency=LatencyTracker(),
         rng=rng, settling=Settling(), watchdog=Watchdog(),
         ledger=make_ledger(config.ledger, metrics, ship=placement.ship,
                            shipping=Shipping(config.server.drain_seconds, config.timezone)),
         capture=capture,
-        tracing=Tracing.of(config.tracing),
+        tracing=spans,
         cache=_response_cache(config, holder, metrics, clock),
-        observers=(wings.capturing(capture, rng, metrics),),
+        observers=(wings.capturing(capture, rng, metrics),
+                   *(() if spans is None else (wings.tracing(spans),))),
     )
     app[BODY_PARSERS] = asyncio.Semaphore(BODY_PARSER_SLOTS)
     app.cleanup_ctx.extend(
