@@ -159,8 +159,9 @@ ObserverFactory = Callable[[Opening], RequestObserver | None]
 
 def opened(factories: Iterable[Callable[[Opening], object]], opening: Opening) -> Observers:
     """The observers the wings' factories make for a request as it opens."""
-    made = (make(opening) for make in factories)
-    return Observers(o for o in made if isinstance(o, watching.RequestObserver))
+    made = [o for o in (make(opening) for make in factories)
+            if isinstance(o, watching.RequestObserver)]
+    return Observers(made) if made else NO_OBSERVERS
 
 
 class Outcome:
