@@ -27,6 +27,8 @@ given per budgeted request.
 
     .venv/bin/python benchmarks/bench_request_cost.py --baseline DIR --store [--rounds 3]
 
+`--capture` measures the default figures with capture on (`sample: 1`: every request captured).
+
 `--store` measures the Redis store alone, in a process of its own per tree: CPU time of
 `RedisStore.reserve` + `settle` of one request (a user's daily and per-minute windows, its
 in-flight set), 16 at a time, on one private redis-server.
@@ -61,17 +63,32 @@ KEY = "sk-cost-bench-user-000000"
 
 
 
+# `--capture`: every request captured (capture on, `sample: 1`), one upstream, as `--upstream`.
+CAPTURE = False
+
+
+def _capture_config(mock_port: int) -> str:
+    return (f"upstreams:\n  mock: {{base_url: 'http://127.0.0.1:{mock_port}/v1'}}\n"
+            "metrics: {discover_models: false}\ntimezone: UTC\n"
+            "capture: {enabled: true, sample: 1.0}\n")
+
+
 class Stack:
     def __init__(self, tree: Path, *mock_args: str) -> None:
-        env = {**os.environ, "PYTHONPATH": str(tree),
-               "TOKENMETER_STATE_DIR": tempfile.mkdtemp(prefix="tm-cost-")}
+        state = tempfile.mkdtemp(prefix="tm-cost-")
+        env = {**os.environ, "PYTHONPATH": str(tree), "TOKENMETER_STATE_DIR": state}
         self.mock_port, self.proxy_port = free_port(), free_port()
         cli = [sys.executable, "-m", "proxy.cli"]
         self.mock = subprocess.Popen(
             [*cli, "mock-upstream", "--port", str(self.mock_port), *mock_args],
             env=env, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        upstream = ["--upstream", f"http://127.0.0.1:{self.mock_port}/v1"]
+        if CAPTURE:
+            config = Path(state) / "capture.yaml"
+            config.write_text(_capture_config(self.mock_port))
+            upstream = ["--config", str(config)]
         self.proxy = subprocess.Popen(
-            [*cli, "serve", "--upstream", f"http://127.0.0.1:{self.mock_port}/v1",
+            [*cli, "serve", *upstream,
              "--port", str(self.proxy_port), "--log-level", "WARNING"], env=env, cwd=tree,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_port(self.mock_port)
@@ -292,7 +309,12 @@ def main() -> int:
     parser.add_argument("--store", action="store_true",
                         help="CPU per reserve + settle of the Redis store alone")
     parser.add_argument("--store-child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--capture", action="store_true",
+                        help="the default figures with every request captured")
     args = parser.parse_args()
+    if args.capture:
+        global CAPTURE  # noqa: PLW0603 -- one switch for every Stack of this run
+        CAPTURE = True
     if args.store_child:
         print(asyncio.run(_store_pairs(args.store_child, args.requests)))
         return 0

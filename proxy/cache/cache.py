@@ -12,7 +12,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,12 +121,9 @@ class Fill:
         self._held += len(data)
         self._parts.append(data)
 
-    async def tee(self, chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
-        take = self.take
-        async for chunk in chunks:
-            take(chunk)
-            yield chunk
-            self._handed = None
+    def relayed(self) -> None:
+        """The chunk last taken is relayed: the relay reads the upstream again."""
+        self._handed = None
 
     def stalled(self, now: float, stall_s: float) -> bool:
         """Whether waiting for this answer is pointless: it will not be stored, or its relay

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 
 from aiohttp import hdrs, web
 
@@ -24,16 +24,24 @@ from proxy.budget import limits as lim
 from proxy.budget import refusals
 from proxy.budget.accounting import Reservation
 from proxy.budget.refusals import Refused
-from proxy.cache.cache import HIT_HEADER, Ask, Decision, Finished
-from proxy.config.cache import ChargeHits
+from proxy.cache.cache import (
+    HIT_HEADER,
+    REASON_HEADER,
+    Ask,
+    Decision,
+    Fill,
+    Finished,
+    ResponseCache,
+)
+from proxy.config.cache import CacheConfig, ChargeHits
 from proxy.cost import CostLines
 from proxy.errors import ErrorClass
-from proxy.pipeline.context import Outcome, RequestContext, Settlement
+from proxy.pipeline.context import Outcome, RequestContext, RequestObserver, Settlement
 from proxy.pipeline.relay import REQUEST_ID_HEADER
-from proxy.pipeline.services import Services
+from proxy.pipeline.services import Services, Settling
 from proxy.protocol.translators import Translator
 from proxy.protocol.usage import ZERO
-from proxy.record import CacheResult, RequestRecord
+from proxy.record import BypassReason, CacheResult, RequestRecord
 
 
 async def consult(request: web.Request, ctx: RequestContext, svc: Services, outcome: Outcome,
@@ -50,7 +58,7 @@ async def consult(request: web.Request, ctx: RequestContext, svc: Services, outc
               _own_cap(ctx, svc, shape), upstream.first_byte_timeout_s)
     decision = await cache.consult(ctx.runtime.config.cache, ask)
     if decision.entry is None:
-        outcome.cache_decided(decision)
+        _decided(outcome, decision, ctx, svc)
         return None
     reservation = await _admit(ctx, svc, decision)
     outcome.cache_decided(decision.served())
@@ -58,7 +66,7 @@ async def consult(request: web.Request, ctx: RequestContext, svc: Services, outc
     body = await cache.replay(decision, ctx.request.body, stream=ctx.stream)
     if body is None:  # its entry holds no answer (counted): a miss, which goes upstream
         outcome.not_served_from_cache()
-        outcome.cache_decided(decision.missed())
+        _decided(outcome, decision.missed(), ctx, svc)
         await svc.budget.release(reservation)
         return None
     return await _replay(request, ctx, decision, body, outcome)
@@ -120,12 +128,8 @@ async def _replay(request: web.Request, ctx: RequestContext, decision: Decision,
                   outcome: Outcome) -> web.StreamResponse:
     sent = {HIT_HEADER: "hit", hdrs.AGE: str(int(decision.age_s or 0)),
             REQUEST_ID_HEADER: outcome.request_id}
-    if outcome.collector is not None:  # capture keeps the answer the client got, as for a miss
-        if ctx.stream:
-            outcome.collector.streamed(body, 0.0)
-        else:
-            outcome.collector.answered(body)
     if not ctx.stream:
+        outcome.observers.answered(200, body, sent)
         outcome.meter.content(time.perf_counter())
         return web.Response(body=body, headers=sent, content_type="application/json")
     resp = web.StreamResponse(status=200, headers={
@@ -133,20 +137,57 @@ async def _replay(request: web.Request, ctx: RequestContext, decision: Decision,
         hdrs.CACHE_CONTROL: "no-cache"})
     await resp.prepare(request)
     outcome.meter.content(time.perf_counter())
+    outcome.observers.streamed(body, 0.0)
     await resp.write(body)
     return resp
 
 
-def finish(done: Settlement, outcome: Outcome, svc: Services) -> None:
-    """A miss's fill is completed in a task of its own (its entry is made off the loop and
-    stored; its flight ends), tracked with the settle tasks so shutdown waits for it."""
-    fill = outcome.cache_fill
-    if fill is None or svc.cache is None or done.runtime is None:
-        return
-    task = asyncio.ensure_future(
-        svc.cache.complete(fill, done.runtime.config.cache, _finished(done)))
-    svc.settling.tasks.add(task)
-    task.add_done_callback(svc.settling.finished)
+def _decided(outcome: Outcome, decision: Decision, ctx: RequestContext,
+             svc: Services) -> None:
+    """A miss (or a bypass): its result for the record, and its fill, if it has one, among
+    the request's observers."""
+    outcome.cache_decided(decision)
+    outcome.observe(outcome.observers.adding(_filling(decision, ctx, svc)))
+
+
+def _filling(decision: Decision, ctx: RequestContext, svc: Services) -> FillObserver | None:
+    """The fill's factory: an observer of a miss whose answer the cache stores, else None."""
+    cache = svc.cache
+    if decision.fill is None or cache is None:
+        return None
+    return FillObserver(decision.fill, cache, ctx.runtime.config.cache, svc.settling)
+
+
+class FillObserver(RequestObserver):
+    """A miss's answer kept for its entry as it passes (the upstream's stream as it came, or
+    its JSON body), bounded by the fill itself; when the request is over, the entry is made
+    off the loop and stored in a task of its own (its flight ends), tracked with the settle
+    tasks so shutdown waits for it."""
+
+    __slots__ = ("_cache", "_config", "_fill", "_settling")
+
+    def __init__(self, fill: Fill, cache: ResponseCache, config: CacheConfig,
+                 settling: Settling) -> None:
+        self._fill, self._cache, self._config = fill, cache, config
+        self._settling = settling
+
+    def answered(self, status: int, body: bytes, headers: MutableMapping[str, str]) -> None:
+        if status == 200:
+            self._fill.take(body)
+        if self._fill.too_large:  # known before the headers go out: said beside `miss`
+            headers[REASON_HEADER] = BypassReason.TOO_LARGE.value
+
+    def received(self, chunk: bytes) -> None:
+        self._fill.take(chunk)
+
+    def relayed(self) -> None:
+        self._fill.relayed()
+
+    def finished(self, done: Settlement) -> None:
+        task = asyncio.ensure_future(
+            self._cache.complete(self._fill, self._config, _finished(done)))
+        self._settling.tasks.add(task)
+        task.add_done_callback(self._settling.finished)
 
 
 def _finished(done: Settlement) -> Finished | None:

@@ -19,6 +19,7 @@ answer's body reaches the client untouched).
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import aiohttp
@@ -26,18 +27,20 @@ import aiohttp
 from proxy.budget.accounting import Reservation
 from proxy.budget.principal import Principal
 from proxy.cache import cache as response_cache
-from proxy.cache.cache import Decision, Fill
-from proxy.capture.collect import Collector
+from proxy.cache.cache import Decision
 from proxy.config.tags import NO_TAGS, Tags
 from proxy.errors import ErrorClass
 from proxy.pipeline import counting
-from proxy.pipeline.services import Runtime
+from proxy.pipeline import observers as watching
+from proxy.pipeline.services import Opening, Runtime
 from proxy.protocol.translators import ParsedRequest, Translator
 from proxy.protocol.usage import ZERO, Usage
 from proxy.record import NOT_CONSULTED, CacheOutcome
 from proxy.routing.upstream import Route
 from proxy.telemetry.meter import RequestMeter
-from proxy.telemetry.tracing import RequestTrace
+
+# A request nothing observes (proxy.pipeline.observers).
+NO_OBSERVERS: watching.Observers[Candidacy, Settlement] = watching.Observers()
 
 # A request whose client left: it cannot have read an answer, whatever the upstream did.
 CLIENT_GONE = frozenset({ErrorClass.CLIENT_DISCONNECT, ErrorClass.CLIENT_TIMEOUT})
@@ -114,10 +117,9 @@ class Settlement:
     meter: RequestMeter
     fallback_from: str | None
     attempts: int
-    collected: Collector | None = None  # its bytes, when capture is enabled
     cache: CacheOutcome = NOT_CONSULTED  # what the response cache did
     tags: Tags = NO_TAGS  # the request's tags, its principal's defaults under them
-    trace: RequestTrace | None = None  # its spans, when tracing is on
+    observers: Observers = NO_OBSERVERS  # the wings that observe it
     # A cache hit's admission (`Budget.reserve_hit`): what it holds until settled.
     hit_reservation: Reservation | None = None
     # The upstream's own id of the answer relayed (its `x-request-id` / `request-id`).
@@ -148,27 +150,39 @@ class Settlement:
         return await counting.prompt_usage(translator)
 
 
+# One wing's observer of a request, the request's observers, and a wing's factory of them
+# (`Services.observers`): proxy.pipeline.observers, of this module's request.
+RequestObserver = watching.RequestObserver[Candidacy, Settlement]
+Observers = watching.Observers[Candidacy, Settlement]
+ObserverFactory = Callable[[Opening], RequestObserver | None]
+
+
+def opened(factories: Iterable[Callable[[Opening], object]], opening: Opening) -> Observers:
+    """The observers the wings' factories make for a request as it opens."""
+    made = [o for o in (make(opening) for make in factories)
+            if isinstance(o, watching.RequestObserver)]
+    return Observers(made) if made else NO_OBSERVERS
+
+
 class Outcome:
     """The mutable facts of one request, written only through these methods."""
 
     __slots__ = ("_answered", "_attempts", "_candidacy", "_context", "_error_class",
                  "_fallback_from", "_hit", "_in_flight", "_model", "_principal", "_status",
-                 "_stream", "_tags", "_upstream_request_id", "cache", "collector", "meter",
-                 "operation", "request_id", "runtime", "trace")
+                 "_stream", "_tags", "_upstream_request_id", "cache", "meter", "observers",
+                 "operation", "request_id", "runtime")
 
     def __init__(self, request_id: str, operation: str, meter: RequestMeter) -> None:
         self.request_id = request_id
         self.operation = operation
         self.meter = meter
         self.runtime: Runtime | None = None
-        # The request's bytes, kept for a possible capture (capture.enabled), else None: the
-        # relay and the handler append to it as the bytes pass; settle decides.
-        self.collector: Collector | None = None
-        # The request's spans when tracing is on (proxy.telemetry.tracing), else None: the
-        # handler and the routing report the attempts to it, settle ends it.
-        self.trace: RequestTrace | None = None
-        # What the response cache decided for the request (docs/cache.md): a hit's entry, or
-        # a miss's fill that the relay feeds; set once, by the pipeline's cache step.
+        # The wings that observe the request (proxy.pipeline.observers): the steps call its
+        # points as the request passes them.
+        self.observers = NO_OBSERVERS
+        # What the response cache decided for the request (docs/cache.md): its result, which
+        # the record books (a miss's fill observes the request: proxy.pipeline.caching); set
+        # by the pipeline's cache step.
         self.cache: Decision = response_cache.NOT_CONSULTED
         self._principal: Principal | None = None
         self._model = ""
@@ -198,6 +212,9 @@ class Outcome:
     def tagged(self, tags: Tags) -> None:
         self._tags = tags
 
+    def observe(self, observers: Observers) -> None:
+        self.observers = observers
+
     def admitted(self, context: RequestContext) -> None:
         self._context = context
 
@@ -216,10 +233,6 @@ class Outcome:
         self._answered = False
         self._status = 500
         self._hit = None
-
-    @property
-    def cache_fill(self) -> Fill | None:
-        return self.cache.fill
 
     # --- attempts -----------------------------------------------------------------------
     def candidate(self, candidacy: Candidacy, fallback_from: str | None) -> None:
@@ -311,9 +324,8 @@ class Outcome:
             meter=self.meter,
             fallback_from=self._fallback_from,
             attempts=self._attempts,
-            collected=self.collector,
+            observers=self.observers,
             tags=self._tags,
-            trace=self.trace,
             cache=self.cache.outcome(),
             hit_reservation=self._hit,
             upstream_request_id=self._upstream_request_id,

@@ -34,7 +34,6 @@ from proxy.budget.estimate import hides_output, learned_key
 from proxy.budget.principal import Principal
 from proxy.budget.refusals import Refused
 from proxy.budget.store import ScopeKind
-from proxy.capture.collect import Collector, sent_keys
 from proxy.config.tags import HEADER as TAGS_HEADER
 from proxy.config.tags import Tags
 from proxy.errors import (
@@ -50,7 +49,7 @@ from proxy.errors import (
 )
 from proxy.ids import new_id
 from proxy.pipeline import caching, counting
-from proxy.pipeline.context import Attempt, Candidacy, Outcome, RequestContext
+from proxy.pipeline.context import Attempt, Candidacy, Outcome, RequestContext, opened
 from proxy.pipeline.ending import ENDING, resolves
 from proxy.pipeline.relay import (
     REQUEST_ID_HEADER,
@@ -60,7 +59,7 @@ from proxy.pipeline.relay import (
     retries_spent,
     tell_cost,
 )
-from proxy.pipeline.services import BODY_TIMED_OUT, SERVICES, Runtime, Services
+from proxy.pipeline.services import BODY_TIMED_OUT, SERVICES, Opening, Runtime, Services
 from proxy.pipeline.settle import settle
 from proxy.protocol import upstream_errors
 from proxy.protocol.translators import ParsedRequest, Translator, parse_body
@@ -69,7 +68,6 @@ from proxy.routing.exceptions_map import Phase, map_upstream_exceptions
 from proxy.routing.upstream import Upstream, upstream_request_headers
 from proxy.telemetry.meter import RequestMeter
 from proxy.telemetry.metrics import Metrics
-from proxy.telemetry.tracing import Target
 
 log = logging.getLogger("tokenmeter.relay")
 
@@ -105,11 +103,8 @@ def make_handler(shape: type[Translator]) -> Handler:
 
 async def handle(request: web.Request, svc: Services, shape: type[Translator]
                  ) -> web.StreamResponse:
-    outcome = Outcome(new_id(), shape.operation, RequestMeter())
-    request[REQUEST_ID] = outcome.request_id
+    outcome = _opened(request, svc, shape)
     relayed: web.StreamResponse | None = None  # the upstream's answer, as the client gets it
-    if svc.tracing is not None:
-        outcome.trace = svc.tracing.request(request.headers, shape.operation)
     try:
         ctx = await admit(request, svc, shape, outcome)
         hit = await caching.consult(request, ctx, svc, outcome, shape)
@@ -120,17 +115,7 @@ async def handle(request: web.Request, svc: Services, shape: type[Translator]
         relayed = await relay(request, attempt, svc, outcome)
         return relayed
     except ProxyError as exc:
-        outcome.fail(exc.error_class, exc.status)
-        response = _answer(exc, shape, outcome)
-        if isinstance(exc, AuthenticationFailed) or not request.content.is_eof():
-            # A client without a valid key gets no kept-alive connection: it would hold one of
-            # server.max_connections for keepalive_timeout_s (authentication is admission's
-            # first step, so this is every answer to an unauthenticated request). Nor does a
-            # request whose body was refused unread (401, 413, 415): the listener stops
-            # reading once the answer is out and closes the connection after a moment, so
-            # the client can read the answer; the rest of the body is never drained.
-            response.force_close()
-        return response
+        return _refused(request, exc, shape, outcome)
     except asyncio.CancelledError:
         # aiohttp cancels the handler when the client disconnects, and the listener when the
         # body missed its deadline (it answered 408 itself).
@@ -139,22 +124,53 @@ async def handle(request: web.Request, svc: Services, shape: type[Translator]
         else:
             outcome.client_left()
         raise
-    except ConnectionError:
-        # A write to a client that has gone (without handler cancellation, or before it lands),
-        # or a body read that the connection's close ended (`_read`).
-        if request.get(BODY_TIMED_OUT):  # the listener answered 408 and closed, as above
-            outcome.fail(ErrorClass.BODY_TIMEOUT, 408)
-            return web.Response(status=408)
-        if not client_gone(request):
-            outcome.fail(ErrorClass.INTERNAL)
-            raise
-        outcome.fail(ErrorClass.CLIENT_DISCONNECT, 499)
-        return web.Response(status=499)
+    except ConnectionError as exc:
+        return _connection_lost(request, outcome, exc)
     except Exception:
         outcome.fail(ErrorClass.INTERNAL)
         raise
     finally:
         await _settle(request, svc, outcome, relayed)
+
+
+def _refused(request: web.Request, exc: ProxyError, shape: type[Translator],
+             outcome: Outcome) -> web.Response:
+    outcome.fail(exc.error_class, exc.status)
+    response = _answer(exc, shape, outcome)
+    if isinstance(exc, AuthenticationFailed) or not request.content.is_eof():
+        # A client without a valid key gets no kept-alive connection: it would hold one of
+        # server.max_connections for keepalive_timeout_s (authentication is admission's
+        # first step, so this is every answer to an unauthenticated request). Nor does a
+        # request whose body was refused unread (401, 413, 415): the listener stops
+        # reading once the answer is out and closes the connection after a moment, so
+        # the client can read the answer; the rest of the body is never drained.
+        response.force_close()
+    return response
+
+
+def _connection_lost(request: web.Request, outcome: Outcome,
+                     exc: ConnectionError) -> web.Response:
+    """A write to a client that has gone (without handler cancellation, or before it lands),
+    or a body read that the connection's close ended (`_read`)."""
+    if request.get(BODY_TIMED_OUT):  # the listener answered 408 and closed the connection
+        outcome.fail(ErrorClass.BODY_TIMEOUT, 408)
+        return web.Response(status=408)
+    if not client_gone(request):
+        outcome.fail(ErrorClass.INTERNAL)
+        raise exc
+    outcome.fail(ErrorClass.CLIENT_DISCONNECT, 499)
+    return web.Response(status=499)
+
+
+def _opened(request: web.Request, svc: Services, shape: type[Translator]) -> Outcome:
+    """The request's outcome, with the observers the wings' factories make for it."""
+    outcome = Outcome(new_id(), shape.operation, RequestMeter())
+    request[REQUEST_ID] = outcome.request_id
+    if svc.observers:
+        outcome.observe(opened(svc.observers, Opening(
+            outcome.request_id, shape.operation, shape.upstream_api, "/v1" + shape.path,
+            request.headers, svc.runtime.current)))
+    return outcome
 
 
 def _answer(exc: ProxyError, shape: type[Translator], outcome: Outcome) -> web.Response:
@@ -174,7 +190,7 @@ async def _settle(request: web.Request, svc: Services, outcome: Outcome,
     out yet (a JSON answer) or its stream's end is not (aiohttp ends it after the handler
     returns), so the figures are the ledger row's own."""
     done = outcome.finish()
-    caching.finish(done, outcome, svc)
+    done.observers.finished(done)
     ending = relayed.get(ENDING) if relayed is not None else None
     booked: asyncio.Future[None] | None = None
     if ending is not None and ending.holding:
@@ -209,11 +225,7 @@ async def admit(request: web.Request, svc: Services, shape: type[Translator],
     principal = runtime.users.authenticate(request)
     outcome.authenticated(principal)
     raw = await _read(request, runtime.config.server.max_body_mb)
-    capture = runtime.config.capture
-    if capture.enabled:  # kept for settle, which decides whether the request is captured
-        outcome.collector = Collector(capture.max_body_kb * 1024, shape.upstream_api,
-                                      "/v1" + shape.path, sent_keys(request.headers))
-        outcome.collector.sent(raw)
+    outcome.observers.sent(raw)
     parsed = await _parse(request, raw)
     outcome.read(parsed)
     outcome.tagged(_tags(request, runtime, svc.metrics, principal,
@@ -366,8 +378,7 @@ async def _try(request: web.Request, ctx: RequestContext, svc: Services, outcome
                            _response_headers(candidacy, turn.fallback_from, svc)
                            | caching.headers(outcome))
         up.close()
-        if outcome.trace is not None:
-            outcome.trace.attempt_ended(failure)
+        outcome.observers.attempt_ended(failure)
     log.warning("request %s: model %s failed (%s), trying its next fallback",
                 ctx.request_id, cand.model, failure)
     outcome.released()
@@ -407,8 +418,7 @@ async def _call(request: web.Request, ctx: RequestContext, svc: Services, outcom
     `UpstreamUnavailable` when no answer came."""
     upstream, translator = candidacy.route.upstream, candidacy.translator
     body = translator.upstream_body(candidacy.reservation.upstream_cap)
-    if outcome.collector is not None:
-        outcome.collector.forwarded(body)
+    outcome.observers.forwarded(candidacy, body)
     headers = upstream_request_headers(
         request.headers, upstream,
         client_key=client_key(request) if ctx.principal.forward_client_key else None,
@@ -418,9 +428,6 @@ async def _call(request: web.Request, ctx: RequestContext, svc: Services, outcom
         outcome.retried()
         svc.metrics.retried(u.name, reason)
 
-    if outcome.trace is not None:
-        outcome.trace.candidate(Target(candidacy.model, upstream.api.value, upstream.name,
-                                       candidacy.reservation.upstream_cap))
     outcome.meter.mark_upstream_start()
     deadline = None if ctx.stream else asyncio.get_running_loop().time() + upstream.total_timeout_s
     try:
@@ -428,12 +435,12 @@ async def _call(request: web.Request, ctx: RequestContext, svc: Services, outcom
             async with asyncio.timeout_at(deadline):
                 answer = await attempts.call_upstream(
                     svc.http.session, upstream, attempts.Call(translator.path, body, headers),
-                    attempts.Retrying(on_retry, svc.rng, outcome.sent, outcome.trace),
+                    attempts.Retrying(on_retry, svc.rng, outcome.sent,
+                                      outcome.observers if outcome.observers else None),
                 )
     except (UpstreamTimeout, UpstreamUnavailable) as exc:
         outcome.call_failed()
-        if outcome.trace is not None:
-            outcome.trace.attempt_ended(exc.error_class)
+        outcome.observers.attempt_ended(exc.error_class)
         raise
     return answer, deadline
 

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterable, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Protocol
@@ -21,8 +21,6 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.budget.refusals import QuotaEnded
-from proxy.cache.cache import REASON_HEADER
-from proxy.capture.collect import Collector
 from proxy.config.load import CostHeaders
 from proxy.errors import (
     ErrorClass,
@@ -32,7 +30,7 @@ from proxy.errors import (
     UpstreamUnavailable,
     stream_error_event,
 )
-from proxy.pipeline.context import Attempt, Outcome
+from proxy.pipeline.context import Attempt, Observers, Outcome
 from proxy.pipeline.ending import ENDING, EndHeld
 from proxy.pipeline.services import Services
 from proxy.pipeline.topup import StoreFailed, TopUps
@@ -40,7 +38,7 @@ from proxy.pipeline.watchdog import Watch
 from proxy.protocol import upstream_errors
 from proxy.protocol.tap import StreamTap
 from proxy.protocol.translators import Translator
-from proxy.record import BypassReason, RequestRecord
+from proxy.record import RequestRecord
 from proxy.routing.exceptions_map import Phase, map_upstream_exceptions
 from proxy.routing.upstream import client_response_headers
 from proxy.telemetry.families import MeteringStage
@@ -104,14 +102,8 @@ async def _relay_body(attempt: Attempt, outcome: Outcome) -> web.StreamResponse:
         attempt.translator.on_body(body)
     elif outcome.runtime is not None:  # an error may echo the key it was sent: not relayed
         body = upstream_errors.scrub(body, outcome.runtime.router.key_forms)
-    if outcome.collector is not None:
-        outcome.collector.answered(body)
-    fill = outcome.cache_fill
-    if fill is not None and up.status == 200:
-        fill.take(body)  # for the response cache's entry
     headers = _client_headers(attempt, outcome.request_id)
-    if fill is not None and fill.too_large:  # known before the headers go out: said beside `miss`
-        headers[REASON_HEADER] = BypassReason.TOO_LARGE.value
+    outcome.observers.answered(up.status, body, headers)
     if up.status >= 400 and (
         retries_spent(outcome) or upstream_errors.blames_request(up.status, outcome.error_class)
     ):
@@ -134,36 +126,19 @@ async def _relay_stream(
     up, translator = attempt.response, attempt.translator
     resp = web.StreamResponse(status=up.status,
                               headers=_client_headers(attempt, outcome.request_id))
-    try:
-        await resp.prepare(request)
-    except (ConnectionError, RuntimeError):
-        # The client hung up as the upstream's answer came: its socket is closing, and the
-        # handler's cancellation is on its way. Nothing reached it.
-        if not client_gone(request):
-            raise
-        outcome.fail(ErrorClass.CLIENT_DISCONNECT, 499)
+    if not await _prepared(request, resp, outcome):
         return resp
-    tap = StreamTap(translator, outcome.meter,
-                    on_error=svc.metrics.metering_failure_counter(MeteringStage.STREAM))
-    # Capture enabled: the bytes written to the client are also kept, with their times. The
-    # wrapper is there only then; the hot path of a stream without capture is untouched.
-    writer: Writer = resp if outcome.collector is None else Kept(
-        resp, outcome.collector, outcome.meter.upstream_start or time.perf_counter())
-    if svc.ledger is not None:  # the final event waits for the row (proxy.pipeline.ending)
-        writer = resp[ENDING] = EndHeld(writer, translator.final_events)
-    stream = Stream(writer, watch, tap, translator, outcome, lambda: _abort(request))
-    # Under `admission: estimate`: the reservation grows as the stream runs (proxy.pipeline.
-    # topup); between its checks the loop pays one comparison per chunk.
+    stream = Stream(_writer(resp, translator, svc, outcome), watch,
+                    _tap(translator, svc, outcome), translator, outcome, lambda: _abort(request))
+    # Under `admission: estimate`: the reservation grows as the stream runs (topup); between
+    # its checks the loop pays one comparison per chunk. A read that fails (or is cut by the
+    # watchdog: `silent`) becomes the proxy's error; a write to a client that left does not.
     topups = TopUps.for_stream(svc.budget, attempt.candidacy.reservation, translator,
                                (outcome.runtime or svc.runtime.current).config)
     try:
-        # A read that fails (or is cut by the watchdog: `silent`) becomes the proxy's error;
-        # a write to a client that left passes through as it is.
         with map_upstream_exceptions(attempt.route.upstream, Phase.STREAM,
                                      silent=lambda: watch.expired):
-            chunks: AsyncIterable[bytes] = up.content.iter_any()
-            if outcome.cache_fill is not None:  # a miss the response cache stores: kept too
-                chunks = outcome.cache_fill.tee(chunks)
+            chunks = _chunks(up.content.iter_any(), outcome.observers)
             await (stream.pump(chunks) if topups is None else stream.pump_checked(chunks, topups))
             if watch.expired:  # the watchdog closed a silent upstream: not a clean end
                 raise TimeoutError
@@ -172,7 +147,7 @@ async def _relay_stream(
         # aiohttp raises these (ClientConnectionResetError among them) from write() when the
         # client went away, or was cut off for not reading.
         outcome.client_left()
-        tap.close()
+        stream.tap.close()
     except (UpstreamTimeout, UpstreamUnavailable, QuotaEnded, StoreFailed) as failure:
         _log_end(outcome.request_id, failure)
         await stream.fail(failure)
@@ -185,6 +160,52 @@ async def _relay_stream(
         if topups is not None:
             await topups.close()
     return resp
+
+
+async def _prepared(request: web.Request, resp: web.StreamResponse, outcome: Outcome) -> bool:
+    """The stream's headers sent; False: the client hung up as the upstream's answer came
+    (its socket is closing, and the handler's cancellation is on its way). Nothing reached
+    it."""
+    try:
+        await resp.prepare(request)
+    except (ConnectionError, RuntimeError):
+        if not client_gone(request):
+            raise
+        outcome.fail(ErrorClass.CLIENT_DISCONNECT, 499)
+        return False
+    return True
+
+
+def _tap(translator: Translator, svc: Services, outcome: Outcome) -> StreamTap:
+    return StreamTap(translator, outcome.meter,
+                     on_error=svc.metrics.metering_failure_counter(MeteringStage.STREAM))
+
+
+def _writer(resp: web.StreamResponse, translator: Translator, svc: Services,
+            outcome: Outcome) -> Writer:
+    # Observers of the bytes written to the client get them, with their times. The wrapper
+    # is there only then; the hot path of a stream nobody observes is untouched.
+    observers = outcome.observers
+    writer: Writer = resp if not observers.streaming else Observed(
+        resp, observers.stream_writer(), outcome.meter.upstream_start or time.perf_counter())
+    if svc.ledger is not None:  # the final event waits for the row (proxy.pipeline.ending)
+        writer = resp[ENDING] = EndHeld(writer, translator.final_events)
+    return writer
+
+
+def _chunks(chunks: AsyncIterable[bytes], observers: Observers) -> AsyncIterable[bytes]:
+    """The upstream's chunks, through the observers that read them (e.g. a miss the response
+    cache stores), when there are some."""
+    return _observed(chunks, observers) if observers.receiving else chunks
+
+
+async def _observed(chunks: AsyncIterable[bytes], observers: Observers
+                    ) -> AsyncIterator[bytes]:
+    received, relayed = observers.received, observers.relayed
+    async for chunk in chunks:
+        received(chunk)
+        yield chunk
+        relayed()
 
 
 def _log_end(request_id: str, failure: ProxyError) -> None:
@@ -205,17 +226,18 @@ class Writer(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class Kept:
-    """A client's writer whose bytes are also kept for capture: each write, with its time in
-    milliseconds after the upstream request was sent (a replay keeps the stream's pacing)."""
+class Observed:
+    """A client's writer whose bytes its observers also get: each write, with its time in
+    milliseconds after the upstream request was sent (a capture's replay keeps the stream's
+    pacing)."""
 
     resp: Writer
-    collector: Collector
+    streamed: Callable[[bytes, float], None]  # `Observers.stream_writer`
     since: float  # perf_counter() when the upstream request was sent
 
     def write(self, data: bytes) -> Awaitable[None]:
         # The client's write itself, not a coroutine around it: no frame more per chunk.
-        self.collector.streamed(data, (time.perf_counter() - self.since) * 1000)
+        self.streamed(data, (time.perf_counter() - self.since) * 1000)
         return self.resp.write(data)
 
 

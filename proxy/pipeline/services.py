@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDictProxy
 
 from proxy.auth import UserIndex
 from proxy.budget.accounting import Budget
@@ -94,6 +96,18 @@ class HttpClient:
 
 
 @dataclass(frozen=True, slots=True)
+class Opening:
+    """What a wing's factory knows of a request as it opens: before its key or body is read."""
+
+    request_id: str
+    operation: str
+    api: str  # the API shape's upstream API ("openai", "anthropic")
+    path: str  # the client's path, "/v1/chat/completions"
+    headers: CIMultiDictProxy[str]
+    runtime: Runtime
+
+
+@dataclass(frozen=True, slots=True)
 class Services:
     """The long-lived parts a request uses, made once per app and passed explicitly."""
 
@@ -110,6 +124,9 @@ class Services:
     capture: CaptureWriter | None = None  # None: capture is off (capture.enabled is false)
     tracing: Tracing | None = None  # None: tracing is off (the default)
     cache: ResponseCache | None = None  # the response cache (its config decides if it is used)
+    # The optional wings' factories of a request's observers (`context.ObserverFactory`; a
+    # factory's answer that is not an observer is none).
+    observers: tuple[Callable[[Opening], object], ...] = ()
 
 
 SERVICES = web.AppKey("services", Services)

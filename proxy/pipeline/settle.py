@@ -16,16 +16,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from proxy.budget import estimate as est
 from proxy.budget.accounting import Reservation
 from proxy.budget.refusals import Refused
-from proxy.capture.collect import Meta, Pending, redactor
-from proxy.capture.policy import Subject, wanted
 from proxy.config.cache import ChargeHits
 from proxy.config.policy import Price
 from proxy.cost import CostLines
 from proxy.errors import ErrorClass
+from proxy.identity import key_label
 from proxy.ledger.ledger import Ledger
 from proxy.ledger.row import LedgerRow
 from proxy.pipeline.context import Settlement
@@ -33,9 +34,8 @@ from proxy.pipeline.services import Runtime, Services
 from proxy.protocol.usage import ZERO, Usage
 from proxy.record import CacheResult, RequestRecord
 from proxy.telemetry.accesslog import log_request
-from proxy.telemetry.families import CaptureStage, MeteringStage
+from proxy.telemetry.families import MeteringStage
 from proxy.telemetry.metrics import Metrics
-from proxy.telemetry.tracing import BudgetDecision
 
 log = logging.getLogger("tokenmeter.settle")
 
@@ -44,17 +44,14 @@ async def settle(done: Settlement, svc: Services,
                  booked: Callable[[], None] | None = None) -> RequestRecord | None:
     """The request settled; its record (None when settling failed), whose cost and tokens the
     handler may tell the client (`cost_headers:`). `booked` is called once the request's row
-    is spooled (not at all when it has none): the handler then lets its stream end."""
-    metrics = svc.metrics
+    is spooled (not at all when it has none): the handler then lets its stream end.
+
+    The charge is worked out once (usage, what it is charged against, the record), then the
+    record's projections: the books (the row, then the store), the observers (spans, capture),
+    the metrics and the log line."""
     try:
-        runtime = done.runtime or svc.runtime.current
-        hit = done.cache.result is CacheResult.HIT
-        # Reported usage is at hand; an estimate is counted in a thread (proxy.pipeline.
-        # counting), the one wait that can come before the row. A hit made no upstream call:
-        # it used nothing (what it saved is priced in `_record`), whatever else it holds.
-        usage = ZERO if hit else await done.usage()
-        charged = _hit_charged(done, svc, runtime) if hit else _reserved(done)
-        record = _record(done, runtime, usage, charged)
+        charge = await _charge(done, svc)
+        record = charge.record
         # A request refused for its key names no one and cost nothing: no row (anyone can send
         # them, and a flood of them would fill the spool and push real rows out), no log line
         # each; counted, and sampled into the access log, below.
@@ -64,41 +61,77 @@ async def settle(done: Settlement, svc: Services,
         # slow store must neither hold the client's end nor, if the process is killed while
         # it is slow to take the charge, take the row with it.
         if svc.ledger is not None and not unauthenticated:
-            _book(svc.ledger, record, metrics, booked)
-        if done.trace is not None:  # before the store's round trips, which may fail or stall
-            _trace(done, record)
-        if hit:
-            await _charge_hit(done, svc, record, charged)
-        elif charged is not None:
-            await svc.budget.settle(charged, usage, record.cost)
-            # Only an answer that ended as the upstream meant it to says how long answers run
-            # (see proxy.budget.estimate).
-            if (charged.estimate_key is not None and done.status == 200
-                    and done.error_class is ErrorClass.NONE and usage.output_tokens > 0):
-                await svc.budget.learn(charged, usage.output_tokens)
-            if _hid_output(done, usage, charged):
-                await svc.budget.learn_hidden(charged)
-        metrics.record_request(record, done.meter.gap_buckets())
-        route, figures = done.route, record.figures
-        # A hit says nothing of how fast the upstream is: no latency sample for routing.
-        if (route is not None and route.latency is not None and not hit
-                and figures.upstream_ttft is not None):
-            svc.latency.observe(route, figures.upstream_ttft)
-        if unauthenticated:
-            metrics.auth_failed()
-            svc.auth_failures.failed(done.request_id, done.operation)
-        else:
-            log_request(record)
-            if done.collected is not None and svc.capture is not None:
-                # Only a decision and an append: the capture is made by the writer, off the
-                # loop, with its batch.
-                _capture(done, record, runtime, svc)
+            _book(svc.ledger, record, svc.metrics, booked)
+        # The observers before the store's round trips, which may fail or stall.
+        done.observers.settled(done, record)
+        await _charge_store(done, svc, charge)
+        _measure(done, svc, charge)
+        _log(done, svc, record, unauthenticated)
     except Exception:
         # Loud, never silent: a request whose usage we could not record is a billing hole.
-        metrics.metering_failed(MeteringStage.SETTLE)
+        svc.metrics.metering_failed(MeteringStage.SETTLE)
         log.exception("failed to settle request %s", done.request_id)
         return None
     return record
+
+
+@dataclass(frozen=True, slots=True)
+class _Charged:
+    """What a request is charged: its usage, the reservation it is charged against (None:
+    nothing) and its record."""
+
+    hit: bool
+    usage: Usage
+    charged: Reservation | None
+    record: RequestRecord
+
+
+async def _charge(done: Settlement, svc: Services) -> _Charged:
+    runtime = done.runtime or svc.runtime.current
+    hit = done.cache.result is CacheResult.HIT
+    # Reported usage is at hand; an estimate is counted in a thread (proxy.pipeline.
+    # counting), the one wait that can come before the row. A hit made no upstream call:
+    # it used nothing (what it saved is priced in `_record`), whatever else it holds.
+    usage = ZERO if hit else await done.usage()
+    charged = _hit_charged(done, svc, runtime) if hit else _reserved(done)
+    return _Charged(hit, usage, charged, _record(done, runtime, usage, charged))
+
+
+async def _charge_store(done: Settlement, svc: Services, charge: _Charged) -> None:
+    """The budget's store settles what the request used (and learns from it)."""
+    charged, usage = charge.charged, charge.usage
+    if charge.hit:
+        await _charge_hit(done, svc, charge.record, charged)
+        return
+    if charged is None:
+        return
+    await svc.budget.settle(charged, usage, charge.record.cost)
+    # Only an answer that ended as the upstream meant it to says how long answers run
+    # (see proxy.budget.estimate).
+    if (charged.estimate_key is not None and done.status == 200
+            and done.error_class is ErrorClass.NONE and usage.output_tokens > 0):
+        await svc.budget.learn(charged, usage.output_tokens)
+    if _hid_output(done, usage, charged):
+        await svc.budget.learn_hidden(charged)
+
+
+def _measure(done: Settlement, svc: Services, charge: _Charged) -> None:
+    """The request's metrics, and its upstream's latency sample for routing."""
+    record = charge.record
+    svc.metrics.record_request(record, done.meter.gap_buckets())
+    route, ttft = done.route, record.figures.upstream_ttft
+    # A hit says nothing of how fast the upstream is: no latency sample for routing.
+    if route is not None and route.latency is not None and not charge.hit and ttft is not None:
+        svc.latency.observe(route, ttft)
+
+
+def _log(done: Settlement, svc: Services, record: RequestRecord,
+         unauthenticated: bool) -> None:
+    if unauthenticated:
+        svc.metrics.auth_failed()
+        svc.auth_failures.failed(done.request_id, done.operation)
+    else:
+        log_request(record)
 
 
 def _hid_output(done: Settlement, usage: Usage, charged: Reservation) -> bool:
@@ -169,8 +202,7 @@ def _record(done: Settlement, runtime: Runtime, usage: Usage,
     On a cache hit, what it saved is priced here once, at the price the request pays (the
     table in force, or its reservation's): the row, the metrics and a full charge read that
     one value."""
-    principal, candidacy = done.principal, done.candidacy
-    price = _price(done, runtime)
+    candidacy, price = done.candidacy, _price(done, runtime)
     model = done.model
     saved = done.cache.saved if done.cache.result is CacheResult.HIT else None
     return RequestRecord(
@@ -180,9 +212,7 @@ def _record(done: Settlement, runtime: Runtime, usage: Usage,
         sent_model=candidacy.model if candidacy is not None else None,
         model_label=runtime.router.model_label(model, done.route) if model else "none",
         upstream=candidacy.route.upstream.name if candidacy is not None else None,
-        user=principal.user if principal is not None else "anonymous",
-        key=(principal.key_name or principal.key_id) if principal is not None else None,
-        team=principal.team if principal is not None else None,
+        **_who(done),
         status=done.status,
         error_class=done.error_class,
         stream=done.stream,
@@ -191,39 +221,36 @@ def _record(done: Settlement, runtime: Runtime, usage: Usage,
         fallback_from=done.fallback_from,
         response_model=done.response_model,
         attempts=done.attempts,
-        cost=None if price is None else CostLines.of(price, usage),
-        price_version=None if price is None else runtime.price_version,
+        **_costs(price, runtime, usage, saved),
         windows=(" ".join(w.label for w in charged.plan.windows)
                  if charged is not None else ""),
         ended_at=time.time(),
         cache=done.cache.result,
         cache_reason=done.cache.reason,
-        saved_usage=ZERO if saved is None else saved,
-        saved_cost=None if price is None or saved is None else CostLines.of(price, saved),
         tags=done.tags,
         upstream_request_id=done.upstream_request_id,
     )
 
 
-def _trace(done: Settlement, record: RequestRecord) -> None:
-    """The request's spans end with its record's figures (a stream's, after its last byte).
-    A failure here loses spans, never the request's books: logged, and that is all."""
-    assert done.trace is not None
-    try:
-        done.trace.settle(record, _budget_decision(done))
-    except Exception:
-        log.exception("failed to end the spans of request %s", done.request_id)
+def _who(done: Settlement) -> dict[str, Any]:
+    """The record's user, key and team (a request refused before its key was known:
+    anonymous)."""
+    principal = done.principal
+    if principal is None:
+        return {"user": "anonymous", "key": None, "team": None}
+    return {"user": principal.user, "key": key_label(principal.key_name, principal.key_id),
+            "team": principal.team}
 
 
-def _budget_decision(done: Settlement) -> BudgetDecision:
-    """What the budget made of the request's last candidate, from its reservation."""
-    if done.candidacy is None:
-        refused = done.error_class is ErrorClass.BUDGET_EXCEEDED
-        return BudgetDecision.REFUSED if refused else BudgetDecision.NONE
-    reservation = done.candidacy.reservation
-    if not reservation.stored:
-        return BudgetDecision.UNENFORCED
-    return BudgetDecision.CLAMPED if reservation.clamped else BudgetDecision.ADMITTED
+def _costs(price: Price | None, runtime: Runtime, usage: Usage,
+           saved: Usage | None) -> dict[str, Any]:
+    """The record's cost and a hit's savings, at `price` (none: unpriced)."""
+    return {
+        "cost": None if price is None else CostLines.of(price, usage),
+        "price_version": None if price is None else runtime.price_version,
+        "saved_usage": ZERO if saved is None else saved,
+        "saved_cost": None if price is None or saved is None else CostLines.of(price, saved),
+    }
 
 
 def _book(ledger: Ledger, record: RequestRecord, metrics: Metrics,
@@ -236,36 +263,3 @@ def _book(ledger: Ledger, record: RequestRecord, metrics: Metrics,
         # A row that could not even be made: the books miss this request. Loud.
         metrics.metering_failed(MeteringStage.LEDGER)
         log.exception("failed to make the ledger row of request %s", record.request_id)
-
-
-def _capture(done: Settlement, record: RequestRecord, runtime: Runtime,
-             svc: Services) -> None:
-    """The request kept whole, when `capture:` wants it: queued for the capture writer, which
-    makes it off the loop with its batch (every text redacted and bounded). A failure here
-    loses the capture, never the request's books: counted, logged, and that is all."""
-    collected, writer = done.collected, svc.capture
-    assert collected is not None and writer is not None
-    try:
-        cfg = runtime.config.capture
-        principal = done.principal
-        subject = Subject(user=record.user, key_name=record.key, team=record.team,
-                          model=done.request_model,
-                          failed=done.error_class is not ErrorClass.NONE,
-                          allowed=principal.capture if principal is not None else True)
-        if not wanted(cfg, subject, svc.rng.random()):
-            return
-        meta = Meta(request_id=done.request_id,
-                    started_at=record.started_at, api=collected.api,
-                    path=collected.path, operation=done.operation, user=record.user,
-                    key_name=record.key, team=record.team, requested_model=done.request_model,
-                    model=record.sent_model, stream=done.stream, status=done.status,
-                    error_class=done.error_class.value,
-                    tags=tuple((t.key, t.value) for t in record.tags.items),
-                    upstream_request_id=record.upstream_request_id)
-        # The upstreams' keys are removed literally, whatever they look like (the client's
-        # own, which the collector holds, are added when the capture is made).
-        keys = [u.api_key for u in runtime.config.upstreams.values()]
-        writer.offer(Pending(collected, meta, redactor(cfg.redact, keys)))
-    except Exception:
-        svc.metrics.capture_failed(CaptureStage.RECORD)
-        log.exception("failed to make the capture of request %s", done.request_id)

@@ -21,8 +21,9 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import aiohttp
 from multidict import CIMultiDict
@@ -33,7 +34,6 @@ from proxy.errors import ConnectTimeout, ErrorClass, ProxyError, UpstreamUnreach
 from proxy.protocol import upstream_errors
 from proxy.routing.exceptions_map import Phase, map_upstream_exceptions
 from proxy.routing.upstream import Route, Router, Upstream, redirect_refused
-from proxy.telemetry.tracing import RequestTrace
 
 log = logging.getLogger("tokenmeter")
 
@@ -168,6 +168,18 @@ class Call:
     headers: CIMultiDict[str]
 
 
+class AttemptWatch(Protocol):
+    """What is told of each attempt: as it starts (on a copy of its headers, which it may add
+    to), its answer, and its failure."""
+
+    def attempt_started(self, headers: MutableMapping[str, str], host: str,
+                        port: int | None) -> None: ...
+
+    def attempt_answered(self, status: int, error_class: ErrorClass) -> None: ...
+
+    def attempt_ended(self, error_class: ErrorClass) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Retrying:
     """Whom a call's attempts report to, and the jitter of their waits."""
@@ -175,8 +187,9 @@ class Retrying:
     on_retry: RetryHook  # once a failure is given up on, with its class: the retry's reason
     rng: random.Random
     on_attempt: Callable[[], None] = _nothing  # as each request goes out
-    # The request's spans (tracing on): a client span per attempt, its `traceparent` sent.
-    trace: RequestTrace | None = None
+    # Who watches each attempt (the request's observers, e.g. its spans: a `traceparent`
+    # per attempt); None: nobody.
+    trace: AttemptWatch | None = None
 
 
 @functools.lru_cache(maxsize=1024)

@@ -44,6 +44,7 @@ from proxy.errors import (
     UpstreamUnavailable,
 )
 from proxy.ledger.ledger import Shipping, make_ledger
+from proxy.pipeline import wings
 from proxy.pipeline.handler import BODY_PARSER_SLOTS, BODY_PARSERS, REQUEST_ID, make_handler
 from proxy.pipeline.relay import REQUEST_ID_HEADER
 from proxy.pipeline.services import SERVICES, HttpClient, Runtime, RuntimeHolder, Services, Settling
@@ -541,14 +542,19 @@ def create_app(
     spool_dir = Path(config.store.spool_dir) if config.store.spool_dir else state_dir()
     budget = Budget(store or make_store(config.store, clock), metrics, notifier, clock,
                     SettleSpool(spool_dir))
+    rng = random.Random()
+    capture = _capture_writer(config, holder, metrics)
+    spans = Tracing.of(config.tracing)
     app[SERVICES] = Services(
         runtime=holder, metrics=metrics, budget=budget, http=http, latency=LatencyTracker(),
-        rng=random.Random(), settling=Settling(), watchdog=Watchdog(),
+        rng=rng, settling=Settling(), watchdog=Watchdog(),
         ledger=make_ledger(config.ledger, metrics, ship=placement.ship,
                            shipping=Shipping(config.server.drain_seconds, config.timezone)),
-        capture=_capture_writer(config, holder, metrics),
-        tracing=Tracing.of(config.tracing),
+        capture=capture,
+        tracing=spans,
         cache=_response_cache(config, holder, metrics, clock),
+        observers=(wings.capturing(capture, rng, metrics),
+                   *(() if spans is None else (wings.tracing(spans),))),
     )
     app[BODY_PARSERS] = asyncio.Semaphore(BODY_PARSER_SLOTS)
     app.cleanup_ctx.extend(
