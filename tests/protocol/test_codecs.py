@@ -21,6 +21,8 @@ from proxy.protocol.translators import (
     Translator,
 )
 
+pytestmark = pytest.mark.unit
+
 CHAT: dict[str, Any] = {
     "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
     "choices": [

@@ -31,6 +31,8 @@ from proxy.protocol.readers import ChatReader, CompletionsReader, Reader, Respon
 from proxy.protocol.request import parse_body
 from proxy.protocol.sse import SSEDecoder
 
+pytestmark = pytest.mark.unit
+
 STREAMS = Path(__file__).parent / "streams"
 _APIS: dict[str, tuple[str, type[Reader]]] = {
     "chat": ("chat", ChatReader),

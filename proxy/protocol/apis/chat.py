@@ -124,8 +124,6 @@ def _take(choice: dict[str, Any], delta: dict[str, Any]) -> None:
     message = choice["message"]
     if delta.get("role"):
         message["role"] = delta["role"]
-    if isinstance(delta.get("content"), str) and message["content"] is None:
-        message["content"] = ""  # some text came, if only an empty one
     for field in _STRING_FIELDS[1:]:
         piece = delta.get(field)
         if isinstance(piece, str):

@@ -85,7 +85,6 @@ class MessagesCodec(Codec):
                 return None
             if kind == "message_start":
                 message = dict(event["message"])
-                message["content"] = []
             elif kind == "content_block_start":
                 blocks[int(event["index"])] = dict(event["content_block"])
             elif kind == "content_block_delta":
@@ -138,7 +137,8 @@ def _block_delta(block: dict[str, Any], index: int, delta: dict[str, Any],
     elif kind == "signature_delta":
         block["signature"] = block.get("signature", "") + delta["signature"]
     elif kind == "citations_delta":
-        block.setdefault("citations", []).append(delta["citation"])
+        # A new list: the one a content_block_start opened with is the caller's event's.
+        block["citations"] = [*(block.get("citations") or ()), delta["citation"]]
 
 
 def _block(index: int, block: dict[str, Any]) -> list[bytes]:

@@ -93,8 +93,7 @@ class ResponsesCodec(Codec):
         status = answer.get("status")
         if status == "incomplete":
             details = answer.get("incomplete_details")
-            reason = details.get("reason") if isinstance(details, dict) else None
-            return ["max_output_tokens" if reason == "max_output_tokens" else reason]
+            return [details.get("reason") if isinstance(details, dict) else None]
         return [status] if status is not None else []
 
     natural = frozenset({"completed"})
