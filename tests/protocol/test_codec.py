@@ -24,7 +24,7 @@ from proxy.protocol.codec import (
     loads_all,
     named_event,
     pieces,
-    redacted_json_text,
+    redacted_json,
     stream_objects,
 )
 from proxy.protocol.codecs import CODECS, codec_for
@@ -97,20 +97,20 @@ def test_redacting_json_text_reaches_what_an_escape_hides() -> None:
         return text.replace("@", "[AT]")
 
     # Without an escape the text is redacted as it is.
-    assert redacted_json_text('{"e": "a@b"}', sub) == '{"e": "a[AT]b"}'
+    assert redacted_json('{"e": "a@b"}', sub) == '{"e": "a[AT]b"}'
     # An escape that hides an "@": the value is redacted, then written again.
-    assert redacted_json_text('{"e": "a\\u0040b", "n": [1, "é"]}', sub) == (
+    assert redacted_json('{"e": "a\\u0040b", "n": [1, "é"]}', sub) == (
         '{"e": "a[AT]b", "n": [1, "é"]}')
-    assert redacted_json_text('["a\\u0040b"]', sub) == '["a[AT]b"]'
+    assert redacted_json('["a\\u0040b"]', sub) == '["a[AT]b"]'
     # An escape that hides nothing: the text as it came, redacted.
     seen.clear()
-    assert redacted_json_text('{"e": "a\\nb"}', sub) == '{"e": "a\\nb"}'
+    assert redacted_json('{"e": "a\\nb"}', sub) == '{"e": "a\\nb"}'
     assert seen[-1] == '{"e": "a\\nb"}'
     # Not JSON, not an object or an array, or nested too deep to decode: the text redacted.
-    assert redacted_json_text('{"e": "a\\u0040b', sub) == '{"e": "a\\u0040b'
-    assert redacted_json_text('"a\\u0040b@"', sub) == '"a\\u0040b[AT]"'
+    assert redacted_json('{"e": "a\\u0040b', sub) == '{"e": "a\\u0040b'
+    assert redacted_json('"a\\u0040b@"', sub) == '"a\\u0040b[AT]"'
     deep = "[" * 100_000 + '"\\u0040@"' + "]" * 100_000
-    assert redacted_json_text(deep, sub) == deep.replace("@", "[AT]")
+    assert redacted_json(deep, sub) == deep.replace("@", "[AT]")
 
 
 class _Answers(Codec):
