@@ -268,7 +268,7 @@ async def in_process_us(stream: bool, n: int) -> tuple[float, float]:
     and per hit (consult: lookup, and the answer rendered in the form asked for), 1 KB prompts
     each unique, the in-process store."""
     from proxy.budget.principal import Principal
-    from proxy.cache.cache import Ask, Finished, ResponseCache
+    from proxy.cache.cache import CacheQuery, Finished, ResponseCache
     from proxy.cache.store import MemoryCacheStore
     from proxy.config.cache import CacheConfig
     from proxy.protocol.usage import Usage
@@ -278,8 +278,9 @@ async def in_process_us(stream: bool, n: int) -> tuple[float, float]:
                           time.time, lambda: config)
     principal = Principal("bench", cast(Any, None), key_id="0123456789ab")  # limits: unread
     finished = Finished(Usage(input_tokens=250, output_tokens=64), capped_ok=False)
-    asks = [Ask("chat", "m", "mock", {**body(f"{PROMPT} {uuid.uuid4().hex}"), "stream": stream},
-                principal, "", 1100) for _ in range(n)]
+    asks = [CacheQuery("chat", "m", "mock",
+                       {**body(f"{PROMPT} {uuid.uuid4().hex}"), "stream": stream},
+                       principal, "", 1100) for _ in range(n)]
     started = time.process_time()
     for ask in asks:
         fill = (await cache.consult(config, ask)).fill

@@ -43,7 +43,7 @@ REASON_HEADER = "x-tokenmeter-cache-reason"  # beside a bypass: its `BypassReaso
 
 
 @dataclass(frozen=True, slots=True)
-class Ask:
+class CacheQuery:
     """What the cache reads of a request."""
 
     operation: str
@@ -203,7 +203,7 @@ class Finished:
     capped_ok: bool  # an end at the output cap is the client's own cap, not the proxy's
 
 
-def _rule(config: CacheConfig, ask: Ask) -> CacheRule | Decision:
+def _rule(config: CacheConfig, ask: CacheQuery) -> CacheRule | Decision:
     """The cache's rule for the request, or the decision that it is not looked up: not
     consulted (the cache does not apply to it), or passed by with the reason."""
     if not config.maybe_enabled:
@@ -241,7 +241,7 @@ class ResponseCache:
         self._on_error = on_error
         self._clock = clock
 
-    async def consult(self, config: CacheConfig, ask: Ask) -> Decision:
+    async def consult(self, config: CacheConfig, ask: CacheQuery) -> Decision:
         rule = _rule(config, ask)
         if isinstance(rule, Decision):
             return rule

@@ -27,7 +27,7 @@ from proxy.budget.refusals import Refused
 from proxy.cache.cache import (
     HIT_HEADER,
     REASON_HEADER,
-    Ask,
+    CacheQuery,
     Decision,
     Fill,
     Finished,
@@ -52,7 +52,7 @@ async def consult(request: web.Request, ctx: RequestContext, svc: Services, outc
     if cache is None or not ctx.runtime.config.cache.maybe_enabled:
         return None  # the cache off costs a request this test
     upstream = ctx.route.upstream
-    ask = Ask(ctx.operation, ctx.request_model, f"{upstream.name} {upstream.base_url}",
+    ask = CacheQuery(ctx.operation, ctx.request_model, f"{upstream.name} {upstream.base_url}",
               ctx.request.body, ctx.principal,
               request.headers.get(hdrs.CACHE_CONTROL, ""), len(ctx.request.raw),
               _own_cap(ctx, svc, shape), upstream.first_byte_timeout_s)

@@ -28,7 +28,7 @@ from aiohttp import web
 
 
 class Writer(Protocol):
-    """Where a stream's bytes go (proxy.pipeline.relay.Writer)."""
+    """Where a stream's bytes go: the client's `web.StreamResponse`, or a writer over it."""
 
     def write(self, data: bytes) -> Awaitable[None]: ...
 

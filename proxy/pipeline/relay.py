@@ -31,7 +31,7 @@ from proxy.errors import (
     stream_error_event,
 )
 from proxy.pipeline.context import Attempt, Observers, Outcome
-from proxy.pipeline.ending import ENDING, EndHeld
+from proxy.pipeline.ending import ENDING, EndHeld, Writer
 from proxy.pipeline.services import Services
 from proxy.pipeline.topup import StoreFailed, TopUps
 from proxy.pipeline.watchdog import Watch
@@ -217,12 +217,6 @@ def _log_end(request_id: str, failure: ProxyError) -> None:
         # The same end, for a top-up the store did not answer under `fail_closed`.
         log.warning("request %s: stream ended: its top-up failed on the budget store and the "
                     "proxy fails closed", request_id)
-
-
-class Writer(Protocol):
-    """Where a stream's bytes go: the client's `web.StreamResponse`."""
-
-    def write(self, data: bytes) -> Awaitable[None]: ...
 
 
 @dataclass(frozen=True, slots=True)
