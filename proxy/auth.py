@@ -8,7 +8,6 @@ from proxy.budget.clamp import resolve
 from proxy.budget.limits import EffectiveLimits, limits_for, unlimited
 from proxy.budget.principal import Principal
 from proxy.config.policy import KeyConfig, Policy
-from proxy.config.tags import TagRules
 from proxy.errors import AuthenticationFailed
 from proxy.identity import key_hash, key_id, key_label
 
@@ -22,9 +21,8 @@ PASSTHROUGH_LABEL_LIMIT = 1000
 class UserIndex:
     """Key hash -> principal, built once per configuration version."""
 
-    def __init__(self, policy: Policy, tags: TagRules | None = None) -> None:
+    def __init__(self, policy: Policy) -> None:
         self.mode = policy.effective_mode
-        rules = tags if tags is not None else TagRules({})
         self._defaults = policy.defaults
         self._open = Principal(DEFAULT_USER, unlimited(policy.defaults), enforce=False)
         self._by_hash: dict[str, Principal] = {}
@@ -54,8 +52,6 @@ class UserIndex:
                     team=cfg.team,
                     admission=resolve(key.admission if key is not None else None,
                                       *user_admission),
-                    capture=cfg.capture and (key is None or key.capture),
-                    tags=rules.defaults(cfg.tags, key.tags if key is not None else None),
                 )
         self._passthrough_labels: set[str] = set()
 

@@ -1,7 +1,9 @@
 """Whom a request is counted against: the user (and key, and team) and the limits that hold them.
 
 A budget's value, made by proxy.auth from a client's key: the budget plans by it (`Budget.plan`)
-and the ledger's rows name it, neither needing to know how a key was checked.
+and the ledger's rows name it, neither needing to know how a key was checked. It holds what
+admission needs and no more: what capture and the tags read of a caller is in
+proxy.config.callers.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from dataclasses import dataclass
 
 from proxy.budget.clamp import WORST_CASE, AdmissionRule
 from proxy.budget.limits import EffectiveLimits
-from proxy.config.tags import NO_TAGS, Tags
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,5 +25,3 @@ class Principal:
     forward_client_key: bool = False  # pass-through: the client's key is the upstream key
     # How a request whose worst case does not fit is treated: key > user > team > defaults.
     admission: AdmissionRule = WORST_CASE
-    capture: bool = True  # False: the user or the key is marked never-capture
-    tags: Tags = NO_TAGS  # default tags (user's, key's over them); the request's win per key

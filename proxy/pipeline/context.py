@@ -118,7 +118,7 @@ class Settlement:
     fallback_from: str | None
     attempts: int
     cache: CacheOutcome = NOT_CONSULTED  # what the response cache did
-    tags: Tags = NO_TAGS  # the request's tags, its principal's defaults under them
+    tags: Tags = NO_TAGS  # the request's tags, its caller's defaults under them
     observers: Observers = NO_OBSERVERS  # the wings that observe it
     # A cache hit's admission (`Budget.reserve_hit`): what it holds until settled.
     hit_reservation: Reservation | None = None

@@ -252,14 +252,14 @@ async def admit(request: web.Request, svc: Services, shape: type[Translator],
 def _tags(request: web.Request, runtime: Runtime, metrics: Metrics, principal: Principal,
           body: dict[str, object] | None) -> Tags:
     """The request's tags: the header's over an OpenAI body's `metadata` (which goes upstream
-    untouched) over the principal's defaults, key by key. What the rules drop is counted,
-    never refused."""
-    rules = runtime.tags
+    untouched) over the caller's defaults (proxy.config.callers), key by key. What the rules
+    drop is counted, never refused."""
+    rules, defaults = runtime.tags, runtime.callers.of(principal.user, principal.key_id).tags
     if not rules.enabled:
-        return principal.tags
+        return defaults
     header = rules.header(request.headers.get(TAGS_HEADER))
     meta = rules.metadata(body) if body is not None else None
-    tags = principal.tags if meta is None else meta.tags.over(principal.tags)
+    tags = defaults if meta is None else meta.tags.over(defaults)
     for read in (header, meta):
         if read is not None and read.dropped:
             metrics.tags_dropped(read.dropped)

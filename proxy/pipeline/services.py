@@ -20,6 +20,7 @@ from proxy.auth import UserIndex
 from proxy.budget.accounting import Budget
 from proxy.cache.cache import ResponseCache
 from proxy.capture.writer import CaptureWriter
+from proxy.config.callers import CallerIndex
 from proxy.config.load import Config
 from proxy.config.policy import Price
 from proxy.config.tags import TagRules
@@ -43,6 +44,7 @@ class Runtime:
     users: UserIndex
     price_version: str  # of this configuration's price table, recorded in each ledger row
     tags: TagRules  # the `tags:` rules, applied to each request's tags
+    callers: CallerIndex  # what capture and the tags read of a caller (never-capture, tags)
 
     @property
     def open_mode(self) -> bool:

@@ -76,7 +76,8 @@ class CaptureObserver(RequestObserver):
         subject = Subject(user=record.user, key_name=record.key, team=record.team,
                           model=done.request_model,
                           failed=done.error_class is not ErrorClass.NONE,
-                          allowed=principal.capture if principal is not None else True)
+                          allowed=principal is None or self._runtime.callers.of(
+                              principal.user, principal.key_id).capture)
         if not wanted(cfg, subject, self._rng.random()):
             return
         collected = self._collector

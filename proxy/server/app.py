@@ -31,6 +31,7 @@ from proxy.cache.policy import hits_impossible
 from proxy.cache.store import make_cache_store
 from proxy.capture.store import CaptureStore, default_url
 from proxy.capture.writer import CaptureWriter
+from proxy.config.callers import CallerIndex
 from proxy.config.load import Config, ConfigError
 from proxy.config.tags import TagRules
 from proxy.cost import price_version
@@ -81,8 +82,9 @@ _OPEN_WARNING = (
 
 def build_runtime(config: Config) -> Runtime:
     tags = TagRules(config.tags)
-    return Runtime(config=config, router=Router(config), users=UserIndex(config, tags),
-                   price_version=price_version(config.prices), tags=tags)
+    return Runtime(config=config, router=Router(config), users=UserIndex(config),
+                   price_version=price_version(config.prices), tags=tags,
+                   callers=CallerIndex(config, tags))
 
 
 @web.middleware

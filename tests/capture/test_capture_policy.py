@@ -11,9 +11,11 @@ from hypothesis import strategies as st
 
 from proxy.auth import UserIndex
 from proxy.capture.policy import Subject, wanted
+from proxy.config.callers import CallerIndex
 from proxy.config.capture import CaptureConfig, CaptureErrors
 from proxy.config.load import Config
 from proxy.config.policy import Policy
+from proxy.config.tags import TagRules
 from proxy.identity import key_hash
 
 pytestmark = pytest.mark.unit
@@ -97,7 +99,13 @@ def test_never_capture_is_resolved_per_key_from_the_user_and_the_key() -> None:
         "bob": {"keys": [keys["b1"]], "capture": False},
     }})
     by_hash = UserIndex(policy)._by_hash
-    assert by_hash[key_hash(keys["a1"])].capture is True
-    assert by_hash[key_hash(keys["a2"])].capture is False
+    callers = CallerIndex(policy, TagRules({}))
+
+    def capture(user: str, key: str) -> bool:
+        return callers.of(user, by_hash[key_hash(keys[key])].key_id).capture
+
+    assert capture("alice", "a1") is True
+    assert capture("alice", "a2") is False
     assert by_hash[key_hash(keys["a2"])].limits.key_scope is None
-    assert by_hash[key_hash(keys["b1"])].capture is False
+    assert capture("bob", "b1") is False
+    assert callers.of("alice", None).capture is True  # no key (open mode): never refused
